@@ -1,0 +1,88 @@
+// Plain parameter structs handed from the validating entry points (ops.cpp)
+// to the CPU and CUDA kernels. No torch types: raw pointers and sizes only, so
+// the CUDA kernels compile with nvcc alone. Every pointer and size here has
+// already been checked by ops.cpp.
+#pragma once
+
+#include <stdint.h>
+
+#include "protocol.h"
+
+namespace moe_a2a {
+
+// Element type of combine payloads and outputs (the only dtypes combine sums).
+enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// The shared workspace: row r starts at base + r * row_stride.
+struct WorkspaceView {
+  uint8_t* base;
+  int64_t row_stride;  // == size_per_rank
+  int ep_rank;
+  int ep_size;
+  MOE_A2A_HD uint8_t* row(int r) const { return base + int64_t(r) * row_stride; }
+};
+
+// What every peer-synchronizing call shares.
+struct SyncParams {
+  uint64_t active_mask[kRankMaskWords];  // bit p: rank p participates (own bit set)
+  double timeout_s;                       // > 0
+  int64_t* mailbox;  // metainfo data (pinned host memory) or nullptr: CUDA error record
+  bool enable_pdl;
+};
+
+MOE_A2A_HD bool rank_active(const SyncParams& s, int r) {
+  return (s.active_mask[r >> 6] >> (r & 63)) & 1u;
+}
+
+struct InitParams {
+  WorkspaceView ws;
+  int64_t max_num_tokens;
+  int64_t eplb_n;
+};
+
+struct DispatchParams {
+  WorkspaceView ws;
+  SyncParams sync;
+  int64_t local_num_tokens;    // may be 0
+  int64_t runtime_max_tokens;  // T
+  int64_t top_k;               // 1..kMaxTopK
+  int64_t num_experts;         // >= ep_size
+  const int32_t* token_selected_experts;  // [local_num_tokens, top_k], contiguous
+  int num_payloads;                       // 1..kMaxPayloads
+  const uint8_t* payload[kMaxPayloads];   // [local_num_tokens, row_bytes], contiguous rows
+  int64_t payload_row_bytes[kMaxPayloads];
+  const int32_t* eplb_local_stats;  // [eplb_n] or nullptr
+  int64_t eplb_n;                   // 0 when eplb_local_stats is nullptr
+  CallLayout layout;                // offsets inside every row for this call
+};
+
+struct CombineParams {
+  WorkspaceView ws;
+  SyncParams sync;
+  int64_t local_num_tokens;
+  int64_t runtime_max_tokens;  // T, as in the matching dispatch
+  int64_t route_offset;        // CallLayout::route_offset
+  int64_t combine_offset;      // combine_payload_offset
+  int64_t row_elems;           // elements per combine row
+  DType payload_dtype;
+  DType output_dtype;
+  const uint8_t* payload;  // [ep_size, T, row_elems] contiguous, or nullptr when in workspace
+  uint8_t* output;         // [local_num_tokens, row_elems] contiguous
+};
+
+struct SanitizeParams {
+  WorkspaceView ws;
+  int64_t runtime_max_tokens;  // T
+  int64_t offset;              // byte offset of the [ep_size, T, top_k] int32 plane in the own row
+  int64_t top_k;
+  int32_t invalid_expert_id;
+  bool enable_pdl;
+};
+
+// Outcome of a CPU call that waits for peers.
+struct WaitResult {
+  uint32_t code;  // ErrorCode
+  uint64_t missing[kRankMaskWords];
+};
+
+}  // namespace moe_a2a

@@ -1,0 +1,225 @@
+// torch-moe-a2a: the one source of truth for limits, the workspace layout and
+// the synchronization protocol. Included by the operator glue (ops.cpp), the
+// CPU kernels and the CUDA kernels alike; it includes no torch header so that
+// nvcc compiles it alone. torch_moe_a2a/layout.py mirrors every number here
+// and tests/test_layout.py proves the two agree.
+//
+// ---------------------------------------------------------------------------
+// Workspace
+// ---------------------------------------------------------------------------
+// The workspace is [ep_size, size_per_rank] bytes; row r is rank r's memory and
+// every rank can read and write every row. A row is:
+//
+//   [0, kHeaderBytes)            RankHeader: config, own epochs, error record,
+//                                flags and receive counts written by peers
+//   [kHeaderBytes, ...)          the per-call region, laid out for each call
+//                                from (ep_size, T = runtime_max_tokens_per_rank,
+//                                eplb_n, payload row sizes) by CallLayout below:
+//       route   int32 [T][kMaxTopK]  this rank's own routing of its tokens
+//                                    (written by its dispatch, read by its
+//                                    combine): entry = dest_rank << kRouteRankShift
+//                                    | slot, ascending dest_rank, distinct ranks
+//                                    only, terminated by kRouteEnd
+//       eplb    int32 [ep_size][eplb_n]   (only when the call gathers EPLB
+//                                    stats) row s written by rank s
+//       plane i  [ep_size][T][row_bytes_i]  payload i received from each
+//                                    source rank (row [s, j] = j-th token
+//                                    received from rank s)
+//       combine  [ep_size][T][combine_row_bytes]  at combine_payload_offset:
+//                                    this rank's expert outputs, read by the
+//                                    source ranks during combine
+//   Every region starts kAlign-aligned (relative to the row start, and rows
+//   are kAlign-sized multiples, so absolutely aligned too when the allocation
+//   is); rows inside a plane are packed.
+//
+// ---------------------------------------------------------------------------
+// Protocol (dispatch -> combine -> dispatch ..., on every rank)
+// ---------------------------------------------------------------------------
+// Epochs are per-rank counters in the rank's own header, advanced by the
+// kernels themselves (no host state, so CUDA-graph replay needs no reset):
+// dispatch n and combine n of every rank carry epoch n = 1, 2, ... (uint32,
+// compared wrap-safe).
+//
+// dispatch n on rank s (n = own dispatch_epoch + 1; requires own
+// dispatch_epoch == own combine_epoch, else "two dispatches in a row"):
+//   1. route every local token (skip ids < 0, count and skip ids >= num_experts,
+//      drop masked-off ranks), slots = per-destination running count in
+//      increasing token index (deterministic, no atomics order)
+//   2. write payload rows into dest d's planes at [s, slot], eplb row s into
+//      d's eplb region, recv_count[s] into d's header
+//   3. release: dispatch_flag[s] := n in every active dest d's header
+//   4. acquire: wait until own dispatch_flag[p] >= n for every active peer p
+//   5. own dispatch_epoch := n
+// combine n on rank r (requires own dispatch_epoch == own combine_epoch + 1):
+//   1. stage: copy the first recv_count[s] rows of payload[s] into own combine
+//      region (skipped when the payload already lives there)
+//   2. release: combine_flag[r] := n in every active peer p's header
+//   3. acquire: wait until own combine_flag[p] >= n for every active peer p
+//   4. pull: out[t] = sum over route[t] (ascending rank) of
+//      combine_region_of(rank)[r][slot], accumulated in fp32, zeros when empty
+//   5. own combine_epoch := n
+//
+// Why no extra barrier is needed between calls (buffer reuse chain):
+//   * rank s's dispatch n+1 writes into peer d's planes only after s's combine
+//     n saw d's combine-n flag (step 3 of combine). d raised that flag after
+//     staging, which on d's stream follows d's MoE n, the reader of the planes.
+//   * rank r writes its combine region n+1 (staging, or the MoE writing in
+//     place) only after r's dispatch n+1 saw every peer p's dispatch-(n+1)
+//     flag, which p raised after its combine n finished pulling from r.
+//   * recv_count / eplb rows follow the same chain as the planes.
+// Misuse that breaks the chain (two dispatches in a row, combine without
+// dispatch) is detected from the own epochs and refused with a clear error.
+//
+// Waits are bounded: on expiry the waiter records kError* and the mask of
+// peers that did not arrive in its own header (and, on CUDA, the host
+// mailbox inside metainfo) and returns; the workspace then stays failed
+// (every later call raises) until it is initialized again.
+// Masked-off ranks are neither written nor waited for; their epochs lag, so
+// a rank that rejoins needs a collective re-initialization.
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define MOE_A2A_HD __host__ __device__ __forceinline__
+#else
+#define MOE_A2A_HD inline
+#endif
+
+namespace moe_a2a {
+
+// ---- limits (contract: DESIGN.md section 3) --------------------------------
+constexpr int kMaxRanks = 64;
+constexpr int kRankMaskWords = (kMaxRanks + 63) / 64;
+constexpr int kMaxTopK = 22;
+constexpr int kMaxPayloads = 8;
+constexpr int64_t kMaxNumTokens = (int64_t(1) << 24) - 1;  // slot fits the route entry
+constexpr int64_t kAlign = 128;
+constexpr double kDefaultTimeoutS = 30.0;
+
+// ---- route entries ----------------------------------------------------------
+constexpr int kRouteRankShift = 24;
+constexpr int32_t kRouteSlotMask = (int32_t(1) << kRouteRankShift) - 1;
+constexpr int32_t kRouteEnd = -1;
+
+MOE_A2A_HD int32_t route_entry(int rank, int64_t slot) {
+  return (int32_t(rank) << kRouteRankShift) | int32_t(slot);
+}
+MOE_A2A_HD int route_rank(int32_t e) { return int(uint32_t(e) >> kRouteRankShift); }
+MOE_A2A_HD int64_t route_slot(int32_t e) { return int64_t(e & kRouteSlotMask); }
+
+// ---- metainfo (CPU int64 tensor returned by initialize) ---------------------
+// The mailbox words are written by CUDA kernels on timeout (metainfo is pinned
+// host memory for a CUDA workspace) and read by the host before each call.
+enum MetaIndex : int {
+  kMetaMagic = 0,
+  kMetaVersion,
+  kMetaEpRank,
+  kMetaEpSize,
+  kMetaMaxNumTokens,
+  kMetaEplbN,
+  kMetaSizePerRank,
+  kMetaHeaderBytes,
+  kMetaMailboxCode,       // kError* (0: none)
+  kMetaMailboxMissing,    // kRankMaskWords words: peers that did not arrive
+  kMetaMailboxTimeoutMs = kMetaMailboxMissing + kRankMaskWords,
+  kMetaCount
+};
+constexpr int64_t kMagic = 0x4d6f65413241LL;  // "MoeA2A"
+constexpr int64_t kVersion = 1;
+
+// ---- error codes (header and mailbox) ---------------------------------------
+enum ErrorCode : uint32_t {
+  kErrorNone = 0,
+  kErrorDispatchTimeout = 1,
+  kErrorCombineTimeout = 2,
+  kErrorSequence = 3,  // dispatch/combine alternation broken (CUDA detects on device)
+};
+
+// ---- rank header: byte offsets inside each row -----------------------------
+constexpr int64_t kHdrMagic = 0;                 // int64, kMagic once initialized
+constexpr int64_t kHdrEpRank = 8;                // int32
+constexpr int64_t kHdrEpSize = 12;               // int32
+constexpr int64_t kHdrMaxNumTokens = 16;         // int32
+constexpr int64_t kHdrEplbN = 20;                // int32
+constexpr int64_t kHdrDispatchEpoch = 24;        // uint32, own
+constexpr int64_t kHdrCombineEpoch = 28;         // uint32, own
+constexpr int64_t kHdrErrorCode = 32;            // uint32, own
+constexpr int64_t kHdrErrorTimeoutMs = 36;       // uint32, own
+constexpr int64_t kHdrErrorMissing = 40;         // uint64 [kRankMaskWords], own
+constexpr int64_t kHdrInvalidExpertCount = 48;   // int64, own, cumulative since initialize
+constexpr int64_t kHdrLastLocalTokens = 56;      // int32, own: last dispatch's local_num_tokens
+constexpr int64_t kHdrLastRuntimeMax = 60;       // int32, own: last dispatch's T
+constexpr int64_t kHdrLastTopK = 64;             // int32, own: last dispatch's top_k
+constexpr int64_t kHdrDispatchFlags = 128;       // uint32 [kMaxRanks], [s] written by rank s
+constexpr int64_t kHdrCombineFlags = kHdrDispatchFlags + 4 * kMaxRanks;  // uint32 [kMaxRanks]
+constexpr int64_t kHdrRecvCounts = kHdrCombineFlags + 4 * kMaxRanks;     // int32 [kMaxRanks]
+constexpr int64_t kHeaderBytes = kHdrRecvCounts + 4 * kMaxRanks;         // 896
+
+MOE_A2A_HD constexpr int64_t align_up(int64_t x, int64_t a = kAlign) { return (x + a - 1) / a * a; }
+
+// Wrap-safe "epoch a has reached b".
+MOE_A2A_HD bool epoch_reached(uint32_t a, uint32_t b) { return int32_t(a - b) >= 0; }
+
+// ---- expert -> rank (contract: contiguous ranges, the first E % R ranks own
+// E / R + 1 experts, the rest E / R) -----------------------------------------
+MOE_A2A_HD int expert_to_rank(int64_t expert, int64_t num_experts, int64_t ep_size) {
+  const int64_t base = num_experts / ep_size, extra = num_experts % ep_size;
+  const int64_t boundary = extra * (base + 1);
+  return expert < boundary ? int(expert / (base + 1)) : int(extra + (expert - boundary) / base);
+}
+
+// ---- per-call layout --------------------------------------------------------
+// One function computes every offset of a call; the Python mirror is
+// torch_moe_a2a.layout.call_layout.
+struct CallLayout {
+  int64_t route_offset;
+  int64_t eplb_offset;  // -1 when the call gathers no EPLB stats
+  int num_payloads;
+  int64_t payload_offset[kMaxPayloads];
+  int64_t combine_offset;  // combine_payload_offset
+  int64_t dispatch_end;    // == combine_offset
+};
+
+MOE_A2A_HD CallLayout call_layout(int64_t ep_size, int64_t runtime_max_tokens, int64_t eplb_n,
+                                  int num_payloads, const int64_t* payload_row_bytes) {
+  CallLayout l{};
+  int64_t off = kHeaderBytes;
+  l.route_offset = off;
+  off = align_up(off + runtime_max_tokens * kMaxTopK * 4);
+  l.eplb_offset = -1;
+  if (eplb_n > 0) {
+    l.eplb_offset = off;
+    off = align_up(off + ep_size * eplb_n * 4);
+  }
+  l.num_payloads = num_payloads;
+  for (int i = 0; i < num_payloads; ++i) {
+    l.payload_offset[i] = off;
+    off = align_up(off + ep_size * runtime_max_tokens * payload_row_bytes[i]);
+  }
+  l.combine_offset = off;
+  l.dispatch_end = off;
+  return l;
+}
+
+// End of the combine region for a call: must stay <= size_per_rank.
+MOE_A2A_HD int64_t combine_end(int64_t combine_offset, int64_t ep_size, int64_t runtime_max_tokens,
+                               int64_t combine_row_bytes) {
+  return combine_offset + ep_size * runtime_max_tokens * combine_row_bytes;
+}
+
+// Bytes per rank that hold any call with runtime_max_tokens <= max_num_tokens,
+// any payload list whose rows add up to total_dispatch_bytes (the kMaxPayloads
+// alignment pads included) and a combine row of combine_bytes.
+MOE_A2A_HD int64_t workspace_size_per_rank(int64_t ep_size, int64_t max_num_tokens,
+                                           int64_t total_dispatch_bytes, int64_t combine_bytes,
+                                           int64_t eplb_n) {
+  int64_t size = kHeaderBytes;
+  size = align_up(size + max_num_tokens * kMaxTopK * 4);
+  if (eplb_n > 0) size = align_up(size + ep_size * eplb_n * 4);
+  size += align_up(ep_size * max_num_tokens * total_dispatch_bytes) + kMaxPayloads * kAlign;
+  size += align_up(ep_size * max_num_tokens * combine_bytes);
+  return align_up(size);
+}
+
+}  // namespace moe_a2a

@@ -1,0 +1,51 @@
+// The operator schemas of torch.ops.moe_a2a, in one place. ops.cpp registers
+// them with TORCH_LIBRARY(moe_a2a, m); docs/internals.md explains each one.
+//
+// Why plain ints instead of the metainfo tensor: metainfo is a CPU tensor.
+// A CPU tensor beside CUDA tensors in an op's arguments breaks FakeTensor
+// device propagation for ops that return tensors and moves the op out of
+// Inductor's CUDA-graph partitions, so the Python layer unpacks metainfo
+// (kMeta* in protocol.h) into ints. Every op mutates the workspace
+// (Tensor(a!)) and returns nothing or fresh tensors, never a view.
+#pragma once
+
+namespace moe_a2a {
+
+constexpr const char* kSchemaWorkspaceSize =
+    "workspace_size_per_rank(int ep_size, int max_num_tokens, int total_dispatch_payload_size_per_token, "
+    "int combine_payload_size_per_token, int eplb_stats_num_experts) -> int";
+
+constexpr const char* kSchemaCallLayout =
+    "call_layout(int ep_size, int runtime_max_tokens_per_rank, int eplb_n, int[] payload_row_bytes) -> int[]";
+
+constexpr const char* kSchemaConstants = "constants() -> int[]";
+
+// Zeroes the own row, writes its header config; returns the address of this
+// rank's host error mailbox (0 when the workspace is on the CPU).
+constexpr const char* kSchemaInitialize =
+    "initialize(Tensor(a!) workspace, int ep_rank, int ep_size, int max_num_tokens, "
+    "int eplb_stats_num_experts) -> int";
+
+constexpr const char* kSchemaDispatch =
+    "dispatch(Tensor token_selected_experts, Tensor[] input_payloads, Tensor(a!) workspace, "
+    "int ep_rank, int ep_size, int max_num_tokens, int runtime_max_tokens_per_rank, int top_k, "
+    "int num_experts, Tensor? eplb_local_stats, int eplb_stats_num_experts, int[] active_rank_mask, "
+    "float timeout_s, int mailbox, bool enable_pdl) -> ()";
+
+#define MOE_A2A_COMBINE_ARGS                                                                    \
+  "Tensor? payload, SymInt local_num_tokens, Tensor(a!) workspace, int ep_rank, int ep_size, "  \
+  "int max_num_tokens, int runtime_max_tokens_per_rank, int top_k, int combine_payload_offset, " \
+  "SymInt[] row_shape, ScalarType payload_dtype, ScalarType output_dtype, int[] active_rank_mask, " \
+  "float timeout_s, int mailbox, bool enable_pdl"
+
+constexpr const char* kSchemaCombine = "combine(" MOE_A2A_COMBINE_ARGS ") -> Tensor";
+constexpr const char* kSchemaCombineInto =
+    "combine_into(" MOE_A2A_COMBINE_ARGS ", Tensor(b!) output) -> ()";
+
+#undef MOE_A2A_COMBINE_ARGS
+
+constexpr const char* kSchemaSanitize =
+    "sanitize_expert_ids(Tensor(a!) workspace, int ep_rank, int ep_size, int runtime_max_tokens_per_rank, "
+    "int offset, int top_k, int invalid_expert_id, bool enable_pdl) -> ()";
+
+}  // namespace moe_a2a

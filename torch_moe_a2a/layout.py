@@ -1,0 +1,153 @@
+"""Python mirror of ``csrc/protocol.h``: limits, metainfo indices, header
+offsets and the per-call layout. The Python layer builds every workspace view
+from these numbers; ``tests/test_layout.py`` proves they equal the C++ ones
+(``torch.ops.moe_a2a.constants`` / ``call_layout`` / ``workspace_size_per_rank``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# ---- limits ----------------------------------------------------------------
+MAX_RANKS = 64
+MOE_A2A_RANK_MASK_WORDS = (MAX_RANKS + 63) // 64
+MAX_TOP_K = 22
+MAX_PAYLOADS = 8
+MAX_NUM_TOKENS = (1 << 24) - 1
+ALIGN = 128
+DEFAULT_TIMEOUT_S = 30.0
+
+# ---- route entries -----------------------------------------------------------
+ROUTE_RANK_SHIFT = 24
+ROUTE_END = -1
+
+# ---- metainfo indices ---------------------------------------------------------
+META_MAGIC = 0
+META_VERSION = 1
+META_EP_RANK = 2
+META_EP_SIZE = 3
+META_MAX_NUM_TOKENS = 4
+META_EPLB_N = 5
+META_SIZE_PER_RANK = 6
+META_HEADER_BYTES = 7
+META_MAILBOX_CODE = 8
+META_MAILBOX_MISSING = 9
+META_MAILBOX_TIMEOUT_MS = META_MAILBOX_MISSING + MOE_A2A_RANK_MASK_WORDS
+META_COUNT = META_MAILBOX_TIMEOUT_MS + 1
+MAGIC = 0x4D6F65413241
+VERSION = 1
+
+# ---- error codes ----------------------------------------------------------------
+ERROR_NONE = 0
+ERROR_DISPATCH_TIMEOUT = 1
+ERROR_COMBINE_TIMEOUT = 2
+ERROR_SEQUENCE = 3
+
+# ---- rank header byte offsets ---------------------------------------------------
+HDR_MAGIC = 0
+HDR_EP_RANK = 8
+HDR_EP_SIZE = 12
+HDR_MAX_NUM_TOKENS = 16
+HDR_EPLB_N = 20
+HDR_DISPATCH_EPOCH = 24
+HDR_COMBINE_EPOCH = 28
+HDR_ERROR_CODE = 32
+HDR_ERROR_TIMEOUT_MS = 36
+HDR_ERROR_MISSING = 40
+HDR_INVALID_EXPERT_COUNT = 48
+HDR_LAST_LOCAL_TOKENS = 56
+HDR_LAST_RUNTIME_MAX = 60
+HDR_LAST_TOP_K = 64
+HDR_DISPATCH_FLAGS = 128
+HDR_COMBINE_FLAGS = HDR_DISPATCH_FLAGS + 4 * MAX_RANKS
+HDR_RECV_COUNTS = HDR_COMBINE_FLAGS + 4 * MAX_RANKS
+HEADER_BYTES = HDR_RECV_COUNTS + 4 * MAX_RANKS
+
+# Names and values that tests/test_layout.py compares with torch.ops.moe_a2a.constants().
+# The order is the order in which csrc/ops.cpp emits them.
+CONSTANTS = {
+    "MAX_RANKS": MAX_RANKS,
+    "RANK_MASK_WORDS": MOE_A2A_RANK_MASK_WORDS,
+    "MAX_TOP_K": MAX_TOP_K,
+    "MAX_PAYLOADS": MAX_PAYLOADS,
+    "MAX_NUM_TOKENS": MAX_NUM_TOKENS,
+    "ALIGN": ALIGN,
+    "ROUTE_RANK_SHIFT": ROUTE_RANK_SHIFT,
+    "META_COUNT": META_COUNT,
+    "META_MAILBOX_CODE": META_MAILBOX_CODE,
+    "META_MAILBOX_MISSING": META_MAILBOX_MISSING,
+    "META_MAILBOX_TIMEOUT_MS": META_MAILBOX_TIMEOUT_MS,
+    "MAGIC": MAGIC,
+    "VERSION": VERSION,
+    "HDR_DISPATCH_EPOCH": HDR_DISPATCH_EPOCH,
+    "HDR_COMBINE_EPOCH": HDR_COMBINE_EPOCH,
+    "HDR_ERROR_CODE": HDR_ERROR_CODE,
+    "HDR_ERROR_TIMEOUT_MS": HDR_ERROR_TIMEOUT_MS,
+    "HDR_ERROR_MISSING": HDR_ERROR_MISSING,
+    "HDR_INVALID_EXPERT_COUNT": HDR_INVALID_EXPERT_COUNT,
+    "HDR_LAST_LOCAL_TOKENS": HDR_LAST_LOCAL_TOKENS,
+    "HDR_DISPATCH_FLAGS": HDR_DISPATCH_FLAGS,
+    "HDR_COMBINE_FLAGS": HDR_COMBINE_FLAGS,
+    "HDR_RECV_COUNTS": HDR_RECV_COUNTS,
+    "HEADER_BYTES": HEADER_BYTES,
+}
+
+
+def align_up(x: int, a: int = ALIGN) -> int:
+    return (x + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class CallLayout:
+    """Byte offsets, relative to a rank's row, of one call's regions."""
+
+    route_offset: int
+    eplb_offset: int  # -1 when the call gathers no EPLB stats
+    payload_offsets: tuple[int, ...]
+    combine_offset: int  # the combine_payload_offset dispatch returns
+
+
+def call_layout(ep_size: int, runtime_max_tokens: int, eplb_n: int, payload_row_bytes) -> CallLayout:
+    """Mirror of ``moe_a2a::call_layout`` in csrc/protocol.h."""
+    off = HEADER_BYTES
+    route_offset = off
+    off = align_up(off + runtime_max_tokens * MAX_TOP_K * 4)
+    eplb_offset = -1
+    if eplb_n > 0:
+        eplb_offset = off
+        off = align_up(off + ep_size * eplb_n * 4)
+    offsets = []
+    for row_bytes in payload_row_bytes:
+        offsets.append(off)
+        off = align_up(off + ep_size * runtime_max_tokens * row_bytes)
+    return CallLayout(route_offset, eplb_offset, tuple(offsets), off)
+
+
+def combine_end(combine_offset: int, ep_size: int, runtime_max_tokens: int, combine_row_bytes: int) -> int:
+    return combine_offset + ep_size * runtime_max_tokens * combine_row_bytes
+
+
+def workspace_size_per_rank(
+    ep_size: int, max_num_tokens: int, total_dispatch_bytes: int, combine_bytes: int, eplb_n: int
+) -> int:
+    """Mirror of ``moe_a2a::workspace_size_per_rank`` in csrc/protocol.h."""
+    size = HEADER_BYTES
+    size = align_up(size + max_num_tokens * MAX_TOP_K * 4)
+    if eplb_n > 0:
+        size = align_up(size + ep_size * eplb_n * 4)
+    size += align_up(ep_size * max_num_tokens * total_dispatch_bytes) + MAX_PAYLOADS * ALIGN
+    size += align_up(ep_size * max_num_tokens * combine_bytes)
+    return align_up(size)
+
+
+def experts_per_rank(num_experts: int, ep_size: int) -> list[int]:
+    """Contiguous expert ranges: the first ``E % R`` ranks own one more expert."""
+    base, extra = divmod(num_experts, ep_size)
+    return [base + (1 if r < extra else 0) for r in range(ep_size)]
+
+
+def expert_range(num_experts: int, ep_size: int, rank: int) -> tuple[int, int]:
+    """``[first, last)`` experts owned by ``rank``."""
+    base, extra = divmod(num_experts, ep_size)
+    first = rank * base + min(rank, extra)
+    return first, first + base + (1 if rank < extra else 0)
