@@ -20,11 +20,15 @@ constexpr const char* kSchemaCallLayout =
 
 constexpr const char* kSchemaConstants = "constants() -> int[]";
 
-// Zeroes the own row, writes its header config; returns the address of this
-// rank's host error mailbox (0 when the workspace is on the CPU).
+// A host error mailbox for a rank of this workspace: the address of pinned
+// host memory on CUDA, 0 on the CPU (whose ops raise at once). Separate from
+// initialize because a mutating op cannot return an int under functionalization.
+constexpr const char* kSchemaAllocMailbox = "alloc_mailbox(Tensor workspace) -> int";
+
+// Zeroes the own row and the mailbox, writes the row's header config.
 constexpr const char* kSchemaInitialize =
     "initialize(Tensor(a!) workspace, int ep_rank, int ep_size, int max_num_tokens, "
-    "int eplb_stats_num_experts) -> int";
+    "int eplb_stats_num_experts, int mailbox) -> ()";
 
 constexpr const char* kSchemaDispatch =
     "dispatch(Tensor token_selected_experts, Tensor[] input_payloads, Tensor(a!) workspace, "

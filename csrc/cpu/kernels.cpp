@@ -1,0 +1,457 @@
+// CPU kernels: the protocol of protocol.h on host memory (see kernels.h).
+//
+// Memory ordering: payload rows, EPLB rows and receive counts are written with
+// plain stores; the flag that announces them is written with a release store
+// after them, and readers acquire-load the flag before reading. at::parallel_for
+// joins its workers before returning, so the workers' copies happen before the
+// calling thread's release store. The __atomic builtins act on the workspace
+// words themselves, which is what makes a shared-memory mapping between
+// processes work as well as threads of one process.
+#include "kernels.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include "../ops.h"
+
+namespace moe_a2a {
+namespace cpu {
+namespace {
+
+// Bytes a parallel_for chunk should move at least: smaller inputs run on the
+// calling thread, where a thread hand-off would cost more than the copy.
+constexpr int64_t kParallelGrainBytes = 64 * 1024;
+
+// Backoff of a wait: spin (peers usually arrive within microseconds), then
+// yield, then sleep with a doubling interval so that many simulated ranks on
+// few cores leave the CPU to the peers they wait for.
+constexpr int kSpinRounds = 256;
+constexpr int kYieldRounds = 64;
+constexpr std::chrono::microseconds kFirstSleep{20};
+constexpr std::chrono::microseconds kMaxSleep{1000};
+
+template <typename T>
+T load(const uint8_t* row, int64_t offset) {
+  T value;
+  std::memcpy(&value, row + offset, sizeof(T));
+  return value;
+}
+
+template <typename T>
+void store(uint8_t* row, int64_t offset, T value) {
+  std::memcpy(row + offset, &value, sizeof(T));
+}
+
+uint32_t* flag_word(uint8_t* row, int64_t flags_offset, int rank) {
+  return reinterpret_cast<uint32_t*>(row + flags_offset + int64_t(sizeof(uint32_t)) * rank);
+}
+
+int64_t grain_for(int64_t bytes_per_item) {
+  return std::max<int64_t>(1, kParallelGrainBytes / std::max<int64_t>(1, bytes_per_item));
+}
+
+// Rank config the header must hold for this call; `eplb_n` < 0: not checked.
+RowStatus check_config(const WorkspaceView& ws, int64_t max_num_tokens, int64_t eplb_n) {
+  RowStatus st;
+  const uint8_t* row = ws.row(ws.ep_rank);
+  if (load<int64_t>(row, kHdrMagic) != kMagic) {
+    st.kind = RowStatus::kRuntimeError;
+    st.message = "rank " + std::to_string(ws.ep_rank) +
+                 "'s row is not initialized: call moe_a2a_initialize on every rank first";
+    return st;
+  }
+  const int32_t hdr_rank = load<int32_t>(row, kHdrEpRank);
+  const int32_t hdr_size = load<int32_t>(row, kHdrEpSize);
+  const int32_t hdr_max = load<int32_t>(row, kHdrMaxNumTokens);
+  const int32_t hdr_eplb = load<int32_t>(row, kHdrEplbN);
+  const bool same = hdr_rank == ws.ep_rank && hdr_size == ws.ep_size &&
+                    (max_num_tokens < 0 || hdr_max == max_num_tokens) &&
+                    (eplb_n < 0 || hdr_eplb == eplb_n);
+  if (!same) {
+    std::ostringstream os;
+    os << "metainfo does not match the workspace: the call says (ep_rank=" << ws.ep_rank
+       << ", ep_size=" << ws.ep_size;
+    if (max_num_tokens >= 0) os << ", max_num_tokens=" << max_num_tokens;
+    if (eplb_n >= 0) os << ", eplb_stats_num_experts=" << eplb_n;
+    os << "), row " << ws.ep_rank << " was initialized with (ep_rank=" << hdr_rank
+       << ", ep_size=" << hdr_size;
+    if (max_num_tokens >= 0) os << ", max_num_tokens=" << hdr_max;
+    if (eplb_n >= 0) os << ", eplb_stats_num_experts=" << hdr_eplb;
+    os << ")";
+    st.kind = RowStatus::kValueError;
+    st.message = os.str();
+    return st;
+  }
+  const uint32_t code = __atomic_load_n(
+      reinterpret_cast<const uint32_t*>(row + kHdrErrorCode), __ATOMIC_ACQUIRE);
+  if (code != kErrorNone) {
+    st.kind = RowStatus::kFailed;
+    st.record.code = code;
+    for (int w = 0; w < kRankMaskWords; ++w) {
+      st.record.missing[w] = load<uint64_t>(row, kHdrErrorMissing + int64_t(sizeof(uint64_t)) * w);
+    }
+    st.timeout_ms = load<uint32_t>(row, kHdrErrorTimeoutMs);
+  }
+  return st;
+}
+
+RowStatus runtime_error(const std::string& message) {
+  RowStatus st;
+  st.kind = RowStatus::kRuntimeError;
+  st.message = message;
+  return st;
+}
+
+// Records a failed wait in the own header (code last, so a reader that sees
+// the code sees the rest) and returns it.
+WaitResult record_timeout(const WorkspaceView& ws, const SyncParams& sync, ErrorCode code,
+                          const uint64_t* pending) {
+  uint8_t* row = ws.row(ws.ep_rank);
+  WaitResult result{};
+  result.code = code;
+  for (int w = 0; w < kRankMaskWords; ++w) {
+    result.missing[w] = pending[w];
+    store<uint64_t>(row, kHdrErrorMissing + int64_t(sizeof(uint64_t)) * w, pending[w]);
+  }
+  store<uint32_t>(row, kHdrErrorTimeoutMs, timeout_ms(sync.timeout_s));
+  __atomic_store_n(reinterpret_cast<uint32_t*>(row + kHdrErrorCode), uint32_t(code), __ATOMIC_RELEASE);
+  return result;
+}
+
+// Waits until the uint32 *word_of(p) reached `epoch` for every active rank p,
+// at most sync.timeout_s.
+template <typename WordOf>
+WaitResult wait_for_peers(const WorkspaceView& ws, const SyncParams& sync, WordOf word_of,
+                          uint32_t epoch, ErrorCode code_on_timeout) {
+  uint64_t pending[kRankMaskWords] = {};
+  for (int p = 0; p < ws.ep_size; ++p) {
+    if (rank_active(sync, p)) pending[p / 64] |= uint64_t(1) << (p % 64);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  auto sleep = kFirstSleep;
+  for (int round = 0;; ++round) {
+    bool any_pending = false;
+    for (int p = 0; p < ws.ep_size; ++p) {
+      const uint64_t bit = uint64_t(1) << (p % 64);
+      if (!(pending[p / 64] & bit)) continue;
+      if (epoch_reached(__atomic_load_n(word_of(p), __ATOMIC_ACQUIRE), epoch)) {
+        pending[p / 64] &= ~bit;
+      } else {
+        any_pending = true;
+      }
+    }
+    if (!any_pending) return WaitResult{};
+    const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
+    if (waited.count() >= sync.timeout_s) return record_timeout(ws, sync, code_on_timeout, pending);
+    if (round < kSpinRounds) continue;
+    if (round < kSpinRounds + kYieldRounds) {
+      std::this_thread::yield();
+      continue;
+    }
+    std::this_thread::sleep_for(sleep);
+    sleep = std::min(sleep * 2, kMaxSleep);
+  }
+}
+
+// Waits for the flags[p] (at flags_offset) of the own header.
+WaitResult wait_for_own_flags(const WorkspaceView& ws, const SyncParams& sync, int64_t flags_offset,
+                              uint32_t epoch, ErrorCode code_on_timeout) {
+  uint8_t* own = ws.row(ws.ep_rank);
+  return wait_for_peers(
+      ws, sync, [&](int p) { return flag_word(own, flags_offset, p); }, epoch, code_on_timeout);
+}
+
+// Publishes `epoch` in flags[ep_rank] of every active rank's header.
+void release_to_peers(const WorkspaceView& ws, const SyncParams& sync, int64_t flags_offset,
+                      uint32_t epoch) {
+  for (int d = 0; d < ws.ep_size; ++d) {
+    if (!rank_active(sync, d)) continue;
+    __atomic_store_n(flag_word(ws.row(d), flags_offset, ws.ep_rank), epoch, __ATOMIC_RELEASE);
+  }
+}
+
+const int32_t* route_of(const uint8_t* own_row, int64_t route_offset, int64_t token) {
+  return reinterpret_cast<const int32_t*>(own_row + route_offset) + token * kMaxTopK;
+}
+
+template <typename Out>
+Out from_float(float v) {
+  // c10::Half / c10::BFloat16 round to nearest even, as torch's .to() does.
+  return Out(v);
+}
+
+// out[t] = sum over route[t] of the peers' combine rows, in fp32, cast once.
+template <typename In, typename Out>
+void pull_reduce(const CombineParams& p) {
+  const WorkspaceView& ws = p.ws;
+  const uint8_t* own = ws.row(ws.ep_rank);
+  const int64_t elems = p.row_elems;
+  const int64_t row_bytes = elems * int64_t(sizeof(In));
+  const int64_t source_row_offset = int64_t(ws.ep_rank) * p.runtime_max_tokens;
+  Out* out = reinterpret_cast<Out*>(p.output);
+  at::parallel_for(0, p.local_num_tokens, grain_for(row_bytes * 2), [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(static_cast<size_t>(elems));
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      const int32_t* route = route_of(own, p.route_offset, t);
+      for (int k = 0; k < kMaxTopK && route[k] != kRouteEnd; ++k) {
+        const int dest = route_rank(route[k]);
+        // A rank masked off since the dispatch was not waited for: its rows are not final.
+        if (!rank_active(p.sync, dest)) continue;
+        const In* src = reinterpret_cast<const In*>(
+            ws.row(dest) + p.combine_offset + (source_row_offset + route_slot(route[k])) * row_bytes);
+        for (int64_t e = 0; e < elems; ++e) acc[e] += static_cast<float>(src[e]);
+      }
+      Out* dst = out + t * elems;
+      for (int64_t e = 0; e < elems; ++e) dst[e] = from_float<Out>(acc[e]);
+    }
+  });
+}
+
+template <typename In>
+void pull_reduce_to(const CombineParams& p) {
+  switch (p.output_dtype) {
+    case DType::kFloat32:
+      return pull_reduce<In, float>(p);
+    case DType::kFloat16:
+      return pull_reduce<In, c10::Half>(p);
+    case DType::kBFloat16:
+      return pull_reduce<In, c10::BFloat16>(p);
+  }
+}
+
+int64_t dtype_bytes(DType d) {
+  switch (d) {
+    case DType::kFloat32:
+      return 4;
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return 2;
+  }
+  return 0;
+}
+
+}  // namespace
+
+// ---- header checks --------------------------------------------------------------
+
+RowStatus check_row_for_dispatch(const WorkspaceView& ws, int64_t max_num_tokens, int64_t eplb_n) {
+  RowStatus st = check_config(ws, max_num_tokens, eplb_n);
+  if (st.kind != RowStatus::kOk) return st;
+  const uint8_t* row = ws.row(ws.ep_rank);
+  const uint32_t dispatch_epoch = load<uint32_t>(row, kHdrDispatchEpoch);
+  const uint32_t combine_epoch = load<uint32_t>(row, kHdrCombineEpoch);
+  if (dispatch_epoch != combine_epoch) {
+    return runtime_error("rank " + std::to_string(ws.ep_rank) +
+                         ": dispatch called twice without a combine in between (dispatch and "
+                         "combine must alternate on every rank)");
+  }
+  return st;
+}
+
+RowStatus check_row_for_combine(const WorkspaceView& ws, int64_t max_num_tokens,
+                                int64_t local_num_tokens, int64_t runtime_max_tokens,
+                                int64_t top_k) {
+  RowStatus st = check_config(ws, max_num_tokens, /*eplb_n=*/-1);
+  if (st.kind != RowStatus::kOk) return st;
+  const uint8_t* row = ws.row(ws.ep_rank);
+  const uint32_t dispatch_epoch = load<uint32_t>(row, kHdrDispatchEpoch);
+  const uint32_t combine_epoch = load<uint32_t>(row, kHdrCombineEpoch);
+  if (dispatch_epoch != combine_epoch + 1) {
+    return runtime_error("rank " + std::to_string(ws.ep_rank) +
+                         ": combine called without a preceding dispatch (dispatch and combine "
+                         "must alternate on every rank)");
+  }
+  const int32_t last_tokens = load<int32_t>(row, kHdrLastLocalTokens);
+  const int32_t last_max = load<int32_t>(row, kHdrLastRuntimeMax);
+  const int32_t last_top_k = load<int32_t>(row, kHdrLastTopK);
+  if (last_tokens != local_num_tokens || last_max != runtime_max_tokens || last_top_k != top_k) {
+    std::ostringstream os;
+    os << "combine must use the dispatch's sizes: the dispatch had (local_num_tokens=" << last_tokens
+       << ", runtime_max_tokens_per_rank=" << last_max << ", top_k=" << last_top_k
+       << "), the combine got (local_num_tokens=" << local_num_tokens
+       << ", runtime_max_tokens_per_rank=" << runtime_max_tokens << ", top_k=" << top_k << ")";
+    st.kind = RowStatus::kValueError;
+    st.message = os.str();
+  }
+  return st;
+}
+
+RowStatus check_row_for_sanitize(const WorkspaceView& ws) {
+  return check_config(ws, /*max_num_tokens=*/-1, /*eplb_n=*/-1);
+}
+
+// ---- kernels ----------------------------------------------------------------------
+
+void initialize(const InitParams& p) {
+  uint8_t* row = p.ws.row(p.ws.ep_rank);
+  at::parallel_for(0, p.ws.row_stride, kParallelGrainBytes, [&](int64_t begin, int64_t end) {
+    std::memset(row + begin, 0, static_cast<size_t>(end - begin));
+  });
+  store<int32_t>(row, kHdrEpRank, p.ws.ep_rank);
+  store<int32_t>(row, kHdrEpSize, p.ws.ep_size);
+  store<int32_t>(row, kHdrMaxNumTokens, static_cast<int32_t>(p.max_num_tokens));
+  store<int32_t>(row, kHdrEplbN, static_cast<int32_t>(p.eplb_n));
+  // The magic last: a row that shows it is fully set up.
+  __atomic_store_n(reinterpret_cast<int64_t*>(row + kHdrMagic), kMagic, __ATOMIC_RELEASE);
+}
+
+WaitResult dispatch(const DispatchParams& p) {
+  const WorkspaceView& ws = p.ws;
+  uint8_t* own = ws.row(ws.ep_rank);
+  const uint32_t epoch = load<uint32_t>(own, kHdrDispatchEpoch) + 1;
+
+  // 0. When this call's regions reach past the previous combine offset
+  // (runtime_max_tokens_per_rank or the payload sizes grew), they may cover
+  // a combine region that slower ranks are still pulling from: then write
+  // nothing before every active rank finished combine n-1 (its own
+  // combine_epoch, advanced with a release store after its pull).
+  if (p.layout.dispatch_end > load<int64_t>(own, kHdrLastDispatchEnd)) {
+    const WaitResult previous = wait_for_peers(
+        ws, p.sync,
+        [&](int q) { return reinterpret_cast<const uint32_t*>(ws.row(q) + kHdrCombineEpoch); },
+        epoch - 1, kErrorDispatchTimeout);
+    if (previous.code != kErrorNone) return previous;
+  }
+  store<int64_t>(own, kHdrLastDispatchEnd, p.layout.dispatch_end);
+
+  // 1. Routing, in increasing token index: deterministic slots.
+  int64_t recv_count[kMaxRanks] = {};
+  int64_t invalid = 0;
+  int32_t* routes = reinterpret_cast<int32_t*>(own + p.layout.route_offset);
+  for (int64_t t = 0; t < p.local_num_tokens; ++t) {
+    uint64_t dests = 0;  // ep_size <= 64: one bit per rank, read back in ascending order
+    const int32_t* ids = p.token_selected_experts + t * p.top_k;
+    for (int64_t k = 0; k < p.top_k; ++k) {
+      const int32_t e = ids[k];
+      if (e < 0) continue;
+      if (e >= p.num_experts) {
+        ++invalid;
+        continue;
+      }
+      const int r = expert_to_rank(e, p.num_experts, ws.ep_size);
+      if (rank_active(p.sync, r)) dests |= uint64_t(1) << r;
+    }
+    int32_t* route = routes + t * kMaxTopK;
+    int n = 0;
+    for (int r = 0; dests != 0; ++r, dests >>= 1) {
+      if (dests & 1u) route[n++] = route_entry(r, recv_count[r]++);
+    }
+    if (n < kMaxTopK) route[n] = kRouteEnd;
+  }
+
+  // 2. Payload rows to every destination's planes at [ep_rank, slot].
+  int64_t token_bytes = 0;
+  for (int i = 0; i < p.num_payloads; ++i) token_bytes += p.payload_row_bytes[i];
+  const int64_t source_row_offset = int64_t(ws.ep_rank) * p.runtime_max_tokens;
+  at::parallel_for(0, p.local_num_tokens, grain_for(token_bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int32_t* route = routes + t * kMaxTopK;
+      for (int k = 0; k < kMaxTopK && route[k] != kRouteEnd; ++k) {
+        uint8_t* dest = ws.row(route_rank(route[k]));
+        const int64_t row_index = source_row_offset + route_slot(route[k]);
+        for (int i = 0; i < p.num_payloads; ++i) {
+          const int64_t bytes = p.payload_row_bytes[i];
+          std::memcpy(dest + p.layout.payload_offset[i] + row_index * bytes, p.payload[i] + t * bytes,
+                      static_cast<size_t>(bytes));
+        }
+      }
+    }
+  });
+
+  // EPLB row and receive count into every active destination.
+  for (int d = 0; d < ws.ep_size; ++d) {
+    if (!rank_active(p.sync, d)) continue;
+    uint8_t* dest = ws.row(d);
+    if (p.eplb_local_stats != nullptr) {
+      std::memcpy(dest + p.layout.eplb_offset + int64_t(ws.ep_rank) * p.eplb_n * int64_t(sizeof(int32_t)),
+                  p.eplb_local_stats, static_cast<size_t>(p.eplb_n) * sizeof(int32_t));
+    }
+    store<int32_t>(dest, kHdrRecvCounts + int64_t(sizeof(int32_t)) * ws.ep_rank,
+                   static_cast<int32_t>(recv_count[d]));
+  }
+
+  // What the matching combine must agree with, and the invalid-id tally.
+  store<int32_t>(own, kHdrLastLocalTokens, static_cast<int32_t>(p.local_num_tokens));
+  store<int32_t>(own, kHdrLastRuntimeMax, static_cast<int32_t>(p.runtime_max_tokens));
+  store<int32_t>(own, kHdrLastTopK, static_cast<int32_t>(p.top_k));
+  store<int64_t>(own, kHdrInvalidExpertCount, load<int64_t>(own, kHdrInvalidExpertCount) + invalid);
+
+  // 3. Release, 4. acquire, 5. advance.
+  release_to_peers(ws, p.sync, kHdrDispatchFlags, epoch);
+  const WaitResult result = wait_for_own_flags(ws, p.sync, kHdrDispatchFlags, epoch, kErrorDispatchTimeout);
+  if (result.code != kErrorNone) return result;
+  store<uint32_t>(own, kHdrDispatchEpoch, epoch);
+  return result;
+}
+
+WaitResult combine(const CombineParams& p) {
+  const WorkspaceView& ws = p.ws;
+  uint8_t* own = ws.row(ws.ep_rank);
+  const uint32_t epoch = load<uint32_t>(own, kHdrCombineEpoch) + 1;
+  const int64_t row_bytes = p.row_elems * dtype_bytes(p.payload_dtype);
+  const int64_t T = p.runtime_max_tokens;
+
+  // 1. Stage the valid rows of every active source (a payload that already is
+  // the own combine region needs no copy).
+  uint8_t* region = own + p.combine_offset;
+  if (p.payload != nullptr && p.payload != region) {
+    for (int s = 0; s < ws.ep_size; ++s) {
+      if (!rank_active(p.sync, s)) continue;
+      // Clamped to T: a peer that broke the equal-T contract must not make us overrun.
+      const int64_t count = std::min<int64_t>(
+          std::max<int32_t>(0, load<int32_t>(own, kHdrRecvCounts + int64_t(sizeof(int32_t)) * s)), T);
+      const int64_t plane = int64_t(s) * T * row_bytes;
+      at::parallel_for(0, count, grain_for(row_bytes), [&](int64_t begin, int64_t end) {
+        std::memcpy(region + plane + begin * row_bytes, p.payload + plane + begin * row_bytes,
+                    static_cast<size_t>((end - begin) * row_bytes));
+      });
+    }
+  }
+
+  // 2. Release, 3. acquire.
+  release_to_peers(ws, p.sync, kHdrCombineFlags, epoch);
+  const WaitResult result = wait_for_own_flags(ws, p.sync, kHdrCombineFlags, epoch, kErrorCombineTimeout);
+  if (result.code != kErrorNone) return result;
+
+  // 4. Pull and reduce, 5. advance.
+  switch (p.payload_dtype) {
+    case DType::kFloat32:
+      pull_reduce_to<float>(p);
+      break;
+    case DType::kFloat16:
+      pull_reduce_to<c10::Half>(p);
+      break;
+    case DType::kBFloat16:
+      pull_reduce_to<c10::BFloat16>(p);
+      break;
+  }
+  // Release: peers' next dispatch waits on this word before overwriting
+  // anything this pull may still read (dispatch step 0).
+  __atomic_store_n(reinterpret_cast<uint32_t*>(own + kHdrCombineEpoch), epoch, __ATOMIC_RELEASE);
+  return result;
+}
+
+void sanitize_expert_ids(const SanitizeParams& p) {
+  const WorkspaceView& ws = p.ws;
+  uint8_t* own = ws.row(ws.ep_rank);
+  int32_t* plane = reinterpret_cast<int32_t*>(own + p.offset);
+  const int64_t T = p.runtime_max_tokens;
+  for (int s = 0; s < ws.ep_size; ++s) {
+    const int64_t count = std::min<int64_t>(
+        std::max<int32_t>(0, load<int32_t>(own, kHdrRecvCounts + int64_t(sizeof(int32_t)) * s)), T);
+    int32_t* first = plane + (int64_t(s) * T + count) * p.top_k;
+    std::fill_n(first, (T - count) * p.top_k, p.invalid_expert_id);
+  }
+}
+
+}  // namespace cpu
+}  // namespace moe_a2a

@@ -1,0 +1,64 @@
+// CPU kernels of torch.ops.moe_a2a: the protocol of protocol.h on host memory.
+// They take the params structs of params.h (already validated by ops.cpp) and
+// never see an at::Tensor. The workspace may be a plain tensor shared by
+// simulated ranks on threads of one process or a shared-memory mapping shared
+// by several processes: flags are published with release stores and observed
+// with acquire loads on the words themselves, so both work.
+#pragma once
+
+#include <stdint.h>
+
+#include <string>
+
+#include "../params.h"
+
+namespace moe_a2a {
+namespace cpu {
+
+// What the host-side header checks found in the calling rank's own row. The
+// checks only read the row; ops.cpp turns a failed check into the exception
+// type named by `kind`.
+struct RowStatus {
+  enum Kind {
+    kOk,
+    kValueError,    // the arguments do not match the row (message set)
+    kRuntimeError,  // protocol misuse or an uninitialized row (message set)
+    kFailed,        // an earlier call recorded an error (record below set)
+  };
+  Kind kind = kOk;
+  std::string message;
+  WaitResult record{};     // kFailed: code and missing peers from the header
+  uint32_t timeout_ms = 0;  // kFailed: the timeout the failed wait used
+};
+
+// Before dispatch: the row is initialized, its config equals the arguments,
+// no error is recorded and the previous combine has finished
+// (dispatch_epoch == combine_epoch).
+RowStatus check_row_for_dispatch(const WorkspaceView& ws, int64_t max_num_tokens, int64_t eplb_n);
+
+// Before combine: as for dispatch, but a dispatch must be pending
+// (dispatch_epoch == combine_epoch + 1) and the call's local_num_tokens,
+// runtime_max_tokens and top_k must be those the dispatch recorded.
+RowStatus check_row_for_combine(const WorkspaceView& ws, int64_t max_num_tokens,
+                                int64_t local_num_tokens, int64_t runtime_max_tokens,
+                                int64_t top_k);
+
+// Before sanitize_expert_ids: the row is initialized for this rank and
+// ep_size and no error is recorded.
+RowStatus check_row_for_sanitize(const WorkspaceView& ws);
+
+// Zeroes the own row and writes its header config; epochs start at 0.
+void initialize(const InitParams& p);
+
+// One dispatch / combine of the protocol. A non-zero WaitResult::code means
+// some active peer did not arrive within p.sync.timeout_s; the record is then
+// also in the own header (the workspace stays failed until initialize).
+WaitResult dispatch(const DispatchParams& p);
+WaitResult combine(const CombineParams& p);
+
+// Writes invalid_expert_id into the padding rows (j >= recv_count[s]) of the
+// received [ep_size, T, top_k] int32 plane at p.offset of the own row.
+void sanitize_expert_ids(const SanitizeParams& p);
+
+}  // namespace cpu
+}  // namespace moe_a2a

@@ -1,0 +1,684 @@
+// The one place that names every operator of torch.ops.moe_a2a: registers the
+// schemas of schemas.h, validates every argument (the check_* builders of
+// ops.h, shared with the CUDA registration), computes the tensor-free layout
+// ops from protocol.h and registers the CPU kernels.
+#include "ops.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <sstream>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "cpu/kernels.h"
+#include "schemas.h"
+
+namespace moe_a2a {
+namespace {
+
+// Largest payload / combine row (and EPLB row) accepted, in bytes. Keeps every
+// layout sum (kMaxRanks * kMaxNumTokens * row bytes over kMaxPayloads + 1
+// regions, i.e. below 2^6 * 2^24 * 2^28 * 9 < 2^62) free of int64 overflow, so
+// the size checks below cannot be fooled by a wrapped product.
+constexpr int64_t kMaxRowBytes = int64_t(1) << 28;
+
+// The workspace base must allow the 8-byte header atomics and the 16-byte
+// vector copies of the CUDA kernels; torch's allocators (CPU: 64 bytes, CUDA:
+// 512 bytes) and page-aligned shared-memory mappings all satisfy it.
+constexpr int64_t kWorkspaceBaseAlign = 16;
+
+// combine_payload_offset alignment: the widest vector access of a combine row.
+constexpr int64_t kCombineOffsetAlign = 16;
+
+// torch's Python spelling ("torch.float32"), the one users wrote.
+std::string dtype_name(at::ScalarType t) {
+  return "torch." + std::string(c10::getDtypeNames(t).first);
+}
+
+// ---- argument checks shared by the builders ----------------------------------
+
+void check_ranks(int64_t ep_rank, int64_t ep_size) {
+  TORCH_CHECK_VALUE(ep_size >= 1 && ep_size <= kMaxRanks, "ep_size must be in [1, ", kMaxRanks,
+                    "], got ", ep_size);
+  TORCH_CHECK_VALUE(ep_rank >= 0 && ep_rank < ep_size, "ep_rank must be in [0, ep_size=", ep_size,
+                    "), got ", ep_rank);
+}
+
+void check_max_num_tokens(int64_t max_num_tokens) {
+  TORCH_CHECK_VALUE(max_num_tokens >= 1 && max_num_tokens <= kMaxNumTokens,
+                    "max_num_tokens must be in [1, ", kMaxNumTokens, "], got ", max_num_tokens);
+}
+
+void check_runtime_max(int64_t runtime_max, int64_t max_num_tokens) {
+  TORCH_CHECK_VALUE(runtime_max >= 1 && runtime_max <= max_num_tokens,
+                    "runtime_max_tokens_per_rank must be in [1, max_num_tokens=", max_num_tokens,
+                    "], got ", runtime_max);
+}
+
+void check_top_k(int64_t top_k) {
+  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= kMaxTopK, "top_k must be in [1, ", kMaxTopK, "], got ",
+                    top_k);
+}
+
+void check_eplb_n(int64_t eplb_n) {
+  TORCH_CHECK_VALUE(eplb_n >= 0 && eplb_n <= kMaxRowBytes / int64_t(sizeof(int32_t)),
+                    "eplb_stats_num_experts must be in [0, ", kMaxRowBytes / int64_t(sizeof(int32_t)),
+                    "], got ", eplb_n);
+}
+
+// The workspace: [ep_size, size_per_rank] uint8, contiguous, rows a multiple of
+// kAlign and large enough for the header.
+WorkspaceView check_workspace(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size) {
+  check_ranks(ep_rank, ep_size);
+  TORCH_CHECK_VALUE(workspace.defined(), "workspace must be a tensor, got an undefined tensor");
+  TORCH_CHECK_VALUE(workspace.dim() == 2, "workspace must be 2-D [ep_size, size_per_rank], got shape ",
+                    workspace.sizes());
+  TORCH_CHECK_VALUE(workspace.scalar_type() == at::kByte, "workspace must be torch.uint8, got ",
+                    dtype_name(workspace.scalar_type()));
+  TORCH_CHECK_VALUE(workspace.is_contiguous(), "workspace must be contiguous, got strides ",
+                    workspace.strides(), " for shape ", workspace.sizes());
+  TORCH_CHECK_VALUE(workspace.size(0) == ep_size, "workspace.shape[0] must equal ep_size=", ep_size,
+                    ", got shape ", workspace.sizes());
+  const int64_t size_per_rank = workspace.size(1);
+  TORCH_CHECK_VALUE(size_per_rank % kAlign == 0 && size_per_rank >= kHeaderBytes,
+                    "workspace.shape[1] (bytes per rank) must be a multiple of ", kAlign,
+                    " and at least ", kHeaderBytes, ", got ", size_per_rank);
+  const auto address = reinterpret_cast<uintptr_t>(workspace.data_ptr());
+  TORCH_CHECK_VALUE(address % kWorkspaceBaseAlign == 0, "workspace data must be ",
+                    kWorkspaceBaseAlign, "-byte aligned, got address ", address);
+  WorkspaceView view;
+  view.base = static_cast<uint8_t*>(workspace.data_ptr());
+  view.row_stride = size_per_rank;
+  view.ep_rank = static_cast<int>(ep_rank);
+  view.ep_size = static_cast<int>(ep_size);
+  return view;
+}
+
+void check_on_workspace_device(const at::Tensor& t, const at::Tensor& workspace, const std::string& arg) {
+  TORCH_CHECK_VALUE(t.device() == workspace.device(), arg, " must be on the workspace's device ",
+                    workspace.device(), ", got ", t.device());
+}
+
+// Bytes of one row of `t` (all dimensions but the first), or -1 when it
+// exceeds kMaxRowBytes (the product is stopped before it can overflow).
+int64_t row_bytes_of(at::IntArrayRef trailing, int64_t element_size) {
+  int64_t bytes = element_size;
+  for (const int64_t d : trailing) {
+    if (d == 0) return 0;
+    if (bytes > kMaxRowBytes / d) return -1;
+    bytes *= d;
+  }
+  return bytes;
+}
+
+void check_fits(int64_t needed, int64_t size_per_rank) {
+  TORCH_CHECK_VALUE(needed <= size_per_rank, "workspace too small: this call needs ", needed,
+                    " bytes per rank, the workspace has ", size_per_rank);
+}
+
+// active_rank_mask (empty: every rank), timeout, mailbox.
+SyncParams check_sync(at::IntArrayRef active_rank_mask, const at::Tensor& workspace, int64_t ep_rank,
+                      int64_t ep_size, double timeout_s, int64_t mailbox, bool enable_pdl) {
+  SyncParams sync{};
+  if (active_rank_mask.empty()) {
+    for (int64_t r = 0; r < ep_size; ++r) sync.active_mask[r / 64] |= uint64_t(1) << (r % 64);
+  } else {
+    TORCH_CHECK_VALUE(active_rank_mask.size() == size_t(kRankMaskWords),
+                      "active_rank_mask must be empty (all ranks active) or hold exactly ",
+                      kRankMaskWords, " words, got ", active_rank_mask.size());
+    for (int w = 0; w < kRankMaskWords; ++w) sync.active_mask[w] = uint64_t(active_rank_mask[w]);
+    TORCH_CHECK_VALUE(rank_active(sync, static_cast<int>(ep_rank)),
+                      "active_rank_mask must have the own rank's bit set (ep_rank=", ep_rank,
+                      "), got mask ", active_rank_mask);
+    for (int64_t r = ep_size; r < kMaxRanks; ++r) {
+      TORCH_CHECK_VALUE(!rank_active(sync, static_cast<int>(r)), "active_rank_mask has bit ", r,
+                        " set but ep_size is ", ep_size, ", got mask ", active_rank_mask);
+    }
+  }
+  sync.timeout_s = resolve_timeout(timeout_s);
+  TORCH_CHECK_VALUE(!workspace.is_cpu() || mailbox == 0,
+                    "mailbox must be 0 for a CPU workspace (initialize returned 0), got ", mailbox);
+  sync.mailbox = reinterpret_cast<int64_t*>(mailbox);
+  sync.enable_pdl = enable_pdl;
+  return sync;
+}
+
+// The end of the route region: the lowest offset a combine region may start at.
+int64_t route_region_end(int64_t ep_size, int64_t runtime_max) {
+  return call_layout(ep_size, runtime_max, /*eplb_n=*/0, /*num_payloads=*/0, nullptr).combine_offset;
+}
+
+bool is_quantized_output(at::ScalarType t) {
+  return at::isFloat8Type(t) || t == at::ScalarType::Float4_e2m1fn_x2 || t == at::kByte;
+}
+
+std::string rank_list(const uint64_t* mask) {
+  std::ostringstream os;
+  os << "[";
+  bool first = true;
+  for (int r = 0; r < kMaxRanks; ++r) {
+    if ((mask[r / 64] >> (r % 64)) & 1u) {
+      os << (first ? "" : ", ") << r;
+      first = false;
+    }
+  }
+  os << "]";
+  return os.str();
+}
+
+// "2.0", "0.25", "1.005": as many decimals as the milliseconds need, at least one.
+std::string seconds_text(uint32_t ms) {
+  char buf[32];
+  const double s = ms / 1000.0;
+  if (ms % 100 == 0) {
+    std::snprintf(buf, sizeof(buf), "%.1f", s);
+  } else if (ms % 10 == 0) {
+    std::snprintf(buf, sizeof(buf), "%.2f", s);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.3f", s);
+  }
+  return buf;
+}
+
+}  // namespace
+
+// ---- dtypes -------------------------------------------------------------------
+
+DType to_dtype(at::ScalarType t, const char* arg) {
+  switch (t) {
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kHalf:
+      return DType::kFloat16;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    default:
+      TORCH_CHECK_VALUE(false, arg, " must be torch.float32, torch.float16 or torch.bfloat16, got ", dtype_name(t));
+  }
+}
+
+at::ScalarType to_scalar_type(DType d) {
+  switch (d) {
+    case DType::kFloat32:
+      return at::kFloat;
+    case DType::kFloat16:
+      return at::kHalf;
+    case DType::kBFloat16:
+      return at::kBFloat16;
+  }
+  TORCH_CHECK(false, "unknown DType ", static_cast<int>(d));
+}
+
+// ---- builders -------------------------------------------------------------------
+
+InitParams check_initialize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                            int64_t max_num_tokens, int64_t eplb_n) {
+  InitParams p{};
+  p.ws = check_workspace(workspace, ep_rank, ep_size);
+  check_max_num_tokens(max_num_tokens);
+  check_eplb_n(eplb_n);
+  p.max_num_tokens = max_num_tokens;
+  p.eplb_n = eplb_n;
+  return p;
+}
+
+DispatchParams check_dispatch(const at::Tensor& token_selected_experts,
+                              at::TensorList input_payloads, const at::Tensor& workspace,
+                              int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                              int64_t runtime_max_tokens_per_rank, int64_t top_k,
+                              int64_t num_experts,
+                              const std::optional<at::Tensor>& eplb_local_stats,
+                              int64_t eplb_stats_num_experts, at::IntArrayRef active_rank_mask,
+                              double timeout_s, int64_t mailbox, bool enable_pdl) {
+  DispatchParams p{};
+  p.ws = check_workspace(workspace, ep_rank, ep_size);
+  check_max_num_tokens(max_num_tokens);
+  check_runtime_max(runtime_max_tokens_per_rank, max_num_tokens);
+  check_top_k(top_k);
+  TORCH_CHECK_VALUE(num_experts >= ep_size, "num_experts must be >= ep_size=", ep_size, ", got ",
+                    num_experts);
+
+  const at::Tensor& ids = token_selected_experts;
+  TORCH_CHECK_VALUE(ids.defined(), "token_selected_experts must be a tensor, got an undefined tensor");
+  TORCH_CHECK_VALUE(ids.scalar_type() == at::kInt, "token_selected_experts must be torch.int32, got ",
+                    dtype_name(ids.scalar_type()));
+  TORCH_CHECK_VALUE(ids.dim() == 2 && ids.size(1) == top_k,
+                    "token_selected_experts must be 2-D [local_num_tokens, top_k=", top_k,
+                    "], got shape ", ids.sizes());
+  check_on_workspace_device(ids, workspace, "token_selected_experts");
+  TORCH_CHECK_VALUE(ids.is_contiguous(), "token_selected_experts must be contiguous, got strides ",
+                    ids.strides());
+  const int64_t n = ids.size(0);
+  TORCH_CHECK_VALUE(n <= runtime_max_tokens_per_rank,
+                    "token_selected_experts.shape[0] (local_num_tokens) must be <= "
+                    "runtime_max_tokens_per_rank=",
+                    runtime_max_tokens_per_rank, ", got ", n);
+
+  const int64_t num_payloads = static_cast<int64_t>(input_payloads.size());
+  TORCH_CHECK_VALUE(num_payloads >= 1 && num_payloads <= kMaxPayloads, "input_payloads must hold 1 to ",
+                    kMaxPayloads, " tensors, got ", num_payloads);
+  for (int64_t i = 0; i < num_payloads; ++i) {
+    const at::Tensor& t = input_payloads[i];
+    const std::string arg = "input_payloads[" + std::to_string(i) + "]";
+    TORCH_CHECK_VALUE(t.defined(), arg, " must be a tensor, got an undefined tensor");
+    check_on_workspace_device(t, workspace, arg);
+    TORCH_CHECK_VALUE(t.dim() >= 1 && t.size(0) == n, arg,
+                      " must be [local_num_tokens=", n, ", *], got shape ", t.sizes());
+    TORCH_CHECK_VALUE(t.is_contiguous(), arg, " must be contiguous, got strides ", t.strides(),
+                      " for shape ", t.sizes());
+    const int64_t row_bytes = row_bytes_of(t.sizes().slice(1), t.element_size());
+    TORCH_CHECK_VALUE(row_bytes > 0 && row_bytes <= kMaxRowBytes, arg,
+                      " must have between 1 and ", kMaxRowBytes, " bytes per token, got shape ",
+                      t.sizes(), " of ", dtype_name(t.scalar_type()));
+    p.payload[i] = static_cast<const uint8_t*>(t.data_ptr());
+    p.payload_row_bytes[i] = row_bytes;
+  }
+
+  check_eplb_n(eplb_stats_num_experts);
+  const bool gathers_eplb = eplb_local_stats.has_value() && eplb_local_stats->defined();
+  if (gathers_eplb) {
+    const at::Tensor& s = *eplb_local_stats;
+    TORCH_CHECK_VALUE(eplb_stats_num_experts > 0,
+                      "eplb_local_stats was given but the workspace was initialized with "
+                      "eplb_stats_num_experts=0");
+    TORCH_CHECK_VALUE(s.scalar_type() == at::kInt, "eplb_local_stats must be torch.int32, got ",
+                      dtype_name(s.scalar_type()));
+    TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == eplb_stats_num_experts,
+                      "eplb_local_stats must be 1-D [eplb_stats_num_experts=", eplb_stats_num_experts,
+                      "], got shape ", s.sizes());
+    check_on_workspace_device(s, workspace, "eplb_local_stats");
+    TORCH_CHECK_VALUE(s.is_contiguous(), "eplb_local_stats must be contiguous, got strides ",
+                      s.strides());
+    p.eplb_local_stats = static_cast<const int32_t*>(s.data_ptr());
+    p.eplb_n = eplb_stats_num_experts;
+  }
+
+  p.sync = check_sync(active_rank_mask, workspace, ep_rank, ep_size, timeout_s, mailbox, enable_pdl);
+
+  p.layout = call_layout(ep_size, runtime_max_tokens_per_rank, p.eplb_n,
+                         static_cast<int>(num_payloads), p.payload_row_bytes);
+  check_fits(p.layout.dispatch_end, p.ws.row_stride);
+
+  p.local_num_tokens = n;
+  p.runtime_max_tokens = runtime_max_tokens_per_rank;
+  p.top_k = top_k;
+  p.num_experts = num_experts;
+  p.token_selected_experts = static_cast<const int32_t*>(ids.data_ptr());
+  p.num_payloads = static_cast<int>(num_payloads);
+  return p;
+}
+
+CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
+                            const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                            int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
+                            int64_t top_k, int64_t combine_payload_offset,
+                            at::IntArrayRef row_shape, at::ScalarType payload_dtype,
+                            at::ScalarType output_dtype, at::IntArrayRef active_rank_mask,
+                            double timeout_s, int64_t mailbox, bool enable_pdl,
+                            const at::Tensor* output) {
+  CombineParams p{};
+  p.ws = check_workspace(workspace, ep_rank, ep_size);
+  check_max_num_tokens(max_num_tokens);
+  const int64_t T = runtime_max_tokens_per_rank;
+  check_runtime_max(T, max_num_tokens);
+  check_top_k(top_k);
+  TORCH_CHECK_VALUE(local_num_tokens >= 0 && local_num_tokens <= T,
+                    "local_num_tokens must be in [0, runtime_max_tokens_per_rank=", T, "], got ",
+                    local_num_tokens);
+
+  TORCH_CHECK_NOT_IMPLEMENTED(!is_quantized_output(output_dtype), "output_dtype=", dtype_name(output_dtype),
+                              " (a quantized combine output) is not implemented; use the payload "
+                              "dtype or torch.bfloat16");
+  p.payload_dtype = to_dtype(payload_dtype, "payload dtype");
+  p.output_dtype = to_dtype(output_dtype, "output_dtype");
+  TORCH_CHECK_VALUE(output_dtype == payload_dtype || output_dtype == at::kBFloat16,
+                    "output_dtype must be the payload dtype (", dtype_name(payload_dtype),
+                    ") or torch.bfloat16, got ", dtype_name(output_dtype));
+
+  const int64_t element_size = static_cast<int64_t>(c10::elementSize(payload_dtype));
+  for (const int64_t d : row_shape) {
+    TORCH_CHECK_VALUE(d >= 1, "row_shape (the payload's trailing shape) must have positive sizes, got ",
+                      row_shape);
+  }
+  const int64_t row_bytes = row_bytes_of(row_shape, element_size);
+  TORCH_CHECK_VALUE(row_bytes > 0 && row_bytes <= kMaxRowBytes, "a combine row must have between 1 and ",
+                    kMaxRowBytes, " bytes, got row_shape ", row_shape, " of ", dtype_name(payload_dtype));
+  p.row_elems = row_bytes / element_size;
+
+  if (payload.has_value() && payload->defined()) {
+    const at::Tensor& t = *payload;
+    TORCH_CHECK_VALUE(t.scalar_type() == payload_dtype, "payload must be ", dtype_name(payload_dtype), ", got ",
+                      dtype_name(t.scalar_type()));
+    check_on_workspace_device(t, workspace, "payload");
+    std::vector<int64_t> expected{ep_size, T};
+    expected.insert(expected.end(), row_shape.begin(), row_shape.end());
+    TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected),
+                      "payload must be [ep_size, runtime_max_tokens_per_rank, *row_shape] = ",
+                      at::IntArrayRef(expected), ", got shape ", t.sizes());
+    TORCH_CHECK_VALUE(t.is_contiguous(), "payload must be contiguous, got strides ", t.strides());
+    p.payload = static_cast<const uint8_t*>(t.data_ptr());
+  }
+
+  const int64_t route_end = route_region_end(ep_size, T);
+  TORCH_CHECK_VALUE(combine_payload_offset >= route_end &&
+                        combine_payload_offset % kCombineOffsetAlign == 0,
+                    "combine_payload_offset must be a multiple of ", kCombineOffsetAlign,
+                    " and >= ", route_end, " (the end of the route region), got ",
+                    combine_payload_offset);
+  TORCH_CHECK_VALUE(combine_payload_offset <= p.ws.row_stride, "combine_payload_offset must be <= ",
+                    p.ws.row_stride, " (bytes per rank), got ", combine_payload_offset);
+  check_fits(combine_end(combine_payload_offset, ep_size, T, row_bytes), p.ws.row_stride);
+
+  p.sync = check_sync(active_rank_mask, workspace, ep_rank, ep_size, timeout_s, mailbox, enable_pdl);
+
+  if (output != nullptr) {
+    const at::Tensor& o = *output;
+    TORCH_CHECK_VALUE(o.defined(), "output must be a tensor, got an undefined tensor");
+    TORCH_CHECK_VALUE(o.scalar_type() == output_dtype, "output must be ", dtype_name(output_dtype), ", got ",
+                      dtype_name(o.scalar_type()));
+    check_on_workspace_device(o, workspace, "output");
+    std::vector<int64_t> expected{local_num_tokens};
+    expected.insert(expected.end(), row_shape.begin(), row_shape.end());
+    TORCH_CHECK_VALUE(o.sizes() == at::IntArrayRef(expected),
+                      "output must be [local_num_tokens, *row_shape] = ", at::IntArrayRef(expected),
+                      ", got shape ", o.sizes());
+    TORCH_CHECK_VALUE(o.is_contiguous(), "output must be contiguous, got strides ", o.strides());
+    p.output = static_cast<uint8_t*>(o.data_ptr());
+  }
+
+  p.local_num_tokens = local_num_tokens;
+  p.runtime_max_tokens = T;
+  p.route_offset = call_layout(ep_size, T, 0, 0, nullptr).route_offset;
+  p.combine_offset = combine_payload_offset;
+  return p;
+}
+
+SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                              int64_t runtime_max_tokens_per_rank, int64_t offset, int64_t top_k,
+                              int64_t invalid_expert_id, bool enable_pdl) {
+  SanitizeParams p{};
+  p.ws = check_workspace(workspace, ep_rank, ep_size);
+  const int64_t T = runtime_max_tokens_per_rank;
+  TORCH_CHECK_VALUE(T >= 1 && T <= kMaxNumTokens, "runtime_max_tokens_per_rank must be in [1, ",
+                    kMaxNumTokens, "], got ", T);
+  check_top_k(top_k);
+  TORCH_CHECK_VALUE(invalid_expert_id >= std::numeric_limits<int32_t>::min() &&
+                        invalid_expert_id <= std::numeric_limits<int32_t>::max(),
+                    "invalid_expert_id must fit in int32, got ", invalid_expert_id);
+  TORCH_CHECK_VALUE(offset >= kHeaderBytes && offset % int64_t(sizeof(int32_t)) == 0,
+                    "offset (of the received expert-id plane) must be a multiple of ",
+                    sizeof(int32_t), " and >= ", kHeaderBytes, ", got ", offset);
+  TORCH_CHECK_VALUE(offset <= p.ws.row_stride, "offset must be <= ", p.ws.row_stride,
+                    " (bytes per rank), got ", offset);
+  check_fits(offset + ep_size * T * top_k * int64_t(sizeof(int32_t)), p.ws.row_stride);
+  p.runtime_max_tokens = T;
+  p.offset = offset;
+  p.top_k = top_k;
+  p.invalid_expert_id = static_cast<int32_t>(invalid_expert_id);
+  p.enable_pdl = enable_pdl;
+  return p;
+}
+
+// ---- timeouts and errors --------------------------------------------------------
+
+double resolve_timeout(double timeout_s) {
+  TORCH_CHECK_VALUE(std::isfinite(timeout_s), "timeout_s must be finite, got ", timeout_s);
+  if (timeout_s > 0) return timeout_s;
+  const char* env = std::getenv("MOE_A2A_TIMEOUT_S");
+  if (env == nullptr || *env == '\0') return kDefaultTimeoutS;
+  char* end = nullptr;
+  errno = 0;
+  const double value = std::strtod(env, &end);
+  TORCH_CHECK_VALUE(end != env && *end == '\0' && errno == 0 && std::isfinite(value) && value > 0,
+                    "MOE_A2A_TIMEOUT_S must be a positive number of seconds, got '", env, "'");
+  return value;
+}
+
+uint32_t timeout_ms(double timeout_s) {
+  const double ms = std::round(timeout_s * 1000.0);
+  constexpr double kMax = static_cast<double>(std::numeric_limits<uint32_t>::max());
+  return ms >= kMax ? std::numeric_limits<uint32_t>::max() : static_cast<uint32_t>(ms);
+}
+
+std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missing,
+                           uint32_t timeout_ms) {
+  std::ostringstream os;
+  os << "rank " << ep_rank << ": ";
+  switch (code) {
+    case kErrorDispatchTimeout:
+    case kErrorCombineTimeout:
+      os << "peers " << rank_list(missing) << " did not arrive within " << seconds_text(timeout_ms)
+         << " s (" << (code == kErrorDispatchTimeout ? "dispatch" : "combine") << ")";
+      break;
+    case kErrorSequence:
+      os << "dispatch and combine must alternate on every rank, but dispatch was called twice "
+            "without a combine in between, or combine without a preceding dispatch";
+      break;
+    default:
+      os << "unknown error code " << code;
+      break;
+  }
+  os << "; the workspace stays failed until every rank calls moe_a2a_initialize again";
+  return os.str();
+}
+
+void raise_if_mailbox_error(int64_t mailbox, int64_t ep_rank) {
+  if (mailbox == 0) return;
+  // Written by a CUDA kernel through the pinned mapping; the code is written last.
+  const int64_t* words = reinterpret_cast<const int64_t*>(mailbox);
+  const int64_t code = __atomic_load_n(&words[kMetaMailboxCode - kMetaMailboxCode], __ATOMIC_ACQUIRE);
+  if (code == kErrorNone) return;
+  uint64_t missing[kRankMaskWords];
+  for (int w = 0; w < kRankMaskWords; ++w) {
+    missing[w] = static_cast<uint64_t>(
+        __atomic_load_n(&words[kMetaMailboxMissing - kMetaMailboxCode + w], __ATOMIC_RELAXED));
+  }
+  const int64_t ms = __atomic_load_n(&words[kMetaMailboxTimeoutMs - kMetaMailboxCode], __ATOMIC_RELAXED);
+  TORCH_CHECK(false, describe_error(ep_rank, static_cast<uint32_t>(code), missing,
+                                    static_cast<uint32_t>(ms)));
+}
+
+void raise_if_wait_failed(const WaitResult& result, int64_t ep_rank, uint32_t timeout_ms) {
+  if (result.code == kErrorNone) return;
+  TORCH_CHECK(false, describe_error(ep_rank, result.code, result.missing, timeout_ms));
+}
+
+namespace {
+
+// ---- CPU operators ----------------------------------------------------------------
+
+void raise_row_status(const cpu::RowStatus& status, int64_t ep_rank) {
+  switch (status.kind) {
+    case cpu::RowStatus::kOk:
+      return;
+    case cpu::RowStatus::kValueError:
+      TORCH_CHECK_VALUE(false, status.message);
+    case cpu::RowStatus::kRuntimeError:
+      TORCH_CHECK(false, status.message);
+    case cpu::RowStatus::kFailed:
+      TORCH_CHECK(false, describe_error(ep_rank, status.record.code, status.record.missing,
+                                        status.timeout_ms));
+  }
+}
+
+int64_t alloc_mailbox_cpu(const at::Tensor&) {
+  return 0;  // CPU workspaces raise at once and need no host mailbox
+}
+
+void initialize_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                    int64_t max_num_tokens, int64_t eplb_stats_num_experts, int64_t mailbox) {
+  const InitParams p = check_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts);
+  TORCH_CHECK_VALUE(mailbox == 0,
+                    "mailbox must be 0 for a CPU workspace (alloc_mailbox returned 0), got ", mailbox);
+  cpu::initialize(p);
+}
+
+void dispatch_cpu(const at::Tensor& token_selected_experts, at::TensorList input_payloads,
+                  const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                  int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k,
+                  int64_t num_experts, const std::optional<at::Tensor>& eplb_local_stats,
+                  int64_t eplb_stats_num_experts, at::IntArrayRef active_rank_mask,
+                  double timeout_s, int64_t mailbox, bool enable_pdl) {
+  const DispatchParams p = check_dispatch(
+      token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
+      runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_stats_num_experts,
+      active_rank_mask, timeout_s, mailbox, enable_pdl);
+  raise_if_mailbox_error(mailbox, ep_rank);
+  raise_row_status(cpu::check_row_for_dispatch(p.ws, max_num_tokens, eplb_stats_num_experts), ep_rank);
+  raise_if_wait_failed(cpu::dispatch(p), ep_rank, timeout_ms(p.sync.timeout_s));
+}
+
+void run_combine_cpu(const CombineParams& p, int64_t max_num_tokens, int64_t top_k, int64_t mailbox) {
+  raise_if_mailbox_error(mailbox, p.ws.ep_rank);
+  raise_row_status(cpu::check_row_for_combine(p.ws, max_num_tokens, p.local_num_tokens,
+                                              p.runtime_max_tokens, top_k),
+                   p.ws.ep_rank);
+  raise_if_wait_failed(cpu::combine(p), p.ws.ep_rank, timeout_ms(p.sync.timeout_s));
+}
+
+at::Tensor combine_cpu(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
+                       const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                       int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k,
+                       int64_t combine_payload_offset, at::IntArrayRef row_shape,
+                       at::ScalarType payload_dtype, at::ScalarType output_dtype,
+                       at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox,
+                       bool enable_pdl) {
+  CombineParams p = check_combine(payload, local_num_tokens, workspace, ep_rank, ep_size,
+                                  max_num_tokens, runtime_max_tokens_per_rank, top_k,
+                                  combine_payload_offset, row_shape, payload_dtype, output_dtype,
+                                  active_rank_mask, timeout_s, mailbox, enable_pdl, nullptr);
+  std::vector<int64_t> shape{local_num_tokens};
+  shape.insert(shape.end(), row_shape.begin(), row_shape.end());
+  at::Tensor out = at::empty(shape, workspace.options().dtype(output_dtype));
+  p.output = static_cast<uint8_t*>(out.data_ptr());
+  run_combine_cpu(p, max_num_tokens, top_k, mailbox);
+  return out;
+}
+
+void combine_into_cpu(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
+                      const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                      int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k,
+                      int64_t combine_payload_offset, at::IntArrayRef row_shape,
+                      at::ScalarType payload_dtype, at::ScalarType output_dtype,
+                      at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox,
+                      bool enable_pdl, const at::Tensor& output) {
+  const CombineParams p = check_combine(payload, local_num_tokens, workspace, ep_rank, ep_size,
+                                        max_num_tokens, runtime_max_tokens_per_rank, top_k,
+                                        combine_payload_offset, row_shape, payload_dtype,
+                                        output_dtype, active_rank_mask, timeout_s, mailbox,
+                                        enable_pdl, &output);
+  run_combine_cpu(p, max_num_tokens, top_k, mailbox);
+}
+
+void sanitize_expert_ids_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                             int64_t runtime_max_tokens_per_rank, int64_t offset, int64_t top_k,
+                             int64_t invalid_expert_id, bool enable_pdl) {
+  const SanitizeParams p = check_sanitize(workspace, ep_rank, ep_size, runtime_max_tokens_per_rank,
+                                          offset, top_k, invalid_expert_id, enable_pdl);
+  raise_row_status(cpu::check_row_for_sanitize(p.ws), ep_rank);
+  cpu::sanitize_expert_ids(p);
+}
+
+// ---- tensor-free layout operators (the C++ side of tests/test_layout.py) -----------
+
+int64_t workspace_size_per_rank_op(int64_t ep_size, int64_t max_num_tokens,
+                                   int64_t total_dispatch_payload_size_per_token,
+                                   int64_t combine_payload_size_per_token,
+                                   int64_t eplb_stats_num_experts) {
+  check_ranks(/*ep_rank=*/0, ep_size);
+  check_max_num_tokens(max_num_tokens);
+  TORCH_CHECK_VALUE(total_dispatch_payload_size_per_token >= 0 &&
+                        total_dispatch_payload_size_per_token <= kMaxPayloads * kMaxRowBytes,
+                    "total_dispatch_payload_size_per_token must be in [0, ", kMaxPayloads * kMaxRowBytes,
+                    "], got ", total_dispatch_payload_size_per_token);
+  TORCH_CHECK_VALUE(combine_payload_size_per_token >= 0 && combine_payload_size_per_token <= kMaxRowBytes,
+                    "combine_payload_size_per_token must be in [0, ", kMaxRowBytes, "], got ",
+                    combine_payload_size_per_token);
+  check_eplb_n(eplb_stats_num_experts);
+  return workspace_size_per_rank(ep_size, max_num_tokens, total_dispatch_payload_size_per_token,
+                                 combine_payload_size_per_token, eplb_stats_num_experts);
+}
+
+// [route_offset, eplb_offset, payload_offset_0, ..., combine_offset]
+std::vector<int64_t> call_layout_op(int64_t ep_size, int64_t runtime_max_tokens_per_rank,
+                                    int64_t eplb_n, at::IntArrayRef payload_row_bytes) {
+  check_ranks(/*ep_rank=*/0, ep_size);
+  TORCH_CHECK_VALUE(runtime_max_tokens_per_rank >= 1 && runtime_max_tokens_per_rank <= kMaxNumTokens,
+                    "runtime_max_tokens_per_rank must be in [1, ", kMaxNumTokens, "], got ",
+                    runtime_max_tokens_per_rank);
+  check_eplb_n(eplb_n);
+  TORCH_CHECK_VALUE(payload_row_bytes.size() <= size_t(kMaxPayloads), "payload_row_bytes must hold at most ",
+                    kMaxPayloads, " sizes, got ", payload_row_bytes.size());
+  for (const int64_t b : payload_row_bytes) {
+    TORCH_CHECK_VALUE(b >= 0 && b <= kMaxRowBytes, "payload_row_bytes must be in [0, ", kMaxRowBytes,
+                      "], got ", payload_row_bytes);
+  }
+  const CallLayout l = call_layout(ep_size, runtime_max_tokens_per_rank, eplb_n,
+                                   static_cast<int>(payload_row_bytes.size()), payload_row_bytes.data());
+  std::vector<int64_t> out{l.route_offset, l.eplb_offset};
+  out.insert(out.end(), l.payload_offset, l.payload_offset + l.num_payloads);
+  out.push_back(l.combine_offset);
+  return out;
+}
+
+// The values of torch_moe_a2a.layout.CONSTANTS, in that dict's order.
+std::vector<int64_t> constants_op() {
+  return {
+      kMaxRanks,
+      kRankMaskWords,
+      kMaxTopK,
+      kMaxPayloads,
+      kMaxNumTokens,
+      kAlign,
+      kRouteRankShift,
+      kMetaCount,
+      kMetaMailboxCode,
+      kMetaMailboxMissing,
+      kMetaMailboxTimeoutMs,
+      kMetaMailboxAddr,
+      kMagic,
+      kVersion,
+      kHdrDispatchEpoch,
+      kHdrCombineEpoch,
+      kHdrErrorCode,
+      kHdrErrorTimeoutMs,
+      kHdrErrorMissing,
+      kHdrInvalidExpertCount,
+      kHdrLastLocalTokens,
+      kHdrDispatchFlags,
+      kHdrCombineFlags,
+      kHdrRecvCounts,
+      kHeaderBytes,
+  };
+}
+
+}  // namespace
+}  // namespace moe_a2a
+
+TORCH_LIBRARY(moe_a2a, m) {
+  using namespace moe_a2a;
+  m.def(kSchemaWorkspaceSize, &workspace_size_per_rank_op, {at::Tag::pt2_compliant_tag});
+  m.def(kSchemaCallLayout, &call_layout_op, {at::Tag::pt2_compliant_tag});
+  m.def(kSchemaConstants, &constants_op, {at::Tag::pt2_compliant_tag});
+  m.def(kSchemaAllocMailbox, {at::Tag::pt2_compliant_tag});
+  m.def(kSchemaInitialize, {at::Tag::pt2_compliant_tag});
+  m.def(kSchemaDispatch, {at::Tag::pt2_compliant_tag});
+  m.def(kSchemaCombine, {at::Tag::pt2_compliant_tag});
+  m.def(kSchemaCombineInto, {at::Tag::pt2_compliant_tag});
+  m.def(kSchemaSanitize, {at::Tag::pt2_compliant_tag});
+}
+
+TORCH_LIBRARY_IMPL(moe_a2a, CPU, m) {
+  using namespace moe_a2a;
+  m.impl("alloc_mailbox", &alloc_mailbox_cpu);
+  m.impl("initialize", &initialize_cpu);
+  m.impl("dispatch", &dispatch_cpu);
+  m.impl("combine", &combine_cpu);
+  m.impl("combine_into", &combine_into_cpu);
+  m.impl("sanitize_expert_ids", &sanitize_expert_ids_cpu);
+}

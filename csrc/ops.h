@@ -1,0 +1,108 @@
+// Host-side glue shared by the CPU registration (ops.cpp) and the CUDA
+// registration (cuda/register.cpp): one validating builder per operator, the
+// timeout resolution and the error reporting.
+//
+// Every check_* builder checks EVERY argument of its operator before anything
+// touches memory and returns the params struct of params.h that the kernels
+// consume. Bad values, shapes, dtypes, devices and sizes raise c10::ValueError
+// (Python ValueError); options we do not implement raise
+// c10::NotImplementedError. The builders do not read the workspace's contents
+// (on CUDA they cannot without a sync): the CPU kernels check the rank header
+// separately (cpu/kernels.h), the CUDA kernels on the device.
+//
+// The builders take the values the Python layer unpacked from metainfo
+// (schemas.h explains why ops take ints, not the metainfo tensor). SymInt
+// schema arguments arrive here as concrete ints: real kernels only ever see
+// concrete sizes.
+#pragma once
+
+#include <stdint.h>
+
+#include <optional>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/ArrayRef.h>
+
+#include "params.h"
+#include "protocol.h"
+
+namespace moe_a2a {
+
+// ---- dtypes -----------------------------------------------------------------
+// Combine sums fp32, fp16 and bf16 rows only. `arg` names the argument in the
+// error message (ValueError for any other dtype).
+DType to_dtype(at::ScalarType t, const char* arg);
+at::ScalarType to_scalar_type(DType d);
+
+// ---- validating builders ----------------------------------------------------
+// initialize: workspace [ep_size, size_per_rank] uint8 contiguous with
+// size_per_rank a multiple of kAlign and >= kHeaderBytes; ranks and
+// max_num_tokens within the limits; eplb_n >= 0.
+InitParams check_initialize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                            int64_t max_num_tokens, int64_t eplb_n);
+
+// dispatch: the arguments of kSchemaDispatch, in order. The returned
+// params.layout is the call's CallLayout (eplb region only when
+// eplb_local_stats is given) and is known to fit in size_per_rank.
+// timeout_s is resolved (resolve_timeout); `mailbox` (0 or the address
+// initialize returned) becomes params.sync.mailbox.
+DispatchParams check_dispatch(const at::Tensor& token_selected_experts,
+                              at::TensorList input_payloads, const at::Tensor& workspace,
+                              int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                              int64_t runtime_max_tokens_per_rank, int64_t top_k,
+                              int64_t num_experts,
+                              const std::optional<at::Tensor>& eplb_local_stats,
+                              int64_t eplb_stats_num_experts, at::IntArrayRef active_rank_mask,
+                              double timeout_s, int64_t mailbox, bool enable_pdl);
+
+// combine / combine_into: the arguments of the combine schemas, in order;
+// `output` is nullptr for combine (the caller allocates the output after the
+// check and sets params.output) and the destination tensor for combine_into.
+// `payload` absent means the payload already sits in the workspace at
+// combine_payload_offset (params.payload == nullptr).
+CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
+                            const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                            int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
+                            int64_t top_k, int64_t combine_payload_offset,
+                            at::IntArrayRef row_shape, at::ScalarType payload_dtype,
+                            at::ScalarType output_dtype, at::IntArrayRef active_rank_mask,
+                            double timeout_s, int64_t mailbox, bool enable_pdl,
+                            const at::Tensor* output);
+
+// sanitize_expert_ids: the arguments of kSchemaSanitize, in order.
+SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                              int64_t runtime_max_tokens_per_rank, int64_t offset, int64_t top_k,
+                              int64_t invalid_expert_id, bool enable_pdl);
+
+// ---- timeouts ---------------------------------------------------------------
+// timeout_s > 0 is used as given; <= 0 means "the default": the environment
+// variable MOE_A2A_TIMEOUT_S (read on every call, so a test or a job can change
+// it between calls), else kDefaultTimeoutS. Raises ValueError for a
+// non-finite timeout or an unparsable / non-positive environment value.
+double resolve_timeout(double timeout_s);
+
+// Milliseconds recorded in an error record for a timeout (saturating uint32).
+uint32_t timeout_ms(double timeout_s);
+
+// ---- errors -----------------------------------------------------------------
+// The message of an error record, e.g.
+//   "rank 0: peers [1] did not arrive within 2.0 s (dispatch); ..."
+// `missing` points to kRankMaskWords words (bit p: peer p did not arrive).
+std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missing,
+                           uint32_t timeout_ms);
+
+// `mailbox` is 0 (CPU workspace: nothing to do) or the address initialize
+// returned: pinned host int64 words laid out like metainfo's mailbox words
+// (word i of the mailbox = metainfo word kMetaMailboxCode + i): the error
+// code, kRankMaskWords words of missing-peer mask, the timeout in ms. A CUDA
+// kernel that timed out wrote them, the code last; raises
+// RuntimeError(describe_error(...)) when the code is set.
+// The mailbox is not cleared: the workspace stays failed until initialize.
+void raise_if_mailbox_error(int64_t mailbox, int64_t ep_rank);
+
+// Raises RuntimeError(describe_error(...)) when `result` carries an error.
+void raise_if_wait_failed(const WaitResult& result, int64_t ep_rank, uint32_t timeout_ms);
+
+}  // namespace moe_a2a

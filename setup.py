@@ -1,0 +1,82 @@
+"""Builds torch_moe_a2a._C: the torch.ops.moe_a2a operator library.
+
+CPU and Meta kernels always; the CUDA kernels too when torch was built with
+CUDA and nvcc is available (CUDA_HOME). Install with
+``pip install --no-build-isolation -e .`` so the extension is compiled against
+the torch it runs with.
+"""
+
+import glob
+import os
+
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def sources(pattern: str) -> list[str]:
+    # Relative paths: setuptools rejects absolute source paths in editable builds.
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def gencode_flags() -> list[str]:
+    """nvcc -gencode flags for TORCH_CUDA_ARCH_LIST ("9.0", "8.0;9.0+PTX", ...)."""
+    flags = []
+    for arch in os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0").replace(",", ";").replace(" ", ";").split(";"):
+        if not arch:
+            continue
+        ptx = arch.endswith("+PTX")
+        number = arch.removesuffix("+PTX").replace(".", "")
+        flags.append(f"-gencode=arch=compute_{number},code=sm_{number}")
+        if ptx:
+            flags.append(f"-gencode=arch=compute_{number},code=compute_{number}")
+    return flags
+
+
+# No -std flag: torch's BuildExtension adds the standard its headers need
+# (C++20 for torch 2.13, whose headers warn under C++17).
+cxx_flags = ["-O3", "-fopenmp"]
+# at::parallel_for runs the copies on OpenMP threads: link the runtime too.
+link_flags = ["-fopenmp"]
+ext_sources = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp") + sources("meta_kernels/*.cpp")
+include_dirs = [os.path.join(ROOT, "csrc")]
+
+with_cuda = torch.version.cuda is not None and CUDA_HOME is not None
+if with_cuda:
+    extension = CUDAExtension(
+        name="torch_moe_a2a._C",
+        sources=ext_sources + sources("csrc/cuda/*.cu") + sources("csrc/cuda/*.cpp"),
+        include_dirs=include_dirs,
+        define_macros=[("MOE_A2A_WITH_CUDA", None)],
+        extra_compile_args={
+            "cxx": cxx_flags,
+            "nvcc": ["-O3", "--expt-relaxed-constexpr", *gencode_flags()],
+        },
+        extra_link_args=link_flags,
+    )
+else:
+    extension = CppExtension(
+        name="torch_moe_a2a._C",
+        sources=ext_sources,
+        include_dirs=include_dirs,
+        extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=link_flags,
+    )
+
+class IncrementalBuildExtension(BuildExtension):
+    """pip's editable builds compile in a fresh temporary folder; a fixed one
+    (build/temp, git-ignored) lets ninja skip objects that are up to date."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.build_temp = os.path.join(ROOT, "build", "temp")
+
+
+# Name, version and dependencies live in pyproject.toml.
+setup(
+    packages=["torch_moe_a2a"],
+    ext_modules=[extension],
+    cmdclass={"build_ext": IncrementalBuildExtension},
+)
