@@ -42,6 +42,11 @@
 //
 // dispatch n on rank s (n = own dispatch_epoch + 1; requires own
 // dispatch_epoch == own combine_epoch, else "two dispatches in a row"):
+//   0. only when this call's regions reach past the previous call's combine
+//      offset (dispatch_end > own kHdrLastDispatchEnd: T or the payload rows
+//      grew): acquire-wait until combine_epoch >= n - 1 in every active peer
+//      p's own header (p finished pulling combine n - 1) before writing
+//      anything; then own kHdrLastDispatchEnd := dispatch_end
 //   1. route every local token (skip ids < 0, count and skip ids >= num_experts,
 //      drop masked-off ranks), slots = per-destination running count in
 //      increasing token index (deterministic, no atomics order)
@@ -57,7 +62,7 @@
 //   3. acquire: wait until own combine_flag[p] >= n for every active peer p
 //   4. pull: out[t] = sum over route[t] (ascending rank) of
 //      combine_region_of(rank)[r][slot], accumulated in fp32, zeros when empty
-//   5. own combine_epoch := n
+//   5. own combine_epoch := n (release: dispatch step 0 of the peers reads it)
 //
 // Why no extra barrier is needed between calls (buffer reuse chain):
 //   * rank s's dispatch n+1 writes into peer d's planes only after s's combine
@@ -67,6 +72,14 @@
 //     place) only after r's dispatch n+1 saw every peer p's dispatch-(n+1)
 //     flag, which p raised after its combine n finished pulling from r.
 //   * recv_count / eplb rows follow the same chain as the planes.
+//   * the layout moves with T and the payload sizes, so round n+1's route
+//     region, eplb rows and planes in d's row may cover d's round-n combine
+//     region, which every source rank pulls from during its combine n: hence
+//     dispatch step 0. Every region a dispatch writes lies in
+//     [kHeaderBytes, dispatch_end) and combine region n starts at
+//     dispatch_end of round n (equal on all ranks: same T and payload rows),
+//     so the two overlap only when dispatch_end grew; the steady state (same
+//     shapes every round) never waits there.
 // Misuse that breaks the chain (two dispatches in a row, combine without
 // dispatch) is detected from the own epochs and refused with a clear error.
 //
@@ -123,6 +136,7 @@ enum MetaIndex : int {
   kMetaMailboxCode,       // kError* (0: none)
   kMetaMailboxMissing,    // kRankMaskWords words: peers that did not arrive
   kMetaMailboxTimeoutMs = kMetaMailboxMissing + kRankMaskWords,
+  kMetaMailboxAddr,       // address of the pinned host mailbox (CUDA), 0 on the CPU
   kMetaCount
 };
 constexpr int64_t kMagic = 0x4d6f65413241LL;  // "MoeA2A"
@@ -151,6 +165,13 @@ constexpr int64_t kHdrInvalidExpertCount = 48;   // int64, own, cumulative since
 constexpr int64_t kHdrLastLocalTokens = 56;      // int32, own: last dispatch's local_num_tokens
 constexpr int64_t kHdrLastRuntimeMax = 60;       // int32, own: last dispatch's T
 constexpr int64_t kHdrLastTopK = 64;             // int32, own: last dispatch's top_k
+// CUDA scratch, own, zero between calls: how many CTAs of the running
+// dispatch / combine kernel have finished writing (the last one to arrive
+// resets it and raises the flags; see csrc/cuda/device.cuh).
+constexpr int64_t kHdrDispatchArrivals = 68;     // uint32
+constexpr int64_t kHdrCombineArrivals = 72;      // uint32: CTAs done staging
+constexpr int64_t kHdrCombineDoneArrivals = 76;  // uint32: CTAs done pulling
+constexpr int64_t kHdrLastDispatchEnd = 80;      // int64, own: CallLayout::dispatch_end of the last dispatch
 constexpr int64_t kHdrDispatchFlags = 128;       // uint32 [kMaxRanks], [s] written by rank s
 constexpr int64_t kHdrCombineFlags = kHdrDispatchFlags + 4 * kMaxRanks;  // uint32 [kMaxRanks]
 constexpr int64_t kHdrRecvCounts = kHdrCombineFlags + 4 * kMaxRanks;     // int32 [kMaxRanks]

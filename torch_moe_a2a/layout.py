@@ -6,6 +6,7 @@ from these numbers; ``tests/test_layout.py`` proves they equal the C++ ones
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # ---- limits ----------------------------------------------------------------
@@ -33,7 +34,8 @@ META_HEADER_BYTES = 7
 META_MAILBOX_CODE = 8
 META_MAILBOX_MISSING = 9
 META_MAILBOX_TIMEOUT_MS = META_MAILBOX_MISSING + MOE_A2A_RANK_MASK_WORDS
-META_COUNT = META_MAILBOX_TIMEOUT_MS + 1
+META_MAILBOX_ADDR = META_MAILBOX_TIMEOUT_MS + 1  # the op's `mailbox` argument
+META_COUNT = META_MAILBOX_ADDR + 1
 MAGIC = 0x4D6F65413241
 VERSION = 1
 
@@ -58,6 +60,10 @@ HDR_INVALID_EXPERT_COUNT = 48
 HDR_LAST_LOCAL_TOKENS = 56
 HDR_LAST_RUNTIME_MAX = 60
 HDR_LAST_TOP_K = 64
+HDR_DISPATCH_ARRIVALS = 68  # CUDA grid scratch
+HDR_COMBINE_ARRIVALS = 72  # CUDA grid scratch
+HDR_COMBINE_DONE_ARRIVALS = 76  # CUDA grid scratch
+HDR_LAST_DISPATCH_END = 80  # dispatch step 0 (protocol.h)
 HDR_DISPATCH_FLAGS = 128
 HDR_COMBINE_FLAGS = HDR_DISPATCH_FLAGS + 4 * MAX_RANKS
 HDR_RECV_COUNTS = HDR_COMBINE_FLAGS + 4 * MAX_RANKS
@@ -77,6 +83,7 @@ CONSTANTS = {
     "META_MAILBOX_CODE": META_MAILBOX_CODE,
     "META_MAILBOX_MISSING": META_MAILBOX_MISSING,
     "META_MAILBOX_TIMEOUT_MS": META_MAILBOX_TIMEOUT_MS,
+    "META_MAILBOX_ADDR": META_MAILBOX_ADDR,
     "MAGIC": MAGIC,
     "VERSION": VERSION,
     "HDR_DISPATCH_EPOCH": HDR_DISPATCH_EPOCH,
@@ -151,3 +158,15 @@ def expert_range(num_experts: int, ep_size: int, rank: int) -> tuple[int, int]:
     base, extra = divmod(num_experts, ep_size)
     first = rank * base + min(rank, extra)
     return first, first + base + (1 if rank < extra else 0)
+
+
+# ---- views ----------------------------------------------------------------------
+def region_view(row, offset: int, shape, dtype):
+    """View ``shape`` of ``dtype`` at byte ``offset`` of ``row``, one rank's 1-D uint8 row.
+
+    Ordinary view ops only (narrow, view(dtype), view(shape)), so the result
+    aliases the workspace and traces under torch.compile. ``offset`` must be a
+    multiple of ``dtype``'s size (every region starts ALIGN-aligned).
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    return row.narrow(0, offset, nbytes).view(dtype).view(shape)
