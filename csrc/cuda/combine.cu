@@ -1,0 +1,285 @@
+// The combine kernels: protocol.h's combine n on rank r, in one persistent
+// grid per rank, one instantiation per (payload dtype, output dtype) pair.
+//
+// Design: every CTA stages a share of the received rows into the own combine
+// region; the last CTA to arrive (arrival counter in the own header) raises
+// the combine flags of every active rank, including its own, which is what
+// tells this grid's other CTAs that the whole region is staged; every CTA then
+// waits for all active ranks' flags and pulls. The pull sums, per token and
+// element, the destinations' rows in ascending rank order (the route order)
+// in fp32 from 0.0f and rounds once to the output dtype with
+// round-to-nearest-even: the CPU's arithmetic, so the results are bitwise
+// identical.
+#include <algorithm>
+#include <limits>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "device.cuh"
+
+namespace moe_a2a {
+namespace gpu {
+namespace {
+
+// Vectors of a sum in flight per lane (each needs kElems fp32 accumulators).
+constexpr int kSumUnroll = 2;
+
+// Element types: bit storage plus the exact conversions (no implicit half
+// conversions: torch builds with __CUDA_NO_HALF_CONVERSIONS__ and friends).
+struct F32 {
+  using Bits = float;
+  __device__ static float to_float(Bits b) { return b; }
+  __device__ static Bits from_float(float f) { return f; }
+};
+struct F16 {
+  using Bits = uint16_t;
+  __device__ static float to_float(Bits b) { return __half2float(__ushort_as_half(b)); }
+  __device__ static Bits from_float(float f) { return __half_as_ushort(__float2half_rn(f)); }
+};
+struct BF16 {
+  using Bits = uint16_t;
+  __device__ static float to_float(Bits b) { return __bfloat162float(__ushort_as_bfloat16(b)); }
+  __device__ static Bits from_float(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
+};
+
+// kElems elements moved as one vector access.
+template <typename Bits, int kElems>
+union Packed {
+  typename VecOf<int(sizeof(Bits)) * kElems>::T raw;
+  Bits v[kElems];
+};
+
+struct CombineArgs {
+  CombineParams p;
+  WaitLimits limits;
+  int64_t row_bytes;  // of a payload row
+  bool stage;         // p.payload must be copied into the own combine region
+  CopyPlan stage_plan;
+  int pull_elems;  // elements per vector access of the pull
+  int pull_lanes;
+  int64_t pull_segments;  // per row
+};
+
+// 1. Stage: the first recv_count[s] rows of payload[s] for every active
+// source s (clamped to T, as on the CPU) into the own combine region. Work
+// items are (received row, segment) pairs spread over the grid.
+__device__ void stage_rows(const CombineArgs& a) {
+  const CombineParams& p = a.p;
+  const WorkspaceView& ws = p.ws;
+  uint8_t* own = ws.row(ws.ep_rank);
+  const int64_t T = p.runtime_max_tokens;
+  __shared__ int64_t first_row[kMaxRanks + 1];  // staged rows before source s
+  if (threadIdx.x == 0) {
+    int64_t total = 0;
+    for (int s = 0; s < ws.ep_size; ++s) {
+      first_row[s] = total;
+      if (!rank_active(p.sync, s)) continue;
+      const int32_t count = *header_word<int32_t>(own, kHdrRecvCounts + int64_t(sizeof(int32_t)) * s);
+      total += min(int64_t(max(count, 0)), T);
+    }
+    first_row[ws.ep_size] = total;
+  }
+  __syncthreads();
+  const CopyPlan& plan = a.stage_plan;
+  uint8_t* region = own + p.combine_offset;
+  const int groups_per_cta = kThreads / plan.lanes;
+  const int64_t groups = int64_t(gridDim.x) * groups_per_cta;
+  const int lane_in_group = threadIdx.x % plan.lanes;
+  const int64_t items = first_row[ws.ep_size] * plan.segments;
+  int s = 0;  // a group's rows only increase, so its source index only moves forward
+  for (int64_t item = int64_t(blockIdx.x) * groups_per_cta + threadIdx.x / plan.lanes; item < items;
+       item += groups) {
+    const int64_t row = plan.segments == 1 ? item : item / plan.segments;
+    const int segment = plan.segments == 1 ? 0 : static_cast<int>(item % plan.segments);
+    while (first_row[s + 1] <= row) ++s;
+    const int64_t offset = (int64_t(s) * T + row - first_row[s]) * a.row_bytes;
+    copy_segment_any(p.payload + offset, plan, segment, lane_in_group,
+                     [&](int k) -> uint8_t* { return k == 0 ? region + offset : nullptr; });
+  }
+}
+
+// 4. Pull: out[t] = sum over the route of t of the destination's row [r, slot].
+template <typename In, typename Out, int kElems>
+__device__ void pull_rows(const CombineArgs& a) {
+  using InVec = Packed<typename In::Bits, kElems>;
+  using OutVec = Packed<typename Out::Bits, kElems>;
+  using InRaw = decltype(InVec::raw);
+  using OutRaw = decltype(OutVec::raw);
+  const CombineParams& p = a.p;
+  const WorkspaceView& ws = p.ws;
+  const int32_t* routes = reinterpret_cast<const int32_t*>(ws.row(ws.ep_rank) + p.route_offset);
+  const int64_t T = p.runtime_max_tokens;
+  const int64_t vectors = p.row_elems / kElems;
+  const int64_t source_row = int64_t(ws.ep_rank) * T;
+  const int lanes = a.pull_lanes;
+  const int64_t segments = a.pull_segments;
+  const int groups_per_cta = kThreads / lanes;
+  const int64_t groups = int64_t(gridDim.x) * groups_per_cta;
+  const int lane_in_group = threadIdx.x % lanes;
+  const int64_t items = p.local_num_tokens * segments;
+  for (int64_t item = int64_t(blockIdx.x) * groups_per_cta + threadIdx.x / lanes; item < items; item += groups) {
+    const int64_t t = segments == 1 ? item : item / segments;
+    const int64_t segment = segments == 1 ? 0 : item % segments;
+    const int64_t first = segment * lanes * kSumUnroll + lane_in_group;
+    float acc[kSumUnroll][kElems];
+#pragma unroll
+    for (int u = 0; u < kSumUnroll; ++u) {
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) acc[u][e] = 0.0f;
+    }
+    const int32_t* route = routes + t * kMaxTopK;
+    for (int k = 0; k < kMaxTopK; ++k) {
+      const int32_t entry = route[k];
+      if (entry == kRouteEnd) break;
+      const int d = route_rank(entry);
+      const int64_t slot = route_slot(entry);
+      // A rank masked off since the dispatch was not waited for: its rows are
+      // not final (as on the CPU). An entry outside this call's planes can
+      // only come from a combine whose sizes differ from its dispatch's, which
+      // the CPU refuses up front and the device cannot check before running:
+      // it is skipped rather than read out of bounds.
+      if (d >= ws.ep_size || slot >= T || !rank_active(p.sync, d)) continue;
+      const InRaw* src =
+          reinterpret_cast<const InRaw*>(ws.row(d) + p.combine_offset + (source_row + slot) * a.row_bytes);
+      InVec x[kSumUnroll];
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+        const int64_t v = first + int64_t(u) * lanes;
+        x[u].raw = v < vectors ? src[v] : InRaw{};
+      }
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) acc[u][e] += In::to_float(x[u].v[e]);
+      }
+    }
+    OutRaw* dst = reinterpret_cast<OutRaw*>(p.output) + t * vectors;
+#pragma unroll
+    for (int u = 0; u < kSumUnroll; ++u) {
+      const int64_t v = first + int64_t(u) * lanes;
+      if (v >= vectors) continue;
+      OutVec y;
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) y.v[e] = Out::from_float(acc[u][e]);
+      dst[v] = y.raw;
+    }
+  }
+}
+
+// pull_rows with the vector width picked at run time, from the widest.
+template <typename In, typename Out, int kElems = 16 / int(sizeof(typename In::Bits))>
+__device__ void pull_rows_any(const CombineArgs& a) {
+  if constexpr (kElems > 1) {
+    if (a.pull_elems != kElems) return pull_rows_any<In, Out, kElems / 2>(a);
+  }
+  pull_rows<In, Out, kElems>(a);
+}
+
+template <typename In, typename Out>
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const __grid_constant__ CombineArgs a) {
+  wait_for_previous_grid();
+  const CombineParams& p = a.p;
+  const WorkspaceView& ws = p.ws;
+  uint8_t* own = ws.row(ws.ep_rank);
+  const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
+  const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
+  if (!may_proceed(own, p.sync.mailbox, dispatch_epoch == combine_epoch + 1)) return;
+  const uint32_t epoch = combine_epoch + 1;
+
+  // 1. Stage.
+  if (a.stage) stage_rows(a);
+
+  // 2. Release: the last CTA publishes the whole grid's staging (device.cuh
+  // explains the chain) to the peers and to this grid's own CTAs.
+  const bool last = arrive_last(header_word<uint32_t>(own, kHdrCombineArrivals));
+  if (last) raise_flags(ws, p.sync, kHdrCombineFlags, epoch);
+
+  // 3. Acquire: every CTA, so that each one's pull loads follow its own
+  // acquire of every flag (own rank's included).
+  if (!wait_for_flags(ws, p.sync, kHdrCombineFlags, epoch, kErrorCombineTimeout, a.limits)) return;
+  allow_dependent_launch();
+
+  // 4. Pull.
+  pull_rows_any<In, Out>(a);
+
+  // 5. Advance once every CTA finished pulling, with a release store: a
+  // peer's dispatch step 0 reads this word before it overwrites regions this
+  // pull read (arrive_last's fences carry every CTA's loads along). Every
+  // CTA read the epochs before it arrived; only the last one writes.
+  if (arrive_last(header_word<uint32_t>(own, kHdrCombineDoneArrivals)) && threadIdx.x == 0) {
+    st_release_sys(header_word<uint32_t>(own, kHdrCombineEpoch), epoch);
+  }
+}
+
+// Lowers *ctas_per_sm to the occupancy of combine_kernel<In, Out>.
+template <typename In, typename Out>
+cudaError_t lower_to_occupancy(int* ctas_per_sm) {
+  int n = 0;
+  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, combine_kernel<In, Out>, kThreads, 0);
+  if (err == cudaSuccess) *ctas_per_sm = std::min(*ctas_per_sm, n);
+  return err;
+}
+
+int64_t dtype_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
+
+}  // namespace
+
+cudaError_t combine_ctas_per_sm(int* ctas_per_sm) {
+  *ctas_per_sm = std::numeric_limits<int>::max();
+  cudaError_t err = lower_to_occupancy<F32, F32>(ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy<F16, F16>(ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy<BF16, BF16>(ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy<F32, BF16>(ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy<F16, BF16>(ctas_per_sm);
+  return err;
+}
+
+cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, cudaStream_t stream) {
+  CombineArgs a{};
+  a.p = p;
+  a.limits = make_wait_limits(p.sync.timeout_s, config.timeout_ms);
+  const int64_t in_bytes = dtype_bytes(p.payload_dtype);
+  const int64_t out_bytes = dtype_bytes(p.output_dtype);
+  a.row_bytes = p.row_elems * in_bytes;
+  if (a.row_bytes > kMaxKernelRowBytes) return cudaErrorInvalidValue;
+  // Combine rows start at base + d * row_stride + combine_offset + row * row_bytes.
+  const uint64_t rows_bits = address_bits(p.ws.base) | uint64_t(p.ws.row_stride) | uint64_t(p.combine_offset);
+  const uint8_t* region = p.ws.row(p.ws.ep_rank) + p.combine_offset;
+  a.stage = p.payload != nullptr && p.payload != region;
+  if (a.stage) a.stage_plan = make_copy_plan(a.row_bytes, rows_bits | address_bits(p.payload));
+  // The widest element count whose input and output vectors are aligned.
+  int elems = int(16 / in_bytes);
+  while (elems > 1 && (p.row_elems % elems != 0 || rows_bits % uint64_t(elems * in_bytes) != 0 ||
+                       address_bits(p.output) % uint64_t(elems * out_bytes) != 0)) {
+    elems /= 2;
+  }
+  a.pull_elems = elems;
+  const int64_t vectors = p.row_elems / elems;
+  a.pull_lanes = lanes_per_row(vectors, kSumUnroll);
+  const int64_t per_segment = int64_t(a.pull_lanes) * kSumUnroll;
+  a.pull_segments = (vectors + per_segment - 1) / per_segment;
+
+  const int grid = spinning_grid_size(config);
+  const bool pdl = p.sync.enable_pdl && config.pdl_supported;
+  const DType in = p.payload_dtype, out = p.output_dtype;
+  if (in == DType::kFloat32 && out == DType::kFloat32) {
+    return launch_kernel(combine_kernel<F32, F32>, grid, kThreads, stream, pdl, a);
+  }
+  if (in == DType::kFloat16 && out == DType::kFloat16) {
+    return launch_kernel(combine_kernel<F16, F16>, grid, kThreads, stream, pdl, a);
+  }
+  if (in == DType::kBFloat16 && out == DType::kBFloat16) {
+    return launch_kernel(combine_kernel<BF16, BF16>, grid, kThreads, stream, pdl, a);
+  }
+  if (in == DType::kFloat32 && out == DType::kBFloat16) {
+    return launch_kernel(combine_kernel<F32, BF16>, grid, kThreads, stream, pdl, a);
+  }
+  if (in == DType::kFloat16 && out == DType::kBFloat16) {
+    return launch_kernel(combine_kernel<F16, BF16>, grid, kThreads, stream, pdl, a);
+  }
+  return cudaErrorInvalidValue;  // ops.h admits only the pairs above
+}
+
+}  // namespace gpu
+}  // namespace moe_a2a

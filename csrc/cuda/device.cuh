@@ -1,0 +1,454 @@
+// Device-side building blocks shared by the CUDA kernels (internal header of
+// csrc/cuda: memory ordering, bounded waits, error records, grid arrival,
+// vector copies). No torch header.
+//
+// ---------------------------------------------------------------------------
+// Memory ordering: why each flag is correct
+// ---------------------------------------------------------------------------
+// Peers may be other GPUs (NVLink mappings) or other processes, so every
+// flag that another rank reads is written with st.release.sys and read with
+// ld.acquire.sys; gpu scope would only cover simulated ranks on one device.
+// Payload rows, receive counts and EPLB rows are ordinary stores: the flag
+// that follows them is what publishes them.
+//
+// * Publishing the work of a whole grid (dispatch flags, combine flags). The
+//   rows are written by every thread of every CTA, but one thread of the last
+//   CTA raises the flag. The chain, for a CTA X and the last CTA L:
+//     X's threads store rows -> __syncthreads (bar.sync orders them before
+//     thread 0's next operations) -> X.thread0: __threadfence_system, then
+//     atomicAdd on the arrival counter (a release pattern) -> L.thread0's
+//     atomicAdd reads a value that X's increment is part of (observation
+//     order runs through the chain of read-modify-writes) ->
+//     L.thread0: __threadfence_system (an acquire pattern) -> __syncthreads
+//     -> L.thread d: st.release.sys flag into rank d's header.
+//   Causality order is transitive across these steps, so a peer that
+//   acquire-loads the flag and sees the new epoch also sees every row of
+//   every CTA of the grid. The release store itself orders the storing
+//   thread's own earlier accesses; the fences are what carry the other
+//   threads' stores along.
+// * A release also orders earlier LOADS: when rank r raises its combine
+//   flag, r's own reads of the data a peer will overwrite next (recv_count
+//   rows read by the staging, the receive planes read by r's MoE before this
+//   kernel) are complete. That is the buffer-reuse chain of protocol.h.
+// * Consuming: one thread per peer acquire-loads the peer's flag in the own
+//   header, then __syncthreads hands what it observed to the whole CTA; loads
+//   after the barrier see the published rows. Data read by LATER kernels
+//   (the MoE reading the receive planes) is ordered by the kernel boundary
+//   after the acquire, or by griddepcontrol.wait under PDL.
+// * Own epochs and own scratch are read and written only by this rank's
+//   kernels, which its stream serializes (griddepcontrol.wait under PDL waits
+//   for the previous grid's completion and memory flush). Inside one kernel,
+//   every CTA reads the epochs before it arrives, and only the last CTA,
+//   which saw every arrival, writes them, so no CTA reads a half-advanced
+//   epoch.
+// * Error records: the first error of a rank claims kHdrErrorCode by CAS, so
+//   exactly one thread fills the record. Other CTAs poll the code with relaxed
+//   loads only to stop waiting; no data depends on it. The host mailbox gets
+//   the missing mask and milliseconds first, __threadfence_system, then the
+//   code with a release store: raise_if_mailbox_error acquire-loads the code
+//   and only then reads the rest.
+#pragma once
+
+#include <stdint.h>
+
+#include <utility>
+
+#include <cuda_runtime.h>
+
+#include "../params.h"
+#include "../protocol.h"
+#include "kernels.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
+#error "torch-moe-a2a's CUDA kernels need sm_70 or newer (acquire/release PTX, __nanosleep)"
+#endif
+
+namespace moe_a2a {
+namespace gpu {
+
+// ---- launch shape -------------------------------------------------------------
+// One block size for every spinning kernel and a register cap that guarantees
+// kMinCtasPerSm CTAs per multiprocessor: CTAs of different spinning kernels
+// (rank A in combine while rank B is still in dispatch) then have the same
+// footprint and any mix of them fits the residency the grids are sized for.
+constexpr int kThreads = 512;
+constexpr int kWarpSize = 32;
+constexpr int kWarps = kThreads / kWarpSize;
+constexpr int kMinCtasPerSm = 2;
+constexpr unsigned kFullWarp = 0xffffffffu;
+
+static_assert(kMaxRanks <= 64, "destination sets are one uint64_t bit mask");
+static_assert(kRankMaskWords == 1, "the kernels read the active mask as one word");
+static_assert(kThreads >= kMaxRanks, "one thread per peer raises and waits for flags");
+
+// Vectors of a copy or a sum in flight per lane before the stores begin.
+constexpr int kCopyUnroll = 4;
+
+// Spin-wait backoff: tight first (peers usually arrive within microseconds),
+// then __nanosleep doubling up to the cap so that many pollers of many
+// simulated ranks do not crowd the L2 slice that holds the flags.
+constexpr unsigned kPollFirstSleepNs = 32;
+constexpr unsigned kPollMaxSleepNs = 1024;
+
+// Bounds of a wait, resolved on the host.
+struct WaitLimits {
+  uint64_t timeout_ns;  // %globaltimer budget of one wait
+  uint32_t timeout_ms;  // what the error record says
+};
+
+// ---- memory-model primitives (generic addresses: workspace rows, peer
+// mappings and the pinned host mailbox alike) ------------------------------------
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_release_sys(int64_t* p, int64_t v) {
+  asm volatile("st.release.sys.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Own-grid word another CTA may write (the error code): no ordering needed.
+__device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Programmatic dependent launch. The wait returns at once for a grid launched
+// without the attribute, so every kernel calls it before its first access to
+// memory a previous kernel may have written.
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel of the stream (if launched with PDL) start its CTAs.
+// Called only once the calling CTA will never spin again: a dependent's CTAs
+// occupy slots while they wait for this grid, and they must not take the
+// slots a peer's spinning grid needs to become resident.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// ---- header words -------------------------------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ T* header_word(uint8_t* row, int64_t offset) {
+  return reinterpret_cast<T*>(row + offset);
+}
+
+__device__ __forceinline__ uint32_t* flag_of(uint8_t* row, int64_t flags_offset, int rank) {
+  return header_word<uint32_t>(row, flags_offset + int64_t(sizeof(uint32_t)) * rank);
+}
+
+// ---- warp helpers ---------------------------------------------------------------------
+
+__device__ __forceinline__ int lane_id() { return int(threadIdx.x) % kWarpSize; }
+__device__ __forceinline__ int warp_id() { return int(threadIdx.x) / kWarpSize; }
+
+__device__ __forceinline__ uint32_t lanes_below() { return (1u << lane_id()) - 1u; }
+
+__device__ __forceinline__ uint64_t warp_or(uint64_t v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v |= __shfl_xor_sync(kFullWarp, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ uint32_t warp_sum(uint32_t v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullWarp, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ int lowest_rank(uint64_t set) { return __ffsll(static_cast<long long>(set)) - 1; }
+
+// ---- error records ----------------------------------------------------------------------
+
+// Records `code` as this rank's error unless one is already recorded. One
+// thread calls it. See "Error records" at the top for the ordering.
+__device__ inline void record_error(uint8_t* own, int64_t* mailbox, uint32_t code, uint64_t missing,
+                                    uint32_t timeout_ms) {
+  if (atomicCAS(header_word<unsigned>(own, kHdrErrorCode), 0u, code) != 0u) return;
+  *header_word<uint64_t>(own, kHdrErrorMissing) = missing;
+  *header_word<uint32_t>(own, kHdrErrorTimeoutMs) = timeout_ms;
+  if (mailbox == nullptr) return;
+  volatile int64_t* words = mailbox;
+  words[kMetaMailboxMissing - kMetaMailboxCode] = static_cast<int64_t>(missing);
+  words[kMetaMailboxTimeoutMs - kMetaMailboxCode] = timeout_ms;
+  __threadfence_system();
+  st_release_sys(mailbox + (kMetaMailboxCode - kMetaMailboxCode), static_cast<int64_t>(code));
+}
+
+// What every kernel checks first, in every CTA, before it touches anything:
+// a recorded error leaves the rank failed (nothing runs until initialize);
+// an epoch pair that breaks the dispatch/combine alternation is recorded as
+// kErrorSequence (by CTA 0) and nothing else happens. All CTAs read the same
+// epochs, written by earlier kernels, so all of them take the same decision.
+// Thread 0 decides for its CTA: a CTA that starts late may see an error that
+// a waiting CTA of this grid recorded meanwhile, and its threads must not
+// split on it around a barrier.
+__device__ inline bool may_proceed(uint8_t* own, int64_t* mailbox, bool sequence_ok) {
+  __shared__ bool proceed;
+  if (threadIdx.x == 0) {
+    proceed = false;
+    if (*header_word<volatile uint32_t>(own, kHdrErrorCode) == kErrorNone) {
+      if (sequence_ok) {
+        proceed = true;
+      } else if (blockIdx.x == 0) {
+        record_error(own, mailbox, kErrorSequence, 0, 0);
+      }
+    }
+  }
+  __syncthreads();
+  return proceed;
+}
+
+// ---- grid arrival -----------------------------------------------------------------------------
+
+// Every CTA calls it once, after all of its writes that a flag must publish;
+// returns true in every thread of the last CTA to arrive, which also resets
+// the counter for the next call. The fences make this the first half of the
+// publishing chain described at the top.
+__device__ inline bool arrive_last(uint32_t* counter) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    if (last) {
+      // Every CTA has arrived: nobody else touches the counter in this grid.
+      atomicExch(counter, 0u);
+      __threadfence_system();
+    }
+  }
+  __syncthreads();
+  return last;
+}
+
+// Publishes `epoch` in flags[own rank] of every active rank's header (thread d
+// writes rank d's). Call after arrive_last() returned true.
+__device__ inline void raise_flags(const WorkspaceView& ws, const SyncParams& sync, int64_t flags_offset,
+                                   uint32_t epoch) {
+  const int d = threadIdx.x;
+  if (d < ws.ep_size && rank_active(sync, d)) st_release_sys(flag_of(ws.row(d), flags_offset, ws.ep_rank), epoch);
+}
+
+// Waits until the word word_of(p) reached `epoch` for every active rank p
+// (thread p polls word p), at most limits.timeout_ns. Every thread of the
+// CTA calls it; returns true in all of them when every word arrived. On
+// expiry the CTA records code_on_timeout with the mask of the missing ranks;
+// a CTA that sees an error recorded by another CTA of the grid stops too.
+template <typename WordOf>
+__device__ inline bool wait_for_words(const WorkspaceView& ws, const SyncParams& sync, WordOf word_of,
+                                      uint32_t epoch, uint32_t code_on_timeout, const WaitLimits& limits) {
+  __shared__ unsigned long long missing;
+  __shared__ int aborted;
+  uint8_t* own = ws.row(ws.ep_rank);
+  if (threadIdx.x == 0) {
+    missing = 0;
+    aborted = 0;
+  }
+  __syncthreads();
+  const int p = threadIdx.x;
+  if (p < ws.ep_size && rank_active(sync, p)) {
+    const uint32_t* flag = word_of(p);
+    const uint32_t* error = header_word<uint32_t>(own, kHdrErrorCode);
+    const uint64_t start = global_timer_ns();
+    unsigned sleep_ns = 0;
+    while (!epoch_reached(ld_acquire_sys(flag), epoch)) {
+      if (ld_relaxed_gpu(error) != kErrorNone) {
+        aborted = 1;
+        break;
+      }
+      if (global_timer_ns() - start >= limits.timeout_ns) {
+        atomicOr(&missing, 1ull << p);
+        break;
+      }
+      if (sleep_ns != 0) __nanosleep(sleep_ns);
+      sleep_ns = sleep_ns == 0 ? kPollFirstSleepNs : min(2 * sleep_ns, kPollMaxSleepNs);
+    }
+  }
+  __syncthreads();
+  const uint64_t missed = missing;
+  if (missed != 0 && threadIdx.x == 0) {
+    record_error(own, sync.mailbox, code_on_timeout, missed, limits.timeout_ms);
+  }
+  return missed == 0 && aborted == 0;
+}
+
+// wait_for_words on flags[p] of the own header.
+__device__ inline bool wait_for_flags(const WorkspaceView& ws, const SyncParams& sync, int64_t flags_offset,
+                                      uint32_t epoch, uint32_t code_on_timeout, const WaitLimits& limits) {
+  uint8_t* own = ws.row(ws.ep_rank);
+  return wait_for_words(
+      ws, sync, [&](int p) { return flag_of(own, flags_offset, p); }, epoch, code_on_timeout, limits);
+}
+
+// ---- vector copies ------------------------------------------------------------------------
+
+// The unsigned type of a kBytes-wide load or store.
+template <int kBytes>
+struct VecOf;
+template <>
+struct VecOf<16> {
+  using T = uint4;
+};
+template <>
+struct VecOf<8> {
+  using T = uint2;
+};
+template <>
+struct VecOf<4> {
+  using T = uint32_t;
+};
+template <>
+struct VecOf<2> {
+  using T = uint16_t;
+};
+template <>
+struct VecOf<1> {
+  using T = uint8_t;
+};
+
+// How a group of lanes copies rows of one size: rows of `vectors` vectors of
+// vec_bytes each, handled by groups of `lanes` lanes (a power of two <= 32,
+// so several short rows share a warp), each group moving one segment of
+// lanes * kCopyUnroll vectors of a row per step.
+struct CopyPlan {
+  int vec_bytes;
+  int lanes;
+  int vectors;   // per row (rows are below 2^31 bytes: launchers check)
+  int segments;  // per row
+};
+
+// Copies segment `segment` of the row at `src` to every destination row that
+// dest_row(k) returns for k = 0, 1, ... until it returns nullptr. The loads
+// of the segment are all issued before the first store, and each byte is read
+// once however many destinations there are. Called by the `lanes` lanes of
+// one group with their lane index in the group.
+template <int kBytes, typename DestRow>
+__device__ __forceinline__ void copy_segment(const uint8_t* src, const CopyPlan& plan, int segment,
+                                             int lane_in_group, DestRow&& dest_row) {
+  using V = typename VecOf<kBytes>::T;
+  const V* from = reinterpret_cast<const V*>(src);
+  const int first = segment * plan.lanes * kCopyUnroll + lane_in_group;
+  V buf[kCopyUnroll];
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    const int v = first + u * plan.lanes;
+    buf[u] = v < plan.vectors ? from[v] : V{};
+  }
+  for (int k = 0;; ++k) {
+    uint8_t* dst = dest_row(k);
+    if (dst == nullptr) break;
+    V* to = reinterpret_cast<V*>(dst);
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int v = first + u * plan.lanes;
+      if (v < plan.vectors) to[v] = buf[u];
+    }
+  }
+}
+
+// copy_segment with the plan's vector width picked at run time.
+template <typename DestRow>
+__device__ __forceinline__ void copy_segment_any(const uint8_t* src, const CopyPlan& plan, int segment,
+                                                 int lane_in_group, DestRow&& dest_row) {
+  switch (plan.vec_bytes) {
+    case 16:
+      return copy_segment<16>(src, plan, segment, lane_in_group, dest_row);
+    case 8:
+      return copy_segment<8>(src, plan, segment, lane_in_group, dest_row);
+    case 4:
+      return copy_segment<4>(src, plan, segment, lane_in_group, dest_row);
+    case 2:
+      return copy_segment<2>(src, plan, segment, lane_in_group, dest_row);
+    default:
+      return copy_segment<1>(src, plan, segment, lane_in_group, dest_row);
+  }
+}
+
+// ---- host helpers ------------------------------------------------------------------------------
+
+// Widest of 16/8/4/2/1 bytes that divides `bits`, the OR of every address,
+// stride and size a vector access must be aligned to.
+inline int widest_vector_bytes(uint64_t bits) {
+  for (int bytes = 16; bytes > 1; bytes /= 2) {
+    if (bits % uint64_t(bytes) == 0) return bytes;
+  }
+  return 1;
+}
+
+// Lanes per row: the smallest power of two whose lanes cover a row of
+// `vectors` vectors in one step of `unroll` vectors each, at most a warp.
+inline int lanes_per_row(int64_t vectors, int unroll) {
+  int lanes = 1;
+  while (lanes < kWarpSize && int64_t(lanes) * unroll < vectors) lanes *= 2;
+  return lanes;
+}
+
+// Rows of at most this many bytes: vector and segment indices stay 32-bit
+// (ops.cpp admits rows of up to 2^28 bytes).
+constexpr int64_t kMaxKernelRowBytes = int64_t(1) << 30;
+
+inline CopyPlan make_copy_plan(int64_t row_bytes, uint64_t alignment_bits) {
+  CopyPlan plan;
+  plan.vec_bytes = widest_vector_bytes(alignment_bits | uint64_t(row_bytes));
+  plan.vectors = static_cast<int>(row_bytes / plan.vec_bytes);
+  plan.lanes = lanes_per_row(plan.vectors, kCopyUnroll);
+  const int per_segment = plan.lanes * kCopyUnroll;
+  plan.segments = (plan.vectors + per_segment - 1) / per_segment;
+  return plan;
+}
+
+inline WaitLimits make_wait_limits(double timeout_s, uint32_t timeout_ms) {
+  WaitLimits limits;
+  const double ns = timeout_s * 1e9;
+  constexpr double kMaxNs = 1.8e19;  // below 2^64
+  limits.timeout_ns = ns >= kMaxNs ? UINT64_MAX : static_cast<uint64_t>(ns);
+  limits.timeout_ms = timeout_ms;
+  return limits;
+}
+
+inline uint64_t address_bits(const void* p) { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p)); }
+
+// Launches `kernel` on `stream`, with programmatic stream serialization when
+// `pdl` (the kernel then overlaps the previous kernel's tail and calls
+// wait_for_previous_grid() before touching memory).
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(KernelArgs...), int grid, int block, cudaStream_t stream, bool pdl,
+                          Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(grid));
+  config.blockDim = dim3(static_cast<unsigned>(block));
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+// Occupancy of each spinning kernel (defined next to it), for query_ctas_per_sm.
+cudaError_t dispatch_ctas_per_sm(int* ctas_per_sm);
+cudaError_t combine_ctas_per_sm(int* ctas_per_sm);
+
+}  // namespace gpu
+}  // namespace moe_a2a

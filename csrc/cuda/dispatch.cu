@@ -1,0 +1,279 @@
+// The dispatch kernel: protocol.h's dispatch n on rank s, in one persistent
+// grid per rank.
+//
+// Design (why it is deterministic and why few CTAs spin):
+//   * CTA b owns the contiguous token chunk [b * c, (b + 1) * c). A token's
+//     slot at destination d is the number of earlier tokens that also go to
+//     d, so CTA b first counts, per destination, the tokens before its chunk
+//     (a sum: the order in which warps add does not matter), then ranks its
+//     own tokens in index order with warp ballots and a scan over warps. The
+//     slots are exactly the CPU's running counts; no atomic decides an order.
+//   * Each CTA writes its tokens' route entries to the own route region and
+//     copies its tokens' payload rows to their destinations (a segment of a
+//     row is loaded once, then stored to every destination).
+//   * The last CTA of the grid (arrival counter in the own header) holds the
+//     per-destination totals only if it owns the last chunk, so the CTA that
+//     owns the last chunk writes the receive counts before it arrives. The
+//     last CTA to arrive raises the flags and is the only one that waits.
+#include "device.cuh"
+
+namespace moe_a2a {
+namespace gpu {
+namespace {
+
+// Up to this many experts, each CTA maps expert -> rank through a shared-memory
+// table filled with expert_to_rank (protocol.h: the one definition of the map)
+// instead of a 64-bit division per id.
+constexpr int kRankTableExperts = 4096;
+static_assert(kMaxRanks <= 256, "the rank table stores ranks as uint8_t");
+
+// Expert ids of a token loaded together (top_k <= 8, the common case, is one batch).
+constexpr int kIdsPerBatch = 8;
+
+struct DispatchArgs {
+  DispatchParams p;
+  WaitLimits limits;
+  int64_t tokens_per_cta;
+  CopyPlan plan[kMaxPayloads];
+};
+
+// The destination set of a token: bit r is set when an active rank r owns one
+// of its experts. Negative ids are skipped; ids >= num_experts are skipped and
+// counted in `invalid`.
+struct Router {
+  const int32_t* ids;  // [local_num_tokens, top_k]
+  int64_t top_k;
+  int64_t num_experts;
+  int ep_size;
+  uint64_t active;
+  const uint8_t* rank_of;  // shared table, or nullptr: call expert_to_rank
+
+  __device__ __forceinline__ uint64_t dests(int64_t t, uint32_t& invalid) const {
+    const int32_t* row = ids + t * top_k;
+    uint64_t set = 0;
+    // Ids in batches whose loads are all issued before the first is used: few
+    // memory latencies per token without holding kMaxTopK ids in registers.
+    for (int first = 0; first < top_k; first += kIdsPerBatch) {
+      int32_t expert[kIdsPerBatch];
+#pragma unroll
+      for (int k = 0; k < kIdsPerBatch; ++k) expert[k] = first + k < top_k ? row[first + k] : -1;
+#pragma unroll
+      for (int k = 0; k < kIdsPerBatch; ++k) {
+        const int32_t e = expert[k];
+        if (e < 0) continue;
+        if (e >= num_experts) {
+          ++invalid;
+          continue;
+        }
+        const int rank = rank_of != nullptr ? int(rank_of[e]) : expert_to_rank(e, num_experts, ep_size);
+        set |= uint64_t(1) << rank;
+      }
+    }
+    return set & active;
+  }
+};
+
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const __grid_constant__ DispatchArgs a) {
+  const DispatchParams& p = a.p;
+  const WorkspaceView& ws = p.ws;
+  __shared__ uint8_t rank_table[kRankTableExperts];
+  __shared__ uint32_t next_slot[kMaxRanks];                // per destination: first slot not yet given
+  __shared__ uint32_t warp_first_slot[kWarps][kMaxRanks];  // per round: a warp's first slot per destination
+  __shared__ unsigned long long invalid_in_cta;
+
+  // Prologue from the params alone: under PDL it overlaps the previous kernel.
+  const int ep_size = ws.ep_size;
+  const int lane = lane_id();
+  const int warp = warp_id();
+  const bool use_table = p.num_experts <= kRankTableExperts;
+  if (use_table) {
+    for (int e = threadIdx.x; e < p.num_experts; e += kThreads) {
+      rank_table[e] = static_cast<uint8_t>(expert_to_rank(e, p.num_experts, ep_size));
+    }
+  }
+  if (threadIdx.x < kMaxRanks) next_slot[threadIdx.x] = 0;
+  if (threadIdx.x == 0) invalid_in_cta = 0;
+  __syncthreads();
+
+  wait_for_previous_grid();
+  uint8_t* own = ws.row(ws.ep_rank);
+  const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
+  const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
+  if (!may_proceed(own, p.sync.mailbox, dispatch_epoch == combine_epoch)) return;
+  const uint32_t epoch = dispatch_epoch + 1;
+
+  // 0. protocol.h dispatch step 0: when this call's regions reach past the
+  // previous combine offset, write nothing before every active rank finished
+  // pulling combine n-1 (its combine_epoch, released after its last pull).
+  // Every CTA reads kHdrLastDispatchEnd before it arrives; the last one rewrites it.
+  if (p.layout.dispatch_end > *header_word<int64_t>(own, kHdrLastDispatchEnd)) {
+    const bool peers_done = wait_for_words(
+        ws, p.sync, [&](int q) { return header_word<uint32_t>(ws.row(q), kHdrCombineEpoch); }, epoch - 1,
+        kErrorDispatchTimeout, a.limits);
+    if (!peers_done) return;
+  }
+  const Router router{p.token_selected_experts, p.top_k,      p.num_experts,
+                      ep_size,                  p.sync.active_mask[0], use_table ? rank_table : nullptr};
+
+  const int64_t n = p.local_num_tokens;
+  const int64_t begin = min(n, int64_t(blockIdx.x) * a.tokens_per_cta);
+  const int64_t end = min(n, begin + a.tokens_per_cta);
+  // The CTA of the last chunk ends up holding the per-destination totals.
+  const bool owns_last_chunk = blockIdx.x == gridDim.x - 1;
+
+  // 1a. Tokens before the chunk, counted per destination. Lane l keeps the
+  // counts of destinations l and l + 32 for its warp.
+  if (begin < end || owns_last_chunk) {
+    uint32_t count_low = 0, count_high = 0;
+    uint32_t not_counted_here = 0;  // invalid ids are counted by the CTA that owns the token
+    for (int64_t first = int64_t(warp) * kWarpSize; first < begin; first += kThreads) {
+      const int64_t t = first + lane;
+      const uint64_t set = t < begin ? router.dests(t, not_counted_here) : 0;
+      for (uint64_t present = warp_or(set); present != 0; present &= present - 1) {
+        const int d = lowest_rank(present);
+        const uint32_t count = __popc(__ballot_sync(kFullWarp, (set >> d) & 1));
+        if (lane == d % kWarpSize) {
+          if (d < kWarpSize) {
+            count_low += count;
+          } else {
+            count_high += count;
+          }
+        }
+      }
+    }
+    if (lane < ep_size) atomicAdd(&next_slot[lane], count_low);
+    if (lane + kWarpSize < ep_size) atomicAdd(&next_slot[lane + kWarpSize], count_high);
+  }
+  __syncthreads();
+
+  // 1b. The chunk, kThreads tokens per round in index order: a token's slot
+  // is next_slot + the tokens of earlier warps of the round + the earlier
+  // lanes of its warp that go to the same destination.
+  int32_t* routes = reinterpret_cast<int32_t*>(own + p.layout.route_offset);
+  uint32_t invalid = 0;
+  for (int64_t round = begin; round < end; round += kThreads) {
+    const int64_t t = round + threadIdx.x;
+    const bool mine = t < end;
+    const uint64_t set = mine ? router.dests(t, invalid) : 0;
+    const uint64_t present = warp_or(set);
+    for (int d = lane; d < ep_size; d += kWarpSize) warp_first_slot[warp][d] = 0;
+    __syncwarp();
+    for (uint64_t rest = present; rest != 0; rest &= rest - 1) {
+      const int d = lowest_rank(rest);
+      const uint32_t count = __popc(__ballot_sync(kFullWarp, (set >> d) & 1));
+      if (lane == 0) warp_first_slot[warp][d] = count;
+    }
+    __syncthreads();
+    if (threadIdx.x < ep_size) {
+      const int d = threadIdx.x;
+      uint32_t next = next_slot[d];
+      for (int w = 0; w < kWarps; ++w) {
+        const uint32_t count = warp_first_slot[w][d];
+        warp_first_slot[w][d] = next;
+        next += count;
+      }
+      next_slot[d] = next;
+    }
+    __syncthreads();
+    int32_t* route = routes + t * kMaxTopK;
+    int entries = 0;
+    for (uint64_t rest = present; rest != 0; rest &= rest - 1) {
+      const int d = lowest_rank(rest);
+      const uint32_t earlier = __ballot_sync(kFullWarp, (set >> d) & 1) & lanes_below();
+      if ((set >> d) & 1) route[entries++] = route_entry(d, warp_first_slot[warp][d] + __popc(earlier));
+    }
+    if (mine && entries < kMaxTopK) route[entries] = kRouteEnd;
+    __syncthreads();  // warp_first_slot is reused by the next round
+  }
+
+  invalid = warp_sum(invalid);
+  if (lane == 0 && invalid != 0) atomicAdd(&invalid_in_cta, static_cast<unsigned long long>(invalid));
+  // Also makes this CTA's route entries visible to all of its threads for the copies.
+  __syncthreads();
+  if (threadIdx.x == 0 && invalid_in_cta != 0) {
+    atomicAdd(header_word<unsigned long long>(own, kHdrInvalidExpertCount), invalid_in_cta);
+  }
+
+  // 2. Receive counts: the totals, known to the CTA of the last chunk.
+  if (owns_last_chunk && threadIdx.x < ep_size && rank_active(p.sync, threadIdx.x)) {
+    const int d = threadIdx.x;
+    *header_word<int32_t>(ws.row(d), kHdrRecvCounts + int64_t(sizeof(int32_t)) * ws.ep_rank) =
+        static_cast<int32_t>(next_slot[d]);
+  }
+
+  // 3. Payload rows of the chunk: work items are (token, segment of its row).
+  const int64_t source_row = int64_t(ws.ep_rank) * p.runtime_max_tokens;
+  for (int i = 0; i < p.num_payloads; ++i) {
+    const CopyPlan& plan = a.plan[i];
+    const int64_t row_bytes = p.payload_row_bytes[i];
+    const int64_t plane_offset = p.layout.payload_offset[i];
+    const int group = threadIdx.x / plan.lanes;
+    const int lane_in_group = threadIdx.x % plan.lanes;
+    const int groups = kThreads / plan.lanes;
+    const int64_t items = (end - begin) * plan.segments;
+    for (int64_t item = group; item < items; item += groups) {
+      const int64_t t = begin + (plan.segments == 1 ? item : item / plan.segments);
+      const int segment = plan.segments == 1 ? 0 : static_cast<int>(item % plan.segments);
+      const int32_t* route = routes + t * kMaxTopK;
+      if (route[0] == kRouteEnd) continue;  // no destination
+      copy_segment_any(p.payload[i] + t * row_bytes, plan, segment, lane_in_group, [&](int k) -> uint8_t* {
+        if (k == kMaxTopK || route[k] == kRouteEnd) return nullptr;
+        return ws.row(route_rank(route[k])) + plane_offset + (source_row + route_slot(route[k])) * row_bytes;
+      });
+    }
+  }
+
+  // 4. EPLB row s into every active destination, spread over the grid.
+  if (p.eplb_local_stats != nullptr) {
+    const int64_t total = int64_t(ep_size) * p.eplb_n;
+    for (int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x; idx < total;
+         idx += int64_t(gridDim.x) * kThreads) {
+      const int d = static_cast<int>(idx / p.eplb_n);
+      const int64_t e = idx % p.eplb_n;
+      if (!rank_active(p.sync, d)) continue;
+      int32_t* gathered = reinterpret_cast<int32_t*>(ws.row(d) + p.layout.eplb_offset);
+      gathered[int64_t(ws.ep_rank) * p.eplb_n + e] = p.eplb_local_stats[e];
+    }
+  }
+
+  // 5. The last CTA to arrive publishes everything above (device.cuh explains
+  // the chain), then waits for the peers and advances the epoch.
+  if (!arrive_last(header_word<uint32_t>(own, kHdrDispatchArrivals))) return;
+  if (threadIdx.x == 0) {
+    *header_word<int32_t>(own, kHdrLastLocalTokens) = static_cast<int32_t>(n);
+    *header_word<int32_t>(own, kHdrLastRuntimeMax) = static_cast<int32_t>(p.runtime_max_tokens);
+    *header_word<int32_t>(own, kHdrLastTopK) = static_cast<int32_t>(p.top_k);
+    *header_word<int64_t>(own, kHdrLastDispatchEnd) = p.layout.dispatch_end;
+  }
+  raise_flags(ws, p.sync, kHdrDispatchFlags, epoch);
+  const bool arrived = wait_for_flags(ws, p.sync, kHdrDispatchFlags, epoch, kErrorDispatchTimeout, a.limits);
+  allow_dependent_launch();
+  if (arrived && threadIdx.x == 0) *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
+}
+
+}  // namespace
+
+cudaError_t dispatch_ctas_per_sm(int* ctas_per_sm) {
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, dispatch_kernel, kThreads, 0);
+}
+
+cudaError_t launch_dispatch(const DispatchParams& p, const LaunchConfig& config, cudaStream_t stream) {
+  DispatchArgs a{};
+  a.p = p;
+  a.limits = make_wait_limits(p.sync.timeout_s, config.timeout_ms);
+  for (int i = 0; i < p.num_payloads; ++i) {
+    if (p.payload_row_bytes[i] > kMaxKernelRowBytes) return cudaErrorInvalidValue;
+  }
+  const int grid = spinning_grid_size(config);
+  a.tokens_per_cta = (p.local_num_tokens + grid - 1) / grid;
+  // A destination row starts at base + d * row_stride + plane offset + row * row_bytes.
+  const uint64_t rows_bits = address_bits(p.ws.base) | uint64_t(p.ws.row_stride);
+  for (int i = 0; i < p.num_payloads; ++i) {
+    a.plan[i] = make_copy_plan(p.payload_row_bytes[i],
+                               rows_bits | uint64_t(p.layout.payload_offset[i]) | address_bits(p.payload[i]));
+  }
+  return launch_kernel(dispatch_kernel, grid, kThreads, stream, p.sync.enable_pdl && config.pdl_supported, a);
+}
+
+}  // namespace gpu
+}  // namespace moe_a2a

@@ -1,0 +1,196 @@
+// TORCH_LIBRARY_IMPL(moe_a2a, CUDA): the CUDA kernels behind the schemas of
+// schemas.h. Each operator validates its arguments with the ops.h builder
+// (the same one the CPU kernels use), raises an error a previous kernel
+// recorded in the host mailbox, and launches on the current stream of the
+// workspace's device. No host-device sync, no allocation besides combine's
+// output (and initialize's mailbox slot).
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <torch/library.h>
+
+#include "../ops.h"
+#include "kernels.cuh"
+
+namespace moe_a2a {
+namespace {
+
+// ---- device facts, cached per device --------------------------------------------
+
+struct DeviceInfo {
+  int num_sms;
+  int ctas_per_sm;  // gpu::query_ctas_per_sm
+  bool pdl_supported;
+};
+
+// Must be called with `device` current (the ops hold a CUDAGuard): the
+// occupancy query works on the current device.
+DeviceInfo device_info(c10::DeviceIndex device) {
+  static std::mutex mutex;
+  static std::vector<std::unique_ptr<DeviceInfo>> cache;  // by device index
+  const std::lock_guard<std::mutex> lock(mutex);
+  const size_t index = static_cast<size_t>(device);
+  if (cache.size() <= index) cache.resize(index + 1);
+  if (!cache[index]) {
+    auto info = std::make_unique<DeviceInfo>();
+    int major = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&info->num_sms, cudaDevAttrMultiProcessorCount, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    info->pdl_supported = major >= 9;
+    C10_CUDA_CHECK(gpu::query_ctas_per_sm(&info->ctas_per_sm));
+    cache[index] = std::move(info);
+  }
+  return *cache[index];
+}
+
+// Every rank of a workspace may run its spinning kernels on this device at
+// once (a plain tensor of one process holds all simulated ranks), so the
+// grids are sized for ep_size co-resident ranks. `timeout_s`: the resolved
+// timeout of a waiting kernel (sync.timeout_s), 0 for one that never waits.
+gpu::LaunchConfig launch_config(const at::Tensor& workspace, int64_t ep_size, double timeout_s) {
+  const DeviceInfo info = device_info(workspace.device().index());
+  gpu::LaunchConfig config{};
+  config.num_sms = info.num_sms;
+  config.ctas_per_sm = info.ctas_per_sm;
+  config.co_resident_ranks = static_cast<int>(ep_size);
+  config.pdl_supported = info.pdl_supported;
+  config.timeout_ms = timeout_ms(timeout_s);
+  return config;
+}
+
+// ---- host mailboxes ---------------------------------------------------------------
+
+// A mailbox is a slot of pinned, mapped host memory that the kernels write
+// through its host pointer (unified addressing) and raise_if_mailbox_error
+// reads without a sync. Slots come from chunks that are never freed: a kernel
+// still running (or a graph replayed) after its workspace is gone can never
+// write into memory that was handed to someone else.
+constexpr size_t kMailboxSlotBytes = 64;
+constexpr size_t kMailboxChunkBytes = 4096;
+static_assert((kMetaMailboxTimeoutMs - kMetaMailboxCode + 1) * sizeof(int64_t) <= kMailboxSlotBytes,
+              "the mailbox words fit in a slot");
+static_assert(kMailboxChunkBytes % kMailboxSlotBytes == 0, "chunks hold whole slots");
+
+int64_t* allocate_mailbox() {
+  static std::mutex mutex;
+  static uint8_t* chunk = nullptr;
+  static size_t used = kMailboxChunkBytes;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (used == kMailboxChunkBytes) {
+    void* fresh = nullptr;
+    C10_CUDA_CHECK(cudaHostAlloc(&fresh, kMailboxChunkBytes, cudaHostAllocMapped | cudaHostAllocPortable));
+    void* device_view = nullptr;
+    C10_CUDA_CHECK(cudaHostGetDevicePointer(&device_view, fresh, 0));
+    TORCH_CHECK(device_view == fresh,
+                "moe_a2a needs unified addressing: the device address of pinned host memory differs "
+                "from its host address");
+    chunk = static_cast<uint8_t*>(fresh);
+    used = 0;
+  }
+  uint8_t* slot = chunk + used;
+  used += kMailboxSlotBytes;
+  std::memset(slot, 0, kMailboxSlotBytes);
+  return reinterpret_cast<int64_t*>(slot);
+}
+
+// ---- operators -----------------------------------------------------------------------
+
+int64_t alloc_mailbox_cuda(const at::Tensor& workspace) {
+  const c10::cuda::CUDAGuard guard(workspace.device());
+  return reinterpret_cast<int64_t>(allocate_mailbox());
+}
+
+void initialize_cuda(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                     int64_t eplb_stats_num_experts, int64_t mailbox) {
+  const InitParams p = check_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts);
+  const c10::cuda::CUDAGuard guard(workspace.device());
+  // A re-initialization clears the error a timed-out kernel left for this rank.
+  if (mailbox != 0) std::memset(reinterpret_cast<void*>(mailbox), 0, kMailboxSlotBytes);
+  C10_CUDA_CHECK(gpu::launch_initialize(p, c10::cuda::getCurrentCUDAStream()));
+}
+
+void dispatch_cuda(const at::Tensor& token_selected_experts, at::TensorList input_payloads,
+                   const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                   int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
+                   const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
+                   at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl) {
+  // Arguments first, then the mailbox: the order of the CPU operators.
+  const DispatchParams p = check_dispatch(
+      token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
+      runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_stats_num_experts,
+      active_rank_mask, timeout_s, mailbox, enable_pdl);
+  raise_if_mailbox_error(mailbox, ep_rank);
+  const c10::cuda::CUDAGuard guard(workspace.device());
+  C10_CUDA_CHECK(gpu::launch_dispatch(p, launch_config(workspace, ep_size, p.sync.timeout_s),
+                                      c10::cuda::getCurrentCUDAStream()));
+}
+
+// Called with the workspace's device current and params.output set.
+void enqueue_combine(const CombineParams& p, const at::Tensor& workspace) {
+  C10_CUDA_CHECK(gpu::launch_combine(p, launch_config(workspace, p.ws.ep_size, p.sync.timeout_s),
+                                     c10::cuda::getCurrentCUDAStream()));
+}
+
+at::Tensor combine_cuda(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
+                        const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                        int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t combine_payload_offset,
+                        at::IntArrayRef row_shape, at::ScalarType payload_dtype, at::ScalarType output_dtype,
+                        at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl) {
+  CombineParams p = check_combine(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
+                                  runtime_max_tokens_per_rank, top_k, combine_payload_offset, row_shape,
+                                  payload_dtype, output_dtype, active_rank_mask, timeout_s, mailbox,
+                                  enable_pdl, nullptr);
+  raise_if_mailbox_error(mailbox, ep_rank);
+  const c10::cuda::CUDAGuard guard(workspace.device());
+  std::vector<int64_t> shape{local_num_tokens};
+  shape.insert(shape.end(), row_shape.begin(), row_shape.end());
+  at::Tensor out = at::empty(shape, workspace.options().dtype(output_dtype));
+  p.output = static_cast<uint8_t*>(out.data_ptr());
+  enqueue_combine(p, workspace);
+  return out;
+}
+
+void combine_into_cuda(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
+                       const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                       int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t combine_payload_offset,
+                       at::IntArrayRef row_shape, at::ScalarType payload_dtype, at::ScalarType output_dtype,
+                       at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
+                       const at::Tensor& output) {
+  const CombineParams p = check_combine(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
+                                        runtime_max_tokens_per_rank, top_k, combine_payload_offset, row_shape,
+                                        payload_dtype, output_dtype, active_rank_mask, timeout_s, mailbox,
+                                        enable_pdl, &output);
+  raise_if_mailbox_error(mailbox, ep_rank);
+  const c10::cuda::CUDAGuard guard(workspace.device());
+  enqueue_combine(p, workspace);
+}
+
+void sanitize_expert_ids_cuda(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                              int64_t runtime_max_tokens_per_rank, int64_t offset, int64_t top_k,
+                              int64_t invalid_expert_id, bool enable_pdl) {
+  const SanitizeParams p = check_sanitize(workspace, ep_rank, ep_size, runtime_max_tokens_per_rank, offset,
+                                          top_k, invalid_expert_id, enable_pdl);
+  const c10::cuda::CUDAGuard guard(workspace.device());
+  C10_CUDA_CHECK(gpu::launch_sanitize(p, launch_config(workspace, ep_size, /*timeout_s=*/0),
+                                      c10::cuda::getCurrentCUDAStream()));
+}
+
+}  // namespace
+}  // namespace moe_a2a
+
+TORCH_LIBRARY_IMPL(moe_a2a, CUDA, m) {
+  using namespace moe_a2a;
+  m.impl("alloc_mailbox", &alloc_mailbox_cuda);
+  m.impl("initialize", &initialize_cuda);
+  m.impl("dispatch", &dispatch_cuda);
+  m.impl("combine", &combine_cuda);
+  m.impl("combine_into", &combine_into_cuda);
+  m.impl("sanitize_expert_ids", &sanitize_expert_ids_cuda);
+}
