@@ -1,0 +1,47 @@
+"""torch-moe-a2a: MoE all-to-all dispatch/combine as PyTorch custom operators.
+
+Importing the package loads the extension ``torch_moe_a2a._C``, which registers
+``torch.ops.moe_a2a.*``, and exports the FlashInfer-compatible API
+(DESIGN.md section 2).
+"""
+
+import torch  # noqa: F401  (libtorch must be loaded before the extension)
+
+from . import _C  # noqa: F401  (registers torch.ops.moe_a2a)
+from .api import (
+    Mapping,
+    MoeAlltoAll,
+    SfLayout,
+    check_errors,
+    moe_a2a_active_rank_mask,
+    moe_a2a_combine,
+    moe_a2a_dispatch,
+    moe_a2a_get_invalid_expert_count,
+    moe_a2a_get_recv_counts,
+    moe_a2a_get_workspace_size_per_rank,
+    moe_a2a_initialize,
+    moe_a2a_sanitize_expert_ids,
+    moe_a2a_wrap_payload_tensor_in_workspace,
+)
+from .layout import MOE_A2A_RANK_MASK_WORDS
+from .simulate import SimulatedEP
+from .workspace import allocate_workspace
+
+__all__ = [
+    "MOE_A2A_RANK_MASK_WORDS",
+    "Mapping",
+    "MoeAlltoAll",
+    "SfLayout",
+    "SimulatedEP",
+    "allocate_workspace",
+    "check_errors",
+    "moe_a2a_active_rank_mask",
+    "moe_a2a_combine",
+    "moe_a2a_dispatch",
+    "moe_a2a_get_invalid_expert_count",
+    "moe_a2a_get_recv_counts",
+    "moe_a2a_get_workspace_size_per_rank",
+    "moe_a2a_initialize",
+    "moe_a2a_sanitize_expert_ids",
+    "moe_a2a_wrap_payload_tensor_in_workspace",
+]

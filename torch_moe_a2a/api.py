@@ -1,0 +1,1146 @@
+"""The FlashInfer-compatible public API (DESIGN.md section 2).
+
+Every function here has the parameter names, order, defaults and keyword-only
+markers of its ``flashinfer.comm`` namesake, so a user switches by changing the
+import. The work is done by the ``torch.ops.moe_a2a`` operators (csrc/schemas.h,
+docs/internals.md); this layer
+
+- unpacks the metainfo tensor into the plain ints the ops take, through one
+  cached helper that ``torch.compile`` evaluates at trace time
+  (:func:`_metainfo_values`),
+- builds the receive views with ordinary view ops of the workspace from the
+  layout arithmetic of :mod:`torch_moe_a2a.layout` (ops never return views),
+- checks only what the ops cannot see (the metainfo tensor, the rank-mask
+  tensor, FlashInfer's ``output`` checks, options we do not implement); the ops
+  validate every argument they receive.
+
+Ownership: the workspace belongs to the caller (or to :class:`MoeAlltoAll`);
+every tensor this module returns from dispatch, ``moe_a2a_get_recv_counts``,
+``moe_a2a_get_invalid_expert_count`` and ``moe_a2a_wrap_payload_tensor_in_workspace``
+is a view of it and stays valid as long as the workspace does. Its contents are
+only meaningful between the dispatch that wrote them and the next dispatch.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Sequence, Union
+
+import torch
+
+from . import layout
+from .layout import MOE_A2A_RANK_MASK_WORDS
+from .workspace import allocate_workspace
+
+MoeAlltoAllBackend = Literal["trtllm", "cake"]
+
+_ops = torch.ops.moe_a2a
+
+# timeout_s the ops read as "use MOE_A2A_TIMEOUT_S, else the default".
+_ENV_TIMEOUT = -1.0
+# FlashInfer's opt-in backend exists only for these compute capabilities.
+_CAKE_CAPABILITIES = ((10, 0), (10, 3))
+# Programmatic dependent launch needs Hopper or newer.
+_PDL_MIN_CAPABILITY = (9, 0)
+_U64 = 1 << 64
+_I64_SIGN = 1 << 63
+
+
+class SfLayout(enum.Enum):
+    """Scale-factor layout of a quantized combine output (FlashInfer's values).
+
+    Only ``layout_linear`` is accepted: quantized combine outputs are not
+    implemented, and the layout matters only for them.
+    """
+
+    layout_128x4 = 0
+    layout_8x4 = 1
+    layout_linear = 2
+
+
+@dataclass
+class Mapping:
+    """The two fields of FlashInfer's ``Mapping`` that ``MoeAlltoAll`` reads.
+
+    ``MoeAlltoAll`` accepts any object with ``moe_ep_rank`` and ``moe_ep_size``
+    attributes (FlashInfer's own ``Mapping`` included).
+    """
+
+    moe_ep_rank: int
+    moe_ep_size: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.moe_ep_rank < self.moe_ep_size:
+            raise ValueError(f"moe_ep_rank {self.moe_ep_rank} out of range [0, {self.moe_ep_size})")
+
+
+# ---------------------------------------------------------------------------
+# helpers: backend, device capabilities, metainfo
+# ---------------------------------------------------------------------------
+
+_CAPABILITIES: dict[int, tuple[int, int]] = {}
+
+
+@torch.compiler.assume_constant_result
+def _cuda_capability(device_index: int) -> tuple[int, int]:
+    """Compute capability of a CUDA device, queried once per device."""
+    cap = _CAPABILITIES.get(device_index)
+    if cap is None:
+        cap = _CAPABILITIES[device_index] = tuple(torch.cuda.get_device_capability(device_index))
+    return cap
+
+
+def _check_backend(backend: str, where: Union[torch.Tensor, torch.device, None]) -> None:
+    """Accept ``"trtllm"``; refuse ``"cake"`` and unknown names with a clear error.
+
+    ``"cake"`` is judged on the device of ``where`` (a tensor or a device), or
+    on the current CUDA device when ``where`` is None (functions without a
+    tensor argument; DESIGN.md section 3).
+    """
+    if backend == "trtllm":
+        return
+    if backend != "cake":
+        raise ValueError(f"unknown MoE all-to-all backend {backend!r}; expected 'trtllm' or 'cake'")
+    if isinstance(where, torch.Tensor):
+        where = where.device
+    if where is None and torch.cuda.is_available():
+        where = torch.device("cuda", torch.cuda.current_device())
+    capability = None
+    if where is not None and where.type == "cuda":
+        capability = _cuda_capability(where.index if where.index is not None else torch.cuda.current_device())
+    if capability not in _CAKE_CAPABILITIES:
+        found = f"compute capability {capability}" if capability else f"device {where or 'cpu (no CUDA device)'}"
+        raise ValueError(f'backend="cake" requires compute capability 10.0 or 10.3, got {found}')
+    raise NotImplementedError(
+        'backend="cake" (FlashInfer\'s generated Blackwell kernels) is not implemented by '
+        'torch-moe-a2a; use backend="trtllm"'
+    )
+
+
+def _pdl_default(tensor: torch.Tensor) -> bool:
+    """FlashInfer's ``enable_pdl=None``: on for CUDA devices of capability >= 9.0."""
+    if not tensor.is_cuda:
+        return False
+    return _cuda_capability(tensor.get_device()) >= _PDL_MIN_CAPABILITY
+
+
+# (ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, size_per_rank, mailbox)
+_MetaValues = tuple[int, int, int, int, int, int]
+# id(metainfo) -> (weak reference to it, its values). The weak reference both
+# detects a reused id and drops the entry when the tensor dies.
+_META_CACHE: dict[int, tuple[weakref.ref, _MetaValues]] = {}
+
+
+def _forget_metainfo(key: int, ref: weakref.ref) -> None:
+    entry = _META_CACHE.get(key)
+    if entry is not None and entry[0] is ref:
+        del _META_CACHE[key]
+
+
+def _read_metainfo(metainfo: Any) -> _MetaValues:
+    if not (
+        isinstance(metainfo, torch.Tensor)
+        and metainfo.dtype == torch.int64
+        and metainfo.device.type == "cpu"
+        and tuple(metainfo.shape) == (layout.META_COUNT,)
+    ):
+        what = (
+            f"{metainfo.dtype} {tuple(metainfo.shape)} on {metainfo.device}"
+            if isinstance(metainfo, torch.Tensor)
+            else type(metainfo).__name__
+        )
+        raise ValueError(
+            f"metainfo must be the CPU int64 [{layout.META_COUNT}] tensor returned by "
+            f"moe_a2a_initialize, got {what}"
+        )
+    v = metainfo.tolist()
+    if v[layout.META_MAGIC] != layout.MAGIC or v[layout.META_VERSION] != layout.VERSION:
+        raise ValueError(
+            "metainfo was not returned by torch_moe_a2a.moe_a2a_initialize "
+            f"(magic {v[layout.META_MAGIC]:#x}, version {v[layout.META_VERSION]}; expected "
+            f"{layout.MAGIC:#x}, {layout.VERSION})"
+        )
+    return (
+        v[layout.META_EP_RANK],
+        v[layout.META_EP_SIZE],
+        v[layout.META_MAX_NUM_TOKENS],
+        v[layout.META_EPLB_N],
+        v[layout.META_SIZE_PER_RANK],
+        v[layout.META_MAILBOX_ADDR],
+    )
+
+
+@torch.compiler.assume_constant_result
+def _metainfo_values(metainfo: torch.Tensor, key: int) -> _MetaValues:
+    """The metainfo values as Python ints; ``key`` must be ``id(metainfo)``.
+
+    Eager: a dict lookup after the first call. ``torch.compile``: dynamo calls
+    this with the real tensor at trace time and bakes the result into the
+    graph; the ``id(metainfo)`` argument makes it guard on the tensor's
+    identity, so another metainfo recompiles instead of reusing stale values.
+    Metainfo is never written after ``moe_a2a_initialize`` (the mailbox lives
+    elsewhere), so its values are constants for the life of the tensor.
+    """
+    entry = _META_CACHE.get(key)
+    if entry is not None and entry[0]() is metainfo:
+        return entry[1]
+    values = _read_metainfo(metainfo)
+    ref = weakref.ref(metainfo, lambda r, key=key: _forget_metainfo(key, r))
+    _META_CACHE[key] = (ref, values)
+    return values
+
+
+def _check_rank(meta: _MetaValues, ep_rank: int, ep_size: int) -> None:
+    if meta[0] != ep_rank or meta[1] != ep_size:
+        raise ValueError(
+            f"ep_rank/ep_size ({ep_rank}, {ep_size}) do not match the metainfo "
+            f"({meta[0]}, {meta[1]}) given by moe_a2a_initialize"
+        )
+
+
+def _rank_mask_words(enable_rank_mask: bool, active_rank_mask: Optional[torch.Tensor]) -> Sequence[int]:
+    """The op's ``active_rank_mask``: ``()`` for "every rank", else the words as signed int64."""
+    if active_rank_mask is None:
+        return ()
+    if not enable_rank_mask:
+        raise ValueError("active_rank_mask requires enable_rank_mask=True")
+    if not (
+        isinstance(active_rank_mask, torch.Tensor)
+        and active_rank_mask.dtype == torch.uint64
+        and active_rank_mask.device.type == "cpu"
+        and tuple(active_rank_mask.shape) == (MOE_A2A_RANK_MASK_WORDS,)
+    ):
+        raise ValueError(
+            f"active_rank_mask must be a CPU uint64 tensor of shape [{MOE_A2A_RANK_MASK_WORDS}] "
+            "(see moe_a2a_active_rank_mask)"
+        )
+    if torch.compiler.is_compiling():
+        return _mask_words_at_trace_time(active_rank_mask, id(active_rank_mask))
+    return _signed_words(active_rank_mask)
+
+
+def _signed_words(active_rank_mask: torch.Tensor) -> list[int]:
+    return [w - _U64 if w >= _I64_SIGN else w for w in active_rank_mask.tolist()]
+
+
+@torch.compiler.assume_constant_result
+def _mask_words_at_trace_time(active_rank_mask: torch.Tensor, key: int) -> list[int]:
+    """torch.compile: the mask's words, read once at trace time and baked into the
+    graph; ``key`` (``id(active_rank_mask)``) makes dynamo guard on the tensor's
+    identity, so a new mask tensor (``moe_a2a_active_rank_mask`` returns a new
+    one) recompiles. Changing a mask tensor in place is not seen by a compiled graph."""
+    return _signed_words(active_rank_mask)
+
+
+def _debug_enabled() -> bool:
+    return os.environ.get("MOE_A2A_DEBUG", "0") not in ("", "0")
+
+
+def _debug_check_expert_ids(token_selected_experts: torch.Tensor, num_experts: int) -> None:
+    """MOE_A2A_DEBUG=1: refuse expert ids >= num_experts on the host (syncs on CUDA)."""
+    bad = (token_selected_experts >= num_experts).nonzero()
+    if bad.shape[0] > 0:
+        index = tuple(bad[0].tolist())
+        value = int(token_selected_experts[index])
+        where = ", ".join(str(i) for i in index)
+        raise ValueError(
+            f"MOE_A2A_DEBUG: token_selected_experts[{where}] = {value} is >= num_experts ({num_experts})"
+        )
+
+
+# (ep_size, T, eplb_n, payload row bytes) -> CallLayout; eager only.
+_LAYOUT_CACHE: dict[tuple, layout.CallLayout] = {}
+_LAYOUT_CACHE_LIMIT = 4096
+
+
+def _call_layout(ep_size: int, runtime_max: int, eplb_n: int, row_bytes: tuple) -> layout.CallLayout:
+    if torch.compiler.is_compiling():
+        return layout.call_layout(ep_size, runtime_max, eplb_n, row_bytes)
+    key = (ep_size, runtime_max, eplb_n, row_bytes)
+    found = _LAYOUT_CACHE.get(key)
+    if found is None:
+        if len(_LAYOUT_CACHE) >= _LAYOUT_CACHE_LIMIT:
+            _LAYOUT_CACHE.clear()
+        found = _LAYOUT_CACHE[key] = layout.call_layout(ep_size, runtime_max, eplb_n, row_bytes)
+    return found
+
+
+# ---------------------------------------------------------------------------
+# functional API
+# ---------------------------------------------------------------------------
+
+
+def moe_a2a_get_workspace_size_per_rank(
+    ep_size: int,
+    max_num_tokens: int,
+    total_dispatch_payload_size_per_token: int,
+    combine_payload_size_per_token: int,
+    eplb_stats_num_experts: int = 0,
+    *,
+    backend: MoeAlltoAllBackend = "trtllm",
+) -> int:
+    """Bytes per rank of a workspace for these sizes (a multiple of ``layout.ALIGN``).
+
+    Enough for any call with ``runtime_max_tokens_per_rank <= max_num_tokens``,
+    any list of up to ``MAX_PAYLOADS`` payloads whose per-token bytes add up to
+    ``total_dispatch_payload_size_per_token`` (alignment pads included) and a
+    combine row of ``combine_payload_size_per_token`` bytes.
+    """
+    _check_backend(backend, None)
+    return _ops.workspace_size_per_rank.default(
+        ep_size,
+        max_num_tokens,
+        total_dispatch_payload_size_per_token,
+        combine_payload_size_per_token,
+        eplb_stats_num_experts,
+    )
+
+
+def moe_a2a_initialize(
+    workspace: torch.Tensor,
+    ep_rank: int,
+    ep_size: int,
+    max_num_tokens: int,
+    eplb_stats_num_experts: int = 0,
+    *,
+    backend: MoeAlltoAllBackend = "trtllm",
+) -> torch.Tensor:
+    """Zero row ``ep_rank`` of ``workspace``, write its header; return the metainfo.
+
+    Local, as in FlashInfer: it touches only this rank's row, so a plain
+    ``[ep_size, size_per_rank]`` uint8 tensor can be initialized rank by rank.
+    Across processes, no peer may dispatch before every rank has initialized:
+    :class:`MoeAlltoAll` adds that barrier.
+
+    Returns a new CPU int64 ``[META_COUNT]`` tensor (layout.META_*), owned by
+    the caller and read-only by convention; pass it to every later call for
+    this rank. It holds the address of the rank's host error mailbox (CUDA).
+    """
+    _check_backend(backend, workspace)
+    mailbox = _ops.alloc_mailbox.default(workspace)
+    _ops.initialize.default(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, mailbox)
+    values = [0] * layout.META_COUNT
+    values[layout.META_MAGIC] = layout.MAGIC
+    values[layout.META_VERSION] = layout.VERSION
+    values[layout.META_EP_RANK] = ep_rank
+    values[layout.META_EP_SIZE] = ep_size
+    values[layout.META_MAX_NUM_TOKENS] = max_num_tokens
+    values[layout.META_EPLB_N] = eplb_stats_num_experts
+    values[layout.META_SIZE_PER_RANK] = workspace.shape[1]
+    values[layout.META_HEADER_BYTES] = layout.HEADER_BYTES
+    values[layout.META_MAILBOX_ADDR] = mailbox
+    metainfo = torch.tensor(values, dtype=torch.int64)
+    _metainfo_values(metainfo, id(metainfo))  # warm the cache
+    return metainfo
+
+
+def moe_a2a_wrap_payload_tensor_in_workspace(
+    workspace: torch.Tensor,
+    leading_shape: list[int],
+    slice_start: int,
+    slice_end: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """View bytes ``[slice_start, slice_end)`` of ``workspace`` as ``leading_shape + [-1]`` of ``dtype``.
+
+    As in FlashInfer, the offsets count from the start of the given tensor:
+    a 2-D ``[ep_size, size_per_rank]`` workspace (offset ``r * size_per_rank +
+    o`` is byte ``o`` of row ``r``) or one 1-D row (for example
+    ``workspace[ep_rank]`` with an offset relative to that row, like
+    ``combine_payload_offset``). The slice must lie within one row. The result
+    aliases the workspace.
+    """
+    ws = workspace.unsqueeze(0) if workspace.dim() == 1 else workspace
+    if ws.dim() != 2 or ws.dtype != torch.uint8:
+        raise ValueError(
+            f"workspace must be a uint8 [ep_size, size_per_rank] tensor or one row of it, "
+            f"got {workspace.dtype} {tuple(workspace.shape)}"
+        )
+    length = slice_end - slice_start
+    if slice_start < 0 or length < 0:
+        raise ValueError(f"invalid slice [{slice_start}, {slice_end})")
+    rank, start = divmod(slice_start, ws.stride(0))
+    if rank >= ws.shape[0] or start + length > ws.shape[1]:
+        raise ValueError(
+            f"slice [{slice_start}, {slice_end}) does not lie within one row of a "
+            f"{tuple(ws.shape)} workspace"
+        )
+    return ws[rank].narrow(0, start, length).view(dtype).view(*leading_shape, -1)
+
+
+def moe_a2a_active_rank_mask(active_ranks: Union[Sequence[int], torch.Tensor], ep_size: int) -> torch.Tensor:
+    """CPU uint64 ``[MOE_A2A_RANK_MASK_WORDS]`` mask with bit ``r`` set for each active rank ``r``.
+
+    ``active_ranks``: ranks (a sequence or a 1-D tensor) that take part in the
+    next dispatch/combine; each must lie in ``[0, ep_size)`` (ValueError).
+    """
+    if not 1 <= ep_size <= layout.MAX_RANKS:
+        raise ValueError(f"ep_size {ep_size} out of range [1, {layout.MAX_RANKS}]")
+    if isinstance(active_ranks, torch.Tensor):
+        active_ranks = active_ranks.tolist()
+    mask = 0
+    for rank in active_ranks:
+        rank = int(rank)
+        if not 0 <= rank < ep_size:
+            raise ValueError(f"active rank {rank} out of range [0, {ep_size})")
+        mask |= 1 << rank
+    words = [(mask >> (64 * w)) & (_U64 - 1) for w in range(MOE_A2A_RANK_MASK_WORDS)]
+    return torch.tensor(words, dtype=torch.uint64)
+
+
+def moe_a2a_dispatch(
+    token_selected_experts: torch.Tensor,
+    input_payloads: list[torch.Tensor],
+    workspace: torch.Tensor,
+    metainfo: torch.Tensor,
+    runtime_max_tokens_per_rank: int,
+    ep_rank: int,
+    ep_size: int,
+    top_k: int,
+    num_experts: int,
+    enable_pdl: Optional[bool] = None,
+    eplb_local_stats: Optional[torch.Tensor] = None,
+    enable_rank_mask: bool = False,
+    active_rank_mask: Optional[torch.Tensor] = None,
+    *,
+    backend: MoeAlltoAllBackend = "trtllm",
+    recv_view_cache: Optional[dict] = None,
+) -> tuple[list[torch.Tensor], int, Optional[torch.Tensor]]:
+    """Send each local token's payload rows to every rank that owns one of its experts.
+
+    token_selected_experts: int32 ``[local_num_tokens, top_k]``; negative ids
+    are skipped, ids ``>= num_experts`` are skipped and counted
+    (:func:`moe_a2a_get_invalid_expert_count`). input_payloads: 1 to 8 tensors
+    ``[local_num_tokens, *]`` of any dtype with contiguous rows, on the
+    workspace's device. ``runtime_max_tokens_per_rank`` must be the same on
+    every rank, ``>= local_num_tokens`` and ``<= max_num_tokens``.
+
+    Returns ``(output_payloads, combine_payload_offset, eplb_gathered_stats)``:
+
+    - ``output_payloads[i]``: view ``[ep_size, runtime_max_tokens_per_rank,
+      *input_payloads[i].shape[1:]]`` of this rank's workspace row, dtype of
+      ``input_payloads[i]``; row ``[s, j]`` is the j-th token received from
+      rank ``s`` in increasing source token order; rows ``j >=
+      recv_counts[s]`` (:func:`moe_a2a_get_recv_counts`) are padding with
+      unspecified contents.
+    - ``combine_payload_offset``: byte offset, relative to a rank's row, of
+      the combine region for the matching :func:`moe_a2a_combine`.
+    - ``eplb_gathered_stats``: int32 ``[ep_size, eplb_stats_num_experts]``
+      workspace view (row ``r`` = rank ``r``'s ``eplb_local_stats``) when
+      ``eplb_local_stats`` is given, else None.
+
+    ``recv_view_cache``: FlashInfer's opaque cache; pass a dict to reuse the
+    views across calls (it holds a reference to ``workspace`` and is cleared
+    when another workspace is passed). Not used under ``torch.compile``,
+    where views cost nothing at run time.
+    """
+    return _dispatch(
+        token_selected_experts,
+        input_payloads,
+        workspace,
+        metainfo,
+        runtime_max_tokens_per_rank,
+        ep_rank,
+        ep_size,
+        top_k,
+        num_experts,
+        enable_pdl,
+        eplb_local_stats,
+        enable_rank_mask,
+        active_rank_mask,
+        backend=backend,
+        recv_view_cache=recv_view_cache,
+    )
+
+
+def _dispatch(
+    token_selected_experts: torch.Tensor,
+    input_payloads: list[torch.Tensor],
+    workspace: torch.Tensor,
+    metainfo: torch.Tensor,
+    runtime_max_tokens_per_rank: int,
+    ep_rank: int,
+    ep_size: int,
+    top_k: int,
+    num_experts: int,
+    enable_pdl: Optional[bool] = None,
+    eplb_local_stats: Optional[torch.Tensor] = None,
+    enable_rank_mask: bool = False,
+    active_rank_mask: Optional[torch.Tensor] = None,
+    *,
+    backend: MoeAlltoAllBackend = "trtllm",
+    recv_view_cache: Optional[dict] = None,
+    timeout_s: float = _ENV_TIMEOUT,
+) -> tuple[list[torch.Tensor], int, Optional[torch.Tensor]]:
+    """:func:`moe_a2a_dispatch` plus ``timeout_s`` (``<= 0``: MOE_A2A_TIMEOUT_S, else the default)."""
+    _check_backend(backend, workspace)
+    meta = _metainfo_values(metainfo, id(metainfo))
+    _check_rank(meta, ep_rank, ep_size)
+    _, _, max_num_tokens, eplb_n, _, mailbox = meta
+    mask = _rank_mask_words(enable_rank_mask, active_rank_mask)
+    if enable_pdl is None:
+        enable_pdl = _pdl_default(workspace)
+    if not torch.compiler.is_compiling() and _debug_enabled():
+        _debug_check_expert_ids(token_selected_experts, num_experts)
+
+    _ops.dispatch.default(
+        token_selected_experts,
+        input_payloads,
+        workspace,
+        ep_rank,
+        ep_size,
+        max_num_tokens,
+        runtime_max_tokens_per_rank,
+        top_k,
+        num_experts,
+        eplb_local_stats,
+        eplb_n,
+        mask,
+        timeout_s,
+        mailbox,
+        enable_pdl,
+    )
+
+    # The receive views of this call: regions of this rank's own row.
+    call_eplb_n = eplb_n if eplb_local_stats is not None else 0
+    cache = None if recv_view_cache is None or torch.compiler.is_compiling() else recv_view_cache
+    if cache is not None:
+        if cache.get("_workspace") is not workspace:
+            cache.clear()
+            cache["_workspace"] = workspace
+        # Trailing shapes and dtypes fix every offset of the call.
+        key = (ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n,
+               tuple([(p.shape[1:], p.dtype) for p in input_payloads]))
+        hit = cache.get(key)
+        if hit is not None:
+            return list(hit[0]), hit[1], hit[2]
+
+    row_bytes = tuple(p.element_size() * math.prod(p.shape[1:]) for p in input_payloads)
+    call = _call_layout(ep_size, runtime_max_tokens_per_rank, call_eplb_n, row_bytes)
+    row = workspace.select(0, ep_rank)
+    output_payloads = []
+    for payload, offset in zip(input_payloads, call.payload_offsets):
+        view = layout.region_view(
+            row, offset, (ep_size, runtime_max_tokens_per_rank, *payload.shape[1:]), payload.dtype
+        )
+        view._moe_a2a_row_offset = offset  # for sanitize under torch.compile
+        output_payloads.append(view)
+    eplb_gathered_stats = None
+    if call.eplb_offset >= 0:
+        eplb_gathered_stats = layout.region_view(row, call.eplb_offset, (ep_size, eplb_n), torch.int32)
+    if cache is not None:
+        cache[key] = (tuple(output_payloads), call.combine_offset, eplb_gathered_stats)
+    return output_payloads, call.combine_offset, eplb_gathered_stats
+
+
+def moe_a2a_combine(
+    payload: torch.Tensor,
+    local_num_tokens: int,
+    workspace: torch.Tensor,
+    metainfo: torch.Tensor,
+    runtime_max_tokens_per_rank: int,
+    ep_rank: int,
+    ep_size: int,
+    top_k: int,
+    combine_payload_offset: int,
+    payload_in_workspace: bool = False,
+    output_dtype: Optional[torch.dtype] = None,
+    output_scales: Optional[torch.Tensor] = None,
+    output_scalar_scale: float = 1.0,
+    sf_layout: SfLayout = SfLayout.layout_linear,
+    output: Optional[torch.Tensor] = None,
+    *,
+    use_low_precision: bool = False,
+    enable_pdl: Optional[bool] = None,
+    enable_rank_mask: bool = False,
+    active_rank_mask: Optional[torch.Tensor] = None,
+    backend: MoeAlltoAllBackend = "trtllm",
+) -> torch.Tensor:
+    """Return every local token's sum of the expert outputs of its destination ranks.
+
+    payload: ``[ep_size, runtime_max_tokens_per_rank, *row_shape]`` bf16, fp16
+    or fp32; row ``[s, j]`` is this rank's output for the j-th token it
+    received from rank ``s`` (padding rows are ignored). With
+    ``payload_in_workspace=True`` it must be the view
+    ``MoeAlltoAll.get_combine_payload_tensor_in_workspace`` returns (this
+    rank's row at ``combine_payload_offset``) and is read in place; else it is
+    a contiguous tensor and the op copies its valid rows into the workspace.
+
+    Returns ``[local_num_tokens, *row_shape]`` of ``output_dtype`` (default the
+    payload dtype; bf16 always accepted): for each token the fp32 sum, in
+    ascending rank order, of its rows from the distinct ranks it was sent to,
+    cast once; zeros for a token sent nowhere. A new tensor, or ``output``
+    (contiguous, that shape and dtype, on the workspace's device) when given.
+
+    Not implemented (NotImplementedError): quantized outputs (``output_scales``,
+    a non-linear ``sf_layout``) and ``use_low_precision``;
+    ``output_scalar_scale`` only affects quantized outputs and is ignored.
+    """
+    return _combine(
+        payload,
+        local_num_tokens,
+        workspace,
+        metainfo,
+        runtime_max_tokens_per_rank,
+        ep_rank,
+        ep_size,
+        top_k,
+        combine_payload_offset,
+        payload_in_workspace,
+        output_dtype,
+        output_scales,
+        output_scalar_scale,
+        sf_layout,
+        output,
+        use_low_precision=use_low_precision,
+        enable_pdl=enable_pdl,
+        enable_rank_mask=enable_rank_mask,
+        active_rank_mask=active_rank_mask,
+        backend=backend,
+    )
+
+
+def _combine(
+    payload: torch.Tensor,
+    local_num_tokens: int,
+    workspace: torch.Tensor,
+    metainfo: torch.Tensor,
+    runtime_max_tokens_per_rank: int,
+    ep_rank: int,
+    ep_size: int,
+    top_k: int,
+    combine_payload_offset: int,
+    payload_in_workspace: bool = False,
+    output_dtype: Optional[torch.dtype] = None,
+    output_scales: Optional[torch.Tensor] = None,
+    output_scalar_scale: float = 1.0,
+    sf_layout: SfLayout = SfLayout.layout_linear,
+    output: Optional[torch.Tensor] = None,
+    *,
+    use_low_precision: bool = False,
+    enable_pdl: Optional[bool] = None,
+    enable_rank_mask: bool = False,
+    active_rank_mask: Optional[torch.Tensor] = None,
+    backend: MoeAlltoAllBackend = "trtllm",
+    timeout_s: float = _ENV_TIMEOUT,
+) -> torch.Tensor:
+    """:func:`moe_a2a_combine` plus ``timeout_s`` (``<= 0``: MOE_A2A_TIMEOUT_S, else the default).
+
+    ``output_scalar_scale`` only matters for quantized outputs, which are refused.
+    """
+    _check_backend(backend, workspace)
+    # By value, so FlashInfer's own SfLayout (or a plain int) is understood too.
+    if output_scales is not None or getattr(sf_layout, "value", sf_layout) != SfLayout.layout_linear.value:
+        raise NotImplementedError(
+            "quantized combine outputs (output_scales, sf_layout other than layout_linear) are not "
+            "implemented; combine outputs bf16, fp16 or fp32"
+        )
+    if use_low_precision:
+        raise NotImplementedError("use_low_precision (FP8 combine transport) is not implemented")
+    meta = _metainfo_values(metainfo, id(metainfo))
+    _check_rank(meta, ep_rank, ep_size)
+    _, _, max_num_tokens, _, _, mailbox = meta
+    mask = _rank_mask_words(enable_rank_mask, active_rank_mask)
+    if enable_pdl is None:
+        enable_pdl = _pdl_default(workspace)
+    if output is not None:
+        if output.device != workspace.device:
+            raise ValueError(f"output must be on the workspace's device {workspace.device}, got {output.device}")
+        if not output.is_contiguous():
+            raise ValueError(f"output must be contiguous, got stride={output.stride()}")
+    staged = payload
+    if payload_in_workspace:
+        if not torch.compiler.is_compiling():
+            _check_payload_in_workspace(payload, workspace, ep_rank, ep_size, runtime_max_tokens_per_rank,
+                                        combine_payload_offset)
+        staged = None
+    row_shape = payload.shape[2:]
+    if output_dtype is None:
+        output_dtype = payload.dtype
+    args = (
+        staged,
+        local_num_tokens,
+        workspace,
+        ep_rank,
+        ep_size,
+        max_num_tokens,
+        runtime_max_tokens_per_rank,
+        top_k,
+        combine_payload_offset,
+        row_shape,
+        payload.dtype,
+        output_dtype,
+        mask,
+        timeout_s,
+        mailbox,
+        enable_pdl,
+    )
+    if output is None:
+        return _ops.combine.default(*args)
+    _ops.combine_into.default(*args, output)
+    return output
+
+
+def _check_payload_in_workspace(
+    payload: torch.Tensor,
+    workspace: torch.Tensor,
+    ep_rank: int,
+    ep_size: int,
+    runtime_max: int,
+    combine_payload_offset: int,
+) -> None:
+    """payload_in_workspace=True: ``payload`` must be the combine region view of this rank's row."""
+    expected = workspace.data_ptr() + ep_rank * workspace.stride(0) + combine_payload_offset
+    if (
+        payload.data_ptr() != expected
+        or payload.dim() < 2
+        or tuple(payload.shape[:2]) != (ep_size, runtime_max)
+        or not payload.is_contiguous()
+    ):
+        raise ValueError(
+            "payload_in_workspace=True requires payload to be the contiguous [ep_size, "
+            "runtime_max_tokens_per_rank, ...] view of this rank's workspace row at "
+            "combine_payload_offset (MoeAlltoAll.get_combine_payload_tensor_in_workspace)"
+        )
+
+
+def moe_a2a_sanitize_expert_ids(
+    expert_ids: torch.Tensor,
+    workspace: torch.Tensor,
+    metainfo: torch.Tensor,
+    ep_rank: int,
+    invalid_expert_id: int,
+    enable_pdl: Optional[bool] = None,
+    *,
+    backend: MoeAlltoAllBackend = "trtllm",
+) -> None:
+    """Write ``invalid_expert_id`` into the padding rows of a received expert-id view, in place.
+
+    expert_ids: the int32 ``[ep_size, runtime_max_tokens_per_rank, top_k]``
+    view that :func:`moe_a2a_dispatch` returned for an expert-id payload (it
+    must alias this rank's row). Rows ``[s, j]`` with ``j >= recv_counts[s]``
+    get ``invalid_expert_id`` in every column; valid rows are untouched.
+    """
+    _check_backend(backend, workspace)
+    meta = _metainfo_values(metainfo, id(metainfo))
+    if meta[0] != ep_rank:
+        raise ValueError(f"ep_rank {ep_rank} does not match the metainfo's ep_rank {meta[0]}")
+    if expert_ids.dim() != 3 or expert_ids.dtype != torch.int32 or not expert_ids.is_contiguous():
+        raise ValueError(
+            "expert_ids must be the contiguous int32 [ep_size, runtime_max_tokens_per_rank, top_k] "
+            f"view returned by moe_a2a_dispatch, got {expert_ids.dtype} {tuple(expert_ids.shape)}"
+        )
+    if torch.compiler.is_compiling():
+        # Dynamo cannot read storage_offset(); dispatch tagged its views with
+        # the offset it built them at.
+        offset = getattr(expert_ids, "_moe_a2a_row_offset", None)
+        if offset is None:
+            raise ValueError("under torch.compile, expert_ids must be a receive view returned by moe_a2a_dispatch")
+    else:
+        if expert_ids.untyped_storage().data_ptr() != workspace.untyped_storage().data_ptr():
+            raise ValueError("expert_ids must be a view of the workspace returned by moe_a2a_dispatch")
+        # Byte offset of the plane within the own row (the workspace is uint8:
+        # its offsets and strides are bytes).
+        row_start = workspace.storage_offset() + ep_rank * workspace.stride(0)
+        offset = expert_ids.storage_offset() * expert_ids.element_size() - row_start
+    if enable_pdl is None:
+        enable_pdl = _pdl_default(workspace)
+    _ops.sanitize_expert_ids.default(
+        workspace,
+        ep_rank,
+        expert_ids.shape[0],
+        expert_ids.shape[1],
+        offset,
+        expert_ids.shape[2],
+        invalid_expert_id,
+        enable_pdl,
+    )
+
+
+def moe_a2a_get_recv_counts(workspace: torch.Tensor, metainfo: torch.Tensor, ep_rank: int) -> torch.Tensor:
+    """int32 ``[ep_size]`` view of rank ``ep_rank``'s header: ``[s]`` = rows received from rank ``s``
+    by the last dispatch (0 for masked-off ranks)."""
+    meta = _metainfo_values(metainfo, id(metainfo))
+    return layout.region_view(workspace[ep_rank], layout.HDR_RECV_COUNTS, (meta[1],), torch.int32)
+
+
+def moe_a2a_get_invalid_expert_count(workspace: torch.Tensor, metainfo: torch.Tensor, ep_rank: int) -> torch.Tensor:
+    """0-d int64 view of rank ``ep_rank``'s header: expert ids ``>= num_experts`` its dispatches
+    skipped since ``moe_a2a_initialize``."""
+    _metainfo_values(metainfo, id(metainfo))  # validates metainfo
+    return layout.region_view(workspace[ep_rank], layout.HDR_INVALID_EXPERT_COUNT, (), torch.int64)
+
+
+# ---------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------
+
+_ERROR_PHASE = {layout.ERROR_DISPATCH_TIMEOUT: "dispatch", layout.ERROR_COMBINE_TIMEOUT: "combine"}
+
+
+def _seconds_text(ms: int) -> str:
+    """"2.0", "0.25", "1.005": as many decimals as the milliseconds need, at least one."""
+    decimals = 1 if ms % 100 == 0 else 2 if ms % 10 == 0 else 3
+    return f"{ms / 1000.0:.{decimals}f}"
+
+
+def describe_error(ep_rank: int, code: int, missing_words: Sequence[int], timeout_ms: int) -> str:
+    """The message of an error record, the same text as ``describe_error`` in csrc/ops.cpp, e.g.
+    ``"rank 0: peers [1] did not arrive within 2.0 s (dispatch); the workspace stays failed ..."``.
+
+    missing_words: the ``MOE_A2A_RANK_MASK_WORDS`` words of the missing-peers mask (unsigned).
+    """
+    if code in _ERROR_PHASE:
+        missing = [r for r in range(layout.MAX_RANKS) if (missing_words[r // 64] >> (r % 64)) & 1]
+        what = (
+            f"peers [{', '.join(map(str, missing))}] did not arrive within {_seconds_text(timeout_ms)} s "
+            f"({_ERROR_PHASE[code]})"
+        )
+    elif code == layout.ERROR_SEQUENCE:
+        what = (
+            "dispatch and combine must alternate on every rank, but dispatch was called twice "
+            "without a combine in between, or combine without a preceding dispatch"
+        )
+    else:
+        what = f"unknown error code {code}"
+    return f"rank {ep_rank}: {what}; the workspace stays failed until every rank calls moe_a2a_initialize again"
+
+
+def _header_field(headers: torch.Tensor, offset: int, dtype: torch.dtype) -> list[int]:
+    """One header field of every row of ``headers`` ([rows, HEADER_BYTES] uint8) as ints."""
+    return headers[:, offset : offset + dtype.itemsize].view(dtype)[:, 0].tolist()
+
+
+def check_errors(workspace: torch.Tensor) -> None:
+    """Raise RuntimeError if any rank's header holds an error record (a timed-out wait).
+
+    Reads the header of every row of ``workspace`` (``[ep_size, size_per_rank]``
+    uint8); uninitialized rows are skipped. On CUDA this copies the headers to
+    the host (a sync with the current stream). The message names the rank, the
+    peers that did not arrive and the timeout, as the op's error does.
+    """
+    if workspace.dim() != 2 or workspace.dtype != torch.uint8 or workspace.shape[1] < layout.HEADER_BYTES:
+        raise ValueError(
+            f"workspace must be a uint8 [ep_size, size_per_rank] tensor, got {workspace.dtype} "
+            f"{tuple(workspace.shape)}"
+        )
+    headers = workspace[:, : layout.HEADER_BYTES].to("cpu")
+    magic = _header_field(headers, layout.HDR_MAGIC, torch.int64)
+    codes = _header_field(headers, layout.HDR_ERROR_CODE, torch.int32)
+    timeouts = _header_field(headers, layout.HDR_ERROR_TIMEOUT_MS, torch.int32)
+    missing = [
+        _header_field(headers, layout.HDR_ERROR_MISSING + 8 * w, torch.int64)
+        for w in range(MOE_A2A_RANK_MASK_WORDS)
+    ]
+    for rank in range(workspace.shape[0]):
+        code = codes[rank] & 0xFFFFFFFF
+        if magic[rank] == layout.MAGIC and code != layout.ERROR_NONE:
+            words = [m[rank] % _U64 for m in missing]
+            raise RuntimeError(describe_error(rank, code, words, timeouts[rank] & 0xFFFFFFFF))
+
+
+# ---------------------------------------------------------------------------
+# MoeAlltoAll
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _A2AState:
+    phase: str = "idle"  # idle | dispatched
+    local_num_tokens: Optional[int] = None
+    combine_payload_offset: Optional[int] = None
+    eplb_gathered_stats: Optional[torch.Tensor] = None
+
+
+class MoeAlltoAll:
+    """Stateful wrapper of the functional API, FlashInfer's ``MoeAlltoAll``.
+
+    Owns (or shares) the workspace and this rank's metainfo, remembers what
+    dispatch returned for the matching combine, and enforces the alternation
+    dispatch -> combine -> dispatch with a clear RuntimeError.
+
+    Workspace, by precedence:
+
+    - ``workspace=``: a pre-allocated ``[ep_size, size_per_rank]`` uint8
+      workspace shared with other instances of this process (simulated
+      ranks). This instance initializes its own row only: construct every
+      rank's instance before any of them dispatches.
+    - ``group=`` (a ``torch.distributed`` group; the default group when
+      ``torch.distributed`` is initialized and ``ep_size > 1``):
+      :func:`allocate_workspace` maps every member's row into every member,
+      then the rows are initialized and the group synchronizes (barrier), so
+      no peer writes into a row before its owner zeroed it.
+    - otherwise (``ep_size == 1`` only): a plain zeroed tensor on ``device``
+      (default: the current CUDA device if there is one, else the CPU).
+
+    A CUDA workspace is marked static (``torch._dynamo.mark_static_address``)
+    so CUDA-graph trees (``mode="reduce-overhead"``) accept the in-place
+    mutations of the ops. ``timeout_s``: the bound on every wait for a peer
+    (default: MOE_A2A_TIMEOUT_S, else 30 s). ``mnnvl_config`` is FlashInfer's
+    MNNVL transport setting and is refused (use ``group=``). ``backend``: as in
+    the functional API ("cake" is refused).
+    """
+
+    def __init__(
+        self,
+        mapping: Any,
+        max_num_tokens: int,
+        top_k: int,
+        num_experts: int,
+        workspace_size_per_rank: Optional[int] = None,
+        hidden_size: Optional[int] = None,
+        mnnvl_config: Any = None,
+        eplb_stats_num_experts: int = 0,
+        enable_rank_mask: bool = False,
+        *,
+        backend: MoeAlltoAllBackend = "trtllm",
+        workspace: Optional[torch.Tensor] = None,
+        group: Any = None,
+        device: Union[torch.device, str, None] = None,
+        timeout_s: Optional[float] = None,
+    ):
+        self.ep_rank = int(mapping.moe_ep_rank)
+        self.ep_size = int(mapping.moe_ep_size)
+        if not isinstance(top_k, int) or top_k <= 0:
+            raise ValueError("top_k must be a positive int")
+        if not isinstance(num_experts, int) or num_experts <= 0:
+            raise ValueError("num_experts must be a positive int")
+        if mnnvl_config is not None:
+            raise NotImplementedError(
+                "mnnvl_config (FlashInfer's MNNVL transport) is not supported; pass a "
+                "torch.distributed group with group= instead"
+            )
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+
+        if workspace is not None:
+            # A given workspace fixes the device and the size; hidden_size is not needed.
+            if workspace.dim() != 2 or workspace.shape[0] != self.ep_size:
+                raise ValueError(
+                    f"workspace must be [ep_size={self.ep_size}, size_per_rank], got {tuple(workspace.shape)}"
+                )
+            if workspace_size_per_rank is not None and workspace_size_per_rank != workspace.shape[1]:
+                raise ValueError(
+                    f"workspace_size_per_rank {workspace_size_per_rank} differs from the workspace's "
+                    f"{workspace.shape[1]} bytes per rank"
+                )
+            workspace_size_per_rank = workspace.shape[1]
+            device = workspace.device
+        elif device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        _check_backend(backend, device)
+
+        if workspace is None:
+            if workspace_size_per_rank is None:
+                if hidden_size is None:
+                    raise ValueError("hidden_size must be provided if workspace_size_per_rank is not provided")
+                workspace_size_per_rank = self.get_moe_workspace_size_per_rank(
+                    self.ep_size, top_k, max_num_tokens, hidden_size, 0, eplb_stats_num_experts, backend=backend
+                )
+            if group is None and self.ep_size > 1 and torch.distributed.is_available() \
+                    and torch.distributed.is_initialized():
+                group = torch.distributed.group.WORLD
+            if group is None and self.ep_size > 1:
+                raise ValueError(
+                    f"ep_size {self.ep_size} > 1 needs a shared workspace: pass workspace= (simulated "
+                    "ranks in this process) or group= (one rank per process)"
+                )
+            if group is not None:
+                group_rank = torch.distributed.get_rank(group)
+                if group_rank != self.ep_rank:
+                    raise ValueError(f"mapping.moe_ep_rank {self.ep_rank} differs from the group rank {group_rank}")
+            workspace = allocate_workspace(workspace_size_per_rank, group=group, ep_size=self.ep_size, device=device)
+
+        self.workspace = workspace
+        self.workspace_size_per_rank = workspace_size_per_rank
+        self.max_num_tokens = max_num_tokens
+        self.top_k = top_k
+        self.num_experts = num_experts
+        self.eplb_stats_num_experts = eplb_stats_num_experts
+        self.enable_eplb = eplb_stats_num_experts > 0
+        self.enable_rank_mask = enable_rank_mask
+        self.timeout_s = _ENV_TIMEOUT if timeout_s is None else float(timeout_s)
+        self._backend = backend
+        self.metainfo = moe_a2a_initialize(
+            workspace, self.ep_rank, self.ep_size, max_num_tokens, eplb_stats_num_experts, backend=backend
+        )
+        if group is not None:
+            torch.distributed.barrier(group=group)
+        if workspace.is_cuda:
+            torch._dynamo.mark_static_address(workspace)
+        self._recv_counts = moe_a2a_get_recv_counts(workspace, self.metainfo, self.ep_rank)
+        self._recv_view_cache: dict = {"_workspace": workspace}
+        self._state = _A2AState()
+
+    @staticmethod
+    def get_moe_workspace_size_per_rank(
+        ep_size: int,
+        top_k: int,
+        max_num_tokens: int,
+        hidden_size: int,
+        extra_payload_bytes_per_token: int = 0,
+        eplb_stats_num_experts: int = 0,
+        *,
+        backend: MoeAlltoAllBackend = "trtllm",
+    ) -> int:
+        """FlashInfer's sizing: 16-bit hidden states plus int32 expert ids and fp32
+        router weights per token (and ``extra_payload_bytes_per_token``) for
+        dispatch, 16-bit hidden states for combine."""
+        hidden_bytes = hidden_size * 2
+        dispatch_bytes = hidden_bytes + top_k * 4 + top_k * 4 + extra_payload_bytes_per_token
+        return moe_a2a_get_workspace_size_per_rank(
+            ep_size, max_num_tokens, dispatch_bytes, hidden_bytes, eplb_stats_num_experts, backend=backend
+        )
+
+    @property
+    def eplb_gathered_stats(self) -> Optional[torch.Tensor]:
+        """int32 ``[ep_size, eplb_stats_num_experts]`` view from the last dispatch (None when it
+        gathered none); valid until :meth:`combine`."""
+        return self._state.eplb_gathered_stats
+
+    @property
+    def recv_counts(self) -> torch.Tensor:
+        """int32 ``[ep_size]`` workspace view: rows received from each rank by the last dispatch."""
+        if torch.compiler.is_compiling():
+            # A view made outside the graph would be a second graph input aliasing
+            # the mutated workspace with another dtype, which AOTAutograd refuses.
+            return moe_a2a_get_recv_counts(self.workspace, self.metainfo, self.ep_rank)
+        return self._recv_counts
+
+    def check(self) -> None:
+        """Raise RuntimeError if any rank of the workspace recorded an error (:func:`check_errors`)."""
+        check_errors(self.workspace)
+
+    def dispatch(
+        self,
+        token_selected_experts: torch.Tensor,
+        input_payloads: list[torch.Tensor],
+        runtime_max_tokens_per_rank: int,
+        invalid_token_expert_id: Optional[int] = None,
+        expert_id_payload_index: Optional[int] = None,
+        eplb_local_stats: Optional[torch.Tensor] = None,
+        active_rank_mask: Optional[torch.Tensor] = None,
+        enable_pdl: Optional[bool] = None,
+    ) -> list[torch.Tensor]:
+        """:func:`moe_a2a_dispatch` on this instance's workspace; returns the receive views.
+
+        With ``invalid_token_expert_id`` (and ``expert_id_payload_index``, the
+        payload holding the expert ids), the padding rows of that received
+        payload are then overwritten with it (:func:`moe_a2a_sanitize_expert_ids`).
+        """
+        if self._state.phase != "idle":
+            raise RuntimeError("MoeAlltoAll.dispatch called twice without combine")
+        if invalid_token_expert_id is not None and expert_id_payload_index is None:
+            raise ValueError("expert_id_payload_index is required when invalid_token_expert_id is set")
+        if eplb_local_stats is not None and not self.enable_eplb:
+            raise ValueError("eplb_local_stats given but the instance was constructed with eplb_stats_num_experts=0")
+        if active_rank_mask is not None and not self.enable_rank_mask:
+            raise ValueError("active_rank_mask requires the instance to be constructed with enable_rank_mask=True")
+        recv, combine_payload_offset, eplb_gathered_stats = _dispatch(
+            token_selected_experts,
+            input_payloads,
+            self.workspace,
+            self.metainfo,
+            runtime_max_tokens_per_rank,
+            self.ep_rank,
+            self.ep_size,
+            self.top_k,
+            self.num_experts,
+            enable_pdl,
+            eplb_local_stats,
+            self.enable_rank_mask,
+            active_rank_mask,
+            backend=self._backend,
+            recv_view_cache=self._recv_view_cache,
+            timeout_s=self.timeout_s,
+        )
+        self._state = _A2AState(
+            "dispatched",
+            token_selected_experts.shape[0],
+            combine_payload_offset,
+            eplb_gathered_stats,
+        )
+        if invalid_token_expert_id is not None:
+            moe_a2a_sanitize_expert_ids(
+                recv[expert_id_payload_index],
+                self.workspace,
+                self.metainfo,
+                self.ep_rank,
+                invalid_token_expert_id,
+                enable_pdl,
+                backend=self._backend,
+            )
+        return recv
+
+    def combine(
+        self,
+        payload: torch.Tensor,
+        runtime_max_tokens_per_rank: int,
+        payload_in_workspace: bool = False,
+        output_dtype: Optional[torch.dtype] = None,
+        output_scales: Optional[torch.Tensor] = None,
+        output_scalar_scale: float = 1.0,
+        sf_layout: SfLayout = SfLayout.layout_linear,
+        output: Optional[torch.Tensor] = None,
+        *,
+        use_low_precision: bool = False,
+        active_rank_mask: Optional[torch.Tensor] = None,
+        enable_pdl: Optional[bool] = None,
+    ) -> torch.Tensor:
+        """:func:`moe_a2a_combine` for the tokens of the last :meth:`dispatch`."""
+        if self._state.phase != "dispatched":
+            raise RuntimeError("MoeAlltoAll.combine called before dispatch (each combine needs its own dispatch)")
+        if active_rank_mask is not None and not self.enable_rank_mask:
+            raise ValueError("active_rank_mask requires the instance to be constructed with enable_rank_mask=True")
+        out = _combine(
+            payload,
+            self._state.local_num_tokens,
+            self.workspace,
+            self.metainfo,
+            runtime_max_tokens_per_rank,
+            self.ep_rank,
+            self.ep_size,
+            self.top_k,
+            self._state.combine_payload_offset,
+            payload_in_workspace,
+            output_dtype,
+            output_scales,
+            output_scalar_scale,
+            sf_layout,
+            output,
+            use_low_precision=use_low_precision,
+            enable_pdl=enable_pdl,
+            enable_rank_mask=self.enable_rank_mask,
+            active_rank_mask=active_rank_mask,
+            backend=self._backend,
+            timeout_s=self.timeout_s,
+        )
+        self._state = _A2AState()
+        return out
+
+    def get_combine_payload_tensor_in_workspace(
+        self,
+        runtime_max_tokens_per_rank: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """``[ep_size, runtime_max_tokens_per_rank, hidden_size]`` view of this rank's combine region.
+
+        Write the expert outputs into it and call :meth:`combine` with
+        ``payload_in_workspace=True`` to skip the staging copy. Valid between
+        :meth:`dispatch` and :meth:`combine`. Under ``torch.compile`` prefer
+        ``payload_in_workspace=False``: a traced write into a workspace view
+        makes Inductor copy the whole workspace (DESIGN.md section 4).
+        """
+        if self._state.phase != "dispatched":
+            raise RuntimeError("get_combine_payload_tensor_in_workspace called before dispatch")
+        offset = self._state.combine_payload_offset
+        nbytes = self.ep_size * runtime_max_tokens_per_rank * hidden_size * dtype.itemsize
+        return moe_a2a_wrap_payload_tensor_in_workspace(
+            self.workspace[self.ep_rank], [self.ep_size, runtime_max_tokens_per_rank], offset, offset + nbytes, dtype
+        )

@@ -1,0 +1,1150 @@
+"""``python -m torch_moe_a2a bench``: throughput and latency of dispatch and combine
+with simulated expert parallelism on one device (DESIGN.md section 8).
+
+What is measured, for every point (model preset, ep, tokens per rank):
+
+- ops: ``dispatch``; ``combine`` with the expert outputs in a tensor of their
+  own (the op stages them into the workspace); ``combine-ws`` with the expert
+  outputs already in the workspace (``payload_in_workspace=True``);
+  ``round-trip`` = dispatch + combine (staged, the API's default).
+- one step = the call of every simulated rank (:meth:`SimulatedEP.run`: a
+  CUDA stream per rank forked from and joined back into the current stream,
+  or a thread per rank on the CPU). Dispatch and combine must alternate, so
+  an op measured alone is paired with an untimed partner in every iteration.
+- time: CUDA events on the current stream around the step (perf_counter on
+  the CPU); the median of ``--iters`` iterations after ``--warmup``. The
+  inputs (dispatch payloads, expert outputs) rotate over pre-built sets
+  whose bytes together exceed twice the L2 cache where MAX_SETS sets
+  suffice, so the cache does not flatter the numbers (points smaller than
+  that are latency-bound anyway). ``combine-ws`` reads the one combine
+  region of the workspace, as a real MoE leaves it there.
+- eager: the ops called from Python step after step, as an eager model
+  loop issues them (host launch overhead included where the host is slower
+  than the device). graph (CUDA only): one step per op kind and input set
+  captured in one ``torch.cuda.CUDAGraph`` and replayed; the device is given
+  a head start (a spin kernel) so that the timings are device time.
+- bytes (section 8): dispatch reads each token's payload row once and writes
+  it once per distinct destination rank; combine reads one row per (token,
+  destination) and writes one row per token; staging (``combine``) adds a
+  read and a write of every received row. Counted exactly from the routing
+  and summed over all ranks; GB/s = bytes / median time (graph time where
+  there is one); the ratio is to the device copy bandwidth (bytes read +
+  written by a large ``copy_``) measured in the same run.
+- baseline: the same exchange in plain PyTorch as a user would write it
+  (:class:`_Baseline`), on the same rank streams, inputs and receive layout,
+  timed the same way; speedup = its time / ours.
+- host cost: ``time.perf_counter`` around one rank's eager call, ep 1 and
+  16 tokens so the device never makes the host wait; median of many calls.
+- correctness guard: before timing, one round trip of ours and of the
+  baseline is compared with :mod:`torch_moe_a2a.reference`; a point whose
+  kernels disagree is marked FAIL and not timed. After timing, a graph
+  replay must equal the eager call, and no rank may have recorded a
+  timed-out wait (:func:`check_errors`), else the point is FAIL too.
+
+Routing: :func:`random_routing` (distinct experts per token). Payloads as a
+real MoE sends them: hidden states (bf16, or with ``--fp8`` float8_e4m3fn
+plus fp32 scales, one per FP8_BLOCK elements), int32 expert ids and fp32
+router weights ``[n, top_k]``. Expert outputs (the combine payload) are bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from . import layout
+from .api import check_errors, moe_a2a_combine, moe_a2a_dispatch, moe_a2a_wrap_payload_tensor_in_workspace
+from .reference import random_routing, reference_combine, reference_dispatch
+from .simulate import SimulatedEP
+
+# ---------------------------------------------------------------------------
+# configuration
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Preset:
+    """The MoE layer shape that decides what dispatch and combine move."""
+
+    name: str
+    hidden: int
+    num_experts: int
+    top_k: int
+    dtype: torch.dtype = torch.bfloat16  # hidden states and expert outputs
+
+
+PRESETS = {
+    p.name: p
+    for p in (
+        Preset("deepseek-v3", 7168, 256, 8),
+        Preset("qwen3-235b", 4096, 128, 8),
+        Preset("gpt-oss-120b", 2880, 128, 4),
+        Preset("mixtral", 4096, 8, 2),
+    )
+}
+DEFAULT_EP = (1, 2, 4, 8)
+DEFAULT_TOKENS = (1, 16, 128, 512, 2048, 4096)
+DEFAULT_ITERS = 100
+DEFAULT_WARMUP = 10
+# --smoke: the short run of scripts/gpu_check.sh.
+SMOKE_PRESETS = ("deepseek-v3",)
+SMOKE_EP = (8,)
+SMOKE_TOKENS = (128, 4096)
+SMOKE_ITERS = 20
+SMOKE_WARMUP = 5
+# --max-gib default per device type: the memory a point may need.
+DEFAULT_MAX_GIB = {"cuda": 60.0, "cpu": 4.0}
+GIB = 1 << 30
+MIB = 1 << 20
+
+OPS = ("dispatch", "combine", "combine-ws", "round-trip")
+# The baseline has one combine; both of our combine variants are compared with it.
+BASELINE_OF = {"dispatch": "dispatch", "combine": "combine", "combine-ws": "combine", "round-trip": "round-trip"}
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_BLOCK = 128  # elements per fp32 scale of the fp8 hidden states
+
+SEED = 0
+# Input sets: together at least L2_ROTATE_FACTOR x the L2 cache, MIN..MAX sets
+# when one set is smaller than that (one set when it is larger on its own).
+L2_BYTES_DEFAULT = 60 * 10**6  # H200; used when the device does not report its L2 size, and on the CPU
+L2_ROTATE_FACTOR = 2
+MIN_SETS = 3
+MAX_SETS = 8
+
+# Device copy bandwidth: a copy_ of COPY_BYTES (read once, written once).
+COPY_BYTES = {"cuda": 2 * GIB, "cpu": 256 * MIB}
+COPY_WARMUP = 2
+COPY_REPEATS = 10
+
+# Host cost of one eager call: a small point where the device never makes the host wait.
+HOST_COST_EP = 1
+HOST_COST_TOKENS = 16
+HOST_COST_WARMUP = 20
+HOST_COST_CALLS = 200
+
+# Graph timing: spin the device before the timed replays so the host can queue
+# them ahead of it; HOST_ENQUEUE_S per iteration is far more than a replay and
+# two event records take on the host.
+HOST_ENQUEUE_S = 50e-6
+MAX_HEAD_START_S = 0.5
+SLEEP_CALIBRATION_CYCLES = 10**7
+
+# Combine results may differ from the reference by rounding only if the sum
+# order differs (ours should be bitwise equal; the baseline's index_add_ is
+# not ordered): torch.testing's bf16 tolerances.
+COMBINE_RTOL = 1.6e-2
+COMBINE_ATOL = 1e-5
+
+# Baseline plan: about six int64 tensors of n * top_k entries per rank (dest,
+# flat, order, sorted dest, slot, target/token) live at once.
+_PLAN_BYTES_PER_ENTRY = 6 * 8
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured configuration: ``ep`` ranks with ``tokens`` tokens each."""
+
+    preset: Preset
+    ep: int
+    tokens: int
+    fp8: bool
+
+    def payload_rows(self) -> list[tuple[str, torch.dtype, int]]:
+        """``(name, dtype, elements per row)`` of each dispatch payload, in dispatch order."""
+        p = self.preset
+        rows = [("hidden", FP8_DTYPE if self.fp8 else p.dtype, p.hidden)]
+        if self.fp8:
+            rows.append(("scales", torch.float32, _ceil_div(p.hidden, FP8_BLOCK)))
+        rows += [("expert_ids", torch.int32, p.top_k), ("weights", torch.float32, p.top_k)]
+        return rows
+
+    def row_bytes(self) -> list[int]:
+        return [dtype.itemsize * elems for _, dtype, elems in self.payload_rows()]
+
+    @property
+    def dispatch_row_bytes(self) -> int:
+        return sum(self.row_bytes())
+
+    @property
+    def combine_row_bytes(self) -> int:
+        return self.preset.hidden * self.preset.dtype.itemsize
+
+    @property
+    def expert_rows(self) -> int:
+        """Rows of the expert outputs of all ranks: ``[dest][src][T]``."""
+        return self.ep * self.ep * self.tokens
+
+    def label(self) -> str:
+        return f"{self.preset.name}{' fp8' if self.fp8 else ''} ep {self.ep} x {self.tokens} tok"
+
+
+def _invalid_reason(point: Point) -> Optional[str]:
+    p = point.preset
+    if not 1 <= point.ep <= layout.MAX_RANKS:
+        return f"ep {point.ep} outside [1, {layout.MAX_RANKS}]"
+    if p.num_experts < point.ep:
+        return f"{p.num_experts} experts < ep {point.ep}"
+    if not 1 <= point.tokens <= layout.MAX_NUM_TOKENS:
+        return f"tokens {point.tokens} outside [1, {layout.MAX_NUM_TOKENS}]"
+    if p.top_k > min(p.num_experts, layout.MAX_TOP_K):
+        return f"top_k {p.top_k} > min(num_experts, {layout.MAX_TOP_K})"
+    return None
+
+
+def _set_bytes(point: Point) -> int:
+    """Bytes of one input set: every rank's dispatch payloads and expert outputs."""
+    return point.ep * point.tokens * point.dispatch_row_bytes + (point.expert_rows + 1) * point.combine_row_bytes
+
+
+def _num_sets(point: Point, l2_bytes: int) -> int:
+    target = L2_ROTATE_FACTOR * l2_bytes
+    one = _set_bytes(point)
+    if one >= target:
+        return 1
+    return min(MAX_SETS, max(MIN_SETS, _ceil_div(target, one)))
+
+
+def _memory_bytes(point: Point, n_sets: int, cuda: bool) -> int:
+    """Upper estimate of the memory one point needs (device memory; on the CPU all of it)."""
+    ep, T, k = point.ep, point.tokens, point.preset.top_k
+    drow, crow = point.dispatch_row_bytes, point.combine_row_bytes
+    outputs = ep * T * crow  # one combine output per rank
+    workspace = ep * layout.workspace_size_per_rank(ep, T, drow, crow, 0)
+    sets = n_sets * _set_bytes(point)
+    baseline_recv = (point.expert_rows + 1) * drow
+    # Per step of the baseline: gathered rows (+ the plan) for dispatch; bf16 and
+    # fp32 gathered rows, the fp32 accumulator and the output for combine.
+    baseline_dispatch = ep * T * k * (drow + _PLAN_BYTES_PER_ENTRY)
+    baseline_combine = ep * (T * k * 3 * crow + T * 3 * crow)
+    total = workspace + sets + baseline_recv + baseline_dispatch + baseline_combine + 4 * outputs
+    if cuda:
+        # Graph pools: our combine outputs (combine and round trip per set, combine-ws
+        # once); the baseline's graphs of one kind (at most a round trip per set).
+        total += (2 * n_sets + 1) * outputs + n_sets * (baseline_dispatch + baseline_combine)
+    else:
+        # The reference (CPU) shares the memory: its receive planes and copies.
+        total += 2 * point.expert_rows * drow + 2 * ep * T * (drow + crow)
+    return total
+
+
+# ---------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------
+
+
+class _Clock:
+    """Time marks on the current stream (CUDA events) or on the host (CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._cycles_per_s: Optional[float] = None
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def elapsed_us(self, marks: list[tuple[Any, Any]]) -> list[float]:
+        """Microseconds between each pair of marks (waits for the device)."""
+        self.sync()
+        if self.cuda:
+            return [start.elapsed_time(end) * 1e3 for start, end in marks]
+        return [(end - start) * 1e6 for start, end in marks]
+
+    def head_start(self, seconds: float) -> None:
+        """CUDA: keep the current stream busy for about ``seconds`` (a spin kernel)."""
+        if not self.cuda or seconds <= 0:
+            return
+        if self._cycles_per_s is None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(SLEEP_CALIBRATION_CYCLES)
+            end.record()
+            end.synchronize()
+            self._cycles_per_s = SLEEP_CALIBRATION_CYCLES / (start.elapsed_time(end) * 1e-3)
+        torch.cuda._sleep(int(seconds * self._cycles_per_s))
+
+
+def _measure(
+    clock: _Clock,
+    n_sets: int,
+    warmup: int,
+    iters: int,
+    timed: Callable[[int], Any],
+    before: Optional[Callable[[int], Any]] = None,
+    after: Optional[Callable[[int], Any]] = None,
+    head_start: bool = False,
+) -> float:
+    """Median microseconds of ``timed(i)`` over ``iters`` iterations after ``warmup``.
+
+    Iteration ``it`` uses input set ``i = it % n_sets`` and runs ``before(i)``,
+    ``timed(i)`` between two marks, ``after(i)``. No host sync until the end.
+    """
+    marks = []
+    for it in range(warmup + iters):
+        i = it % n_sets
+        if it == warmup and head_start:
+            clock.head_start(min(MAX_HEAD_START_S, iters * HOST_ENQUEUE_S))
+        if before is not None:
+            before(i)
+        start = clock.mark() if it >= warmup else None
+        timed(i)
+        if start is not None:
+            marks.append((start, clock.mark()))
+        if after is not None:
+            after(i)
+    return statistics.median(clock.elapsed_us(marks))
+
+
+def _capture(step: Callable[[], Any]) -> tuple["torch.cuda.CUDAGraph", Any]:
+    """One CUDA graph of ``step()`` and what ``step()`` returned (tensors the replays rewrite).
+
+    The rank streams fork from and join into the capture stream (SimulatedEP.run).
+    """
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    return graph, result
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------
+# inputs
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class InputSet:
+    """One set of every rank's inputs.
+
+    ids[r]: int32 ``[T, top_k]`` (routing, also sent as a payload).
+    payloads[r]: rank r's dispatch payloads (``Point.payload_rows`` order).
+    expert_flat: bf16 ``[ep * ep * T + 1, H]``, every rank's expert outputs;
+    the last row is zero (the baseline's "nowhere" row).
+    expert_out[d]: contiguous ``[ep, T, H]`` view of expert_flat, rank d's
+    combine payload (row ``[s, j]``: output for the j-th token from s).
+    destinations: CPU int64 ``[ep, T]``, distinct destination ranks per token.
+    """
+
+    ids: list[Tensor]
+    payloads: list[list[Tensor]]
+    expert_flat: Tensor
+    expert_out: list[Tensor]
+    destinations: Tensor
+
+
+def _expert_owner(num_experts: int, ep: int) -> Tensor:
+    """CPU int64 ``[num_experts]``: the rank owning each expert (layout's contiguous ranges)."""
+    return torch.repeat_interleave(torch.arange(ep), torch.tensor(layout.experts_per_rank(num_experts, ep)))
+
+
+def _distinct_destinations(ids: Tensor, owner: Tensor) -> Tensor:
+    """int64 ``[n]``: distinct owner ranks of each token's (valid, distinct) experts."""
+    dest = owner[ids.long()].sort(dim=1).values
+    return 1 + (dest[:, 1:] != dest[:, :-1]).sum(dim=1)
+
+
+def _quantize_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``x [n, H]`` -> (float8_e4m3fn ``[n, H]``, fp32 scales ``[n, ceil(H / FP8_BLOCK)]``).
+
+    One scale per block of FP8_BLOCK elements (the last block may be partial:
+    gpt-oss-120b's 2880 is 22.5 blocks).
+    """
+    n, h = x.shape
+    blocks = _ceil_div(h, FP8_BLOCK)
+    padded = torch.nn.functional.pad(x.float(), (0, blocks * FP8_BLOCK - h)).view(n, blocks, FP8_BLOCK)
+    scales = padded.abs().amax(dim=-1).clamp_min(torch.finfo(torch.float32).tiny) / torch.finfo(FP8_DTYPE).max
+    q = (padded / scales.unsqueeze(-1)).view(n, blocks * FP8_BLOCK)[:, :h]
+    return q.to(FP8_DTYPE).contiguous(), scales
+
+
+def _make_set(point: Point, device: torch.device, gen_cpu: torch.Generator, gen_dev: torch.Generator,
+              owner: Tensor) -> InputSet:
+    p, ep, T = point.preset, point.ep, point.tokens
+    ids_cpu = [random_routing(T, p.top_k, p.num_experts, gen_cpu) for _ in range(ep)]
+    ids, payloads = [], []
+    for r in range(ep):
+        rank_ids = ids_cpu[r].to(device)
+        weights = torch.rand((T, p.top_k), generator=gen_dev, device=device).softmax(dim=-1)
+        hidden = torch.randn((T, p.hidden), generator=gen_dev, device=device, dtype=p.dtype)
+        if point.fp8:
+            q, scales = _quantize_fp8(hidden)
+            rank_payloads = [q, scales, rank_ids, weights]
+        else:
+            rank_payloads = [hidden, rank_ids, weights]
+        ids.append(rank_ids)
+        payloads.append(rank_payloads)
+    expert_flat = torch.randn((point.expert_rows + 1, p.hidden), generator=gen_dev, device=device, dtype=p.dtype)
+    expert_flat[-1].zero_()
+    per_dest = expert_flat[: point.expert_rows].view(ep, ep, T, p.hidden)
+    expert_out = [per_dest[d] for d in range(ep)]
+    destinations = torch.stack([_distinct_destinations(i, owner) for i in ids_cpu])
+    return InputSet(ids, payloads, expert_flat, expert_out, destinations)
+
+
+def _op_bytes(point: Point, sets: list[InputSet]) -> dict[str, float]:
+    """Bytes each op moves (DESIGN.md section 8), summed over ranks, averaged over the sets."""
+    drow, crow = point.dispatch_row_bytes, point.combine_row_bytes
+    tokens = point.ep * point.tokens
+    totals = {op: 0.0 for op in OPS}
+    for s in sets:
+        sends = int(s.destinations.sum())  # (token, distinct destination) pairs = rows received
+        dispatch = drow * (tokens + sends)
+        combine_ws = crow * (sends + tokens)
+        combine = combine_ws + 2 * crow * sends  # staging: read + write of every received row
+        for op, b in (("dispatch", dispatch), ("combine", combine), ("combine-ws", combine_ws),
+                      ("round-trip", dispatch + combine)):
+            totals[op] += b / len(sets)
+    return totals
+
+
+# ---------------------------------------------------------------------------
+# the two implementations
+# ---------------------------------------------------------------------------
+
+
+class _Ours:
+    """Steps of torch-moe-a2a over all simulated ranks (ranks on their own streams/threads)."""
+
+    def __init__(self, point: Point, sets: list[InputSet], device: torch.device):
+        self.point, self.sets = point, sets
+        p, ep, T = point.preset, point.ep, point.tokens
+        self.sim = SimulatedEP(ep, T, dispatch_bytes_per_token=point.dispatch_row_bytes,
+                               combine_bytes_per_token=point.combine_row_bytes, device=device)
+        # A recv_view_cache per rank, as a latency-minded caller passes one.
+        self.caches: list[dict] = [{} for _ in range(ep)]
+        # Same for every call of this point (checked against dispatch's return in the guard).
+        self.offset = layout.call_layout(ep, T, 0, point.row_bytes()).combine_offset
+        nbytes = ep * T * point.combine_row_bytes
+        self.ws_views = [
+            moe_a2a_wrap_payload_tensor_in_workspace(self.sim.workspace[r], [ep, T], self.offset,
+                                                     self.offset + nbytes, p.dtype)
+            for r in range(ep)
+        ]
+
+    def dispatch(self, i: int) -> list:
+        p, ep, T, s, sim = self.point.preset, self.point.ep, self.point.tokens, self.sets[i], self.sim
+        return sim.run(lambda r: moe_a2a_dispatch(s.ids[r], s.payloads[r], sim.workspace, sim.metainfo[r], T, r,
+                                                  ep, p.top_k, p.num_experts, recv_view_cache=self.caches[r]))
+
+    def combine(self, i: int) -> list[Tensor]:
+        p, ep, T, s, sim = self.point.preset, self.point.ep, self.point.tokens, self.sets[i], self.sim
+        return sim.run(lambda r: moe_a2a_combine(s.expert_out[r], T, sim.workspace, sim.metainfo[r], T, r, ep,
+                                                 p.top_k, self.offset))
+
+    def combine_ws(self, i: int = 0) -> list[Tensor]:
+        """Combine with the payload already in the workspace (the same views for every set)."""
+        p, ep, T, sim = self.point.preset, self.point.ep, self.point.tokens, self.sim
+        return sim.run(lambda r: moe_a2a_combine(self.ws_views[r], T, sim.workspace, sim.metainfo[r], T, r, ep,
+                                                 p.top_k, self.offset, payload_in_workspace=True))
+
+    def round_trip(self, i: int) -> list[Tensor]:
+        self.dispatch(i)
+        return self.combine(i)
+
+
+def _indexable(t: Tensor) -> Tensor:
+    """``t`` as a 2-D tensor for index ops: fp8 as uint8 (same bytes; index kernels may lack fp8)."""
+    if t.dtype == FP8_DTYPE:
+        t = t.view(torch.uint8)
+    return t.reshape(t.shape[0], -1)
+
+
+class _Baseline:
+    """The same exchange in plain PyTorch, as a user without this library would write it.
+
+    Per source rank ``s`` (on its own stream/thread, like ours): destination
+    ranks from expert ids (owner table), repeated destinations of a token
+    marked "nowhere", a stable argsort by destination, per-destination counts
+    and their exclusive cumsum (each destination's segment of the sorted
+    list), then ``index_select`` of the payload rows and ``index_copy_`` into
+    each destination's receive buffer at ``[s, slot]``; the counts matrix
+    (``torch.stack``, the all-gather of counts) gives every receiver its
+    counts. The receive buffers use our layout (``[ep, T, row]`` per
+    destination, one flat tensor for all with a trailing "nowhere" row) so
+    both implementations move the same rows. Combine gathers the expert rows
+    back with the same indices and sums them with ``index_add_`` into fp32,
+    then casts. No host syncs, so it can be captured in a CUDA graph.
+    """
+
+    def __init__(self, point: Point, sets: list[InputSet], sim: SimulatedEP, device: torch.device):
+        self.point, self.sets, self.sim = point, sets, sim
+        self.owner = _expert_owner(point.preset.num_experts, point.ep).to(device)
+        self.nowhere = point.expert_rows  # index of the trailing row of every flat buffer
+        self.recv_flat = [
+            torch.zeros((point.expert_rows + 1, _indexable(pl).shape[1]), dtype=_indexable(pl).dtype, device=device)
+            for pl in sets[0].payloads[0]
+        ]
+        self.plans: list[Optional[list]] = [None] * len(sets)  # per set, for combine timed alone
+
+    def recv_views(self, d: int) -> list[Tensor]:
+        """Destination ``d``'s receive buffers ``[ep, T, row]``, one per payload."""
+        ep, T = self.point.ep, self.point.tokens
+        return [buf[: self.nowhere].view(ep, ep, T, -1)[d] for buf in self.recv_flat]
+
+    def _plan(self, s: int, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(target row in the flat buffers, source token, int64 counts ``[ep]``), entries sorted by destination."""
+        ep, T = self.point.ep, self.point.tokens
+        n, k = ids.shape
+        dest = self.owner[ids.long()].sort(dim=1).values
+        repeated = torch.zeros_like(dest, dtype=torch.bool)
+        repeated[:, 1:] = dest[:, 1:] == dest[:, :-1]
+        flat = dest.masked_fill(repeated, ep).reshape(-1)  # ep: "nowhere", sorts last
+        order = torch.argsort(flat, stable=True)  # by destination, tokens ascending within one
+        counts = torch.zeros(ep + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+        segment_start = torch.cumsum(counts, 0) - counts
+        sorted_dest = flat[order]
+        slot = torch.arange(n * k, device=ids.device) - segment_start[sorted_dest]
+        target = torch.where(sorted_dest < ep, sorted_dest * (ep * T) + s * T + slot, self.nowhere)
+        return target, order // k, counts[:ep]
+
+    def _dispatch_rank(self, s: int, ids: Tensor, payloads: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        target, token, counts = self._plan(s, ids)
+        for buf, payload in zip(self.recv_flat, payloads):
+            buf.index_copy_(0, target, _indexable(payload).index_select(0, token))
+        return target, token, counts
+
+    def dispatch(self, i: int) -> tuple[list, Tensor]:
+        """Returns (per-rank plans, int64 counts ``[src, dst]``: column d = d's receive counts)."""
+        s = self.sets[i]
+        plans = self.sim.run(lambda r: self._dispatch_rank(r, s.ids[r], s.payloads[r]))
+        return plans, torch.stack([plan[2] for plan in plans])
+
+    def combine(self, i: int, plans: Optional[list] = None) -> list[Tensor]:
+        plans = self.plans[i] if plans is None else plans
+        expert_flat, T = self.sets[i].expert_flat, self.point.tokens
+
+        def rank(s: int) -> Tensor:
+            target, token, _ = plans[s]
+            rows = expert_flat.index_select(0, target)  # the "nowhere" row is zero
+            acc = torch.zeros((T, expert_flat.shape[1]), dtype=torch.float32, device=expert_flat.device)
+            return acc.index_add_(0, token, rows.float()).to(expert_flat.dtype)
+
+        return self.sim.run(rank)
+
+    def round_trip(self, i: int) -> list[Tensor]:
+        plans, _ = self.dispatch(i)
+        return self.combine(i, plans)
+
+
+# ---------------------------------------------------------------------------
+# correctness guard
+# ---------------------------------------------------------------------------
+
+
+def _byte_rows(t: Tensor) -> Tensor:
+    """CPU uint8 ``[ep, T, row bytes]`` of a ``[ep, T, *]`` tensor."""
+    t = t.detach().cpu().contiguous()
+    return t.reshape(t.shape[0], t.shape[1], -1).view(torch.uint8)
+
+
+def _recv_mismatch(views: list[Tensor], ref_views: list[Tensor], counts: Tensor, names: list[str]) -> Optional[str]:
+    """First payload whose valid rows (``[s, j]``, ``j < counts[s]``) differ in any byte, or None."""
+    for name, ours, ref in zip(names, views, ref_views):
+        ours, ref = _byte_rows(ours), _byte_rows(ref)
+        for s, count in enumerate(counts.tolist()):
+            if not torch.equal(ours[s, :count], ref[s, :count]):
+                return name
+    return None
+
+
+def _combine_mismatch(outs: list[Tensor], expected: list[Tensor]) -> tuple[Optional[str], bool]:
+    """(error or None, bitwise equal) of every rank's combine output against the reference."""
+    bitwise = True
+    for r, (out, exp) in enumerate(zip(outs, expected)):
+        out = out.detach().cpu()
+        if out.shape != exp.shape or out.dtype != exp.dtype:
+            return f"rank {r}: combine output {out.dtype} {tuple(out.shape)}, expected {exp.dtype} " \
+                   f"{tuple(exp.shape)}", False
+        if torch.equal(out, exp):
+            continue
+        bitwise = False
+        if not torch.allclose(out.float(), exp.float(), rtol=COMBINE_RTOL, atol=COMBINE_ATOL):
+            diff = (out.float() - exp.float()).abs().nan_to_num(float("inf")).max().item()
+            return f"rank {r}: combine differs from the reference (max |diff| {diff:.3g})", False
+    return None, bitwise
+
+
+def _check_ours(ours: _Ours, ref, expected: list[Tensor], names: list[str]) -> tuple[bool, list[str]]:
+    """One round trip of each combine kind on set 0 against the reference; (ok, notes)."""
+    ep, s0, sim = ours.point.ep, ours.sets[0], ours.sim
+    # Run the whole sequence first (dispatch and combine must alternate), then compare.
+    results = ours.dispatch(0)
+    recv = [[v.cpu() for v in results[d][0]] for d in range(ep)]
+    counts = [sim.recv_counts(d).cpu() for d in range(ep)]
+    outs = ours.combine(0)
+    ours.dispatch(0)
+    for r in range(ep):
+        ours.ws_views[r].copy_(s0.expert_out[r])  # what an MoE writing into the workspace leaves there
+    outs_ws = ours.combine_ws()
+
+    errors, notes = [], []
+    for d in range(ep):
+        if results[d][1] != ours.offset:
+            errors.append(f"rank {d}: combine_payload_offset {results[d][1]} != layout's {ours.offset}")
+        elif not torch.equal(counts[d], ref.recv_counts[d]):
+            errors.append(f"rank {d}: recv counts {counts[d].tolist()} != reference {ref.recv_counts[d].tolist()}")
+        else:
+            bad = _recv_mismatch(recv[d], ref.recv[d], counts[d], names)
+            if bad is not None:
+                errors.append(f"rank {d}: received {bad} differs from the reference")
+    for what, got in (("combine", outs), ("combine-ws", outs_ws)):
+        error, bitwise = _combine_mismatch(got, expected)
+        if error is not None:
+            errors.append(f"{what}: {error}")
+        elif not bitwise:
+            notes.append(f"{what} within tolerance of the reference but not bitwise equal")
+    return not errors, errors[:1] + notes
+
+
+def _check_baseline(base: _Baseline, ref, expected: list[Tensor], names: list[str]) -> Optional[str]:
+    """The baseline's round trip on set 0 against the reference; stores set 0's plan. Error or None."""
+    ep = base.point.ep
+    plans, counts = base.dispatch(0)
+    base.plans[0] = plans
+    outs = base.combine(0)
+    counts = counts.cpu()
+    for d in range(ep):
+        if not torch.equal(counts[:, d].to(torch.int32), ref.recv_counts[d]):
+            return f"baseline rank {d}: recv counts differ from the reference"
+        bad = _recv_mismatch(base.recv_views(d), ref.recv[d], counts[:, d], names)
+        if bad is not None:
+            return f"baseline rank {d}: received {bad} differs from the reference"
+    error, _ = _combine_mismatch(outs, expected)
+    return None if error is None else f"baseline {error}"
+
+
+# ---------------------------------------------------------------------------
+# one point
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Context:
+    device: torch.device
+    clock: _Clock
+    iters: int
+    warmup: int
+    max_bytes: int
+    l2_bytes: int
+    copy_gbps: float
+    progress: "_Progress"
+    graphs: bool  # also time CUDA-graph replays (CUDA only)
+
+
+def _new_record(point: Point) -> dict:
+    p = point.preset
+    return {
+        "preset": p.name, "ep": point.ep, "tokens_per_rank": point.tokens, "hidden": p.hidden,
+        "num_experts": p.num_experts, "top_k": p.top_k, "fp8": point.fp8, "status": "ok", "notes": [],
+        "ops": {},
+    }
+
+
+def _run_point(point: Point, ctx: _Context) -> dict:
+    record = _new_record(point)
+    device, clock, cuda = ctx.device, ctx.clock, ctx.device.type == "cuda"
+    label = point.label()
+
+    reason = _invalid_reason(point)
+    if reason is not None:
+        record.update(status="skipped", notes=[reason])
+        return record
+    n_sets = _num_sets(point, ctx.l2_bytes)
+    need = _memory_bytes(point, n_sets, cuda)
+    record.update(input_sets=n_sets, memory_estimate_gib=need / GIB)
+    if need > ctx.max_bytes:
+        record.update(status="skipped", notes=[f"needs ~{need / GIB:.1f} GiB > --max-gib {ctx.max_bytes / GIB:g}"])
+        return record
+    if cuda:
+        free = torch.cuda.mem_get_info(device)[0]
+        if need > free:
+            record.update(status="skipped", notes=[f"needs ~{need / GIB:.1f} GiB > {free / GIB:.1f} GiB free"])
+            return record
+
+    ctx.progress.phase(label, "inputs")
+    gen_cpu = torch.Generator().manual_seed(SEED)
+    gen_dev = torch.Generator(device=device).manual_seed(SEED)
+    owner = _expert_owner(point.preset.num_experts, point.ep)
+    sets = [_make_set(point, device, gen_cpu, gen_dev, owner) for _ in range(n_sets)]
+    op_bytes = _op_bytes(point, sets)
+    ours = _Ours(point, sets, device)
+    base = _Baseline(point, sets, ours.sim, device)
+
+    ctx.progress.phase(label, "check")
+    names = [name for name, _, _ in point.payload_rows()]
+    # fp8 rows go to the reference as their bytes (compared bytewise anyway).
+    ref_payloads = [[pl.view(torch.uint8) if pl.dtype == FP8_DTYPE else pl for pl in rank] for rank in sets[0].payloads]
+    ref = reference_dispatch(sets[0].ids, ref_payloads, ep_size=point.ep, num_experts=point.preset.num_experts,
+                             runtime_max_tokens_per_rank=point.tokens)
+    expected = reference_combine(sets[0].expert_out, ref, [point.tokens] * point.ep)
+    ok, notes = _check_ours(ours, ref, expected, names)
+    record["notes"] += notes
+    try:
+        base_error = _check_baseline(base, ref, expected, names)
+    except Exception as e:  # noqa: BLE001 - a broken baseline must not hide our numbers
+        base_error = f"baseline: {type(e).__name__}: {_first_line(e)}"
+    del ref, expected
+    if not ok:
+        record["status"] = "FAIL"
+        return record
+    if base_error is not None:
+        record["notes"].append(base_error)
+    base_ok = base_error is None
+    record["baseline_ok"] = base_ok
+    for i in range(1, n_sets if base_ok else 0):
+        base.plans[i] = base.dispatch(i)[0]
+
+    def measure(timed, before=None, after=None, head_start=False) -> float:
+        return _measure(clock, n_sets, ctx.warmup, ctx.iters, timed, before, after, head_start)
+
+    eager_us, graph_us, base_eager_us, base_graph_us = {}, {}, {}, {}
+    ctx.progress.phase(label, "eager")
+    eager_us["dispatch"] = measure(ours.dispatch, after=ours.combine)
+    eager_us["combine"] = measure(ours.combine, before=ours.dispatch)
+    eager_us["combine-ws"] = measure(ours.combine_ws, before=ours.dispatch)
+    eager_us["round-trip"] = measure(ours.round_trip)
+    if base_ok:
+        ctx.progress.phase(label, "baseline eager")
+        base_eager_us["dispatch"] = measure(base.dispatch)
+        base_eager_us["combine"] = measure(base.combine)
+        base_eager_us["round-trip"] = measure(base.round_trip)
+
+    if ctx.graphs:
+        _release(device)
+        ctx.progress.phase(label, "graph")
+        try:
+            sets_range = range(n_sets)
+            g_dispatch = [_capture(lambda i=i: ours.dispatch(i))[0] for i in sets_range]
+            g_combine = [_capture(lambda i=i: ours.combine(i)) for i in sets_range]
+            g_round_trip = [_capture(lambda i=i: ours.round_trip(i))[0] for i in sets_range]
+            g_combine_ws = _capture(ours.combine_ws)[0]
+            graph_us["dispatch"] = measure(lambda i: g_dispatch[i].replay(),
+                                           after=lambda i: g_combine[i][0].replay(), head_start=True)
+            graph_us["combine"] = measure(lambda i: g_combine[i][0].replay(),
+                                          before=lambda i: g_dispatch[i].replay(), head_start=True)
+            graph_us["combine-ws"] = measure(lambda i: g_combine_ws.replay(),
+                                             before=lambda i: g_dispatch[i].replay(), head_start=True)
+            graph_us["round-trip"] = measure(lambda i: g_round_trip[i].replay(), head_start=True)
+            # The replays must compute what the (reference-checked) eager calls compute.
+            g_dispatch[0].replay()
+            g_combine[0][0].replay()
+            ours.dispatch(0)
+            eager_out = ours.combine(0)
+            if not all(torch.equal(g, e) for g, e in zip(g_combine[0][1], eager_out)):
+                graph_us.clear()
+                record["status"] = "FAIL"
+                record["notes"].append("graph replay of combine differs from the eager call")
+        except Exception as e:  # noqa: BLE001 - reported in the row; eager numbers stand
+            graph_us.clear()
+            record["notes"].append(f"graph: {type(e).__name__}: {_first_line(e)}")
+        g_dispatch = g_combine = g_round_trip = g_combine_ws = eager_out = None
+        _release(device)
+        if base_ok:
+            ctx.progress.phase(label, "baseline graph")
+            # One kind at a time: the baseline's graph pools hold its temporaries.
+            for op, step in (("dispatch", base.dispatch), ("combine", base.combine), ("round-trip", base.round_trip)):
+                try:
+                    graphs = [_capture(lambda i=i: step(i))[0] for i in range(n_sets)]
+                    base_graph_us[op] = measure(lambda i: graphs[i].replay(), head_start=True)
+                except Exception as e:  # noqa: BLE001 - reported in the row
+                    record["notes"].append(f"baseline graph {op}: {type(e).__name__}: {_first_line(e)}")
+                graphs = None
+                _release(device)
+
+    # A timed-out wait leaves its record in the workspace: a kernel that gave up
+    # early must not pass for a fast one (graph replays raise nothing themselves).
+    try:
+        check_errors(ours.sim.workspace)
+    except RuntimeError as e:
+        record["status"] = "FAIL"
+        record["notes"].append(_first_line(e))
+        return record
+
+    for op in OPS:
+        best = graph_us.get(op, eager_us[op])
+        gbps = op_bytes[op] / (best * 1e-6) / 1e9
+        b_eager, b_graph = base_eager_us.get(BASELINE_OF[op]), base_graph_us.get(BASELINE_OF[op])
+        record["ops"][op] = {
+            "bytes": op_bytes[op],
+            "eager_us": eager_us[op],
+            "graph_us": graph_us.get(op),
+            "GBps": gbps,
+            "GBps_from": "graph" if op in graph_us else "eager",
+            "copy_ratio": gbps / ctx.copy_gbps,
+            "baseline_eager_us": b_eager,
+            "baseline_graph_us": b_graph,
+            "speedup_eager": None if b_eager is None else b_eager / eager_us[op],
+            "speedup_graph": None if b_graph is None or op not in graph_us else b_graph / graph_us[op],
+        }
+    return record
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+# ---------------------------------------------------------------------------
+# ceiling and host cost
+# ---------------------------------------------------------------------------
+
+
+def _copy_bandwidth(clock: _Clock, device: torch.device, nbytes: int) -> float:
+    """GB/s of a ``copy_`` of ``nbytes``, counting bytes read + written; median of COPY_REPEATS."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(COPY_WARMUP):
+        dst.copy_(src)
+    marks = []
+    for _ in range(COPY_REPEATS):
+        start = clock.mark()
+        dst.copy_(src)
+        marks.append((start, clock.mark()))
+    us = statistics.median(clock.elapsed_us(marks))
+    del src, dst
+    _release(device)
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def _host_cost(preset: Preset, fp8: bool, device: torch.device, clock: _Clock) -> dict[str, float]:
+    """Median host microseconds of one eager call per op (ep 1: nothing to wait for)."""
+    point = Point(preset, HOST_COST_EP, HOST_COST_TOKENS, fp8)
+    gen_cpu = torch.Generator().manual_seed(SEED)
+    gen_dev = torch.Generator(device=device).manual_seed(SEED)
+    s = _make_set(point, device, gen_cpu, gen_dev, _expert_owner(preset.num_experts, point.ep))
+    ours = _Ours(point, [s], device)
+    sim, T, k, E = ours.sim, point.tokens, preset.top_k, preset.num_experts
+    ws, meta = sim.workspace, sim.metainfo[0]
+    cache: dict = {}
+    calls = {
+        "dispatch": lambda: moe_a2a_dispatch(s.ids[0], s.payloads[0], ws, meta, T, 0, 1, k, E),
+        "combine": lambda: moe_a2a_combine(s.expert_out[0], T, ws, meta, T, 0, 1, k, ours.offset),
+        "dispatch (recv_view_cache)": lambda: moe_a2a_dispatch(s.ids[0], s.payloads[0], ws, meta, T, 0, 1, k, E,
+                                                                recv_view_cache=cache),
+        "combine-ws": lambda: moe_a2a_combine(ours.ws_views[0], T, ws, meta, T, 0, 1, k, ours.offset,
+                                              payload_in_workspace=True),
+    }
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for it in range(HOST_COST_WARMUP + HOST_COST_CALLS):
+        for name, call in calls.items():  # dispatch, combine, dispatch, combine: the alternation holds
+            start = time.perf_counter()
+            call()
+            elapsed = time.perf_counter() - start
+            if it >= HOST_COST_WARMUP:
+                times[name].append(elapsed * 1e6)
+    clock.sync()
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+# ---------------------------------------------------------------------------
+# output
+# ---------------------------------------------------------------------------
+
+
+class _Progress:
+    """A plain-text progress line on stderr, rewritten with ``\\r``."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int):
+        self.total, self.done, self.last_len = total, 0, 0
+
+    def phase(self, label: str, what: str) -> None:
+        filled = self.WIDTH * self.done // max(1, self.total)
+        text = f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {self.done}/{self.total} {label}: {what}"
+        sys.stderr.write("\r" + text.ljust(self.last_len))
+        sys.stderr.flush()
+        self.last_len = len(text)
+
+    def step(self) -> None:
+        self.done += 1
+
+    def close(self) -> None:
+        sys.stderr.write("\r" + " " * self.last_len + "\r")
+        sys.stderr.flush()
+
+
+def _fmt(x: Optional[float], spec: str, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def _table(records: list[dict]) -> str:
+    header = ["preset", "ep", "tok/rank", "op", "eager us", "graph us", "GB/s", "x copy",
+              "base eager us", "base graph us", "speedup eager", "speedup graph", "check"]
+    rows = []
+    for rec in records:
+        name = rec["preset"] + (" fp8" if rec["fp8"] else "")
+        if not rec["ops"]:
+            note = "; ".join(rec["notes"])
+            rows.append([name, str(rec["ep"]), str(rec["tokens_per_rank"]), "-", *["-"] * 8,
+                         f"{rec['status']}: {note}" if note else rec["status"]])
+            continue
+        check = "ok~" if any("not bitwise" in n for n in rec["notes"]) else "ok"
+        if rec["status"] != "ok":
+            check = f"{rec['status']}: {'; '.join(rec['notes'])}"
+        if not rec.get("baseline_ok", True):
+            check += ", base FAIL"
+        for op, m in rec["ops"].items():
+            rows.append([
+                name, str(rec["ep"]), str(rec["tokens_per_rank"]), op,
+                _fmt(m["eager_us"], ".1f"), _fmt(m["graph_us"], ".1f"), _fmt(m["GBps"], ".1f"),
+                _fmt(m["copy_ratio"], ".3f"), _fmt(m["baseline_eager_us"], ".1f"),
+                _fmt(m["baseline_graph_us"], ".1f"), _fmt(m["speedup_eager"], ".2f", "x"),
+                _fmt(m["speedup_graph"], ".2f", "x"), check,
+            ])
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    left = {0, 3, len(header) - 1}  # text columns
+    lines = []
+    for r in [header, *rows]:
+        cells = [r[c].ljust(widths[c]) if c in left else r[c].rjust(widths[c]) for c in range(len(header))]
+        lines.append("  ".join(cells).rstrip())
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def _geomean(values: list[float]) -> Optional[float]:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def _summary(records: list[dict], copy_gbps: float, host: dict[str, float], interrupted: bool) -> str:
+    measured = [r for r in records if r["ops"] and r["status"] == "ok"]
+    failed = [r for r in records if r["status"] in ("FAIL", "error")]
+    skipped = [r for r in records if r["status"] == "skipped"]
+    lines = [f"summary: {len(measured)} points ok, {len(failed)} FAIL/error, {len(skipped)} skipped"
+             f"{' (interrupted)' if interrupted else ''}; copy ceiling {copy_gbps:.1f} GB/s"]
+    for op in OPS:
+        rows = [(r, r["ops"][op]) for r in measured]
+        if not rows:
+            continue
+        best_rec, best = max(rows, key=lambda rm: rm[1]["copy_ratio"])
+        se = _geomean([m["speedup_eager"] for _, m in rows if m["speedup_eager"]])
+        sg = _geomean([m["speedup_graph"] for _, m in rows if m["speedup_graph"]])
+        lines.append(
+            f"  {op:<10} best {best['copy_ratio']:.3f} x copy ({best['GBps']:.1f} GB/s, {best_rec['preset']} "
+            f"ep {best_rec['ep']} x {best_rec['tokens_per_rank']} tok); speedup over plain PyTorch (geomean) "
+            f"eager {_fmt(se, '.2f', 'x')}, graph {_fmt(sg, '.2f', 'x')}"
+        )
+    if host:
+        lines.append("  host cost per eager call: " + ", ".join(f"{k} {v:.1f} us" for k, v in host.items()))
+    for r in failed:
+        lines.append(f"  {r['status']}: {r['preset']} ep {r['ep']} x {r['tokens_per_rank']} tok: "
+                     f"{'; '.join(r['notes'])}")
+    return "\n".join(lines)
+
+
+def _plot(records: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    measured = [r for r in records if r["ops"] and r["status"] == "ok"]
+    fig, axes = plt.subplots(2, len(OPS), figsize=(4.5 * len(OPS), 8), squeeze=False)
+    series: dict[tuple, list[dict]] = {}
+    for r in measured:
+        series.setdefault((r["preset"], r["fp8"], r["ep"]), []).append(r)
+    for col, op in enumerate(OPS):
+        ratio_ax, latency_ax = axes[0][col], axes[1][col]
+        for (preset, fp8, ep), recs in sorted(series.items()):
+            recs = sorted(recs, key=lambda r: r["tokens_per_rank"])
+            tokens = [r["tokens_per_rank"] for r in recs]
+            m = [r["ops"][op] for r in recs]
+            name = f"{preset}{' fp8' if fp8 else ''} ep{ep}"
+            ratio_ax.plot(tokens, [x["copy_ratio"] for x in m], marker="o", label=name)
+            latency_ax.plot(tokens, [x["graph_us"] if x["graph_us"] is not None else x["eager_us"] for x in m],
+                            marker="o", label=name)
+        ratio_ax.set_title(op)
+        ratio_ax.set_ylabel("bandwidth / copy bandwidth")
+        latency_ax.set_ylabel("latency, us (graph, else eager)")
+        for ax in (ratio_ax, latency_ax):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tokens per rank")
+            ax.grid(True, alpha=0.3)
+        latency_ax.set_yscale("log")
+    if measured:
+        axes[0][0].legend(fontsize="x-small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m torch_moe_a2a bench",
+        description="Dispatch/combine bandwidth and latency with simulated EP on one device (a stream per rank "
+        "on CUDA, a thread per rank on the CPU), next to a plain-PyTorch implementation of the same exchange.",
+    )
+    p.add_argument("--preset", action="append", choices=[*PRESETS, "all"],
+                   help="model shape (repeatable; 'all' = every preset; default all): "
+                   + ", ".join(f"{n} (hidden {x.hidden}, {x.num_experts} experts, top-{x.top_k})"
+                               for n, x in PRESETS.items()))
+    p.add_argument("--ep", type=int, nargs="+", default=list(DEFAULT_EP), help="simulated ranks (default 1 2 4 8)")
+    p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
+                   help="tokens per rank (default 1 16 128 512 2048 4096)")
+    p.add_argument("--iters", type=int, default=None,
+                   help=f"timed iterations per measurement (default {DEFAULT_ITERS}; --smoke {SMOKE_ITERS})")
+    p.add_argument("--warmup", type=int, default=None,
+                   help=f"untimed iterations first (default {DEFAULT_WARMUP}; --smoke {SMOKE_WARMUP})")
+    p.add_argument("--fp8", action="store_true",
+                   help=f"hidden states as float8_e4m3fn plus fp32 scales per {FP8_BLOCK} elements")
+    p.add_argument("--json", metavar="PATH", help="write every number (and the copy bandwidth, device, torch) here")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of bandwidth ratio and latency vs tokens (matplotlib)")
+    p.add_argument("--smoke", action="store_true",
+                   help=f"short run: {', '.join(SMOKE_PRESETS)}, ep {' '.join(map(str, SMOKE_EP))}, tokens "
+                   f"{' '.join(map(str, SMOKE_TOKENS))}, {SMOKE_ITERS} iterations")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda if available, else cpu")
+    p.add_argument("--max-gib", type=float, default=None,
+                   help="skip points needing more memory than this (default 60 on CUDA, 4 on the CPU)")
+    return p
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def _device_alive(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+        return True
+    except Exception:  # noqa: BLE001 - a broken context is the answer
+        return False
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run the benchmark; returns 0, or 1 when a point failed its correctness check or errored."""
+    parser = _parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device available to this torch")
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
+    if args.smoke:
+        names, eps, tokens = list(SMOKE_PRESETS), list(SMOKE_EP), list(SMOKE_TOKENS)
+        iters = SMOKE_ITERS if args.iters is None else args.iters
+        warmup = SMOKE_WARMUP if args.warmup is None else args.warmup
+    else:
+        names = list(PRESETS) if not args.preset or "all" in args.preset else list(dict.fromkeys(args.preset))
+        eps, tokens = args.ep, args.tokens
+        iters = DEFAULT_ITERS if args.iters is None else args.iters
+        warmup = DEFAULT_WARMUP if args.warmup is None else args.warmup
+    if iters < 1 or warmup < 0:
+        parser.error("--iters must be >= 1 and --warmup >= 0")
+    max_gib = DEFAULT_MAX_GIB[device.type] if args.max_gib is None else args.max_gib
+    points = [Point(PRESETS[n], e, t, args.fp8) for n in names for e in eps for t in tokens]
+
+    clock = _Clock(device)
+    l2 = L2_BYTES_DEFAULT
+    if device.type == "cuda":
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or L2_BYTES_DEFAULT
+    steps = "a CUDA stream per rank" if device.type == "cuda" else "a thread per rank"
+    print(f"torch-moe-a2a bench: {_device_name(device)}, torch {torch.__version__}; simulated EP ({steps}); "
+          f"median of {iters} iterations after {warmup}", flush=True)
+    copy_bytes = min(COPY_BYTES[device.type], int(max_gib * GIB) // 4)
+    copy_gbps = _copy_bandwidth(clock, device, copy_bytes)
+    print(f"copy ceiling: {copy_gbps:.1f} GB/s (copy_ of {copy_bytes / MIB:.0f} MiB, bytes read + written, "
+          f"median of {COPY_REPEATS})", flush=True)
+
+    progress = _Progress(len(points))
+    ctx = _Context(device, clock, iters, warmup, int(max_gib * GIB), l2, copy_gbps, progress,
+                   graphs=device.type == "cuda")
+    host: dict[str, float] = {}
+    records: list[dict] = []
+    interrupted = False
+    try:
+        progress.phase(f"host cost (ep {HOST_COST_EP}, {HOST_COST_TOKENS} tok)", "eager calls")
+        try:
+            host = _host_cost(PRESETS[names[0]], args.fp8, device, clock)
+        except Exception as e:  # noqa: BLE001 - reported; the sweep still runs
+            print(f"host cost: {type(e).__name__}: {_first_line(e)}", flush=True)
+        for point in points:
+            try:
+                record = _run_point(point, ctx)
+            except Exception as e:  # noqa: BLE001 - one broken point must not hide the others
+                record = _new_record(point)
+                record.update(status="error", notes=[f"{type(e).__name__}: {_first_line(e)}"], ops={})
+            records.append(record)
+            progress.step()
+            _release_quietly(device)
+            if not _device_alive(device):
+                record["notes"].append("the CUDA context is broken; the sweep stops here")
+                break
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        progress.close()
+
+    table = _table(records)
+    summary = _summary(records, copy_gbps, host, interrupted)
+    if args.smoke:  # scripts/gpu_check.sh shows the tail: the table goes last
+        print(summary)
+        print()
+        print(table)
+    else:
+        print(table)
+        print()
+        print(summary)
+    sys.stdout.flush()
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({
+                "device": _device_name(device), "device_type": device.type, "torch": torch.__version__,
+                "copy_bandwidth_GBps": copy_gbps, "copy_bytes": copy_bytes, "l2_bytes": l2,
+                "iters": iters, "warmup": warmup, "fp8": args.fp8, "max_gib": max_gib,
+                "host_cost_us": host, "interrupted": interrupted, "points": records,
+            }, f, indent=2)
+    if args.plot:
+        _plot(records, args.plot)
+    failed = any(r["status"] in ("FAIL", "error") for r in records)
+    return 1 if failed or interrupted else 0
+
+
+def _release_quietly(device: torch.device) -> None:
+    try:
+        _release(device)
+    except Exception:  # noqa: BLE001 - _device_alive reports a broken context next
+        pass

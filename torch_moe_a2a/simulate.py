@@ -1,0 +1,194 @@
+"""Simulated expert parallelism: ``ep_size`` ranks inside one process on one device.
+
+Used by the demo, the benchmark and the tests. All ranks share one workspace
+(a plain zeroed tensor, DESIGN.md section 5) and run concurrently, because a
+dispatch or combine waits for its peers:
+
+- CPU: a thread per rank. The ops release the GIL while they copy and wait,
+  and their waits back off (yield, then sleep), so many ranks share few cores.
+- CUDA: a stream per rank. The host calls every rank's work in rank order,
+  each inside its own stream; the kernels of different streams then run
+  concurrently on the device and wait for each other there.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional, TypeVar
+
+import torch
+
+from .api import (
+    _ENV_TIMEOUT,
+    _combine,
+    _dispatch,
+    moe_a2a_get_recv_counts,
+    moe_a2a_get_workspace_size_per_rank,
+    moe_a2a_initialize,
+)
+from .workspace import allocate_workspace
+
+T = TypeVar("T")
+
+# Keyword arguments of dispatch/combine that may be given per rank, as a list
+# or tuple indexed by rank (the others are shared by all ranks).
+_PER_RANK_KWARGS = frozenset({"eplb_local_stats", "active_rank_mask", "output", "enable_pdl"})
+
+
+class SimulatedEP:
+    """``ep_size`` simulated ranks sharing one workspace on ``device``.
+
+    ``workspace``: ``[ep_size, size_per_rank]`` uint8, sized by
+    ``moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens,
+    dispatch_bytes_per_token, combine_bytes_per_token, eplb_stats_num_experts)``
+    and owned by this object. ``metainfo[r]``: rank ``r``'s metainfo. Every
+    row is initialized before any rank runs. ``timeout_s`` bounds every wait
+    for a peer (None: MOE_A2A_TIMEOUT_S, else 30 s).
+    """
+
+    def __init__(
+        self,
+        ep_size: int,
+        max_num_tokens: int,
+        *,
+        dispatch_bytes_per_token: int,
+        combine_bytes_per_token: int,
+        eplb_stats_num_experts: int = 0,
+        device: Any = "cpu",
+        timeout_s: Optional[float] = None,
+    ):
+        self.ep_size = ep_size
+        self.max_num_tokens = max_num_tokens
+        self.device = torch.device(device)
+        self.timeout_s = _ENV_TIMEOUT if timeout_s is None else float(timeout_s)
+        size_per_rank = moe_a2a_get_workspace_size_per_rank(
+            ep_size, max_num_tokens, dispatch_bytes_per_token, combine_bytes_per_token, eplb_stats_num_experts
+        )
+        self.workspace = allocate_workspace(size_per_rank, ep_size=ep_size, device=self.device)
+        self.metainfo = [
+            moe_a2a_initialize(self.workspace, rank, ep_size, max_num_tokens, eplb_stats_num_experts)
+            for rank in range(ep_size)
+        ]
+        self.streams = (
+            [torch.cuda.Stream(self.device) for _ in range(ep_size)] if self.device.type == "cuda" else None
+        )
+
+    def run(self, fn: Callable[[int], T]) -> list[T]:
+        """Call ``fn(rank)`` for every rank concurrently and return the results in rank order.
+
+        CPU: one thread per rank. CUDA: ``fn(rank)`` runs on the host in rank
+        order inside ``torch.cuda.stream(self.streams[rank])``; each stream
+        first waits for the current stream, and the current stream waits for
+        all of them afterwards, so the results are ordered like ordinary work.
+        If a rank raises, the others still run to completion (their waits for
+        it end at the timeout) and then the first exception raised is re-raised.
+        """
+        results: list[Any] = [None] * self.ep_size
+        errors: list[BaseException] = []  # in the order they were raised
+        lock = threading.Lock()
+
+        def call(rank: int) -> None:
+            try:
+                results[rank] = fn(rank)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after every rank finished
+                with lock:
+                    errors.append(e)
+
+        if self.streams is None:
+            threads = [threading.Thread(target=call, args=(r,), name=f"moe_a2a_rank{r}") for r in range(self.ep_size)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        else:
+            current = torch.cuda.current_stream(self.device)
+            for rank, stream in enumerate(self.streams):
+                stream.wait_stream(current)
+                with torch.cuda.stream(stream):
+                    call(rank)
+            for stream in self.streams:
+                current.wait_stream(stream)
+        if errors:
+            raise errors[0]
+        return results
+
+    def _rank_kwargs(self, kwargs: dict, rank: int) -> dict:
+        return {
+            k: (v[rank] if k in _PER_RANK_KWARGS and isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()
+        }
+
+    def dispatch(
+        self,
+        token_selected_experts: list[torch.Tensor],
+        input_payloads: list[list[torch.Tensor]],
+        runtime_max_tokens_per_rank: int,
+        top_k: int,
+        num_experts: int,
+        **kwargs: Any,
+    ) -> list[tuple[list[torch.Tensor], int, Optional[torch.Tensor]]]:
+        """``moe_a2a_dispatch`` on every rank: ``token_selected_experts[r]`` and
+        ``input_payloads[r]`` are rank ``r``'s inputs; returns each rank's
+        ``(output_payloads, combine_payload_offset, eplb_gathered_stats)``.
+
+        ``kwargs`` go to ``moe_a2a_dispatch`` (enable_pdl, eplb_local_stats,
+        enable_rank_mask, active_rank_mask, backend, recv_view_cache);
+        ``eplb_local_stats``, ``active_rank_mask`` and ``enable_pdl`` may be
+        lists indexed by rank.
+        """
+
+        def step(rank: int):
+            return _dispatch(
+                token_selected_experts[rank],
+                input_payloads[rank],
+                self.workspace,
+                self.metainfo[rank],
+                runtime_max_tokens_per_rank,
+                rank,
+                self.ep_size,
+                top_k,
+                num_experts,
+                timeout_s=self.timeout_s,
+                **self._rank_kwargs(kwargs, rank),
+            )
+
+        return self.run(step)
+
+    def combine(
+        self,
+        payloads: list[torch.Tensor],
+        local_num_tokens: list[int],
+        runtime_max_tokens_per_rank: int,
+        top_k: int,
+        combine_payload_offsets: list[int],
+        **kwargs: Any,
+    ) -> list[torch.Tensor]:
+        """``moe_a2a_combine`` on every rank: ``payloads[r]`` is rank ``r``'s
+        ``[ep_size, runtime_max_tokens_per_rank, *]`` expert output,
+        ``local_num_tokens[r]`` the number of tokens it dispatched and
+        ``combine_payload_offsets[r]`` what its dispatch returned. Returns each
+        rank's ``[local_num_tokens[r], *]`` output.
+
+        ``kwargs`` go to ``moe_a2a_combine``; ``output``, ``active_rank_mask``
+        and ``enable_pdl`` may be lists indexed by rank.
+        """
+
+        def step(rank: int) -> torch.Tensor:
+            return _combine(
+                payloads[rank],
+                local_num_tokens[rank],
+                self.workspace,
+                self.metainfo[rank],
+                runtime_max_tokens_per_rank,
+                rank,
+                self.ep_size,
+                top_k,
+                combine_payload_offsets[rank],
+                timeout_s=self.timeout_s,
+                **self._rank_kwargs(kwargs, rank),
+            )
+
+        return self.run(step)
+
+    def recv_counts(self, rank: int) -> torch.Tensor:
+        """int32 ``[ep_size]`` view of rank ``rank``'s receive counts (``moe_a2a_get_recv_counts``)."""
+        return moe_a2a_get_recv_counts(self.workspace, self.metainfo[rank], rank)
