@@ -1,0 +1,407 @@
+"""Shared fixtures and helpers of the test suite.
+
+Every test builds seeded random inputs on the CPU (identical on every device),
+runs the kernels on the device under test and compares the results with the
+plain-PyTorch oracle ``torch_moe_a2a.reference``. Receive planes and output
+buffers are poisoned with random bytes before a kernel runs, so a row the kernel
+forgot to write fails the comparison instead of passing on leftover data.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+# A broken protocol must fail the suite, not hang it. Tests that exercise the
+# timeout itself set a much shorter value.
+os.environ.setdefault("MOE_A2A_TIMEOUT_S", "20")
+
+import pytest
+import torch
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import layout, reference
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
+# ---- random data -------------------------------------------------------------
+
+
+def make_generator(seed) -> torch.Generator:
+    """A CPU generator seeded from an int or, stably across processes, from any
+    object's str (Python's hash() of a str is salted per process)."""
+    if not isinstance(seed, int):
+        seed = zlib.crc32(str(seed).encode())
+    return torch.Generator().manual_seed(seed)
+
+
+def random_bytes(shape: Sequence[int], gen: torch.Generator) -> torch.Tensor:
+    """uint8 tensor of ``shape`` with every byte drawn uniformly (never a zero fill)."""
+    return torch.randint(0, 256, tuple(shape), dtype=torch.uint8, generator=gen)
+
+
+def random_tensor(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """A CPU tensor of ``shape``/``dtype`` made of random bytes: for float dtypes
+    that includes NaN and Inf bit patterns, which is the point for data that is
+    only moved (compared bytewise), never summed."""
+    shape = tuple(shape)
+    itemsize = dtype.itemsize
+    if len(shape) == 0:
+        raise ValueError("payload rows need at least one dimension")
+    raw = random_bytes(shape[:-1] + (shape[-1] * itemsize,), gen)
+    return raw.view(dtype)
+
+
+def random_values(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Finite random values (for tensors that are summed: hidden states, weights)."""
+    return torch.randn(tuple(shape), generator=gen).to(dtype)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` (CPU, contiguous), so fp8 and NaN patterns compare exactly."""
+    t = t.detach().cpu().contiguous()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.view(torch.uint8)
+
+
+def assert_bytes_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert tuple(actual.shape) == tuple(expected.shape), f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    a, e = as_bytes(actual), as_bytes(expected)
+    if not torch.equal(a, e):
+        diff = (a != e).nonzero()
+        first = tuple(diff[0].tolist())
+        raise AssertionError(
+            f"{what}: {diff.shape[0]} bytes differ, first at byte index {first} "
+            f"(got {a[first].item()}, expected {e[first].item()})"
+        )
+
+
+# ---- problem descriptions ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PayloadSpec:
+    """One extra dispatch payload: dtype and per-token trailing shape."""
+
+    dtype: torch.dtype
+    trailing: tuple[int, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.trailing) * self.dtype.itemsize
+
+    def __str__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.trailing)}"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One expert-parallel problem. Payload 0 is the hidden state, payload 1 the
+    expert ids (int32 [n, top_k]), payload 2 the router weights (fp32 [n, top_k]),
+    then ``extras``: the layout the toy MoE of the reference consumes."""
+
+    ep_size: int
+    tokens: tuple[int, ...]  # local_num_tokens of every rank
+    top_k: int
+    num_experts: int
+    hidden: int = 64
+    hidden_dtype: torch.dtype = torch.bfloat16
+    extras: tuple[PayloadSpec, ...] = ()
+    runtime_max: Optional[int] = None  # default: max(tokens), at least 1
+    max_num_tokens: Optional[int] = None  # default: runtime_max
+    invalid_fraction: float = 0.0
+    negative_fraction: float = 0.0
+
+    def __post_init__(self):
+        assert len(self.tokens) == self.ep_size
+
+    @property
+    def T(self) -> int:
+        return self.runtime_max if self.runtime_max is not None else max(1, max(self.tokens))
+
+    @property
+    def max_tokens(self) -> int:
+        return self.max_num_tokens if self.max_num_tokens is not None else self.T
+
+    def payload_specs(self) -> list[PayloadSpec]:
+        return [
+            PayloadSpec(self.hidden_dtype, (self.hidden,)),
+            PayloadSpec(torch.int32, (self.top_k,)),
+            PayloadSpec(torch.float32, (self.top_k,)),
+            *self.extras,
+        ]
+
+    @property
+    def dispatch_bytes(self) -> int:
+        return sum(s.row_bytes for s in self.payload_specs())
+
+    @property
+    def combine_bytes(self) -> int:
+        return self.hidden * self.hidden_dtype.itemsize
+
+    def __str__(self) -> str:
+        extras = "+".join(str(s) for s in self.extras) or "none"
+        return (
+            f"ep{self.ep_size}-tok{'_'.join(map(str, self.tokens))}-T{self.T}-k{self.top_k}"
+            f"-E{self.num_experts}-h{self.hidden}{str(self.hidden_dtype).removeprefix('torch.')}-x{extras}"
+        )
+
+
+@dataclass
+class Inputs:
+    """Per-rank CPU inputs of one dispatch."""
+
+    ids: list[torch.Tensor]  # [rank] int32 [n, top_k]
+    payloads: list[list[torch.Tensor]]  # [rank][payload]
+
+    def to(self, device) -> "Inputs":
+        return Inputs(
+            [t.to(device) for t in self.ids], [[p.to(device) for p in ps] for ps in self.payloads]
+        )
+
+
+def make_inputs(case: Case, gen: torch.Generator, tokens: Optional[Sequence[int]] = None) -> Inputs:
+    """Seeded inputs for ``case`` (``tokens`` overrides the per-rank token counts)."""
+    tokens = case.tokens if tokens is None else tokens
+    ids, payloads = [], []
+    for n in tokens:
+        routing = reference.random_routing(
+            n,
+            case.top_k,
+            case.num_experts,
+            gen,
+            invalid_fraction=case.invalid_fraction,
+            negative_fraction=case.negative_fraction,
+        )
+        assert routing.dtype == torch.int32 and tuple(routing.shape) == (n, case.top_k)
+        hidden = random_values((n, case.hidden), case.hidden_dtype, gen)
+        weights = torch.rand((n, case.top_k), generator=gen) + 0.5  # never zero
+        extras = [random_tensor((n, *s.trailing), s.dtype, gen) for s in case.extras]
+        ids.append(routing)
+        payloads.append([hidden, routing.clone(), weights, *extras])
+    return Inputs(ids, payloads)
+
+
+def make_sim(case: Case, device, *, eplb_n: int = 0, timeout_s=None, dispatch_bytes=None) -> a2a.SimulatedEP:
+    return a2a.SimulatedEP(
+        case.ep_size,
+        case.max_tokens,
+        dispatch_bytes_per_token=case.dispatch_bytes if dispatch_bytes is None else dispatch_bytes,
+        combine_bytes_per_token=case.combine_bytes,
+        eplb_stats_num_experts=eplb_n,
+        device=device,
+        timeout_s=timeout_s,
+    )
+
+
+# ---- poisoning -----------------------------------------------------------------
+
+
+def poison_call_regions(workspace: torch.Tensor, gen: torch.Generator) -> None:
+    """Fill every row's per-call region (everything after the rank header) with
+    random bytes. Only legal while no rank is inside a dispatch/combine pair."""
+    region = workspace[:, layout.HEADER_BYTES :]
+    region.copy_(random_bytes(region.shape, gen).to(workspace.device))
+
+
+def poison_padding(payload: torch.Tensor, counts: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """``payload`` [ep_size, T, *] with every padding row (j >= counts[s]) replaced
+    by random bytes; the valid rows are kept. Returns a new tensor on payload's device."""
+    counts = counts.cpu()
+    out = payload.cpu().clone()
+    garbage = random_tensor(out.shape, out.dtype, gen)
+    pad = torch.arange(out.shape[1])[None, :] >= counts[:, None].long()  # [ep_size, T]
+    out[pad] = garbage[pad]
+    return out.to(payload.device)
+
+
+# ---- one round trip through SimulatedEP -------------------------------------------
+
+
+@dataclass
+class RoundTrip:
+    recv: list[list[torch.Tensor]]  # [rank][payload] CPU copies of the receive views
+    counts: list[torch.Tensor]  # [rank] CPU int32 [ep_size]
+    offsets: list[int]  # [rank] combine_payload_offset
+    eplb: list[Optional[torch.Tensor]]  # [rank] CPU copies of eplb_gathered_stats
+    outputs: list[Optional[torch.Tensor]]  # [rank] CPU combine outputs (None for a dead rank)
+    ref: reference.RefDispatch
+    ref_outputs: list[torch.Tensor]
+    dispatch_results: list = field(default_factory=list)  # raw moe_a2a_dispatch results
+
+
+def check_dispatch(rt_recv, rt_counts, ref: reference.RefDispatch, specs, runtime_max, ranks) -> None:
+    """Receive counts exact, receive views shaped [ep_size, T, *trail], valid rows
+    bytewise equal to the reference."""
+    ep_size = len(ref.recv_counts)
+    for d in ranks:
+        assert torch.equal(rt_counts[d].cpu(), ref.recv_counts[d].to(torch.int32)), (
+            f"rank {d}: recv counts {rt_counts[d].tolist()} != reference {ref.recv_counts[d].tolist()}"
+        )
+        for i, spec in enumerate(specs):
+            view = rt_recv[d][i]
+            assert tuple(view.shape) == (ep_size, runtime_max, *spec.trailing), f"rank {d} payload {i} shape"
+            assert view.dtype == spec.dtype
+            for s in range(ep_size):
+                n = int(ref.recv_counts[d][s])
+                assert_bytes_equal(view[s, :n], ref.recv[d][i][s, :n], f"rank {d} payload {i} rows from {s}")
+
+
+def round_trip(
+    sim: a2a.SimulatedEP,
+    case: Case,
+    inputs: Inputs,
+    gen: torch.Generator,
+    *,
+    runtime_max: Optional[int] = None,
+    payload_in_workspace: bool = False,
+    output_dtype: Optional[torch.dtype] = None,
+    use_output: bool = False,
+    eplb_stats: Optional[list[torch.Tensor]] = None,
+    active_ranks: Optional[Sequence[int]] = None,
+    poison: bool = True,
+) -> RoundTrip:
+    """dispatch -> toy MoE -> combine on every (active) rank of ``sim``, checked
+    against the reference at every step (counts, valid receive rows, outputs,
+    bitwise). Ranks outside ``active_ranks`` never call (a dead rank)."""
+    ep, device = case.ep_size, sim.workspace.device
+    T = case.T if runtime_max is None else runtime_max
+    tokens = [int(t.shape[0]) for t in inputs.ids]
+    active = list(range(ep)) if active_ranks is None else sorted(active_ranks)
+    mask_kwargs = {}
+    if active_ranks is not None:
+        mask_kwargs = dict(enable_rank_mask=True, active_rank_mask=a2a.moe_a2a_active_rank_mask(active, ep))
+    dev = inputs.to(device)
+    dev_eplb = None if eplb_stats is None else [s.to(device) for s in eplb_stats]
+    if poison:
+        poison_call_regions(sim.workspace, gen)
+
+    def dispatch(rank):
+        if rank not in active:
+            return None
+        return a2a.moe_a2a_dispatch(
+            dev.ids[rank],
+            dev.payloads[rank],
+            sim.workspace,
+            sim.metainfo[rank],
+            T,
+            rank,
+            ep,
+            case.top_k,
+            case.num_experts,
+            eplb_local_stats=None if dev_eplb is None else dev_eplb[rank],
+            **mask_kwargs,
+        )
+
+    results = sim.run(dispatch)
+    recv = [None if r is None else [v.cpu().clone() for v in r[0]] for r in results]
+    offsets = [None if r is None else int(r[1]) for r in results]
+    eplb = [None if r is None or r[2] is None else r[2].cpu().clone() for r in results]
+    counts = [
+        a2a.moe_a2a_get_recv_counts(sim.workspace, sim.metainfo[rank], rank).cpu().clone() if rank in active else None
+        for rank in range(ep)
+    ]
+
+    ref = reference.reference_dispatch(
+        inputs.ids,
+        inputs.payloads,
+        ep_size=ep,
+        num_experts=case.num_experts,
+        runtime_max_tokens_per_rank=T,
+        active_ranks=None if active_ranks is None else active,
+    )
+    check_dispatch(recv, counts, ref, case.payload_specs(), T, active)
+
+    def moe(rank, views, cnt):
+        return reference.toy_moe(
+            views[0], views[1], views[2], cnt, ep_rank=rank, ep_size=ep, num_experts=case.num_experts
+        )
+
+    ref_expert_out = [moe(r, ref.recv[r], ref.recv_counts[r]) for r in range(ep)]
+    payloads = {}
+    for r in active:
+        # The kernel path computes its MoE from its own receive views (CPU copies:
+        # toy_moe is not under test, so it runs in one place), then its padding
+        # rows are poisoned: combine must read valid rows only.
+        expert_out = poison_padding(moe(r, recv[r], counts[r]), counts[r], gen)
+        if payload_in_workspace:
+            nbytes = ep * T * case.combine_bytes
+            view = a2a.moe_a2a_wrap_payload_tensor_in_workspace(
+                sim.workspace[r], [ep, T], offsets[r], offsets[r] + nbytes, case.hidden_dtype
+            )
+            assert tuple(view.shape) == (ep, T, case.hidden)
+            view.copy_(expert_out.to(device))
+            payloads[r] = view
+        else:
+            payloads[r] = expert_out.to(device)
+
+    out_dtype = case.hidden_dtype if output_dtype is None else output_dtype
+    outs = {}
+    if use_output:
+        for r in active:
+            outs[r] = random_tensor((tokens[r], case.hidden), out_dtype, gen).to(device)
+
+    def combine(rank):
+        if rank not in active:
+            return None
+        return a2a.moe_a2a_combine(
+            payloads[rank],
+            tokens[rank],
+            sim.workspace,
+            sim.metainfo[rank],
+            T,
+            rank,
+            ep,
+            case.top_k,
+            offsets[rank],
+            payload_in_workspace=payload_in_workspace,
+            output_dtype=output_dtype,
+            output=outs.get(rank),
+            **mask_kwargs,
+        )
+
+    combined = sim.run(combine)
+    ref_outputs = reference.reference_combine(ref_expert_out, ref, tokens, output_dtype=output_dtype)
+    outputs = []
+    for r in range(ep):
+        if r not in active:
+            outputs.append(None)
+            continue
+        got = combined[r]
+        if use_output:
+            assert got is outs[r] or got.data_ptr() == outs[r].data_ptr(), "combine(output=) must return output"
+        assert got.device.type == torch.device(device).type
+        outputs.append(got.cpu().clone())
+        assert_bytes_equal(outputs[r], ref_outputs[r], f"rank {r} combine output")
+    return RoundTrip(recv, counts, offsets, eplb, outputs, ref, ref_outputs, results)
+
+
+def header_i32(workspace: torch.Tensor, rank: int, offset: int) -> int:
+    """The int32 at byte ``offset`` of rank ``rank``'s header."""
+    return int(workspace[rank, offset : offset + 4].cpu().view(torch.int32)[0])
+
+
+def header_i64(workspace: torch.Tensor, rank: int, offset: int) -> int:
+    return int(workspace[rank, offset : offset + 8].cpu().view(torch.int64)[0])
+
+
+def ws_snapshot(workspace: torch.Tensor) -> torch.Tensor:
+    return workspace.detach().cpu().clone()
+
+
+def assert_ws_unchanged(workspace: torch.Tensor, snapshot: torch.Tensor) -> None:
+    now = workspace.detach().cpu()
+    if not torch.equal(now, snapshot):
+        rows, cols = (now != snapshot).nonzero(as_tuple=True)
+        raise AssertionError(f"workspace changed: {rows.numel()} bytes, first at row {rows[0]} byte {cols[0]}")

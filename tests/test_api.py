@@ -1,0 +1,345 @@
+"""Public API: FlashInfer-compatible signatures, helpers, view caching,
+SimulatedEP conveniences and MoeAlltoAll."""
+
+import inspect
+
+import pytest
+import torch
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import layout
+
+from conftest import (
+    Case,
+    PayloadSpec,
+    assert_bytes_equal,
+    make_generator,
+    make_inputs,
+    make_sim,
+    round_trip,
+)
+
+P = inspect.Parameter
+POS, KW = P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY
+REQ = P.empty
+LINEAR = object()  # placeholder for SfLayout.layout_linear
+
+# (name, kind, default) in order, as FlashInfer declares them (DESIGN.md section 2,
+# seed/moe_a2a_dispatch.txt).
+SIGNATURES = {
+    "moe_a2a_get_workspace_size_per_rank": [
+        ("ep_size", POS, REQ), ("max_num_tokens", POS, REQ), ("total_dispatch_payload_size_per_token", POS, REQ),
+        ("combine_payload_size_per_token", POS, REQ), ("eplb_stats_num_experts", POS, 0), ("backend", KW, "trtllm"),
+    ],
+    "moe_a2a_initialize": [
+        ("workspace", POS, REQ), ("ep_rank", POS, REQ), ("ep_size", POS, REQ), ("max_num_tokens", POS, REQ),
+        ("eplb_stats_num_experts", POS, 0), ("backend", KW, "trtllm"),
+    ],
+    "moe_a2a_dispatch": [
+        ("token_selected_experts", POS, REQ), ("input_payloads", POS, REQ), ("workspace", POS, REQ),
+        ("metainfo", POS, REQ), ("runtime_max_tokens_per_rank", POS, REQ), ("ep_rank", POS, REQ),
+        ("ep_size", POS, REQ), ("top_k", POS, REQ), ("num_experts", POS, REQ), ("enable_pdl", POS, None),
+        ("eplb_local_stats", POS, None), ("enable_rank_mask", POS, False), ("active_rank_mask", POS, None),
+        ("backend", KW, "trtllm"), ("recv_view_cache", KW, None),
+    ],
+    "moe_a2a_combine": [
+        ("payload", POS, REQ), ("local_num_tokens", POS, REQ), ("workspace", POS, REQ), ("metainfo", POS, REQ),
+        ("runtime_max_tokens_per_rank", POS, REQ), ("ep_rank", POS, REQ), ("ep_size", POS, REQ), ("top_k", POS, REQ),
+        ("combine_payload_offset", POS, REQ), ("payload_in_workspace", POS, False), ("output_dtype", POS, None),
+        ("output_scales", POS, None), ("output_scalar_scale", POS, 1.0), ("sf_layout", POS, LINEAR),
+        ("output", POS, None), ("use_low_precision", KW, False), ("enable_pdl", KW, None),
+        ("enable_rank_mask", KW, False), ("active_rank_mask", KW, None), ("backend", KW, "trtllm"),
+    ],
+    "moe_a2a_sanitize_expert_ids": [
+        ("expert_ids", POS, REQ), ("workspace", POS, REQ), ("metainfo", POS, REQ), ("ep_rank", POS, REQ),
+        ("invalid_expert_id", POS, REQ), ("enable_pdl", POS, None), ("backend", KW, "trtllm"),
+    ],
+    "moe_a2a_wrap_payload_tensor_in_workspace": [
+        ("workspace", POS, REQ), ("leading_shape", POS, REQ), ("slice_start", POS, REQ), ("slice_end", POS, REQ),
+        ("dtype", POS, REQ),
+    ],
+    "moe_a2a_active_rank_mask": [("active_ranks", POS, REQ), ("ep_size", POS, REQ)],
+}
+
+
+@pytest.mark.parametrize("name", list(SIGNATURES))
+def test_signature_matches_flashinfer(name):
+    fn = getattr(a2a, name)
+    got = [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+    expected = SIGNATURES[name]
+    assert [g[:2] for g in got] == [e[:2] for e in expected], f"{name}: names/kinds differ"
+    for (pname, _, default), (_, _, want) in zip(got, expected):
+        if want is LINEAR:
+            assert isinstance(default, a2a.SfLayout) and "linear" in default.name, f"{name}.{pname} = {default!r}"
+        else:
+            assert default == want and type(default) is type(want), f"{name}.{pname}: default {default!r} != {want!r}"
+
+
+def test_public_names_exported():
+    for name in ["MoeAlltoAll", "Mapping", "SfLayout", "MOE_A2A_RANK_MASK_WORDS", "allocate_workspace",
+                 "check_errors", "moe_a2a_get_recv_counts", "moe_a2a_get_invalid_expert_count", "SimulatedEP",
+                 *SIGNATURES]:
+        assert hasattr(a2a, name), name
+
+
+@pytest.mark.parametrize("active,ep_size,expected", [
+    ([0, 1, 3], 4, 0b1011),
+    ([], 8, 0),
+    (list(range(64)), 64, (1 << 64) - 1),
+    ([63], 64, 1 << 63),
+    ([5, 5, 2], 6, 0b100100),
+])
+def test_active_rank_mask_values(active, ep_size, expected):
+    mask = a2a.moe_a2a_active_rank_mask(active, ep_size)
+    assert mask.device.type == "cpu" and mask.dtype == torch.uint64
+    assert tuple(mask.shape) == (a2a.MOE_A2A_RANK_MASK_WORDS,)
+    assert int(mask.view(torch.int64)[0]) & ((1 << 64) - 1) == expected
+    # A tensor of ranks is accepted too (FlashInfer).
+    again = a2a.moe_a2a_active_rank_mask(torch.tensor(active, dtype=torch.int64), ep_size)
+    assert torch.equal(again.view(torch.int64), mask.view(torch.int64))
+
+
+def test_active_rank_mask_rejects_out_of_range():
+    with pytest.raises((ValueError, AssertionError)):
+        a2a.moe_a2a_active_rank_mask([4], 4)
+
+
+def test_wrap_payload_tensor_in_workspace(device):
+    ws = torch.zeros(3, 4096, dtype=torch.uint8, device=device)
+    # Row form: offsets relative to the row (how MoeAlltoAll uses it).
+    view = a2a.moe_a2a_wrap_payload_tensor_in_workspace(ws[1], [2, 4], 256, 256 + 2 * 4 * 6 * 4, torch.float32)
+    assert tuple(view.shape) == (2, 4, 6) and view.dtype == torch.float32
+    assert view.data_ptr() == ws[1].data_ptr() + 256
+    values = torch.arange(48, dtype=torch.float32, device=device).reshape(2, 4, 6)
+    view.copy_(values)
+    assert_bytes_equal(ws[1, 256 : 256 + 192], values.view(torch.uint8).reshape(-1), "written bytes")
+    assert int(ws[0].count_nonzero()) == 0 and int(ws[2].count_nonzero()) == 0
+    # 2-D form: offsets from the start of the whole workspace.
+    view2 = a2a.moe_a2a_wrap_payload_tensor_in_workspace(ws, [2, 4], 4096 + 256, 4096 + 256 + 192, torch.float32)
+    assert view2.data_ptr() == view.data_ptr() and torch.equal(view2, values)
+
+
+def test_initialize_touches_only_its_row(device):
+    size = a2a.moe_a2a_get_workspace_size_per_rank(3, 8, 64, 32)
+    ws = torch.full((3, size), 0xAB, dtype=torch.uint8, device=device)
+    meta = a2a.moe_a2a_initialize(ws, 1, 3, 8)
+    assert meta.dtype == torch.int64 and meta.device.type == "cpu" and tuple(meta.shape) == (layout.META_COUNT,)
+    assert int(meta[layout.META_EP_RANK]) == 1 and int(meta[layout.META_EP_SIZE]) == 3
+    assert bool((ws[0] == 0xAB).all()) and bool((ws[2] == 0xAB).all()), "initialize wrote into a peer's row"
+    assert int(ws[1, layout.HEADER_BYTES:].count_nonzero()) == 0, "own row's per-call region not zeroed"
+    assert int(ws[1, layout.HDR_DISPATCH_EPOCH:layout.HDR_ERROR_MISSING].count_nonzero()) == 0
+    assert int(ws[1, layout.HDR_DISPATCH_FLAGS:layout.HEADER_BYTES].count_nonzero()) == 0
+
+
+def test_recv_view_cache(device):
+    case = Case(1, (5,), 2, 4, hidden=64, max_num_tokens=8, extras=(PayloadSpec(torch.float32, (4, 3)),))
+    sim = make_sim(case, device)
+    gen = make_generator(1)
+    inputs = make_inputs(case, gen).to(device)
+    cache = {}
+
+    def step(payloads, T=5):
+        out, off, _ = a2a.moe_a2a_dispatch(inputs.ids[0], payloads, sim.workspace, sim.metainfo[0], T, 0, 1, 2, 4,
+                                           recv_view_cache=cache)
+        a2a.moe_a2a_combine(torch.ones(1, T, 64, dtype=torch.bfloat16, device=device), 5, sim.workspace,
+                            sim.metainfo[0], T, 0, 1, 2, off)
+        return out
+
+    first = step(inputs.payloads[0])
+    second = step(inputs.payloads[0])
+    assert all(a is b for a, b in zip(first, second)), "cached views must be reused"
+    assert_bytes_equal(second[0][0, :5], inputs.payloads[0][0], "cached view sees fresh data")
+    # Same bytes per row, other trailing shape: [4, 3] fp32 -> [12] fp32 and [3, 4].
+    for trailing in [(12,), (3, 4)]:
+        reshaped = [*inputs.payloads[0][:3], inputs.payloads[0][3].reshape(5, *trailing)]
+        third = step(reshaped)
+        assert tuple(third[3].shape) == (1, 5, *trailing)
+        assert third[3] is not second[3]
+    # Other dtype, same bytes: fp32 [n, 2] weights -> int32 [n, 2].
+    redtyped = [inputs.payloads[0][0], inputs.payloads[0][1], inputs.payloads[0][2].view(torch.int32),
+                inputs.payloads[0][3]]
+    fourth = step(redtyped)
+    assert fourth[2].dtype == torch.int32 and fourth[2] is not second[2]
+    # Other runtime_max -> other views.
+    fifth = step(inputs.payloads[0], T=7)
+    assert tuple(fifth[0].shape) == (1, 7, 64)
+    # Another workspace clears the cache (FlashInfer semantics): no stale views.
+    other = make_sim(case, device)
+    out, off, _ = a2a.moe_a2a_dispatch(inputs.ids[0], inputs.payloads[0], other.workspace, other.metainfo[0], 5, 0,
+                                       1, 2, 4, recv_view_cache=cache)
+    assert out[0].untyped_storage().data_ptr() == other.workspace.untyped_storage().data_ptr()
+    assert not any(isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() ==
+                   sim.workspace.untyped_storage().data_ptr() for v in cache.values())
+
+
+def test_receive_views_are_workspace_views(device):
+    case = Case(2, (3, 4), 2, 4, extras=(PayloadSpec(torch.uint8, (7,)),))
+    sim = make_sim(case, device)
+    gen = make_generator(4)
+    rt = round_trip(sim, case, make_inputs(case, gen), gen)
+    for r, res in enumerate(rt.dispatch_results):
+        row = sim.workspace[r]
+        views, offset, _ = res
+        assert isinstance(offset, int)
+        specs = case.payload_specs()
+        lay = layout.call_layout(2, case.T, 0, [s.row_bytes for s in specs])
+        assert offset == lay.combine_offset
+        for v, off in zip(views, lay.payload_offsets):
+            assert v.data_ptr() == row.data_ptr() + off, "receive view must alias the own row at the layout offset"
+
+
+def test_simulated_ep_helpers(device):
+    """SimulatedEP.dispatch / combine / recv_counts drive all ranks."""
+    case = Case(3, (4, 0, 6), 2, 5, hidden=64)
+    sim = make_sim(case, device)
+    assert tuple(sim.workspace.shape)[0] == 3 and sim.workspace.dtype == torch.uint8
+    assert len(sim.metainfo) == 3
+    gen = make_generator(9)
+    inputs = make_inputs(case, gen)
+    dev = inputs.to(device)
+    results = sim.dispatch(dev.ids, dev.payloads, case.T, case.top_k, case.num_experts)
+    assert len(results) == 3
+    from torch_moe_a2a import reference
+
+    ref = reference.reference_dispatch(inputs.ids, inputs.payloads, ep_size=3, num_experts=5,
+                                       runtime_max_tokens_per_rank=case.T)
+    for r in range(3):
+        assert torch.equal(sim.recv_counts(r).cpu(), ref.recv_counts[r].to(torch.int32))
+    expert_out = [reference.toy_moe(ref.recv[r][0], ref.recv[r][1], ref.recv[r][2], ref.recv_counts[r], ep_rank=r,
+                                    ep_size=3, num_experts=5) for r in range(3)]
+    outs = sim.combine([e.to(device) for e in expert_out], list(case.tokens), case.T, case.top_k,
+                       [res[1] for res in results])
+    expected = reference.reference_combine(expert_out, ref, list(case.tokens))
+    for r in range(3):
+        assert_bytes_equal(outs[r], expected[r], f"rank {r}")
+
+
+def test_simulated_ep_reraises_first_exception(device):
+    sim = make_sim(Case(2, (1, 1), 1, 2), device)
+
+    def fn(rank):
+        if rank == 1:
+            raise KeyError("boom")
+        return rank
+
+    with pytest.raises(KeyError, match="boom"):
+        sim.run(fn)
+    assert sim.run(lambda r: r * 10) == [0, 10]
+
+
+# ---- MoeAlltoAll ---------------------------------------------------------------------------------------
+
+
+def _instances(sim, case, **kwargs):
+    """One MoeAlltoAll per simulated rank, all sharing sim's workspace (each
+    initializes its own row; all are built before any rank dispatches)."""
+    return [
+        a2a.MoeAlltoAll(a2a.Mapping(r, case.ep_size), case.max_tokens, case.top_k, case.num_experts,
+                        workspace_size_per_rank=sim.workspace.shape[1], workspace=sim.workspace, **kwargs)
+        for r in range(case.ep_size)
+    ]
+
+
+@pytest.mark.parametrize("payload_in_workspace", [False, True], ids=["staged", "in_ws"])
+def test_moe_alltoall_round_trips(payload_in_workspace, device):
+    from torch_moe_a2a import reference
+
+    case = Case(3, (7, 0, 12), 3, 7, hidden=64, runtime_max=12, max_num_tokens=16,
+                extras=(PayloadSpec(torch.float8_e4m3fn, (16,)),))
+    sim = make_sim(case, device, eplb_n=5)
+    moes = _instances(sim, case, eplb_stats_num_experts=5)
+    assert all(m.workspace is sim.workspace for m in moes)
+    gen = make_generator(case)
+    invalid = -3
+    for round_ in range(3):
+        T = [12, 16, 9][round_]
+        tokens = [min(t, T) for t in case.tokens]
+        inputs = make_inputs(case, gen, tokens)
+        dev = inputs.to(device)
+        stats = [torch.randint(0, 100, (5,), dtype=torch.int32, generator=gen) for _ in range(3)]
+
+        def dispatch(r):
+            return moes[r].dispatch(dev.ids[r], dev.payloads[r], T, invalid_token_expert_id=invalid,
+                                    expert_id_payload_index=1, eplb_local_stats=stats[r].to(device))
+
+        recv = sim.run(dispatch)
+        ref = reference.reference_dispatch(inputs.ids, inputs.payloads, ep_size=3, num_experts=case.num_experts,
+                                           runtime_max_tokens_per_rank=T)
+        expert_out = []
+        for r in range(3):
+            counts = moes[r].recv_counts.cpu()
+            assert torch.equal(counts, ref.recv_counts[r])
+            assert torch.equal(moes[r].eplb_gathered_stats.cpu(), torch.stack(stats))
+            ids_view = recv[r][1].cpu()
+            for s in range(3):
+                n = int(counts[s])
+                for i in (0, 2, 3):
+                    assert_bytes_equal(recv[r][i][s, :n], ref.recv[r][i][s, :n], f"rank {r} payload {i}")
+                assert torch.equal(ids_view[s, :n], ref.recv[r][1][s, :n])
+                assert (ids_view[s, n:] == invalid).all(), "invalid_token_expert_id must sanitize padding"
+            out = reference.toy_moe(recv[r][0].cpu(), ids_view, recv[r][2].cpu(), counts, ep_rank=r, ep_size=3,
+                                    num_experts=case.num_experts)
+            expert_out.append(out)
+        ref_expert = [reference.toy_moe(ref.recv[r][0], ref.recv[r][1], ref.recv[r][2], ref.recv_counts[r],
+                                        ep_rank=r, ep_size=3, num_experts=case.num_experts) for r in range(3)]
+        payloads = []
+        for r in range(3):
+            if payload_in_workspace:
+                view = moes[r].get_combine_payload_tensor_in_workspace(T, case.hidden, case.hidden_dtype)
+                assert tuple(view.shape) == (3, T, case.hidden)
+                view.copy_(expert_out[r].to(device))
+                payloads.append(view)
+            else:
+                payloads.append(expert_out[r].to(device))
+        outs = sim.run(lambda r: moes[r].combine(payloads[r], T, payload_in_workspace=payload_in_workspace))
+        expected = reference.reference_combine(ref_expert, ref, tokens)
+        for r in range(3):
+            assert_bytes_equal(outs[r], expected[r], f"round {round_} rank {r}")
+        assert all(m.eplb_gathered_stats is None for m in moes), "stats are only valid until combine"
+    for m in moes:
+        m.check()
+
+
+def test_moe_alltoall_phase_errors(device):
+    case = Case(1, (4,), 2, 4)
+    moe = a2a.MoeAlltoAll(a2a.Mapping(0, 1), 8, 2, 4, hidden_size=64, device=device)
+    assert moe.workspace.device.type == device and moe.workspace.shape[0] == 1
+    inputs = make_inputs(case, make_generator(0)).to(device)
+    payload = torch.ones(1, 4, 64, dtype=torch.bfloat16, device=device)
+    with pytest.raises(RuntimeError, match=r"(?i)dispatch"):
+        moe.combine(payload, 4)
+    with pytest.raises(RuntimeError, match=r"(?i)dispatch"):
+        moe.get_combine_payload_tensor_in_workspace(4, 64, torch.bfloat16)
+    moe.dispatch(inputs.ids[0], inputs.payloads[0], 4)
+    with pytest.raises(RuntimeError, match=r"(?i)dispatch"):
+        moe.dispatch(inputs.ids[0], inputs.payloads[0], 4)
+    out = moe.combine(payload, 4)  # the pending dispatch is still usable
+    assert tuple(out.shape) == (4, 64)
+    with pytest.raises(RuntimeError, match=r"(?i)dispatch"):
+        moe.combine(payload, 4)
+    with pytest.raises(ValueError, match=r"(?i)eplb"):
+        moe.dispatch(inputs.ids[0], inputs.payloads[0], 4, eplb_local_stats=torch.ones(4, dtype=torch.int32))
+    moe.dispatch(inputs.ids[0], inputs.payloads[0], 4)
+    moe.combine(payload, 4)
+
+
+def test_moe_alltoall_timeout_s(monkeypatch, device):
+    """timeout_s per instance beats MOE_A2A_TIMEOUT_S (20 s here)."""
+    monkeypatch.setenv("MOE_A2A_TIMEOUT_S", "20")
+    case = Case(2, (3, 3), 2, 4)
+    sim = make_sim(case, device)
+    moes = _instances(sim, case, timeout_s=1.0)
+    inputs = make_inputs(case, make_generator(0)).to(device)
+    import time
+
+    start = time.monotonic()
+    pattern = r"rank 0: peers \[1\] did not arrive within 1(\.0)? s"
+    if device == "cpu":
+        with pytest.raises(RuntimeError, match=pattern):
+            moes[0].dispatch(inputs.ids[0], inputs.payloads[0], 3)
+    else:
+        moes[0].dispatch(inputs.ids[0], inputs.payloads[0], 3)
+        torch.cuda.synchronize()
+    assert 0.9 <= time.monotonic() - start <= 2.5
+    with pytest.raises(RuntimeError, match=pattern):
+        moes[0].check()

@@ -1,0 +1,142 @@
+"""The Python layout mirror (torch_moe_a2a.layout) equals the C++ one (protocol.h,
+exposed through torch.ops.moe_a2a.constants / call_layout / workspace_size_per_rank)."""
+
+import pathlib
+import random
+import re
+
+import pytest
+import torch
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import layout
+
+ops = torch.ops.moe_a2a
+
+ROW_BYTES_LISTS = [
+    [2048],
+    [1],
+    [1, 3, 7],
+    [4096, 4, 88, 1, 17, 6, 128, 2],
+    [1] * layout.MAX_PAYLOADS,
+    [129, 255, 31],
+]
+
+
+def test_constants_match_cpp():
+    cpp = [int(v) for v in ops.constants()]
+    py = list(layout.CONSTANTS.values())
+    names = list(layout.CONSTANTS)
+    assert len(cpp) == len(py), f"C++ emits {len(cpp)} constants, layout.CONSTANTS has {len(py)}"
+    wrong = [f"{n}: python {p} != C++ {c}" for n, p, c in zip(names, py, cpp) if p != c]
+    assert not wrong, "; ".join(wrong)
+
+
+def test_public_constants():
+    assert a2a.MOE_A2A_RANK_MASK_WORDS == layout.MOE_A2A_RANK_MASK_WORDS == 1
+    # Contract limits (DESIGN.md section 3).
+    assert (layout.MAX_RANKS, layout.MAX_TOP_K, layout.MAX_PAYLOADS, layout.ALIGN) == (64, 22, 8, 128)
+
+
+def _as_list(l: layout.CallLayout) -> list[int]:
+    return [l.route_offset, l.eplb_offset, *l.payload_offsets, l.combine_offset]
+
+
+@pytest.mark.parametrize("ep_size", [1, 2, 3, 8, 64])
+@pytest.mark.parametrize("eplb_n", [0, 5, 256])
+def test_call_layout_matches_cpp(ep_size, eplb_n):
+    for T in [1, 7, 64, 1000]:
+        for rows in ROW_BYTES_LISTS:
+            py = layout.call_layout(ep_size, T, eplb_n, rows)
+            cpp = [int(v) for v in ops.call_layout(ep_size, T, eplb_n, rows)]
+            assert cpp == _as_list(py), f"T={T} rows={rows}"
+            offsets = _as_list(py)
+            assert py.route_offset >= layout.HEADER_BYTES
+            assert (py.eplb_offset == -1) == (eplb_n == 0)
+            for off in offsets:
+                assert off == -1 or off % layout.ALIGN == 0, f"offset {off} not {layout.ALIGN}-aligned"
+            # Regions are ordered and do not overlap.
+            ends = [py.route_offset + T * layout.MAX_TOP_K * 4]
+            if eplb_n:
+                assert py.eplb_offset >= ends[-1]
+                ends.append(py.eplb_offset + ep_size * eplb_n * 4)
+            for off, rb in zip(py.payload_offsets, rows):
+                assert off >= ends[-1]
+                ends.append(off + ep_size * T * rb)
+            assert py.combine_offset >= ends[-1]
+
+
+SIZE_GRID = [
+    # ep_size, max_num_tokens, total_dispatch_bytes, combine_bytes, eplb_n
+    (1, 1, 1, 2, 0),
+    (2, 16, 2048 + 88, 2048, 0),
+    (3, 37, 333, 130, 7),
+    (8, 64, 1024 + 8 * 22 + 7, 1024, 256),
+    (64, 5, 97, 4, 1),
+    (5, 1000, 8, 2, 0),
+]
+
+
+@pytest.mark.parametrize("ep_size,max_tokens,dispatch_bytes,combine_bytes,eplb_n", SIZE_GRID)
+def test_workspace_size_matches_and_holds_any_split(ep_size, max_tokens, dispatch_bytes, combine_bytes, eplb_n):
+    size = a2a.moe_a2a_get_workspace_size_per_rank(ep_size, max_tokens, dispatch_bytes, combine_bytes, eplb_n)
+    assert isinstance(size, int)
+    assert size == int(ops.workspace_size_per_rank(ep_size, max_tokens, dispatch_bytes, combine_bytes, eplb_n))
+    assert size == layout.workspace_size_per_rank(ep_size, max_tokens, dispatch_bytes, combine_bytes, eplb_n)
+    assert size % layout.ALIGN == 0
+    rng = random.Random(f"{ep_size}-{max_tokens}-{dispatch_bytes}")
+    splits = [[dispatch_bytes]]
+    for _ in range(60):
+        parts = rng.randint(1, min(layout.MAX_PAYLOADS, dispatch_bytes))
+        cuts = sorted(rng.sample(range(1, dispatch_bytes), parts - 1)) if parts > 1 else []
+        bounds = [0, *cuts, dispatch_bytes]
+        splits.append([b - a for a, b in zip(bounds, bounds[1:])])
+    for rows in splits:
+        assert sum(rows) == dispatch_bytes and all(r > 0 for r in rows)
+        for T in {max_tokens, rng.randint(1, max_tokens)}:
+            for eplb in {0, eplb_n}:  # a call may gather no EPLB stats
+                cpp = [int(v) for v in ops.call_layout(ep_size, T, eplb, rows)]
+                end = layout.combine_end(cpp[-1], ep_size, T, combine_bytes)
+                assert end <= size, f"rows={rows} T={T}: combine ends at {end} > {size}"
+
+
+def test_workspace_size_grows_with_eplb():
+    base = a2a.moe_a2a_get_workspace_size_per_rank(4, 16, 256, 128)
+    assert a2a.moe_a2a_get_workspace_size_per_rank(4, 16, 256, 128, 64) >= base + 4 * 64 * 4
+
+
+@pytest.mark.parametrize("num_experts,ep_size", [(8, 2), (7, 3), (5, 5), (37, 8), (64, 64), (100, 7)])
+def test_expert_ranges_contract(num_experts, ep_size):
+    # DESIGN.md section 3: the first E % R ranks own E // R + 1 experts, the rest E // R.
+    base, extra = divmod(num_experts, ep_size)
+    expected, first = [], 0
+    for r in range(ep_size):
+        n = base + 1 if r < extra else base
+        expected.append((first, first + n))
+        first += n
+    assert [layout.expert_range(num_experts, ep_size, r) for r in range(ep_size)] == expected
+    assert layout.experts_per_rank(num_experts, ep_size) == [b - a for a, b in expected]
+
+
+def _snake(name: str) -> str:
+    """kHdrDispatchFlags -> HDR_DISPATCH_FLAGS."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name[1:]).upper()
+
+
+def test_every_header_offset_is_mirrored():
+    """protocol.h says layout.py mirrors every number of it: every kHdr* offset of
+    the rank header (also the ones constants() does not emit) has a twin of the
+    same value in layout.py."""
+    text = (pathlib.Path(__file__).parents[1] / "csrc" / "protocol.h").read_text()
+    values = {"kMaxRanks": layout.MAX_RANKS}
+    missing, wrong = [], []
+    for name, expr in re.findall(r"constexpr\s+int64_t\s+(kHdr\w+)\s*=\s*([^;]+);", text):
+        value = eval(re.sub(r"\bk\w+", lambda m: str(values[m.group(0)]), expr), {})  # + and * of literals
+        values[name] = value
+        twin = _snake(name)
+        if not hasattr(layout, twin):
+            missing.append(twin)
+        elif getattr(layout, twin) != value:
+            wrong.append(f"{twin}: layout {getattr(layout, twin)} != protocol.h {value}")
+    assert len(values) > 10, "protocol.h parse found too few header offsets"
+    assert not missing and not wrong, f"missing in layout.py: {missing}; different: {wrong}"

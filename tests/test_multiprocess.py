@@ -1,0 +1,133 @@
+"""One rank per process on the CPU: allocate_workspace(group=...) maps one
+shared-memory file into every process; round trips through the functional API
+and through MoeAlltoAll(group=...) match the reference computed here."""
+
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import reference
+
+from conftest import Case, PayloadSpec, assert_bytes_equal, make_generator, make_inputs
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "torch_moe_a2a"
+
+CASES = {
+    2: Case(2, (9, 4), 3, 6, hidden=64, runtime_max=12, extras=(PayloadSpec(torch.float8_e4m3fn, (32,)),)),
+    4: Case(4, (5, 0, 11, 8), 4, 10, hidden=128, runtime_max=11, max_num_tokens=16,
+            extras=(PayloadSpec(torch.uint8, (7,)),)),
+}
+ROUNDS = 2  # functional API, then MoeAlltoAll
+
+
+def _shm_entries() -> set:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)} if os.path.isdir(SHM_DIR) else set()
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        case = CASES[world]
+        gen = make_generator(world)
+        inputs = [make_inputs(case, gen) for _ in range(ROUNDS)]  # every process builds all ranks' inputs
+        size = a2a.moe_a2a_get_workspace_size_per_rank(world, case.max_tokens, case.dispatch_bytes,
+                                                       case.combine_bytes)
+        results = []
+
+        # Round 1: functional API on allocate_workspace(group=...).
+        workspace = a2a.allocate_workspace(size, group=dist.group.WORLD)
+        assert tuple(workspace.shape) == (world, size) and workspace.dtype == torch.uint8
+        metainfo = a2a.moe_a2a_initialize(workspace, rank, world, case.max_tokens)
+        dist.barrier()  # moe_a2a_initialize is local: no peer writes before every row is zeroed
+        x = inputs[0]
+        recv, offset, _ = a2a.moe_a2a_dispatch(x.ids[rank], x.payloads[rank], workspace, metainfo, case.T, rank,
+                                               world, case.top_k, case.num_experts)
+        counts = a2a.moe_a2a_get_recv_counts(workspace, metainfo, rank).clone()
+        recv = [v.clone() for v in recv]
+        expert_out = reference.toy_moe(recv[0], recv[1], recv[2], counts, ep_rank=rank, ep_size=world,
+                                       num_experts=case.num_experts)
+        out = a2a.moe_a2a_combine(expert_out, case.tokens[rank], workspace, metainfo, case.T, rank, world,
+                                  case.top_k, offset)
+        results.append({"recv": recv, "counts": counts, "out": out})
+
+        # Round 2: MoeAlltoAll with its own workspace over the group.
+        moe = a2a.MoeAlltoAll(a2a.Mapping(rank, world), case.max_tokens, case.top_k, case.num_experts,
+                              workspace_size_per_rank=size, group=dist.group.WORLD, device="cpu")
+        x = inputs[1]
+        recv = moe.dispatch(x.ids[rank], x.payloads[rank], case.T)
+        counts = moe.recv_counts.clone()
+        recv = [v.clone() for v in recv]
+        expert_out = reference.toy_moe(recv[0], recv[1], recv[2], counts, ep_rank=rank, ep_size=world,
+                                       num_experts=case.num_experts)
+        out = moe.combine(expert_out, case.T)
+        results.append({"recv": recv, "counts": counts, "out": out})
+        moe.check()
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_multiprocess_round_trip(world, tmp_path):
+    context = mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=False)
+    pids = [p.pid for p in context.processes]
+    while not context.join():
+        pass
+    # Files are named after the creating process: only ours count (other test
+    # runs may share /dev/shm).
+    leftover = [n for n in _shm_entries() if any(f"_{pid}_" in n for pid in pids)]
+    assert not leftover, f"shared-memory files left behind: {leftover}"
+
+    case = CASES[world]
+    gen = make_generator(world)
+    inputs = [make_inputs(case, gen) for _ in range(ROUNDS)]
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for round_, x in enumerate(inputs):
+        ref = reference.reference_dispatch(x.ids, x.payloads, ep_size=world, num_experts=case.num_experts,
+                                           runtime_max_tokens_per_rank=case.T)
+        expert_out = [reference.toy_moe(ref.recv[r][0], ref.recv[r][1], ref.recv[r][2], ref.recv_counts[r],
+                                        ep_rank=r, ep_size=world, num_experts=case.num_experts)
+                      for r in range(world)]
+        expected = reference.reference_combine(expert_out, ref, list(case.tokens))
+        for r in range(world):
+            res = got[r][round_]
+            assert torch.equal(res["counts"], ref.recv_counts[r]), f"round {round_} rank {r} counts"
+            for i, (v, rv) in enumerate(zip(res["recv"], ref.recv[r])):
+                for s in range(world):
+                    n = int(ref.recv_counts[r][s])
+                    assert_bytes_equal(v[s, :n], rv[s, :n], f"round {round_} rank {r} payload {i} from {s}")
+            assert_bytes_equal(res["out"], expected[r], f"round {round_} rank {r} output")
+
+
+def test_shared_workspace_file_mode(tmp_path, monkeypatch):
+    """The shared-memory file is created 0600 (observed through os.open in a
+    single-process group) and unlinked before allocate_workspace returns."""
+    created = []
+    real_open = os.open
+
+    def spy(path, flags, mode=0o777, *args, **kwargs):
+        fd = real_open(path, flags, mode, *args, **kwargs)
+        if str(path).startswith(os.path.join(SHM_DIR, SHM_PREFIX)) and flags & os.O_CREAT:
+            created.append((str(path), os.stat(fd).st_mode & 0o777))
+        return fd
+
+    monkeypatch.setattr(os, "open", spy)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        ws = a2a.allocate_workspace(4096, group=dist.group.WORLD)
+        assert tuple(ws.shape) == (1, 4096) and int(ws.count_nonzero()) == 0
+        ws[0, :16] = 7  # writable
+    finally:
+        dist.destroy_process_group()
+    assert len(created) == 1, created
+    path, mode = created[0]
+    assert mode == 0o600, oct(mode)
+    assert not os.path.exists(path)

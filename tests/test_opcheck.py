@@ -1,0 +1,96 @@
+"""torch.library.opcheck on every op of torch.ops.moe_a2a that takes a tensor.
+
+Single rank (ep_size 1) so no call waits. Every opcheck utility runs the op on
+copies of the arguments (deepcopy / clone), so each run starts from the same
+workspace state: freshly initialized for initialize/dispatch, "dispatched" for
+combine / combine_into / sanitize_expert_ids, and the dispatch -> combine
+alternation holds on every copy.
+"""
+
+import pytest
+import torch
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import layout
+
+from conftest import Case, PayloadSpec, make_generator, make_inputs
+
+ops = torch.ops.moe_a2a
+
+# fp8 payloads are left out: SchemaCheckMode compares tensors with ops that have no fp8 CPU kernel.
+CASE = Case(1, (5,), 3, 6, hidden=64, runtime_max=8, max_num_tokens=8,
+            extras=(PayloadSpec(torch.uint8, (16,)), PayloadSpec(torch.float32, (2, 3))))
+TIMEOUT_FROM_ENV = -1.0
+
+
+class Env:
+    def __init__(self, device):
+        self.device = device
+        size = a2a.moe_a2a_get_workspace_size_per_rank(1, CASE.max_tokens, CASE.dispatch_bytes, CASE.combine_bytes, 4)
+        self.workspace = torch.zeros(1, size, dtype=torch.uint8, device=device)
+        self.metainfo = a2a.moe_a2a_initialize(self.workspace, 0, 1, CASE.max_tokens, 4)
+        self.mailbox = int(self.metainfo[layout.META_MAILBOX_ADDR])
+        inputs = make_inputs(CASE, make_generator(0)).to(device)
+        self.ids, self.payloads = inputs.ids[0], inputs.payloads[0]
+        self.eplb = torch.arange(1, 5, dtype=torch.int32, device=device)
+
+    def dispatch_args(self, eplb=True):
+        return (self.ids, self.payloads, self.workspace, 0, 1, CASE.max_tokens, CASE.T, CASE.top_k,
+                CASE.num_experts, self.eplb if eplb else None, 4, [], TIMEOUT_FROM_ENV, self.mailbox, False)
+
+    def dispatched(self):
+        """Run one dispatch for real; returns the call's layout."""
+        ops.dispatch.default(*self.dispatch_args())
+        return layout.call_layout(1, CASE.T, 4, [s.row_bytes for s in CASE.payload_specs()])
+
+    def combine_args(self, offset, payload):
+        return (payload, CASE.tokens[0], self.workspace, 0, 1, CASE.max_tokens, CASE.T, CASE.top_k, offset,
+                [CASE.hidden], CASE.hidden_dtype, CASE.hidden_dtype, [], TIMEOUT_FROM_ENV, self.mailbox, False)
+
+
+def _opcheck(op, args):
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
+                                                "test_aot_dispatch_static", "test_aot_dispatch_dynamic"))
+
+
+def test_opcheck_alloc_mailbox(device):
+    env = Env(device)
+    _opcheck(ops.alloc_mailbox.default, (env.workspace,))
+
+
+def test_opcheck_initialize(device):
+    env = Env(device)
+    _opcheck(ops.initialize.default, (env.workspace, 0, 1, CASE.max_tokens, 4, env.mailbox))
+
+
+@pytest.mark.parametrize("eplb", [False, True])
+def test_opcheck_dispatch(eplb, device):
+    env = Env(device)
+    _opcheck(ops.dispatch.default, env.dispatch_args(eplb))
+
+
+@pytest.mark.parametrize("in_workspace", [False, True])
+def test_opcheck_combine(in_workspace, device):
+    env = Env(device)
+    lay = env.dispatched()
+    payload = torch.randn(1, CASE.T, CASE.hidden, generator=make_generator(1)).to(CASE.hidden_dtype).to(device)
+    if in_workspace:
+        view = layout.region_view(env.workspace[0], lay.combine_offset, tuple(payload.shape), payload.dtype)
+        view.copy_(payload)
+        payload = None
+    _opcheck(ops.combine.default, env.combine_args(lay.combine_offset, payload))
+
+
+def test_opcheck_combine_into(device):
+    env = Env(device)
+    lay = env.dispatched()
+    payload = torch.randn(1, CASE.T, CASE.hidden, generator=make_generator(2)).to(CASE.hidden_dtype).to(device)
+    output = torch.empty(CASE.tokens[0], CASE.hidden, dtype=CASE.hidden_dtype, device=device)
+    _opcheck(ops.combine_into.default, (*env.combine_args(lay.combine_offset, payload), output))
+
+
+def test_opcheck_sanitize_expert_ids(device):
+    env = Env(device)
+    lay = env.dispatched()
+    ids_offset = lay.payload_offsets[1]  # payload 1 carries the expert ids
+    _opcheck(ops.sanitize_expert_ids.default, (env.workspace, 0, 1, CASE.T, ids_offset, CASE.top_k, -1, False))

@@ -1,0 +1,390 @@
+"""Protocol behaviour: determinism, sanitize, EPLB, rank mask, bad expert ids,
+timeouts and misuse of the dispatch/combine alternation."""
+
+import dataclasses
+import re
+import time
+
+import pytest
+import torch
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import layout
+
+from conftest import (
+    Case,
+    PayloadSpec,
+    assert_bytes_equal,
+    assert_ws_unchanged,
+    make_generator,
+    make_inputs,
+    make_sim,
+    poison_call_regions,
+    round_trip,
+    ws_snapshot,
+)
+
+CASE = Case(4, (9, 0, 14, 5), 3, 10, hidden=64, runtime_max=16,
+            extras=(PayloadSpec(torch.float8_e4m3fn, (32,)), PayloadSpec(torch.uint8, (3,))))
+
+
+def _wait_for_device(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---- determinism -------------------------------------------------------------
+
+
+def test_determinism_across_fresh_workspaces(device):
+    """Two identical runs (two rounds each) on fresh workspaces give identical
+    bytes in the valid receive rows and in the outputs."""
+    runs = []
+    for _ in range(2):
+        gen = make_generator(99)
+        sim = make_sim(CASE, device)
+        runs.append([round_trip(sim, CASE, make_inputs(CASE, gen), gen, poison=False) for _ in range(2)])
+    for a, b in zip(*runs):
+        for r in range(CASE.ep_size):
+            assert torch.equal(a.counts[r], b.counts[r])
+            for i, (va, vb) in enumerate(zip(a.recv[r], b.recv[r])):
+                for s in range(CASE.ep_size):
+                    n = int(a.counts[r][s])
+                    assert_bytes_equal(va[s, :n], vb[s, :n], f"rank {r} payload {i} from {s}")
+            assert_bytes_equal(a.outputs[r], b.outputs[r], f"rank {r} output")
+
+
+# ---- sanitize_expert_ids ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", [CASE, Case(1, (5,), 2, 3, runtime_max=8), Case(2, (0, 7), 22, 30, runtime_max=7)], ids=str)
+def test_sanitize_expert_ids(case, device):
+    gen = make_generator(case)
+    sim = make_sim(case, device)
+    inputs = make_inputs(case, gen)
+    poison_call_regions(sim.workspace, gen)
+    dev = inputs.to(device)
+    T, ep = case.T, case.ep_size
+    results = sim.run(lambda r: a2a.moe_a2a_dispatch(
+        dev.ids[r], dev.payloads[r], sim.workspace, sim.metainfo[r], T, r, ep, case.top_k, case.num_experts))
+    invalid = -7
+    for r in range(ep):
+        ids_view = results[r][0][1]
+        before = ids_view.cpu().clone()
+        others_before = [v.cpu().clone() for i, v in enumerate(results[r][0]) if i != 1]
+        a2a.moe_a2a_sanitize_expert_ids(ids_view, sim.workspace, sim.metainfo[r], r, invalid)
+        _wait_for_device(device)
+        after = ids_view.cpu()
+        counts = a2a.moe_a2a_get_recv_counts(sim.workspace, sim.metainfo[r], r).cpu()
+        for s in range(ep):
+            n = int(counts[s])
+            assert torch.equal(after[s, :n], before[s, :n]), f"rank {r}: valid rows from {s} changed"
+            assert (after[s, n:] == invalid).all(), f"rank {r}: padding rows from {s} not sanitized"
+        others_after = [v.cpu() for i, v in enumerate(results[r][0]) if i != 1]
+        for b, a in zip(others_before, others_after):
+            assert_bytes_equal(a, b, f"rank {r}: sanitize touched another payload")
+    # The round still completes.
+    sim.run(lambda r: a2a.moe_a2a_combine(
+        torch.ones(ep, T, case.hidden, dtype=case.hidden_dtype, device=device), case.tokens[r], sim.workspace,
+        sim.metainfo[r], T, r, ep, case.top_k, results[r][1]))
+
+
+# ---- EPLB ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("eplb_n", [1, 10, 33])
+def test_eplb_gathered_stats(eplb_n, device):
+    gen = make_generator(eplb_n)
+    sim = make_sim(CASE, device, eplb_n=eplb_n)
+    stats = [torch.randint(1, 1 << 30, (eplb_n,), dtype=torch.int32, generator=gen) for _ in range(CASE.ep_size)]
+    rt = round_trip(sim, CASE, make_inputs(CASE, gen), gen, eplb_stats=stats)
+    expected = torch.stack(stats)
+    for r in range(CASE.ep_size):
+        got = rt.dispatch_results[r][2]
+        assert got is not None
+        assert got.dtype == torch.int32 and tuple(got.shape) == (CASE.ep_size, eplb_n)
+        assert got.untyped_storage().data_ptr() == sim.workspace.untyped_storage().data_ptr(), "not a workspace view"
+        row = sim.workspace[r]
+        assert row.data_ptr() <= got.data_ptr() < row.data_ptr() + row.numel(), "not in the own row"
+        assert torch.equal(rt.eplb[r], expected), f"rank {r}"
+    # A call without stats on the same workspace returns None.
+    rt = round_trip(sim, CASE, make_inputs(CASE, gen), gen)
+    assert all(res[2] is None for res in rt.dispatch_results)
+
+
+# ---- rank mask ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dead", [0, 2])
+def test_rank_mask_dead_rank(dead, device):
+    """One rank never calls; the others mask it off, return without waiting for
+    it, and drop the tokens routed to it (reference with active_ranks)."""
+    gen = make_generator(dead)
+    sim = make_sim(CASE, device, timeout_s=None)
+    active = [r for r in range(CASE.ep_size) if r != dead]
+    start = time.monotonic()
+    for _ in range(2):
+        rt = round_trip(sim, CASE, make_inputs(CASE, gen), gen, active_ranks=active)
+        assert rt.outputs[dead] is None
+    assert time.monotonic() - start < 10, "masked ranks must not be waited for"
+
+
+def test_active_rank_mask_own_rank_must_be_set(device):
+    case = Case(2, (3, 3), 1, 2)
+    sim = make_sim(case, device)
+    gen = make_generator(1)
+    inputs = make_inputs(case, gen).to(device)
+    snap = ws_snapshot(sim.workspace)
+    with pytest.raises((ValueError, RuntimeError), match=r"(?i)mask|own|ep_rank"):
+        a2a.moe_a2a_dispatch(inputs.ids[0], inputs.payloads[0], sim.workspace, sim.metainfo[0], 3, 0, 2, 1, 2,
+                             enable_rank_mask=True, active_rank_mask=a2a.moe_a2a_active_rank_mask([1], 2))
+    assert_ws_unchanged(sim.workspace, snap)
+
+
+# ---- out-of-range and negative expert ids ------------------------------------------------------
+
+
+@pytest.mark.parametrize("invalid_fraction,negative_fraction", [(0.2, 0.0), (0.0, 0.3), (0.15, 0.15)])
+def test_bad_expert_ids_are_skipped_and_counted(invalid_fraction, negative_fraction, device):
+    case = dataclasses.replace(CASE, invalid_fraction=invalid_fraction, negative_fraction=negative_fraction)
+    gen = make_generator(case)
+    sim = make_sim(case, device)
+    inputs = make_inputs(case, gen)
+    all_ids = torch.cat(inputs.ids)
+    if invalid_fraction:
+        assert (all_ids >= case.num_experts).any(), "test data must contain out-of-range ids"
+    if negative_fraction:
+        assert (all_ids < 0).any(), "test data must contain negative ids"
+    totals = [0] * case.ep_size
+    for _ in range(2):  # the count is cumulative since initialize
+        rt = round_trip(sim, case, inputs, gen)
+        for r in range(case.ep_size):
+            totals[r] += rt.ref.invalid_counts[r]
+            expected = int((inputs.ids[r] >= case.num_experts).sum())
+            assert rt.ref.invalid_counts[r] == expected
+            got = a2a.moe_a2a_get_invalid_expert_count(sim.workspace, sim.metainfo[r], r)
+            assert int(got) == totals[r], f"rank {r}"
+
+
+def test_debug_mode_rejects_out_of_range_ids(monkeypatch, device):
+    monkeypatch.setenv("MOE_A2A_DEBUG", "1")
+    case = Case(1, (6,), 2, 4)
+    sim = make_sim(case, device)
+    gen = make_generator(2)
+    inputs = make_inputs(case, gen).to(device)
+    ids = inputs.ids[0].clone()
+    ids[3, 1] = case.num_experts  # one past the end
+    snap = ws_snapshot(sim.workspace)
+    with pytest.raises(ValueError, match=r"(?i)expert"):
+        a2a.moe_a2a_dispatch(ids, inputs.payloads[0], sim.workspace, sim.metainfo[0], 6, 0, 1, 2, 4)
+    assert_ws_unchanged(sim.workspace, snap)
+    # Negative ids are legal ("no expert") even in debug mode.
+    ids[3, 1] = -1
+    out = a2a.moe_a2a_dispatch(ids, inputs.payloads[0], sim.workspace, sim.metainfo[0], 6, 0, 1, 2, 4)
+    a2a.moe_a2a_combine(out[0][0], 6, sim.workspace, sim.metainfo[0], 6, 0, 1, 2, out[1])
+
+
+# ---- timeouts ------------------------------------------------------------------------------------
+
+
+def _timeout_message(rank, peers, seconds):
+    return rf"rank {rank}: peers \[{', '.join(map(str, peers))}\] did not arrive within {seconds}"
+
+
+@pytest.mark.parametrize("phase", ["dispatch", "combine"])
+def test_timeout_names_missing_peer_and_recovers(phase, monkeypatch, device):
+    case = Case(2, (4, 6), 2, 4, runtime_max=6)
+    gen = make_generator(phase)
+    sim = make_sim(case, device)
+    inputs = make_inputs(case, gen)
+    dev = inputs.to(device)
+    T, ep = case.T, case.ep_size
+    offset = None
+    if phase == "combine":
+        results = sim.run(lambda r: a2a.moe_a2a_dispatch(
+            dev.ids[r], dev.payloads[r], sim.workspace, sim.metainfo[r], T, r, ep, case.top_k, case.num_experts))
+        offset = results[0][1]
+    monkeypatch.setenv("MOE_A2A_TIMEOUT_S", "1")
+    pattern = _timeout_message(0, [1], r"1(\.0)? s")
+
+    def call_rank0():
+        if phase == "dispatch":
+            return a2a.moe_a2a_dispatch(dev.ids[0], dev.payloads[0], sim.workspace, sim.metainfo[0], T, 0, ep,
+                                        case.top_k, case.num_experts)
+        payload = torch.ones(ep, T, case.hidden, dtype=case.hidden_dtype, device=device)
+        return a2a.moe_a2a_combine(payload, case.tokens[0], sim.workspace, sim.metainfo[0], T, 0, ep,
+                                   case.top_k, offset)
+
+    start = time.monotonic()
+    if device == "cpu":
+        with pytest.raises(RuntimeError, match=pattern):
+            call_rank0()
+    else:
+        call_rank0()
+        torch.cuda.synchronize()
+    elapsed = time.monotonic() - start
+    assert 0.9 <= elapsed <= 2.5, f"timeout took {elapsed:.2f} s"
+    with pytest.raises(RuntimeError, match=pattern):
+        a2a.check_errors(sim.workspace)
+    # The failed rank refuses further work until initialized again.
+    with pytest.raises(RuntimeError, match=pattern):
+        call_rank0()
+    monkeypatch.setenv("MOE_A2A_TIMEOUT_S", "20")
+    for r in range(ep):
+        sim.metainfo[r] = a2a.moe_a2a_initialize(sim.workspace, r, ep, case.max_tokens)
+    a2a.check_errors(sim.workspace)  # clean again
+    round_trip(sim, case, inputs, gen)
+
+
+# ---- misuse of the alternation ----------------------------------------------------------------------
+
+
+def _single_rank(device, gen):
+    case = Case(1, (5,), 2, 3)
+    sim = make_sim(case, device)
+    inputs = make_inputs(case, gen).to(device)
+    return case, sim, inputs
+
+
+def _expect_protocol_error(device, fn, workspace, match):
+    """CPU refuses at once; CUDA detects on the device and reports through the
+    mailbox on the next call / check_errors."""
+    if device == "cpu":
+        with pytest.raises(RuntimeError, match=match):
+            fn()
+    else:
+        try:
+            fn()
+        except RuntimeError as e:
+            assert re.search(match, str(e)), str(e)
+            return
+        torch.cuda.synchronize()
+        with pytest.raises(RuntimeError, match=match):
+            a2a.check_errors(workspace)
+
+
+def test_two_dispatches_in_a_row_is_refused(device):
+    case, sim, inputs = _single_rank(device, make_generator(1))
+    dispatch = lambda: a2a.moe_a2a_dispatch(inputs.ids[0], inputs.payloads[0], sim.workspace, sim.metainfo[0],
+                                            5, 0, 1, 2, 3)
+    dispatch()
+    _expect_protocol_error(device, dispatch, sim.workspace, r"(?i)dispatch")
+
+
+def test_combine_without_dispatch_is_refused(device):
+    case, sim, inputs = _single_rank(device, make_generator(2))
+    offset = layout.call_layout(1, 5, 0, [s.row_bytes for s in case.payload_specs()]).combine_offset
+    payload = torch.ones(1, 5, case.hidden, dtype=case.hidden_dtype, device=device)
+    combine = lambda: a2a.moe_a2a_combine(payload, 5, sim.workspace, sim.metainfo[0], 5, 0, 1, 2, offset)
+    _expect_protocol_error(device, combine, sim.workspace, r"(?i)combine|dispatch")
+
+
+def test_combine_twice_is_refused(device):
+    case, sim, inputs = _single_rank(device, make_generator(3))
+    out = a2a.moe_a2a_dispatch(inputs.ids[0], inputs.payloads[0], sim.workspace, sim.metainfo[0], 5, 0, 1, 2, 3)
+    payload = torch.ones(1, 5, case.hidden, dtype=case.hidden_dtype, device=device)
+    combine = lambda: a2a.moe_a2a_combine(payload, 5, sim.workspace, sim.metainfo[0], 5, 0, 1, 2, out[1])
+    combine()
+    _expect_protocol_error(device, combine, sim.workspace, r"(?i)combine|dispatch")
+
+
+def test_timeout_s_of_simulated_ep(device):
+    """SimulatedEP(timeout_s=1) bounds the waits (the environment says 20 s): rank
+    1 fails validation before it waits, rank 0 times out waiting for it, and run()
+    re-raises the first exception once both finished."""
+    case = Case(2, (4, 6), 2, 4, runtime_max=6)
+    sim = make_sim(case, device, timeout_s=1.0)
+    inputs = make_inputs(case, make_generator(0)).to(device)
+    bad_ids = [inputs.ids[0], inputs.ids[1].long()]  # rank 1: wrong dtype
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"int32"):
+        sim.dispatch(bad_ids, inputs.payloads, 6, 2, 4)
+    _wait_for_device(device)
+    assert 0.9 <= time.monotonic() - start <= 2.5
+    with pytest.raises(RuntimeError, match=_timeout_message(0, [1], r"1(\.0)? s")):
+        a2a.check_errors(sim.workspace)
+
+
+# ---- free-running ranks: no barrier between rounds ---------------------------------------------------
+
+
+def _free_running(sim, rounds, device):
+    """Every rank runs all rounds back to back in its own thread (stream), with no
+    host synchronization between rounds: the protocol alone must keep the buffers
+    of consecutive rounds apart. Returns outputs[rank][round] on the CPU."""
+    from torch_moe_a2a import reference
+
+    dev_rounds = [(case, inputs.to(device)) for case, inputs in rounds]
+
+    def rank_loop(r):
+        outs = []
+        for case, x in dev_rounds:
+            ep, T = case.ep_size, case.T
+            recv, off, _ = a2a.moe_a2a_dispatch(x.ids[r], x.payloads[r], sim.workspace, sim.metainfo[r], T, r, ep,
+                                                case.top_k, case.num_experts)
+            counts = a2a.moe_a2a_get_recv_counts(sim.workspace, sim.metainfo[r], r)
+            y = reference.toy_moe(recv[0], recv[1], recv[2], counts, ep_rank=r, ep_size=ep,
+                                  num_experts=case.num_experts)
+            outs.append(a2a.moe_a2a_combine(y, case.tokens[r], sim.workspace, sim.metainfo[r], T, r, ep, case.top_k,
+                                            off))
+        return outs
+
+    results = sim.run(rank_loop)
+    return [[o.cpu() for o in per_rank] for per_rank in results]
+
+
+def _expected(case, inputs):
+    from torch_moe_a2a import reference
+
+    ref = reference.reference_dispatch(inputs.ids, inputs.payloads, ep_size=case.ep_size,
+                                       num_experts=case.num_experts, runtime_max_tokens_per_rank=case.T)
+    expert_out = [reference.toy_moe(ref.recv[r][0], ref.recv[r][1], ref.recv[r][2], ref.recv_counts[r], ep_rank=r,
+                                    ep_size=case.ep_size, num_experts=case.num_experts) for r in range(case.ep_size)]
+    return reference.reference_combine(expert_out, ref, list(case.tokens))
+
+
+def _check_free_running(sim, rounds, device):
+    outs = _free_running(sim, rounds, device)
+    bad = []
+    for i, (case, inputs) in enumerate(rounds):
+        for r, exp in enumerate(_expected(case, inputs)):
+            if not torch.equal(outs[r][i].view(torch.uint8), exp.view(torch.uint8)):
+                bad.append(f"round {i} (T={case.T}) rank {r}")
+    assert not bad, f"{len(bad)} wrong outputs: {bad[:8]}"
+
+
+def _free_rounds(device):
+    # CUDA: SimulatedEP.run enqueues all of rank 0's rounds before rank 1's first
+    # one, so keep the launch queue well below its depth.
+    return 40 if device == "cpu" else 12
+
+
+def test_free_running_ranks_same_layout(device):
+    gen = make_generator(31)
+    rounds = []
+    for i in range(_free_rounds(device)):
+        case = Case(3, (0, 4, 4) if i % 2 == 0 else (40, 4, 4), 1, 3, hidden=512, runtime_max=48)
+        rounds.append((case, make_inputs(case, gen)))
+    _check_free_running(make_sim(rounds[1][0], device), rounds, device)
+
+
+@pytest.mark.parametrize("grow", ["runtime_max", "payload_bytes"])
+def test_free_running_ranks_changing_layout(grow, device):
+    """Round n has a small layout, round n+1 a larger one (a larger runtime_max, or
+    the same runtime_max with more payload bytes), so round n+1's receive planes
+    cover the bytes of round n's combine region. A fast rank (no tokens in round
+    n) starts dispatch n+1 while a slower peer may still be pulling round n's
+    expert outputs from a third rank's combine region: the protocol must not let
+    that dispatch overwrite them."""
+    gen = make_generator(grow)
+    big_extra = (PayloadSpec(torch.uint8, (4096,)),)
+    rounds = []
+    for i in range(_free_rounds(device)):
+        small = i % 2 == 0
+        tokens = (0, 4, 4) if small else (40, 4, 4)
+        if grow == "runtime_max":
+            case = Case(3, tokens, 1, 3, hidden=512, runtime_max=4 if small else 48, max_num_tokens=48)
+        else:
+            case = Case(3, tokens, 1, 3, hidden=512, runtime_max=48, extras=() if small else big_extra)
+        rounds.append((case, make_inputs(case, gen)))
+    _check_free_running(make_sim(rounds[1][0], device), rounds, device)

@@ -1,0 +1,408 @@
+"""Every bad argument of DESIGN.md section 6 raises a clear error before any kernel
+runs and leaves the workspace bytes unchanged. Calls are single-rank (ep_size 1)
+or fail validation, so nothing waits; a short timeout turns a missing check into
+a fast failure instead of a wait."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import layout
+
+from conftest import (
+    Case,
+    PayloadSpec,
+    assert_ws_unchanged,
+    make_generator,
+    make_inputs,
+    make_sim,
+    random_tensor,
+    round_trip,
+    ws_snapshot,
+)
+
+BAD = (ValueError, RuntimeError)
+
+
+@pytest.fixture(autouse=True)
+def _short_timeout(monkeypatch):
+    monkeypatch.setenv("MOE_A2A_TIMEOUT_S", "1")
+
+
+@dataclass
+class Env:
+    case: Case
+    workspace: torch.Tensor
+    metainfo: torch.Tensor
+    ids: torch.Tensor
+    payloads: list
+    device: str
+    eplb_n: int
+
+    def dispatch_args(self) -> dict:
+        return dict(
+            token_selected_experts=self.ids,
+            input_payloads=list(self.payloads),
+            workspace=self.workspace,
+            metainfo=self.metainfo,
+            runtime_max_tokens_per_rank=self.case.T,
+            ep_rank=0,
+            ep_size=self.case.ep_size,
+            top_k=self.case.top_k,
+            num_experts=self.case.num_experts,
+        )
+
+
+def make_env(device, *, ep_size=1, eplb_n=0, seed=0) -> Env:
+    case = Case(ep_size, (6,) * ep_size, 4, 8, hidden=64, runtime_max=8, max_num_tokens=10,
+                extras=(PayloadSpec(torch.float8_e4m3fn, (32,)),))
+    size = a2a.moe_a2a_get_workspace_size_per_rank(ep_size, case.max_tokens, case.dispatch_bytes, case.combine_bytes, eplb_n)
+    workspace = torch.zeros(ep_size, size, dtype=torch.uint8, device=device)
+    metainfo = a2a.moe_a2a_initialize(workspace, 0, ep_size, case.max_tokens, eplb_n)
+    inputs = make_inputs(case, make_generator(seed)).to(device)
+    return Env(case, workspace, metainfo, inputs.ids[0], inputs.payloads[0], device, eplb_n)
+
+
+def expect_error(workspace, fn, exc=BAD, match=None):
+    snap = ws_snapshot(workspace)
+    with pytest.raises(exc, match=match):
+        fn()
+    assert_ws_unchanged(workspace, snap)
+
+
+# ---- dispatch --------------------------------------------------------------------------------
+
+
+def _set(**kw):
+    return lambda env, args: args.update(kw)
+
+
+def _ids(fn):
+    return lambda env, args: args.update(token_selected_experts=fn(env))
+
+
+def _payloads(fn):
+    return lambda env, args: args.update(input_payloads=fn(env))
+
+
+def _noncontiguous(env):
+    wide = torch.cat([env.payloads[0], env.payloads[0]], dim=1)
+    return [wide[:, ::2], *env.payloads[1:]]
+
+
+def _grown_payload(env):
+    # 40x the per-token bytes the workspace was sized for.
+    big = random_tensor((env.ids.shape[0], env.case.dispatch_bytes * 10), torch.float32, make_generator(1))
+    return [big.to(env.device)]
+
+
+def _other_workspace_dtype(env, args):
+    args["workspace"] = env.workspace.view(torch.float32)
+
+
+DISPATCH_BAD = [
+    ("ids_int64", _ids(lambda e: e.ids.long()), r"(?i)token_selected_experts|int32"),
+    ("ids_1d", _ids(lambda e: e.ids[:, 0].contiguous()), r"(?i)token_selected_experts|top_k|dim|shape"),
+    ("ids_wrong_top_k", _ids(lambda e: torch.cat([e.ids, e.ids[:, :1]], 1)), r"(?i)token_selected_experts|top_k"),
+    ("top_k_0", _set(top_k=0), r"(?i)top_k"),
+    ("top_k_23", lambda env, args: args.update(
+        top_k=23, num_experts=30, token_selected_experts=torch.arange(23, dtype=torch.int32, device=env.device)
+        .repeat(6, 1)), r"(?i)top_k"),
+    ("ep_size_0", _set(ep_size=0), r"(?i)ep_size|workspace"),
+    ("ep_size_65", _set(ep_size=65, num_experts=65), r"(?i)ep_size|workspace"),
+    ("ep_rank_neg", _set(ep_rank=-1), r"(?i)ep_rank"),
+    ("ep_rank_1", _set(ep_rank=1), r"(?i)ep_rank"),
+    ("num_experts_0", _set(num_experts=0), r"(?i)num_experts"),
+    ("runtime_max_0", _set(runtime_max_tokens_per_rank=0), r"(?i)runtime_max_tokens_per_rank"),
+    ("runtime_max_gt_max", _set(runtime_max_tokens_per_rank=11), r"(?i)runtime_max_tokens_per_rank|max_num_tokens"),
+    ("runtime_max_lt_local", _set(runtime_max_tokens_per_rank=5), r"(?i)runtime_max_tokens_per_rank|local"),
+    ("payloads_9", _payloads(lambda e: [e.payloads[2]] * 9), r"(?i)payload"),
+    ("payloads_0", _payloads(lambda e: []), r"(?i)payload"),
+    ("payload_leading_dim", _payloads(lambda e: [e.payloads[0][:5], *e.payloads[1:]]), r"(?i)payload|local_num_tokens|leading"),
+    ("payload_noncontiguous", _payloads(_noncontiguous), r"(?i)contiguous"),
+    ("workspace_too_small", _payloads(_grown_payload), r"(?i)workspace|size|small|bytes"),
+    ("workspace_dtype", _other_workspace_dtype, r"(?i)workspace|uint8|dtype"),
+    ("workspace_1d", lambda env, args: args.update(workspace=env.workspace.view(-1)), r"(?i)workspace"),
+    ("metainfo_garbage", lambda env, args: args.update(metainfo=torch.zeros(layout.META_COUNT, dtype=torch.int64)),
+     r"(?i)metainfo|initiali[sz]"),
+    ("mask_without_enable", lambda env, args: args.update(active_rank_mask=a2a.moe_a2a_active_rank_mask([0], 1)),
+     r"(?i)mask"),
+    ("own_rank_masked", lambda env, args: args.update(
+        enable_rank_mask=True, active_rank_mask=a2a.moe_a2a_active_rank_mask([], 1)), r"(?i)mask|own|ep_rank"),
+    ("mask_wrong_dtype", lambda env, args: args.update(
+        enable_rank_mask=True, active_rank_mask=torch.ones(1, dtype=torch.int32)), r"(?i)mask"),
+    ("eplb_without_init", lambda env, args: args.update(
+        eplb_local_stats=torch.ones(4, dtype=torch.int32, device=env.device)), r"(?i)eplb"),
+    ("cake_backend", _set(backend="cake"), r"(?i)cake|capability|blackwell"),
+    ("unknown_backend", _set(backend="nccl"), r"(?i)backend"),
+]
+
+
+@pytest.mark.parametrize("mutate,match", [pytest.param(m, r, id=i) for i, m, r in DISPATCH_BAD])
+def test_dispatch_rejects(mutate, match, device):
+    env = make_env(device)
+    args = env.dispatch_args()
+    mutate(env, args)
+    exc = ValueError if "backend" in args else BAD
+    expect_error(env.workspace, lambda: a2a.moe_a2a_dispatch(**args), exc, match)
+    # Nothing advanced: a correct dispatch + combine still works.
+    out, off, _ = a2a.moe_a2a_dispatch(**env.dispatch_args())
+    a2a.moe_a2a_combine(out[0], 6, env.workspace, env.metainfo, env.case.T, 0, 1, env.case.top_k, off)
+
+
+@pytest.mark.parametrize("length", [3, 5])
+def test_dispatch_rejects_eplb_length_mismatch(length, device):
+    env = make_env(device, eplb_n=4)
+    args = env.dispatch_args()
+    args["eplb_local_stats"] = torch.ones(length, dtype=torch.int32, device=device)
+    expect_error(env.workspace, lambda: a2a.moe_a2a_dispatch(**args), BAD, r"(?i)eplb")
+
+
+def test_dispatch_rejects_eplb_wrong_dtype(device):
+    env = make_env(device, eplb_n=4)
+    args = env.dispatch_args()
+    args["eplb_local_stats"] = torch.ones(4, dtype=torch.int64, device=device)
+    expect_error(env.workspace, lambda: a2a.moe_a2a_dispatch(**args), BAD, r"(?i)eplb|int32|dtype")
+
+
+def test_dispatch_rejects_num_experts_below_ep_size(device):
+    env = make_env(device, ep_size=2)
+    args = env.dispatch_args()
+    args.update(num_experts=1, token_selected_experts=torch.zeros(6, 4, dtype=torch.int32, device=device) + 0)
+    expect_error(env.workspace, lambda: a2a.moe_a2a_dispatch(**args), BAD, r"(?i)num_experts")
+
+
+def test_dispatch_rejects_payload_on_other_device(device):
+    other = "cpu" if device == "cuda" else ("cuda" if torch.cuda.is_available() else None)
+    if other is None:
+        pytest.skip("needs a second device")
+    env = make_env(device)
+    args = env.dispatch_args()
+    args["input_payloads"] = [p.to(other) for p in env.payloads]
+    expect_error(env.workspace, lambda: a2a.moe_a2a_dispatch(**args), BAD, r"(?i)device")
+
+
+# ---- combine -------------------------------------------------------------------------------------
+
+
+@dataclass
+class CombineEnv:
+    env: Env
+    payload: torch.Tensor
+    offset: int
+
+    def args(self) -> dict:
+        c = self.env.case
+        return dict(
+            payload=self.payload,
+            local_num_tokens=6,
+            workspace=self.env.workspace,
+            metainfo=self.env.metainfo,
+            runtime_max_tokens_per_rank=c.T,
+            ep_rank=0,
+            ep_size=1,
+            top_k=c.top_k,
+            combine_payload_offset=self.offset,
+        )
+
+
+def make_combine_env(device) -> CombineEnv:
+    env = make_env(device)
+    out, off, _ = a2a.moe_a2a_dispatch(**env.dispatch_args())
+    return CombineEnv(env, out[0].clone(), off)
+
+
+def _payload(fn):
+    return lambda ce, args: args.update(payload=fn(ce))
+
+
+COMBINE_BAD = [
+    ("payload_rows", _payload(lambda ce: ce.payload[:, :-1].contiguous()), BAD, r"(?i)payload|runtime_max"),
+    ("payload_ranks", _payload(lambda ce: torch.cat([ce.payload, ce.payload]).contiguous()), BAD, r"(?i)payload|ep_size"),
+    ("payload_2d", _payload(lambda ce: ce.payload[0].contiguous()), BAD, r"(?i)payload|dim|shape"),
+    ("payload_int32", _payload(lambda ce: ce.payload.view(torch.int16).to(torch.int32)), ValueError, r"(?i)dtype|payload|int"),
+    ("payload_noncontiguous", _payload(lambda ce: torch.cat([ce.payload, ce.payload], 2)[:, :, ::2]), BAD,
+     r"(?i)contiguous"),
+    ("payload_too_wide", _payload(lambda ce: torch.cat([ce.payload] * 8, 2).contiguous()), BAD,
+     r"(?i)workspace|size|payload|bytes"),
+    ("local_tokens_gt_T", _set(local_num_tokens=9), BAD, r"(?i)local_num_tokens|runtime_max"),
+    ("runtime_max_0", _set(runtime_max_tokens_per_rank=0), BAD, r"(?i)runtime_max_tokens_per_rank"),
+    ("runtime_max_gt_max", _set(runtime_max_tokens_per_rank=11), BAD, r"(?i)runtime_max_tokens_per_rank|max_num_tokens"),
+    ("offset_past_end", lambda ce, args: args.update(combine_payload_offset=ce.env.workspace.shape[1]), BAD,
+     r"(?i)offset|workspace"),
+    ("ep_rank_1", _set(ep_rank=1), BAD, r"(?i)ep_rank"),
+    ("output_dtype_fp8", _set(output_dtype=torch.float8_e4m3fn), NotImplementedError, None),
+    ("output_dtype_int32", _set(output_dtype=torch.int32), (ValueError, NotImplementedError), r"(?i)output_dtype|dtype"),
+    ("low_precision", _set(use_low_precision=True), NotImplementedError, None),
+    ("output_scales", lambda ce, args: args.update(output_scales=torch.ones(6, 2, dtype=torch.uint8)),
+     (NotImplementedError, ValueError), None),
+    ("output_rows", lambda ce, args: args.update(output=torch.empty(7, 64, dtype=torch.bfloat16, device=ce.env.device)),
+     BAD, r"(?i)output"),
+    ("output_dtype_mismatch", lambda ce, args: args.update(output=torch.empty(6, 64, dtype=torch.float32,
+                                                                              device=ce.env.device)),
+     BAD, r"(?i)output|dtype"),
+    ("mask_without_enable", lambda ce, args: args.update(active_rank_mask=a2a.moe_a2a_active_rank_mask([0], 1)),
+     BAD, r"(?i)mask"),
+    ("cake_backend", _set(backend="cake"), ValueError, r"(?i)cake|capability|blackwell"),
+    ("unknown_backend", _set(backend="nccl"), ValueError, r"(?i)backend"),
+]
+
+
+@pytest.mark.parametrize("mutate,exc,match", [pytest.param(m, e, r, id=i) for i, m, e, r in COMBINE_BAD])
+def test_combine_rejects(mutate, exc, match, device):
+    ce = make_combine_env(device)
+    args = ce.args()
+    mutate(ce, args)
+    expect_error(ce.env.workspace, lambda: a2a.moe_a2a_combine(**args), exc, match)
+    # The pending dispatch is intact: the correct combine still works and is exact
+    # (toy check: ep_size 1, every token routed to rank 0 comes back once).
+    out = a2a.moe_a2a_combine(**ce.args())
+    assert tuple(out.shape) == (6, 64)
+
+
+# ---- initialize, sizes, sanitize, wrap ---------------------------------------------------------------
+
+
+INIT_BAD = [
+    ("workspace_float", lambda ws: (ws.view(torch.float32), 0, 1, 10, 0), r"(?i)workspace|uint8|dtype"),
+    ("workspace_1d", lambda ws: (ws.view(-1), 0, 1, 10, 0), r"(?i)workspace"),
+    ("ep_rank_out_of_range", lambda ws: (ws, 1, 1, 10, 0), r"(?i)ep_rank"),
+    ("ep_size_mismatch", lambda ws: (ws, 0, 2, 10, 0), r"(?i)ep_size|workspace"),
+    ("ep_size_65", lambda ws: (ws, 0, 65, 10, 0), r"(?i)ep_size|workspace"),
+    ("max_num_tokens_0", lambda ws: (ws, 0, 1, 0, 0), r"(?i)max_num_tokens"),
+    ("max_num_tokens_huge", lambda ws: (ws, 0, 1, layout.MAX_NUM_TOKENS + 1, 0), r"(?i)max_num_tokens|workspace"),
+    ("eplb_negative", lambda ws: (ws, 0, 1, 10, -1), r"(?i)eplb"),
+]
+
+
+@pytest.mark.parametrize("make_args,match", [pytest.param(f, m, id=i) for i, f, m in INIT_BAD])
+def test_initialize_rejects(make_args, match, device):
+    env = make_env(device)
+    # Give the row recognizable content to prove it is not zeroed by a failed call.
+    env.workspace[:, layout.HEADER_BYTES:].fill_(0xA5)
+    expect_error(env.workspace, lambda: a2a.moe_a2a_initialize(*make_args(env.workspace)), BAD, match)
+
+
+def test_initialize_rejects_cake_backend_on_cpu():
+    ws = torch.zeros(1, 1 << 16, dtype=torch.uint8)
+    expect_error(ws, lambda: a2a.moe_a2a_initialize(ws, 0, 1, 10, backend="cake"), ValueError, r"(?i)cake|capability")
+    expect_error(ws, lambda: a2a.moe_a2a_initialize(ws, 0, 1, 10, backend="bogus"), ValueError, r"(?i)backend")
+
+
+@pytest.mark.parametrize("args,match", [
+    ((0, 16, 128, 64), r"(?i)ep_size"),
+    ((65, 16, 128, 64), r"(?i)ep_size"),
+    ((2, 0, 128, 64), r"(?i)max_num_tokens"),
+    ((2, 16, -1, 64), r"(?i)payload|size|bytes"),
+    ((2, 16, 128, -1), r"(?i)payload|size|bytes"),
+])
+def test_workspace_size_rejects(args, match):
+    with pytest.raises(BAD, match=match):
+        a2a.moe_a2a_get_workspace_size_per_rank(*args)
+
+
+def test_workspace_size_unknown_backend():
+    with pytest.raises(ValueError, match=r"(?i)backend"):
+        a2a.moe_a2a_get_workspace_size_per_rank(2, 16, 128, 64, backend="bogus")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"(?i)cake|capability"):
+            a2a.moe_a2a_get_workspace_size_per_rank(2, 16, 128, 64, backend="cake")
+
+
+def test_sanitize_rejects(device):
+    env = make_env(device)
+    out, off, _ = a2a.moe_a2a_dispatch(**env.dispatch_args())
+    ids_view = out[1]
+    foreign = ids_view.clone()  # not a workspace view
+    expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(foreign, env.workspace, env.metainfo, 0, -1),
+                 BAD, r"(?i)workspace|expert_ids")
+    expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(out[2], env.workspace, env.metainfo, 0, -1),
+                 BAD, r"(?i)int32|dtype|expert_ids")
+    expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(ids_view, env.workspace, env.metainfo, 1, -1),
+                 BAD, r"(?i)ep_rank")
+    expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(
+        ids_view, env.workspace, env.metainfo, 0, -1, backend="cake"), ValueError, r"(?i)cake|capability")
+    a2a.moe_a2a_combine(out[0], 6, env.workspace, env.metainfo, env.case.T, 0, 1, env.case.top_k, off)
+
+
+def test_wrap_payload_rejects_slice_outside_row(device):
+    env = make_env(device)
+    size = env.workspace.shape[1]
+    with pytest.raises(BAD + (AssertionError,)):
+        a2a.moe_a2a_wrap_payload_tensor_in_workspace(env.workspace[0], [1, 2], size - 64, size + 64, torch.bfloat16)
+
+
+# ---- limits: the largest legal values work ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", [
+    Case(1, (7,), 22, 22, hidden=64),  # top_k 22 with exactly 22 experts
+    Case(2, (5, 3), 22, 40, hidden=64),
+    Case(1, (4,), 2, 4, extras=tuple(PayloadSpec(torch.uint8, (i + 1,)) for i in range(5))),  # 8 payloads
+    Case(3, (2, 2, 2), 1, 3),  # num_experts == ep_size
+], ids=str)
+def test_limits_accepted(case, device):
+    assert len(case.payload_specs()) <= layout.MAX_PAYLOADS
+    gen = make_generator(case)
+    round_trip(make_sim(case, device), case, make_inputs(case, gen), gen)
+
+
+def test_max_ranks_accepted(device):
+    case = Case(64, tuple(i % 3 for i in range(64)), 2, 64, hidden=16)
+    gen = make_generator(64)
+    round_trip(make_sim(case, device), case, make_inputs(case, gen), gen)
+
+
+# ---- the ops themselves (C++ callers bypass the Python layer) -------------------------------------------
+
+
+def _op_dispatch_args(env, **changes):
+    args = dict(ids=env.ids, payloads=list(env.payloads), workspace=env.workspace, ep_rank=0, ep_size=1,
+                max_num_tokens=env.case.max_tokens, runtime_max=env.case.T, top_k=env.case.top_k,
+                num_experts=env.case.num_experts, eplb=None, eplb_n=0, mask=[], timeout_s=-1.0,
+                mailbox=int(env.metainfo[layout.META_MAILBOX_ADDR]), enable_pdl=False)
+    args.update(changes)
+    return tuple(args.values())
+
+
+OP_DISPATCH_BAD = [
+    ("ep_size_0", dict(ep_size=0), r"(?i)ep_size"),
+    ("ep_size_65", dict(ep_size=65, num_experts=65), r"(?i)ep_size"),
+    ("ep_rank_neg", dict(ep_rank=-1), r"(?i)ep_rank"),
+    ("ep_rank_eq_size", dict(ep_rank=1), r"(?i)ep_rank"),
+    ("top_k_0", dict(top_k=0), r"(?i)top_k"),
+    ("top_k_23", dict(top_k=23), r"(?i)top_k"),
+    ("num_experts_0", dict(num_experts=0), r"(?i)num_experts"),
+    ("runtime_max_0", dict(runtime_max=0), r"(?i)runtime_max"),
+    ("runtime_max_gt_max", dict(runtime_max=11), r"(?i)runtime_max|max_num_tokens"),
+    ("max_num_tokens_not_initialized_value", dict(max_num_tokens=9), r"(?i)max_num_tokens|metainfo|initiali"),
+    ("eplb_n_without_stats", dict(eplb_n=4), r"(?i)eplb"),
+    ("mask_wrong_words", dict(mask=[1, 1]), r"(?i)mask"),
+    ("mask_own_bit_missing", dict(mask=[2]), r"(?i)mask|own|ep_rank"),
+    ("timeout_nan", dict(timeout_s=float("nan")), r"(?i)timeout"),
+]
+
+
+@pytest.mark.parametrize("changes,match", [pytest.param(c, m, id=i) for i, c, m in OP_DISPATCH_BAD])
+def test_dispatch_op_rejects(changes, match, device):
+    env = make_env(device)
+    args = _op_dispatch_args(env, **changes)
+    expect_error(env.workspace, lambda: torch.ops.moe_a2a.dispatch.default(*args), BAD, match)
+
+
+def test_ops_refuse_uninitialized_row(device):
+    env = make_env(device)
+    env.workspace.zero_()  # the header is gone
+    args = _op_dispatch_args(env)
+    expect_error(env.workspace, lambda: torch.ops.moe_a2a.dispatch.default(*args), BAD, r"(?i)initiali")
+
+
+def test_combine_op_rejects_sizes_other_than_the_dispatch(device):
+    ce = make_combine_env(device)
+    for changes, match in [({"local_num_tokens": 5}, r"(?i)local_num_tokens"),
+                           ({"top_k": 3}, r"(?i)top_k")]:
+        args = {**ce.args(), **changes}
+        expect_error(ce.env.workspace, lambda: a2a.moe_a2a_combine(**args), BAD, match)
+    a2a.moe_a2a_combine(**ce.args())
