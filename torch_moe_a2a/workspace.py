@@ -69,8 +69,10 @@ def allocate_workspace(
     if device.type != "cpu":
         raise ValueError(f"unsupported workspace device {device}")
 
-    sizes: list[Any] = [None] * group_size
-    dist.all_gather_object(sizes, size_per_rank, group=group)
+    # Tensor collectives, not the *_object ones: those need numpy.
+    gathered = torch.zeros(group_size, dtype=torch.int64)
+    dist.all_gather_into_tensor(gathered, torch.tensor([size_per_rank], dtype=torch.int64), group=group)
+    sizes = gathered.tolist()
     if len(set(sizes)) != 1:
         by_size: dict[int, list[int]] = {}
         for rank, size in enumerate(sizes):
@@ -86,7 +88,7 @@ def _shared_cpu_workspace(group: Any, group_size: int, size_per_rank: int) -> to
 
     rank = dist.get_rank(group)
     total = group_size * size_per_rank
-    name: list[Any] = [None]
+    path = ""
     failure = None
     if rank == 0:
         # O_EXCL with a random name: never reuse (or clobber) somebody else's file.
@@ -98,18 +100,17 @@ def _shared_cpu_workspace(group: Any, group_size: int, size_per_rank: int) -> to
         else:
             try:
                 os.ftruncate(fd, total)  # a new file reads as zeros
-                name[0] = path
             except OSError as e:
                 os.unlink(path)
+                path = ""
                 failure = e
             finally:
                 os.close(fd)
-    # None tells the peers that rank 0 failed, so they raise instead of waiting.
-    dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
+    # An empty name tells the peers that rank 0 failed, so they raise instead of waiting.
+    path = _broadcast_text(path, group)
     if failure is not None:
         raise failure
-    path = name[0]
-    if path is None:
+    if not path:
         raise RuntimeError("group rank 0 could not create the shared-memory workspace file")
     try:
         fd = os.open(path, os.O_RDWR)
@@ -124,3 +125,19 @@ def _shared_cpu_workspace(group: Any, group_size: int, size_per_rank: int) -> to
         if rank == 0:
             os.unlink(path)
     return workspace
+
+
+_MAX_NAME_BYTES = 4096
+
+
+def _broadcast_text(text: str, group: Any) -> str:
+    """Group rank 0's ``text`` on every member (a fixed-size uint8 tensor: no numpy needed)."""
+    import torch.distributed as dist
+
+    buffer = torch.zeros(_MAX_NAME_BYTES, dtype=torch.uint8)
+    encoded = text.encode()
+    if len(encoded) >= _MAX_NAME_BYTES:
+        raise ValueError(f"shared-memory file name too long: {text!r}")
+    buffer[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)
+    return bytes(buffer.tolist()).rstrip(b"\0").decode()
