@@ -9,6 +9,8 @@ shift || true
 LOG=${OUT:-build/gpu-logs}
 mkdir -p "$LOG"
 export PYTHONUNBUFFERED=1 MOE_A2A_TIMEOUT_S=${MOE_A2A_TIMEOUT_S:-20}
+# Simulated ranks spin while the host launches their peers: no lazy module loads then.
+export CUDA_MODULE_LOADING=EAGER
 
 "$PY" - <<'EOF' | tee "$LOG/env.txt"
 import torch, torch_moe_a2a  # noqa: F401

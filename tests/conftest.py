@@ -18,6 +18,10 @@ from typing import Optional, Sequence
 # A broken protocol must fail the suite, not hang it. Tests that exercise the
 # timeout itself set a much shorter value.
 os.environ.setdefault("MOE_A2A_TIMEOUT_S", "20")
+# Simulated ranks spin on one GPU while the host launches their peers: a lazy
+# module load on some kernel's first use could stall that host thread behind
+# a spinning kernel. Load every module when CUDA starts instead.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 import pytest
 import torch

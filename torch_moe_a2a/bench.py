@@ -582,7 +582,7 @@ def _combine_mismatch(outs: list[Tensor], expected: list[Tensor]) -> tuple[Optio
     """(error or None, bitwise equal) of every rank's combine output against the reference."""
     bitwise = True
     for r, (out, exp) in enumerate(zip(outs, expected)):
-        out = out.detach().cpu()
+        out, exp = out.detach().cpu(), exp.cpu()  # the reference ran on the inputs' device
         if out.shape != exp.shape or out.dtype != exp.dtype:
             return f"rank {r}: combine output {out.dtype} {tuple(out.shape)}, expected {exp.dtype} " \
                    f"{tuple(exp.shape)}", False
@@ -612,7 +612,7 @@ def _check_ours(ours: _Ours, ref, expected: list[Tensor], names: list[str]) -> t
     for d in range(ep):
         if results[d][1] != ours.offset:
             errors.append(f"rank {d}: combine_payload_offset {results[d][1]} != layout's {ours.offset}")
-        elif not torch.equal(counts[d], ref.recv_counts[d]):
+        elif not torch.equal(counts[d], ref.recv_counts[d].cpu()):
             errors.append(f"rank {d}: recv counts {counts[d].tolist()} != reference {ref.recv_counts[d].tolist()}")
         else:
             bad = _recv_mismatch(recv[d], ref.recv[d], counts[d], names)
@@ -635,7 +635,7 @@ def _check_baseline(base: _Baseline, ref, expected: list[Tensor], names: list[st
     outs = base.combine(0)
     counts = counts.cpu()
     for d in range(ep):
-        if not torch.equal(counts[:, d].to(torch.int32), ref.recv_counts[d]):
+        if not torch.equal(counts[:, d].to(torch.int32), ref.recv_counts[d].cpu()):
             return f"baseline rank {d}: recv counts differ from the reference"
         bad = _recv_mismatch(base.recv_views(d), ref.recv[d], counts[:, d], names)
         if bad is not None:

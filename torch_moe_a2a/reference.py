@@ -5,12 +5,14 @@ ranges from :mod:`torch_moe_a2a.layout`, distinct destinations, slots in
 increasing token order, fp32 sums in ascending rank order) and never calls
 ``torch.ops.moe_a2a``, so it checks the kernels rather than repeating them.
 Loops run over ranks; work over tokens is vectorized (except building the
-per-token ``routes`` lists). Also holds the toy MoE of the demo and tests
-and a routing generator.
+per-token ``routes`` lists). Everything is computed on the device of the
+inputs and returned there, so on a GPU the oracle runs at GPU speed. Also
+holds the toy MoE of the demo and tests and a routing generator.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Collection, Optional
 
@@ -32,6 +34,7 @@ class RefDispatch:
     invalid_counts[s]: ids ``>= num_experts`` rank ``s`` saw (skipped).
     slot_table[s]: int64 ``[local_num_tokens, ep_size]``, the slot of token
     ``t`` at rank ``d`` or -1 (``routes`` as a tensor, for reference_combine).
+    Every tensor lives on the device reference_dispatch ran on (its inputs').
     """
 
     recv: list[list[Tensor]]
@@ -41,10 +44,24 @@ class RefDispatch:
     slot_table: list[Tensor] = field(default_factory=list, repr=False)
 
 
-def _expert_owner(num_experts: int, ep_size: int) -> Tensor:
-    """int64 ``[num_experts]``: the rank owning each expert (contiguous ranges)."""
-    counts = torch.tensor(layout.experts_per_rank(num_experts, ep_size))
-    return torch.repeat_interleave(torch.arange(ep_size), counts)
+def _expert_owner(num_experts: int, ep_size: int, device: torch.device) -> Tensor:
+    """int64 ``[num_experts]`` on ``device``: the rank owning each expert (contiguous ranges)."""
+    counts = torch.tensor(layout.experts_per_rank(num_experts, ep_size), device=device)
+    return torch.repeat_interleave(torch.arange(ep_size, device=device), counts)
+
+
+def _bytes_per_row(payload: Tensor) -> int:
+    return math.prod(payload.shape[1:]) * payload.element_size()
+
+
+def _row_bytes(payload: Tensor) -> Tensor:
+    """uint8 ``[n, row_bytes]``: the bytes of each row of ``[n, *]`` ``payload``.
+
+    Dispatch only moves rows, so the oracle moves bytes: the result is exact for
+    every dtype (fp8 and NaN patterns included) on every device.
+    """
+    flat = payload.detach().contiguous().reshape(-1)  # stride 1 even where a size-1 dim had another stride
+    return flat.view(torch.uint8).view(payload.shape[0], _bytes_per_row(payload))
 
 
 def reference_dispatch(
@@ -63,45 +80,54 @@ def reference_dispatch(
     input_payloads[s][i]: ``[N_s, *trail_i]`` payload ``i`` of rank ``s``.
     active_ranks: the ranks taking part (None: all); an inactive rank neither
     sends nor receives, and tokens routed to it are dropped.
-    Inputs may live on any device; the results are on the CPU.
+    Runs on the device of ``token_selected_experts[0]`` (other inputs are
+    moved there) and returns every tensor on that device; the inputs are
+    only read.
     """
     T = runtime_max_tokens_per_rank
+    device = token_selected_experts[0].device
     active = set(range(ep_size)) if active_ranks is None else {int(r) for r in active_ranks}
-    owner = _expert_owner(num_experts, ep_size)
-    num_payloads = len(input_payloads[0])
-    recv = [
-        [torch.zeros((ep_size, T, *p.shape[1:]), dtype=p.dtype) for p in input_payloads[0]] for _ in range(ep_size)
+    owner = _expert_owner(num_experts, ep_size, device)
+    templates = input_payloads[0]
+    # Receive planes as bytes [ep_size, T, row_bytes]; viewed as the payloads' dtypes and shapes at the end.
+    recv_bytes = [
+        [torch.zeros((ep_size, T, _bytes_per_row(p)), dtype=torch.uint8, device=device) for p in templates]
+        for _ in range(ep_size)
     ]
-    recv_counts = [torch.zeros(ep_size, dtype=torch.int32) for _ in range(ep_size)]
+    recv_counts = [torch.zeros(ep_size, dtype=torch.int32, device=device) for _ in range(ep_size)]
     routes: list[list[list[tuple[int, int]]]] = []
     invalid_counts: list[int] = []
     slot_table: list[Tensor] = []
 
     for s in range(ep_size):
-        ids = token_selected_experts[s].detach().cpu().long()
-        payloads = [p.detach().cpu() for p in input_payloads[s]]
+        ids = token_selected_experts[s].detach().to(device).long()
+        payloads = [_row_bytes(p.to(device)) for p in input_payloads[s]]
         n = ids.shape[0]
         if n > T:
             raise ValueError(f"rank {s} has {n} tokens > runtime_max_tokens_per_rank {T}")
         invalid_counts.append(int((ids >= num_experts).sum()) if s in active else 0)
         valid = (ids >= 0) & (ids < num_experts)
         dest = torch.where(valid, owner[ids.clamp(0, num_experts - 1)], -1)  # [n, top_k]
-        slots = torch.full((n, ep_size), -1, dtype=torch.int64)
+        slots = torch.full((n, ep_size), -1, dtype=torch.int64, device=device)
         if s in active:
             for d in sorted(active):
                 hit = (dest == d).any(dim=1)  # distinct destinations: once per rank
                 count = int(hit.sum())
-                slots[hit, d] = torch.arange(count)
+                slots[hit, d] = torch.arange(count, device=device)
                 recv_counts[d][s] = count
-                for i in range(num_payloads):
-                    recv[d][i][s, :count] = payloads[i][hit]
+                for plane, rows in zip(recv_bytes[d], payloads):
+                    plane[s, :count] = rows[hit]
         slot_table.append(slots)
         routes.append([[(d, slot) for d, slot in enumerate(row) if slot >= 0] for row in slots.tolist()])
+    recv = [
+        [plane.view(p.dtype).view(ep_size, T, *p.shape[1:]) for plane, p in zip(planes, templates)]
+        for planes in recv_bytes
+    ]
     return RefDispatch(recv, recv_counts, routes, invalid_counts, slot_table)
 
 
-def _slot_table_from_routes(routes: list[list[tuple[int, int]]], ep_size: int) -> Tensor:
-    table = torch.full((len(routes), ep_size), -1, dtype=torch.int64)
+def _slot_table_from_routes(routes: list[list[tuple[int, int]]], ep_size: int, device: torch.device) -> Tensor:
+    table = torch.full((len(routes), ep_size), -1, dtype=torch.int64, device=device)
     for t, pairs in enumerate(routes):
         for d, slot in pairs:
             table[t, d] = slot
@@ -117,20 +143,27 @@ def reference_combine(
     """Combine of every rank at once.
 
     expert_outputs[r]: ``[ep_size, T, *trail]`` rank ``r``'s outputs for the
-    rows it received. Returns, per source rank ``s``, ``[local_num_tokens[s],
-    *trail]`` of ``output_dtype`` (default: the outputs' dtype) on the CPU:
-    for each token, starting from fp32 zeros, the rows of its destinations
-    added in ascending rank order in fp32, then cast once.
+    rows it received (only the rows of ``ref``'s routes are read). Returns,
+    per source rank ``s``, a new ``[local_num_tokens[s], *trail]`` tensor of
+    ``output_dtype`` (default: the outputs' dtype) on the device of
+    ``expert_outputs[0]`` (the others are moved there): for each token,
+    starting from fp32 zeros, the rows of its destinations added in
+    ascending rank order in fp32, then cast once. IEEE fp32 adds in a fixed
+    order, so the result is the same bits on every device.
     """
     ep_size = len(expert_outputs)
-    outputs = [e.detach().cpu() for e in expert_outputs]
+    device = expert_outputs[0].device
+    outputs = [e.detach().to(device) for e in expert_outputs]
     dtype = outputs[0].dtype if output_dtype is None else output_dtype
     trail = outputs[0].shape[2:]
     results = []
     for s in range(ep_size):
         n = local_num_tokens[s]
-        slots = ref.slot_table[s] if ref.slot_table else _slot_table_from_routes(ref.routes[s], ep_size)
-        acc = torch.zeros((n, *trail), dtype=torch.float32)
+        if ref.slot_table:
+            slots = ref.slot_table[s].to(device)
+        else:
+            slots = _slot_table_from_routes(ref.routes[s], ep_size, device)
+        acc = torch.zeros((n, *trail), dtype=torch.float32, device=device)
         for d in range(ep_size):
             tokens = (slots[:n, d] >= 0).nonzero().squeeze(1)
             acc[tokens] += outputs[d][s, slots[tokens, d]].float()
@@ -181,23 +214,29 @@ def random_routing(
     invalid_fraction: float = 0.0,
     negative_fraction: float = 0.0,
 ) -> Tensor:
-    """int32 ``[num_tokens, top_k]`` CPU expert ids, distinct within each token.
+    """int32 ``[num_tokens, top_k]`` expert ids on the generator's device, distinct within each token.
 
     Each token gets ``min(top_k, num_experts)`` distinct random experts; when
     ``top_k > num_experts`` the remaining columns are -1 (no expert). Then
     about ``invalid_fraction`` of the entries become ids in ``[num_experts,
     2 * num_experts)`` and about ``negative_fraction`` become -1 (disjoint
-    entries). ``generator``: a CPU ``torch.Generator`` or None.
+    entries). ``generator``: a ``torch.Generator`` of any device (a CUDA one
+    makes the ids on that GPU), or None (the CPU's default generator).
     """
     if top_k < 1 or num_experts < 1:
         raise ValueError(f"top_k ({top_k}) and num_experts ({num_experts}) must be >= 1")
-    ids = torch.rand((num_tokens, num_experts), generator=generator).argsort(dim=1)[:, :top_k]
+    device = generator.device if generator is not None else torch.device("cpu")
+    ids = torch.rand((num_tokens, num_experts), generator=generator, device=device).argsort(dim=1)[:, :top_k]
     if top_k > num_experts:
-        ids = torch.cat([ids, torch.full((num_tokens, top_k - num_experts), -1, dtype=ids.dtype)], dim=1)
-    u = torch.rand((num_tokens, top_k), generator=generator)
+        ids = torch.cat(
+            [ids, torch.full((num_tokens, top_k - num_experts), -1, dtype=ids.dtype, device=device)], dim=1
+        )
+    u = torch.rand((num_tokens, top_k), generator=generator, device=device)
     invalid = u < invalid_fraction
     negative = (u >= invalid_fraction) & (u < invalid_fraction + negative_fraction)
-    bad_ids = num_experts + torch.randint(0, num_experts, (num_tokens, top_k), generator=generator)
+    bad_ids = num_experts + torch.randint(
+        0, num_experts, (num_tokens, top_k), generator=generator, device=device
+    )
     ids = torch.where(invalid, bad_ids, ids)
     ids = torch.where(negative, torch.full_like(ids, -1), ids)
     return ids.to(torch.int32)

@@ -172,6 +172,19 @@ class SimulatedEP:
         and ``enable_pdl`` may be lists indexed by rank.
         """
 
+        if self.streams is not None and kwargs.get("output") is None:
+            # Allocate every rank's output before any rank launches: a device
+            # allocation between two launches may serialize them, and rank
+            # r's combine spins until rank r + 1's has started.
+            dtype = kwargs.get("output_dtype")
+            kwargs = dict(kwargs)
+            kwargs["output"] = [
+                torch.empty(
+                    (n, *p.shape[2:]), dtype=p.dtype if dtype is None else dtype, device=self.device
+                )
+                for n, p in zip(local_num_tokens, payloads)
+            ]
+
         def step(rank: int) -> torch.Tensor:
             return _combine(
                 payloads[rank],

@@ -70,9 +70,9 @@ def allocate_workspace(
         raise ValueError(f"unsupported workspace device {device}")
 
     # Tensor collectives, not the *_object ones: those need numpy.
-    gathered = torch.zeros(group_size, dtype=torch.int64)
-    dist.all_gather_into_tensor(gathered, torch.tensor([size_per_rank], dtype=torch.int64), group=group)
-    sizes = gathered.tolist()
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(group_size)]
+    dist.all_gather(gathered, torch.tensor([size_per_rank], dtype=torch.int64), group=group)
+    sizes = [int(t) for t in gathered]
     if len(set(sizes)) != 1:
         by_size: dict[int, list[int]] = {}
         for rank, size in enumerate(sizes):
