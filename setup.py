@@ -16,6 +16,25 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+def link_shared_libstdcxx() -> None:
+    """Some Python builds link extensions with -static-libstdc++. A second,
+    private copy of libstdc++ beside the shared one torch uses breaks the
+    iostream locale facets (seen: a segfault formatting an int into an error
+    message). Drop the flag so the extension uses the process's libstdc++."""
+    import sysconfig
+    from setuptools._distutils import sysconfig as distutils_sysconfig
+
+    for config in (sysconfig.get_config_vars(), distutils_sysconfig.get_config_vars()):
+        for key in ("LDSHARED", "LDCXXSHARED", "LDFLAGS", "CCSHARED"):
+            value = config.get(key)
+            if isinstance(value, str) and "-static-libstdc++" in value:
+                config[key] = value.replace("-static-libstdc++", "")
+                print(f"setup.py: removed -static-libstdc++ from {key}")
+
+
+link_shared_libstdcxx()
+
+
 def sources(pattern: str) -> list[str]:
     # Relative paths: setuptools rejects absolute source paths in editable builds.
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
@@ -37,9 +56,11 @@ def gencode_flags() -> list[str]:
 
 # No -std flag: torch's BuildExtension adds the standard its headers need
 # (C++20 for torch 2.13, whose headers warn under C++17).
-cxx_flags = ["-O3", "-fopenmp"]
-# at::parallel_for runs the copies on OpenMP threads: link the runtime too.
-link_flags = ["-fopenmp"]
+# at::parallel_for runs the copies on OpenMP threads: compile and link with it
+# (MOE_A2A_OPENMP=0 builds without, for diagnosing runtime conflicts).
+openmp = ["-fopenmp"] if os.environ.get("MOE_A2A_OPENMP", "1") != "0" else []
+cxx_flags = ["-O3", *openmp]
+link_flags = list(openmp)
 ext_sources = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp") + sources("meta_kernels/*.cpp")
 include_dirs = [os.path.join(ROOT, "csrc")]
 
