@@ -16,23 +16,6 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-def link_shared_libstdcxx() -> None:
-    """Some Python builds link extensions with -static-libstdc++. A second,
-    private copy of libstdc++ beside the shared one torch uses breaks the
-    iostream locale facets (seen: a segfault formatting an int into an error
-    message). Drop the flag so the extension uses the process's libstdc++."""
-    import sysconfig
-    from setuptools._distutils import sysconfig as distutils_sysconfig
-
-    for config in (sysconfig.get_config_vars(), distutils_sysconfig.get_config_vars()):
-        for key in ("LDSHARED", "LDCXXSHARED", "LDFLAGS", "CCSHARED"):
-            value = config.get(key)
-            if isinstance(value, str) and "-static-libstdc++" in value:
-                config[key] = value.replace("-static-libstdc++", "")
-                print(f"setup.py: removed -static-libstdc++ from {key}")
-
-
-link_shared_libstdcxx()
 
 
 def sources(pattern: str) -> list[str]:
@@ -60,7 +43,11 @@ def gencode_flags() -> list[str]:
 # (MOE_A2A_OPENMP=0 builds without, for diagnosing runtime conflicts).
 openmp = ["-fopenmp"] if os.environ.get("MOE_A2A_OPENMP", "1") != "0" else []
 cxx_flags = ["-O3", *openmp]
-link_flags = list(openmp)
+# Link the shared libstdc++ explicitly, ahead of the toolchain's own: some
+# toolchains (the GPU image's /opt/gcc) link it statically by default, and a
+# private copy of libstdc++ beside the one torch uses breaks the iostream
+# locale facets (seen: a segfault formatting an int into an error message).
+link_flags = [*openmp, "-lstdc++"]
 ext_sources = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp") + sources("meta_kernels/*.cpp")
 include_dirs = [os.path.join(ROOT, "csrc")]
 
