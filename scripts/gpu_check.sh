@@ -16,7 +16,7 @@ LOG=${OUT:-build/gpu-logs}
 mkdir -p "$LOG"
 export PYTHONUNBUFFERED=1 MOE_A2A_TIMEOUT_S=${MOE_A2A_TIMEOUT_S:-20}
 # Simulated ranks spin while the host launches their peers: no lazy module loads then.
-export CUDA_MODULE_LOADING=EAGER
+export CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32
 
 "$PY" - <<'EOF' | tee "$LOG/env.txt"
 import torch, torch_moe_a2a  # noqa: F401
@@ -32,7 +32,7 @@ has() { for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1;
 if has tests; then
   # A hung test must not eat the device lease: per-test limit where pytest-timeout exists.
   limit=()
-  "$PY" -c 'import pytest_timeout' >/dev/null 2>&1 && limit=(-p pytest_timeout --timeout 240)
+  "$PY" -c 'import pytest_timeout' >/dev/null 2>&1 && limit=(--timeout 240)  # the plugin loads itself through its entry point
   "$PY" -m pytest -q -rfE -p no:cacheprovider "${limit[@]}" tests "$@" 2>&1 | tee "$LOG/pytest.txt"
   rc_tests=${PIPESTATUS[0]}
   tests_line=$(grep -E '[0-9]+ (passed|failed)' "$LOG/pytest.txt" | tail -n 1)

@@ -22,6 +22,8 @@ os.environ.setdefault("MOE_A2A_TIMEOUT_S", "20")
 # module load on some kernel's first use could stall that host thread behind
 # a spinning kernel. Load every module when CUDA starts instead.
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+# ...and every simulated rank's stream on a hardware queue of its own.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 import pytest
 import torch

@@ -55,7 +55,13 @@ def _opcheck(op, args):
 
 def test_opcheck_alloc_mailbox(device):
     env = Env(device)
-    _opcheck(ops.alloc_mailbox.default, (env.workspace,))
+    if device == "cuda":
+        # A fresh mailbox per call: the compiled-vs-eager checks compare the
+        # returned addresses, which differ by design.
+        torch.library.opcheck(ops.alloc_mailbox.default, (env.workspace,),
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    else:
+        _opcheck(ops.alloc_mailbox.default, (env.workspace,))
 
 
 def test_opcheck_initialize(device):

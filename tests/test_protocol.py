@@ -353,6 +353,15 @@ def _check_free_running(sim, rounds, device):
     assert not bad, f"{len(bad)} wrong outputs: {bad[:8]}"
 
 
+def _skip_free_running_on_cuda(device):
+    if device == "cuda":
+        # One host thread launches every simulated rank: a free-running rank's
+        # later rounds (allocations, host waits) can block that thread before
+        # the peers its spinning kernels wait for are launched. Free-running
+        # ranks need one process per rank (the multi-process CUDA workspace).
+        pytest.skip("free-running simulated ranks need a host thread per rank")
+
+
 def _free_rounds(device):
     # CUDA: SimulatedEP.run enqueues all of rank 0's rounds before rank 1's first
     # one, so keep the launch queue well below its depth.
@@ -360,6 +369,7 @@ def _free_rounds(device):
 
 
 def test_free_running_ranks_same_layout(device):
+    _skip_free_running_on_cuda(device)
     gen = make_generator(31)
     rounds = []
     for i in range(_free_rounds(device)):
@@ -376,6 +386,7 @@ def test_free_running_ranks_changing_layout(grow, device):
     n) starts dispatch n+1 while a slower peer may still be pulling round n's
     expert outputs from a third rank's combine region: the protocol must not let
     that dispatch overwrite them."""
+    _skip_free_running_on_cuda(device)
     gen = make_generator(grow)
     big_extra = (PayloadSpec(torch.uint8, (4096,)),)
     rounds = []

@@ -125,7 +125,13 @@ def _pdl_default(tensor: torch.Tensor) -> bool:
     """FlashInfer's ``enable_pdl=None``: on for CUDA devices of capability >= 9.0."""
     if not tensor.is_cuda:
         return False
-    return _cuda_capability(tensor.get_device()) >= _PDL_MIN_CAPABILITY
+    return _pdl_capable(tensor.get_device())
+
+
+@torch.compiler.assume_constant_result
+def _pdl_capable(device_index: int) -> bool:
+    # A bool, not the capability tuple: dynamo cannot compare baked tuples.
+    return _cuda_capability(device_index) >= _PDL_MIN_CAPABILITY
 
 
 # (ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, size_per_rank, mailbox)

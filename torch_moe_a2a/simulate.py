@@ -35,6 +35,12 @@ T = TypeVar("T")
 _PER_RANK_KWARGS = frozenset({"eplb_local_stats", "active_rank_mask", "output", "enable_pdl"})
 
 
+# Simulated ranks on one GPU spin on their own streams at once; a GPU runs at
+# most this many streams concurrently (CUDA_DEVICE_MAX_CONNECTIONS hardware work
+# queues, at most 32): a rank beyond it would queue behind a spinning peer.
+MAX_SIMULATED_RANKS_PER_GPU = 32
+
+
 class SimulatedEP:
     """``ep_size`` simulated ranks sharing one workspace on ``device``.
 
@@ -60,6 +66,11 @@ class SimulatedEP:
         self.ep_size = ep_size
         self.max_num_tokens = max_num_tokens
         self.device = torch.device(device)
+        if self.device.type == "cuda" and ep_size > MAX_SIMULATED_RANKS_PER_GPU:
+            raise ValueError(
+                f"simulated EP on one GPU supports at most {MAX_SIMULATED_RANKS_PER_GPU} ranks (the GPU's "
+                f"concurrent hardware queues), got ep_size {ep_size}; simulate on the CPU or run one process per rank"
+            )
         self.timeout_s = _ENV_TIMEOUT if timeout_s is None else float(timeout_s)
         size_per_rank = moe_a2a_get_workspace_size_per_rank(
             ep_size, max_num_tokens, dispatch_bytes_per_token, combine_bytes_per_token, eplb_stats_num_experts

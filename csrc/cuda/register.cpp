@@ -60,7 +60,12 @@ gpu::LaunchConfig launch_config(const at::Tensor& workspace, int64_t ep_size, do
   config.num_sms = info.num_sms;
   config.ctas_per_sm = info.ctas_per_sm;
   config.co_resident_ranks = static_cast<int>(ep_size);
-  config.pdl_supported = info.pdl_supported;
+  // PDL only when one rank uses this device. A dependent grid's CTAs take
+  // SM slots while they wait for the grid before it, so with several
+  // simulated ranks per device a rank could hold more slots than its share
+  // and starve a peer's spinning grid of residency (seen: a combine timeout
+  // on the H200 with 3 simulated ranks).
+  config.pdl_supported = info.pdl_supported && config.co_resident_ranks == 1;
   config.timeout_ms = timeout_ms(timeout_s);
   return config;
 }
