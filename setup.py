@@ -8,12 +8,36 @@ the torch it runs with.
 
 import glob
 import os
+import shutil
+import subprocess
 
 import torch
 from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def has_shared_libstdcxx(compiler: str) -> bool:
+    out = subprocess.run([compiler, "-print-file-name=libstdc++.so"], capture_output=True, text=True)
+    return out.returncode == 0 and os.path.isabs(out.stdout.strip())
+
+
+def use_compiler_with_shared_libstdcxx() -> None:
+    """A toolchain without a shared libstdc++ (the GPU image's CXX=/opt/gcc/bin/g++)
+    links a private static copy into the extension; beside the shared one that
+    torch uses, it breaks the iostream locale facets (seen: a segfault formatting
+    an int into an error message). Fall back to the system g++ then."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None or has_shared_libstdcxx(compiler):
+        return
+    system = shutil.which("g++", path="/usr/bin")
+    if system is not None and has_shared_libstdcxx(system):
+        print(f"setup.py: {compiler} has no shared libstdc++; building with {system}")
+        os.environ["CXX"] = system
+
+
+use_compiler_with_shared_libstdcxx()
 
 
 
@@ -43,11 +67,7 @@ def gencode_flags() -> list[str]:
 # (MOE_A2A_OPENMP=0 builds without, for diagnosing runtime conflicts).
 openmp = ["-fopenmp"] if os.environ.get("MOE_A2A_OPENMP", "1") != "0" else []
 cxx_flags = ["-O3", *openmp]
-# Link the shared libstdc++ explicitly, ahead of the toolchain's own: some
-# toolchains (the GPU image's /opt/gcc) link it statically by default, and a
-# private copy of libstdc++ beside the one torch uses breaks the iostream
-# locale facets (seen: a segfault formatting an int into an error message).
-link_flags = [*openmp, "-lstdc++"]
+link_flags = list(openmp)
 ext_sources = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp") + sources("meta_kernels/*.cpp")
 include_dirs = [os.path.join(ROOT, "csrc")]
 
