@@ -141,10 +141,12 @@ _MetaValues = tuple[int, int, int, int, int, int]
 _META_CACHE: dict[int, tuple[weakref.ref, _MetaValues]] = {}
 
 
-def _forget_metainfo(key: int, ref: weakref.ref) -> None:
-    entry = _META_CACHE.get(key)
+def _drop_dead_entry(cache: dict, key: int, ref: weakref.ref) -> None:
+    """Weak-reference callback of the id-keyed caches: forget the entry of a dead
+    tensor (unless a new tensor with the same id already replaced it)."""
+    entry = cache.get(key)
     if entry is not None and entry[0] is ref:
-        del _META_CACHE[key]
+        del cache[key]
 
 
 def _read_metainfo(metainfo: Any) -> _MetaValues:
@@ -195,7 +197,7 @@ def _metainfo_values(metainfo: torch.Tensor, key: int) -> _MetaValues:
     if entry is not None and entry[0]() is metainfo:
         return entry[1]
     values = _read_metainfo(metainfo)
-    ref = weakref.ref(metainfo, lambda r, key=key: _forget_metainfo(key, r))
+    ref = weakref.ref(metainfo, lambda r, key=key: _drop_dead_entry(_META_CACHE, key, r))
     _META_CACHE[key] = (ref, values)
     return values
 
@@ -273,6 +275,26 @@ def _call_layout(ep_size: int, runtime_max: int, eplb_n: int, row_bytes: tuple) 
             _LAYOUT_CACHE.clear()
         found = _LAYOUT_CACHE[key] = layout.call_layout(ep_size, runtime_max, eplb_n, row_bytes)
     return found
+
+
+def _traced_region_view(workspace: torch.Tensor, ep_rank: int, offset: int, shape, dtype) -> torch.Tensor:
+    """Row ``ep_rank``'s region at byte ``offset`` as ``shape`` of ``dtype``, with plain view ops."""
+    return layout.region_view(workspace.select(0, ep_rank), offset, shape, dtype)
+
+
+def _eager_region_view(workspace: torch.Tensor, ep_rank: int, offset: int, shape, dtype) -> torch.Tensor:
+    """:func:`_traced_region_view` in two ops instead of four (the receive views are
+    rebuilt on every uncached dispatch: this is most of the wrapper's host time).
+    Nothing is cached: a cached view of the workspace would keep it alive."""
+    if not workspace.is_contiguous() or workspace.storage_offset() % dtype.itemsize:
+        return _traced_region_view(workspace, ep_rank, offset, shape, dtype)
+    typed = workspace.view(dtype)
+    start = typed.storage_offset() + (ep_rank * workspace.shape[1] + offset) // dtype.itemsize
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return typed.as_strided(shape, strides[::-1], start)
 
 
 # ---------------------------------------------------------------------------
@@ -527,17 +549,18 @@ def _dispatch(
 
     row_bytes = tuple(p.element_size() * math.prod(p.shape[1:]) for p in input_payloads)
     call = _call_layout(ep_size, runtime_max_tokens_per_rank, call_eplb_n, row_bytes)
-    row = workspace.select(0, ep_rank)
+    compiling = torch.compiler.is_compiling()
+    region = _traced_region_view if compiling else _eager_region_view
     output_payloads = []
     for payload, offset in zip(input_payloads, call.payload_offsets):
-        view = layout.region_view(
-            row, offset, (ep_size, runtime_max_tokens_per_rank, *payload.shape[1:]), payload.dtype
-        )
-        view._moe_a2a_row_offset = offset  # for sanitize under torch.compile
+        view = region(workspace, ep_rank, offset, (ep_size, runtime_max_tokens_per_rank, *payload.shape[1:]),
+                      payload.dtype)
+        if compiling:
+            view._moe_a2a_row_offset = offset  # sanitize cannot trace storage_offset()
         output_payloads.append(view)
     eplb_gathered_stats = None
     if call.eplb_offset >= 0:
-        eplb_gathered_stats = layout.region_view(row, call.eplb_offset, (ep_size, eplb_n), torch.int32)
+        eplb_gathered_stats = region(workspace, ep_rank, call.eplb_offset, (ep_size, eplb_n), torch.int32)
     if cache is not None:
         cache[key] = (tuple(output_payloads), call.combine_offset, eplb_gathered_stats)
     return output_payloads, call.combine_offset, eplb_gathered_stats
