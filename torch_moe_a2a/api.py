@@ -285,9 +285,9 @@ def _traced_region_view(workspace: torch.Tensor, ep_rank: int, offset: int, shap
 def _eager_region_view(workspace: torch.Tensor, ep_rank: int, offset: int, shape, dtype) -> torch.Tensor:
     """:func:`_traced_region_view` in two ops instead of four (the receive views are
     rebuilt on every uncached dispatch: this is most of the wrapper's host time).
-    Nothing is cached: a cached view of the workspace would keep it alive."""
-    if not workspace.is_contiguous() or workspace.storage_offset() % dtype.itemsize:
-        return _traced_region_view(workspace, ep_rank, offset, shape, dtype)
+    Nothing is cached: a cached view of the workspace would keep it alive. The
+    dispatch op has already checked that the workspace is contiguous and
+    16-byte aligned, so the typed view exists for every dtype."""
     typed = workspace.view(dtype)
     start = typed.storage_offset() + (ep_rank * workspace.shape[1] + offset) // dtype.itemsize
     strides, step = [], 1
