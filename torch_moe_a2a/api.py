@@ -676,11 +676,7 @@ def _combine(
     mask = _rank_mask_words(enable_rank_mask, active_rank_mask)
     if enable_pdl is None:
         enable_pdl = _pdl_default(workspace)
-    if output is not None:
-        if output.device != workspace.device:
-            raise ValueError(f"output must be on the workspace's device {workspace.device}, got {output.device}")
-        if not output.is_contiguous():
-            raise ValueError(f"output must be contiguous, got stride={output.stride()}")
+    # `output` (shape, dtype, device, contiguity) is checked by the op (check_combine).
     staged = payload
     if payload_in_workspace:
         if not torch.compiler.is_compiling():
