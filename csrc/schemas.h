@@ -52,4 +52,41 @@ constexpr const char* kSchemaSanitize =
     "sanitize_expert_ids(Tensor(a!) workspace, int ep_rank, int ep_size, int runtime_max_tokens_per_rank, "
     "int offset, int top_k, int invalid_expert_id, bool enable_pdl) -> ()";
 
+// ---- CUDA virtual memory: the multi-process workspace (csrc/cuda/vmm.cpp) ----
+// Defined by vmm.cpp (TORCH_LIBRARY_FRAGMENT), so they exist only in builds
+// with CUDA; torch_moe_a2a/workspace.py drives them (docs/internals.md).
+// `device` is a CUDA device index; `handle_type` is "posix_fd" or "fabric";
+// allocation handles travel as ints (the CUmemGenericAllocationHandle bits).
+// None takes a tensor, so none is traced by torch.compile.
+
+// Bytes a row's size must be a multiple of (CU_MEM_ALLOC_GRANULARITY_RECOMMENDED).
+constexpr const char* kSchemaVmmGranularity = "vmm_granularity(int device, str handle_type) -> int";
+
+// CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED (false where the headers predate it).
+constexpr const char* kSchemaVmmFabricSupported = "vmm_fabric_supported(int device) -> bool";
+
+// cuMemCreate of `size` bytes on `device`, exportable as `handle_type`. The
+// caller owns the returned handle: vmm_map takes it over, else vmm_release.
+constexpr const char* kSchemaVmmCreate = "vmm_create(int device, int size, str handle_type) -> int";
+
+// cuMemExportToShareableHandle: [fd] (a new descriptor the caller closes) or
+// the 64 bytes of a CUmemFabricHandle.
+constexpr const char* kSchemaVmmExport = "vmm_export(int handle, str handle_type) -> int[]";
+
+// cuMemImportFromShareableHandle of what vmm_export returned in some process;
+// a descriptor stays the caller's to close. Returns a handle the caller owns.
+constexpr const char* kSchemaVmmImport = "vmm_import(int device, int[] shareable, str handle_type) -> int";
+
+// cuMemRelease of a handle that vmm_map did not take.
+constexpr const char* kSchemaVmmRelease = "vmm_release(int handle) -> ()";
+
+// Maps handles[r] at base + r * size_per_rank (one reserved range), gives
+// `device` read/write access and returns the [len(handles), size_per_rank]
+// uint8 tensor over it. Takes over every handle, also when it fails; the
+// tensor's storage unmaps and releases them when its last reference goes.
+constexpr const char* kSchemaVmmMap = "vmm_map(int device, int size_per_rank, int[] handles) -> Tensor";
+
+// Number of mapped workspaces alive in this process (leak checks).
+constexpr const char* kSchemaVmmLiveWorkspaces = "vmm_live_workspaces() -> int";
+
 }  // namespace moe_a2a

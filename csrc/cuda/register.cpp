@@ -18,6 +18,7 @@
 
 #include "../ops.h"
 #include "kernels.cuh"
+#include "vmm.h"
 
 namespace moe_a2a {
 namespace {
@@ -50,16 +51,17 @@ DeviceInfo device_info(c10::DeviceIndex device) {
   return *cache[index];
 }
 
-// Every rank of a workspace may run its spinning kernels on this device at
-// once (a plain tensor of one process holds all simulated ranks), so the
-// grids are sized for ep_size co-resident ranks. `timeout_s`: the resolved
-// timeout of a waiting kernel (sync.timeout_s), 0 for one that never waits.
+// Every rank of a plain workspace tensor may run its spinning kernels on this
+// device at once (one process holds all simulated ranks), so the grids are
+// sized for ep_size co-resident ranks; a VMM workspace (vmm.cpp) holds one
+// rank per process, the only one this process runs. `timeout_s`: the
+// resolved timeout of a waiting kernel (sync.timeout_s), 0 for one that never waits.
 gpu::LaunchConfig launch_config(const at::Tensor& workspace, int64_t ep_size, double timeout_s) {
   const DeviceInfo info = device_info(workspace.device().index());
   gpu::LaunchConfig config{};
   config.num_sms = info.num_sms;
   config.ctas_per_sm = info.ctas_per_sm;
-  config.co_resident_ranks = static_cast<int>(ep_size);
+  config.co_resident_ranks = is_vmm_workspace(workspace.storage().data()) ? 1 : static_cast<int>(ep_size);
   // PDL only when one rank uses this device. A dependent grid's CTAs take
   // SM slots while they wait for the grid before it, so with several
   // simulated ranks per device a rank could hold more slots than its share
