@@ -25,7 +25,7 @@ from .api import (
 )
 from .layout import MOE_A2A_RANK_MASK_WORDS
 from .simulate import SimulatedEP
-from .workspace import allocate_workspace
+from .workspace import allocate_workspace, cuda_workspace_granularity
 
 __all__ = [
     "MOE_A2A_RANK_MASK_WORDS",
@@ -35,6 +35,7 @@ __all__ = [
     "SimulatedEP",
     "allocate_workspace",
     "check_errors",
+    "cuda_workspace_granularity",
     "moe_a2a_active_rank_mask",
     "moe_a2a_combine",
     "moe_a2a_dispatch",

@@ -6,21 +6,65 @@ rank ``r``'s memory, readable and writable by every rank:
 - simulated ranks in one process: a plain zeroed tensor on one device;
 - one rank per process on the CPU: one POSIX shared-memory file mapped by every
   process of a ``torch.distributed`` group;
-- one rank per process on CUDA: CUDA virtual memory (not yet implemented).
+- one rank per process on CUDA: CUDA virtual memory. Each process creates its
+  own row, exports it (a POSIX file descriptor passed over a Unix socket, or a
+  fabric handle gathered through the group), imports its peers' rows and maps
+  all rows contiguously (``torch.ops.moe_a2a.vmm_*``, csrc/cuda/vmm.cpp).
+
+The multi-process paths are collective. Every step that can fail in one
+process ends with a status exchange through the group, so when one member
+fails, every member raises an error naming the failed ranks instead of waiting
+for it in the next step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
 import mmap
 import os
 import secrets
-from typing import Any, Optional, Union
+import socket
+import struct
+import tempfile
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 
 from . import layout
 
+_log = logging.getLogger(__name__)
+
 _SHM_DIR = "/dev/shm"
+
+# Handle types of a multi-process CUDA workspace (the names csrc/cuda/vmm.cpp takes).
+POSIX_FD = "posix_fd"
+FABRIC = "fabric"
+# MOE_A2A_HANDLE_TYPE=posix_fd|fabric forces one; unset, empty or "auto" lets
+# choose_handle_type decide. Every member of a group must set the same.
+HANDLE_TYPE_ENV = "MOE_A2A_HANDLE_TYPE"
+_AUTO = ("", "auto")
+# How the override travels in the bootstrap's int gather.
+_OVERRIDE_CODES = {None: 0, POSIX_FD: 1, FABRIC: 2}
+_FABRIC_HANDLE_BYTES = 64  # sizeof(CUmemFabricHandle)
+
+# Bound on every socket wait of the descriptor exchange: peers are at most
+# one collective step apart, so only a peer that stopped runs into it.
+_SOCKET_TIMEOUT_S = 60.0
+# A descriptor message: the sender's group rank, then the receiver's token
+# (which only the group's members learned, through the group).
+_TOKEN_BYTES = 16
+_FD_MESSAGE = struct.Struct(f"<i{_TOKEN_BYTES}s")
+# Linux limits a Unix socket path to 107 bytes (sun_path holds 108 with the NUL).
+_SOCKET_PATH_MAX = 107
+_SOCKET_NAME = "socket"
+
+# Fixed sizes of the byte gathers (tensor collectives need equal shapes).
+_MAX_NAME_BYTES = 4096
+_STATUS_BYTES = 2048
+# The status a member reports after a step.
+_OK, _BAD_VALUE, _FAILED = 0, 1, 2
 
 
 def allocate_workspace(
@@ -33,21 +77,42 @@ def allocate_workspace(
     """Return a zeroed ``[ep_size, size_per_rank]`` uint8 workspace.
 
     size_per_rank: bytes per rank, a multiple of ``layout.ALIGN`` (the value of
-    ``moe_a2a_get_workspace_size_per_rank``).
+    ``moe_a2a_get_workspace_size_per_rank``); for a multi-process CUDA
+    workspace also a multiple of :func:`cuda_workspace_granularity` (each row
+    is a whole CUDA allocation, and row ``r`` must start at
+    ``r * size_per_rank``): round it up, ValueError otherwise.
+    ``MoeAlltoAll`` rounds its size itself.
 
     Without ``group``: ``ep_size`` simulated ranks in this process share a plain
     ``torch.zeros`` tensor on ``device`` (default CPU).
 
     With ``group`` (a ``torch.distributed`` process group; ``ep_size``
-    defaults to, and must equal, its size): a collective call. On the CPU,
-    every member maps the same shared-memory file, so row ``r`` is the memory
-    of group rank ``r`` in every process; the members must agree on
-    ``size_per_rank`` (ValueError naming the ranks otherwise). The mapping is
-    owned by the returned tensor and released with its last reference; the
-    file itself is unlinked before this returns, so nothing is left behind
-    even if a process dies later. The rows are zero; each rank still calls
-    ``moe_a2a_initialize`` on its own row (``MoeAlltoAll`` does, with the
-    barrier that orders it before any peer's dispatch).
+    defaults to, and must equal, its size): a collective call; row ``r`` is
+    the memory of group rank ``r`` in every process. The members must agree
+    on ``size_per_rank`` (ValueError naming the ranks otherwise); when a
+    member fails, every member raises (ValueError for bad arguments,
+    RuntimeError otherwise), naming the failed ranks.
+
+    - ``device`` CPU (default): every member maps the same shared-memory
+      file; the file is unlinked before this returns, so nothing is left
+      behind even if a process dies later.
+    - ``device`` CUDA (one rank per process; several processes may share a
+      GPU): each member creates its row on its device with ``cuMemCreate``,
+      the members trade the rows (fabric handles through the group where
+      every member's driver can, else POSIX file descriptors over private
+      Unix sockets, which needs all members on one host; see
+      :func:`choose_handle_type` and ``MOE_A2A_HANDLE_TYPE``), and each maps
+      all rows contiguously with read/write access for its device. Bootstrap
+      collectives use CPU tensors, or tensors on ``device`` for an NCCL-only
+      group.
+
+    Ownership: the returned tensor owns the mapping; the memory is released
+    with its last reference (views included). A member's row lives on until
+    every member has released the workspace. Every row is zero when this
+    returns on any member (each member zeroes its own row before the final
+    exchange): no peer can write into a row before its owner cleared it. Each
+    rank still calls ``moe_a2a_initialize`` on its own row and synchronizes
+    the group before any peer's dispatch (``MoeAlltoAll`` does both).
     """
     if not isinstance(size_per_rank, int) or size_per_rank <= 0 or size_per_rank % layout.ALIGN:
         raise ValueError(f"size_per_rank must be a positive multiple of {layout.ALIGN}, got {size_per_rank}")
@@ -64,22 +129,184 @@ def allocate_workspace(
         raise ValueError(f"ep_size {ep_size} differs from the group size {group_size}")
     if not 1 <= group_size <= layout.MAX_RANKS:
         raise ValueError(f"group size {group_size} out of range [1, {layout.MAX_RANKS}]")
-    if device.type == "cuda":
-        raise NotImplementedError("multi-process CUDA workspaces come with the CUDA VMM allocator")
-    if device.type != "cpu":
+    if device.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported workspace device {device}")
 
-    # Tensor collectives, not the *_object ones: those need numpy.
-    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(group_size)]
-    dist.all_gather(gathered, torch.tensor([size_per_rank], dtype=torch.int64), group=group)
-    sizes = [int(t) for t in gathered]
-    if len(set(sizes)) != 1:
-        by_size: dict[int, list[int]] = {}
-        for rank, size in enumerate(sizes):
-            by_size.setdefault(size, []).append(rank)
-        detail = "; ".join(f"ranks {ranks}: {size}" for size, ranks in by_size.items())
-        raise ValueError(f"group members disagree on size_per_rank ({detail})")
+    collective_device = _bootstrap_device(group, device)
+    _check_equal_sizes(size_per_rank, group, collective_device)
+    if device.type == "cuda":
+        return _cuda_vmm_workspace(group, group_size, size_per_rank, device, collective_device)
     return _shared_cpu_workspace(group, group_size, size_per_rank)
+
+
+def cuda_workspace_granularity(device: Union[torch.device, str, int, None] = None) -> int:
+    """Bytes that ``size_per_rank`` of a multi-process CUDA workspace on
+    ``device`` (default: the current CUDA device) must be a multiple of: the
+    driver's recommended allocation granularity (2 MiB on current GPUs), for
+    every handle type the device may use. RuntimeError without CUDA support."""
+    ops = _vmm_ops()
+    index = _cuda_index(device)
+    unit = int(ops.vmm_granularity(index, POSIX_FD))
+    if ops.vmm_fabric_supported(index):
+        try:
+            unit = math.lcm(unit, int(ops.vmm_granularity(index, FABRIC)))
+        except RuntimeError:
+            # Fabric handles are unusable here, so allocate_workspace will
+            # not use them either: only the descriptor granularity matters.
+            pass
+    return unit
+
+
+def choose_handle_type(
+    overrides: Sequence[Optional[str]],
+    fabric_supported: Sequence[bool],
+    fabric_works: Sequence[bool],
+) -> str:
+    """The handle type of a group's CUDA workspace (``"posix_fd"`` or
+    ``"fabric"``), from facts every member gathered; index ``r`` = group rank.
+
+    overrides[r]: rank r's ``MOE_A2A_HANDLE_TYPE`` (``"posix_fd"``,
+    ``"fabric"``, or None for automatic).
+    fabric_supported[r]: rank r's device reports
+    ``CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED``.
+    fabric_works[r]: rank r created and exported its row as a fabric handle
+    and imported every peer's (False where it was not tried).
+
+    ``allocate_workspace`` asks twice: with ``fabric_works`` all True, to
+    decide whether to try fabric handles, then with the outcome. Automatic:
+    fabric handles when they work on every rank (they also reach GPUs on
+    other hosts over NVLink, and need no socket), else POSIX file
+    descriptors. A pure function, so every member decides alike: raises
+    ValueError (on every member) when the members disagree on the override,
+    or it asks for fabric handles where some rank cannot have them.
+    """
+    n = len(overrides)
+    if n == 0 or len(fabric_supported) != n or len(fabric_works) != n:
+        raise ValueError(
+            f"one entry per rank expected, got {n} overrides, {len(fabric_supported)} fabric_supported, "
+            f"{len(fabric_works)} fabric_works"
+        )
+    if len(set(overrides)) != 1:
+        raise ValueError(f"group members disagree on {HANDLE_TYPE_ENV} ({_describe_by_value(overrides)})")
+    override = overrides[0]
+    if override not in _OVERRIDE_CODES:
+        raise ValueError(f"unknown handle type {override!r}; expected {POSIX_FD!r}, {FABRIC!r} or None")
+    if override == POSIX_FD:
+        return POSIX_FD
+    unsupported = [r for r in range(n) if not fabric_supported[r]]
+    failing = [r for r in range(n) if fabric_supported[r] and not fabric_works[r]]
+    if override == FABRIC:
+        if unsupported:
+            raise ValueError(
+                f"{HANDLE_TYPE_ENV}={FABRIC}, but the CUDA devices of ranks {unsupported} do not support "
+                "fabric handles"
+            )
+        if failing:
+            raise ValueError(
+                f"{HANDLE_TYPE_ENV}={FABRIC}, but fabric handles failed on ranks {failing} (they need an IMEX "
+                "channel the user can open, /dev/nvidia-caps-imex-channels/channel*)"
+            )
+        return FABRIC
+    return FABRIC if not unsupported and not failing else POSIX_FD
+
+
+# ---- group collectives of the bootstrap -------------------------------------------
+# Tensor collectives only: the *_object ones need numpy, which CI does not install.
+
+
+def _bootstrap_device(group: Any, device: torch.device) -> torch.device:
+    """Where the bootstrap's tensors live: on ``device`` for a group whose only
+    backend is NCCL (it moves CUDA tensors only), else on the CPU."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend and device.type == "cuda":
+        return device
+    return torch.device("cpu")
+
+
+def _all_gather(values: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every member's ``values`` (same shape and dtype everywhere), as CPU tensors."""
+    import torch.distributed as dist
+
+    gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, values, group=group)
+    return [t.cpu() for t in gathered]
+
+
+def _all_gather_ints(values: Sequence[int], group: Any, device: torch.device) -> list[list[int]]:
+    return [t.tolist() for t in _all_gather(torch.tensor(list(values), dtype=torch.int64, device=device), group)]
+
+
+def _all_gather_bytes(data: bytes, capacity: int, group: Any, device: torch.device) -> list[bytes]:
+    """Every member's ``data`` (at most ``capacity`` bytes), through one
+    fixed-size uint8 gather: a 4-byte length, then the bytes."""
+    if len(data) > capacity:
+        raise ValueError(f"{len(data)} bytes do not fit a gather of {capacity}")
+    buffer = torch.zeros(4 + capacity, dtype=torch.uint8)
+    framed = struct.pack("<I", len(data)) + data
+    buffer[: len(framed)] = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
+    result = []
+    for t in _all_gather(buffer.to(device), group):
+        raw = bytes(t.tolist())
+        (length,) = struct.unpack_from("<I", raw)
+        result.append(raw[4 : 4 + length])
+    return result
+
+
+# A member's outcome of a step: None, or (status kind, message).
+_Failure = Optional[tuple[int, str]]
+
+
+def _gather_failures(error: Optional[BaseException], group: Any, device: torch.device) -> list[_Failure]:
+    """Collective: every member's outcome of a step, None or (kind, message)."""
+    if error is None:
+        status = bytes([_OK])
+    else:
+        kind = _BAD_VALUE if isinstance(error, ValueError) else _FAILED
+        status = bytes([kind]) + f"{type(error).__name__}: {error}".encode()[: _STATUS_BYTES - 1]
+    outcomes = []
+    for raw in _all_gather_bytes(status, _STATUS_BYTES, group, device):
+        outcomes.append(None if raw[0] == _OK else (raw[0], raw[1:].decode(errors="replace")))
+    return outcomes
+
+
+def _raise_failures(step: str, failures: list[_Failure], cause: Optional[BaseException]) -> None:
+    failed = [r for r, f in enumerate(failures) if f is not None]
+    if not failed:
+        return
+    detail = "; ".join(f"rank {r}: {failures[r][1]}" for r in failed)
+    cls = ValueError if all(failures[r][0] == _BAD_VALUE for r in failed) else RuntimeError
+    raise cls(f"allocate_workspace: {step} failed on group ranks {failed}: {detail}") from cause
+
+
+@contextlib.contextmanager
+def _collective_step(step: str, group: Any, device: torch.device) -> Iterator[None]:
+    """Run the body locally, then tell every member whether every member
+    succeeded: on any failure, every member raises the same error."""
+    error = None
+    try:
+        yield
+    except Exception as e:  # reported to every member below
+        error = e
+    _raise_failures(step, _gather_failures(error, group, device), error)
+
+
+def _check_equal_sizes(size_per_rank: int, group: Any, device: torch.device) -> None:
+    sizes = [v[0] for v in _all_gather_ints([size_per_rank], group, device)]
+    if len(set(sizes)) != 1:
+        raise ValueError(f"group members disagree on size_per_rank ({_describe_by_value(sizes)})")
+
+
+def _describe_by_value(values: Sequence[Any]) -> str:
+    """'ranks [0, 2]: a; ranks [1]: b' for per-rank ``values``."""
+    by_value: dict[Any, list[int]] = {}
+    for rank, value in enumerate(values):
+        by_value.setdefault(value, []).append(rank)
+    return "; ".join(f"ranks {ranks}: {value}" for value, ranks in by_value.items())
+
+
+# ---- one rank per process on the CPU: shared memory ---------------------------------
 
 
 def _shared_cpu_workspace(group: Any, group_size: int, size_per_rank: int) -> torch.Tensor:
@@ -127,9 +354,6 @@ def _shared_cpu_workspace(group: Any, group_size: int, size_per_rank: int) -> to
     return workspace
 
 
-_MAX_NAME_BYTES = 4096
-
-
 def _broadcast_text(text: str, group: Any) -> str:
     """Group rank 0's ``text`` on every member (a fixed-size uint8 tensor: no numpy needed)."""
     import torch.distributed as dist
@@ -141,3 +365,253 @@ def _broadcast_text(text: str, group: Any) -> str:
     buffer[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
     dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)
     return bytes(buffer.tolist()).rstrip(b"\0").decode()
+
+
+# ---- one rank per process on CUDA: virtual memory ----------------------------------------
+
+
+def _vmm_ops() -> Any:
+    """torch.ops.moe_a2a, checked to have the vmm_* ops (builds with CUDA only)."""
+    ops = torch.ops.moe_a2a
+    if not hasattr(ops, "vmm_map"):
+        raise RuntimeError(
+            "multi-process CUDA workspaces need torch_moe_a2a built with CUDA, but this build has the CPU "
+            "kernels only (rebuild with a CUDA build of torch and nvcc available)"
+        )
+    return ops
+
+
+def _cuda_index(device: Union[torch.device, str, int, None]) -> int:
+    if not torch.cuda.is_available():
+        raise RuntimeError("a multi-process CUDA workspace needs a CUDA device, but torch sees none")
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    device = torch.device("cuda" if device is None else device)
+    if device.type != "cuda":
+        raise ValueError(f"expected a CUDA device, got {device}")
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _handle_type_override() -> Optional[str]:
+    value = os.environ.get(HANDLE_TYPE_ENV, "").strip().lower()
+    if value in _AUTO:
+        return None
+    if value not in (POSIX_FD, FABRIC):
+        raise ValueError(f"{HANDLE_TYPE_ENV}={value!r}; expected {POSIX_FD!r}, {FABRIC!r} or 'auto'")
+    return value
+
+
+def _cuda_vmm_workspace(
+    group: Any, group_size: int, size_per_rank: int, device: torch.device, collective_device: torch.device
+) -> torch.Tensor:
+    """The steps: check locally, agree on the handle type, trade the rows
+    (fabric handles, or descriptors), map, zero the own row; each ends with a
+    collective status exchange (_collective_step)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    ops = index = None
+    override, fabric_supported = None, False
+    with _collective_step("checking the CUDA device", group, collective_device):
+        override = _handle_type_override()
+        ops = _vmm_ops()
+        index = _cuda_index(device)
+        torch.cuda.init()
+        unit = cuda_workspace_granularity(index)
+        if size_per_rank % unit:
+            raise ValueError(
+                f"size_per_rank {size_per_rank} is not a multiple of {unit} bytes, the CUDA allocation "
+                f"granularity of cuda:{index}; round it up to {-(-size_per_rank // unit) * unit} "
+                "(cuda_workspace_granularity)"
+            )
+        fabric_supported = bool(ops.vmm_fabric_supported(index))
+    facts = _all_gather_ints([_OVERRIDE_CODES[override], int(fabric_supported)], group, collective_device)
+    names = {code: name for name, code in _OVERRIDE_CODES.items()}
+    overrides = [names[f[0]] for f in facts]
+    supported = [bool(f[1]) for f in facts]
+
+    handles: list[Optional[int]] = [None] * group_size  # allocation handles this process owns, by row
+    try:
+        handle_type = choose_handle_type(overrides, supported, [True] * group_size)
+        if handle_type == FABRIC:
+            failures = _trade_fabric_handles(ops, group, rank, index, size_per_rank, handles, collective_device)
+            works = [f is None for f in failures]
+            try:
+                handle_type = choose_handle_type(overrides, supported, works)
+            except ValueError as e:
+                reasons = "; ".join(f"rank {r}: {f}" for r, f in enumerate(failures) if f is not None)
+                raise ValueError(f"{e} ({reasons})") from None
+            if handle_type != FABRIC:
+                _log.info("fabric handles failed (%s); using POSIX file descriptors",
+                          "; ".join(f"rank {r}: {f}" for r, f in enumerate(failures) if f is not None))
+                _release(ops, handles)
+        if handle_type == POSIX_FD:
+            _trade_file_descriptors(ops, group, rank, index, size_per_rank, handles, collective_device)
+
+        workspace = None
+        with _collective_step("mapping the rows", group, collective_device):
+            rows, handles = handles, [None] * group_size
+            workspace = ops.vmm_map(index, size_per_rank, rows)  # owns every handle from here, also on failure
+            # Peers write into this row only after allocate_workspace returned
+            # on them, which is after the exchange that closes this step.
+            workspace[rank].zero_()
+            torch.cuda.synchronize(index)
+    finally:
+        _release(ops, handles)
+    _log.info("allocate_workspace: group rank %d of %d mapped %d rows of %d bytes on cuda:%d (%s handles)",
+              rank, group_size, group_size, size_per_rank, index, handle_type)
+    return workspace
+
+
+def _release(ops: Any, handles: list[Optional[int]]) -> None:
+    """Release the handles this process still owns (cleanup: never raises)."""
+    for i, handle in enumerate(handles):
+        if handle is None:
+            continue
+        handles[i] = None
+        try:
+            ops.vmm_release(handle)
+        except RuntimeError as e:
+            _log.warning("allocate_workspace: releasing a row's allocation handle failed: %s", e)
+
+
+def _trade_fabric_handles(
+    ops: Any, group: Any, rank: int, index: int, size: int, handles: list[Optional[int]], device: torch.device
+) -> list[Optional[str]]:
+    """Create this rank's row with a fabric handle, gather every member's
+    handle through the group and import the peers' rows into ``handles``.
+    Returns, per rank, None where all of that worked, else why not."""
+    exported = b""
+    error = None
+    try:
+        handles[rank] = ops.vmm_create(index, size, FABRIC)
+        exported = bytes(ops.vmm_export(handles[rank], FABRIC))
+        if len(exported) != _FABRIC_HANDLE_BYTES:
+            raise RuntimeError(f"a fabric handle has {_FABRIC_HANDLE_BYTES} bytes, the export gave {len(exported)}")
+    except Exception as e:  # typically no IMEX channel: the peers learn it below
+        error = e
+    failures = [None if f is None else f[1] for f in _gather_failures(error, group, device)]
+    peer_handles = _all_gather_bytes(exported, _FABRIC_HANDLE_BYTES, group, device)
+    if any(failures):
+        return failures
+    error = None
+    try:
+        for peer, shareable in enumerate(peer_handles):
+            if peer != rank:
+                handles[peer] = ops.vmm_import(index, list(shareable), FABRIC)
+    except Exception as e:
+        error = e
+    return [None if f is None else f[1] for f in _gather_failures(error, group, device)]
+
+
+def _socket_directory() -> str:
+    """A new private (0700) directory for this rank's socket, in the temp
+    directory unless a socket path there would be too long."""
+    base = tempfile.gettempdir()
+    # mkdtemp adds 8 random characters to the prefix.
+    if len(os.path.join(base, "torch_moe_a2a_" + "x" * 8, _SOCKET_NAME)) > _SOCKET_PATH_MAX:
+        base = "/tmp"
+    return tempfile.mkdtemp(prefix="torch_moe_a2a_", dir=base)
+
+
+def _trade_file_descriptors(
+    ops: Any, group: Any, rank: int, index: int, size: int, handles: list[Optional[int]], device: torch.device
+) -> None:
+    """Create this rank's row with a POSIX file descriptor handle, send the
+    descriptor to every peer over its Unix socket (SCM_RIGHTS), receive
+    theirs and import their rows into ``handles``.
+
+    Each rank listens on a socket in a private directory (0700, the socket
+    0600) that the peers learn through the group together with a random
+    token; a descriptor message carries the sender's rank and the receiver's
+    token, so a message from outside the group is refused. Every socket,
+    directory and descriptor is gone when this returns (the imported
+    handles keep the rows alive).
+    """
+    n = len(handles)
+    directory = None
+    listener = None
+    own_fd = -1
+    connections: dict[int, socket.socket] = {}
+    received: dict[int, int] = {}
+    token = secrets.token_bytes(_TOKEN_BYTES)
+    try:
+        address = b""
+        with _collective_step("creating the row and its socket", group, device):
+            handles[rank] = ops.vmm_create(index, size, POSIX_FD)
+            (own_fd,) = ops.vmm_export(handles[rank], POSIX_FD)
+            directory = _socket_directory()
+            path = os.path.join(directory, _SOCKET_NAME)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # keeps message boundaries
+            listener.bind(path)
+            os.chmod(path, 0o600)
+            listener.listen(n)
+            listener.settimeout(_SOCKET_TIMEOUT_S)
+            address = token + path.encode()
+        peers = _all_gather_bytes(address, _MAX_NAME_BYTES, group, device)
+        tokens = [p[:_TOKEN_BYTES] for p in peers]
+        paths = [p[_TOKEN_BYTES:].decode() for p in peers]
+
+        # Connect to everyone before anyone waits for a message: a rank that
+        # cannot reach a peer (another host) makes every rank fail here.
+        with _collective_step("connecting to the peers' sockets", group, device):
+            for peer in range(n):
+                if peer == rank:
+                    continue
+                conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                connections[peer] = conn
+                conn.settimeout(_SOCKET_TIMEOUT_S)
+                try:
+                    conn.connect(paths[peer])
+                except OSError as e:
+                    raise RuntimeError(
+                        f"cannot reach rank {peer}'s socket {paths[peer]}: {e}. POSIX file descriptors pass "
+                        "between processes of one host only; ranks on several hosts need fabric handles "
+                        f"({HANDLE_TYPE_ENV}={FABRIC}, with an IMEX channel)"
+                    ) from e
+
+        with _collective_step("passing the file descriptors", group, device):
+            for peer, conn in connections.items():
+                socket.send_fds(conn, [_FD_MESSAGE.pack(rank, tokens[peer])], [own_fd])
+            while len(received) < n - 1:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.settimeout(_SOCKET_TIMEOUT_S)
+                    message, fds, flags, _ = socket.recv_fds(conn, _FD_MESSAGE.size, 1)
+                    sender = _check_fd_message(message, fds, flags, token, rank, n, received)
+                    received[sender] = fds[0]
+            for peer, fd in received.items():
+                handles[peer] = ops.vmm_import(index, [fd], POSIX_FD)
+    finally:
+        for conn in connections.values():
+            conn.close()
+        for fd in [own_fd, *received.values()]:
+            if fd >= 0:
+                os.close(fd)
+        if listener is not None:
+            listener.close()
+        if directory is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, _SOCKET_NAME))
+            os.rmdir(directory)
+
+
+def _check_fd_message(
+    message: bytes, fds: list[int], flags: int, token: bytes, rank: int, n: int, received: dict[int, int]
+) -> int:
+    """The sender of a well-formed descriptor message for this rank; else
+    closes what arrived and raises RuntimeError."""
+    problem = None
+    if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC) or len(message) != _FD_MESSAGE.size or len(fds) != 1:
+        problem = f"{len(message)} bytes, {len(fds)} descriptors, flags {flags:#x}"
+    else:
+        sender, their_token = _FD_MESSAGE.unpack(message)
+        if their_token != token:
+            problem = "a wrong token (not from a member of this group)"
+        elif not 0 <= sender < n or sender == rank or sender in received:
+            problem = f"sender rank {sender} (expected each peer of {n} ranks once)"
+    if problem is None:
+        return sender
+    for fd in fds:
+        os.close(fd)
+    raise RuntimeError(f"rank {rank}: unexpected message on the workspace socket: {problem}")
