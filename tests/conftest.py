@@ -9,8 +9,13 @@ forgot to write fails the comparison instead of passing on leftover data.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import pathlib
+import sys
+import time
+import traceback
 import zlib
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -411,3 +416,78 @@ def assert_ws_unchanged(workspace: torch.Tensor, snapshot: torch.Tensor) -> None
     if not torch.equal(now, snapshot):
         rows, cols = (now != snapshot).nonzero(as_tuple=True)
         raise AssertionError(f"workspace changed: {rows.numel()} bytes, first at row {rows[0]} byte {cols[0]}")
+
+
+# ---- one rank per process ------------------------------------------------------------
+
+
+def _rank_entry(target, rank: int, world: int, report_dir: str, args: tuple) -> None:
+    """Runs in a spawned process: target(rank, world, *args); on an exception
+    its traceback goes to report_dir/rank<r>.err and the process exits with
+    code 1 at once (no teardown: a failed rank must not hang in it)."""
+    try:
+        target(rank, world, *args)
+    except BaseException:
+        pathlib.Path(report_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+@contextlib.contextmanager
+def _environment(changes: dict):
+    """os.environ with ``changes`` (value None: unset) inside the block."""
+    saved = {k: os.environ.get(k) for k in changes}
+    try:
+        for k, v in changes.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_ranks(target, world: int, args: tuple, *, report_dir, timeout_s: float, exit_codes: Optional[dict] = None,
+              env: Optional[dict] = None, grace_s: float = 30.0) -> None:
+    """Run ``target(rank, world, *args)`` (a module-level function) in
+    ``world`` fresh processes (spawn: nothing of this process's CUDA state is
+    inherited; ``env`` changes their environment) and wait for all of them,
+    at most ``timeout_s`` seconds, and at most ``grace_s`` more once one of
+    them failed (its peers may wait for it in a collective). Kills the ones
+    still running then. Raises AssertionError naming every rank that hung,
+    exited with a code other than ``exit_codes.get(rank, 0)``, or raised (with
+    its traceback)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_entry, args=(target, r, world, str(report_dir), args), name=f"rank{r}")
+             for r in range(world)]
+    expected = {r: (exit_codes or {}).get(r, 0) for r in range(world)}
+    with _environment(env or {}):
+        for p in procs:
+            p.start()
+    deadline = time.monotonic() + timeout_s
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if any(p.exitcode is not None and p.exitcode != expected[r] for r, p in enumerate(procs)):
+            deadline = min(deadline, time.monotonic() + grace_s)
+        time.sleep(0.1)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+        procs[r].join(10)
+    problems = []
+    for r, p in enumerate(procs):
+        if r in hung:
+            problems.append(f"rank {r}: still running when the wait ended, killed")
+        elif p.exitcode != expected[r]:
+            problems.append(f"rank {r}: exit code {p.exitcode}, expected {expected[r]}")
+        err = pathlib.Path(report_dir, f"rank{r}.err")
+        if err.exists():
+            problems.append(f"rank {r} raised:\n{err.read_text()}")
+    assert not problems, "\n".join(problems)
