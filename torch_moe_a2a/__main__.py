@@ -1,7 +1,11 @@
 """``python -m torch_moe_a2a demo|bench``.
 
-demo: simulated EP round trip (dispatch -> toy MoE -> combine on every rank),
-checked bitwise against the plain-PyTorch reference; exits 1 on a mismatch.
+demo: EP round trips (dispatch -> toy MoE -> combine on every rank), checked
+bitwise against the plain-PyTorch reference; exits 1 on a mismatch. In one
+process the ranks are simulated (``SimulatedEP``); launched by ``torchrun``
+(RANK and WORLD_SIZE set) every process is one rank of a ``MoeAlltoAll`` over
+the default group: on ``cuda:LOCAL_RANK`` (modulo the GPU count) with a CUDA
+virtual-memory workspace, or on the CPU with a shared-memory one.
 bench: hands its arguments to ``torch_moe_a2a.bench.main``.
 """
 
@@ -9,22 +13,28 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 USAGE = "usage: python -m torch_moe_a2a {demo,bench} [options]   (-h after a command for its options)"
+DEFAULT_SIMULATED_RANKS = 4
 
 
 def _demo_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torch_moe_a2a demo",
-        description="Simulated EP round trip (dispatch -> toy MoE -> combine) on every rank, "
-        "checked bitwise against the plain-PyTorch reference.",
+        description="EP round trips (dispatch -> toy MoE -> combine) on every rank, checked bitwise against the "
+        "plain-PyTorch reference: simulated ranks in one process, or one rank per process under torchrun "
+        "(torchrun --nproc-per-node N -m torch_moe_a2a demo).",
     )
-    p.add_argument("--ep", type=int, default=4, help="simulated ranks (default 4)")
+    p.add_argument("--ep", type=int, default=None,
+                   help=f"simulated ranks (default {DEFAULT_SIMULATED_RANKS}); under torchrun the world size "
+                   "(must match if given)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank (default 64)")
     p.add_argument("--hidden", type=int, default=256, help="hidden size, bf16 (default 256)")
     p.add_argument("--top-k", type=int, default=4, help="experts per token (default 4)")
@@ -33,37 +43,88 @@ def _demo_parser() -> argparse.ArgumentParser:
                    help="auto: cuda if available, else cpu")
     p.add_argument("--rounds", type=int, default=3, help="round trips, each checked; time is the fastest")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init-method", default="env://",
+                   help="torch.distributed rendezvous under torchrun (default env://: MASTER_ADDR/MASTER_PORT)")
     return p
 
 
-def demo(argv: list[str]) -> int:
-    from . import SimulatedEP, moe_a2a_combine, moe_a2a_dispatch, moe_a2a_get_recv_counts
+@dataclass
+class _Problem:
+    """Every rank's inputs (CPU) and the reference exchange over all ranks."""
+
+    ids: list  # [rank] int32 [n, top_k]
+    payloads: list  # [rank] [hidden bf16 [n, H], ids int32 [n, top_k], weights fp32 [n, top_k]]
+    ref: object  # reference.RefDispatch
+    ref_out: list  # [rank] bf16 [n, H]
+    dispatch_row: int  # bytes per token
+    combine_row: int
+
+
+def _demo_problem(args: argparse.Namespace, ep: int) -> _Problem:
+    """Seeded inputs of every rank and the reference: the same in every process."""
     from .reference import random_routing, reference_combine, reference_dispatch, toy_moe
 
-    args = _demo_parser().parse_args(argv)
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    )
-    ep, n, hidden, top_k, num_experts = args.ep, args.tokens, args.hidden, args.top_k, args.experts
-
+    n, hidden, top_k, num_experts = args.tokens, args.hidden, args.top_k, args.experts
     gen = torch.Generator().manual_seed(args.seed)
     ids = [random_routing(n, top_k, num_experts, gen) for _ in range(ep)]
     xs = [torch.randn((n, hidden), generator=gen).to(torch.bfloat16) for _ in range(ep)]
     ws = [torch.rand((n, top_k), generator=gen).softmax(dim=-1) for _ in range(ep)]
     payloads = [[xs[r], ids[r], ws[r]] for r in range(ep)]
-    dispatch_row = hidden * 2 + top_k * 4 + top_k * 4
-    combine_row = hidden * 2
-
-    # The reference exchange, once: the same inputs every round.
     ref = reference_dispatch(ids, payloads, ep_size=ep, num_experts=num_experts, runtime_max_tokens_per_rank=n)
     ref_expert_out = [
         toy_moe(*ref.recv[r], ref.recv_counts[r], ep_rank=r, ep_size=ep, num_experts=num_experts) for r in range(ep)
     ]
     ref_out = reference_combine(ref_expert_out, ref, [n] * ep)
+    return _Problem(ids, payloads, ref, ref_out, hidden * 2 + top_k * 4 + top_k * 4, hidden * 2)
 
-    sim = SimulatedEP(ep, n, dispatch_bytes_per_token=dispatch_row, combine_bytes_per_token=combine_row, device=device)
-    dev_ids = [t.to(device) for t in ids]
-    dev_payloads = [[t.to(device) for t in p] for p in payloads]
+
+def _rank_matches(problem: _Problem, rank: int, recv: list, count: torch.Tensor, out: torch.Tensor) -> bool:
+    """Rank ``rank``'s receive counts, valid receive rows and combine output equal the reference, bitwise."""
+    ref = problem.ref
+    count = count.cpu()
+    good = torch.equal(count, ref.recv_counts[rank]) and torch.equal(out.cpu(), problem.ref_out[rank])
+    for s in range(count.numel()):
+        c = int(count[s])
+        good = good and all(torch.equal(v[s, :c].cpu(), rv[s, :c]) for v, rv in zip(recv, ref.recv[rank]))
+    return good
+
+
+def _print_report(title: str, problem: _Problem, n: int, ok: list[bool], round_ms: list[float]) -> int:
+    print(title)
+    print(f"{'rank':>4} {'tokens':>6} {'recv':>6} {'bytes sent':>11} {'round ms':>8}  check")
+    for r in range(len(ok)):
+        sent_rows = sum(len(pairs) for pairs in problem.ref.routes[r])  # dispatch: one row per distinct destination
+        recv_rows = int(problem.ref.recv_counts[r].sum())  # combine: one row back per received token
+        sent = sent_rows * problem.dispatch_row + recv_rows * problem.combine_row
+        print(f"{r:>4} {n:>6} {recv_rows:>6} {sent:>11} {round_ms[r]:>8.3f}  {'OK' if ok[r] else 'MISMATCH'}")
+    if not all(ok):
+        print("FAILED: outputs differ from the reference", file=sys.stderr)
+        return 1
+    print("all ranks match the reference bitwise")
+    return 0
+
+
+def _demo_device(choice: str) -> torch.device:
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if choice == "auto" else choice)
+
+
+def demo(argv: list[str]) -> int:
+    args = _demo_parser().parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return demo_distributed(args)
+
+    from . import SimulatedEP
+    from .reference import toy_moe
+
+    device = _demo_device(args.device)
+    ep = DEFAULT_SIMULATED_RANKS if args.ep is None else args.ep
+    n, top_k, num_experts = args.tokens, args.top_k, args.experts
+    problem = _demo_problem(args, ep)
+
+    sim = SimulatedEP(ep, n, dispatch_bytes_per_token=problem.dispatch_row,
+                      combine_bytes_per_token=problem.combine_row, device=device)
+    dev_ids = [t.to(device) for t in problem.ids]
+    dev_payloads = [[t.to(device) for t in p] for p in problem.payloads]
 
     # Phase by phase, every rank at once: on a GPU one host thread launches
     # all simulated ranks, and a rank's spinning kernel needs its peers
@@ -82,26 +143,70 @@ def demo(argv: list[str]) -> int:
         outs = sim.combine(expert_out, [n] * ep, n, top_k, [d[1] for d in dispatched])
         best_ms = min(best_ms, timer.stop())
         for r in range(ep):
-            recv, count = dispatched[r][0], counts[r].cpu()
-            good = torch.equal(count, ref.recv_counts[r]) and torch.equal(outs[r].cpu(), ref_out[r])
-            for s in range(ep):
-                c = int(count[s])
-                good = good and all(torch.equal(v[s, :c].cpu(), rv[s, :c]) for v, rv in zip(recv, ref.recv[r]))
-            ok[r] = ok[r] and good
+            ok[r] = ok[r] and _rank_matches(problem, r, dispatched[r][0], counts[r], outs[r])
 
-    print(f"torch-moe-a2a demo: ep {ep}, {n} tokens/rank, hidden {hidden} bf16, top-{top_k} of {num_experts} "
-          f"experts, device {device}, {args.rounds} rounds")
-    print(f"{'rank':>4} {'tokens':>6} {'recv':>6} {'bytes sent':>11} {'round ms':>8}  check")
-    for r in range(ep):
-        sent_rows = sum(len(pairs) for pairs in ref.routes[r])  # dispatch: one row per distinct destination
-        recv_rows = int(ref.recv_counts[r].sum())  # combine: one row back per received token
-        sent = sent_rows * dispatch_row + recv_rows * combine_row
-        print(f"{r:>4} {n:>6} {recv_rows:>6} {sent:>11} {best_ms:>8.3f}  {'OK' if ok[r] else 'MISMATCH'}")
-    if not all(ok):
-        print("FAILED: outputs differ from the reference", file=sys.stderr)
-        return 1
-    print("all ranks match the reference bitwise")
-    return 0
+    title = (f"torch-moe-a2a demo: ep {ep}, {n} tokens/rank, hidden {args.hidden} bf16, top-{top_k} of "
+             f"{num_experts} experts, device {device}, {args.rounds} rounds")
+    return _print_report(title, problem, n, ok, [best_ms] * ep)
+
+
+def demo_distributed(args: argparse.Namespace) -> int:
+    """One rank per process (RANK, WORLD_SIZE and LOCAL_RANK as torchrun sets
+    them): a ``MoeAlltoAll`` over the default group; every process checks its
+    own rank against the reference, and rank 0 prints every rank's line.
+    Returns the same exit code in every process."""
+    import torch.distributed as dist
+
+    from . import Mapping, MoeAlltoAll
+    from .reference import toy_moe
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.ep is not None and args.ep != world:
+        print(f"--ep {args.ep} differs from WORLD_SIZE {world} (one rank per process)", file=sys.stderr)
+        return 2
+    device = _demo_device(args.device)
+    if device.type == "cuda":
+        # One GPU per process when there are enough; else processes share GPUs (time-sliced, slow).
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    n, top_k, num_experts = args.tokens, args.top_k, args.experts
+    problem = _demo_problem(args, world)
+
+    # gloo carries the bootstrap and the report: both are CPU tensors.
+    dist.init_process_group("gloo", init_method=args.init_method, rank=rank, world_size=world)
+    try:
+        moe = MoeAlltoAll(Mapping(rank, world), n, top_k, num_experts, hidden_size=args.hidden,
+                          group=dist.group.WORLD, device=device)
+        ids = problem.ids[rank].to(device)
+        payloads = [t.to(device) for t in problem.payloads[rank]]
+        timer = _CudaTimer(device) if device.type == "cuda" else _CpuTimer()
+        best_ms = float("inf")
+        ok = True
+        for _ in range(args.rounds):
+            timer.start()
+            recv = moe.dispatch(ids, payloads, n)
+            counts = moe.recv_counts
+            expert_out = toy_moe(*recv, counts, ep_rank=rank, ep_size=world, num_experts=num_experts)
+            # Copies for the check: once this rank's combine is in, a peer's
+            # next dispatch may overwrite the receive planes.
+            recv, counts = [v.clone() for v in recv], counts.clone()
+            out = moe.combine(expert_out, n)
+            best_ms = min(best_ms, timer.stop())
+            ok = ok and _rank_matches(problem, rank, recv, counts, out)
+        moe.check()
+
+        report = torch.tensor([int(ok), round(best_ms * 1e3)], dtype=torch.int64)
+        gathered = [torch.empty_like(report) for _ in range(world)]
+        dist.all_gather(gathered, report)
+        oks = [bool(g[0]) for g in gathered]
+        round_ms = [int(g[1]) / 1e3 for g in gathered]
+        if rank != 0:
+            return 0 if all(oks) else 1
+        title = (f"torch-moe-a2a demo: {world} processes (one rank each), {n} tokens/rank, hidden {args.hidden} "
+                 f"bf16, top-{top_k} of {num_experts} experts, device {device.type}, {args.rounds} rounds")
+        return _print_report(title, problem, n, oks, round_ms)
+    finally:
+        dist.destroy_process_group()
 
 
 class _CpuTimer:
