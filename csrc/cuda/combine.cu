@@ -52,7 +52,7 @@ union Packed {
 
 struct CombineArgs {
   CombineParams p;
-  WaitLimits limits;
+  SyncSettings sync_settings;
   int64_t row_bytes;  // of a payload row
   bool stage;         // p.payload must be copied into the own combine region
   CopyPlan stage_plan;
@@ -94,8 +94,9 @@ __device__ void stage_rows(const CombineArgs& a) {
     const int segment = plan.segments == 1 ? 0 : static_cast<int>(item % plan.segments);
     while (first_row[s + 1] <= row) ++s;
     const int64_t offset = (int64_t(s) * T + row - first_row[s]) * a.row_bytes;
-    copy_segment_any(p.payload + offset, plan, segment, lane_in_group,
-                     [&](int k) -> uint8_t* { return k == 0 ? region + offset : nullptr; });
+    copy_segment_any(
+        p.payload + offset, plan, segment, lane_in_group, [](int k) { return k == 0 ? 0 : kRouteEnd; },
+        [&](int32_t) { return region + offset; });
   }
 }
 
@@ -128,30 +129,40 @@ __device__ void pull_rows(const CombineArgs& a) {
 #pragma unroll
       for (int e = 0; e < kElems; ++e) acc[u][e] = 0.0f;
     }
+    // Route entries in batches loaded together (one latency per batch, not
+    // per destination); the rows are still summed in route order.
     const int32_t* route = routes + t * kMaxTopK;
-    for (int k = 0; k < kMaxTopK; ++k) {
-      const int32_t entry = route[k];
-      if (entry == kRouteEnd) break;
-      const int d = route_rank(entry);
-      const int64_t slot = route_slot(entry);
-      // A rank masked off since the dispatch was not waited for: its rows are
-      // not final (as on the CPU). An entry outside this call's planes can
-      // only come from a combine whose sizes differ from its dispatch's, which
-      // the CPU refuses up front and the device cannot check before running:
-      // it is skipped rather than read out of bounds.
-      if (d >= ws.ep_size || slot >= T || !rank_active(p.sync, d)) continue;
-      const InRaw* src =
-          reinterpret_cast<const InRaw*>(ws.row(d) + p.combine_offset + (source_row + slot) * a.row_bytes);
-      InVec x[kSumUnroll];
+    bool ended = false;
+    for (int batch = 0; batch < kMaxTopK && !ended; batch += kDestBatch) {
+      int32_t entries[kDestBatch];
 #pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
-        const int64_t v = first + int64_t(u) * lanes;
-        x[u].raw = v < vectors ? src[v] : InRaw{};
-      }
+      for (int j = 0; j < kDestBatch; ++j) entries[j] = batch + j < kMaxTopK ? route[batch + j] : kRouteEnd;
 #pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
+      for (int j = 0; j < kDestBatch; ++j) {
+        const int32_t entry = entries[j];
+        ended = ended || entry == kRouteEnd;
+        if (ended) break;
+        const int d = route_rank(entry);
+        const int64_t slot = route_slot(entry);
+        // A rank masked off since the dispatch was not waited for: its rows
+        // are not final (as on the CPU). An entry outside this call's planes
+        // can only come from a combine whose sizes differ from its
+        // dispatch's, which the CPU refuses up front and the device cannot
+        // check before running: it is skipped rather than read out of bounds.
+        if (d >= ws.ep_size || slot >= T || !rank_active(p.sync, d)) continue;
+        const InRaw* src =
+            reinterpret_cast<const InRaw*>(ws.row(d) + p.combine_offset + (source_row + slot) * a.row_bytes);
+        InVec x[kSumUnroll];
 #pragma unroll
-        for (int e = 0; e < kElems; ++e) acc[u][e] += In::to_float(x[u].v[e]);
+        for (int u = 0; u < kSumUnroll; ++u) {
+          const int64_t v = first + int64_t(u) * lanes;
+          x[u].raw = v < vectors ? src[v] : InRaw{};
+        }
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u) {
+#pragma unroll
+          for (int e = 0; e < kElems; ++e) acc[u][e] += In::to_float(x[u].v[e]);
+        }
       }
     }
     OutRaw* dst = reinterpret_cast<OutRaw*>(p.output) + t * vectors;
@@ -192,12 +203,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
 
   // 2. Release: the last CTA publishes the whole grid's staging (device.cuh
   // explains the chain) to the peers and to this grid's own CTAs.
-  const bool last = arrive_last(header_word<uint32_t>(own, kHdrCombineArrivals));
-  if (last) raise_flags(ws, p.sync, kHdrCombineFlags, epoch);
+  const bool system = a.sync_settings.system;
+  const bool last = arrive_last(header_word<uint32_t>(own, kHdrCombineArrivals), system);
+  if (last) raise_flags(ws, p.sync, kHdrCombineFlags, epoch, system);
 
   // 3. Acquire: every CTA, so that each one's pull loads follow its own
   // acquire of every flag (own rank's included).
-  if (!wait_for_flags(ws, p.sync, kHdrCombineFlags, epoch, kErrorCombineTimeout, a.limits)) return;
+  if (!wait_for_flags(ws, p.sync, kHdrCombineFlags, epoch, kErrorCombineTimeout, a.sync_settings)) return;
   allow_dependent_launch();
 
   // 4. Pull.
@@ -207,8 +219,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   // peer's dispatch step 0 reads this word before it overwrites regions this
   // pull read (arrive_last's fences carry every CTA's loads along). Every
   // CTA read the epochs before it arrived; only the last one writes.
-  if (arrive_last(header_word<uint32_t>(own, kHdrCombineDoneArrivals)) && threadIdx.x == 0) {
-    st_release_sys(header_word<uint32_t>(own, kHdrCombineEpoch), epoch);
+  if (arrive_last(header_word<uint32_t>(own, kHdrCombineDoneArrivals), system) && threadIdx.x == 0) {
+    st_release(header_word<uint32_t>(own, kHdrCombineEpoch), epoch, system);
   }
 }
 
@@ -238,7 +250,7 @@ cudaError_t combine_ctas_per_sm(int* ctas_per_sm) {
 cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, cudaStream_t stream) {
   CombineArgs a{};
   a.p = p;
-  a.limits = make_wait_limits(p.sync.timeout_s, config.timeout_ms);
+  a.sync_settings = make_sync_settings(p.sync.timeout_s, config);
   const int64_t in_bytes = dtype_bytes(p.payload_dtype);
   const int64_t out_bytes = dtype_bytes(p.output_dtype);
   a.row_bytes = p.row_elems * in_bytes;
@@ -260,7 +272,9 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
   const int64_t per_segment = int64_t(a.pull_lanes) * kSumUnroll;
   a.pull_segments = (vectors + per_segment - 1) / per_segment;
 
-  const int grid = spinning_grid_size(config);
+  // Pull: a row written per token (and as many read per destination); staging
+  // copies about as many rows again.
+  const int grid = spinning_grid_size(config, p.local_num_tokens * a.row_bytes * (a.stage ? 2 : 1));
   const bool pdl = p.sync.enable_pdl && config.pdl_supported;
   const DType in = p.payload_dtype, out = p.output_dtype;
   if (in == DType::kFloat32 && out == DType::kFloat32) {

@@ -5,9 +5,13 @@
 // ---------------------------------------------------------------------------
 // Memory ordering: why each flag is correct
 // ---------------------------------------------------------------------------
-// Peers may be other GPUs (NVLink mappings) or other processes, so every
+// Peers may be other GPUs (NVLink mappings) or other processes: then every
 // flag that another rank reads is written with st.release.sys and read with
-// ld.acquire.sys; gpu scope would only cover simulated ranks on one device.
+// ld.acquire.sys, and the fences are fence.sc.sys (SyncSettings::system).
+// When every rank of the workspace runs on this device in this process
+// (simulated ranks), gpu scope covers all of them, and the launchers pick it:
+// a system-scope fence costs about a microsecond on an H200, and a round trip
+// makes about a dozen of them. Below, "sys" stands for the scope in use.
 // Payload rows, receive counts and EPLB rows are ordinary stores: the flag
 // that follows them is what publishes them.
 //
@@ -15,11 +19,11 @@
 //   rows are written by every thread of every CTA, but one thread of the last
 //   CTA raises the flag. The chain, for a CTA X and the last CTA L:
 //     X's threads store rows -> __syncthreads (bar.sync orders them before
-//     thread 0's next operations) -> X.thread0: __threadfence_system, then
+//     thread 0's next operations) -> X.thread0: fence.sc.sys, then
 //     atomicAdd on the arrival counter (a release pattern) -> L.thread0's
 //     atomicAdd reads a value that X's increment is part of (observation
 //     order runs through the chain of read-modify-writes) ->
-//     L.thread0: __threadfence_system (an acquire pattern) -> __syncthreads
+//     L.thread0: fence.sc.sys (an acquire pattern) -> __syncthreads
 //     -> L.thread d: st.release.sys flag into rank d's header.
 //   Causality order is transitive across these steps, so a peer that
 //   acquire-loads the flag and sees the new epoch also sees every row of
@@ -83,6 +87,8 @@ static_assert(kThreads >= kMaxRanks, "one thread per peer raises and waits for f
 
 // Vectors of a copy or a sum in flight per lane before the stores begin.
 constexpr int kCopyUnroll = 4;
+// Destination rows of a copy whose addresses are looked up together.
+constexpr int kDestBatch = 4;
 
 // Spin-wait backoff: tight first (peers usually arrive within microseconds),
 // then __nanosleep doubling up to the cap so that many pollers of many
@@ -90,10 +96,11 @@ constexpr int kCopyUnroll = 4;
 constexpr unsigned kPollFirstSleepNs = 32;
 constexpr unsigned kPollMaxSleepNs = 1024;
 
-// Bounds of a wait, resolved on the host.
-struct WaitLimits {
+// How a launch synchronizes with its peers, resolved on the host.
+struct SyncSettings {
   uint64_t timeout_ns;  // %globaltimer budget of one wait
   uint32_t timeout_ms;  // what the error record says
+  bool system;          // system scope (peers on other devices or processes), else gpu scope
 };
 
 // ---- memory-model primitives (generic addresses: workspace rows, peer
@@ -111,6 +118,37 @@ __device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
 
 __device__ __forceinline__ void st_release_sys(int64_t* p, int64_t v) {
   asm volatile("st.release.sys.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_gpu(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.gpu.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// The same at the scope of a launch (SyncSettings::system).
+__device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p, bool system) {
+  return system ? ld_acquire_sys(p) : ld_acquire_gpu(p);
+}
+
+__device__ __forceinline__ void st_release(uint32_t* p, uint32_t v, bool system) {
+  if (system) {
+    st_release_sys(p, v);
+  } else {
+    st_release_gpu(p, v);
+  }
+}
+
+__device__ __forceinline__ void fence(bool system) {
+  if (system) {
+    __threadfence_system();
+  } else {
+    __threadfence();
+  }
 }
 
 // Own-grid word another CTA may write (the error code): no ordering needed.
@@ -224,16 +262,23 @@ __device__ inline bool may_proceed(uint8_t* own, int64_t* mailbox, bool sequence
 // returns true in every thread of the last CTA to arrive, which also resets
 // the counter for the next call. The fences make this the first half of the
 // publishing chain described at the top.
-__device__ inline bool arrive_last(uint32_t* counter) {
+__device__ inline bool arrive_last(uint32_t* counter, bool system) {
   __shared__ bool last;
   __syncthreads();
+  if (gridDim.x == 1) {
+    // The only CTA is the last: the barrier and one fence carry its threads'
+    // writes, without two more round trips to the counter in memory.
+    if (threadIdx.x == 0) fence(system);
+    __syncthreads();
+    return true;
+  }
   if (threadIdx.x == 0) {
-    __threadfence_system();
+    fence(system);
     last = atomicAdd(counter, 1u) == gridDim.x - 1;
     if (last) {
       // Every CTA has arrived: nobody else touches the counter in this grid.
       atomicExch(counter, 0u);
-      __threadfence_system();
+      fence(system);
     }
   }
   __syncthreads();
@@ -243,9 +288,11 @@ __device__ inline bool arrive_last(uint32_t* counter) {
 // Publishes `epoch` in flags[own rank] of every active rank's header (thread d
 // writes rank d's). Call after arrive_last() returned true.
 __device__ inline void raise_flags(const WorkspaceView& ws, const SyncParams& sync, int64_t flags_offset,
-                                   uint32_t epoch) {
+                                   uint32_t epoch, bool system) {
   const int d = threadIdx.x;
-  if (d < ws.ep_size && rank_active(sync, d)) st_release_sys(flag_of(ws.row(d), flags_offset, ws.ep_rank), epoch);
+  if (d < ws.ep_size && rank_active(sync, d)) {
+    st_release(flag_of(ws.row(d), flags_offset, ws.ep_rank), epoch, system);
+  }
 }
 
 // Waits until the word word_of(p) reached `epoch` for every active rank p
@@ -255,7 +302,7 @@ __device__ inline void raise_flags(const WorkspaceView& ws, const SyncParams& sy
 // a CTA that sees an error recorded by another CTA of the grid stops too.
 template <typename WordOf>
 __device__ inline bool wait_for_words(const WorkspaceView& ws, const SyncParams& sync, WordOf word_of,
-                                      uint32_t epoch, uint32_t code_on_timeout, const WaitLimits& limits) {
+                                      uint32_t epoch, uint32_t code_on_timeout, const SyncSettings& settings) {
   __shared__ unsigned long long missing;
   __shared__ int aborted;
   uint8_t* own = ws.row(ws.ep_rank);
@@ -270,12 +317,12 @@ __device__ inline bool wait_for_words(const WorkspaceView& ws, const SyncParams&
     const uint32_t* error = header_word<uint32_t>(own, kHdrErrorCode);
     const uint64_t start = global_timer_ns();
     unsigned sleep_ns = 0;
-    while (!epoch_reached(ld_acquire_sys(flag), epoch)) {
+    while (!epoch_reached(ld_acquire(flag, settings.system), epoch)) {
       if (ld_relaxed_gpu(error) != kErrorNone) {
         aborted = 1;
         break;
       }
-      if (global_timer_ns() - start >= limits.timeout_ns) {
+      if (global_timer_ns() - start >= settings.timeout_ns) {
         atomicOr(&missing, 1ull << p);
         break;
       }
@@ -286,17 +333,17 @@ __device__ inline bool wait_for_words(const WorkspaceView& ws, const SyncParams&
   __syncthreads();
   const uint64_t missed = missing;
   if (missed != 0 && threadIdx.x == 0) {
-    record_error(own, sync.mailbox, code_on_timeout, missed, limits.timeout_ms);
+    record_error(own, sync.mailbox, code_on_timeout, missed, settings.timeout_ms);
   }
   return missed == 0 && aborted == 0;
 }
 
 // wait_for_words on flags[p] of the own header.
 __device__ inline bool wait_for_flags(const WorkspaceView& ws, const SyncParams& sync, int64_t flags_offset,
-                                      uint32_t epoch, uint32_t code_on_timeout, const WaitLimits& limits) {
+                                      uint32_t epoch, uint32_t code_on_timeout, const SyncSettings& settings) {
   uint8_t* own = ws.row(ws.ep_rank);
   return wait_for_words(
-      ws, sync, [&](int p) { return flag_of(own, flags_offset, p); }, epoch, code_on_timeout, limits);
+      ws, sync, [&](int p) { return flag_of(own, flags_offset, p); }, epoch, code_on_timeout, settings);
 }
 
 // ---- vector copies ------------------------------------------------------------------------
@@ -336,14 +383,18 @@ struct CopyPlan {
   int segments;  // per row
 };
 
-// Copies segment `segment` of the row at `src` to every destination row that
-// dest_row(k) returns for k = 0, 1, ... until it returns nullptr. The loads
-// of the segment are all issued before the first store, and each byte is read
-// once however many destinations there are. Called by the `lanes` lanes of
-// one group with their lane index in the group.
-template <int kBytes, typename DestRow>
+// Copies segment `segment` of the row at `src` to the destination rows
+// row_of(key(0)), row_of(key(1)), ... up to the first key that is kRouteEnd
+// (keys are route entries in dispatch). The loads of the segment are all
+// issued before the first store, and each byte is read once however many
+// destinations there are. key(k) is called for a batch of kDestBatch values
+// of k before the batch's stores, so its loads are in flight together rather
+// than one per destination; it may be called past the end (k < kMaxTopK
+// always), and what it returns there is not used. Called by the `lanes` lanes
+// of one group with their lane index in the group.
+template <int kBytes, typename Key, typename RowOf>
 __device__ __forceinline__ void copy_segment(const uint8_t* src, const CopyPlan& plan, int segment,
-                                             int lane_in_group, DestRow&& dest_row) {
+                                             int lane_in_group, Key&& key, RowOf&& row_of) {
   using V = typename VecOf<kBytes>::T;
   const V* from = reinterpret_cast<const V*>(src);
   const int first = segment * plan.lanes * kCopyUnroll + lane_in_group;
@@ -353,33 +404,38 @@ __device__ __forceinline__ void copy_segment(const uint8_t* src, const CopyPlan&
     const int v = first + u * plan.lanes;
     buf[u] = v < plan.vectors ? from[v] : V{};
   }
-  for (int k = 0;; ++k) {
-    uint8_t* dst = dest_row(k);
-    if (dst == nullptr) break;
-    V* to = reinterpret_cast<V*>(dst);
+  for (int batch = 0; batch < kMaxTopK; batch += kDestBatch) {
+    int32_t keys[kDestBatch];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      const int v = first + u * plan.lanes;
-      if (v < plan.vectors) to[v] = buf[u];
+    for (int j = 0; j < kDestBatch; ++j) keys[j] = batch + j < kMaxTopK ? key(batch + j) : kRouteEnd;
+#pragma unroll
+    for (int j = 0; j < kDestBatch; ++j) {
+      if (keys[j] == kRouteEnd) return;
+      V* to = reinterpret_cast<V*>(row_of(keys[j]));
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int v = first + u * plan.lanes;
+        if (v < plan.vectors) to[v] = buf[u];
+      }
     }
   }
 }
 
 // copy_segment with the plan's vector width picked at run time.
-template <typename DestRow>
+template <typename Key, typename RowOf>
 __device__ __forceinline__ void copy_segment_any(const uint8_t* src, const CopyPlan& plan, int segment,
-                                                 int lane_in_group, DestRow&& dest_row) {
+                                                 int lane_in_group, Key&& key, RowOf&& row_of) {
   switch (plan.vec_bytes) {
     case 16:
-      return copy_segment<16>(src, plan, segment, lane_in_group, dest_row);
+      return copy_segment<16>(src, plan, segment, lane_in_group, key, row_of);
     case 8:
-      return copy_segment<8>(src, plan, segment, lane_in_group, dest_row);
+      return copy_segment<8>(src, plan, segment, lane_in_group, key, row_of);
     case 4:
-      return copy_segment<4>(src, plan, segment, lane_in_group, dest_row);
+      return copy_segment<4>(src, plan, segment, lane_in_group, key, row_of);
     case 2:
-      return copy_segment<2>(src, plan, segment, lane_in_group, dest_row);
+      return copy_segment<2>(src, plan, segment, lane_in_group, key, row_of);
     default:
-      return copy_segment<1>(src, plan, segment, lane_in_group, dest_row);
+      return copy_segment<1>(src, plan, segment, lane_in_group, key, row_of);
   }
 }
 
@@ -416,13 +472,14 @@ inline CopyPlan make_copy_plan(int64_t row_bytes, uint64_t alignment_bits) {
   return plan;
 }
 
-inline WaitLimits make_wait_limits(double timeout_s, uint32_t timeout_ms) {
-  WaitLimits limits;
+inline SyncSettings make_sync_settings(double timeout_s, const LaunchConfig& config) {
+  SyncSettings settings;
   const double ns = timeout_s * 1e9;
   constexpr double kMaxNs = 1.8e19;  // below 2^64
-  limits.timeout_ns = ns >= kMaxNs ? UINT64_MAX : static_cast<uint64_t>(ns);
-  limits.timeout_ms = timeout_ms;
-  return limits;
+  settings.timeout_ns = ns >= kMaxNs ? UINT64_MAX : static_cast<uint64_t>(ns);
+  settings.timeout_ms = config.timeout_ms;
+  settings.system = config.system_scope;
+  return settings;
 }
 
 inline uint64_t address_bits(const void* p) { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p)); }

@@ -32,7 +32,7 @@ constexpr int kIdsPerBatch = 8;
 
 struct DispatchArgs {
   DispatchParams p;
-  WaitLimits limits;
+  SyncSettings sync_settings;
   int64_t tokens_per_cta;
   CopyPlan plan[kMaxPayloads];
 };
@@ -97,8 +97,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
 
   wait_for_previous_grid();
   uint8_t* own = ws.row(ws.ep_rank);
+  // The own header words this call decides on, loaded together.
   const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
   const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
+  const int64_t last_dispatch_end = *header_word<int64_t>(own, kHdrLastDispatchEnd);
   if (!may_proceed(own, p.sync.mailbox, dispatch_epoch == combine_epoch)) return;
   const uint32_t epoch = dispatch_epoch + 1;
 
@@ -106,10 +108,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   // previous combine offset, write nothing before every active rank finished
   // pulling combine n-1 (its combine_epoch, released after its last pull).
   // Every CTA reads kHdrLastDispatchEnd before it arrives; the last one rewrites it.
-  if (p.layout.dispatch_end > *header_word<int64_t>(own, kHdrLastDispatchEnd)) {
+  if (p.layout.dispatch_end > last_dispatch_end) {
     const bool peers_done = wait_for_words(
         ws, p.sync, [&](int q) { return header_word<uint32_t>(ws.row(q), kHdrCombineEpoch); }, epoch - 1,
-        kErrorDispatchTimeout, a.limits);
+        kErrorDispatchTimeout, a.sync_settings);
     if (!peers_done) return;
   }
   const Router router{p.token_selected_experts, p.top_k,      p.num_experts,
@@ -216,10 +218,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
       const int segment = plan.segments == 1 ? 0 : static_cast<int>(item % plan.segments);
       const int32_t* route = routes + t * kMaxTopK;
       if (route[0] == kRouteEnd) continue;  // no destination
-      copy_segment_any(p.payload[i] + t * row_bytes, plan, segment, lane_in_group, [&](int k) -> uint8_t* {
-        if (k == kMaxTopK || route[k] == kRouteEnd) return nullptr;
-        return ws.row(route_rank(route[k])) + plane_offset + (source_row + route_slot(route[k])) * row_bytes;
-      });
+      copy_segment_any(
+          p.payload[i] + t * row_bytes, plan, segment, lane_in_group, [&](int k) { return route[k]; },
+          [&](int32_t entry) {
+            return ws.row(route_rank(entry)) + plane_offset + (source_row + route_slot(entry)) * row_bytes;
+          });
     }
   }
 
@@ -238,15 +241,17 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
 
   // 5. The last CTA to arrive publishes everything above (device.cuh explains
   // the chain), then waits for the peers and advances the epoch.
-  if (!arrive_last(header_word<uint32_t>(own, kHdrDispatchArrivals))) return;
+  const bool system = a.sync_settings.system;
+  if (!arrive_last(header_word<uint32_t>(own, kHdrDispatchArrivals), system)) return;
   if (threadIdx.x == 0) {
     *header_word<int32_t>(own, kHdrLastLocalTokens) = static_cast<int32_t>(n);
     *header_word<int32_t>(own, kHdrLastRuntimeMax) = static_cast<int32_t>(p.runtime_max_tokens);
     *header_word<int32_t>(own, kHdrLastTopK) = static_cast<int32_t>(p.top_k);
     *header_word<int64_t>(own, kHdrLastDispatchEnd) = p.layout.dispatch_end;
   }
-  raise_flags(ws, p.sync, kHdrDispatchFlags, epoch);
-  const bool arrived = wait_for_flags(ws, p.sync, kHdrDispatchFlags, epoch, kErrorDispatchTimeout, a.limits);
+  raise_flags(ws, p.sync, kHdrDispatchFlags, epoch, system);
+  const bool arrived =
+      wait_for_flags(ws, p.sync, kHdrDispatchFlags, epoch, kErrorDispatchTimeout, a.sync_settings);
   allow_dependent_launch();
   if (arrived && threadIdx.x == 0) *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
 }
@@ -260,11 +265,13 @@ cudaError_t dispatch_ctas_per_sm(int* ctas_per_sm) {
 cudaError_t launch_dispatch(const DispatchParams& p, const LaunchConfig& config, cudaStream_t stream) {
   DispatchArgs a{};
   a.p = p;
-  a.limits = make_wait_limits(p.sync.timeout_s, config.timeout_ms);
+  a.sync_settings = make_sync_settings(p.sync.timeout_s, config);
   for (int i = 0; i < p.num_payloads; ++i) {
     if (p.payload_row_bytes[i] > kMaxKernelRowBytes) return cudaErrorInvalidValue;
   }
-  const int grid = spinning_grid_size(config);
+  int64_t token_bytes = 0;
+  for (int i = 0; i < p.num_payloads; ++i) token_bytes += p.payload_row_bytes[i];
+  const int grid = spinning_grid_size(config, p.local_num_tokens * token_bytes);
   a.tokens_per_cta = (p.local_num_tokens + grid - 1) / grid;
   // A destination row starts at base + d * row_stride + plane offset + row * row_bytes.
   const uint64_t rows_bits = address_bits(p.ws.base) | uint64_t(p.ws.row_stride);

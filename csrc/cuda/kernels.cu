@@ -58,9 +58,11 @@ cudaError_t query_ctas_per_sm(int* ctas_per_sm) {
   return err;
 }
 
-int spinning_grid_size(const LaunchConfig& config) {
+int spinning_grid_size(const LaunchConfig& config, int64_t work_bytes) {
   const int ranks = config.co_resident_ranks > 0 ? config.co_resident_ranks : 1;
-  return std::max(1, (config.num_sms * config.ctas_per_sm - 1) / ranks);
+  const int resident = std::max(1, (config.num_sms * config.ctas_per_sm - 1) / ranks);
+  const int64_t wanted = (std::max<int64_t>(work_bytes, 0) + kMinBytesPerCta - 1) / kMinBytesPerCta;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, resident)));
 }
 
 cudaError_t launch_initialize(const InitParams& p, cudaStream_t stream) {

@@ -31,6 +31,11 @@ struct LaunchConfig {
   // ep_size when the workspace is a plain tensor of one process.
   int co_resident_ranks;
   bool pdl_supported;   // compute capability >= 9.0: programmatic dependent launch exists
+  // Flags and fences at system scope: some peer runs on another device or in
+  // another process. False only when every rank runs on this device in this
+  // process (a plain workspace tensor: simulated ranks), where gpu scope is
+  // enough and much cheaper.
+  bool system_scope;
   uint32_t timeout_ms;  // what a timeout record says: ops.h timeout_ms(sync.timeout_s)
 };
 
@@ -39,10 +44,17 @@ struct LaunchConfig {
 // that any mix of them fits. Host-only query; cache it per device.
 cudaError_t query_ctas_per_sm(int* ctas_per_sm);
 
-// CTAs of each spinning kernel's grid: max(1, (num_sms * ctas_per_sm - 1) /
-// co_resident_ranks), so that the grids of all co-resident ranks are resident
-// at once.
-int spinning_grid_size(const LaunchConfig& config);
+// Bytes of payload rows a CTA of a spinning kernel is given at least: a
+// smaller call runs on fewer CTAs, because every CTA pays the grid's fixed
+// costs (launch, the arrival chain, polling) while a few tokens' rows take a
+// CTA only a microsecond or two.
+constexpr int64_t kMinBytesPerCta = 16 * 1024;
+
+// CTAs of a spinning kernel's grid for `work_bytes` bytes of rows: one per
+// kMinBytesPerCta, at least 1, and at most max(1, (num_sms * ctas_per_sm - 1)
+// / co_resident_ranks), so that the grids of all co-resident ranks are
+// resident at once.
+int spinning_grid_size(const LaunchConfig& config, int64_t work_bytes);
 
 // Zeroes the own row (cudaMemsetAsync) and writes its header config; epochs
 // start at 0. Stream-ordered like the other launchers.
