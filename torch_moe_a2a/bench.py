@@ -6,7 +6,9 @@ What is measured, for every point (model preset, ep, tokens per rank):
 - ops: ``dispatch``; ``combine`` with the expert outputs in a tensor of their
   own (the op stages them into the workspace); ``combine-ws`` with the expert
   outputs already in the workspace (``payload_in_workspace=True``);
-  ``round-trip`` = dispatch + combine (staged, the API's default).
+  ``round-trip`` = dispatch + combine (staged, the API's default);
+  ``round-trip-ws`` = dispatch + combine-ws (a MoE that writes its expert
+  outputs into the workspace: the latency path).
 - one step = the call of every simulated rank (:meth:`SimulatedEP.run`: a
   CUDA stream per rank forked from and joined back into the current stream,
   or a thread per rank on the CPU). Dispatch and combine must alternate, so
@@ -101,7 +103,7 @@ DEFAULT_WARMUP = 10
 # --smoke: the short run of scripts/gpu_check.sh.
 SMOKE_PRESETS = ("deepseek-v3",)
 SMOKE_EP = (8,)
-SMOKE_TOKENS = (128, 4096)
+SMOKE_TOKENS = (1, 128, 4096)
 SMOKE_ITERS = 20
 SMOKE_WARMUP = 5
 # --max-gib default per device type: the memory a point may need.
@@ -109,9 +111,10 @@ DEFAULT_MAX_GIB = {"cuda": 60.0, "cpu": 4.0}
 GIB = 1 << 30
 MIB = 1 << 20
 
-OPS = ("dispatch", "combine", "combine-ws", "round-trip")
+OPS = ("dispatch", "combine", "combine-ws", "round-trip", "round-trip-ws")
 # The baseline has one combine; both of our combine variants are compared with it.
-BASELINE_OF = {"dispatch": "dispatch", "combine": "combine", "combine-ws": "combine", "round-trip": "round-trip"}
+BASELINE_OF = {"dispatch": "dispatch", "combine": "combine", "combine-ws": "combine", "round-trip": "round-trip",
+               "round-trip-ws": "round-trip"}
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_BLOCK = 128  # elements per fp32 scale of the fp8 hidden states
@@ -235,9 +238,9 @@ def _memory_bytes(point: Point, n_sets: int, cuda: bool) -> int:
     baseline_combine = ep * (T * k * 3 * crow + T * 3 * crow)
     total = workspace + sets + baseline_recv + baseline_dispatch + baseline_combine + 4 * outputs
     if cuda:
-        # Graph pools: our combine outputs (combine and round trip per set, combine-ws
-        # once); the baseline's graphs of one kind (at most a round trip per set).
-        total += (2 * n_sets + 1) * outputs + n_sets * (baseline_dispatch + baseline_combine)
+        # Graph pools: our combine outputs (combine and both round trips per set,
+        # combine-ws once); the baseline's graphs of one kind (at most a round trip per set).
+        total += (3 * n_sets + 1) * outputs + n_sets * (baseline_dispatch + baseline_combine)
     else:
         # The reference (CPU) shares the memory: its receive planes and copies.
         total += 2 * point.expert_rows * drow + 2 * ep * T * (drow + crow)
@@ -320,13 +323,25 @@ def _measure(
     return statistics.median(clock.elapsed_us(marks))
 
 
+_graph_roots: dict[torch.device, Tensor] = {}
+
+
 def _capture(step: Callable[[], Any]) -> tuple["torch.cuda.CUDAGraph", Any]:
     """One CUDA graph of ``step()`` and what ``step()`` returned (tensors the replays rewrite).
 
     The rank streams fork from and join into the capture stream (SimulatedEP.run).
+    The graph starts with one memset node that every rank's branch depends on:
+    a graph whose branches are roots has them launched by the driver one after
+    another, about 4.5 us apart on the H200 (ep 8: 32 us before the last rank
+    starts), while branches behind one root are released by the device within
+    about a microsecond. A single-GPU rank of a real deployment has one stream,
+    so the stagger is an artifact of the simulation that the timings must not carry.
     """
+    device = torch.device("cuda", torch.cuda.current_device())
+    root = _graph_roots.setdefault(device, torch.empty(1, dtype=torch.int32, device=device))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
+        root.zero_()
         result = step()
     return graph, result
 
@@ -423,7 +438,7 @@ def _op_bytes(point: Point, sets: list[InputSet]) -> dict[str, float]:
         combine_ws = crow * (sends + tokens)
         combine = combine_ws + 2 * crow * sends  # staging: read + write of every received row
         for op, b in (("dispatch", dispatch), ("combine", combine), ("combine-ws", combine_ws),
-                      ("round-trip", dispatch + combine)):
+                      ("round-trip", dispatch + combine), ("round-trip-ws", dispatch + combine_ws)):
             totals[op] += b / len(sets)
     return totals
 
@@ -471,6 +486,12 @@ class _Ours:
     def round_trip(self, i: int) -> list[Tensor]:
         self.dispatch(i)
         return self.combine(i)
+
+    def round_trip_ws(self, i: int) -> list[Tensor]:
+        """Dispatch, then combine with the payload in the workspace (a MoE that writes
+        its expert outputs there: the latency path)."""
+        self.dispatch(i)
+        return self.combine_ws()
 
 
 def _indexable(t: Tensor) -> Tensor:
@@ -734,6 +755,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
     eager_us["combine"] = measure(ours.combine, before=ours.dispatch)
     eager_us["combine-ws"] = measure(ours.combine_ws, before=ours.dispatch)
     eager_us["round-trip"] = measure(ours.round_trip)
+    eager_us["round-trip-ws"] = measure(ours.round_trip_ws)
     if base_ok:
         ctx.progress.phase(label, "baseline eager")
         base_eager_us["dispatch"] = measure(base.dispatch)
@@ -749,6 +771,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
             g_combine = [_capture(lambda i=i: ours.combine(i)) for i in sets_range]
             g_round_trip = [_capture(lambda i=i: ours.round_trip(i))[0] for i in sets_range]
             g_combine_ws = _capture(ours.combine_ws)[0]
+            g_round_trip_ws = [_capture(lambda i=i: ours.round_trip_ws(i))[0] for i in sets_range]
             graph_us["dispatch"] = measure(lambda i: g_dispatch[i].replay(),
                                            after=lambda i: g_combine[i][0].replay(), head_start=True)
             graph_us["combine"] = measure(lambda i: g_combine[i][0].replay(),
@@ -756,6 +779,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
             graph_us["combine-ws"] = measure(lambda i: g_combine_ws.replay(),
                                              before=lambda i: g_dispatch[i].replay(), head_start=True)
             graph_us["round-trip"] = measure(lambda i: g_round_trip[i].replay(), head_start=True)
+            graph_us["round-trip-ws"] = measure(lambda i: g_round_trip_ws[i].replay(), head_start=True)
             # The replays must compute what the (reference-checked) eager calls compute.
             g_dispatch[0].replay()
             g_combine[0][0].replay()
@@ -768,7 +792,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
         except Exception as e:  # noqa: BLE001 - reported in the row; eager numbers stand
             graph_us.clear()
             record["notes"].append(f"graph: {type(e).__name__}: {_first_line(e)}")
-        g_dispatch = g_combine = g_round_trip = g_combine_ws = eager_out = None
+        g_dispatch = g_combine = g_round_trip = g_combine_ws = g_round_trip_ws = eager_out = None
         _release(device)
         if base_ok:
             ctx.progress.phase(label, "baseline graph")
@@ -951,7 +975,7 @@ def _summary(records: list[dict], copy_gbps: float, host: dict[str, float], inte
         se = _geomean([m["speedup_eager"] for _, m in rows if m["speedup_eager"]])
         sg = _geomean([m["speedup_graph"] for _, m in rows if m["speedup_graph"]])
         lines.append(
-            f"  {op:<10} best {best['copy_ratio']:.3f} x copy ({best['GBps']:.1f} GB/s, {best_rec['preset']} "
+            f"  {op:<13} best {best['copy_ratio']:.3f} x copy ({best['GBps']:.1f} GB/s, {best_rec['preset']} "
             f"ep {best_rec['ep']} x {best_rec['tokens_per_rank']} tok); speedup over plain PyTorch (geomean) "
             f"eager {_fmt(se, '.2f', 'x')}, graph {_fmt(sg, '.2f', 'x')}"
         )

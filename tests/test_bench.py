@@ -1,0 +1,46 @@
+"""The benchmark runs end to end (CPU here, CUDA when present), checks its own
+points against the reference, and reports every op with consistent bytes."""
+
+import json
+
+import pytest
+import torch
+
+from torch_moe_a2a import bench
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bench_runs_and_reports_every_op(device, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--device", device, "--preset", "mixtral", "--ep", "1", "2", "--tokens", "1", "3",
+                     "--iters", "2", "--warmup", "1", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["copy_bandwidth_GBps"] > 0
+    assert set(data["host_cost_us"]) >= {"dispatch", "combine"}
+    assert all(v > 0 for v in data["host_cost_us"].values())
+    points = data["points"]
+    assert [(p["ep"], p["tokens_per_rank"]) for p in points] == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    preset = bench.PRESETS["mixtral"]
+    dispatch_row = preset.hidden * preset.dtype.itemsize + 2 * 4 * preset.top_k  # hidden + int32 ids + fp32 weights
+    combine_row = preset.hidden * preset.dtype.itemsize
+    for p in points:
+        assert p["status"] == "ok", p["notes"]
+        ops = p["ops"]
+        assert set(ops) == set(bench.OPS)
+        for op, m in ops.items():
+            assert m["eager_us"] > 0 and m["GBps"] > 0, op
+            assert (m["graph_us"] is not None) == (device == "cuda"), op
+        b = {op: m["bytes"] for op, m in ops.items()}
+        assert b["round-trip"] == pytest.approx(b["dispatch"] + b["combine"])
+        assert b["round-trip-ws"] == pytest.approx(b["dispatch"] + b["combine-ws"])
+        if p["ep"] == 1:
+            # One rank owns every expert: each token is sent once, received once.
+            tokens = p["tokens_per_rank"]
+            assert b["dispatch"] == 2 * tokens * dispatch_row
+            assert b["combine-ws"] == 2 * tokens * combine_row
+            assert b["combine"] == 4 * tokens * combine_row
+    table = capsys.readouterr().out
+    assert "round-trip-ws" in table and "summary: 4 points ok, 0 FAIL/error" in table
