@@ -61,7 +61,10 @@ gpu::LaunchConfig launch_config(const at::Tensor& workspace, int64_t ep_size, do
   gpu::LaunchConfig config{};
   config.num_sms = info.num_sms;
   config.ctas_per_sm = info.ctas_per_sm;
-  config.co_resident_ranks = is_vmm_workspace(workspace.storage().data()) ? 1 : static_cast<int>(ep_size);
+  const bool one_rank_per_process = is_vmm_workspace(workspace.storage().data());
+  config.co_resident_ranks = one_rank_per_process ? 1 : static_cast<int>(ep_size);
+  // A plain tensor holds every rank on this device in this process: gpu scope suffices.
+  config.system_scope = one_rank_per_process;
   // PDL only when one rank uses this device. A dependent grid's CTAs take
   // SM slots while they wait for the grid before it, so with several
   // simulated ranks per device a rank could hold more slots than its share
