@@ -4,10 +4,12 @@ processes (with the vmm_* ops faked by files), the collective error
 reporting, and the clear error of a build without CUDA."""
 
 import datetime
+import gc
 import os
 import re
 import socket
 import tempfile
+import weakref
 
 import pytest
 import torch
@@ -214,6 +216,17 @@ def _socket_dirs() -> set:
     return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("torch_moe_a2a_")}
 
 
+class _Later:
+    """Stands for the workspace that allocate_workspace maps after an exchange."""
+
+
+def _trade_then_allocate(ops, group, rank, handles, device):
+    """What allocate_workspace does: a fabric exchange, then a new object in the same frame."""
+    failures = ws._trade_fabric_handles(ops, group, rank, 0, SIZE, handles, device)
+    later = _Later()
+    return failures, later
+
+
 def _bootstrap_worker(rank, world, init_file, out_dir, row_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
@@ -235,10 +248,19 @@ def _bootstrap_worker(rank, world, init_file, out_dir, row_dir):
         results["fabric"] = [ops.live[h] for h in handles]
         ws._release(ops, handles)
 
-        # No IMEX channel on one rank: its fabric cuMemCreate fails.
+        # No IMEX channel on one rank: its fabric cuMemCreate fails. The
+        # failure must not tie the caller's frame (allocate_workspace's,
+        # which goes on to hold the workspace) into a reference cycle.
         ops = FakeVmm(rank, row_dir, fail={("create", FABRIC)} if rank == FAILING_RANK else ())
         handles = [None] * world
-        results["fabric_create_failures"] = ws._trade_fabric_handles(ops, group, rank, 0, SIZE, handles, cpu)
+        gc.disable()
+        try:
+            results["fabric_create_failures"], later = _trade_then_allocate(ops, group, rank, handles, cpu)
+            later_ref = weakref.ref(later)
+            del later
+            results["caller_locals_freed"] = later_ref() is None
+        finally:
+            gc.enable()
         ws._release(ops, handles)
 
         # A peer's fabric handle cannot be imported on one rank.
@@ -289,6 +311,7 @@ def test_exchanges_between_processes(world, tmp_path):
         assert f"passing the file descriptors failed on group ranks [{FAILING_RANK}]" in error, error
         assert "fake import failure (posix_fd)" in error, error
         assert res["posix_live"] == res["fabric_live"] == res["failed_live"] == 0
+        assert res["caller_locals_freed"], f"rank {rank}: a failed exchange kept its caller's frame alive"
         assert not res["leaked_fds"], f"rank {rank} leaked descriptors: {res['leaked_fds']}"
         assert not res["leaked_dirs"], f"rank {rank}: socket directories left behind: {res['leaked_dirs']}"
 

@@ -491,6 +491,10 @@ def _trade_fabric_handles(
     except Exception as e:  # typically no IMEX channel: the peers learn it below
         error = e
     failures = [None if f is None else f[1] for f in _gather_failures(error, group, device)]
+    # An exception left in a local ties this frame, and through it the
+    # caller's (which will hold the workspace), into a reference cycle: the
+    # workspace would outlive its last reference until the garbage collector runs.
+    error = None
     peer_handles = _all_gather_bytes(exported, _FABRIC_HANDLE_BYTES, group, device)
     if any(failures):
         return failures
@@ -501,7 +505,9 @@ def _trade_fabric_handles(
                 handles[peer] = ops.vmm_import(index, list(shareable), FABRIC)
     except Exception as e:
         error = e
-    return [None if f is None else f[1] for f in _gather_failures(error, group, device)]
+    failures = [None if f is None else f[1] for f in _gather_failures(error, group, device)]
+    error = None  # no cycle (above)
+    return failures
 
 
 def _socket_directory() -> str:
