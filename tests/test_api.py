@@ -2,6 +2,7 @@
 SimulatedEP conveniences and MoeAlltoAll."""
 
 import inspect
+import math
 
 import pytest
 import torch
@@ -343,3 +344,38 @@ def test_moe_alltoall_timeout_s(monkeypatch, device):
     assert 0.9 <= time.monotonic() - start <= 2.5
     with pytest.raises(RuntimeError, match=pattern):
         moes[0].check()
+
+
+# (ep_size, runtime_max, eplb_n, payload trailing shapes and dtypes, tokens)
+RECEIVE_VIEW_CASES = [
+    (1, 1, 0, [((8,), torch.bfloat16)], 1),
+    (3, 5, 7, [((16,), torch.float16), ((4,), torch.int32), ((4,), torch.float32)], 5),
+    (4, 6, 0, [((2, 3), torch.float8_e4m3fn), ((7,), torch.uint8), ((), torch.int64)], 0),
+    (2, 3, 2, [((5, 2, 2), torch.float32)], 2),
+]
+
+
+@pytest.mark.parametrize("case", RECEIVE_VIEW_CASES,
+                         ids=[f"ep{c[0]}-T{c[1]}-eplb{c[2]}-{len(c[3])}p" for c in RECEIVE_VIEW_CASES])
+def test_eager_receive_views_equal_traced_ones(case, device):
+    """The C++ builder of the eager path (_C.receive_views) and the view ops of
+    the traced path give the same views: shape, strides, dtype, address, and
+    the same storage as the workspace."""
+    from torch_moe_a2a import _C
+    from torch_moe_a2a.api import _traced_receive_views
+
+    ep, T, eplb_n, specs, tokens = case
+    payloads = [torch.empty((tokens, *shape), dtype=dtype, device=device) for shape, dtype in specs]
+    row_bytes = [p.element_size() * math.prod(p.shape[1:]) for p in payloads]
+    size = layout.workspace_size_per_rank(ep, T, sum(row_bytes), 16, eplb_n)
+    workspace = torch.zeros((ep, size), dtype=torch.uint8, device=device)
+    for rank in range(ep):
+        eager = _C.receive_views(workspace, rank, ep, T, eplb_n, payloads)
+        traced = _traced_receive_views(workspace, rank, ep, T, eplb_n, payloads)
+        assert eager[1] == traced[1] == layout.call_layout(ep, T, eplb_n, tuple(row_bytes)).combine_offset
+        pairs = list(zip(eager[0], traced[0])) + ([(eager[2], traced[2])] if eplb_n else [])
+        assert len(pairs) == len(payloads) + (1 if eplb_n else 0)
+        assert (eager[2] is None) == (eplb_n == 0)
+        for e, t in pairs:
+            assert (e.shape, e.stride(), e.dtype, e.data_ptr()) == (t.shape, t.stride(), t.dtype, t.data_ptr())
+            assert e.untyped_storage().data_ptr() == workspace.untyped_storage().data_ptr()

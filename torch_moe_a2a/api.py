@@ -32,7 +32,7 @@ from typing import Any, Literal, Optional, Sequence, Union
 
 import torch
 
-from . import layout
+from . import _C, layout
 from .layout import MOE_A2A_RANK_MASK_WORDS
 from .workspace import allocate_workspace, cuda_workspace_granularity
 
@@ -260,41 +260,24 @@ def _debug_check_expert_ids(token_selected_experts: torch.Tensor, num_experts: i
         )
 
 
-# (ep_size, T, eplb_n, payload row bytes) -> CallLayout; eager only.
-_LAYOUT_CACHE: dict[tuple, layout.CallLayout] = {}
-_LAYOUT_CACHE_LIMIT = 4096
-
-
-def _call_layout(ep_size: int, runtime_max: int, eplb_n: int, row_bytes: tuple) -> layout.CallLayout:
-    if torch.compiler.is_compiling():
-        return layout.call_layout(ep_size, runtime_max, eplb_n, row_bytes)
-    key = (ep_size, runtime_max, eplb_n, row_bytes)
-    found = _LAYOUT_CACHE.get(key)
-    if found is None:
-        if len(_LAYOUT_CACHE) >= _LAYOUT_CACHE_LIMIT:
-            _LAYOUT_CACHE.clear()
-        found = _LAYOUT_CACHE[key] = layout.call_layout(ep_size, runtime_max, eplb_n, row_bytes)
-    return found
-
-
-def _traced_region_view(workspace: torch.Tensor, ep_rank: int, offset: int, shape, dtype) -> torch.Tensor:
-    """Row ``ep_rank``'s region at byte ``offset`` as ``shape`` of ``dtype``, with plain view ops."""
-    return layout.region_view(workspace.select(0, ep_rank), offset, shape, dtype)
-
-
-def _eager_region_view(workspace: torch.Tensor, ep_rank: int, offset: int, shape, dtype) -> torch.Tensor:
-    """:func:`_traced_region_view` in two ops instead of four (the receive views are
-    rebuilt on every uncached dispatch: this is most of the wrapper's host time).
-    Nothing is cached: a cached view of the workspace would keep it alive. The
-    dispatch op has already checked that the workspace is contiguous and
-    16-byte aligned, so the typed view exists for every dtype."""
-    typed = workspace.view(dtype)
-    start = typed.storage_offset() + (ep_rank * workspace.shape[1] + offset) // dtype.itemsize
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return typed.as_strided(shape, strides[::-1], start)
+def _traced_receive_views(
+    workspace: torch.Tensor, ep_rank: int, ep_size: int, runtime_max: int, eplb_n: int, payloads: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], int, Optional[torch.Tensor]]:
+    """Dispatch's return values under ``torch.compile``: the receive views built
+    with plain view ops (layout.region_view), which trace; eager calls use the
+    C++ ``_C.receive_views`` instead, from the same layout."""
+    row_bytes = tuple(p.element_size() * math.prod(p.shape[1:]) for p in payloads)
+    call = layout.call_layout(ep_size, runtime_max, eplb_n, row_bytes)
+    row = workspace.select(0, ep_rank)
+    views = []
+    for payload, offset in zip(payloads, call.payload_offsets):
+        view = layout.region_view(row, offset, (ep_size, runtime_max, *payload.shape[1:]), payload.dtype)
+        view._moe_a2a_row_offset = offset  # sanitize cannot trace storage_offset()
+        views.append(view)
+    eplb = None
+    if call.eplb_offset >= 0:
+        eplb = layout.region_view(row, call.eplb_offset, (ep_size, eplb_n), torch.int32)
+    return views, call.combine_offset, eplb
 
 
 # ---------------------------------------------------------------------------
@@ -547,23 +530,17 @@ def _dispatch(
         if hit is not None:
             return list(hit[0]), hit[1], hit[2]
 
-    row_bytes = tuple(p.element_size() * math.prod(p.shape[1:]) for p in input_payloads)
-    call = _call_layout(ep_size, runtime_max_tokens_per_rank, call_eplb_n, row_bytes)
-    compiling = torch.compiler.is_compiling()
-    region = _traced_region_view if compiling else _eager_region_view
-    output_payloads = []
-    for payload, offset in zip(input_payloads, call.payload_offsets):
-        view = region(workspace, ep_rank, offset, (ep_size, runtime_max_tokens_per_rank, *payload.shape[1:]),
-                      payload.dtype)
-        if compiling:
-            view._moe_a2a_row_offset = offset  # sanitize cannot trace storage_offset()
-        output_payloads.append(view)
-    eplb_gathered_stats = None
-    if call.eplb_offset >= 0:
-        eplb_gathered_stats = region(workspace, ep_rank, call.eplb_offset, (ep_size, eplb_n), torch.int32)
+    if torch.compiler.is_compiling():
+        output_payloads, combine_offset, eplb_gathered_stats = _traced_receive_views(
+            workspace, ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n, input_payloads)
+    else:
+        # One C++ call builds every view (protocol.h's call_layout): a third of
+        # the host time of the Python view ops it replaces.
+        output_payloads, combine_offset, eplb_gathered_stats = _C.receive_views(
+            workspace, ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n, input_payloads)
     if cache is not None:
-        cache[key] = (tuple(output_payloads), call.combine_offset, eplb_gathered_stats)
-    return output_payloads, call.combine_offset, eplb_gathered_stats
+        cache[key] = (tuple(output_payloads), combine_offset, eplb_gathered_stats)
+    return output_payloads, combine_offset, eplb_gathered_stats
 
 
 def moe_a2a_combine(
