@@ -16,15 +16,15 @@ namespace moe_a2a {
 namespace {
 
 // A view `shape` of `dtype` at byte `offset` of rank `ep_rank`'s row of the
-// [ep_size, size_per_rank] uint8 `workspace`: one typed view and one
-// as_strided, sharing (and keeping alive) the workspace's storage. The dispatch
-// op has already checked that the workspace is contiguous and that every
-// region is aligned for its dtype.
+// [ep_size, size_per_rank] uint8 `workspace` (rows at its stride, which may
+// exceed size_per_rank): one typed view and one as_strided, sharing (and
+// keeping alive) the workspace's storage. The dispatch op has already checked
+// the workspace's strides and that every region is aligned for its dtype.
 at::Tensor region_view(const at::Tensor& workspace, int64_t ep_rank, int64_t offset, at::IntArrayRef shape,
                        at::ScalarType dtype) {
   const at::Tensor typed = workspace.view(dtype);
   const int64_t itemsize = static_cast<int64_t>(c10::elementSize(dtype));
-  const int64_t start = typed.storage_offset() + (ep_rank * workspace.size(1) + offset) / itemsize;
+  const int64_t start = typed.storage_offset() + (ep_rank * workspace.stride(0) + offset) / itemsize;
   std::vector<int64_t> strides(shape.size());
   int64_t step = 1;
   for (size_t i = shape.size(); i-- > 0;) {

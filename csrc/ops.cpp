@@ -71,8 +71,10 @@ void check_eplb_n(int64_t eplb_n) {
                     "], got ", eplb_n);
 }
 
-// The workspace: [ep_size, size_per_rank] uint8, contiguous, rows a multiple of
-// kAlign and large enough for the header.
+// The workspace: [ep_size, size_per_rank] uint8 whose rows are contiguous and
+// do not overlap (row stride >= size_per_rank; padding between rows is
+// allowed), row size and stride multiples of kAlign, rows large enough for
+// the header.
 WorkspaceView check_workspace(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size) {
   check_ranks(ep_rank, ep_size);
   TORCH_CHECK_VALUE(workspace.defined(), "workspace must be a tensor, got an undefined tensor");
@@ -80,20 +82,25 @@ WorkspaceView check_workspace(const at::Tensor& workspace, int64_t ep_rank, int6
                     workspace.sizes());
   TORCH_CHECK_VALUE(workspace.scalar_type() == at::kByte, "workspace must be torch.uint8, got ",
                     dtype_name(workspace.scalar_type()));
-  TORCH_CHECK_VALUE(workspace.is_contiguous(), "workspace must be contiguous, got strides ",
-                    workspace.strides(), " for shape ", workspace.sizes());
   TORCH_CHECK_VALUE(workspace.size(0) == ep_size, "workspace.shape[0] must equal ep_size=", ep_size,
                     ", got shape ", workspace.sizes());
   const int64_t size_per_rank = workspace.size(1);
   TORCH_CHECK_VALUE(size_per_rank % kAlign == 0 && size_per_rank >= kHeaderBytes,
                     "workspace.shape[1] (bytes per rank) must be a multiple of ", kAlign,
                     " and at least ", kHeaderBytes, ", got ", size_per_rank);
+  // One row: the stride between rows matters only when there are several.
+  const int64_t row_stride = ep_size > 1 ? workspace.stride(0) : size_per_rank;
+  TORCH_CHECK_VALUE(workspace.stride(1) == 1 && row_stride >= size_per_rank && row_stride % kAlign == 0,
+                    "workspace rows must be contiguous bytes (stride 1) that do not overlap, at a row stride "
+                    "that is a multiple of ", kAlign, ", got strides ", workspace.strides(), " for shape ",
+                    workspace.sizes());
   const auto address = reinterpret_cast<uintptr_t>(workspace.data_ptr());
   TORCH_CHECK_VALUE(address % kWorkspaceBaseAlign == 0, "workspace data must be ",
                     kWorkspaceBaseAlign, "-byte aligned, got address ", address);
   WorkspaceView view;
   view.base = static_cast<uint8_t*>(workspace.data_ptr());
-  view.row_stride = size_per_rank;
+  view.row_stride = row_stride;
+  view.size_per_rank = size_per_rank;
   view.ep_rank = static_cast<int>(ep_rank);
   view.ep_size = static_cast<int>(ep_size);
   return view;
@@ -302,7 +309,7 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts,
 
   p.layout = call_layout(ep_size, runtime_max_tokens_per_rank, p.eplb_n,
                          static_cast<int>(num_payloads), p.payload_row_bytes);
-  check_fits(p.layout.dispatch_end, p.ws.row_stride);
+  check_fits(p.layout.dispatch_end, p.ws.size_per_rank);
 
   p.local_num_tokens = n;
   p.runtime_max_tokens = runtime_max_tokens_per_rank;
@@ -370,9 +377,9 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
                     "combine_payload_offset must be a multiple of ", kCombineOffsetAlign,
                     " and >= ", route_end, " (the end of the route region), got ",
                     combine_payload_offset);
-  TORCH_CHECK_VALUE(combine_payload_offset <= p.ws.row_stride, "combine_payload_offset must be <= ",
-                    p.ws.row_stride, " (bytes per rank), got ", combine_payload_offset);
-  check_fits(combine_end(combine_payload_offset, ep_size, T, row_bytes), p.ws.row_stride);
+  TORCH_CHECK_VALUE(combine_payload_offset <= p.ws.size_per_rank, "combine_payload_offset must be <= ",
+                    p.ws.size_per_rank, " (bytes per rank), got ", combine_payload_offset);
+  check_fits(combine_end(combine_payload_offset, ep_size, T, row_bytes), p.ws.size_per_rank);
 
   p.sync = check_sync(active_rank_mask, workspace, ep_rank, ep_size, timeout_s, mailbox, enable_pdl);
 
@@ -413,9 +420,9 @@ SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int6
   TORCH_CHECK_VALUE(offset >= kHeaderBytes && offset % int64_t(sizeof(int32_t)) == 0,
                     "offset (of the received expert-id plane) must be a multiple of ",
                     sizeof(int32_t), " and >= ", kHeaderBytes, ", got ", offset);
-  TORCH_CHECK_VALUE(offset <= p.ws.row_stride, "offset must be <= ", p.ws.row_stride,
+  TORCH_CHECK_VALUE(offset <= p.ws.size_per_rank, "offset must be <= ", p.ws.size_per_rank,
                     " (bytes per rank), got ", offset);
-  check_fits(offset + ep_size * T * top_k * int64_t(sizeof(int32_t)), p.ws.row_stride);
+  check_fits(offset + ep_size * T * top_k * int64_t(sizeof(int32_t)), p.ws.size_per_rank);
   p.runtime_max_tokens = T;
   p.offset = offset;
   p.top_k = top_k;

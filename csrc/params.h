@@ -13,10 +13,14 @@ namespace moe_a2a {
 // Element type of combine payloads and outputs (the only dtypes combine sums).
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
-// The shared workspace: row r starts at base + r * row_stride.
+// The shared workspace: row r starts at base + r * row_stride and holds
+// size_per_rank bytes. The stride exceeds the size when rows are padded (a
+// multi-process CUDA workspace maps whole allocations of the driver's
+// granularity); the padding is never touched.
 struct WorkspaceView {
   uint8_t* base;
-  int64_t row_stride;  // == size_per_rank
+  int64_t row_stride;     // bytes between rows, >= size_per_rank
+  int64_t size_per_rank;  // usable bytes of a row: workspace.shape[1]
   int ep_rank;
   int ep_size;
   MOE_A2A_HD uint8_t* row(int r) const { return base + int64_t(r) * row_stride; }

@@ -399,3 +399,45 @@ def test_free_running_ranks_changing_layout(grow, device):
             case = Case(3, tokens, 1, 3, hidden=512, runtime_max=48, extras=() if small else big_extra)
         rounds.append((case, make_inputs(case, gen)))
     _check_free_running(make_sim(rounds[1][0], device), rounds, device)
+
+
+# ---- padded rows ------------------------------------------------------------------
+
+PAD_BYTES = 3 * layout.ALIGN  # between rows, as a multi-process CUDA workspace pads rows to whole allocations
+PAD_FILL = 0xA5
+
+
+@pytest.mark.parametrize("eplb_n", [0, 5])
+def test_workspace_with_padded_rows(device, eplb_n):
+    """A workspace whose rows lie further apart than their size (the
+    [ep_size, size_per_rank] view of a wider buffer): two round trips equal the
+    reference, EPLB rows land in the right rows, and the padding between rows
+    is never written, not even by initialize."""
+    gen = make_generator("padded rows")
+    sim = make_sim(CASE, device, eplb_n=eplb_n)
+    size = sim.workspace.shape[1]
+    wide = torch.full((CASE.ep_size, size + PAD_BYTES), PAD_FILL, dtype=torch.uint8, device=device)
+    sim.workspace = wide[:, :size]
+    assert sim.workspace.stride(0) == size + PAD_BYTES and not sim.workspace.is_contiguous()
+    sim.metainfo = [a2a.moe_a2a_initialize(sim.workspace, r, CASE.ep_size, CASE.max_tokens, eplb_n)
+                    for r in range(CASE.ep_size)]
+    stats = [torch.randint(0, 100, (eplb_n,), dtype=torch.int32, generator=gen) for _ in range(CASE.ep_size)]
+    for _ in range(2):
+        rt = round_trip(sim, CASE, make_inputs(CASE, gen), gen, eplb_stats=stats if eplb_n else None)
+        if eplb_n:
+            for r in range(CASE.ep_size):
+                assert torch.equal(rt.eplb[r], torch.stack(stats)), f"rank {r} gathered stats"
+    _wait_for_device(device)
+    assert bool((wide[:, size:] == PAD_FILL).all()), "a padding byte between rows was written"
+
+
+def test_workspace_with_overlapping_rows_is_refused():
+    """Rows closer than their size (or not contiguous) would alias: refused before anything runs."""
+    size = a2a.moe_a2a_get_workspace_size_per_rank(2, 4, 64, 64)
+    flat = torch.zeros(size + layout.ALIGN, dtype=torch.uint8)
+    overlapping = flat.as_strided((2, size), (layout.ALIGN, 1))
+    with pytest.raises(ValueError, match=r"rows must be contiguous bytes .* do not overlap"):
+        a2a.moe_a2a_initialize(overlapping, 0, 2, 4)
+    strided = torch.zeros(2, 2 * size, dtype=torch.uint8)[:, ::2]
+    with pytest.raises(ValueError, match=r"rows must be contiguous bytes"):
+        a2a.moe_a2a_initialize(strided, 0, 2, 4)

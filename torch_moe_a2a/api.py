@@ -34,7 +34,7 @@ import torch
 
 from . import _C, layout
 from .layout import MOE_A2A_RANK_MASK_WORDS
-from .workspace import allocate_workspace, cuda_workspace_granularity
+from .workspace import allocate_workspace
 
 MoeAlltoAllBackend = Literal["trtllm", "cake"]
 
@@ -876,10 +876,7 @@ class MoeAlltoAll:
       :func:`allocate_workspace` maps every member's row into every member,
       then the rows are initialized and the group synchronizes (the
       initialization finished on the device, then a barrier), so no peer
-      writes into a row before its owner zeroed it. On CUDA the size per
-      rank (given or computed) is rounded up to
-      :func:`cuda_workspace_granularity`, since each row is a whole CUDA
-      allocation; ``workspace_size_per_rank`` holds the rounded value.
+      writes into a row before its owner zeroed it.
     - otherwise (``ep_size == 1`` only): a plain zeroed tensor on ``device``
       (default: the current CUDA device if there is one, else the CPU).
 
@@ -960,9 +957,6 @@ class MoeAlltoAll:
                 group_rank = torch.distributed.get_rank(group)
                 if group_rank != self.ep_rank:
                     raise ValueError(f"mapping.moe_ep_rank {self.ep_rank} differs from the group rank {group_rank}")
-                if device.type == "cuda":
-                    unit = cuda_workspace_granularity(device)
-                    workspace_size_per_rank = -(-workspace_size_per_rank // unit) * unit
             workspace = allocate_workspace(workspace_size_per_rank, group=group, ep_size=self.ep_size, device=device)
 
         self.workspace = workspace

@@ -77,11 +77,7 @@ def allocate_workspace(
     """Return a zeroed ``[ep_size, size_per_rank]`` uint8 workspace.
 
     size_per_rank: bytes per rank, a multiple of ``layout.ALIGN`` (the value of
-    ``moe_a2a_get_workspace_size_per_rank``); for a multi-process CUDA
-    workspace also a multiple of :func:`cuda_workspace_granularity` (each row
-    is a whole CUDA allocation, and row ``r`` must start at
-    ``r * size_per_rank``): round it up, ValueError otherwise.
-    ``MoeAlltoAll`` rounds its size itself.
+    ``moe_a2a_get_workspace_size_per_rank``).
 
     Without ``group``: ``ep_size`` simulated ranks in this process share a plain
     ``torch.zeros`` tensor on ``device`` (default CPU).
@@ -102,9 +98,13 @@ def allocate_workspace(
       every member's driver can, else POSIX file descriptors over private
       Unix sockets, which needs all members on one host; see
       :func:`choose_handle_type` and ``MOE_A2A_HANDLE_TYPE``), and each maps
-      all rows contiguously with read/write access for its device. Bootstrap
-      collectives use CPU tensors, or tensors on ``device`` for an NCCL-only
-      group.
+      all rows into one address range with read/write access for its device.
+      A row is whole allocations, so rows lie ``size_per_rank`` rounded up to
+      :func:`cuda_workspace_granularity` apart: the result is the
+      ``[ep_size, size_per_rank]`` view of them (``stride(0)`` is the rounded
+      size; the ops accept such padded rows and never touch the padding).
+      Bootstrap collectives use CPU tensors, or tensors on ``device`` for an
+      NCCL-only group.
 
     Ownership: the returned tensor owns the mapping; the memory is released
     with its last reference (views included). A member's row lives on until
@@ -140,10 +140,11 @@ def allocate_workspace(
 
 
 def cuda_workspace_granularity(device: Union[torch.device, str, int, None] = None) -> int:
-    """Bytes that ``size_per_rank`` of a multi-process CUDA workspace on
-    ``device`` (default: the current CUDA device) must be a multiple of: the
-    driver's recommended allocation granularity (2 MiB on current GPUs), for
-    every handle type the device may use. RuntimeError without CUDA support."""
+    """Bytes a row of a multi-process CUDA workspace on ``device`` (default:
+    the current CUDA device) is rounded up to: the driver's recommended
+    allocation granularity (2 MiB on current GPUs), for every handle type the
+    device may use. A ``size_per_rank`` that is a multiple of it gives a
+    contiguous workspace. RuntimeError without CUDA support."""
     ops = _vmm_ops()
     index = _cuda_index(device)
     unit = int(ops.vmm_granularity(index, POSIX_FD))
@@ -418,12 +419,7 @@ def _cuda_vmm_workspace(
         index = _cuda_index(device)
         torch.cuda.init()
         unit = cuda_workspace_granularity(index)
-        if size_per_rank % unit:
-            raise ValueError(
-                f"size_per_rank {size_per_rank} is not a multiple of {unit} bytes, the CUDA allocation "
-                f"granularity of cuda:{index}; round it up to {-(-size_per_rank // unit) * unit} "
-                "(cuda_workspace_granularity)"
-            )
+        row_stride = -(-size_per_rank // unit) * unit  # whole allocations per row
         fabric_supported = bool(ops.vmm_fabric_supported(index))
     facts = _all_gather_ints([_OVERRIDE_CODES[override], int(fabric_supported)], group, collective_device)
     names = {code: name for name, code in _OVERRIDE_CODES.items()}
@@ -434,7 +430,7 @@ def _cuda_vmm_workspace(
     try:
         handle_type = choose_handle_type(overrides, supported, [True] * group_size)
         if handle_type == FABRIC:
-            failures = _trade_fabric_handles(ops, group, rank, index, size_per_rank, handles, collective_device)
+            failures = _trade_fabric_handles(ops, group, rank, index, row_stride, handles, collective_device)
             works = [f is None for f in failures]
             try:
                 handle_type = choose_handle_type(overrides, supported, works)
@@ -446,12 +442,13 @@ def _cuda_vmm_workspace(
                           "; ".join(f"rank {r}: {f}" for r, f in enumerate(failures) if f is not None))
                 _release(ops, handles)
         if handle_type == POSIX_FD:
-            _trade_file_descriptors(ops, group, rank, index, size_per_rank, handles, collective_device)
+            _trade_file_descriptors(ops, group, rank, index, row_stride, handles, collective_device)
 
         workspace = None
         with _collective_step("mapping the rows", group, collective_device):
             rows, handles = handles, [None] * group_size
-            workspace = ops.vmm_map(index, size_per_rank, rows)  # owns every handle from here, also on failure
+            rows_mapped = ops.vmm_map(index, row_stride, rows)  # owns every handle from here, also on failure
+            workspace = rows_mapped[:, :size_per_rank]  # shares (and keeps alive) the mapping
             # Peers write into this row only after allocate_workspace returned
             # on them, which is after the exchange that closes this step.
             workspace[rank].zero_()

@@ -293,7 +293,7 @@ RowStatus check_row_for_sanitize(const WorkspaceView& ws) {
 
 void initialize(const InitParams& p) {
   uint8_t* row = p.ws.row(p.ws.ep_rank);
-  at::parallel_for(0, p.ws.row_stride, kParallelGrainBytes, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, p.ws.size_per_rank, kParallelGrainBytes, [&](int64_t begin, int64_t end) {
     std::memset(row + begin, 0, static_cast<size_t>(end - begin));
   });
   store<int32_t>(row, kHdrEpRank, p.ws.ep_rank);

@@ -66,7 +66,7 @@ int spinning_grid_size(const LaunchConfig& config, int64_t work_bytes) {
 }
 
 cudaError_t launch_initialize(const InitParams& p, cudaStream_t stream) {
-  const cudaError_t err = cudaMemsetAsync(p.ws.row(p.ws.ep_rank), 0, static_cast<size_t>(p.ws.row_stride), stream);
+  const cudaError_t err = cudaMemsetAsync(p.ws.row(p.ws.ep_rank), 0, static_cast<size_t>(p.ws.size_per_rank), stream);
   if (err != cudaSuccess) return err;
   return launch_kernel(write_header_kernel, 1, 1, stream, /*pdl=*/false, p);
 }
