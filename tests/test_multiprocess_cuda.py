@@ -1,13 +1,20 @@
 """One rank per process on CUDA: allocate_workspace(group=..., device="cuda")
 maps every process's row (CUDA virtual memory) into every process.
 
-Every process uses cuda:0, so the processes time-slice one GPU (a few ms per
-round trip): sizes are small and rounds few. Each process builds every rank's
-seeded inputs, computes the reference exchange itself and compares its own
-results bitwise (receive rows and counts, EPLB stats, combine output), with
-its call regions and output buffers poisoned first. The parent only starts
-the processes (spawn: it hands no CUDA state down), bounds their time, and
-reports each one's exit code and error text (conftest.run_ranks).
+Devices (_rank_devices): rank r runs on cuda:r when there are at least as
+many GPUs as ranks (one process per GPU: peers' rows are reached through
+peer access, NVLink on the machines this is for), else every rank runs on
+cuda:0 and the processes time-slice one GPU (a few ms per round trip):
+sizes are small and rounds few. MOE_A2A_TEST_ONE_GPU_PER_RANK overrides the
+choice: 1 = one GPU per rank (a test with more ranks than GPUs skips), 0 =
+every rank on cuda:0. Worlds of 2, 4 and 8 ranks join the parametrizations
+where that many GPUs exist, so a one-GPU machine runs the same tests as
+before. Each process builds every rank's seeded inputs, computes the
+reference exchange itself and compares its own results bitwise (receive
+rows and counts, EPLB stats, combine output), with its call regions and
+output buffers poisoned first. The parent only starts the processes (spawn:
+it hands no CUDA state down), bounds their time, and reports each one's exit
+code and error text (conftest.run_ranks).
 """
 
 import datetime
@@ -39,7 +46,11 @@ from conftest import (
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-DEVICE = "cuda:0"  # every process: one GPU shared by all ranks
+SHARED_DEVICE = "cuda:0"  # every rank's device when the ranks share one GPU
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+ONE_GPU_PER_RANK_ENV = "MOE_A2A_TEST_ONE_GPU_PER_RANK"
+# Worlds that run one process per GPU where enough GPUs exist (the issue's 2, 4 and 8).
+MULTI_GPU_WORLDS = (2, 4, 8)
 CASES = {
     1: Case(1, (7,), 2, 3, hidden=64, runtime_max=8),
     2: Case(2, (9, 4), 3, 6, hidden=64, runtime_max=12, extras=(PayloadSpec(torch.float8_e4m3fn, (32,)),)),
@@ -47,6 +58,8 @@ CASES = {
             extras=(PayloadSpec(torch.int16, (3,)),)),
     4: Case(4, (5, 0, 11, 8), 4, 10, hidden=128, runtime_max=11, max_num_tokens=16,
             extras=(PayloadSpec(torch.uint8, (7,)),)),
+    8: Case(8, (5, 0, 11, 8, 1, 12, 3, 7), 4, 20, hidden=64, runtime_max=12, max_num_tokens=16,
+            extras=(PayloadSpec(torch.float16, (5,)),)),
 }
 EPLB_N = 5
 ROUNDS = 2  # per API (functional, MoeAlltoAll): the second reuses the workspace
@@ -68,16 +81,39 @@ PG_TIMEOUT = datetime.timedelta(seconds=120)
 # Environment of the ranks: one rank per process never needs the simulated
 # ranks' eager module loading (conftest), which costs every process startup
 # time and GPU memory.
-RANK_ENV = {"CUDA_MODULE_LOADING": "LAZY", "MOE_A2A_TIMEOUT_S": "20", HANDLE_TYPE_ENV: None}
+RANK_ENV = {"CUDA_MODULE_LOADING": "LAZY", "MOE_A2A_TIMEOUT_S": "20", HANDLE_TYPE_ENV: None,
+            # NVLink multicast stays off on shared GPU hosts (it can take their GPUs out of service).
+            "NCCL_NVLS_ENABLE": "0"}
+
+
+def _worlds(*base: int) -> list[int]:
+    """``base`` (what a one-GPU machine runs) plus each of MULTI_GPU_WORLDS
+    that this machine has a GPU per rank for."""
+    return sorted(set(base) | {w for w in MULTI_GPU_WORLDS if 1 < w <= GPUS})
+
+
+def _rank_devices(world: int) -> tuple[str, ...]:
+    """Each rank's device: cuda:r with a GPU per rank, else cuda:0 for all
+    (MOE_A2A_TEST_ONE_GPU_PER_RANK: 1 forces the first, skipping where the
+    GPUs are too few; 0 forces the second)."""
+    mode = os.environ.get(ONE_GPU_PER_RANK_ENV, "").strip()
+    if mode not in ("", "0", "1"):
+        raise ValueError(f"{ONE_GPU_PER_RANK_ENV}={mode!r}; expected 1, 0 or unset")
+    if mode == "1" and world > GPUS:
+        pytest.skip(f"{ONE_GPU_PER_RANK_ENV}=1: {world} ranks need {world} GPUs, {GPUS} visible")
+    if mode != "0" and world <= GPUS:
+        return tuple(f"cuda:{r}" for r in range(world))
+    return (SHARED_DEVICE,) * world
 
 
 # ---- in the rank processes ---------------------------------------------------------------
 
 
-def _init(rank: int, world: int, init_file: str, device: str, backend: str = "gloo") -> torch.device:
+def _init(rank: int, world: int, init_file: str, devices: tuple[str, ...], backend: str = "gloo") -> torch.device:
+    """Logging, this rank's device (``devices[rank]``, made current) and the process group."""
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(name)s: %(message)s")
     logging.getLogger("torch_moe_a2a").setLevel(logging.INFO)  # which handle type, on failure
-    device = torch.device(device)
+    device = torch.device(devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -203,8 +239,8 @@ def _done(out_dir: str, rank: int, **facts) -> None:
         json.dump(facts, f)
 
 
-def _round_trip_worker(rank, world, init_file, out_dir, device):
-    device = _init(rank, world, init_file, device)
+def _round_trip_worker(rank, world, init_file, out_dir, devices):
+    device = _init(rank, world, init_file, devices)
     try:
         case = CASES[world]
         functional = _Inputs(case, f"functional-{world}", eplb=True)
@@ -257,14 +293,14 @@ def _expect_ranks_done(tmp_path, world) -> list[dict]:
 
 
 @pytest.mark.parametrize("handle_type", ["auto", POSIX_FD, FABRIC])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", _worlds(2, 4))
 def test_round_trips_match_reference(world, handle_type, tmp_path):
     """Functional API and MoeAlltoAll, each two rounds on one workspace, with
     EPLB stats: every rank's receive rows and counts, gathered stats and
     combine output equal the reference bitwise. MOE_A2A_HANDLE_TYPE=fabric
     skips where fabric handles are unavailable (every rank must agree)."""
     env = {**RANK_ENV, HANDLE_TYPE_ENV: None if handle_type == "auto" else handle_type}
-    run_ranks(_round_trip_worker, world, (str(tmp_path / "init"), str(tmp_path), DEVICE),
+    run_ranks(_round_trip_worker, world, (str(tmp_path / "init"), str(tmp_path), _rank_devices(world)),
               report_dir=tmp_path, timeout_s=PROCESS_TIMEOUT_S, env=env)
     results = _expect_ranks_done(tmp_path, world)
     unavailable = [r for r, res in enumerate(results) if "fabric_unavailable" in res]
@@ -273,8 +309,8 @@ def test_round_trips_match_reference(world, handle_type, tmp_path):
         pytest.skip(f"fabric handles unavailable: {results[0]['fabric_unavailable']}")
 
 
-def _rank_mask_worker(rank, world, init_file, out_dir, device):
-    device = _init(rank, world, init_file, device)
+def _rank_mask_worker(rank, world, init_file, out_dir, devices):
+    device = _init(rank, world, init_file, devices)
     try:
         case = CASES[world]
         active = [r for r in range(world) if r != MASKED_RANK]
@@ -307,17 +343,17 @@ def _rank_mask_worker(rank, world, init_file, out_dir, device):
         dist.destroy_process_group()
 
 
-def test_rank_mask_excludes_a_silent_process(tmp_path):
+@pytest.mark.parametrize("world", _worlds(3))
+def test_rank_mask_excludes_a_silent_process(world, tmp_path):
     """Rank 1 maps the workspace but never calls dispatch or combine; the
     others mask it out and still match the reference without it."""
-    world = 3
-    run_ranks(_rank_mask_worker, world, (str(tmp_path / "init"), str(tmp_path), DEVICE),
+    run_ranks(_rank_mask_worker, world, (str(tmp_path / "init"), str(tmp_path), _rank_devices(world)),
               report_dir=tmp_path, timeout_s=PROCESS_TIMEOUT_S, env=RANK_ENV)
     _expect_ranks_done(tmp_path, world)
 
 
-def _killed_rank_worker(rank, world, init_file, out_dir, device, kill_point):
-    device = _init(rank, world, init_file, device)
+def _killed_rank_worker(rank, world, init_file, out_dir, devices, kill_point):
+    device = _init(rank, world, init_file, devices)
     case = CASES[world]
     inputs = _Inputs(case, f"kill-{world}", eplb=False)
     gen = make_generator(f"kill-poison-{world}-{rank}")
@@ -357,14 +393,14 @@ def _killed_rank_worker(rank, world, init_file, out_dir, device, kill_point):
 
 
 @pytest.mark.parametrize("kill_point", ["before_dispatch", "after_dispatch"])
-def test_killed_process_makes_survivors_raise(kill_point, tmp_path):
+@pytest.mark.parametrize("world", _worlds(3))
+def test_killed_process_makes_survivors_raise(world, kill_point, tmp_path):
     """Rank 1 dies (os._exit) right before or right after launching its
     dispatch of the second round; the survivors' waits time out
     (MOE_A2A_TIMEOUT_S=3) and raise an error naming rank 1 as missing,
     instead of hanging. The parent gets every survivor's error text."""
-    world = 3
     env = {**RANK_ENV, "MOE_A2A_TIMEOUT_S": str(FAULT_TIMEOUT_S)}
-    run_ranks(_killed_rank_worker, world, (str(tmp_path / "init"), str(tmp_path), DEVICE, kill_point),
+    run_ranks(_killed_rank_worker, world, (str(tmp_path / "init"), str(tmp_path), _rank_devices(world), kill_point),
               report_dir=tmp_path, timeout_s=PROCESS_TIMEOUT_S, env=env, exit_codes={VICTIM_RANK: KILLED_EXIT})
     assert not (tmp_path / f"rank{VICTIM_RANK}.json").exists(), "the victim was not killed where planned"
     for r in range(world):
@@ -422,8 +458,8 @@ def _allocate_check_free(rank: int, world: int, size: int, device: torch.device,
     assert int(live()) == 0, f"cycle {cycle}: the freed workspace is still registered"
 
 
-def _cycles_worker(rank, world, init_file, out_dir, device):
-    device = _init(rank, world, init_file, device)
+def _cycles_worker(rank, world, init_file, out_dir, devices):
+    device = _init(rank, world, init_file, devices)
     try:
         size = a2a.cuda_workspace_granularity(device)
         for cycle in range(WARMUP_CYCLES):  # the first ones set up the context, driver and sockets
@@ -449,11 +485,11 @@ def _cycles_worker(rank, world, init_file, out_dir, device):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", _worlds(2, 4))
 def test_allocate_free_cycles_leak_nothing(world, tmp_path):
     """100 allocate/free cycles: every workspace is fresh (zero) and maps row
     r to rank r; device memory and open descriptors do not grow."""
-    run_ranks(_cycles_worker, world, (str(tmp_path / "init"), str(tmp_path), DEVICE),
+    run_ranks(_cycles_worker, world, (str(tmp_path / "init"), str(tmp_path), _rank_devices(world)),
               report_dir=tmp_path, timeout_s=PROCESS_TIMEOUT_S, env=RANK_ENV)
     for r, res in enumerate(_expect_ranks_done(tmp_path, world)):
         print(f"rank {r}: free memory change {res['free_mib']:.1f} MiB, new descriptors {res['new_fds']}")
@@ -468,8 +504,8 @@ def _expect_collective_error(cls, pattern: str, fn) -> None:
     raise AssertionError(f"no {cls.__name__} matching {pattern!r}")
 
 
-def _errors_worker(rank, world, init_file, out_dir, device):
-    device = _init(rank, world, init_file, device)
+def _errors_worker(rank, world, init_file, out_dir, devices):
+    device = _init(rank, world, init_file, devices)
     try:
         group = dist.group.WORLD
         unit = a2a.cuda_workspace_granularity(device)
@@ -506,13 +542,13 @@ def test_bad_arguments_raise_on_every_rank(tmp_path):
     every rank raises the same ValueError naming the ranks, nothing leaks,
     and the group can allocate afterwards."""
     world = 2
-    run_ranks(_errors_worker, world, (str(tmp_path / "init"), str(tmp_path), DEVICE),
+    run_ranks(_errors_worker, world, (str(tmp_path / "init"), str(tmp_path), _rank_devices(world)),
               report_dir=tmp_path, timeout_s=PROCESS_TIMEOUT_S, env=RANK_ENV)
     _expect_ranks_done(tmp_path, world)
 
 
-def _nccl_worker(rank, world, init_file, out_dir, device):
-    device = _init(rank, world, init_file, device, backend="nccl")
+def _nccl_worker(rank, world, init_file, out_dir, devices):
+    device = _init(rank, world, init_file, devices, backend="nccl")
     try:
         case = CASES[world]
         inputs = _Inputs(case, "nccl", eplb=True)
@@ -532,10 +568,13 @@ def _nccl_worker(rank, world, init_file, out_dir, device):
         dist.destroy_process_group()
 
 
-def test_nccl_group(tmp_path):
-    """The bootstrap through an NCCL group (collectives on CUDA tensors). One
-    rank: NCCL refuses several ranks on one GPU."""
-    world = 1
-    run_ranks(_nccl_worker, world, (str(tmp_path / "init"), str(tmp_path), DEVICE),
+@pytest.mark.parametrize("world", [1] + ([2] if GPUS >= 2 else []))
+def test_nccl_group(world, tmp_path):
+    """The bootstrap through an NCCL group (collectives on CUDA tensors).
+    Two ranks only with a GPU each: NCCL refuses several ranks on one GPU."""
+    devices = _rank_devices(world)
+    if len(set(devices)) < world:
+        pytest.skip(f"NCCL needs a GPU per rank; the ranks share {devices[0]}")
+    run_ranks(_nccl_worker, world, (str(tmp_path / "init"), str(tmp_path), devices),
               report_dir=tmp_path, timeout_s=PROCESS_TIMEOUT_S, env=RANK_ENV)
     _expect_ranks_done(tmp_path, world)
