@@ -217,11 +217,15 @@ def _set_bytes(point: Point) -> int:
 
 
 def _num_sets(point: Point, l2_bytes: int) -> int:
+    return _num_sets_for(_set_bytes(point), l2_bytes)
+
+
+def _num_sets_for(set_bytes: int, l2_bytes: int) -> int:
+    """Input sets of ``set_bytes`` each that together exceed L2_ROTATE_FACTOR x the L2 cache."""
     target = L2_ROTATE_FACTOR * l2_bytes
-    one = _set_bytes(point)
-    if one >= target:
+    if set_bytes >= target:
         return 1
-    return min(MAX_SETS, max(MIN_SETS, _ceil_div(target, one)))
+    return min(MAX_SETS, max(MIN_SETS, _ceil_div(target, set_bytes)))
 
 
 def _memory_bytes(point: Point, n_sets: int, cuda: bool) -> int:
@@ -494,6 +498,26 @@ class _Ours:
         return self.combine_ws()
 
 
+def _routes_by_destination(ids: Tensor, owner: Tensor, ep: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The (token, distinct destination) pairs of ``ids`` (int ``[n, top_k]``,
+    valid ids) sorted by destination, as a plain-PyTorch exchange plans them.
+
+    Returns (sorted_dest, order, counts): int64 ``[n * top_k]`` destination of
+    each sorted entry (``ep`` = "nowhere": a token's repeated destination,
+    sorted last); int64 ``[n * top_k]`` flat ``[n, top_k]`` index of each
+    sorted entry (``order // top_k`` is its token; tokens ascend within a
+    destination); int64 ``[ep + 1]`` entries per destination (the last:
+    nowhere). On ``ids``' device, no host sync.
+    """
+    dest = owner[ids.long()].sort(dim=1).values
+    repeated = torch.zeros_like(dest, dtype=torch.bool)
+    repeated[:, 1:] = dest[:, 1:] == dest[:, :-1]
+    flat = dest.masked_fill(repeated, ep).reshape(-1)  # ep: "nowhere", sorts last
+    order = torch.argsort(flat, stable=True)  # by destination, tokens ascending within one
+    counts = torch.zeros(ep + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return flat[order], order, counts
+
+
 def _indexable(t: Tensor) -> Tensor:
     """``t`` as a 2-D tensor for index ops: fp8 as uint8 (same bytes; index kernels may lack fp8)."""
     if t.dtype == FP8_DTYPE:
@@ -537,14 +561,8 @@ class _Baseline:
         """(target row in the flat buffers, source token, int64 counts ``[ep]``), entries sorted by destination."""
         ep, T = self.point.ep, self.point.tokens
         n, k = ids.shape
-        dest = self.owner[ids.long()].sort(dim=1).values
-        repeated = torch.zeros_like(dest, dtype=torch.bool)
-        repeated[:, 1:] = dest[:, 1:] == dest[:, :-1]
-        flat = dest.masked_fill(repeated, ep).reshape(-1)  # ep: "nowhere", sorts last
-        order = torch.argsort(flat, stable=True)  # by destination, tokens ascending within one
-        counts = torch.zeros(ep + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+        sorted_dest, order, counts = _routes_by_destination(ids, self.owner, ep)
         segment_start = torch.cumsum(counts, 0) - counts
-        sorted_dest = flat[order]
         slot = torch.arange(n * k, device=ids.device) - segment_start[sorted_dest]
         target = torch.where(sorted_dest < ep, sorted_dest * (ep * T) + s * T + slot, self.nowhere)
         return target, order // k, counts[:ep]
@@ -599,10 +617,14 @@ def _recv_mismatch(views: list[Tensor], ref_views: list[Tensor], counts: Tensor,
     return None
 
 
-def _combine_mismatch(outs: list[Tensor], expected: list[Tensor]) -> tuple[Optional[str], bool]:
-    """(error or None, bitwise equal) of every rank's combine output against the reference."""
+def _combine_mismatch(outs: list[Tensor], expected: list[Tensor],
+                      ranks: Optional[list[int]] = None) -> tuple[Optional[str], bool]:
+    """(error or None, bitwise equal) of every rank's combine output against the reference.
+
+    ``ranks``: the rank of each entry, for the message (default 0, 1, ...).
+    """
     bitwise = True
-    for r, (out, exp) in enumerate(zip(outs, expected)):
+    for r, out, exp in zip(range(len(outs)) if ranks is None else ranks, outs, expected):
         out, exp = out.detach().cpu(), exp.cpu()  # the reference ran on the inputs' device
         if out.shape != exp.shape or out.dtype != exp.dtype:
             return f"rank {r}: combine output {out.dtype} {tuple(out.shape)}, expected {exp.dtype} " \
@@ -947,8 +969,12 @@ def _table(records: list[dict]) -> str:
                 _fmt(m["baseline_graph_us"], ".1f"), _fmt(m["speedup_eager"], ".2f", "x"),
                 _fmt(m["speedup_graph"], ".2f", "x"), check,
             ])
+    return _format_table(header, rows, left={0, 3, len(header) - 1})  # text columns left-aligned
+
+
+def _format_table(header: list[str], rows: list[list[str]], left: set[int]) -> str:
+    """Columns padded to their widest cell, a rule under the header; columns in ``left`` left-aligned."""
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-    left = {0, 3, len(header) - 1}  # text columns
     lines = []
     for r in [header, *rows]:
         cells = [r[c].ljust(widths[c]) if c in left else r[c].rjust(widths[c]) for c in range(len(header))]
