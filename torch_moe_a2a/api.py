@@ -359,8 +359,9 @@ def moe_a2a_wrap_payload_tensor_in_workspace(
     """View bytes ``[slice_start, slice_end)`` of ``workspace`` as ``leading_shape + [-1]`` of ``dtype``.
 
     As in FlashInfer, the offsets count from the start of the given tensor:
-    a 2-D ``[ep_size, size_per_rank]`` workspace (offset ``r * size_per_rank +
-    o`` is byte ``o`` of row ``r``) or one 1-D row (for example
+    a 2-D ``[ep_size, size_per_rank]`` workspace (offset ``r *
+    workspace.stride(0) + o`` is byte ``o`` of row ``r``: ``r * size_per_rank +
+    o`` unless the rows are padded) or one 1-D row (for example
     ``workspace[ep_rank]`` with an offset relative to that row, like
     ``combine_payload_offset``). The slice must lie within one row. The result
     aliases the workspace.
