@@ -118,6 +118,13 @@ def test_wrap_payload_tensor_in_workspace(device):
     # 2-D form: offsets from the start of the whole workspace.
     view2 = a2a.moe_a2a_wrap_payload_tensor_in_workspace(ws, [2, 4], 4096 + 256, 4096 + 256 + 192, torch.float32)
     assert view2.data_ptr() == view.data_ptr() and torch.equal(view2, values)
+    # Padded rows (a multi-process CUDA workspace): the flat offset counts the row stride.
+    padded = torch.zeros(3, 4096 + 512, dtype=torch.uint8, device=device)[:, :4096]
+    view3 = a2a.moe_a2a_wrap_payload_tensor_in_workspace(padded, [2, 4], 2 * 4608 + 256, 2 * 4608 + 448,
+                                                         torch.float32)
+    assert view3.data_ptr() == padded[2].data_ptr() + 256
+    with pytest.raises(ValueError, match="one row"):
+        a2a.moe_a2a_wrap_payload_tensor_in_workspace(padded, [2, 4], 4096 - 64, 4096 + 128, torch.float32)
 
 
 def test_initialize_touches_only_its_row(device):
