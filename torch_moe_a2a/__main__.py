@@ -1,4 +1,4 @@
-"""``python -m torch_moe_a2a demo|bench``.
+"""``python -m torch_moe_a2a demo|bench|bench-dist``.
 
 demo: EP round trips (dispatch -> toy MoE -> combine on every rank), checked
 bitwise against the plain-PyTorch reference; exits 1 on a mismatch. In one
@@ -7,6 +7,9 @@ process the ranks are simulated (``SimulatedEP``); launched by ``torchrun``
 the default group: on ``cuda:LOCAL_RANK`` (modulo the GPU count) with a CUDA
 virtual-memory workspace, or on the CPU with a shared-memory one.
 bench: hands its arguments to ``torch_moe_a2a.bench.main``.
+bench-dist: one rank per process under ``torchrun`` (``torchrun
+--nproc-per-node N -m torch_moe_a2a bench-dist``): hands its arguments to
+``torch_moe_a2a.bench_dist.main``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from typing import Optional
 
 import torch
 
-USAGE = "usage: python -m torch_moe_a2a {demo,bench} [options]   (-h after a command for its options)"
+USAGE = ("usage: python -m torch_moe_a2a {demo,bench} [options]\n"
+         "       torchrun --nproc-per-node N -m torch_moe_a2a {demo,bench-dist} [options]\n"
+         "(-h after a command for its options)")
 DEFAULT_SIMULATED_RANKS = 4
 
 
@@ -237,21 +242,29 @@ class _CudaTimer:
         return self._start.elapsed_time(self._end)
 
 
-def bench(argv: list[str]) -> int:
+def _run_module(command: str, module_name: str, argv: list[str]) -> int:
     try:
-        module = importlib.import_module("torch_moe_a2a.bench")
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        if e.name != "torch_moe_a2a.bench":
+        if e.name != module_name:
             raise
-        print("python -m torch_moe_a2a bench: torch_moe_a2a.bench is not available in this installation",
+        print(f"python -m torch_moe_a2a {command}: {module_name} is not available in this installation",
               file=sys.stderr)
         return 2
     return module.main(argv)
 
 
+def bench(argv: list[str]) -> int:
+    return _run_module("bench", "torch_moe_a2a.bench", argv)
+
+
+def bench_dist(argv: list[str]) -> int:
+    return _run_module("bench-dist", "torch_moe_a2a.bench_dist", argv)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"demo": demo, "bench": bench}
+    commands = {"demo": demo, "bench": bench, "bench-dist": bench_dist}
     if not argv or argv[0] not in commands:
         print(USAGE, file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -1,0 +1,118 @@
+"""`torchrun -m torch_moe_a2a bench-dist` end to end with two CPU processes
+(gloo, the shared-memory workspace): every op timed, the correctness checks
+passed, and the per-GPU send bytes equal a count made here from the same
+seeded routing through the reference's routes."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from torch_moe_a2a import bench, bench_dist
+from torch_moe_a2a.reference import random_routing, reference_dispatch
+
+from conftest import run_ranks
+
+WORLD = 2
+PRESET = "mixtral"
+TOKENS = (1, 3)
+RANK_TIMEOUT_S = 120.0
+
+
+def _bench_rank(rank, world, init_file, out_dir):
+    """What torchrun would start: bench-dist with RANK/WORLD_SIZE/LOCAL_RANK set."""
+    import contextlib
+    import io
+    import pathlib
+
+    from torch_moe_a2a.__main__ import main
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = main(["bench-dist", "--device", "cpu", "--init-method", f"file://{init_file}", "--preset", PRESET,
+                   "--tokens", *map(str, TOKENS), "--iters", "2", "--warmup", "1",
+                   "--json", str(pathlib.Path(out_dir, "bench.json"))])
+    pathlib.Path(out_dir, f"rank{rank}.out").write_text(f"{rc}\n{printed.getvalue()}")
+
+
+def _expected_send_bytes(preset: bench.Preset, world: int, tokens: int, n_sets: int) -> dict[str, list[float]]:
+    """Per op, each rank's bytes to other ranks, mean over the input sets, from
+    the reference's routes of the benchmark's routing (its seeded CPU
+    generator draws every rank's routing, set after set)."""
+    gen = torch.Generator().manual_seed(bench.SEED)
+    dispatch_row = preset.hidden * preset.dtype.itemsize + 2 * 4 * preset.top_k  # hidden, int32 ids, fp32 weights
+    combine_row = preset.hidden * preset.dtype.itemsize
+    sent = [0] * world  # dispatch rows to other ranks, by source
+    returned = [0] * world  # combine rows back to other ranks, by destination
+    for _ in range(n_sets):
+        ids = [random_routing(tokens, preset.top_k, preset.num_experts, gen) for _ in range(world)]
+        ref = reference_dispatch(ids, [[i] for i in ids], ep_size=world, num_experts=preset.num_experts,
+                                 runtime_max_tokens_per_rank=tokens)
+        for src, routes in enumerate(ref.routes):
+            for token_routes in routes:
+                for dest, _slot in token_routes:
+                    if dest != src:
+                        sent[src] += 1
+                        returned[dest] += 1
+    dispatch = [dispatch_row * n / n_sets for n in sent]
+    combine = [combine_row * n / n_sets for n in returned]
+    both = [d + c for d, c in zip(dispatch, combine)]
+    return {"dispatch": dispatch, "combine": combine, "combine-ws": combine, "round-trip": both,
+            "round-trip-ws": both}
+
+
+def test_bench_dist_two_cpu_processes(tmp_path):
+    run_ranks(_bench_rank, WORLD, (str(tmp_path / "init"), str(tmp_path)), report_dir=tmp_path,
+              timeout_s=RANK_TIMEOUT_S, env={"MOE_A2A_TIMEOUT_S": "20"})
+    outputs = [(tmp_path / f"rank{r}.out").read_text().split("\n", 1) for r in range(WORLD)]
+    assert [int(rc) for rc, _ in outputs] == [0] * WORLD, outputs
+    table = outputs[0][1]
+    assert outputs[1][1] == "", "only rank 0 prints"
+    assert f"{WORLD} processes (one rank each)" in table and "backend gloo" in table, table
+
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["world"] == WORLD and data["device_type"] == "cpu" and data["NCCL_NVLS_ENABLE"] == "0"
+    assert data["all_to_all_single_unavailable"] is None  # gloo has it: baseline and ceiling run
+    points = data["points"]
+    assert [(p["ep"], p["tokens_per_rank"]) for p in points] == [(WORLD, t) for t in TOKENS]
+    preset = bench.PRESETS[PRESET]
+    for p in points:
+        assert p["status"] == "ok" and p["notes"] == [], p  # ours matched the reference bitwise
+        assert p["baseline_ok"] is True  # so did the all_to_all_single baseline
+        assert set(p["ops"]) == set(bench.OPS)
+        expected = _expected_send_bytes(preset, WORLD, p["tokens_per_rank"], p["input_sets"])
+        for op, m in p["ops"].items():
+            assert m["send_bytes_by_rank"] == pytest.approx(expected[op]), op
+            assert m["send_bytes"] == pytest.approx(sum(expected[op]) / WORLD), op
+            assert len(m["eager_us_by_rank"]) == WORLD and min(m["eager_us_by_rank"]) > 0, op
+            assert m["eager_us"] == max(m["eager_us_by_rank"]), op
+            assert m["graph_us"] is None, op  # CUDA only
+            assert m["baseline_eager_us"] > 0 and m["ceiling_us"] > 0, op
+            assert m["GBps_per_gpu"] == pytest.approx(m["send_bytes"] / (m["eager_us"] * 1e-6) / 1e9), op
+            # The ceiling moved at least as many bytes per rank as we did (chunks rounded up).
+            assert m["send_bytes"] <= m["ceiling_bytes_per_gpu"] < m["send_bytes"] + 16 * WORLD, op
+            assert m["speedup_eager"] == pytest.approx(m["baseline_eager_us"] / m["eager_us"]), op
+    for op in bench.OPS:
+        assert re.search(rf"^{PRESET}\s+{WORLD}\s+{TOKENS[-1]}\s+{op}\s+\d", table, re.M), table
+
+    summary = subprocess.run([sys.executable, "-m", "torch_moe_a2a", "bench-dist", "--summary",
+                              str(tmp_path / "bench.json")], capture_output=True, text=True, timeout=60)
+    assert summary.returncode == 0, summary.stderr
+    assert re.search(rf"^{PRESET}\s+{WORLD}\s+{TOKENS[0]}\s+dispatch\s", summary.stdout, re.M), summary.stdout
+
+
+def test_bench_dist_outside_torchrun_says_how_to_launch(monkeypatch, capsys):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert bench_dist.main(["--device", "cpu"]) == 2
+    assert "torchrun --nproc-per-node N -m torch_moe_a2a bench-dist" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert bench_dist.main(["--device", "cpu"]) == 2
+    assert "WORLD_SIZE is 1" in capsys.readouterr().err
+
