@@ -21,6 +21,7 @@ WORLD = 2
 PRESET = "mixtral"
 TOKENS = (1, 3)
 RANK_TIMEOUT_S = 120.0
+SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "multi_gpu.sh")
 
 
 def _bench_rank(rank, world, init_file, out_dir):
@@ -116,3 +117,10 @@ def test_bench_dist_outside_torchrun_says_how_to_launch(monkeypatch, capsys):
     assert bench_dist.main(["--device", "cpu"]) == 2
     assert "WORLD_SIZE is 1" in capsys.readouterr().err
 
+
+def test_launcher_help_and_bad_arguments():
+    help_ = subprocess.run(["bash", SCRIPT, "--help"], capture_output=True, text=True, timeout=30)
+    assert help_.returncode == 0 and "--dry-run" in help_.stdout and "NCCL_NVLS_ENABLE=0" in help_.stdout, help_
+    for bad in (["--no-such-option"], ["--ep"], ["--ep", "2 x"], ["--iters", "0"], ["--dry-run", "--cpu"]):
+        proc = subprocess.run(["bash", SCRIPT, *bad], capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 2 and "usage:" in proc.stderr, (bad, proc.returncode, proc.stderr)
