@@ -453,6 +453,17 @@ def _environment(changes: dict):
                 os.environ[k] = v
 
 
+def open_fds() -> dict:
+    """This process's open file descriptors: {number: what it points to}."""
+    fds = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds[name] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the listing's own descriptor
+            pass
+    return fds
+
+
 def run_ranks(target, world: int, args: tuple, *, report_dir, timeout_s: float, exit_codes: Optional[dict] = None,
               env: Optional[dict] = None, grace_s: float = 30.0) -> None:
     """Run ``target(rank, world, *args)`` (a module-level function) in

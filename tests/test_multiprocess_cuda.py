@@ -38,6 +38,7 @@ from conftest import (
     assert_bytes_equal,
     make_generator,
     make_inputs,
+    open_fds,
     poison_padding,
     random_bytes,
     random_tensor,
@@ -423,16 +424,6 @@ def test_killed_process_makes_survivors_raise(world, kill_point, tmp_path):
 # ---- allocation itself (CUDA only) ---------------------------------------------------------
 
 
-def _open_fds() -> dict:
-    fds = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            fds[name] = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:  # the listing's own descriptor
-            pass
-    return fds
-
-
 def _pattern(cycle: int, rank: int) -> int:
     return 1 + (cycle * 31 + rank * 7) % 255  # never 0
 
@@ -467,11 +458,11 @@ def _cycles_worker(rank, world, init_file, out_dir, devices):
         for cycle in range(WARMUP_CYCLES):  # the first ones set up the context, driver and sockets
             _allocate_check_free(rank, world, size, device, cycle)
         dist.barrier()
-        free_before, fds_before = torch.cuda.mem_get_info(device)[0], _open_fds()
+        free_before, fds_before = torch.cuda.mem_get_info(device)[0], open_fds()
         for cycle in range(WARMUP_CYCLES, WARMUP_CYCLES + CYCLES):
             _allocate_check_free(rank, world, size, device, cycle)
         dist.barrier()  # every rank freed its last workspace
-        free_after, fds_after = torch.cuda.mem_get_info(device)[0], _open_fds()
+        free_after, fds_after = torch.cuda.mem_get_info(device)[0], open_fds()
         # Device-wide free memory: a row leaked per cycle would be CYCLES * size per rank.
         assert free_after >= free_before - 8 * size, (
             f"free device memory fell by {(free_before - free_after) / 2**20:.1f} MiB over {CYCLES} cycles "
@@ -512,7 +503,7 @@ def _errors_worker(rank, world, init_file, out_dir, devices):
         group = dist.group.WORLD
         unit = a2a.cuda_workspace_granularity(device)
         _allocate_check_free(rank, world, unit, device, 0)  # warm up, like the cycles
-        fds_before = _open_fds()
+        fds_before = open_fds()
         _expect_collective_error(
             ValueError, rf"disagree on size_per_rank \(ranks \[0\]: {unit}; ranks \[1\]: {2 * unit}\)",
             lambda: a2a.allocate_workspace(unit * (1 + rank), group=group, device=device))
@@ -528,7 +519,7 @@ def _errors_worker(rank, world, init_file, out_dir, devices):
         assert int(torch.ops.moe_a2a.vmm_live_workspaces()) == 0
         _allocate_check_free(rank, world, unit, device, 1)  # the group still works
         dist.barrier()
-        new_fds = {k: v for k, v in _open_fds().items() if k not in fds_before}
+        new_fds = {k: v for k, v in open_fds().items() if k not in fds_before}
         assert len(new_fds) <= FD_SLACK, f"descriptors left open by the failed calls: {new_fds}"
         _done(out_dir, rank)
     finally:

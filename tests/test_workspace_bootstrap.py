@@ -19,7 +19,7 @@ import torch_moe_a2a as a2a
 from torch_moe_a2a import workspace as ws
 from torch_moe_a2a.workspace import FABRIC, HANDLE_TYPE_ENV, POSIX_FD, choose_handle_type
 
-from conftest import run_ranks
+from conftest import open_fds, run_ranks
 
 # ---- choose_handle_type --------------------------------------------------------------
 
@@ -202,16 +202,6 @@ class FakeVmm:
         del self.live[handle]
 
 
-def _open_fds() -> dict:
-    fds = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            fds[name] = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:  # the listing's own descriptor
-            pass
-    return fds
-
-
 def _socket_dirs() -> set:
     return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("torch_moe_a2a_")}
 
@@ -234,7 +224,7 @@ def _bootstrap_worker(rank, world, init_file, out_dir, row_dir):
         group, cpu = dist.group.WORLD, torch.device("cpu")
         results = {}
         dist.barrier()
-        fds_before, dirs_before = _open_fds(), _socket_dirs()
+        fds_before, dirs_before = open_fds(), _socket_dirs()
 
         ops = FakeVmm(rank, row_dir)
         handles = [None] * world
@@ -282,7 +272,7 @@ def _bootstrap_worker(rank, world, init_file, out_dir, row_dir):
         results["failed_live"] = len(ops.live)
 
         dist.barrier()  # every rank is past its exchanges
-        fds_after = _open_fds()
+        fds_after = open_fds()
         results["leaked_fds"] = {k: v for k, v in fds_after.items() if k not in fds_before}
         results["leaked_dirs"] = sorted(_socket_dirs() - dirs_before)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
