@@ -278,17 +278,23 @@ def test_cuda_equals_cpu(case, output_dtype):
 
 # ---- programmatic dependent launch ---------------------------------------------------------------
 
-# One rank: the CUDA backend uses PDL only when a single rank runs on the
-# device (register.cpp: with several simulated ranks a dependent grid's
-# waiting CTAs could take a peer's residency). Back to back, a rank's kernels
-# then really follow each other on its stream.
-PDL_CASE = Case(1, (20,), 3, 9, hidden=128, runtime_max=24,
-                extras=(PayloadSpec(torch.float8_e4m3fn, (16,)),))
-PDL_TOKENS = [(20,), (24,), (1,)]  # per round
+# PDL is used with any number of simulated ranks (register.cpp: a kernel lets
+# its dependents launch only after its last wait, so a dependent's waiting CTAs
+# never hold slots a peer needs). Back to back, a rank's kernels really follow
+# each other on its stream. Per rank count: the case, then every round's
+# tokens per rank (one rank sends nothing in the last round of the multi-rank cases).
+PDL_CASES = {
+    1: (Case(1, (20,), 3, 9, hidden=128, runtime_max=24, extras=(PayloadSpec(torch.float8_e4m3fn, (16,)),)),
+        [(20,), (24,), (1,)]),
+    3: (Case(3, (20, 7, 24), 3, 9, hidden=128, runtime_max=24,
+             extras=(PayloadSpec(torch.float8_e4m3fn, (16,)),)),
+        [(20, 7, 24), (24, 24, 1), (1, 0, 13)]),
+    8: (Case(8, (24,) * 8, 4, 32, hidden=256, runtime_max=24), [(24,) * 8, (5, 24, 1, 7, 0, 3, 24, 11), (1,) * 8]),
+}
 INVALID_ID = -7
 
 
-def _pdl_rounds(rounds, fixed_payloads, *, enable_pdl: bool, back_to_back: bool) -> dict:
+def _pdl_rounds(case, rounds, fixed_payloads, *, enable_pdl: bool, back_to_back: bool) -> dict:
     """Three rounds on a fresh SimulatedEP with every op's enable_pdl set.
 
     Round 0 and 2: dispatch, sanitize_expert_ids, copy the receive views, a stand-in MoE
@@ -301,7 +307,7 @@ def _pdl_rounds(rounds, fixed_payloads, *, enable_pdl: bool, back_to_back: bool)
     Returns CPU copies: snapshots [round][rank][payload], counts [round][rank], expert
     outputs [round][rank], combine outputs [round][rank].
     """
-    case, ep, T = PDL_CASE, PDL_CASE.ep_size, PDL_CASE.T
+    ep, T = case.ep_size, case.T
     sim = make_sim(case, CUDA, timeout_s=TIMEOUT_S)
     dev = [x.to(CUDA) for x in rounds]
     fixed = [p.to(CUDA) for p in fixed_payloads]
@@ -362,19 +368,20 @@ def _pdl_rounds(rounds, fixed_payloads, *, enable_pdl: bool, back_to_back: bool)
     return dict(snaps=to_cpu(snaps), counts=to_cpu(counts), experts=to_cpu(experts), outs=to_cpu(outs))
 
 
-def test_pdl_on_and_off_give_identical_results():
+@pytest.mark.parametrize("ep", sorted(PDL_CASES))
+def test_pdl_on_and_off_give_identical_results(ep):
     """Step by step without PDL (which also loads every kernel the back-to-back runs use),
     then back to back with PDL on and off: all three bitwise equal, and equal to the
     reference (receive rows, counts, sanitized padding, combine outputs)."""
-    case = PDL_CASE
-    gen = make_generator("pdl")
-    rounds = [make_inputs(case, gen, tokens) for tokens in PDL_TOKENS]
+    case, tokens = PDL_CASES[ep]
+    gen = make_generator(f"pdl-{ep}")
+    rounds = [make_inputs(case, gen, t) for t in tokens]
     fixed = [torch.randn((case.ep_size, case.T, case.hidden), generator=gen).to(case.hidden_dtype)
              for _ in range(case.ep_size)]
     runs = {
-        "step by step, PDL off": _pdl_rounds(rounds, fixed, enable_pdl=False, back_to_back=False),
-        "back to back, PDL on": _pdl_rounds(rounds, fixed, enable_pdl=True, back_to_back=True),
-        "back to back, PDL off": _pdl_rounds(rounds, fixed, enable_pdl=False, back_to_back=True),
+        "step by step, PDL off": _pdl_rounds(case, rounds, fixed, enable_pdl=False, back_to_back=False),
+        "back to back, PDL on": _pdl_rounds(case, rounds, fixed, enable_pdl=True, back_to_back=True),
+        "back to back, PDL off": _pdl_rounds(case, rounds, fixed, enable_pdl=False, back_to_back=True),
     }
     refs = [reference.reference_dispatch(x.ids, x.payloads, ep_size=case.ep_size, num_experts=case.num_experts,
                                          runtime_max_tokens_per_rank=case.T) for x in rounds]

@@ -195,7 +195,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   uint8_t* own = ws.row(ws.ep_rank);
   const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
   const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
-  if (!may_proceed(own, p.sync.mailbox, dispatch_epoch == combine_epoch + 1)) return;
+  const uint32_t error_code = load_error_code(own);
+  if (!may_proceed(own, p.sync.mailbox, error_code, dispatch_epoch == combine_epoch + 1)) return;
   const uint32_t epoch = combine_epoch + 1;
 
   // 1. Stage.

@@ -237,14 +237,16 @@ __device__ inline void record_error(uint8_t* own, int64_t* mailbox, uint32_t cod
 // an epoch pair that breaks the dispatch/combine alternation is recorded as
 // kErrorSequence (by CTA 0) and nothing else happens. All CTAs read the same
 // epochs, written by earlier kernels, so all of them take the same decision.
-// Thread 0 decides for its CTA: a CTA that starts late may see an error that
-// a waiting CTA of this grid recorded meanwhile, and its threads must not
-// split on it around a barrier.
-__device__ inline bool may_proceed(uint8_t* own, int64_t* mailbox, bool sequence_ok) {
+// Thread 0 decides for its CTA, on `error_code` as thread 0 loaded it
+// (load_error_code, issued together with the epochs so that the two cost one
+// memory latency): a CTA that starts late may see an error that a waiting
+// CTA of this grid recorded meanwhile, and its threads must not split on it
+// around a barrier. The other threads' `error_code` is not used.
+__device__ inline bool may_proceed(uint8_t* own, int64_t* mailbox, uint32_t error_code, bool sequence_ok) {
   __shared__ bool proceed;
   if (threadIdx.x == 0) {
     proceed = false;
-    if (*header_word<volatile uint32_t>(own, kHdrErrorCode) == kErrorNone) {
+    if (error_code == kErrorNone) {
       if (sequence_ok) {
         proceed = true;
       } else if (blockIdx.x == 0) {
@@ -254,6 +256,11 @@ __device__ inline bool may_proceed(uint8_t* own, int64_t* mailbox, bool sequence
   }
   __syncthreads();
   return proceed;
+}
+
+// Thread 0's view of the own error code for may_proceed (0 in other threads).
+__device__ __forceinline__ uint32_t load_error_code(uint8_t* own) {
+  return threadIdx.x == 0 ? ld_relaxed_gpu(header_word<uint32_t>(own, kHdrErrorCode)) : kErrorNone;
 }
 
 // ---- grid arrival -----------------------------------------------------------------------------

@@ -35,6 +35,12 @@ struct DispatchArgs {
   SyncSettings sync_settings;
   int64_t tokens_per_cta;
   CopyPlan plan[kMaxPayloads];
+
+  // Warp tasks of payload i for a chunk of `chunk` tokens (step 3).
+  __device__ int64_t warp_tasks(int i, int64_t chunk) const {
+    const int64_t items_per_task = kWarpSize / plan[i].lanes;
+    return (chunk * plan[i].segments + items_per_task - 1) / items_per_task;
+  }
 };
 
 // The destination set of a token: bit r is set when an active rank r owns one
@@ -97,11 +103,32 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
 
   wait_for_previous_grid();
   uint8_t* own = ws.row(ws.ep_rank);
-  // The own header words this call decides on, loaded together.
+  const Router router{p.token_selected_experts, p.top_k,      p.num_experts,
+                      ep_size,                  p.sync.active_mask[0], use_table ? rank_table : nullptr};
+  const int64_t n = p.local_num_tokens;
+  const int64_t begin = min(n, int64_t(blockIdx.x) * a.tokens_per_cta);
+  const int64_t end = min(n, begin + a.tokens_per_cta);
+  // The CTA of the last chunk ends up holding the per-destination totals.
+  const bool owns_last_chunk = blockIdx.x == gridDim.x - 1;
+  const bool counts = begin < end || owns_last_chunk;
+
+  // Everything the first steps decide on is loaded before any of it is
+  // used, so that its loads share one memory latency: the own header words,
+  // then the expert ids of this thread's first token of step 1a and of step
+  // 1b (a small call has no other round). Reading the ids before step 0 is
+  // fine: step 0 only keeps this call from writing.
   const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
   const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
   const int64_t last_dispatch_end = *header_word<int64_t>(own, kHdrLastDispatchEnd);
-  if (!may_proceed(own, p.sync.mailbox, dispatch_epoch == combine_epoch)) return;
+  const uint32_t error_code = load_error_code(own);
+  uint32_t not_counted_here = 0;  // invalid ids are counted by the CTA that owns the token
+  uint32_t invalid = 0;
+  const int64_t before_token = int64_t(warp) * kWarpSize + lane;  // step 1a's first round
+  const uint64_t before_set = counts && before_token < begin ? router.dests(before_token, not_counted_here) : 0;
+  const int64_t own_token = begin + threadIdx.x;  // step 1b's first round
+  const uint64_t own_set = own_token < end ? router.dests(own_token, invalid) : 0;
+
+  if (!may_proceed(own, p.sync.mailbox, error_code, dispatch_epoch == combine_epoch)) return;
   const uint32_t epoch = dispatch_epoch + 1;
 
   // 0. protocol.h dispatch step 0: when this call's regions reach past the
@@ -114,23 +141,14 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
         kErrorDispatchTimeout, a.sync_settings);
     if (!peers_done) return;
   }
-  const Router router{p.token_selected_experts, p.top_k,      p.num_experts,
-                      ep_size,                  p.sync.active_mask[0], use_table ? rank_table : nullptr};
-
-  const int64_t n = p.local_num_tokens;
-  const int64_t begin = min(n, int64_t(blockIdx.x) * a.tokens_per_cta);
-  const int64_t end = min(n, begin + a.tokens_per_cta);
-  // The CTA of the last chunk ends up holding the per-destination totals.
-  const bool owns_last_chunk = blockIdx.x == gridDim.x - 1;
 
   // 1a. Tokens before the chunk, counted per destination. Lane l keeps the
   // counts of destinations l and l + 32 for its warp.
-  if (begin < end || owns_last_chunk) {
+  if (counts) {
     uint32_t count_low = 0, count_high = 0;
-    uint32_t not_counted_here = 0;  // invalid ids are counted by the CTA that owns the token
     for (int64_t first = int64_t(warp) * kWarpSize; first < begin; first += kThreads) {
       const int64_t t = first + lane;
-      const uint64_t set = t < begin ? router.dests(t, not_counted_here) : 0;
+      const uint64_t set = t == before_token ? before_set : t < begin ? router.dests(t, not_counted_here) : 0;
       for (uint64_t present = warp_or(set); present != 0; present &= present - 1) {
         const int d = lowest_rank(present);
         const uint32_t count = __popc(__ballot_sync(kFullWarp, (set >> d) & 1));
@@ -152,11 +170,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   // is next_slot + the tokens of earlier warps of the round + the earlier
   // lanes of its warp that go to the same destination.
   int32_t* routes = reinterpret_cast<int32_t*>(own + p.layout.route_offset);
-  uint32_t invalid = 0;
   for (int64_t round = begin; round < end; round += kThreads) {
     const int64_t t = round + threadIdx.x;
     const bool mine = t < end;
-    const uint64_t set = mine ? router.dests(t, invalid) : 0;
+    const uint64_t set = t == own_token ? own_set : mine ? router.dests(t, invalid) : 0;
     const uint64_t present = warp_or(set);
     for (int d = lane; d < ep_size; d += kWarpSize) warp_first_slot[warp][d] = 0;
     __syncwarp();
@@ -203,27 +220,36 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
         static_cast<int32_t>(next_slot[d]);
   }
 
-  // 3. Payload rows of the chunk: work items are (token, segment of its row).
+  // 3. Payload rows of the chunk. Work items are (token, segment of its row)
+  // of every payload, handed out by warp: a warp task is the kWarpSize /
+  // lanes items the groups of one warp copy together, and the tasks of all
+  // payloads form one sequence, so a small call copies its payloads at the
+  // same time instead of one after the other. A warp's tasks only increase,
+  // so its payload index only moves forward.
   const int64_t source_row = int64_t(ws.ep_rank) * p.runtime_max_tokens;
-  for (int i = 0; i < p.num_payloads; ++i) {
+  const int64_t chunk = end - begin;
+  int i = 0;
+  int64_t first_task = 0;  // of payload i
+  for (int64_t task = warp;; task += kWarps) {
+    while (i < p.num_payloads && task >= first_task + a.warp_tasks(i, chunk)) {
+      first_task += a.warp_tasks(i, chunk);
+      ++i;
+    }
+    if (i == p.num_payloads) break;
     const CopyPlan& plan = a.plan[i];
+    const int64_t item = (task - first_task) * (kWarpSize / plan.lanes) + lane / plan.lanes;
+    if (item >= chunk * plan.segments) continue;  // past the end of payload i's last task
+    const int64_t t = begin + (plan.segments == 1 ? item : item / plan.segments);
+    const int segment = plan.segments == 1 ? 0 : static_cast<int>(item % plan.segments);
+    const int32_t* route = routes + t * kMaxTopK;
     const int64_t row_bytes = p.payload_row_bytes[i];
     const int64_t plane_offset = p.layout.payload_offset[i];
-    const int group = threadIdx.x / plan.lanes;
-    const int lane_in_group = threadIdx.x % plan.lanes;
-    const int groups = kThreads / plan.lanes;
-    const int64_t items = (end - begin) * plan.segments;
-    for (int64_t item = group; item < items; item += groups) {
-      const int64_t t = begin + (plan.segments == 1 ? item : item / plan.segments);
-      const int segment = plan.segments == 1 ? 0 : static_cast<int>(item % plan.segments);
-      const int32_t* route = routes + t * kMaxTopK;
-      if (route[0] == kRouteEnd) continue;  // no destination
-      copy_segment_any(
-          p.payload[i] + t * row_bytes, plan, segment, lane_in_group, [&](int k) { return route[k]; },
-          [&](int32_t entry) {
-            return ws.row(route_rank(entry)) + plane_offset + (source_row + route_slot(entry)) * row_bytes;
-          });
-    }
+    // A token with no destination finds kRouteEnd first (its segment's loads are wasted).
+    copy_segment_any(
+        p.payload[i] + t * row_bytes, plan, segment, lane % plan.lanes, [&](int k) { return route[k]; },
+        [&](int32_t entry) {
+          return ws.row(route_rank(entry)) + plane_offset + (source_row + route_slot(entry)) * row_bytes;
+        });
   }
 
   // 4. EPLB row s into every active destination, spread over the grid.

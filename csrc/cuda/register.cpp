@@ -65,12 +65,13 @@ gpu::LaunchConfig launch_config(const at::Tensor& workspace, int64_t ep_size, do
   config.co_resident_ranks = one_rank_per_process ? 1 : static_cast<int>(ep_size);
   // A plain tensor holds every rank on this device in this process: gpu scope suffices.
   config.system_scope = one_rank_per_process;
-  // PDL only when one rank uses this device. A dependent grid's CTAs take
-  // SM slots while they wait for the grid before it, so with several
-  // simulated ranks per device a rank could hold more slots than its share
-  // and starve a peer's spinning grid of residency (seen: a combine timeout
-  // on the H200 with 3 simulated ranks).
-  config.pdl_supported = info.pdl_supported && config.co_resident_ranks == 1;
+  // PDL with simulated ranks too. A dependent grid's CTAs take SM slots
+  // while they wait for the grid before it, so a rank may hold more than its
+  // share for a while; but it never blocks a peer: the kernels let their
+  // dependents launch only after their last wait (device.cuh,
+  // allow_dependent_launch), so the grid before a dependent finishes without
+  // any peer's progress and frees the slots.
+  config.pdl_supported = info.pdl_supported;
   config.timeout_ms = timeout_ms(timeout_s);
   return config;
 }
