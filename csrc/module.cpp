@@ -1,13 +1,21 @@
 // torch_moe_a2a._C: importing it loads this shared library, whose static
 // TORCH_LIBRARY / TORCH_LIBRARY_IMPL registrations define torch.ops.moe_a2a.*
-// (the operators need no Python binding). It also holds the one eager helper
-// of the Python wrapper that is cheaper in C++: building dispatch's receive
-// views, which an uncached call rebuilds every time (about two thirds of the
-// wrapper's host time when done with Python view ops).
+// (the operators need no Python binding). It also holds the eager entry
+// points of the Python wrapper, which are cheaper in C++:
+//   * receive_views: dispatch's receive views, which an uncached call
+//     rebuilds every time (about two thirds of the wrapper's host time when
+//     done with Python view ops);
+//   * dispatch / combine: the same operators called through the C++
+//     dispatcher (so every backend, dispatch mode and the profiler see them as
+//     usual), without the per-argument schema matching of a torch.ops call
+//     from Python (several microseconds for their sixteen arguments).
+//     Python takes this path only where no __torch_function__ override
+//     could want to see the call, and torch.compile always traces torch.ops.
 #include <optional>
 #include <tuple>
 #include <vector>
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
 #include "protocol.h"
@@ -17,21 +25,29 @@ namespace {
 
 // A view `shape` of `dtype` at byte `offset` of rank `ep_rank`'s row of the
 // [ep_size, size_per_rank] uint8 `workspace` (rows at its stride, which may
-// exceed size_per_rank): one typed view and one as_strided, sharing (and
-// keeping alive) the workspace's storage. The dispatch op has already checked
-// the workspace's strides and that every region is aligned for its dtype.
+// exceed size_per_rank), sharing (and keeping alive) the workspace's
+// storage. Built directly as a TensorImpl over that storage rather than with
+// view ops: each op through the dispatcher costs about a microsecond, and an
+// uncached dispatch builds two per payload on every call. Like an
+// as_strided view it aliases the workspace; unlike one, autograd does not
+// track it as a view (the workspace is a uint8 buffer outside autograd). The
+// dispatch op has already checked the workspace's strides and that every
+// region is aligned for its dtype.
 at::Tensor region_view(const at::Tensor& workspace, int64_t ep_rank, int64_t offset, at::IntArrayRef shape,
                        at::ScalarType dtype) {
-  const at::Tensor typed = workspace.view(dtype);
   const int64_t itemsize = static_cast<int64_t>(c10::elementSize(dtype));
-  const int64_t start = typed.storage_offset() + (ep_rank * workspace.stride(0) + offset) / itemsize;
+  // The workspace is uint8: its storage offset is in bytes.
+  const int64_t start = (workspace.storage_offset() + ep_rank * workspace.stride(0) + offset) / itemsize;
   std::vector<int64_t> strides(shape.size());
   int64_t step = 1;
   for (size_t i = shape.size(); i-- > 0;) {
     strides[i] = step;
     step *= shape[i];
   }
-  return typed.as_strided(shape, strides, start);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(workspace.storage()),
+                                                   workspace.key_set(), c10::scalarTypeToTypeMeta(dtype));
+  impl->set_sizes_and_strides(shape, strides, start);
+  return at::Tensor(std::move(impl));
 }
 
 // Dispatch's return values for an eager call that already ran: the receive
@@ -39,7 +55,9 @@ at::Tensor region_view(const at::Tensor& workspace, int64_t ep_rank, int64_t off
 // dtype), combine_payload_offset, and the gathered EPLB view ([ep_size,
 // eplb_n] int32) when eplb_n > 0. The offsets come from protocol.h's
 // call_layout, the one the kernels used.
-std::tuple<std::vector<at::Tensor>, int64_t, std::optional<at::Tensor>> receive_views(
+using ReceiveViews = std::tuple<std::vector<at::Tensor>, int64_t, std::optional<at::Tensor>>;
+
+ReceiveViews receive_views(
     const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t runtime_max_tokens, int64_t eplb_n,
     const std::vector<at::Tensor>& payloads) {
   TORCH_CHECK_VALUE(payloads.size() <= static_cast<size_t>(kMaxPayloads), "receive_views: at most ", kMaxPayloads,
@@ -67,12 +85,70 @@ std::tuple<std::vector<at::Tensor>, int64_t, std::optional<at::Tensor>> receive_
   return {std::move(views), call.combine_offset, std::move(eplb)};
 }
 
+// torch.ops.moe_a2a.dispatch, then, when `views`, receive_views of the call
+// (else nothing: the caller has them cached).
+std::optional<ReceiveViews> dispatch(
+    const at::Tensor& token_selected_experts, const std::vector<at::Tensor>& input_payloads,
+    const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+    int64_t runtime_max_tokens, int64_t top_k, int64_t num_experts, const std::optional<at::Tensor>& eplb_local_stats,
+    int64_t eplb_stats_num_experts, const std::vector<int64_t>& active_rank_mask, double timeout_s, int64_t mailbox,
+    bool enable_pdl, bool views) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("moe_a2a::dispatch", "")
+          .typed<void(const at::Tensor&, at::TensorList, const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
+                      int64_t, int64_t, const std::optional<at::Tensor>&, int64_t, at::IntArrayRef, double, int64_t,
+                      bool)>();
+  op.call(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens,
+          top_k, num_experts, eplb_local_stats, eplb_stats_num_experts, active_rank_mask, timeout_s, mailbox,
+          enable_pdl);
+  if (!views) return std::nullopt;
+  const int64_t call_eplb_n = eplb_local_stats.has_value() ? eplb_stats_num_experts : 0;
+  return receive_views(workspace, ep_rank, ep_size, runtime_max_tokens, call_eplb_n, input_payloads);
+}
+
+// torch.ops.moe_a2a.combine, or combine_into when `output` is given (then
+// returned).
+at::Tensor combine(const std::optional<at::Tensor>& payload, int64_t local_num_tokens, const at::Tensor& workspace,
+                   int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens,
+                   int64_t top_k, int64_t combine_payload_offset, const std::vector<int64_t>& row_shape,
+                   at::ScalarType payload_dtype, at::ScalarType output_dtype,
+                   const std::vector<int64_t>& active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
+                   const std::optional<at::Tensor>& output) {
+  auto& dispatcher = c10::Dispatcher::singleton();
+  const c10::SymIntArrayRef shape = c10::fromIntArrayRefSlow(row_shape);
+  if (!output.has_value()) {
+    static const auto op =
+        dispatcher.findSchemaOrThrow("moe_a2a::combine", "")
+            .typed<at::Tensor(const std::optional<at::Tensor>&, c10::SymInt, const at::Tensor&, int64_t, int64_t,
+                              int64_t, int64_t, int64_t, int64_t, c10::SymIntArrayRef, at::ScalarType,
+                              at::ScalarType, at::IntArrayRef, double, int64_t, bool)>();
+    return op.call(payload, c10::SymInt(local_num_tokens), workspace, ep_rank, ep_size, max_num_tokens,
+                   runtime_max_tokens, top_k, combine_payload_offset, shape, payload_dtype, output_dtype,
+                   active_rank_mask, timeout_s, mailbox, enable_pdl);
+  }
+  static const auto op_into =
+      dispatcher.findSchemaOrThrow("moe_a2a::combine_into", "")
+          .typed<void(const std::optional<at::Tensor>&, c10::SymInt, const at::Tensor&, int64_t, int64_t, int64_t,
+                      int64_t, int64_t, int64_t, c10::SymIntArrayRef, at::ScalarType, at::ScalarType,
+                      at::IntArrayRef, double, int64_t, bool, const at::Tensor&)>();
+  op_into.call(payload, c10::SymInt(local_num_tokens), workspace, ep_rank, ep_size, max_num_tokens,
+               runtime_max_tokens, top_k, combine_payload_offset, shape, payload_dtype, output_dtype,
+               active_rank_mask, timeout_s, mailbox, enable_pdl, *output);
+  return *output;
+}
+
 }  // namespace
 }  // namespace moe_a2a
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "Loads the torch.ops.moe_a2a operator library; receive_views for the eager dispatch wrapper.";
-  m.def("receive_views", &moe_a2a::receive_views, pybind11::arg("workspace"), pybind11::arg("ep_rank"),
-        pybind11::arg("ep_size"), pybind11::arg("runtime_max_tokens"), pybind11::arg("eplb_n"),
-        pybind11::arg("payloads"));
+  namespace py = pybind11;
+  m.doc() = "Loads the torch.ops.moe_a2a operator library; eager entry points of the Python wrapper.";
+  m.def("receive_views", &moe_a2a::receive_views, py::arg("workspace"), py::arg("ep_rank"), py::arg("ep_size"),
+        py::arg("runtime_max_tokens"), py::arg("eplb_n"), py::arg("payloads"));
+  // Positional arguments in the order of the operators' schemas (schemas.h).
+  // Without the GIL, as a torch.ops call: a CPU rank waits for peers that
+  // other Python threads (simulated ranks) drive.
+  m.def("dispatch", &moe_a2a::dispatch, py::call_guard<py::gil_scoped_release>());
+  m.def("combine", &moe_a2a::combine, py::call_guard<py::gil_scoped_release>());
 }

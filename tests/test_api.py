@@ -386,3 +386,63 @@ def test_eager_receive_views_equal_traced_ones(case, device):
         for e, t in pairs:
             assert (e.shape, e.stride(), e.dtype, e.data_ptr()) == (t.shape, t.stride(), t.dtype, t.data_ptr())
             assert e.untyped_storage().data_ptr() == workspace.untyped_storage().data_ptr()
+
+
+# ---- the two eager paths --------------------------------------------------------------------
+
+class _OpRecorder(torch.overrides.TorchFunctionMode):
+    """Records the moe_a2a operators a call reaches through torch.ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if "moe_a2a" in str(getattr(func, "_schema", "")):
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+class _NoTorchOps:
+    """Stands in for torch.ops.moe_a2a: any use fails the test."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"eager call went through torch.ops.moe_a2a.{name}")
+
+
+@pytest.mark.parametrize("payload_in_workspace", [False, True])
+def test_eager_calls_skip_torch_ops(monkeypatch, payload_in_workspace, device):
+    """Plain tensors, no TorchFunctionMode: the wrapper calls the operators
+    through _C (the C++ dispatcher), never through torch.ops, and the round
+    trip (recv_view_cache too) equals the reference."""
+    case = Case(3, (5, 0, 7), 3, 9, extras=(PayloadSpec(torch.float16, (2, 3)),))
+    sim = make_sim(case, device)
+    gen = make_generator("direct")
+    monkeypatch.setattr(a2a.api, "_ops", _NoTorchOps())
+    round_trip(sim, case, make_inputs(case, gen), gen, payload_in_workspace=payload_in_workspace)
+    round_trip(sim, case, make_inputs(case, gen), gen, use_output=True)
+    a2a.check_errors(sim.workspace)
+
+
+def test_torch_function_mode_sees_torch_ops(monkeypatch, device):
+    """Under a TorchFunctionMode (entered where each rank calls: modes are
+    per thread) the wrapper calls torch.ops, so the mode sees dispatch and
+    combine of every rank, with the same results."""
+    case = Case(2, (4, 6), 2, 4)
+    sim = make_sim(case, device)
+    gen = make_generator("mode")
+    recorder = _OpRecorder()
+    run = sim.run
+
+    def run_under_mode(fn):
+        def call(rank):
+            with recorder:
+                return fn(rank)
+        return run(call)
+
+    monkeypatch.setattr(sim, "run", run_under_mode)
+    round_trip(sim, case, make_inputs(case, gen), gen)
+    round_trip(sim, case, make_inputs(case, gen), gen, use_output=True)
+    expected = ["dispatch.default"] * 4 + ["combine.default"] * 2 + ["combine_into.default"] * 2
+    assert sorted(recorder.ops) == sorted(expected), recorder.ops

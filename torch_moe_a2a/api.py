@@ -244,8 +244,22 @@ def _mask_words_at_trace_time(active_rank_mask: torch.Tensor, key: int) -> list[
     return _signed_words(active_rank_mask)
 
 
+# MOE_A2A_DEBUG is read at every call (tests set it at run time), from
+# os.environ's underlying dict where it has one: os.environ.get costs about a
+# microsecond per call (key and value encoding), a twentieth of a dispatch
+# wrapper's whole host budget.
+_ENVIRON_DATA = getattr(os.environ, "_data", None)
+_DEBUG_KEY = "MOE_A2A_DEBUG"
+_DEBUG_RAW_KEY = os.environ.encodekey(_DEBUG_KEY) if hasattr(os.environ, "encodekey") else None
+
+
 def _debug_enabled() -> bool:
-    return os.environ.get("MOE_A2A_DEBUG", "0") not in ("", "0")
+    if isinstance(_ENVIRON_DATA, dict) and _DEBUG_RAW_KEY is not None:
+        raw = _ENVIRON_DATA.get(_DEBUG_RAW_KEY)
+        value = "0" if raw is None else os.environ.decodevalue(raw)
+    else:
+        value = os.environ.get(_DEBUG_KEY, "0")
+    return value not in ("", "0")
 
 
 def _debug_check_expert_ids(token_selected_experts: torch.Tensor, num_experts: int) -> None:
@@ -258,6 +272,14 @@ def _debug_check_expert_ids(token_selected_experts: torch.Tensor, num_experts: i
         raise ValueError(
             f"MOE_A2A_DEBUG: token_selected_experts[{where}] = {value} is >= num_experts ({num_experts})"
         )
+
+
+def _direct_call_ok(*tensors: Optional[torch.Tensor]) -> bool:
+    """Eager calls may skip torch.ops' Python argument matching (_C.dispatch,
+    _C.combine: the same operators through the C++ dispatcher, dispatch modes
+    and backends included) unless a __torch_function__ override (a tensor
+    subclass, a TorchFunctionMode) could want to see the call."""
+    return not torch.overrides.has_torch_function(tensors)
 
 
 def _traced_receive_views(
@@ -499,27 +521,18 @@ def _dispatch(
     if not torch.compiler.is_compiling() and _debug_enabled():
         _debug_check_expert_ids(token_selected_experts, num_experts)
 
-    _ops.dispatch.default(
-        token_selected_experts,
-        input_payloads,
-        workspace,
-        ep_rank,
-        ep_size,
-        max_num_tokens,
-        runtime_max_tokens_per_rank,
-        top_k,
-        num_experts,
-        eplb_local_stats,
-        eplb_n,
-        mask,
-        timeout_s,
-        mailbox,
-        enable_pdl,
-    )
+    args = (token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
+            runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_n, mask, timeout_s, mailbox,
+            enable_pdl)
+    call_eplb_n = eplb_n if eplb_local_stats is not None else 0
+    if torch.compiler.is_compiling():
+        _ops.dispatch.default(*args)
+        return _traced_receive_views(workspace, ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n,
+                                     input_payloads)
 
     # The receive views of this call: regions of this rank's own row.
-    call_eplb_n = eplb_n if eplb_local_stats is not None else 0
-    cache = None if recv_view_cache is None or torch.compiler.is_compiling() else recv_view_cache
+    cache = recv_view_cache
+    hit = None
     if cache is not None:
         if cache.get("_workspace") is not workspace:
             cache.clear()
@@ -528,17 +541,16 @@ def _dispatch(
         key = (ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n,
                tuple([(p.shape[1:], p.dtype) for p in input_payloads]))
         hit = cache.get(key)
-        if hit is not None:
-            return list(hit[0]), hit[1], hit[2]
-
-    if torch.compiler.is_compiling():
-        output_payloads, combine_offset, eplb_gathered_stats = _traced_receive_views(
-            workspace, ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n, input_payloads)
+    if _direct_call_ok(token_selected_experts, workspace, eplb_local_stats, *input_payloads):
+        # One C++ call runs the op and builds every view (protocol.h's call_layout).
+        views = _C.dispatch(*args, hit is None)
     else:
-        # One C++ call builds every view (protocol.h's call_layout): a third of
-        # the host time of the Python view ops it replaces.
-        output_payloads, combine_offset, eplb_gathered_stats = _C.receive_views(
+        _ops.dispatch.default(*args)
+        views = None if hit is not None else _C.receive_views(
             workspace, ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n, input_payloads)
+    if hit is not None:
+        return list(hit[0]), hit[1], hit[2]
+    output_payloads, combine_offset, eplb_gathered_stats = views
     if cache is not None:
         cache[key] = (tuple(output_payloads), combine_offset, eplb_gathered_stats)
     return output_payloads, combine_offset, eplb_gathered_stats
@@ -682,6 +694,8 @@ def _combine(
         mailbox,
         enable_pdl,
     )
+    if not torch.compiler.is_compiling() and _direct_call_ok(workspace, payload, output):
+        return _C.combine(*args, output)
     if output is None:
         return _ops.combine.default(*args)
     _ops.combine_into.default(*args, output)
