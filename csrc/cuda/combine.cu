@@ -24,6 +24,11 @@ namespace {
 
 // Vectors of a sum in flight per lane (each needs kElems fp32 accumulators).
 constexpr int kSumUnroll = 2;
+// Destination rows whose vectors a lane loads before it adds the first: the
+// sum of a token is a chain of dependent loads otherwise, the latency bound
+// of small calls. Each one holds kSumUnroll vectors in registers.
+constexpr int kPullRowsInFlight = 2;
+static_assert(kDestBatch % kPullRowsInFlight == 0, "a batch holds whole groups of rows");
 
 // Element types: bit storage plus the exact conversions (no implicit half
 // conversions: torch builds with __CUDA_NO_HALF_CONVERSIONS__ and friends).
@@ -119,6 +124,18 @@ __device__ void pull_rows(const CombineArgs& a) {
   const int64_t groups = int64_t(gridDim.x) * groups_per_cta;
   const int lane_in_group = threadIdx.x % lanes;
   const int64_t items = p.local_num_tokens * segments;
+  // The row of a route entry; nullptr for a rank masked off since the
+  // dispatch, which was not waited for: its rows are not final (as on the
+  // CPU). An entry outside this call's planes can only come from a combine
+  // whose sizes differ from its dispatch's, which the CPU refuses up front
+  // and the device cannot check before running: it is skipped rather than
+  // read out of bounds.
+  const auto row_of = [&](int32_t entry) -> const InRaw* {
+    const int d = route_rank(entry);
+    const int64_t slot = route_slot(entry);
+    if (d >= ws.ep_size || slot >= T || !rank_active(p.sync, d)) return nullptr;
+    return reinterpret_cast<const InRaw*>(ws.row(d) + p.combine_offset + (source_row + slot) * a.row_bytes);
+  };
   for (int64_t item = int64_t(blockIdx.x) * groups_per_cta + threadIdx.x / lanes; item < items; item += groups) {
     const int64_t t = segments == 1 ? item : item / segments;
     const int64_t segment = segments == 1 ? 0 : item % segments;
@@ -130,7 +147,9 @@ __device__ void pull_rows(const CombineArgs& a) {
       for (int e = 0; e < kElems; ++e) acc[u][e] = 0.0f;
     }
     // Route entries in batches loaded together (one latency per batch, not
-    // per destination); the rows are still summed in route order.
+    // per destination); the rows of kPullRowsInFlight destinations are
+    // loaded before the first of them is added (one latency per group), and
+    // still summed in route order.
     const int32_t* route = routes + t * kMaxTopK;
     bool ended = false;
     for (int batch = 0; batch < kMaxTopK && !ended; batch += kDestBatch) {
@@ -138,31 +157,32 @@ __device__ void pull_rows(const CombineArgs& a) {
 #pragma unroll
       for (int j = 0; j < kDestBatch; ++j) entries[j] = batch + j < kMaxTopK ? route[batch + j] : kRouteEnd;
 #pragma unroll
-      for (int j = 0; j < kDestBatch; ++j) {
-        const int32_t entry = entries[j];
-        ended = ended || entry == kRouteEnd;
+      for (int j = 0; j < kDestBatch; j += kPullRowsInFlight) {
+        const InRaw* src[kPullRowsInFlight];
+#pragma unroll
+        for (int g = 0; g < kPullRowsInFlight; ++g) {
+          ended = ended || entries[j + g] == kRouteEnd;
+          src[g] = ended ? nullptr : row_of(entries[j + g]);
+        }
+        InVec x[kPullRowsInFlight][kSumUnroll];
+#pragma unroll
+        for (int g = 0; g < kPullRowsInFlight; ++g) {
+#pragma unroll
+          for (int u = 0; u < kSumUnroll; ++u) {
+            const int64_t v = first + int64_t(u) * lanes;
+            x[g][u].raw = src[g] != nullptr && v < vectors ? src[g][v] : InRaw{};
+          }
+        }
+#pragma unroll
+        for (int g = 0; g < kPullRowsInFlight; ++g) {
+          if (src[g] == nullptr) continue;
+#pragma unroll
+          for (int u = 0; u < kSumUnroll; ++u) {
+#pragma unroll
+            for (int e = 0; e < kElems; ++e) acc[u][e] += In::to_float(x[g][u].v[e]);
+          }
+        }
         if (ended) break;
-        const int d = route_rank(entry);
-        const int64_t slot = route_slot(entry);
-        // A rank masked off since the dispatch was not waited for: its rows
-        // are not final (as on the CPU). An entry outside this call's planes
-        // can only come from a combine whose sizes differ from its
-        // dispatch's, which the CPU refuses up front and the device cannot
-        // check before running: it is skipped rather than read out of bounds.
-        if (d >= ws.ep_size || slot >= T || !rank_active(p.sync, d)) continue;
-        const InRaw* src =
-            reinterpret_cast<const InRaw*>(ws.row(d) + p.combine_offset + (source_row + slot) * a.row_bytes);
-        InVec x[kSumUnroll];
-#pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u) {
-          const int64_t v = first + int64_t(u) * lanes;
-          x[u].raw = v < vectors ? src[v] : InRaw{};
-        }
-#pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u) {
-#pragma unroll
-          for (int e = 0; e < kElems; ++e) acc[u][e] += In::to_float(x[u].v[e]);
-        }
       }
     }
     OutRaw* dst = reinterpret_cast<OutRaw*>(p.output) + t * vectors;
