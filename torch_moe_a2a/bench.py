@@ -13,6 +13,10 @@ What is measured, for every point (model preset, ep, tokens per rank):
   CUDA stream per rank forked from and joined back into the current stream,
   or a thread per rank on the CPU). Dispatch and combine must alternate, so
   an op measured alone is paired with an untimed partner in every iteration.
+  A round trip is one step in which each rank calls dispatch, then combine,
+  as a rank of a real deployment does on its one stream: no join of all
+  ranks between the two ops (a barrier a real deployment does not have; the
+  kernels' own flags order them).
 - time: CUDA events on the current stream around the step (perf_counter on
   the CPU); the median of ``--iters`` iterations after ``--warmup``. The
   inputs (dispatch payloads, expert outputs) rotate over pre-built sets
@@ -242,9 +246,10 @@ def _memory_bytes(point: Point, n_sets: int, cuda: bool) -> int:
     baseline_combine = ep * (T * k * 3 * crow + T * 3 * crow)
     total = workspace + sets + baseline_recv + baseline_dispatch + baseline_combine + 4 * outputs
     if cuda:
-        # Graph pools: our combine outputs (combine and both round trips per set,
-        # combine-ws once); the baseline's graphs of one kind (at most a round trip per set).
-        total += (3 * n_sets + 1) * outputs + n_sets * (baseline_dispatch + baseline_combine)
+        # Graph pools: our combine outputs (combine per set, combine-ws once; the
+        # round trips write into preallocated outputs, counted once more); the
+        # baseline's graphs of one kind (at most a round trip per set).
+        total += (n_sets + 2) * outputs + n_sets * (baseline_dispatch + baseline_combine)
     else:
         # The reference (CPU) shares the memory: its receive planes and copies.
         total += 2 * point.expert_rows * drow + 2 * ep * T * (drow + crow)
@@ -470,32 +475,45 @@ class _Ours:
                                                      self.offset + nbytes, p.dtype)
             for r in range(ep)
         ]
+        self.rt_out = [torch.empty((T, p.hidden), dtype=p.dtype, device=device) for _ in range(ep)]
+
+    # One rank's call of each op (set i).
+    def _dispatch_rank(self, i: int, r: int) -> tuple:
+        p, T, s, sim = self.point.preset, self.point.tokens, self.sets[i], self.sim
+        return moe_a2a_dispatch(s.ids[r], s.payloads[r], sim.workspace, sim.metainfo[r], T, r, self.point.ep,
+                                p.top_k, p.num_experts, recv_view_cache=self.caches[r])
+
+    def _combine_rank(self, i: int, r: int, output: Optional[Tensor] = None) -> Tensor:
+        p, T, s, sim = self.point.preset, self.point.tokens, self.sets[i], self.sim
+        return moe_a2a_combine(s.expert_out[r], T, sim.workspace, sim.metainfo[r], T, r, self.point.ep, p.top_k,
+                               self.offset, output=output)
+
+    def _combine_ws_rank(self, r: int, output: Optional[Tensor] = None) -> Tensor:
+        p, T, sim = self.point.preset, self.point.tokens, self.sim
+        return moe_a2a_combine(self.ws_views[r], T, sim.workspace, sim.metainfo[r], T, r, self.point.ep, p.top_k,
+                               self.offset, payload_in_workspace=True, output=output)
 
     def dispatch(self, i: int) -> list:
-        p, ep, T, s, sim = self.point.preset, self.point.ep, self.point.tokens, self.sets[i], self.sim
-        return sim.run(lambda r: moe_a2a_dispatch(s.ids[r], s.payloads[r], sim.workspace, sim.metainfo[r], T, r,
-                                                  ep, p.top_k, p.num_experts, recv_view_cache=self.caches[r]))
+        return self.sim.run(lambda r: self._dispatch_rank(i, r))
 
     def combine(self, i: int) -> list[Tensor]:
-        p, ep, T, s, sim = self.point.preset, self.point.ep, self.point.tokens, self.sets[i], self.sim
-        return sim.run(lambda r: moe_a2a_combine(s.expert_out[r], T, sim.workspace, sim.metainfo[r], T, r, ep,
-                                                 p.top_k, self.offset))
+        return self.sim.run(lambda r: self._combine_rank(i, r))
 
     def combine_ws(self, i: int = 0) -> list[Tensor]:
         """Combine with the payload already in the workspace (the same views for every set)."""
-        p, ep, T, sim = self.point.preset, self.point.ep, self.point.tokens, self.sim
-        return sim.run(lambda r: moe_a2a_combine(self.ws_views[r], T, sim.workspace, sim.metainfo[r], T, r, ep,
-                                                 p.top_k, self.offset, payload_in_workspace=True))
+        return self.sim.run(self._combine_ws_rank)
 
     def round_trip(self, i: int) -> list[Tensor]:
-        self.dispatch(i)
-        return self.combine(i)
+        """Each rank: dispatch, then combine (one step: no join of the ranks in
+        between) into the rank's preallocated output (a rank's combine must not
+        wait for an allocation while its dispatch waits for a peer that the host
+        has not launched yet)."""
+        return self.sim.run(lambda r: (self._dispatch_rank(i, r), self._combine_rank(i, r, self.rt_out[r]))[1])
 
     def round_trip_ws(self, i: int) -> list[Tensor]:
-        """Dispatch, then combine with the payload in the workspace (a MoE that writes
-        its expert outputs there: the latency path)."""
-        self.dispatch(i)
-        return self.combine_ws()
+        """Each rank: dispatch, then combine with the payload in the workspace (a MoE
+        that writes its expert outputs there: the latency path), as round_trip."""
+        return self.sim.run(lambda r: (self._dispatch_rank(i, r), self._combine_ws_rank(r, self.rt_out[r]))[1])
 
 
 def _routes_by_destination(ids: Tensor, owner: Tensor, ep: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -650,6 +668,9 @@ def _check_ours(ours: _Ours, ref, expected: list[Tensor], names: list[str]) -> t
     for r in range(ep):
         ours.ws_views[r].copy_(s0.expert_out[r])  # what an MoE writing into the workspace leaves there
     outs_ws = ours.combine_ws()
+    # The round trips (each rank's two calls in one step) on the same inputs.
+    outs_rt = [o.clone() for o in ours.round_trip(0)]
+    outs_rt_ws = [o.clone() for o in ours.round_trip_ws(0)]
 
     errors, notes = [], []
     for d in range(ep):
@@ -661,7 +682,8 @@ def _check_ours(ours: _Ours, ref, expected: list[Tensor], names: list[str]) -> t
             bad = _recv_mismatch(recv[d], ref.recv[d], counts[d], names)
             if bad is not None:
                 errors.append(f"rank {d}: received {bad} differs from the reference")
-    for what, got in (("combine", outs), ("combine-ws", outs_ws)):
+    for what, got in (("combine", outs), ("combine-ws", outs_ws), ("round-trip", outs_rt),
+                      ("round-trip-ws", outs_rt_ws)):
         error, bitwise = _combine_mismatch(got, expected)
         if error is not None:
             errors.append(f"{what}: {error}")
