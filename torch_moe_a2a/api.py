@@ -518,9 +518,6 @@ def _dispatch(
     mask = _rank_mask_words(enable_rank_mask, active_rank_mask)
     if enable_pdl is None:
         enable_pdl = _pdl_default(workspace)
-    if not torch.compiler.is_compiling() and _debug_enabled():
-        _debug_check_expert_ids(token_selected_experts, num_experts)
-
     args = (token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
             runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_n, mask, timeout_s, mailbox,
             enable_pdl)
@@ -529,6 +526,9 @@ def _dispatch(
         _ops.dispatch.default(*args)
         return _traced_receive_views(workspace, ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n,
                                      input_payloads)
+
+    if _debug_enabled():
+        _debug_check_expert_ids(token_selected_experts, num_experts)
 
     # The receive views of this call: regions of this rank's own row.
     cache = recv_view_cache
@@ -667,9 +667,10 @@ def _combine(
     if enable_pdl is None:
         enable_pdl = _pdl_default(workspace)
     # `output` (shape, dtype, device, contiguity) is checked by the op (check_combine).
+    compiling = torch.compiler.is_compiling()
     staged = payload
     if payload_in_workspace:
-        if not torch.compiler.is_compiling():
+        if not compiling:
             _check_payload_in_workspace(payload, workspace, ep_rank, ep_size, runtime_max_tokens_per_rank,
                                         combine_payload_offset)
         staged = None
@@ -694,7 +695,7 @@ def _combine(
         mailbox,
         enable_pdl,
     )
-    if not torch.compiler.is_compiling() and _direct_call_ok(workspace, payload, output):
+    if not compiling and _direct_call_ok(workspace, payload, output):
         return _C.combine(*args, output)
     if output is None:
         return _ops.combine.default(*args)
