@@ -61,8 +61,8 @@ struct CombineArgs {
   int64_t row_bytes;  // of a payload row
   bool stage;         // p.payload must be copied into the own combine region
   CopyPlan stage_plan;
-  int pull_elems;  // elements per vector access of the pull
-  int pull_lanes;
+  int pull_elems;         // elements per vector access of the pull
+  int pull_lane_bits;     // log2 of the lanes that sum one row
   int64_t pull_segments;  // per row
 };
 
@@ -88,12 +88,12 @@ __device__ void stage_rows(const CombineArgs& a) {
   __syncthreads();
   const CopyPlan& plan = a.stage_plan;
   uint8_t* region = own + p.combine_offset;
-  const int groups_per_cta = kThreads / plan.lanes;
+  const int groups_per_cta = kThreads >> plan.lane_bits;
   const int64_t groups = int64_t(gridDim.x) * groups_per_cta;
-  const int lane_in_group = threadIdx.x % plan.lanes;
+  const int lane_in_group = threadIdx.x & (plan.lanes - 1);
   const int64_t items = first_row[ws.ep_size] * plan.segments;
   int s = 0;  // a group's rows only increase, so its source index only moves forward
-  for (int64_t item = int64_t(blockIdx.x) * groups_per_cta + threadIdx.x / plan.lanes; item < items;
+  for (int64_t item = int64_t(blockIdx.x) * groups_per_cta + (threadIdx.x >> plan.lane_bits); item < items;
        item += groups) {
     const int64_t row = plan.segments == 1 ? item : item / plan.segments;
     const int segment = plan.segments == 1 ? 0 : static_cast<int>(item % plan.segments);
@@ -118,11 +118,11 @@ __device__ void pull_rows(const CombineArgs& a) {
   const int64_t T = p.runtime_max_tokens;
   const int64_t vectors = p.row_elems / kElems;
   const int64_t source_row = int64_t(ws.ep_rank) * T;
-  const int lanes = a.pull_lanes;
+  const int lanes = 1 << a.pull_lane_bits;
   const int64_t segments = a.pull_segments;
-  const int groups_per_cta = kThreads / lanes;
+  const int groups_per_cta = kThreads >> a.pull_lane_bits;
   const int64_t groups = int64_t(gridDim.x) * groups_per_cta;
-  const int lane_in_group = threadIdx.x % lanes;
+  const int lane_in_group = threadIdx.x & (lanes - 1);
   const int64_t items = p.local_num_tokens * segments;
   // The row of a route entry; nullptr for a rank masked off since the
   // dispatch, which was not waited for: its rows are not final (as on the
@@ -136,7 +136,8 @@ __device__ void pull_rows(const CombineArgs& a) {
     if (d >= ws.ep_size || slot >= T || !rank_active(p.sync, d)) return nullptr;
     return reinterpret_cast<const InRaw*>(ws.row(d) + p.combine_offset + (source_row + slot) * a.row_bytes);
   };
-  for (int64_t item = int64_t(blockIdx.x) * groups_per_cta + threadIdx.x / lanes; item < items; item += groups) {
+  for (int64_t item = int64_t(blockIdx.x) * groups_per_cta + (threadIdx.x >> a.pull_lane_bits); item < items;
+       item += groups) {
     const int64_t t = segments == 1 ? item : item / segments;
     const int64_t segment = segments == 1 ? 0 : item % segments;
     const int64_t first = segment * lanes * kSumUnroll + lane_in_group;
@@ -289,8 +290,9 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
   }
   a.pull_elems = elems;
   const int64_t vectors = p.row_elems / elems;
-  a.pull_lanes = lanes_per_row(vectors, kSumUnroll);
-  const int64_t per_segment = int64_t(a.pull_lanes) * kSumUnroll;
+  const int pull_lanes = lanes_per_row(vectors, kSumUnroll);
+  a.pull_lane_bits = log2_exact(pull_lanes);
+  const int64_t per_segment = int64_t(pull_lanes) * kSumUnroll;
   a.pull_segments = (vectors + per_segment - 1) / per_segment;
 
   // Pull: a row written per token (and as many read per destination); staging

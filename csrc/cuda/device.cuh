@@ -77,6 +77,8 @@ namespace gpu {
 // footprint and any mix of them fits the residency the grids are sized for.
 constexpr int kThreads = 512;
 constexpr int kWarpSize = 32;
+constexpr int kLog2WarpSize = 5;
+static_assert(kWarpSize == 1 << kLog2WarpSize, "kLog2WarpSize is log2(kWarpSize)");
 constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kMinCtasPerSm = 2;
 constexpr unsigned kFullWarp = 0xffffffffu;
@@ -386,8 +388,9 @@ struct VecOf<1> {
 struct CopyPlan {
   int vec_bytes;
   int lanes;
-  int vectors;   // per row (rows are below 2^31 bytes: launchers check)
-  int segments;  // per row
+  int lane_bits;  // log2(lanes): group and lane-in-group indices are shifts and masks
+  int vectors;    // per row (rows are below 2^31 bytes: launchers check)
+  int segments;   // per row
 };
 
 // Copies segment `segment` of the row at `src` to the destination rows
@@ -465,6 +468,13 @@ inline int lanes_per_row(int64_t vectors, int unroll) {
   return lanes;
 }
 
+// log2 of a power of two.
+inline int log2_exact(int power_of_two) {
+  int bits = 0;
+  while ((1 << bits) < power_of_two) ++bits;
+  return bits;
+}
+
 // Rows of at most this many bytes: vector and segment indices stay 32-bit
 // (ops.cpp admits rows of up to 2^28 bytes).
 constexpr int64_t kMaxKernelRowBytes = int64_t(1) << 30;
@@ -474,6 +484,7 @@ inline CopyPlan make_copy_plan(int64_t row_bytes, uint64_t alignment_bits) {
   plan.vec_bytes = widest_vector_bytes(alignment_bits | uint64_t(row_bytes));
   plan.vectors = static_cast<int>(row_bytes / plan.vec_bytes);
   plan.lanes = lanes_per_row(plan.vectors, kCopyUnroll);
+  plan.lane_bits = log2_exact(plan.lanes);
   const int per_segment = plan.lanes * kCopyUnroll;
   plan.segments = (plan.vectors + per_segment - 1) / per_segment;
   return plan;

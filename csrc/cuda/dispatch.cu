@@ -27,6 +27,12 @@ namespace {
 constexpr int kRankTableExperts = 4096;
 static_assert(kMaxRanks <= 256, "the rank table stores ranks as uint8_t");
 
+// expert_to_rank out of line: the slow path of experts beyond the shared table
+// (64-bit divisions), which every inlined copy of Router::dests would otherwise carry.
+__device__ __noinline__ int expert_to_rank_slow(int64_t expert, int64_t num_experts, int ep_size) {
+  return expert_to_rank(expert, num_experts, ep_size);
+}
+
 // Expert ids of a token loaded together (top_k <= 8, the common case, is one batch).
 constexpr int kIdsPerBatch = 8;
 
@@ -36,10 +42,11 @@ struct DispatchArgs {
   int64_t tokens_per_cta;
   CopyPlan plan[kMaxPayloads];
 
-  // Warp tasks of payload i for a chunk of `chunk` tokens (step 3).
+  // Warp tasks of payload i for a chunk of `chunk` tokens (step 3): a task
+  // is kWarpSize / lanes items, a power of two.
   __device__ int64_t warp_tasks(int i, int64_t chunk) const {
-    const int64_t items_per_task = kWarpSize / plan[i].lanes;
-    return (chunk * plan[i].segments + items_per_task - 1) / items_per_task;
+    const int task_bits = kLog2WarpSize - plan[i].lane_bits;
+    return (chunk * plan[i].segments + (int64_t(1) << task_bits) - 1) >> task_bits;
   }
 };
 
@@ -71,7 +78,7 @@ struct Router {
           ++invalid;
           continue;
         }
-        const int rank = rank_of != nullptr ? int(rank_of[e]) : expert_to_rank(e, num_experts, ep_size);
+        const int rank = rank_of != nullptr ? int(rank_of[e]) : expert_to_rank_slow(e, num_experts, ep_size);
         set |= uint64_t(1) << rank;
       }
     }
@@ -230,14 +237,16 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   const int64_t chunk = end - begin;
   int i = 0;
   int64_t first_task = 0;  // of payload i
+  int64_t tasks = p.num_payloads > 0 ? a.warp_tasks(0, chunk) : 0;  // of payload i
   for (int64_t task = warp;; task += kWarps) {
-    while (i < p.num_payloads && task >= first_task + a.warp_tasks(i, chunk)) {
-      first_task += a.warp_tasks(i, chunk);
+    while (i < p.num_payloads && task >= first_task + tasks) {
+      first_task += tasks;
       ++i;
+      tasks = i < p.num_payloads ? a.warp_tasks(i, chunk) : 0;
     }
     if (i == p.num_payloads) break;
     const CopyPlan& plan = a.plan[i];
-    const int64_t item = (task - first_task) * (kWarpSize / plan.lanes) + lane / plan.lanes;
+    const int64_t item = ((task - first_task) << (kLog2WarpSize - plan.lane_bits)) + (lane >> plan.lane_bits);
     if (item >= chunk * plan.segments) continue;  // past the end of payload i's last task
     const int64_t t = begin + (plan.segments == 1 ? item : item / plan.segments);
     const int segment = plan.segments == 1 ? 0 : static_cast<int>(item % plan.segments);
@@ -246,7 +255,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
     const int64_t plane_offset = p.layout.payload_offset[i];
     // A token with no destination finds kRouteEnd first (its segment's loads are wasted).
     copy_segment_any(
-        p.payload[i] + t * row_bytes, plan, segment, lane % plan.lanes, [&](int k) { return route[k]; },
+        p.payload[i] + t * row_bytes, plan, segment, lane & (plan.lanes - 1), [&](int k) { return route[k]; },
         [&](int32_t entry) {
           return ws.row(route_rank(entry)) + plane_offset + (source_row + route_slot(entry)) * row_bytes;
         });
