@@ -220,14 +220,16 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   if (!may_proceed(own, p.sync.mailbox, error_code, dispatch_epoch == combine_epoch + 1)) return;
   const uint32_t epoch = combine_epoch + 1;
 
-  // 1. Stage.
-  if (a.stage) stage_rows(a);
-
-  // 2. Release: the last CTA publishes the whole grid's staging (device.cuh
-  // explains the chain) to the peers and to this grid's own CTAs.
+  // 1. Stage, and 2. release: the last CTA publishes the whole grid's staging
+  // (device.cuh explains the chain) to the peers and to this grid's own CTAs.
+  // Without staging (the payload already in the combine region, written by
+  // earlier kernels, which the kernel boundary orders) this grid wrote nothing
+  // that needs publishing, and it read nothing a peer will overwrite: CTA 0
+  // raises the flags at once, without the arrival's fences and counter.
   const bool system = a.sync_settings.system;
-  const bool last = arrive_last(header_word<uint32_t>(own, kHdrCombineArrivals), system);
-  if (last) raise_flags(ws, p.sync, kHdrCombineFlags, epoch, system);
+  if (a.stage) stage_rows(a);
+  const bool raise = a.stage ? arrive_last(header_word<uint32_t>(own, kHdrCombineArrivals), system) : blockIdx.x == 0;
+  if (raise) raise_flags(ws, p.sync, kHdrCombineFlags, epoch, system);
 
   // 3. Acquire: every CTA, so that each one's pull loads follow its own
   // acquire of every flag (own rank's included).

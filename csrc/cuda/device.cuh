@@ -15,7 +15,9 @@
 // Payload rows, receive counts and EPLB rows are ordinary stores: the flag
 // that follows them is what publishes them.
 //
-// * Publishing the work of a whole grid (dispatch flags, combine flags). The
+// * Publishing the work of a whole grid (dispatch flags, and combine flags
+//   when the combine stages its payload; without staging the combine grid
+//   wrote nothing to publish, and CTA 0 raises its flags at once). The
 //   rows are written by every thread of every CTA, but one thread of the last
 //   CTA raises the flag. The chain, for a CTA X and the last CTA L:
 //     X's threads store rows -> __syncthreads (bar.sync orders them before
