@@ -175,41 +175,58 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
 
   // 1b. The chunk, kThreads tokens per round in index order: a token's slot
   // is next_slot + the tokens of earlier warps of the round + the earlier
-  // lanes of its warp that go to the same destination.
+  // lanes of its warp that go to the same destination. A chunk of at most
+  // kWarpSize tokens (every small call) is warp 0's alone: its ballots give
+  // the slots without the scan over warps and its barriers.
   int32_t* routes = reinterpret_cast<int32_t*>(own + p.layout.route_offset);
-  for (int64_t round = begin; round < end; round += kThreads) {
-    const int64_t t = round + threadIdx.x;
-    const bool mine = t < end;
-    const uint64_t set = t == own_token ? own_set : mine ? router.dests(t, invalid) : 0;
-    const uint64_t present = warp_or(set);
-    for (int d = lane; d < ep_size; d += kWarpSize) warp_first_slot[warp][d] = 0;
-    __syncwarp();
-    for (uint64_t rest = present; rest != 0; rest &= rest - 1) {
-      const int d = lowest_rank(rest);
-      const uint32_t count = __popc(__ballot_sync(kFullWarp, (set >> d) & 1));
-      if (lane == 0) warp_first_slot[warp][d] = count;
-    }
-    __syncthreads();
-    if (threadIdx.x < ep_size) {
-      const int d = threadIdx.x;
-      uint32_t next = next_slot[d];
-      for (int w = 0; w < kWarps; ++w) {
-        const uint32_t count = warp_first_slot[w][d];
-        warp_first_slot[w][d] = next;
-        next += count;
+  if (end - begin <= kWarpSize) {
+    if (warp == 0) {
+      int32_t* route = routes + own_token * kMaxTopK;
+      int entries = 0;
+      for (uint64_t rest = warp_or(own_set); rest != 0; rest &= rest - 1) {
+        const int d = lowest_rank(rest);
+        const uint32_t going = __ballot_sync(kFullWarp, (own_set >> d) & 1);
+        if ((own_set >> d) & 1) route[entries++] = route_entry(d, next_slot[d] + __popc(going & lanes_below()));
+        __syncwarp();  // every lane read next_slot[d] before lane 0 advances it
+        if (lane == 0) next_slot[d] += __popc(going);
       }
-      next_slot[d] = next;
+      if (own_token < end && entries < kMaxTopK) route[entries] = kRouteEnd;
     }
-    __syncthreads();
-    int32_t* route = routes + t * kMaxTopK;
-    int entries = 0;
-    for (uint64_t rest = present; rest != 0; rest &= rest - 1) {
-      const int d = lowest_rank(rest);
-      const uint32_t earlier = __ballot_sync(kFullWarp, (set >> d) & 1) & lanes_below();
-      if ((set >> d) & 1) route[entries++] = route_entry(d, warp_first_slot[warp][d] + __popc(earlier));
+  } else {
+    for (int64_t round = begin; round < end; round += kThreads) {
+      const int64_t t = round + threadIdx.x;
+      const bool mine = t < end;
+      const uint64_t set = t == own_token ? own_set : mine ? router.dests(t, invalid) : 0;
+      const uint64_t present = warp_or(set);
+      for (int d = lane; d < ep_size; d += kWarpSize) warp_first_slot[warp][d] = 0;
+      __syncwarp();
+      for (uint64_t rest = present; rest != 0; rest &= rest - 1) {
+        const int d = lowest_rank(rest);
+        const uint32_t count = __popc(__ballot_sync(kFullWarp, (set >> d) & 1));
+        if (lane == 0) warp_first_slot[warp][d] = count;
+      }
+      __syncthreads();
+      if (threadIdx.x < ep_size) {
+        const int d = threadIdx.x;
+        uint32_t next = next_slot[d];
+        for (int w = 0; w < kWarps; ++w) {
+          const uint32_t count = warp_first_slot[w][d];
+          warp_first_slot[w][d] = next;
+          next += count;
+        }
+        next_slot[d] = next;
+      }
+      __syncthreads();
+      int32_t* route = routes + t * kMaxTopK;
+      int entries = 0;
+      for (uint64_t rest = present; rest != 0; rest &= rest - 1) {
+        const int d = lowest_rank(rest);
+        const uint32_t earlier = __ballot_sync(kFullWarp, (set >> d) & 1) & lanes_below();
+        if ((set >> d) & 1) route[entries++] = route_entry(d, warp_first_slot[warp][d] + __popc(earlier));
+      }
+      if (mine && entries < kMaxTopK) route[entries] = kRouteEnd;
+      __syncthreads();  // warp_first_slot is reused by the next round
     }
-    if (mine && entries < kMaxTopK) route[entries] = kRouteEnd;
-    __syncthreads();  // warp_first_slot is reused by the next round
   }
 
   invalid = warp_sum(invalid);
