@@ -33,6 +33,10 @@ def test_bench_runs_and_reports_every_op(device, tmp_path, capsys):
         for op, m in ops.items():
             assert m["eager_us"] > 0 and m["GBps"] > 0, op
             assert (m["graph_us"] is not None) == (device == "cuda"), op
+            # Per step of a multi-step graph: the round trips, on CUDA.
+            assert (m["graph_step_us"] is not None) == (device == "cuda" and op.startswith("round-trip")), op
+            if m["graph_step_us"] is not None:
+                assert m["graph_step_us"] > 0, op
         b = {op: m["bytes"] for op, m in ops.items()}
         assert b["round-trip"] == pytest.approx(b["dispatch"] + b["combine"])
         assert b["round-trip-ws"] == pytest.approx(b["dispatch"] + b["combine-ws"])

@@ -28,7 +28,14 @@ What is measured, for every point (model preset, ep, tokens per rank):
   loop issues them (host launch overhead included where the host is slower
   than the device). graph (CUDA only): one step per op kind and input set
   captured in one ``torch.cuda.CUDAGraph`` and replayed; the device is given
-  a head start (a spin kernel) so that the timings are device time.
+  a head start (a spin kernel) so that the timings are device time. A replay
+  carries the graph's launch and the simulation's fork into and join out of
+  the rank streams (about 5 us on the H200 at ep 8), which a rank of a real
+  deployment does not pay per op. graph per step (round trips, CUDA only):
+  STEPS_PER_GRAPH round trips in a row on every rank's stream, on
+  consecutive input sets, captured in one graph; its replay time /
+  STEPS_PER_GRAPH is the round trip of a rank whose stream runs layer after
+  layer inside one graph, as a deployment's captured forward pass does.
 - bytes (section 8): dispatch reads each token's payload row once and writes
   it once per distinct destination rank; combine reads one row per (token,
   destination) and writes one row per token; staging (``combine``) adds a
@@ -116,6 +123,8 @@ GIB = 1 << 30
 MIB = 1 << 20
 
 OPS = ("dispatch", "combine", "combine-ws", "round-trip", "round-trip-ws")
+# Round trips per rank stream in the graph of the per-step timing (module docstring).
+STEPS_PER_GRAPH = 8
 # The baseline has one combine; both of our combine variants are compared with it.
 BASELINE_OF = {"dispatch": "dispatch", "combine": "combine", "combine-ws": "combine", "round-trip": "round-trip",
                "round-trip-ws": "round-trip"}
@@ -515,6 +524,20 @@ class _Ours:
         that writes its expert outputs there: the latency path), as round_trip."""
         return self.sim.run(lambda r: (self._dispatch_rank(i, r), self._combine_ws_rank(r, self.rt_out[r]))[1])
 
+    def round_trips(self, first: int, steps: int, ws: bool) -> list[Tensor]:
+        """Each rank: ``steps`` round trips (round_trip_ws if ``ws``, else round_trip)
+        in a row on its stream, on input sets first, first + 1, ... (mod the
+        number of sets), with no join of the ranks between them; returns the
+        last round trip's outputs (``rt_out``)."""
+        def rank(r: int) -> Tensor:
+            for k in range(steps):
+                i = (first + k) % len(self.sets)
+                self._dispatch_rank(i, r)
+                out = self._combine_ws_rank(r, self.rt_out[r]) if ws else self._combine_rank(i, r, self.rt_out[r])
+            return out
+
+        return self.sim.run(rank)
+
 
 def _routes_by_destination(ids: Tensor, owner: Tensor, ep: int) -> tuple[Tensor, Tensor, Tensor]:
     """The (token, distinct destination) pairs of ``ids`` (int ``[n, top_k]``,
@@ -793,7 +816,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
     def measure(timed, before=None, after=None, head_start=False) -> float:
         return _measure(clock, n_sets, ctx.warmup, ctx.iters, timed, before, after, head_start)
 
-    eager_us, graph_us, base_eager_us, base_graph_us = {}, {}, {}, {}
+    eager_us, graph_us, step_us, base_eager_us, base_graph_us = {}, {}, {}, {}, {}
     ctx.progress.phase(label, "eager")
     eager_us["dispatch"] = measure(ours.dispatch, after=ours.combine)
     eager_us["combine"] = measure(ours.combine, before=ours.dispatch)
@@ -829,14 +852,30 @@ def _run_point(point: Point, ctx: _Context) -> dict:
             g_combine[0][0].replay()
             ours.dispatch(0)
             eager_out = ours.combine(0)
-            if not all(torch.equal(g, e) for g, e in zip(g_combine[0][1], eager_out)):
+            mismatch = [] if all(torch.equal(g, e) for g, e in zip(g_combine[0][1], eager_out)) else ["combine"]
+            g_dispatch = g_combine = g_round_trip = g_combine_ws = g_round_trip_ws = eager_out = None
+            _release(device)
+            for op, ws in (("round-trip", False), ("round-trip-ws", True)):
+                g_steps = [_capture(lambda i=i: ours.round_trips(i, STEPS_PER_GRAPH, ws)) for i in sets_range]
+                step_us[op] = measure(lambda i: g_steps[i][0].replay(), head_start=True) / STEPS_PER_GRAPH
+                # The graph whose last step is on set 0 against the eager round trip on set 0.
+                last_on_0 = g_steps[(1 - STEPS_PER_GRAPH) % n_sets]
+                last_on_0[0].replay()
+                got = [o.clone() for o in last_on_0[1]]
+                eager_out = ours.round_trip_ws(0) if ws else ours.round_trip(0)
+                if not all(torch.equal(g, e) for g, e in zip(got, eager_out)):
+                    mismatch.append(f"{op} ({STEPS_PER_GRAPH} steps per graph)")
+                g_steps = got = eager_out = None
+            if mismatch:
                 graph_us.clear()
+                step_us.clear()
                 record["status"] = "FAIL"
-                record["notes"].append("graph replay of combine differs from the eager call")
+                record["notes"].append(f"graph replay of {', '.join(mismatch)} differs from the eager call")
         except Exception as e:  # noqa: BLE001 - reported in the row; eager numbers stand
             graph_us.clear()
+            step_us.clear()
             record["notes"].append(f"graph: {type(e).__name__}: {_first_line(e)}")
-        g_dispatch = g_combine = g_round_trip = g_combine_ws = g_round_trip_ws = eager_out = None
+        g_dispatch = g_combine = g_round_trip = g_combine_ws = g_round_trip_ws = eager_out = g_steps = None
         _release(device)
         if base_ok:
             ctx.progress.phase(label, "baseline graph")
@@ -867,6 +906,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
             "bytes": op_bytes[op],
             "eager_us": eager_us[op],
             "graph_us": graph_us.get(op),
+            "graph_step_us": step_us.get(op),
             "GBps": gbps,
             "GBps_from": "graph" if op in graph_us else "eager",
             "copy_ratio": gbps / ctx.copy_gbps,
@@ -968,14 +1008,14 @@ def _fmt(x: Optional[float], spec: str, suffix: str = "") -> str:
 
 
 def _table(records: list[dict]) -> str:
-    header = ["preset", "ep", "tok/rank", "op", "eager us", "graph us", "GB/s", "x copy",
+    header = ["preset", "ep", "tok/rank", "op", "eager us", "graph us", "graph us/step", "GB/s", "x copy",
               "base eager us", "base graph us", "speedup eager", "speedup graph", "check"]
     rows = []
     for rec in records:
         name = rec["preset"] + (" fp8" if rec["fp8"] else "")
         if not rec["ops"]:
             note = "; ".join(rec["notes"])
-            rows.append([name, str(rec["ep"]), str(rec["tokens_per_rank"]), "-", *["-"] * 8,
+            rows.append([name, str(rec["ep"]), str(rec["tokens_per_rank"]), "-", *["-"] * 9,
                          f"{rec['status']}: {note}" if note else rec["status"]])
             continue
         check = "ok~" if any("not bitwise" in n for n in rec["notes"]) else "ok"
@@ -986,7 +1026,8 @@ def _table(records: list[dict]) -> str:
         for op, m in rec["ops"].items():
             rows.append([
                 name, str(rec["ep"]), str(rec["tokens_per_rank"]), op,
-                _fmt(m["eager_us"], ".1f"), _fmt(m["graph_us"], ".1f"), _fmt(m["GBps"], ".1f"),
+                _fmt(m["eager_us"], ".1f"), _fmt(m["graph_us"], ".1f"), _fmt(m.get("graph_step_us"), ".1f"),
+                _fmt(m["GBps"], ".1f"),
                 _fmt(m["copy_ratio"], ".3f"), _fmt(m["baseline_eager_us"], ".1f"),
                 _fmt(m["baseline_graph_us"], ".1f"), _fmt(m["speedup_eager"], ".2f", "x"),
                 _fmt(m["speedup_graph"], ".2f", "x"), check,
