@@ -61,6 +61,16 @@ fi
 if has bench; then
   timeout 400 "$PY" -m torch_moe_a2a bench --smoke --json "$LOG/bench-smoke.json" >"$LOG/bench.txt" 2>"$LOG/bench-progress.txt"
   rc_bench=$?
+  # The bare dispatch-shaped copy (docs/perf.md's dispatch ceiling), same device, same run.
+  arch=$("$PY" -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"{p.major}{p.minor}")')
+  nvcc=$("$PY" -c 'from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME or "/usr/local/cuda")')/bin/nvcc
+  mkdir -p build
+  if "$nvcc" -O3 -std=c++17 -gencode=arch=compute_$arch,code=sm_$arch benchmarks/fanout_ceiling.cu \
+      -o build/fanout_ceiling >"$LOG/fanout.txt" 2>&1; then
+    timeout 120 build/fanout_ceiling >>"$LOG/fanout.txt" 2>&1 || rc_bench=1
+  else
+    rc_bench=1
+  fi
 fi
 
 echo
@@ -73,6 +83,8 @@ if has bench; then
   echo "-------------------------------------------"
   tail -n 30 "$LOG/bench.txt"
   tail -n 5 "$LOG/bench-progress.txt"
+  echo "-------------------------------------------"
+  cat "$LOG/fanout.txt"
 fi
 for rc in $rc_tests $rc_mem $rc_race $rc_bench; do
   [ "$rc" -eq 0 ] || [ "$rc" -eq 255 ] || exit 1
