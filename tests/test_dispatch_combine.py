@@ -182,3 +182,32 @@ def test_plain_zeroed_workspace_rank_by_rank(device):
     sim.workspace, sim.metainfo = workspace, metainfo
     gen = make_generator(5)
     round_trip(sim, case, make_inputs(case, gen), gen)
+
+
+# The CUDA dispatch routes a CTA's chunk of at most 32 tokens with one warp's
+# ballots, a longer one with a scan over warps in rounds of 512 tokens; a CTA
+# gets one chunk per 16 KiB of rows (kernels.cuh: kMinBytesPerCta). These cases
+# put chunks on both sides of 32 and past 512, with out-of-range and negative
+# ids, one also with a rank masked off (on the CPU they are ordinary cases).
+# 416-byte rows (96 fp32 + 4 ids + 4 weights): 64 tokens -> 2 CTAs of 32; 66 and 65 -> 2 CTAs of 33.
+NEAR_ONE_WARP = Case(3, (64, 66, 65), 4, 12, hidden=96, hidden_dtype=torch.float32, invalid_fraction=0.1,
+                     negative_fraction=0.1)
+# 16-byte rows: 1100 and 1030 tokens -> 2 CTAs of 550 and 515, two rounds each.
+PAST_ONE_ROUND = Case(2, (1100, 1030), 1, 4, hidden=4, invalid_fraction=0.05, negative_fraction=0.05)
+
+
+@pytest.mark.parametrize("case,active_ranks", [
+    (NEAR_ONE_WARP, None),
+    (NEAR_ONE_WARP, (0, 2)),
+    (PAST_ONE_ROUND, None),
+], ids=["near-one-warp", "near-one-warp-masked", "past-one-round"])
+def test_routing_on_both_sides_of_the_one_warp_chunk(case, active_ranks, device):
+    gen = make_generator(case)
+    sim = make_sim(case, device)
+    inputs = make_inputs(case, gen)
+    for _ in range(2):
+        round_trip(sim, case, inputs, gen, active_ranks=active_ranks)
+    for r in range(case.ep_size) if active_ranks is None else active_ranks:
+        expected = 2 * int((inputs.ids[r] >= case.num_experts).sum())
+        assert expected > 0, "test data must contain out-of-range ids"
+        assert int(a2a.moe_a2a_get_invalid_expert_count(sim.workspace, sim.metainfo[r], r)) == expected, f"rank {r}"
