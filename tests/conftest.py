@@ -434,23 +434,24 @@ def _rank_entry(target, rank: int, world: int, report_dir: str, args: tuple) -> 
         os._exit(1)
 
 
+def _set_environ(values: dict) -> None:
+    """os.environ[k] = v for each item; v None: unset k."""
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @contextlib.contextmanager
 def _environment(changes: dict):
     """os.environ with ``changes`` (value None: unset) inside the block."""
     saved = {k: os.environ.get(k) for k in changes}
     try:
-        for k, v in changes.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _set_environ(changes)
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _set_environ(saved)
 
 
 def open_fds() -> dict:
