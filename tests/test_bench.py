@@ -48,3 +48,63 @@ def test_bench_runs_and_reports_every_op(device, tmp_path, capsys):
             assert b["combine"] == 4 * tokens * combine_row
     table = capsys.readouterr().out
     assert "round-trip-ws" in table and "summary: 4 points ok, 0 FAIL/error" in table
+
+
+def test_op_graphs_and_time_ops_pair_every_op_with_its_partner():
+    """_OpGraphs captures each step of every input set once and replays the
+    matching capture; _time_ops times the ops in OPS order, dispatch with an
+    untimed combine after it, each combine with an untimed dispatch before it.
+    CPU stand-ins for the CUDA graphs (the CUDA runs use the same calls)."""
+    ran = []
+
+    class Steps:
+        def dispatch(self, i):
+            ran.append(("dispatch", i))
+
+        def combine(self, i):
+            ran.append(("combine", i))
+            return [f"combine output of set {i}"]
+
+        def combine_ws(self, i=0):
+            ran.append(("combine_ws", i))
+
+        def round_trip(self, i):
+            ran.append(("round_trip", i))
+
+        def round_trip_ws(self, i):
+            ran.append(("round_trip_ws", i))
+
+    class Graph:
+        def __init__(self, step):
+            self.replay = step
+
+    def capture(step):
+        return Graph(step), step()
+
+    graphs = bench._OpGraphs(Steps(), 2, capture)
+    assert ran == [("dispatch", 0), ("dispatch", 1), ("combine", 0), ("combine", 1), ("round_trip", 0),
+                   ("round_trip", 1), ("combine_ws", 0), ("round_trip_ws", 0), ("round_trip_ws", 1)]
+    ran.clear()
+    assert graphs.combine(1) == ["combine output of set 1"] and ran == [("combine", 1)]
+
+    timed = []
+
+    def measure(step, before=None, after=None, **options):
+        parts = []  # (role, the step that ran) in the order they ran
+        for role, call in (("before", before), ("timed", step), ("after", after)):
+            if call is not None:
+                ran.clear()
+                call(1)
+                parts.append((role, *ran))
+        timed.append((parts, options))
+        return float(len(timed))
+
+    assert bench._time_ops(measure, graphs, head_start=True) == {op: float(k + 1) for k, op in enumerate(bench.OPS)}
+    assert [t[0] for t in timed] == [
+        [("timed", ("dispatch", 1)), ("after", ("combine", 1))],
+        [("before", ("dispatch", 1)), ("timed", ("combine", 1))],
+        [("before", ("dispatch", 1)), ("timed", ("combine_ws", 0))],  # one region for every set
+        [("timed", ("round_trip", 1))],
+        [("timed", ("round_trip_ws", 1))],
+    ]
+    assert all(options == {"head_start": True} for _, options in timed)

@@ -341,6 +341,22 @@ def _measure(
     return statistics.median(clock.elapsed_us(marks))
 
 
+def _time_ops(measure: Callable[..., float], steps: Any, **options: Any) -> dict[str, float]:
+    """The median of every op in OPS, timed by ``measure(timed, before=, after=,
+    **options)`` in OPS order; ``steps`` has a method per op that runs one step
+    of input set i (``_Ours``, ``bench_dist``'s ``_OursRank``, or their
+    ``_OpGraphs``). Dispatch and combine must alternate, so dispatch is timed
+    with an untimed combine after it and each combine with an untimed dispatch
+    before it."""
+    return {
+        "dispatch": measure(steps.dispatch, after=steps.combine, **options),
+        "combine": measure(steps.combine, before=steps.dispatch, **options),
+        "combine-ws": measure(steps.combine_ws, before=steps.dispatch, **options),
+        "round-trip": measure(steps.round_trip, **options),
+        "round-trip-ws": measure(steps.round_trip_ws, **options),
+    }
+
+
 _graph_roots: dict[torch.device, Tensor] = {}
 
 
@@ -362,6 +378,39 @@ def _capture(step: Callable[[], Any]) -> tuple["torch.cuda.CUDAGraph", Any]:
         root.zero_()
         result = step()
     return graph, result
+
+
+class _OpGraphs:
+    """One CUDA graph per op kind and input set (combine-ws: one for all sets),
+    captured by ``capture`` from the steps of ``ours`` (the benchmark's
+    ``_Ours`` or ``bench_dist``'s ``_OursRank``, each with its own capture);
+    its methods replay them, with the names of the steps (for _time_ops)."""
+
+    def __init__(self, ours: Any, n_sets: int, capture: Callable[[Callable[[], Any]], tuple[Any, Any]]):
+        sets = range(n_sets)
+        self._dispatch = [capture(lambda i=i: ours.dispatch(i))[0] for i in sets]
+        self._combine = [capture(lambda i=i: ours.combine(i)) for i in sets]  # (graph, outputs it rewrites)
+        self._round_trip = [capture(lambda i=i: ours.round_trip(i))[0] for i in sets]
+        self._combine_ws = capture(ours.combine_ws)[0]
+        self._round_trip_ws = [capture(lambda i=i: ours.round_trip_ws(i))[0] for i in sets]
+
+    def dispatch(self, i: int) -> None:
+        self._dispatch[i].replay()
+
+    def combine(self, i: int) -> Any:
+        """Replays set i's combine; the outputs it rewrote."""
+        graph, outputs = self._combine[i]
+        graph.replay()
+        return outputs
+
+    def combine_ws(self, i: int = 0) -> None:
+        self._combine_ws.replay()
+
+    def round_trip(self, i: int) -> None:
+        self._round_trip[i].replay()
+
+    def round_trip_ws(self, i: int) -> None:
+        self._round_trip_ws[i].replay()
 
 
 def _release(device: torch.device) -> None:
@@ -816,13 +865,9 @@ def _run_point(point: Point, ctx: _Context) -> dict:
     def measure(timed, before=None, after=None, head_start=False) -> float:
         return _measure(clock, n_sets, ctx.warmup, ctx.iters, timed, before, after, head_start)
 
-    eager_us, graph_us, step_us, base_eager_us, base_graph_us = {}, {}, {}, {}, {}
+    graph_us, step_us, base_eager_us, base_graph_us = {}, {}, {}, {}
     ctx.progress.phase(label, "eager")
-    eager_us["dispatch"] = measure(ours.dispatch, after=ours.combine)
-    eager_us["combine"] = measure(ours.combine, before=ours.dispatch)
-    eager_us["combine-ws"] = measure(ours.combine_ws, before=ours.dispatch)
-    eager_us["round-trip"] = measure(ours.round_trip)
-    eager_us["round-trip-ws"] = measure(ours.round_trip_ws)
+    eager_us = _time_ops(measure, ours)
     if base_ok:
         ctx.progress.phase(label, "baseline eager")
         base_eager_us["dispatch"] = measure(base.dispatch)
@@ -833,30 +878,18 @@ def _run_point(point: Point, ctx: _Context) -> dict:
         _release(device)
         ctx.progress.phase(label, "graph")
         try:
-            sets_range = range(n_sets)
-            g_dispatch = [_capture(lambda i=i: ours.dispatch(i))[0] for i in sets_range]
-            g_combine = [_capture(lambda i=i: ours.combine(i)) for i in sets_range]
-            g_round_trip = [_capture(lambda i=i: ours.round_trip(i))[0] for i in sets_range]
-            g_combine_ws = _capture(ours.combine_ws)[0]
-            g_round_trip_ws = [_capture(lambda i=i: ours.round_trip_ws(i))[0] for i in sets_range]
-            graph_us["dispatch"] = measure(lambda i: g_dispatch[i].replay(),
-                                           after=lambda i: g_combine[i][0].replay(), head_start=True)
-            graph_us["combine"] = measure(lambda i: g_combine[i][0].replay(),
-                                          before=lambda i: g_dispatch[i].replay(), head_start=True)
-            graph_us["combine-ws"] = measure(lambda i: g_combine_ws.replay(),
-                                             before=lambda i: g_dispatch[i].replay(), head_start=True)
-            graph_us["round-trip"] = measure(lambda i: g_round_trip[i].replay(), head_start=True)
-            graph_us["round-trip-ws"] = measure(lambda i: g_round_trip_ws[i].replay(), head_start=True)
+            op_graphs = _OpGraphs(ours, n_sets, _capture)
+            graph_us = _time_ops(measure, op_graphs, head_start=True)
             # The replays must compute what the (reference-checked) eager calls compute.
-            g_dispatch[0].replay()
-            g_combine[0][0].replay()
+            op_graphs.dispatch(0)
+            replayed = op_graphs.combine(0)
             ours.dispatch(0)
             eager_out = ours.combine(0)
-            mismatch = [] if all(torch.equal(g, e) for g, e in zip(g_combine[0][1], eager_out)) else ["combine"]
-            g_dispatch = g_combine = g_round_trip = g_combine_ws = g_round_trip_ws = eager_out = None
+            mismatch = [] if all(torch.equal(g, e) for g, e in zip(replayed, eager_out)) else ["combine"]
+            op_graphs = replayed = eager_out = None
             _release(device)
             for op, ws in (("round-trip", False), ("round-trip-ws", True)):
-                g_steps = [_capture(lambda i=i: ours.round_trips(i, STEPS_PER_GRAPH, ws)) for i in sets_range]
+                g_steps = [_capture(lambda i=i: ours.round_trips(i, STEPS_PER_GRAPH, ws)) for i in range(n_sets)]
                 step_us[op] = measure(lambda i: g_steps[i][0].replay(), head_start=True) / STEPS_PER_GRAPH
                 # The graph whose last step is on set 0 against the eager round trip on set 0.
                 last_on_0 = g_steps[(1 - STEPS_PER_GRAPH) % n_sets]
@@ -875,7 +908,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
             graph_us.clear()
             step_us.clear()
             record["notes"].append(f"graph: {type(e).__name__}: {_first_line(e)}")
-        g_dispatch = g_combine = g_round_trip = g_combine_ws = g_round_trip_ws = eager_out = g_steps = None
+        op_graphs = replayed = eager_out = g_steps = None
         _release(device)
         if base_ok:
             ctx.progress.phase(label, "baseline graph")

@@ -114,11 +114,13 @@ from .bench import (
     _invalid_reason,
     _make_set,
     _num_sets_for,
+    _OpGraphs,
     _Progress,
     _recv_mismatch,
     _release,
     _routes_by_destination,
     _set_bytes,
+    _time_ops,
 )
 from .reference import reference_combine, reference_dispatch
 from .workspace import _all_gather_bytes, allocate_workspace, cuda_workspace_granularity
@@ -693,11 +695,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
 
     mine: dict[str, float] = {}  # this rank's medians, "kind/op"
     ctx.progress.phase(label, "eager")
-    mine["eager/dispatch"] = measure(ours.dispatch, after=ours.combine)
-    mine["eager/combine"] = measure(ours.combine, before=ours.dispatch)
-    mine["eager/combine-ws"] = measure(ours.combine_ws, before=ours.dispatch)
-    mine["eager/round-trip"] = measure(ours.round_trip)
-    mine["eager/round-trip-ws"] = measure(ours.round_trip_ws)
+    mine.update({f"eager/{op}": us for op, us in _time_ops(measure, ours).items()})
     if base_ok:
         ctx.progress.phase(label, "all_to_all_single baseline")
         mine["baseline/dispatch"] = measure(base.dispatch)
@@ -752,33 +750,19 @@ def _measure_graphs(ours: _OursRank, n_sets: int, measure: Callable, eager_out: 
 
     Every rank captures first; only if every rank captured all graphs does
     any replay (a replay waits for the peers' replays)."""
-    graph_us: dict[str, float] = {}
     error = ""
     try:
-        sets = range(n_sets)
-        g_dispatch = [_capture(lambda i=i: ours.dispatch(i))[0] for i in sets]
-        g_combine = [_capture(lambda i=i: ours.combine(i)) for i in sets]
-        g_round_trip = [_capture(lambda i=i: ours.round_trip(i))[0] for i in sets]
-        g_combine_ws = _capture(ours.combine_ws)[0]
-        g_round_trip_ws = [_capture(lambda i=i: ours.round_trip_ws(i))[0] for i in sets]
+        graphs = _OpGraphs(ours, n_sets, _capture)
     except Exception as e:  # noqa: BLE001 - reported; the eager numbers stand
         error = f"{type(e).__name__}: {_first_line(e)}"
     failures = _by_rank(_gather_text(error))
     if failures:
         return {}, ["graph capture failed, no graph timings: " + "; ".join(failures)], False
-    graph_us["dispatch"] = measure(lambda i: g_dispatch[i].replay(), after=lambda i: g_combine[i][0].replay(),
-                                   graph=True)
-    graph_us["combine"] = measure(lambda i: g_combine[i][0].replay(), before=lambda i: g_dispatch[i].replay(),
-                                  graph=True)
-    graph_us["combine-ws"] = measure(lambda i: g_combine_ws.replay(), before=lambda i: g_dispatch[i].replay(),
-                                     graph=True)
-    graph_us["round-trip"] = measure(lambda i: g_round_trip[i].replay(), graph=True)
-    graph_us["round-trip-ws"] = measure(lambda i: g_round_trip_ws[i].replay(), graph=True)
+    graph_us = _time_ops(measure, graphs, graph=True)
     # The replays must compute what the (reference-checked) eager calls computed.
     _meet(proc)
-    g_dispatch[0].replay()
-    g_combine[0][0].replay()
-    same = torch.equal(g_combine[0][1], eager_out)
+    graphs.dispatch(0)
+    same = torch.equal(graphs.combine(0), eager_out)
     failures = _by_rank(_gather_text("" if same else "graph replay of combine differs from the eager call"))
     return graph_us, failures, bool(failures)
 
