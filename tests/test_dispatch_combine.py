@@ -211,3 +211,26 @@ def test_routing_on_both_sides_of_the_one_warp_chunk(case, active_ranks, device)
         expected = 2 * int((inputs.ids[r] >= case.num_experts).sum())
         assert expected > 0, "test data must contain out-of-range ids"
         assert int(a2a.moe_a2a_get_invalid_expert_count(sim.workspace, sim.metainfo[r], r)) == expected, f"rank {r}"
+
+
+# The CUDA combine pulls (token, segment) items by warp task: each warp's
+# first task by index, every later one claimed from a counter in the own
+# header, reset when the pull ends. Claims happen only when the grid is capped
+# by residency (one CTA per 16 KiB of rows otherwise gives every task a warp of
+# its own): 8 KiB rows, 4 ranks, 200 to 300 tokens a rank is 1.6 to 2.4 MB of
+# rows, above the cap (65 CTAs a rank x 16 KiB on an H200, under 1 MB on any
+# GPU of up to 250 multiprocessors). A token goes to 2 to 4 ranks (8 of 16
+# experts, 4 a rank), so the warps' items take unequal times. Three round trips back to
+# back: a counter left over from one pull would skip tasks of the next, whose
+# poisoned output rows then fail the comparison.
+CLAIMED_PULL = Case(4, (300, 200, 257, 264), 8, 16, hidden=4096)
+
+
+@pytest.mark.parametrize("payload_in_workspace", [False, True], ids=["staged", "in_ws"])
+def test_pull_tasks_claimed_past_the_first_round(payload_in_workspace, device):
+    gen = make_generator(CLAIMED_PULL)
+    sim = make_sim(CLAIMED_PULL, device)
+    for _ in range(3):
+        round_trip(sim, CLAIMED_PULL, make_inputs(CLAIMED_PULL, gen), gen, payload_in_workspace=payload_in_workspace)
+        for r in range(CLAIMED_PULL.ep_size):
+            assert header_i32(sim.workspace, r, layout.HDR_COMBINE_PULL_CLAIMS) == 0, f"rank {r}"

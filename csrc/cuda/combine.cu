@@ -28,6 +28,9 @@ constexpr int kSumUnroll = 2;
 // sum of a token is a chain of dependent loads otherwise, the latency bound
 // of small calls. Each one holds kSumUnroll vectors in registers.
 constexpr int kPullRowsInFlight = 2;
+// Pull items of one call at most: tasks are claimed through a uint32 counter
+// that every warp overshoots by one claim at the end.
+constexpr int64_t kMaxPullItems = int64_t(1) << 31;
 static_assert(kDestBatch % kPullRowsInFlight == 0, "a batch holds whole groups of rows");
 
 // Element types: bit storage plus the exact conversions (no implicit half
@@ -63,7 +66,7 @@ struct CombineArgs {
   CopyPlan stage_plan;
   int pull_elems;         // elements per vector access of the pull
   int pull_lane_bits;     // log2 of the lanes that sum one row
-  int64_t pull_segments;  // per row
+  int pull_segments;      // per row
 };
 
 // 1. Stage: the first recv_count[s] rows of payload[s] for every active
@@ -106,6 +109,15 @@ __device__ void stage_rows(const CombineArgs& a) {
 }
 
 // 4. Pull: out[t] = sum over the route of t of the destination's row [r, slot].
+// Work items are (token, segment) pairs; a warp task is the items of the
+// kWarpSize / lanes groups of one warp. An item's time grows with its
+// token's destination count (1 to top_k rows), so a fixed share of tasks per
+// warp leaves a tail of warps with heavy tokens: each warp takes its first
+// task by index and claims every later one from a counter in the own header
+// (kHdrCombinePullClaims), issuing the claim for its next task before it
+// pulls the current one so that the atomic's latency overlaps the loads.
+// The sums do not depend on which warp pulls an item: the results are the
+// same bits whatever the order of claims.
 template <typename In, typename Out, int kElems>
 __device__ void pull_rows(const CombineArgs& a) {
   using InVec = Packed<typename In::Bits, kElems>;
@@ -114,15 +126,17 @@ __device__ void pull_rows(const CombineArgs& a) {
   using OutRaw = decltype(OutVec::raw);
   const CombineParams& p = a.p;
   const WorkspaceView& ws = p.ws;
-  const int32_t* routes = reinterpret_cast<const int32_t*>(ws.row(ws.ep_rank) + p.route_offset);
+  uint8_t* own = ws.row(ws.ep_rank);
+  const int32_t* routes = reinterpret_cast<const int32_t*>(own + p.route_offset);
   const int64_t T = p.runtime_max_tokens;
-  const int64_t vectors = p.row_elems / kElems;
+  // Vector indices inside a row stay 32-bit: rows are below kMaxKernelRowBytes.
+  const int vectors = static_cast<int>(p.row_elems / kElems);
   const int64_t source_row = int64_t(ws.ep_rank) * T;
+  const int lane = lane_id();
   const int lanes = 1 << a.pull_lane_bits;
-  const int64_t segments = a.pull_segments;
-  const int groups_per_cta = kThreads >> a.pull_lane_bits;
-  const int64_t groups = int64_t(gridDim.x) * groups_per_cta;
-  const int lane_in_group = threadIdx.x & (lanes - 1);
+  const int segments = a.pull_segments;
+  const int task_bits = kLog2WarpSize - a.pull_lane_bits;  // items per warp task: 1 << task_bits
+  const int lane_in_group = lane & (lanes - 1);
   const int64_t items = p.local_num_tokens * segments;
   // The row of a route entry; nullptr for a rank masked off since the
   // dispatch, which was not waited for: its rows are not final (as on the
@@ -136,11 +150,10 @@ __device__ void pull_rows(const CombineArgs& a) {
     if (d >= ws.ep_size || slot >= T || !rank_active(p.sync, d)) return nullptr;
     return reinterpret_cast<const InRaw*>(ws.row(d) + p.combine_offset + (source_row + slot) * a.row_bytes);
   };
-  for (int64_t item = int64_t(blockIdx.x) * groups_per_cta + (threadIdx.x >> a.pull_lane_bits); item < items;
-       item += groups) {
+  const auto pull_item = [&](int64_t item) {
     const int64_t t = segments == 1 ? item : item / segments;
-    const int64_t segment = segments == 1 ? 0 : item % segments;
-    const int64_t first = segment * lanes * kSumUnroll + lane_in_group;
+    const int segment = segments == 1 ? 0 : static_cast<int>(item % segments);
+    const int first = segment * lanes * kSumUnroll + lane_in_group;
     float acc[kSumUnroll][kElems];
 #pragma unroll
     for (int u = 0; u < kSumUnroll; ++u) {
@@ -170,7 +183,7 @@ __device__ void pull_rows(const CombineArgs& a) {
         for (int g = 0; g < kPullRowsInFlight; ++g) {
 #pragma unroll
           for (int u = 0; u < kSumUnroll; ++u) {
-            const int64_t v = first + int64_t(u) * lanes;
+            const int v = first + u * lanes;
             x[g][u].raw = src[g] != nullptr && v < vectors ? src[g][v] : InRaw{};
           }
         }
@@ -189,13 +202,23 @@ __device__ void pull_rows(const CombineArgs& a) {
     OutRaw* dst = reinterpret_cast<OutRaw*>(p.output) + t * vectors;
 #pragma unroll
     for (int u = 0; u < kSumUnroll; ++u) {
-      const int64_t v = first + int64_t(u) * lanes;
+      const int v = first + u * lanes;
       if (v >= vectors) continue;
       OutVec y;
 #pragma unroll
       for (int e = 0; e < kElems; ++e) y.v[e] = Out::from_float(acc[u][e]);
       dst[v] = y.raw;
     }
+  };
+  // Few values live across pull_item (the 64-register cap): the claims
+  // word and the first round's size are recomputed rather than kept.
+  const bool claiming = (int64_t(gridDim.x) * kWarps << task_bits) < items;
+  for (int64_t task = int64_t(blockIdx.x) * kWarps + warp_id(); (task << task_bits) < items;) {
+    uint32_t claimed = 0;
+    if (lane == 0 && claiming) claimed = atomicAdd(header_word<uint32_t>(own, kHdrCombinePullClaims), 1u);
+    const int64_t item = (task << task_bits) + (lane >> a.pull_lane_bits);
+    if (item < items) pull_item(item);
+    task = int64_t(gridDim.x) * kWarps + __shfl_sync(kFullWarp, claimed, 0);
   }
 }
 
@@ -243,7 +266,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   // peer's dispatch step 0 reads this word before it overwrites regions this
   // pull read (arrive_last's fences carry every CTA's loads along). Every
   // CTA read the epochs before it arrived; only the last one writes.
+  // The claims counter is reset here too: every warp has claimed its last task.
   if (arrive_last(header_word<uint32_t>(own, kHdrCombineDoneArrivals), system) && threadIdx.x == 0) {
+    *header_word<uint32_t>(own, kHdrCombinePullClaims) = 0;
     st_release(header_word<uint32_t>(own, kHdrCombineEpoch), epoch, system);
   }
 }
@@ -295,7 +320,9 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
   const int pull_lanes = lanes_per_row(vectors, kSumUnroll);
   a.pull_lane_bits = log2_exact(pull_lanes);
   const int64_t per_segment = int64_t(pull_lanes) * kSumUnroll;
-  a.pull_segments = (vectors + per_segment - 1) / per_segment;
+  a.pull_segments = static_cast<int>((vectors + per_segment - 1) / per_segment);
+  // Pull tasks (at most one per item) are claimed through a uint32 counter.
+  if (p.local_num_tokens * a.pull_segments > kMaxPullItems) return cudaErrorInvalidValue;
 
   // Pull: a row written per token (and as many read per destination); staging
   // copies about as many rows again.
