@@ -7,7 +7,7 @@
 // ---------------------------------------------------------------------------
 // Peers may be other GPUs (NVLink mappings) or other processes: then every
 // flag that another rank reads is written with st.release.sys and read with
-// ld.acquire.sys, and the fences are fence.sc.sys (SyncSettings::system).
+// ld.acquire.sys, and the fences are fence.acq_rel.sys (SyncSettings::system).
 // When every rank of the workspace runs on this device in this process
 // (simulated ranks), gpu scope covers all of them, and the launchers pick it:
 // a system-scope fence costs about a microsecond on an H200, and a round trip
@@ -21,11 +21,11 @@
 //   rows are written by every thread of every CTA, but one thread of the last
 //   CTA raises the flag. The chain, for a CTA X and the last CTA L:
 //     X's threads store rows -> __syncthreads (bar.sync orders them before
-//     thread 0's next operations) -> X.thread0: fence.sc.sys, then
+//     thread 0's next operations) -> X.thread0: fence.acq_rel.sys, then
 //     atomicAdd on the arrival counter (a release pattern) -> L.thread0's
 //     atomicAdd reads a value that X's increment is part of (observation
 //     order runs through the chain of read-modify-writes) ->
-//     L.thread0: fence.sc.sys (an acquire pattern) -> __syncthreads
+//     L.thread0: fence.acq_rel.sys (an acquire pattern) -> __syncthreads
 //     -> L.thread d: st.release.sys flag into rank d's header.
 //   Causality order is transitive across these steps, so a peer that
 //   acquire-loads the flag and sees the new epoch also sees every row of
@@ -147,11 +147,15 @@ __device__ __forceinline__ void st_release(uint32_t* p, uint32_t v, bool system)
   }
 }
 
+// The arrival chain needs a release pattern on one side and an acquire pattern
+// on the other, which fence.acq_rel gives; __threadfence() would be fence.sc,
+// which also orders every sc fence of the scope globally (not needed here) and
+// costs more.
 __device__ __forceinline__ void fence(bool system) {
   if (system) {
-    __threadfence_system();
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
   } else {
-    __threadfence();
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
   }
 }
 
