@@ -12,7 +12,11 @@
 // write per destination); the copy kernels' rates are the reference.
 // Variants: register stores in 2 KB segments with each CTA owning a contiguous
 // chunk of its rank's tokens (dispatch's order) or all tasks interleaved over
-// the grid; TMA bulk loads into shared memory and bulk stores from it.
+// the grid; the same order with only its writes or only its reads (which part
+// of the pattern costs); one grid per rank on a stream per rank, as the
+// simulated ranks run, with static chunks or with tasks claimed from a
+// per-rank counter (the best balance a rank's own grid can reach); TMA bulk
+// loads into shared memory and bulk stores from it.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -63,9 +67,51 @@ __global__ void fill_kernel(uint4* dst, size_t n) {
   }
 }
 
-// Register fan-out. chunked: CTA c of rank r owns a contiguous chunk of r's
-// tokens and its warps take the chunk's (token, segment) tasks in order (the
-// dispatch kernel's step 3); else all tasks of all ranks interleave over all warps.
+// What a fan-out task moves: the row segment to every destination, or only
+// the stores (of made-up data) or only the loads (kept alive by a store that
+// depends on them and never happens for this data).
+enum class Moves { kCopy, kWritesOnly, kReadsOnly };
+
+// The stores of a fan-out task: vector v[u] of every lane to each destination.
+__device__ __forceinline__ void fan_stores(uint8_t* dst, const Entry* routes, long token, int segment, int lane,
+                                           const uint4 (&v)[kUnroll]) {
+  Entry e[kRanks];
+#pragma unroll
+  for (int j = 0; j < kRanks; ++j) e[j] = routes[token * kRanks + j];
+#pragma unroll
+  for (int j = 0; j < kRanks; ++j) {
+    if (e[j] < 0) break;
+    uint4* to = reinterpret_cast<uint4*>(dst + size_t(e[j]) * kRowBytes + segment * kSegmentBytes);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) to[lane + 32 * u] = v[u];
+  }
+}
+
+// Task (token, segment) of the fan-out, by the 32 lanes of a warp.
+template <Moves kMoves>
+__device__ __forceinline__ void fan_task(const uint8_t* src, uint8_t* dst, const Entry* routes, long token,
+                                         int segment, int lane) {
+  const uint4* from = reinterpret_cast<const uint4*>(src + token * kRowBytes + segment * kSegmentBytes);
+  uint4 v[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    v[u] = kMoves == Moves::kWritesOnly ? make_uint4(uint32_t(token), segment, lane, u) : from[lane + 32 * u];
+  }
+  if constexpr (kMoves == Moves::kReadsOnly) {
+    uint32_t x = 0;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) x ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    if (x == 0x9e3779b9u) dst[token] = 1;
+  } else {
+    fan_stores(dst, routes, token, segment, lane, v);
+  }
+}
+
+// Register fan-out, one grid for all ranks. chunked: CTA c of rank r owns a
+// contiguous chunk of r's tokens and its warps take the chunk's (token,
+// segment) tasks in order (the dispatch kernel's step 3); else all tasks of
+// all ranks interleave over all warps.
+template <Moves kMoves>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     fanout_registers(const uint8_t* src, uint8_t* dst, const Entry* routes, bool chunked) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -86,22 +132,32 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     end = long(kRanks) * kTokens * kSegments;
   }
   for (long task = first; task < end; task += stride) {
-    const long token = (base + task) / kSegments;
-    const int segment = (base + task) % kSegments;
-    const uint4* from = reinterpret_cast<const uint4*>(src + token * kRowBytes + segment * kSegmentBytes);
-    uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = from[lane + 32 * u];
-    Entry e[kRanks];
-#pragma unroll
-    for (int j = 0; j < kRanks; ++j) e[j] = routes[token * kRanks + j];
-#pragma unroll
-    for (int j = 0; j < kRanks; ++j) {
-      if (e[j] < 0) break;
-      uint4* to = reinterpret_cast<uint4*>(dst + size_t(e[j]) * kRowBytes + segment * kSegmentBytes);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) to[lane + 32 * u] = v[u];
+    fan_task<kMoves>(src, dst, routes, (base + task) / kSegments, (base + task) % kSegments, lane);
+  }
+}
+
+// One rank's grid (rank `rank`'s tokens only). claims == nullptr: CTA c owns
+// chunk c, as the dispatch. Else a warp takes its first task by index and
+// claims each later one from claims[rank], the claim issued before the copy.
+__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+    fanout_rank(const uint8_t* src, uint8_t* dst, const Entry* routes, int rank, unsigned* claims) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const long base = long(rank) * kTokens * kSegments;
+  if (claims == nullptr) {
+    const long chunk = (kTokens + gridDim.x - 1) / gridDim.x;
+    const long begin = blockIdx.x * chunk < kTokens ? blockIdx.x * chunk : kTokens;
+    const long stop = begin + chunk < kTokens ? begin + chunk : kTokens;
+    for (long task = begin * kSegments + warp; task < stop * kSegments; task += kWarps) {
+      fan_task<Moves::kCopy>(src, dst, routes, (base + task) / kSegments, (base + task) % kSegments, lane);
     }
+    return;
+  }
+  const long first_round = long(gridDim.x) * kWarps;
+  for (long task = long(blockIdx.x) * kWarps + warp; task < long(kTokens) * kSegments;) {
+    unsigned claimed = 0;
+    if (lane == 0) claimed = atomicAdd(claims + rank, 1u);
+    fan_task<Moves::kCopy>(src, dst, routes, (base + task) / kSegments, (base + task) % kSegments, lane);
+    task = first_round + __shfl_sync(0xffffffffu, claimed, 0);
   }
 }
 
@@ -213,9 +269,9 @@ int main() {
   const size_t vectors = kCeilingBytes / sizeof(uint4);
   const double memcpy_gbps =
       2.0 * kCeilingBytes / median_ms([&] { CHECK(cudaMemcpyAsync(b, a, kCeilingBytes, cudaMemcpyDeviceToDevice)); }) / 1e6;
-  std::printf("%-44s %8.1f GB/s   1.000 x copy\n", "copy (cudaMemcpy D2D, read + write)", memcpy_gbps);
+  std::printf("%-48s %8.1f GB/s   1.000 x copy\n", "copy (cudaMemcpy D2D, read + write)", memcpy_gbps);
   const auto report = [&](const char* what, double gbps) {
-    std::printf("%-44s %8.1f GB/s   %.3f x copy\n", what, gbps, gbps / memcpy_gbps);
+    std::printf("%-48s %8.1f GB/s   %.3f x copy\n", what, gbps, gbps / memcpy_gbps);
   };
   report("copy kernel (uint4 per thread)",
          2.0 * kCeilingBytes / median_ms([&] { copy_kernel<<<sms * 8, 256>>>((uint4*)b, (const uint4*)a, vectors); }) / 1e6);
@@ -277,10 +333,50 @@ int main() {
 
   const int grid = kRanks * (sms * kCtasPerSm / kRanks);  // whole CTAs per rank, as the resident grids
   for (const bool chunked : {true, false}) {
-    const float ms = median_ms([&] { fanout_registers<<<grid, kThreads>>>(a, dst, d_routes, chunked); });
+    const float ms = median_ms([&] { fanout_registers<Moves::kCopy><<<grid, kThreads>>>(a, dst, d_routes, chunked); });
     report(chunked ? "fan-out, registers, chunk per CTA (dispatch)" : "fan-out, registers, interleaved",
            moved / ms / 1e6);
     check("fan-out registers");
+  }
+  // The two halves of the chunked pattern alone (each rate counts only the bytes it moves).
+  report("  its writes only (no loads)", double(entries) * kRowBytes /
+             median_ms([&] { fanout_registers<Moves::kWritesOnly><<<grid, kThreads>>>(a, dst, d_routes, true); }) / 1e6);
+  report("  its reads only (no stores)", double(tokens) * kRowBytes /
+             median_ms([&] { fanout_registers<Moves::kReadsOnly><<<grid, kThreads>>>(a, dst, d_routes, true); }) / 1e6);
+  {
+    // A grid per rank on a stream per rank, as many CTAs as the dispatch's
+    // resident grids get (spinning_grid_size: (sms * 2 - 1) / ranks).
+    const int per_rank = (sms * kCtasPerSm - 1) / kRanks;
+    unsigned* claims = nullptr;
+    CHECK(cudaMalloc(&claims, kRanks * sizeof(unsigned)));
+    cudaStream_t streams[kRanks];
+    cudaEvent_t fork, joins[kRanks];
+    CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    for (int r = 0; r < kRanks; ++r) {
+      CHECK(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
+      CHECK(cudaEventCreateWithFlags(&joins[r], cudaEventDisableTiming));
+    }
+    const auto per_rank_grids = [&](bool claimed) {
+      CHECK(cudaMemsetAsync(claims, 0, kRanks * sizeof(unsigned)));
+      CHECK(cudaEventRecord(fork));
+      for (int r = 0; r < kRanks; ++r) {
+        CHECK(cudaStreamWaitEvent(streams[r], fork));
+        fanout_rank<<<per_rank, kThreads, 0, streams[r]>>>(a, dst, d_routes, r, claimed ? claims : nullptr);
+        CHECK(cudaEventRecord(joins[r], streams[r]));
+        CHECK(cudaStreamWaitEvent(0, joins[r]));
+      }
+    };
+    for (const bool claimed : {false, true}) {
+      report(claimed ? "fan-out, a grid per rank, tasks claimed per rank" : "fan-out, a grid per rank, chunk per CTA",
+             moved / median_ms([&] { per_rank_grids(claimed); }) / 1e6);
+      check("fan-out per rank");
+    }
+    for (int r = 0; r < kRanks; ++r) {
+      CHECK(cudaStreamDestroy(streams[r]));
+      CHECK(cudaEventDestroy(joins[r]));
+    }
+    CHECK(cudaEventDestroy(fork));
+    CHECK(cudaFree(claims));
   }
   {
     constexpr int kBuffers = 4;
