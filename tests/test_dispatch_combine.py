@@ -217,12 +217,12 @@ def test_routing_on_both_sides_of_the_one_warp_chunk(case, active_ranks, device)
 # first task by index, every later one claimed from a counter in the own
 # header, reset when the pull ends. Claims happen only when the grid is capped
 # by residency (one CTA per 16 KiB of rows otherwise gives every task a warp of
-# its own): 8 KiB rows, 4 ranks, 200 to 300 tokens a rank is 1.6 to 2.4 MB of
-# rows, above the cap (65 CTAs a rank x 16 KiB on an H200, under 1 MB on any
-# GPU of up to 250 multiprocessors). A token goes to 2 to 4 ranks (8 of 16
-# experts, 4 a rank), so the warps' items take unequal times. Three round trips back to
-# back: a counter left over from one pull would skip tasks of the next, whose
-# poisoned output rows then fail the comparison.
+# its own): with 8 KiB rows (eight 1 KiB items) that is a cap below tokens / 2
+# CTAs a rank, 100 to 150 here: 65 on an H200 ((132 * 2 - 1) / 4), and below
+# 100 on any GPU of fewer than 200 multiprocessors. A token goes to 2 to 4
+# ranks (8 of 16 experts, 4 a rank), so the warps' items take unequal times.
+# Three round trips back to back: a counter left over from one pull would skip
+# tasks of the next, whose poisoned output rows then fail the comparison.
 CLAIMED_PULL = Case(4, (300, 200, 257, 264), 8, 16, hidden=4096)
 
 
