@@ -87,10 +87,12 @@ __device__ __forceinline__ void fan_stores(uint8_t* dst, const Entry* routes, lo
   }
 }
 
-// Task (token, segment) of the fan-out, by the 32 lanes of a warp.
+// Task `task` of the fan-out (token task / kSegments of all ranks' tokens,
+// segment task % kSegments), by the 32 lanes of a warp.
 template <Moves kMoves>
-__device__ __forceinline__ void fan_task(const uint8_t* src, uint8_t* dst, const Entry* routes, long token,
-                                         int segment, int lane) {
+__device__ __forceinline__ void fan_task(const uint8_t* src, uint8_t* dst, const Entry* routes, long task, int lane) {
+  const long token = task / kSegments;
+  const int segment = task % kSegments;
   const uint4* from = reinterpret_cast<const uint4*>(src + token * kRowBytes + segment * kSegmentBytes);
   uint4 v[kUnroll];
 #pragma unroll
@@ -107,6 +109,17 @@ __device__ __forceinline__ void fan_task(const uint8_t* src, uint8_t* dst, const
   }
 }
 
+// The contiguous chunk [begin, stop) of a rank's tokens that CTA `cta` of
+// `ctas` owns, as the dispatch kernel splits them.
+struct Chunk {
+  long begin, stop;
+};
+__device__ __forceinline__ Chunk token_chunk(int cta, int ctas) {
+  const long chunk = (kTokens + ctas - 1) / ctas;
+  const long begin = cta * chunk < kTokens ? cta * chunk : kTokens;
+  return {begin, begin + chunk < kTokens ? begin + chunk : kTokens};
+}
+
 // Register fan-out, one grid for all ranks. chunked: CTA c of rank r owns a
 // contiguous chunk of r's tokens and its warps take the chunk's (token,
 // segment) tasks in order (the dispatch kernel's step 3); else all tasks of
@@ -118,21 +131,19 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   const int ctas_per_rank = gridDim.x / kRanks;
   long first, stride, end, base = 0;
   if (chunked) {
-    const int rank = blockIdx.x / ctas_per_rank, cta = blockIdx.x % ctas_per_rank;
-    const long chunk = (kTokens + ctas_per_rank - 1) / ctas_per_rank;
-    const long begin = cta * chunk < kTokens ? cta * chunk : kTokens;
-    const long stop = begin + chunk < kTokens ? begin + chunk : kTokens;
-    base = (long(rank) * kTokens + begin) * kSegments;
+    const int rank = blockIdx.x / ctas_per_rank;
+    const Chunk c = token_chunk(blockIdx.x % ctas_per_rank, ctas_per_rank);
+    base = (long(rank) * kTokens + c.begin) * kSegments;
     first = warp;
     stride = kWarps;
-    end = (stop - begin) * kSegments;
+    end = (c.stop - c.begin) * kSegments;
   } else {
     first = long(blockIdx.x) * kWarps + warp;
     stride = long(gridDim.x) * kWarps;
     end = long(kRanks) * kTokens * kSegments;
   }
   for (long task = first; task < end; task += stride) {
-    fan_task<kMoves>(src, dst, routes, (base + task) / kSegments, (base + task) % kSegments, lane);
+    fan_task<kMoves>(src, dst, routes, base + task, lane);
   }
 }
 
@@ -144,11 +155,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const long base = long(rank) * kTokens * kSegments;
   if (claims == nullptr) {
-    const long chunk = (kTokens + gridDim.x - 1) / gridDim.x;
-    const long begin = blockIdx.x * chunk < kTokens ? blockIdx.x * chunk : kTokens;
-    const long stop = begin + chunk < kTokens ? begin + chunk : kTokens;
-    for (long task = begin * kSegments + warp; task < stop * kSegments; task += kWarps) {
-      fan_task<Moves::kCopy>(src, dst, routes, (base + task) / kSegments, (base + task) % kSegments, lane);
+    const Chunk c = token_chunk(blockIdx.x, gridDim.x);
+    for (long task = c.begin * kSegments + warp; task < c.stop * kSegments; task += kWarps) {
+      fan_task<Moves::kCopy>(src, dst, routes, base + task, lane);
     }
     return;
   }
@@ -156,7 +165,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   for (long task = long(blockIdx.x) * kWarps + warp; task < long(kTokens) * kSegments;) {
     unsigned claimed = 0;
     if (lane == 0) claimed = atomicAdd(claims + rank, 1u);
-    fan_task<Moves::kCopy>(src, dst, routes, (base + task) / kSegments, (base + task) % kSegments, lane);
+    fan_task<Moves::kCopy>(src, dst, routes, base + task, lane);
     task = first_round + __shfl_sync(0xffffffffu, claimed, 0);
   }
 }
