@@ -17,14 +17,20 @@ world size of the launch):
   synchronized and the ranks meet in ``dist.barrier``, so they start
   together; with NCCL a one-element ``all_reduce`` queued right before the
   start mark also lines the GPUs up (processes wake from a barrier tens of
-  microseconds apart, as long as a small exchange takes). The reported time
+  microseconds apart, as long as a small exchange takes). A spin kernel
+  queued before that ``all_reduce`` keeps the GPU busy while the host queues
+  the alignment and the timed call, as it would be busy with the layers
+  before an exchange in a model: without it the timing also holds the host
+  tail of NCCL's ``all_reduce`` call (on two H200s, 128 tokens: 77 to 123 us
+  eager against 18 to 23 us graph for our ops). What the host spends per
+  call is ``bench``'s host-cost column; a call that synchronizes with the
+  host (the baseline's split sizes) still waits for the GPU. The reported time
   is the max over ranks of each rank's median over ``--iters`` iterations
   after ``--warmup``: an exchange is done when its slowest rank is.
   Dispatch and combine must alternate, so an op timed alone is paired with
   an untimed partner in every iteration.
 - eager: the ops called from Python; graph (CUDA): each rank captures its own
-  calls in CUDA graphs (graphs are per process) and replays them, a spin
-  kernel before each replay hiding its launch from the timing.
+  calls in CUDA graphs (graphs are per process) and replays them.
 - bytes: per-GPU send bytes = the bytes a rank sends to OTHER ranks over the
   link (section 8's accounting restricted to remote destinations): dispatch,
   one payload row per (token, distinct destination rank other than its own);
@@ -141,9 +147,10 @@ BACKEND_GLOO = "gloo"
 # A collective that waits longer than this has lost a rank.
 PG_TIMEOUT = datetime.timedelta(seconds=600)
 
-# Graph replays: a spin kernel this long before each one, far more than the
-# host needs to queue the alignment all_reduce, two events and the replay.
-GRAPH_HEAD_START_S = 200e-6
+# A spin kernel this long before every timed iteration (CUDA): far more than
+# the host needs to queue the alignment all_reduce, two events and one eager
+# call or graph replay.
+HEAD_START_S = 200e-6
 # Ceiling chunks (bytes to each peer) are rounded up to this many bytes.
 CEILING_CHUNK_ALIGN = 16
 # One rank's text (errors, notes) in a gather.
@@ -477,7 +484,7 @@ class _Timer:
         self._align = torch.zeros(1, device=proc.device) if proc.nccl else None
 
     def measure(self, n_sets: int, timed: Callable[[int], Any], before: Optional[Callable[[int], Any]] = None,
-                after: Optional[Callable[[int], Any]] = None, graph: bool = False) -> float:
+                after: Optional[Callable[[int], Any]] = None) -> float:
         """This rank's median microseconds of ``timed(i)``; iteration ``it`` uses set ``it % n_sets``."""
         marks = []
         for it in range(self.warmup + self.iters):
@@ -485,8 +492,7 @@ class _Timer:
             if before is not None:
                 before(i)
             _meet(self.proc)
-            if graph:
-                self.clock.head_start(GRAPH_HEAD_START_S)
+            self.clock.head_start(HEAD_START_S)
             if self._align is not None:
                 dist.all_reduce(self._align)  # the GPUs leave it together
             start = self.clock.mark()
@@ -690,8 +696,8 @@ def _run_point(point: Point, ctx: _Context) -> dict:
         for i in range(1, n_sets):
             base.plans[i] = base.dispatch(i)[1]
 
-    def measure(timed, before=None, after=None, graph=False) -> float:
-        return timer.measure(n_sets, timed, before, after, graph)
+    def measure(timed, before=None, after=None) -> float:
+        return timer.measure(n_sets, timed, before, after)
 
     mine: dict[str, float] = {}  # this rank's medians, "kind/op"
     ctx.progress.phase(label, "eager")
@@ -758,7 +764,7 @@ def _measure_graphs(ours: _OursRank, n_sets: int, measure: Callable, eager_out: 
     failures = _by_rank(_gather_text(error))
     if failures:
         return {}, ["graph capture failed, no graph timings: " + "; ".join(failures)], False
-    graph_us = _time_ops(measure, graphs, graph=True)
+    graph_us = _time_ops(measure, graphs)
     # The replays must compute what the (reference-checked) eager calls computed.
     _meet(proc)
     graphs.dispatch(0)
