@@ -660,6 +660,9 @@ std::vector<int64_t> constants_op() {
       kHdrDispatchFlags,
       kHdrCombineFlags,
       kHdrRecvCounts,
+      kMaxDispatchCtas,
+      kHdrDispatchRouted,
+      kHdrDispatchClaims,
       kHeaderBytes,
   };
 }

@@ -11,7 +11,8 @@
 // every rank can read and write every row. A row is:
 //
 //   [0, kHeaderBytes)            RankHeader: config, own epochs, error record,
-//                                flags and receive counts written by peers
+//                                flags and receive counts written by peers,
+//                                the own CUDA kernels' scratch words
 //   [kHeaderBytes, ...)          the per-call region, laid out for each call
 //                                from (ep_size, T = runtime_max_tokens_per_rank,
 //                                eplb_n, payload row sizes) by CallLayout below:
@@ -179,7 +180,17 @@ constexpr int64_t kHdrCombinePullClaims = 88;    // uint32
 constexpr int64_t kHdrDispatchFlags = 128;       // uint32 [kMaxRanks], [s] written by rank s
 constexpr int64_t kHdrCombineFlags = kHdrDispatchFlags + 4 * kMaxRanks;  // uint32 [kMaxRanks]
 constexpr int64_t kHdrRecvCounts = kHdrCombineFlags + 4 * kMaxRanks;     // int32 [kMaxRanks]
-constexpr int64_t kHeaderBytes = kHdrRecvCounts + 4 * kMaxRanks;         // 896
+// CUDA dispatch scratch, own, per CTA b of the grid (grids have at most
+// kMaxDispatchCtas CTAs; see csrc/cuda/dispatch.cu, step 3):
+//   routed[b]  the dispatch epoch once CTA b's route entries are written
+//              (other CTAs copy b's tokens only after it; never reset:
+//              the next call waits for the next epoch)
+//   claims[b]  copy tasks of chunk b claimed beyond its CTA's first round,
+//              zero between calls (the CTA that arrives last resets it)
+constexpr int kMaxDispatchCtas = 1024;
+constexpr int64_t kHdrDispatchRouted = kHdrRecvCounts + 4 * kMaxRanks;        // uint32 [kMaxDispatchCtas]
+constexpr int64_t kHdrDispatchClaims = kHdrDispatchRouted + 4 * kMaxDispatchCtas;  // uint32 [kMaxDispatchCtas]
+constexpr int64_t kHeaderBytes = kHdrDispatchClaims + 4 * kMaxDispatchCtas;      // 9088
 
 MOE_A2A_HD constexpr int64_t align_up(int64_t x, int64_t a = kAlign) { return (x + a - 1) / a * a; }
 

@@ -234,3 +234,36 @@ def test_pull_tasks_claimed_past_the_first_round(payload_in_workspace, device):
         round_trip(sim, CLAIMED_PULL, make_inputs(CLAIMED_PULL, gen), gen, payload_in_workspace=payload_in_workspace)
         for r in range(CLAIMED_PULL.ep_size):
             assert header_i32(sim.workspace, r, layout.HDR_COMBINE_PULL_CLAIMS) == 0, f"rank {r}"
+
+
+# The CUDA dispatch of a large call (chunks of more than 32 tokens) lets a CTA
+# that is done with its chunk go on with the tasks of the other chunks,
+# claimed from a counter per chunk once that chunk's route entries are
+# published (dispatch.cu, step 3). The second half of every rank's tokens has
+# no destination here (ids -1), so the CTAs of those chunks are done at once
+# and take over tasks of the first half. 2 KiB hidden rows are one copy task
+# a token, and the residency cap of the grid gives chunks of more than 32
+# tokens (4000 tokens on 65 CTAs a rank at ep 4 on an H200). Three round trips
+# in a row: a counter left over would skip tasks of the next dispatch, whose
+# poisoned receive rows then fail the comparison.
+TAKEN_OVER = Case(4, (4000, 3000, 3900, 2500), 8, 16, hidden=1024)
+
+
+def test_dispatch_chunks_taken_over(device):
+    gen = make_generator(TAKEN_OVER)
+    sim = make_sim(TAKEN_OVER, device)
+    words = slice(layout.HDR_DISPATCH_ROUTED, layout.HDR_DISPATCH_CLAIMS + 4 * layout.MAX_DISPATCH_CTAS)
+    for call in range(1, 4):
+        inputs = make_inputs(TAKEN_OVER, gen)
+        for ids, payloads in zip(inputs.ids, inputs.payloads):
+            ids[ids.shape[0] // 2 :] = -1
+            payloads[1][ids.shape[0] // 2 :] = -1
+        round_trip(sim, TAKEN_OVER, inputs, gen)
+        for r in range(TAKEN_OVER.ep_size):
+            scratch = sim.workspace[r, words].cpu().view(torch.int32)
+            routed, claims = scratch[: layout.MAX_DISPATCH_CTAS], scratch[layout.MAX_DISPATCH_CTAS :]
+            assert int(claims.count_nonzero()) == 0, f"rank {r}: claims left over"
+            # On CUDA every CTA published its routes (the path ran); the CPU never writes these words.
+            published = int((routed == call).sum())
+            assert published > 1 if sim.workspace.is_cuda else published == 0, f"rank {r}: {published} chunks"
+            assert int((routed != 0).sum()) == published, f"rank {r}: a routed word of another call"

@@ -10,11 +10,17 @@
 //     slots are exactly the CPU's running counts; no atomic decides an order.
 //   * Each CTA writes its tokens' route entries to the own route region and
 //     copies its tokens' payload rows to their destinations (a segment of a
-//     row is loaded once, then stored to every destination).
+//     row is loaded once, then stored to every destination). In a large call
+//     a CTA that finishes its chunk goes on with the chunks of CTAs that are
+//     behind (step 3): chunks of equal token counts do not get equal shares
+//     of the memory system, and the CTAs of a rank start their copies at
+//     different times (CTA b first counts b chunks).
 //   * The last CTA of the grid (arrival counter in the own header) holds the
 //     per-destination totals only if it owns the last chunk, so the CTA that
 //     owns the last chunk writes the receive counts before it arrives. The
 //     last CTA to arrive raises the flags and is the only one that waits.
+#include <algorithm>
+
 #include "device.cuh"
 
 namespace moe_a2a {
@@ -36,6 +42,14 @@ __device__ __noinline__ int expert_to_rank_slow(int64_t expert, int64_t num_expe
 // Expert ids of a token loaded together (top_k <= 8, the common case, is one batch).
 constexpr int kIdsPerBatch = 8;
 
+// Copy items (token, segment) of one payload in one chunk at most: the copy
+// loop's indices are 32-bit (the 64-register build does not spill), and the
+// tasks of a chunk (at most its items) are claimed through a uint32 counter
+// that every warp overshoots once. A chunk beyond it would hold terabytes.
+constexpr int64_t kMaxChunkItems = (int64_t(1) << 31) - 1;
+static_assert(kMaxChunkItems + int64_t(kMaxDispatchCtas) * kWarps <= (int64_t(1) << 32),
+              "the claims of a chunk fit its uint32 counter");
+
 struct DispatchArgs {
   DispatchParams p;
   SyncSettings sync_settings;
@@ -44,11 +58,61 @@ struct DispatchArgs {
 
   // Warp tasks of payload i for a chunk of `chunk` tokens (step 3): a task
   // is kWarpSize / lanes items, a power of two.
-  __device__ int64_t warp_tasks(int i, int64_t chunk) const {
+  __device__ int warp_tasks(int i, int chunk) const {
     const int task_bits = kLog2WarpSize - plan[i].lane_bits;
-    return (chunk * plan[i].segments + (int64_t(1) << task_bits) - 1) >> task_bits;
+    return int((int64_t(chunk) * plan[i].segments + (int64_t(1) << task_bits) - 1) >> task_bits);
   }
+
+  // Warp tasks of every payload of chunk c.
+  __device__ int64_t chunk_tasks(int c) const {
+    const int chunk = int(chunk_end(c) - chunk_begin(c));
+    int64_t tasks = 0;
+    for (int i = 0; i < p.num_payloads; ++i) tasks += warp_tasks(i, chunk);
+    return tasks;
+  }
+
+  // Tokens [begin, end) of chunk c.
+  __device__ int64_t chunk_begin(int64_t c) const { return min(p.local_num_tokens, c * tokens_per_cta); }
+  __device__ int64_t chunk_end(int64_t c) const { return min(p.local_num_tokens, chunk_begin(c) + tokens_per_cta); }
 };
+
+// Scratch words of chunk c in the own header (protocol.h).
+__device__ __forceinline__ uint32_t* routed_word(uint8_t* own, int c) {
+  return header_word<uint32_t>(own, kHdrDispatchRouted + int64_t(sizeof(uint32_t)) * c);
+}
+__device__ __forceinline__ uint32_t* claims_word(uint8_t* own, int c) {
+  return header_word<uint32_t>(own, kHdrDispatchClaims + int64_t(sizeof(uint32_t)) * c);
+}
+
+// Lane 0 waits until CTA c's route entries are published (its routed word
+// reached `epoch`); true in every lane when they are. Every CTA of the grid
+// publishes them unless it returned early, and each early return follows an
+// error recorded in the own header, which stops the wait; the timeout only
+// bounds the wait should that ever fail, and names the own rank.
+__device__ bool wait_until_routed(uint8_t* own, int64_t* mailbox, int ep_rank, int c, uint32_t epoch,
+                                  const SyncSettings& settings) {
+  int ok = 1;
+  if (lane_id() == 0) {
+    const uint32_t* routed = routed_word(own, c);
+    const uint32_t* error = header_word<uint32_t>(own, kHdrErrorCode);
+    const uint64_t start = global_timer_ns();
+    unsigned sleep_ns = 0;
+    while (!epoch_reached(ld_acquire_gpu(routed), epoch)) {
+      if (ld_relaxed_gpu(error) != kErrorNone) {
+        ok = 0;
+        break;
+      }
+      if (global_timer_ns() - start >= settings.timeout_ns) {
+        record_error(own, mailbox, kErrorDispatchTimeout, uint64_t(1) << ep_rank, settings.timeout_ms);
+        ok = 0;
+        break;
+      }
+      if (sleep_ns != 0) __nanosleep(sleep_ns);
+      sleep_ns = sleep_ns == 0 ? kPollFirstSleepNs : min(2 * sleep_ns, kPollMaxSleepNs);
+    }
+  }
+  return __shfl_sync(kFullWarp, ok, 0) != 0;
+}
 
 // The destination set of a token: bit r is set when an active rank r owns one
 // of its experts. Negative ids are skipped; ids >= num_experts are skipped and
@@ -86,6 +150,9 @@ struct Router {
   }
 };
 
+// kSteal: step 3's CTAs go on with the other chunks, claiming their tasks (a
+// template argument, so that the small calls' copy loop carries none of it).
+template <bool kSteal>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const __grid_constant__ DispatchArgs a) {
   const DispatchParams& p = a.p;
   const WorkspaceView& ws = p.ws;
@@ -236,6 +303,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   if (threadIdx.x == 0 && invalid_in_cta != 0) {
     atomicAdd(header_word<unsigned long long>(own, kHdrInvalidExpertCount), invalid_in_cta);
   }
+  // The route entries of the chunk, for the CTAs that will copy some of its tokens (step 3).
+  if (kSteal && threadIdx.x == 0) {
+    fence(/*system=*/false);
+    st_release_gpu(routed_word(own, blockIdx.x), epoch);
+  }
 
   // 2. Receive counts: the totals, known to the CTA of the last chunk.
   if (owns_last_chunk && threadIdx.x < ep_size && rank_active(p.sync, threadIdx.x)) {
@@ -244,38 +316,80 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
         static_cast<int32_t>(next_slot[d]);
   }
 
-  // 3. Payload rows of the chunk. Work items are (token, segment of its row)
-  // of every payload, handed out by warp: a warp task is the kWarpSize /
-  // lanes items the groups of one warp copy together, and the tasks of all
-  // payloads form one sequence, so a small call copies its payloads at the
-  // same time instead of one after the other. A warp's tasks only increase,
-  // so its payload index only moves forward.
+  // 3. Payload rows. Work items are (token, segment of its row) of every
+  // payload, handed out by warp: a warp task is the kWarpSize / lanes items
+  // the groups of one warp copy together, and the tasks of all payloads of
+  // a chunk form one sequence, so a small call copies its payloads at the
+  // same time instead of one after the other. A warp's tasks in a chunk
+  // only increase, so its payload index only moves forward.
+  // Each warp takes its first task of the own chunk by index. Without
+  // kSteal its later tasks follow by stride. With kSteal (large calls)
+  // they are claimed from the chunk's counter (kHdrDispatchClaims, the claim
+  // for the next task issued before the current copy), and a warp done with
+  // its own chunk goes on with the other chunks in turn (CTA b + 1, b + 2,
+  // ...), claiming their tasks once their route entries are published. The
+  // rows land where the routes say whoever copies them: the result is the
+  // same bytes whatever the order of claims.
   const int64_t source_row = int64_t(ws.ep_rank) * p.runtime_max_tokens;
-  const int64_t chunk = end - begin;
-  int i = 0;
-  int64_t first_task = 0;  // of payload i
-  int64_t tasks = p.num_payloads > 0 ? a.warp_tasks(0, chunk) : 0;  // of payload i
-  for (int64_t task = warp;; task += kWarps) {
-    while (i < p.num_payloads && task >= first_task + tasks) {
-      first_task += tasks;
-      ++i;
-      tasks = i < p.num_payloads ? a.warp_tasks(i, chunk) : 0;
+  // Copies the tasks of chunk c from `task` on.
+  auto copy_chunk = [&](int c, int task) {
+    const int64_t chunk_first = a.chunk_begin(c);
+    const int chunk = int(a.chunk_end(c) - chunk_first);
+    int i = 0;
+    int first_task = 0;  // of payload i
+    int tasks = p.num_payloads > 0 ? a.warp_tasks(0, chunk) : 0;  // of payload i
+    for (;;) {
+      while (i < p.num_payloads && task >= first_task + tasks) {
+        first_task += tasks;
+        ++i;
+        tasks = i < p.num_payloads ? a.warp_tasks(i, chunk) : 0;
+      }
+      if (i == p.num_payloads) return;
+      uint32_t claimed = 0;
+      if (kSteal && lane == 0) claimed = atomicAdd(claims_word(own, c), 1u);
+      const CopyPlan& plan = a.plan[i];
+      const int item = ((task - first_task) << (kLog2WarpSize - plan.lane_bits)) + (lane >> plan.lane_bits);
+      if (item < chunk * plan.segments) {  // else past the end of payload i's last task
+        const int64_t t = chunk_first + (plan.segments == 1 ? item : item / plan.segments);
+        const int segment = plan.segments == 1 ? 0 : static_cast<int>(item % plan.segments);
+        const int32_t* route = routes + t * kMaxTopK;
+        const int64_t row_bytes = p.payload_row_bytes[i];
+        const int64_t plane_offset = p.layout.payload_offset[i];
+        // A token with no destination finds kRouteEnd first (its segment's loads are wasted).
+        copy_segment_any(
+            p.payload[i] + t * row_bytes, plan, segment, lane & (plan.lanes - 1),
+            [&](int k) { return route[k]; },
+            [&](int32_t entry) {
+              return ws.row(route_rank(entry)) + plane_offset + (source_row + route_slot(entry)) * row_bytes;
+            });
+      }
+      task = kSteal ? kWarps + int(__shfl_sync(kFullWarp, claimed, 0)) : task + kWarps;
     }
-    if (i == p.num_payloads) break;
-    const CopyPlan& plan = a.plan[i];
-    const int64_t item = ((task - first_task) << (kLog2WarpSize - plan.lane_bits)) + (lane >> plan.lane_bits);
-    if (item >= chunk * plan.segments) continue;  // past the end of payload i's last task
-    const int64_t t = begin + (plan.segments == 1 ? item : item / plan.segments);
-    const int segment = plan.segments == 1 ? 0 : static_cast<int>(item % plan.segments);
-    const int32_t* route = routes + t * kMaxTopK;
-    const int64_t row_bytes = p.payload_row_bytes[i];
-    const int64_t plane_offset = p.layout.payload_offset[i];
-    // A token with no destination finds kRouteEnd first (its segment's loads are wasted).
-    copy_segment_any(
-        p.payload[i] + t * row_bytes, plan, segment, lane & (plan.lanes - 1), [&](int k) { return route[k]; },
-        [&](int32_t entry) {
-          return ws.row(route_rank(entry)) + plane_offset + (source_row + route_slot(entry)) * row_bytes;
-        });
+  };
+  // The own chunk first, then with kSteal the other chunks that have tasks
+  // left, in turn: lane j looks at chunk b + offset + j (cyclically). Claims
+  // only grow, so a chunk seen done stays done and one pass visits them all.
+  int c = blockIdx.x;
+  int task = warp;
+  for (int offset = 1;;) {
+    copy_chunk(c, task);
+    if (!kSteal) break;
+    c = -1;
+    for (; offset < int(gridDim.x) && c < 0; offset += kWarpSize) {
+      const int look = (int(blockIdx.x) + offset + lane) % int(gridDim.x);
+      const bool left = offset + lane < int(gridDim.x) &&
+                        kWarps + int64_t(ld_relaxed_gpu(claims_word(own, look))) < a.chunk_tasks(look);
+      const uint32_t found = __ballot_sync(kFullWarp, left);
+      if (found != 0) {
+        const int first = __ffs(found) - 1;
+        c = (int(blockIdx.x) + offset + first) % int(gridDim.x);
+        offset += first + 1 - kWarpSize;  // the loop adds kWarpSize: resume after c
+      }
+    }
+    if (c < 0 || !wait_until_routed(own, p.sync.mailbox, ws.ep_rank, c, epoch, a.sync_settings)) break;
+    uint32_t claimed = 0;
+    if (lane == 0) claimed = atomicAdd(claims_word(own, c), 1u);
+    task = kWarps + int(__shfl_sync(kFullWarp, claimed, 0));
   }
 
   // 4. EPLB row s into every active destination, spread over the grid.
@@ -295,6 +409,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   // the chain), then waits for the peers and advances the epoch.
   const bool system = a.sync_settings.system;
   if (!arrive_last(header_word<uint32_t>(own, kHdrDispatchArrivals), system)) return;
+  // Every warp has claimed its last task.
+  if (kSteal) {
+    for (int c = threadIdx.x; c < int(gridDim.x); c += kThreads) *claims_word(own, c) = 0;
+  }
   if (threadIdx.x == 0) {
     *header_word<int32_t>(own, kHdrLastLocalTokens) = static_cast<int32_t>(n);
     *header_word<int32_t>(own, kHdrLastRuntimeMax) = static_cast<int32_t>(p.runtime_max_tokens);
@@ -311,7 +429,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
 }  // namespace
 
 cudaError_t dispatch_ctas_per_sm(int* ctas_per_sm) {
-  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, dispatch_kernel, kThreads, 0);
+  int stealing = 0;
+  cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, dispatch_kernel<false>, kThreads, 0);
+  if (err == cudaSuccess) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&stealing, dispatch_kernel<true>, kThreads, 0);
+  }
+  if (err == cudaSuccess) *ctas_per_sm = std::min(*ctas_per_sm, stealing);
+  return err;
 }
 
 cudaError_t launch_dispatch(const DispatchParams& p, const LaunchConfig& config, cudaStream_t stream) {
@@ -323,7 +447,7 @@ cudaError_t launch_dispatch(const DispatchParams& p, const LaunchConfig& config,
   }
   int64_t token_bytes = 0;
   for (int i = 0; i < p.num_payloads; ++i) token_bytes += p.payload_row_bytes[i];
-  const int grid = spinning_grid_size(config, p.local_num_tokens * token_bytes);
+  const int grid = std::min(spinning_grid_size(config, p.local_num_tokens * token_bytes), kMaxDispatchCtas);
   a.tokens_per_cta = (p.local_num_tokens + grid - 1) / grid;
   // A destination row starts at base + d * row_stride + plane offset + row * row_bytes.
   const uint64_t rows_bits = address_bits(p.ws.base) | uint64_t(p.ws.row_stride);
@@ -331,7 +455,16 @@ cudaError_t launch_dispatch(const DispatchParams& p, const LaunchConfig& config,
     a.plan[i] = make_copy_plan(p.payload_row_bytes[i],
                                rows_bits | uint64_t(p.layout.payload_offset[i]) | address_bits(p.payload[i]));
   }
-  return launch_kernel(dispatch_kernel, grid, kThreads, stream, p.sync.enable_pdl && config.pdl_supported, a);
+  for (int i = 0; i < p.num_payloads; ++i) {
+    if (a.tokens_per_cta * a.plan[i].segments > kMaxChunkItems) return cudaErrorInvalidValue;
+  }
+  // Taking over chunks (step 3) pays where chunks are long; a small call's chunks of at
+  // most a warp's tokens end within microseconds of each other, and the scan
+  // of the other chunks would only add its latency.
+  const bool steal = grid > 1 && a.tokens_per_cta > kWarpSize;
+  const bool pdl = p.sync.enable_pdl && config.pdl_supported;
+  return steal ? launch_kernel(dispatch_kernel<true>, grid, kThreads, stream, pdl, a)
+               : launch_kernel(dispatch_kernel<false>, grid, kThreads, stream, pdl, a);
 }
 
 }  // namespace gpu
