@@ -45,10 +45,14 @@ if has tests; then
 fi
 
 if has sanitizer; then
-  # compute-sanitizer on a small simulated round trip (memcheck, racecheck).
+  # compute-sanitizer (memcheck, racecheck) on two simulated round trips: a
+  # small one (dispatch chunks of at most 32 tokens) and one whose chunks are
+  # longer, where CTAs take over each other's copy tasks (dispatch.cu step 3).
   san() {
-    timeout 240 compute-sanitizer --tool "$1" --error-exitcode 99 \
-      "$PY" -m torch_moe_a2a demo --device cuda --ep 2 --tokens 16 --hidden 256 >"$LOG/sanitizer-$1.txt" 2>&1
+    { timeout 240 compute-sanitizer --tool "$1" --error-exitcode 99 \
+        "$PY" -m torch_moe_a2a demo --device cuda --ep 2 --tokens 16 --hidden 256 &&
+      timeout 240 compute-sanitizer --tool "$1" --error-exitcode 99 \
+        "$PY" -m torch_moe_a2a demo --device cuda --ep 2 --tokens 1024 --hidden 64; } >"$LOG/sanitizer-$1.txt" 2>&1
   }
   if command -v compute-sanitizer >/dev/null 2>&1; then
     san memcheck; rc_mem=$?
