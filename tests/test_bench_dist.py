@@ -124,3 +124,44 @@ def test_launcher_help_and_bad_arguments():
     for bad in (["--no-such-option"], ["--ep"], ["--ep", "2 x"], ["--iters", "0"], ["--dry-run", "--cpu"]):
         proc = subprocess.run(["bash", SCRIPT, *bad], capture_output=True, text=True, timeout=30)
         assert proc.returncode == 2 and "usage:" in proc.stderr, (bad, proc.returncode, proc.stderr)
+
+
+class _RecordingClock:
+    """A stand-in for bench._Clock that records what the timer asks of it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def head_start(self, seconds):
+        self.calls.append(("head_start", seconds))
+
+    def mark(self):
+        self.calls.append(("mark",))
+        return len(self.calls)
+
+    def elapsed_us(self, marks):
+        return [float(end - start) for start, end in marks]
+
+
+def test_every_timed_iteration_starts_behind_a_head_start(tmp_path):
+    """Eager calls and graph replays alike: each iteration queues the spin
+    kernel before its start mark, so the host's work before the call (the
+    alignment collective) is not inside the time (bench_dist's docstring)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        proc = bench_dist._Process(0, 1, torch.device("cpu"), 0, 1, "gloo")
+        clock = _RecordingClock()
+        timer = bench_dist._Timer(proc, clock, iters=3, warmup=2)
+        timed = []
+        median = timer.measure(2, lambda i: (timed.append(i), clock.calls.append(("timed", i))))
+    finally:
+        dist.destroy_process_group()
+    iteration = [("head_start", bench_dist.HEAD_START_S), ("mark",), "timed", ("mark",)]
+    assert len(clock.calls) == 5 * len(iteration)
+    for it in range(5):
+        calls = clock.calls[it * 4 : it * 4 + 4]
+        assert [c if c[0] != "timed" else "timed" for c in calls] == iteration, f"iteration {it}: {calls}"
+    assert timed == [0, 1, 0, 1, 0]
+    assert median == 2.0  # start mark, timed call, end mark
