@@ -43,9 +43,10 @@ __device__ __noinline__ int expert_to_rank_slow(int64_t expert, int64_t num_expe
 constexpr int kIdsPerBatch = 8;
 
 // Copy items (token, segment) of one payload in one chunk at most: the copy
-// loop's indices are 32-bit (the 64-register build does not spill), and the
-// tasks of a chunk (at most its items) are claimed through a uint32 counter
-// that every warp overshoots once. A chunk beyond it would hold terabytes.
+// loop's indices are 32-bit (fewer registers under the 64-register cap), and
+// the tasks of a chunk (at most its items) are claimed through a uint32
+// counter that every warp overshoots once. A chunk beyond it would hold
+// terabytes.
 constexpr int64_t kMaxChunkItems = (int64_t(1) << 31) - 1;
 static_assert(kMaxChunkItems + int64_t(kMaxDispatchCtas) * kWarps <= (int64_t(1) << 32),
               "the claims of a chunk fit its uint32 counter");
@@ -458,9 +459,9 @@ cudaError_t launch_dispatch(const DispatchParams& p, const LaunchConfig& config,
   for (int i = 0; i < p.num_payloads; ++i) {
     if (a.tokens_per_cta * a.plan[i].segments > kMaxChunkItems) return cudaErrorInvalidValue;
   }
-  // Taking over chunks (step 3) pays where chunks are long; a small call's chunks of at
-  // most a warp's tokens end within microseconds of each other, and the scan
-  // of the other chunks would only add its latency.
+  // Taking over chunks (step 3) pays where chunks are long; a small call's
+  // chunks of at most a warp's tokens end within microseconds of each other,
+  // and the scan of the other chunks would only add its latency.
   const bool steal = grid > 1 && a.tokens_per_cta > kWarpSize;
   const bool pdl = p.sync.enable_pdl && config.pdl_supported;
   return steal ? launch_kernel(dispatch_kernel<true>, grid, kThreads, stream, pdl, a)
