@@ -108,3 +108,32 @@ def test_op_graphs_and_time_ops_pair_every_op_with_its_partner():
         [("timed", ("round_trip_ws", 1))],
     ]
     assert all(options == {"head_start": True} for _, options in timed)
+
+
+def _target_record(tokens: int, ops: dict) -> dict:
+    return {"preset": bench.TARGET_PRESET, "fp8": False, "ep": bench.TARGET_EP, "tokens_per_rank": tokens,
+            "status": "ok", "notes": [], "ops": ops}
+
+
+def test_targets_are_judged_from_the_measured_points():
+    """The speed targets in the summary: the ratios at 4096 tokens, both round
+    trip times, the host cost; ok or MISS each, n/a where a time is missing,
+    nothing on the CPU or for points the run did not measure."""
+    big = _target_record(bench.TARGET_RATIO_TOKENS,
+                         {"dispatch": {"copy_ratio": 0.791}, "combine-ws": {"copy_ratio": 0.989}})
+    small = _target_record(128, {"round-trip-ws": {"graph_step_us": 59.5, "graph_us": 66.0}})
+    one = _target_record(1, {"round-trip-ws": {"graph_step_us": None, "graph_us": 14.0}})
+    other = dict(_target_record(128, {}), ep=4)  # not the target's ep: ignored
+    host = {"dispatch": 12.4, "combine-ws": 21.0}
+    lines = bench._targets([other, big, small, one], host, "cuda")
+    assert lines[0].startswith("targets (deepseek-v3 at ep 8")
+    body = [line.strip() for line in lines[1:]]
+    assert body == [
+        "dispatch >= 0.90 x copy at 4096 tok: 0.791 MISS",
+        "combine-ws >= 0.85 x copy at 4096 tok: 0.989 ok",
+        "round-trip-ws <= 60 us at 128 tok: 59.5 us per step ok, 66.0 us per replay MISS",
+        "round-trip-ws <= 15 us at 1 tok: - us per step n/a, 14.0 us per replay ok",
+        "host cost <= 20 us per eager call: at most 21.0 us MISS",
+    ]
+    assert bench._targets([big, small, one], host, "cpu") == []
+    assert bench._targets([other], {}, "cuda") == []

@@ -151,6 +151,18 @@ HOST_COST_TOKENS = 16
 HOST_COST_WARMUP = 20
 HOST_COST_CALLS = 200
 
+# The speed targets on the H200 (simulated ep 8, DeepSeek-V3, CUDA-graph
+# timings), checked by _targets in a CUDA run that measured their points:
+# copy-bandwidth ratios at TARGET_RATIO_TOKENS, round trips with the payload
+# in the workspace (per step of the multi-step graph and per replay), and the
+# host cost of every eager call.
+TARGET_PRESET = "deepseek-v3"
+TARGET_EP = 8
+TARGET_RATIO_TOKENS = 4096
+TARGET_MIN_COPY_RATIO = {"dispatch": 0.90, "combine-ws": 0.85}
+TARGET_ROUND_TRIP_US = {128: 60.0, 1: 15.0}
+TARGET_HOST_US = 20.0
+
 # Graph timing: spin the device before the timed replays so the host can queue
 # them ahead of it; HOST_ENQUEUE_S per iteration is far more than a replay and
 # two event records take on the host.
@@ -1083,7 +1095,50 @@ def _geomean(values: list[float]) -> Optional[float]:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
 
-def _summary(records: list[dict], copy_gbps: float, host: dict[str, float], interrupted: bool) -> str:
+def _targets(records: list[dict], host: dict[str, float], device_type: str) -> list[str]:
+    """One line per speed target whose point this CUDA run measured (none on
+    the CPU): the value and ok or MISS."""
+    if device_type != "cuda":
+        return []
+
+    def ops_at(tokens: int) -> Optional[dict]:
+        for r in records:
+            if (r["preset"], r["fp8"], r["ep"], r["tokens_per_rank"], r["status"]) == (
+                    TARGET_PRESET, False, TARGET_EP, tokens, "ok") and r["ops"]:
+                return r["ops"]
+        return None
+
+    def verdict(value: Optional[float], bound: float, at_least: bool) -> str:
+        if value is None:
+            return "n/a"
+        return "ok" if (value >= bound if at_least else value <= bound) else "MISS"
+
+    lines = []
+    ops = ops_at(TARGET_RATIO_TOKENS)
+    for op, ratio in TARGET_MIN_COPY_RATIO.items():
+        if ops is not None:
+            got = ops[op]["copy_ratio"]
+            lines.append(f"{op} >= {ratio:.2f} x copy at {TARGET_RATIO_TOKENS} tok: {_fmt(got, '.3f')} "
+                         f"{verdict(got, ratio, at_least=True)}")
+    for tokens, limit in TARGET_ROUND_TRIP_US.items():
+        ops = ops_at(tokens)
+        if ops is not None:
+            step, replay = ops["round-trip-ws"]["graph_step_us"], ops["round-trip-ws"]["graph_us"]
+            lines.append(f"round-trip-ws <= {limit:g} us at {tokens} tok: "
+                         f"{_fmt(step, '.1f')} us per step {verdict(step, limit, at_least=False)}, "
+                         f"{_fmt(replay, '.1f')} us per replay {verdict(replay, limit, at_least=False)}")
+    if host:
+        worst = max(host.values())
+        lines.append(f"host cost <= {TARGET_HOST_US:g} us per eager call: at most {worst:.1f} us "
+                     f"{verdict(worst, TARGET_HOST_US, at_least=False)}")
+    if not lines:
+        return []
+    return [f"targets ({TARGET_PRESET} at ep {TARGET_EP}, graph timings; host cost as above):",
+            *("  " + line for line in lines)]
+
+
+def _summary(records: list[dict], copy_gbps: float, host: dict[str, float], interrupted: bool,
+             device_type: str) -> str:
     measured = [r for r in records if r["ops"] and r["status"] == "ok"]
     failed = [r for r in records if r["status"] in ("FAIL", "error")]
     skipped = [r for r in records if r["status"] == "skipped"]
@@ -1106,6 +1161,7 @@ def _summary(records: list[dict], copy_gbps: float, host: dict[str, float], inte
     for r in failed:
         lines.append(f"  {r['status']}: {r['preset']} ep {r['ep']} x {r['tokens_per_rank']} tok: "
                      f"{'; '.join(r['notes'])}")
+    lines += _targets(records, host, device_type)
     return "\n".join(lines)
 
 
@@ -1264,7 +1320,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         progress.close()
 
     table = _table(records)
-    summary = _summary(records, copy_gbps, host, interrupted)
+    summary = _summary(records, copy_gbps, host, interrupted, device.type)
     if args.smoke:  # scripts/gpu_check.sh shows the tail: the table goes last
         print(summary)
         print()
@@ -1282,6 +1338,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "copy_bandwidth_GBps": copy_gbps, "copy_bytes": copy_bytes, "l2_bytes": l2,
                 "iters": iters, "warmup": warmup, "fp8": args.fp8, "max_gib": max_gib,
                 "host_cost_us": host, "interrupted": interrupted, "points": records,
+                "targets": _targets(records, host, device.type),
             }, f, indent=2)
     if args.plot:
         _plot(records, args.plot)
