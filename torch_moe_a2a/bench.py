@@ -1206,16 +1206,28 @@ def _plot(records: list[dict], path: str) -> None:
 # ---------------------------------------------------------------------------
 
 
+def _add_preset_argument(p: argparse.ArgumentParser, default: str) -> None:
+    """--preset, repeatable, 'all' for every preset; ``default`` names what is run without it."""
+    p.add_argument("--preset", action="append", choices=[*PRESETS, "all"],
+                   help=f"model shape (repeatable; 'all' = every preset; default {default}): "
+                   + ", ".join(f"{n} (hidden {x.hidden}, {x.num_experts} experts, top-{x.top_k})"
+                               for n, x in PRESETS.items()))
+
+
+def _preset_names(chosen: Optional[list[str]], default: list[str]) -> list[str]:
+    """The presets a --preset list names, in order, without repeats; ``default`` without one."""
+    if not chosen:
+        return default
+    return list(PRESETS) if "all" in chosen else list(dict.fromkeys(chosen))
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torch_moe_a2a bench",
         description="Dispatch/combine bandwidth and latency with simulated EP on one device (a stream per rank "
         "on CUDA, a thread per rank on the CPU), next to a plain-PyTorch implementation of the same exchange.",
     )
-    p.add_argument("--preset", action="append", choices=[*PRESETS, "all"],
-                   help="model shape (repeatable; 'all' = every preset; default all): "
-                   + ", ".join(f"{n} (hidden {x.hidden}, {x.num_experts} experts, top-{x.top_k})"
-                               for n, x in PRESETS.items()))
+    _add_preset_argument(p, default="all")
     p.add_argument("--ep", type=int, nargs="+", default=list(DEFAULT_EP), help="simulated ranks (default 1 2 4 8)")
     p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
                    help="tokens per rank (default 1 16 128 512 2048 4096)")
@@ -1269,7 +1281,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         iters = SMOKE_ITERS if args.iters is None else args.iters
         warmup = SMOKE_WARMUP if args.warmup is None else args.warmup
     else:
-        names = list(PRESETS) if not args.preset or "all" in args.preset else list(dict.fromkeys(args.preset))
+        names = _preset_names(args.preset, default=list(PRESETS))
         eps, tokens = args.ep, args.tokens
         iters = DEFAULT_ITERS if args.iters is None else args.iters
         warmup = DEFAULT_WARMUP if args.warmup is None else args.warmup

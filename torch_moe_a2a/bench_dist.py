@@ -110,6 +110,7 @@ from .bench import (
     SEED,
     InputSet,
     Point,
+    _add_preset_argument,
     _Clock,
     _combine_mismatch,
     _device_name,
@@ -121,6 +122,7 @@ from .bench import (
     _make_set,
     _num_sets_for,
     _OpGraphs,
+    _preset_names,
     _Progress,
     _recv_mismatch,
     _release,
@@ -917,10 +919,7 @@ def _parser() -> argparse.ArgumentParser:
         "next to the same exchange with torch.distributed.all_to_all_single and NCCL's all-to-all on equal "
         "bytes (the link ceiling). ep = the number of processes. Rank 0 prints the table.",
     )
-    p.add_argument("--preset", action="append", choices=[*PRESETS, "all"],
-                   help=f"model shape (repeatable; 'all' = every preset; default {DEFAULT_PRESET}): "
-                   + ", ".join(f"{n} (hidden {x.hidden}, {x.num_experts} experts, top-{x.top_k})"
-                               for n, x in PRESETS.items()))
+    _add_preset_argument(p, default=DEFAULT_PRESET)
     p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
                    help=f"tokens per rank (default {' '.join(map(str, DEFAULT_TOKENS))})")
     p.add_argument("--iters", type=int, default=DEFAULT_ITERS,
@@ -1009,8 +1008,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _run(args: argparse.Namespace, proc: _Process) -> int:
     device, world = proc.device, proc.world
-    names = [DEFAULT_PRESET] if not args.preset else (
-        list(PRESETS) if "all" in args.preset else list(dict.fromkeys(args.preset)))
+    names = _preset_names(args.preset, default=[DEFAULT_PRESET])
     points = [Point(PRESETS[n], world, t, args.fp8) for n in names for t in args.tokens]
     max_gib = DEFAULT_MAX_GIB[device.type] if args.max_gib is None else args.max_gib
     l2 = L2_BYTES_DEFAULT
