@@ -663,6 +663,7 @@ std::vector<int64_t> constants_op() {
       kMaxDispatchCtas,
       kHdrDispatchRouted,
       kHdrDispatchClaims,
+      kHdrDispatchCounts,
       kHeaderBytes,
   };
 }

@@ -187,10 +187,17 @@ constexpr int64_t kHdrRecvCounts = kHdrCombineFlags + 4 * kMaxRanks;     // int3
 //              the next call waits for the next epoch)
 //   claims[b]  copy tasks of chunk b claimed beyond its CTA's first round,
 //              zero between calls (the CTA that arrives last resets it)
+//   counts[b * ep_size + d]  (epoch << 32) | the tokens of chunk b that go to
+//              rank d, written by CTA b of a large call once it has counted
+//              them; a later CTA sums those of the chunks before its own
+//              for its first slots (never reset: the epoch tells this call's
+//              words from older ones)
 constexpr int kMaxDispatchCtas = 1024;
 constexpr int64_t kHdrDispatchRouted = kHdrRecvCounts + 4 * kMaxRanks;        // uint32 [kMaxDispatchCtas]
 constexpr int64_t kHdrDispatchClaims = kHdrDispatchRouted + 4 * kMaxDispatchCtas;  // uint32 [kMaxDispatchCtas]
-constexpr int64_t kHeaderBytes = kHdrDispatchClaims + 4 * kMaxDispatchCtas;      // 9088
+constexpr int64_t kHdrDispatchCounts = kHdrDispatchClaims + 4 * kMaxDispatchCtas;  // uint64 [kMaxDispatchCtas * kMaxRanks]
+constexpr int64_t kHeaderBytes = kHdrDispatchCounts + 8 * kMaxDispatchCtas * kMaxRanks;  // 533376
+static_assert(kHdrDispatchCounts % 8 == 0 && kHeaderBytes % kAlign == 0, "header words aligned, regions too");
 
 MOE_A2A_HD constexpr int64_t align_up(int64_t x, int64_t a = kAlign) { return (x + a - 1) / a * a; }
 

@@ -245,21 +245,41 @@ def test_pull_tasks_claimed_past_the_first_round(payload_in_workspace, device):
 # a token, and the residency cap of the grid gives chunks of more than 32
 # tokens (4000 tokens on 65 CTAs a rank at ep 4 on an H200). Three round trips
 # in a row: a counter left over would skip tasks of the next dispatch, whose
-# poisoned receive rows then fail the comparison.
+# poisoned receive rows then fail the comparison. The same calls take their
+# first slots from the counts that each CTA publishes of its own chunk
+# (step 1a): wrong counts would put rows in wrong slots.
 TAKEN_OVER = Case(4, (4000, 3000, 3900, 2500), 8, 16, hidden=1024)
+
+
+def _chunk_counts(ids: torch.Tensor, chunks: int, case: Case) -> torch.Tensor:
+    """int64 [chunks, ep_size]: tokens of each chunk (contiguous, ceil(n / chunks)
+    tokens) that go to each rank, from DESIGN's contiguous expert ranges."""
+    assert case.num_experts % case.ep_size == 0
+    per_rank = case.num_experts // case.ep_size
+    goes = torch.zeros(ids.shape[0], case.ep_size, dtype=torch.bool)
+    for k in range(ids.shape[1]):
+        valid = ids[:, k] >= 0
+        goes[valid, ids[valid, k].long() // per_rank] = True
+    size = -(-ids.shape[0] // chunks)
+    counts = torch.zeros(chunks, case.ep_size, dtype=torch.int64)
+    for c in range(chunks):
+        counts[c] = goes[c * size : (c + 1) * size].sum(0)
+    return counts
 
 
 def test_dispatch_chunks_taken_over(device):
     gen = make_generator(TAKEN_OVER)
     sim = make_sim(TAKEN_OVER, device)
-    words = slice(layout.HDR_DISPATCH_ROUTED, layout.HDR_DISPATCH_CLAIMS + 4 * layout.MAX_DISPATCH_CTAS)
+    ep = TAKEN_OVER.ep_size
+    words = slice(layout.HDR_DISPATCH_ROUTED, layout.HDR_DISPATCH_COUNTS)
+    count_words = slice(layout.HDR_DISPATCH_COUNTS, layout.HEADER_BYTES)
     for call in range(1, 4):
         inputs = make_inputs(TAKEN_OVER, gen)
         for ids, payloads in zip(inputs.ids, inputs.payloads):
             ids[ids.shape[0] // 2 :] = -1
             payloads[1][ids.shape[0] // 2 :] = -1
         round_trip(sim, TAKEN_OVER, inputs, gen)
-        for r in range(TAKEN_OVER.ep_size):
+        for r in range(ep):
             scratch = sim.workspace[r, words].cpu().view(torch.int32)
             routed, claims = scratch[: layout.MAX_DISPATCH_CTAS], scratch[layout.MAX_DISPATCH_CTAS :]
             assert int(claims.count_nonzero()) == 0, f"rank {r}: claims left over"
@@ -267,3 +287,11 @@ def test_dispatch_chunks_taken_over(device):
             published = int((routed == call).sum())
             assert published > 1 if sim.workspace.is_cuda else published == 0, f"rank {r}: {published} chunks"
             assert int((routed != 0).sum()) == published, f"rank {r}: a routed word of another call"
+            # Count words: (epoch << 32) | tokens of chunk c going to rank d, at [c * ep + d].
+            counted = sim.workspace[r, count_words].cpu().view(torch.int64)
+            assert int(counted[published * ep :].count_nonzero()) == 0, f"rank {r}: count words past the grid"
+            if published:
+                counted = counted[: published * ep].view(published, ep)
+                assert bool(((counted >> 32) == call).all()), f"rank {r}: a count word of another call"
+                expected = _chunk_counts(inputs.ids[r], published, TAKEN_OVER)
+                assert torch.equal(counted & 0xFFFFFFFF, expected), f"rank {r}: chunk counts"

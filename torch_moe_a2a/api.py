@@ -829,7 +829,7 @@ def describe_error(ep_rank: int, code: int, missing_words: Sequence[int], timeou
 
 
 def _header_field(headers: torch.Tensor, offset: int, dtype: torch.dtype) -> list[int]:
-    """One header field of every row of ``headers`` ([rows, HEADER_BYTES] uint8) as ints."""
+    """One header field of every row of ``headers`` ([rows, >= the field's end] uint8) as ints."""
     return headers[:, offset : offset + dtype.itemsize].view(dtype)[:, 0].tolist()
 
 
@@ -846,7 +846,8 @@ def check_errors(workspace: torch.Tensor) -> None:
             f"workspace must be a uint8 [ep_size, size_per_rank] tensor, got {workspace.dtype} "
             f"{tuple(workspace.shape)}"
         )
-    headers = workspace[:, : layout.HEADER_BYTES].to("cpu")
+    # The error record lies among the fixed words, which end where the flags begin.
+    headers = workspace[:, : layout.HDR_DISPATCH_FLAGS].to("cpu")
     magic = _header_field(headers, layout.HDR_MAGIC, torch.int64)
     codes = _header_field(headers, layout.HDR_ERROR_CODE, torch.int32)
     timeouts = _header_field(headers, layout.HDR_ERROR_TIMEOUT_MS, torch.int32)

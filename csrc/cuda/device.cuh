@@ -166,6 +166,18 @@ __device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
   return v;
 }
 
+// Own-grid 64-bit word that carries its own epoch (the dispatch's counts):
+// single-copy atomic, so a reader sees the epoch and the value of one store.
+__device__ __forceinline__ uint64_t ld_relaxed_gpu(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_relaxed_gpu(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.gpu.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -310,6 +322,28 @@ __device__ inline void raise_flags(const WorkspaceView& ws, const SyncParams& sy
   }
 }
 
+// How a bounded wait ended.
+enum class PollResult { kReady, kAborted, kTimedOut };
+
+// The one spin-wait of the kernels: calls ready() until it returns true,
+// backing off as kPollFirstSleepNs/kPollMaxSleepNs say; stops early when an
+// error is recorded in the own header (by any CTA of any kernel of this rank:
+// the rank has failed, nothing it waits for may come) or when timeout_ns have
+// passed. The caller records the timeout, with what it was waiting for.
+template <typename Ready>
+__device__ inline PollResult poll_until(uint8_t* own, uint64_t timeout_ns, Ready&& ready) {
+  const uint32_t* error = header_word<uint32_t>(own, kHdrErrorCode);
+  const uint64_t start = global_timer_ns();
+  unsigned sleep_ns = 0;
+  while (!ready()) {
+    if (ld_relaxed_gpu(error) != kErrorNone) return PollResult::kAborted;
+    if (global_timer_ns() - start >= timeout_ns) return PollResult::kTimedOut;
+    if (sleep_ns != 0) __nanosleep(sleep_ns);
+    sleep_ns = sleep_ns == 0 ? kPollFirstSleepNs : min(2 * sleep_ns, kPollMaxSleepNs);
+  }
+  return PollResult::kReady;
+}
+
 // Waits until the word word_of(p) reached `epoch` for every active rank p
 // (thread p polls word p), at most limits.timeout_ns. Every thread of the
 // CTA calls it; returns true in all of them when every word arrived. On
@@ -329,21 +363,10 @@ __device__ inline bool wait_for_words(const WorkspaceView& ws, const SyncParams&
   const int p = threadIdx.x;
   if (p < ws.ep_size && rank_active(sync, p)) {
     const uint32_t* flag = word_of(p);
-    const uint32_t* error = header_word<uint32_t>(own, kHdrErrorCode);
-    const uint64_t start = global_timer_ns();
-    unsigned sleep_ns = 0;
-    while (!epoch_reached(ld_acquire(flag, settings.system), epoch)) {
-      if (ld_relaxed_gpu(error) != kErrorNone) {
-        aborted = 1;
-        break;
-      }
-      if (global_timer_ns() - start >= settings.timeout_ns) {
-        atomicOr(&missing, 1ull << p);
-        break;
-      }
-      if (sleep_ns != 0) __nanosleep(sleep_ns);
-      sleep_ns = sleep_ns == 0 ? kPollFirstSleepNs : min(2 * sleep_ns, kPollMaxSleepNs);
-    }
+    const PollResult result = poll_until(
+        own, settings.timeout_ns, [&] { return epoch_reached(ld_acquire(flag, settings.system), epoch); });
+    if (result == PollResult::kAborted) aborted = 1;
+    if (result == PollResult::kTimedOut) atomicOr(&missing, 1ull << p);
   }
   __syncthreads();
   const uint64_t missed = missing;

@@ -5,16 +5,18 @@
 //   * CTA b owns the contiguous token chunk [b * c, (b + 1) * c). A token's
 //     slot at destination d is the number of earlier tokens that also go to
 //     d, so CTA b first counts, per destination, the tokens before its chunk
-//     (a sum: the order in which warps add does not matter), then ranks its
-//     own tokens in index order with warp ballots and a scan over warps. The
-//     slots are exactly the CPU's running counts; no atomic decides an order.
+//     (a sum: the order in which warps add does not matter; in a large call
+//     the sum of the counts that CTAs 0 .. b-1 publish of their chunks), then
+//     ranks its own tokens in index order with warp ballots and a scan over
+//     warps. The slots are exactly the CPU's running counts; no atomic
+//     decides an order.
 //   * Each CTA writes its tokens' route entries to the own route region and
 //     copies its tokens' payload rows to their destinations (a segment of a
 //     row is loaded once, then stored to every destination). In a large call
 //     a CTA that finishes its chunk goes on with the chunks of CTAs that are
 //     behind (step 3): chunks of equal token counts do not get equal shares
 //     of the memory system, and the CTAs of a rank start their copies at
-//     different times (CTA b first counts b chunks).
+//     different times.
 //   * The last CTA of the grid (arrival counter in the own header) holds the
 //     per-destination totals only if it owns the last chunk, so the CTA that
 //     owns the last chunk writes the receive counts before it arrives. The
@@ -85,34 +87,61 @@ __device__ __forceinline__ uint32_t* claims_word(uint8_t* own, int c) {
   return header_word<uint32_t>(own, kHdrDispatchClaims + int64_t(sizeof(uint32_t)) * c);
 }
 
+// Tokens of chunk c that go to rank d, tagged with the epoch of the call that
+// counted them (protocol.h).
+__device__ __forceinline__ uint64_t* count_word(uint8_t* own, int ep_size, int c, int d) {
+  return header_word<uint64_t>(own, kHdrDispatchCounts + int64_t(sizeof(uint64_t)) * (int64_t(c) * ep_size + d));
+}
+
+// The calling thread waits for a word that another CTA of this grid writes
+// (ready() tells). Every CTA writes its words unless it returned early, and
+// each early return follows an error recorded in the own header, which stops
+// the wait; the timeout only bounds the wait should that ever fail, and
+// names the own rank.
+template <typename Ready>
+__device__ bool wait_for_grid(uint8_t* own, const DispatchArgs& a, Ready&& ready) {
+  const PollResult result = poll_until(own, a.sync_settings.timeout_ns, ready);
+  if (result == PollResult::kTimedOut) {
+    record_error(own, a.p.sync.mailbox, kErrorDispatchTimeout, uint64_t(1) << a.p.ws.ep_rank,
+                 a.sync_settings.timeout_ms);
+  }
+  return result == PollResult::kReady;
+}
+
 // Lane 0 waits until CTA c's route entries are published (its routed word
-// reached `epoch`); true in every lane when they are. Every CTA of the grid
-// publishes them unless it returned early, and each early return follows an
-// error recorded in the own header, which stops the wait; the timeout only
-// bounds the wait should that ever fail, and names the own rank.
-__device__ bool wait_until_routed(uint8_t* own, int64_t* mailbox, int ep_rank, int c, uint32_t epoch,
-                                  const SyncSettings& settings) {
+// reached `epoch`); true in every lane when they are.
+__device__ bool wait_until_routed(uint8_t* own, const DispatchArgs& a, int c, uint32_t epoch) {
   int ok = 1;
   if (lane_id() == 0) {
     const uint32_t* routed = routed_word(own, c);
-    const uint32_t* error = header_word<uint32_t>(own, kHdrErrorCode);
-    const uint64_t start = global_timer_ns();
-    unsigned sleep_ns = 0;
-    while (!epoch_reached(ld_acquire_gpu(routed), epoch)) {
-      if (ld_relaxed_gpu(error) != kErrorNone) {
-        ok = 0;
-        break;
-      }
-      if (global_timer_ns() - start >= settings.timeout_ns) {
-        record_error(own, mailbox, kErrorDispatchTimeout, uint64_t(1) << ep_rank, settings.timeout_ms);
-        ok = 0;
-        break;
-      }
-      if (sleep_ns != 0) __nanosleep(sleep_ns);
-      sleep_ns = sleep_ns == 0 ? kPollFirstSleepNs : min(2 * sleep_ns, kPollMaxSleepNs);
-    }
+    ok = wait_for_grid(own, a, [&] { return epoch_reached(ld_acquire_gpu(routed), epoch); });
   }
   return __shfl_sync(kFullWarp, ok, 0) != 0;
+}
+
+// Step 1a of a large call's CTA: publishes its chunk's counts, then adds those
+// of the chunks before it to next_slot (every thread calls it; a failed wait
+// sets *failed). Out of line: the copy loop then keeps the registers it has
+// without it.
+__device__ __noinline__ void publish_and_sum_counts(uint8_t* own, const DispatchArgs& a, uint32_t epoch,
+                                                    const uint32_t* chunk_count, uint32_t* next_slot, int* failed) {
+  const int ep_size = a.p.ws.ep_size;
+  if (int(threadIdx.x) < ep_size) {
+    st_relaxed_gpu(count_word(own, ep_size, blockIdx.x, threadIdx.x),
+                   (uint64_t(epoch) << 32) | chunk_count[threadIdx.x]);
+  }
+  const uint64_t* before = count_word(own, ep_size, 0, 0);
+  for (int i = threadIdx.x; i < int(blockIdx.x) * ep_size; i += kThreads) {
+    uint64_t word = 0;
+    if (!wait_for_grid(own, a, [&] {
+          word = ld_relaxed_gpu(before + i);
+          return uint32_t(word >> 32) == epoch;
+        })) {
+      *failed = 1;
+      return;
+    }
+    atomicAdd(&next_slot[i % ep_size], static_cast<uint32_t>(word));
+  }
 }
 
 // The destination set of a token: bit r is set when an active rank r owns one
@@ -160,7 +189,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   __shared__ uint8_t rank_table[kRankTableExperts];
   __shared__ uint32_t next_slot[kMaxRanks];                // per destination: first slot not yet given
   __shared__ uint32_t warp_first_slot[kWarps][kMaxRanks];  // per round: a warp's first slot per destination
+  __shared__ uint32_t chunk_count[kMaxRanks];              // kSteal: the own chunk's tokens per destination
   __shared__ unsigned long long invalid_in_cta;
+  __shared__ int lookback_failed;
 
   // Prologue from the params alone: under PDL it overlaps the previous kernel.
   const int ep_size = ws.ep_size;
@@ -172,8 +203,14 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
       rank_table[e] = static_cast<uint8_t>(expert_to_rank(e, p.num_experts, ep_size));
     }
   }
-  if (threadIdx.x < kMaxRanks) next_slot[threadIdx.x] = 0;
-  if (threadIdx.x == 0) invalid_in_cta = 0;
+  if (threadIdx.x < kMaxRanks) {
+    next_slot[threadIdx.x] = 0;
+    chunk_count[threadIdx.x] = 0;
+  }
+  if (threadIdx.x == 0) {
+    invalid_in_cta = 0;
+    lookback_failed = 0;
+  }
   __syncthreads();
 
   wait_for_previous_grid();
@@ -185,7 +222,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   const int64_t end = min(n, begin + a.tokens_per_cta);
   // The CTA of the last chunk ends up holding the per-destination totals.
   const bool owns_last_chunk = blockIdx.x == gridDim.x - 1;
-  const bool counts = begin < end || owns_last_chunk;
+  // Step 1a counts the tokens before the chunk itself (small calls) or sums
+  // the other CTAs' counts of their chunks (kSteal).
+  const bool counts = !kSteal && (begin < end || owns_last_chunk);
 
   // Everything the first steps decide on is loaded before any of it is
   // used, so that its loads share one memory latency: the own header words,
@@ -217,13 +256,15 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
     if (!peers_done) return;
   }
 
-  // 1a. Tokens before the chunk, counted per destination. Lane l keeps the
-  // counts of destinations l and l + 32 for its warp.
-  if (counts) {
+  // Adds to counts[d] the tokens of [from, to) that go to destination d, in
+  // rounds of kThreads tokens; `preloaded` is the first round's token of this
+  // thread, whose set is known. Lane l keeps the counts of destinations l and
+  // l + 32 for its warp. Invalid ids are counted where step 1b routes them.
+  auto count_tokens = [&](int64_t from, int64_t to, int64_t preloaded, uint64_t preloaded_set, uint32_t* counts) {
     uint32_t count_low = 0, count_high = 0;
-    for (int64_t first = int64_t(warp) * kWarpSize; first < begin; first += kThreads) {
+    for (int64_t first = from + int64_t(warp) * kWarpSize; first < to; first += kThreads) {
       const int64_t t = first + lane;
-      const uint64_t set = t == before_token ? before_set : t < begin ? router.dests(t, not_counted_here) : 0;
+      const uint64_t set = t == preloaded ? preloaded_set : t < to ? router.dests(t, not_counted_here) : 0;
       for (uint64_t present = warp_or(set); present != 0; present &= present - 1) {
         const int d = lowest_rank(present);
         const uint32_t count = __popc(__ballot_sync(kFullWarp, (set >> d) & 1));
@@ -236,10 +277,27 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
         }
       }
     }
-    if (lane < ep_size) atomicAdd(&next_slot[lane], count_low);
-    if (lane + kWarpSize < ep_size) atomicAdd(&next_slot[lane + kWarpSize], count_high);
+    if (lane < ep_size) atomicAdd(&counts[lane], count_low);
+    if (lane + kWarpSize < ep_size) atomicAdd(&counts[lane + kWarpSize], count_high);
+  };
+
+  // 1a. The first slot per destination: the tokens before the chunk. A small
+  // call counts them here (one round of ids: its chunks are at most a warp's
+  // tokens). A large call's CTA b would need b rounds, and while the other
+  // CTAs copy, each round waits long for its loads: CTA b counts only its own
+  // chunk, publishes the counts, and sums those of the chunks before it
+  // (every CTA publishes before it waits, and all of them are resident).
+  if (kSteal) {
+    count_tokens(begin, end, own_token, own_set, chunk_count);
+    __syncthreads();
+    publish_and_sum_counts(own, a, epoch, chunk_count, next_slot, &lookback_failed);
+  } else if (counts) {
+    count_tokens(0, begin, before_token, before_set, next_slot);
   }
   __syncthreads();
+  // Without the counts the slots would be wrong: this CTA stops, so the grid
+  // never arrives and no flag publishes the call.
+  if (kSteal && lookback_failed) return;
 
   // 1b. The chunk, kThreads tokens per round in index order: a token's slot
   // is next_slot + the tokens of earlier warps of the round + the earlier
@@ -387,7 +445,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
         offset += first + 1 - kWarpSize;  // the loop adds kWarpSize: resume after c
       }
     }
-    if (c < 0 || !wait_until_routed(own, p.sync.mailbox, ws.ep_rank, c, epoch, a.sync_settings)) break;
+    if (c < 0 || !wait_until_routed(own, a, c, epoch)) break;
     uint32_t claimed = 0;
     if (lane == 0) claimed = atomicAdd(claims_word(own, c), 1u);
     task = kWarps + int(__shfl_sync(kFullWarp, claimed, 0));
