@@ -661,9 +661,9 @@ std::vector<int64_t> constants_op() {
       kHdrCombineFlags,
       kHdrRecvCounts,
       kMaxDispatchCtas,
-      kHdrDispatchRouted,
       kHdrDispatchClaims,
       kHdrDispatchCounts,
+      kHdrDispatchRouted,
       kHeaderBytes,
   };
 }

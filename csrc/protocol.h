@@ -175,28 +175,26 @@ constexpr int64_t kHdrCombineDoneArrivals = 76;  // uint32: CTAs done pulling
 constexpr int64_t kHdrLastDispatchEnd = 80;      // int64, own: CallLayout::dispatch_end of the last dispatch
 // CUDA scratch, own, zero between calls: pull tasks of the running combine
 // claimed beyond each warp's first (the CTA that arrives last after the pull
-// resets it; see csrc/cuda/combine.cu).
+// resets it; see csrc/cuda/combine.cu), and copy tasks of the running large
+// dispatch claimed beyond each warp's first (the CTA that arrives last resets
+// it; see csrc/cuda/dispatch.cu, step 3).
 constexpr int64_t kHdrCombinePullClaims = 88;    // uint32
+constexpr int64_t kHdrDispatchClaims = 92;       // uint32
 constexpr int64_t kHdrDispatchFlags = 128;       // uint32 [kMaxRanks], [s] written by rank s
 constexpr int64_t kHdrCombineFlags = kHdrDispatchFlags + 4 * kMaxRanks;  // uint32 [kMaxRanks]
 constexpr int64_t kHdrRecvCounts = kHdrCombineFlags + 4 * kMaxRanks;     // int32 [kMaxRanks]
-// CUDA dispatch scratch, own, per CTA b of the grid (grids have at most
-// kMaxDispatchCtas CTAs; see csrc/cuda/dispatch.cu, step 3):
-//   routed[b]  the dispatch epoch once CTA b's route entries are written
-//              (other CTAs copy b's tokens only after it; never reset:
-//              the next call waits for the next epoch)
-//   claims[b]  copy tasks of chunk b claimed beyond its CTA's first round,
-//              zero between calls (the CTA that arrives last resets it)
+// CUDA dispatch scratch of large calls, own, per CTA b of the grid (grids have
+// at most kMaxDispatchCtas CTAs; see csrc/cuda/dispatch.cu, steps 1a and 3).
+// Never reset: the epoch tells this call's words from older ones.
 //   counts[b * ep_size + d]  (epoch << 32) | the tokens of chunk b that go to
-//              rank d, written by CTA b of a large call once it has counted
-//              them; a later CTA sums those of the chunks before its own
-//              for its first slots (never reset: the epoch tells this call's
-//              words from older ones)
+//              rank d, written by CTA b once it has counted them; a later CTA
+//              sums those of the chunks before its own for its first slots
+//   routed[b]  the dispatch epoch once CTA b's route entries are written
+//              (every CTA copies tokens of any chunk, after all are routed)
 constexpr int kMaxDispatchCtas = 1024;
-constexpr int64_t kHdrDispatchRouted = kHdrRecvCounts + 4 * kMaxRanks;        // uint32 [kMaxDispatchCtas]
-constexpr int64_t kHdrDispatchClaims = kHdrDispatchRouted + 4 * kMaxDispatchCtas;  // uint32 [kMaxDispatchCtas]
-constexpr int64_t kHdrDispatchCounts = kHdrDispatchClaims + 4 * kMaxDispatchCtas;  // uint64 [kMaxDispatchCtas * kMaxRanks]
-constexpr int64_t kHeaderBytes = kHdrDispatchCounts + 8 * kMaxDispatchCtas * kMaxRanks;  // 533376
+constexpr int64_t kHdrDispatchCounts = kHdrRecvCounts + 4 * kMaxRanks;  // uint64 [kMaxDispatchCtas * kMaxRanks]
+constexpr int64_t kHdrDispatchRouted = kHdrDispatchCounts + 8 * kMaxDispatchCtas * kMaxRanks;  // uint32 [kMaxDispatchCtas]
+constexpr int64_t kHeaderBytes = kHdrDispatchRouted + 4 * kMaxDispatchCtas;  // 529280
 static_assert(kHdrDispatchCounts % 8 == 0 && kHeaderBytes % kAlign == 0, "header words aligned, regions too");
 
 MOE_A2A_HD constexpr int64_t align_up(int64_t x, int64_t a = kAlign) { return (x + a - 1) / a * a; }

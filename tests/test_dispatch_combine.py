@@ -236,19 +236,18 @@ def test_pull_tasks_claimed_past_the_first_round(payload_in_workspace, device):
             assert header_i32(sim.workspace, r, layout.HDR_COMBINE_PULL_CLAIMS) == 0, f"rank {r}"
 
 
-# The CUDA dispatch of a large call (chunks of more than 32 tokens) lets a CTA
-# that is done with its chunk go on with the tasks of the other chunks,
-# claimed from a counter per chunk once that chunk's route entries are
-# published (dispatch.cu, step 3). The second half of every rank's tokens has
-# no destination here (ids -1), so the CTAs of those chunks are done at once
-# and take over tasks of the first half. 2 KiB hidden rows are one copy task
-# a token, and the residency cap of the grid gives chunks of more than 32
-# tokens (4000 tokens on 65 CTAs a rank at ep 4 on an H200). Three round trips
-# in a row: a counter left over would skip tasks of the next dispatch, whose
-# poisoned receive rows then fail the comparison. The same calls take their
-# first slots from the counts that each CTA publishes of its own chunk
-# (step 1a): wrong counts would put rows in wrong slots.
-TAKEN_OVER = Case(4, (4000, 3000, 3900, 2500), 8, 16, hidden=1024)
+# The CUDA dispatch of a large call (chunks of more than 32 tokens, dispatch.cu
+# kWhole) takes each CTA's first slots from the counts that the CTAs publish of
+# their own chunks (step 1a), waits until every chunk is routed, and lets
+# every warp of the grid claim copy tasks of any chunk from one counter
+# (step 3). The second half of every rank's tokens has no destination here
+# (ids -1), so the tasks of those chunks end at once and their warps go on
+# with the first half. 2 KiB hidden rows are one copy task a token, and the
+# residency cap of the grid gives chunks of more than 32 tokens (4000 tokens
+# on 65 CTAs a rank at ep 4 on an H200). Three round trips in a row: a counter
+# left over would skip tasks of the next dispatch, whose poisoned receive rows
+# then fail the comparison, and wrong counts would put rows in wrong slots.
+WHOLE_RANK = Case(4, (4000, 3000, 3900, 2500), 8, 16, hidden=1024)
 
 
 def _chunk_counts(ids: torch.Tensor, chunks: int, case: Case) -> torch.Tensor:
@@ -267,22 +266,21 @@ def _chunk_counts(ids: torch.Tensor, chunks: int, case: Case) -> torch.Tensor:
     return counts
 
 
-def test_dispatch_chunks_taken_over(device):
-    gen = make_generator(TAKEN_OVER)
-    sim = make_sim(TAKEN_OVER, device)
-    ep = TAKEN_OVER.ep_size
-    words = slice(layout.HDR_DISPATCH_ROUTED, layout.HDR_DISPATCH_COUNTS)
-    count_words = slice(layout.HDR_DISPATCH_COUNTS, layout.HEADER_BYTES)
+def test_large_dispatch_shares_counts_and_tasks(device):
+    gen = make_generator(WHOLE_RANK)
+    sim = make_sim(WHOLE_RANK, device)
+    ep = WHOLE_RANK.ep_size
+    routed_words = slice(layout.HDR_DISPATCH_ROUTED, layout.HDR_DISPATCH_ROUTED + 4 * layout.MAX_DISPATCH_CTAS)
+    count_words = slice(layout.HDR_DISPATCH_COUNTS, layout.HDR_DISPATCH_ROUTED)
     for call in range(1, 4):
-        inputs = make_inputs(TAKEN_OVER, gen)
+        inputs = make_inputs(WHOLE_RANK, gen)
         for ids, payloads in zip(inputs.ids, inputs.payloads):
             ids[ids.shape[0] // 2 :] = -1
             payloads[1][ids.shape[0] // 2 :] = -1
-        round_trip(sim, TAKEN_OVER, inputs, gen)
+        round_trip(sim, WHOLE_RANK, inputs, gen)
         for r in range(ep):
-            scratch = sim.workspace[r, words].cpu().view(torch.int32)
-            routed, claims = scratch[: layout.MAX_DISPATCH_CTAS], scratch[layout.MAX_DISPATCH_CTAS :]
-            assert int(claims.count_nonzero()) == 0, f"rank {r}: claims left over"
+            assert header_i32(sim.workspace, r, layout.HDR_DISPATCH_CLAIMS) == 0, f"rank {r}: claims left over"
+            routed = sim.workspace[r, routed_words].cpu().view(torch.int32)
             # On CUDA every CTA published its routes (the path ran); the CPU never writes these words.
             published = int((routed == call).sum())
             assert published > 1 if sim.workspace.is_cuda else published == 0, f"rank {r}: {published} chunks"
@@ -293,5 +291,5 @@ def test_dispatch_chunks_taken_over(device):
             if published:
                 counted = counted[: published * ep].view(published, ep)
                 assert bool(((counted >> 32) == call).all()), f"rank {r}: a count word of another call"
-                expected = _chunk_counts(inputs.ids[r], published, TAKEN_OVER)
+                expected = _chunk_counts(inputs.ids[r], published, WHOLE_RANK)
                 assert torch.equal(counted & 0xFFFFFFFF, expected), f"rank {r}: chunk counts"

@@ -10,13 +10,14 @@
 //     ranks its own tokens in index order with warp ballots and a scan over
 //     warps. The slots are exactly the CPU's running counts; no atomic
 //     decides an order.
-//   * Each CTA writes its tokens' route entries to the own route region and
-//     copies its tokens' payload rows to their destinations (a segment of a
-//     row is loaded once, then stored to every destination). In a large call
-//     a CTA that finishes its chunk goes on with the chunks of CTAs that are
-//     behind (step 3): chunks of equal token counts do not get equal shares
-//     of the memory system, and the CTAs of a rank start their copies at
-//     different times.
+//   * Each CTA writes its tokens' route entries to the own route region. A
+//     small call's CTA then copies its own tokens' payload rows to their
+//     destinations (a segment of a row is loaded once, then stored to every
+//     destination). In a large call (kWhole) every CTA waits until all
+//     chunks are routed, then the copy tasks of all of the rank's tokens
+//     are claimed from one counter, in token order: chunks of equal token
+//     counts do not get equal shares of the memory system, and the rank's
+//     concurrent writes stay near each other in every destination plane.
 //   * The last CTA of the grid (arrival counter in the own header) holds the
 //     per-destination totals only if it owns the last chunk, so the CTA that
 //     owns the last chunk writes the receive counts before it arrives. The
@@ -44,14 +45,14 @@ __device__ __noinline__ int expert_to_rank_slow(int64_t expert, int64_t num_expe
 // Expert ids of a token loaded together (top_k <= 8, the common case, is one batch).
 constexpr int kIdsPerBatch = 8;
 
-// Copy items (token, segment) of one payload in one chunk at most: the copy
-// loop's indices are 32-bit (fewer registers under the 64-register cap), and
-// the tasks of a chunk (at most its items) are claimed through a uint32
-// counter that every warp overshoots once. A chunk beyond it would hold
-// terabytes.
-constexpr int64_t kMaxChunkItems = (int64_t(1) << 31) - 1;
-static_assert(kMaxChunkItems + int64_t(kMaxDispatchCtas) * kWarps <= (int64_t(1) << 32),
-              "the claims of a chunk fit its uint32 counter");
+// Copy items (token, segment) of one payload that one copy loop covers at
+// most (a chunk, or with kWhole all of the rank's tokens): the loop's indices
+// are 32-bit (fewer registers under the 64-register cap), and with kWhole the
+// tasks (at most the items) are claimed through a uint32 counter that every
+// warp overshoots once. A call beyond it would hold terabytes.
+constexpr int64_t kMaxLoopItems = (int64_t(1) << 31) - 1;
+static_assert(kMaxLoopItems + int64_t(kMaxDispatchCtas) * kWarps <= (int64_t(1) << 32),
+              "the claims fit the uint32 counter");
 
 struct DispatchArgs {
   DispatchParams p;
@@ -59,32 +60,17 @@ struct DispatchArgs {
   int64_t tokens_per_cta;
   CopyPlan plan[kMaxPayloads];
 
-  // Warp tasks of payload i for a chunk of `chunk` tokens (step 3): a task
-  // is kWarpSize / lanes items, a power of two.
-  __device__ int warp_tasks(int i, int chunk) const {
+  // Warp tasks of payload i for `count` tokens (step 3): a task is
+  // kWarpSize / lanes items, a power of two.
+  __device__ int warp_tasks(int i, int count) const {
     const int task_bits = kLog2WarpSize - plan[i].lane_bits;
-    return int((int64_t(chunk) * plan[i].segments + (int64_t(1) << task_bits) - 1) >> task_bits);
+    return int((int64_t(count) * plan[i].segments + (int64_t(1) << task_bits) - 1) >> task_bits);
   }
-
-  // Warp tasks of every payload of chunk c.
-  __device__ int64_t chunk_tasks(int c) const {
-    const int chunk = int(chunk_end(c) - chunk_begin(c));
-    int64_t tasks = 0;
-    for (int i = 0; i < p.num_payloads; ++i) tasks += warp_tasks(i, chunk);
-    return tasks;
-  }
-
-  // Tokens [begin, end) of chunk c.
-  __device__ int64_t chunk_begin(int64_t c) const { return min(p.local_num_tokens, c * tokens_per_cta); }
-  __device__ int64_t chunk_end(int64_t c) const { return min(p.local_num_tokens, chunk_begin(c) + tokens_per_cta); }
 };
 
-// Scratch words of chunk c in the own header (protocol.h).
+// Scratch words of the large calls in the own header (protocol.h).
 __device__ __forceinline__ uint32_t* routed_word(uint8_t* own, int c) {
   return header_word<uint32_t>(own, kHdrDispatchRouted + int64_t(sizeof(uint32_t)) * c);
-}
-__device__ __forceinline__ uint32_t* claims_word(uint8_t* own, int c) {
-  return header_word<uint32_t>(own, kHdrDispatchClaims + int64_t(sizeof(uint32_t)) * c);
 }
 
 // Tokens of chunk c that go to rank d, tagged with the epoch of the call that
@@ -106,17 +92,6 @@ __device__ bool wait_for_grid(uint8_t* own, const DispatchArgs& a, Ready&& ready
                  a.sync_settings.timeout_ms);
   }
   return result == PollResult::kReady;
-}
-
-// Lane 0 waits until CTA c's route entries are published (its routed word
-// reached `epoch`); true in every lane when they are.
-__device__ bool wait_until_routed(uint8_t* own, const DispatchArgs& a, int c, uint32_t epoch) {
-  int ok = 1;
-  if (lane_id() == 0) {
-    const uint32_t* routed = routed_word(own, c);
-    ok = wait_for_grid(own, a, [&] { return epoch_reached(ld_acquire_gpu(routed), epoch); });
-  }
-  return __shfl_sync(kFullWarp, ok, 0) != 0;
 }
 
 // Step 1a of a large call's CTA: publishes its chunk's counts, then adds those
@@ -141,6 +116,18 @@ __device__ __noinline__ void publish_and_sum_counts(uint8_t* own, const Dispatch
       return;
     }
     atomicAdd(&next_slot[i % ep_size], static_cast<uint32_t>(word));
+  }
+}
+
+// Step 3 of a large call's CTA: thread c acquires CTA c's routed word (a
+// failed wait sets *failed). Out of line, as publish_and_sum_counts.
+__device__ __noinline__ void wait_all_routed(uint8_t* own, const DispatchArgs& a, uint32_t epoch, int* failed) {
+  for (int c = threadIdx.x; c < int(gridDim.x); c += kThreads) {
+    const uint32_t* routed = routed_word(own, c);
+    if (!wait_for_grid(own, a, [&] { return epoch_reached(ld_acquire_gpu(routed), epoch); })) {
+      *failed = 1;
+      return;
+    }
   }
 }
 
@@ -180,18 +167,20 @@ struct Router {
   }
 };
 
-// kSteal: step 3's CTAs go on with the other chunks, claiming their tasks (a
-// template argument, so that the small calls' copy loop carries none of it).
-template <bool kSteal>
+// kWhole: a large call, whose CTAs count and route their chunks through the
+// words they publish to each other and copy the tasks of all of the rank's
+// tokens (a template argument, so that the small calls' kernel carries none
+// of it).
+template <bool kWhole>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const __grid_constant__ DispatchArgs a) {
   const DispatchParams& p = a.p;
   const WorkspaceView& ws = p.ws;
   __shared__ uint8_t rank_table[kRankTableExperts];
   __shared__ uint32_t next_slot[kMaxRanks];                // per destination: first slot not yet given
   __shared__ uint32_t warp_first_slot[kWarps][kMaxRanks];  // per round: a warp's first slot per destination
-  __shared__ uint32_t chunk_count[kMaxRanks];              // kSteal: the own chunk's tokens per destination
+  __shared__ uint32_t chunk_count[kMaxRanks];              // kWhole: the own chunk's tokens per destination
   __shared__ unsigned long long invalid_in_cta;
-  __shared__ int lookback_failed;
+  __shared__ int grid_wait_failed;
 
   // Prologue from the params alone: under PDL it overlaps the previous kernel.
   const int ep_size = ws.ep_size;
@@ -209,7 +198,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   }
   if (threadIdx.x == 0) {
     invalid_in_cta = 0;
-    lookback_failed = 0;
+    grid_wait_failed = 0;
   }
   __syncthreads();
 
@@ -223,8 +212,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   // The CTA of the last chunk ends up holding the per-destination totals.
   const bool owns_last_chunk = blockIdx.x == gridDim.x - 1;
   // Step 1a counts the tokens before the chunk itself (small calls) or sums
-  // the other CTAs' counts of their chunks (kSteal).
-  const bool counts = !kSteal && (begin < end || owns_last_chunk);
+  // the other CTAs' counts of their chunks (kWhole).
+  const bool counts = !kWhole && (begin < end || owns_last_chunk);
 
   // Everything the first steps decide on is loaded before any of it is
   // used, so that its loads share one memory latency: the own header words,
@@ -287,17 +276,17 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   // CTAs copy, each round waits long for its loads: CTA b counts only its own
   // chunk, publishes the counts, and sums those of the chunks before it
   // (every CTA publishes before it waits, and all of them are resident).
-  if (kSteal) {
+  if (kWhole) {
     count_tokens(begin, end, own_token, own_set, chunk_count);
     __syncthreads();
-    publish_and_sum_counts(own, a, epoch, chunk_count, next_slot, &lookback_failed);
+    publish_and_sum_counts(own, a, epoch, chunk_count, next_slot, &grid_wait_failed);
   } else if (counts) {
     count_tokens(0, begin, before_token, before_set, next_slot);
   }
   __syncthreads();
   // Without the counts the slots would be wrong: this CTA stops, so the grid
   // never arrives and no flag publishes the call.
-  if (kSteal && lookback_failed) return;
+  if (kWhole && grid_wait_failed) return;
 
   // 1b. The chunk, kThreads tokens per round in index order: a token's slot
   // is next_slot + the tokens of earlier warps of the round + the earlier
@@ -362,8 +351,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   if (threadIdx.x == 0 && invalid_in_cta != 0) {
     atomicAdd(header_word<unsigned long long>(own, kHdrInvalidExpertCount), invalid_in_cta);
   }
-  // The route entries of the chunk, for the CTAs that will copy some of its tokens (step 3).
-  if (kSteal && threadIdx.x == 0) {
+  // The route entries of the chunk, for the CTAs that copy some of its tokens (step 3).
+  if (kWhole && threadIdx.x == 0) {
     fence(/*system=*/false);
     st_release_gpu(routed_word(own, blockIdx.x), epoch);
   }
@@ -378,38 +367,44 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   // 3. Payload rows. Work items are (token, segment of its row) of every
   // payload, handed out by warp: a warp task is the kWarpSize / lanes items
   // the groups of one warp copy together, and the tasks of all payloads of
-  // a chunk form one sequence, so a small call copies its payloads at the
-  // same time instead of one after the other. A warp's tasks in a chunk
-  // only increase, so its payload index only moves forward.
-  // Each warp takes its first task of the own chunk by index. Without
-  // kSteal its later tasks follow by stride. With kSteal (large calls)
-  // they are claimed from the chunk's counter (kHdrDispatchClaims, the claim
-  // for the next task issued before the current copy), and a warp done with
-  // its own chunk goes on with the other chunks in turn (CTA b + 1, b + 2,
-  // ...), claiming their tasks once their route entries are published. The
-  // rows land where the routes say whoever copies them: the result is the
-  // same bytes whatever the order of claims.
+  // the tokens copied form one sequence, so a small call copies its payloads
+  // at the same time instead of one after the other. A warp's tasks only
+  // increase, so its payload index only moves forward.
+  // A small call's CTA copies its own chunk: each warp takes its first task
+  // by index and its later ones by stride. With kWhole the tokens are all of
+  // the rank's: each warp of the grid takes its first task by index and
+  // claims later ones from the rank's counter (kHdrDispatchClaims, the claim
+  // for the next task issued before the current copy), once every chunk's
+  // route entries are visible: thread c acquires CTA c's routed word, and
+  // the barrier hands what it saw to the CTA. The rows land where the routes
+  // say whoever copies them: the result is the same bytes whatever the order
+  // of claims.
   const int64_t source_row = int64_t(ws.ep_rank) * p.runtime_max_tokens;
-  // Copies the tasks of chunk c from `task` on.
-  auto copy_chunk = [&](int c, int task) {
-    const int64_t chunk_first = a.chunk_begin(c);
-    const int chunk = int(a.chunk_end(c) - chunk_first);
+  if (kWhole) {
+    wait_all_routed(own, a, epoch, &grid_wait_failed);
+    __syncthreads();
+    if (grid_wait_failed) return;
+  }
+  const int64_t first_token = kWhole ? 0 : begin;
+  const int count = int(kWhole ? n : end - begin);
+  int task = kWhole ? int(blockIdx.x) * kWarps + warp : warp;
+  {
     int i = 0;
     int first_task = 0;  // of payload i
-    int tasks = p.num_payloads > 0 ? a.warp_tasks(0, chunk) : 0;  // of payload i
+    int tasks = p.num_payloads > 0 ? a.warp_tasks(0, count) : 0;  // of payload i
     for (;;) {
       while (i < p.num_payloads && task >= first_task + tasks) {
         first_task += tasks;
         ++i;
-        tasks = i < p.num_payloads ? a.warp_tasks(i, chunk) : 0;
+        tasks = i < p.num_payloads ? a.warp_tasks(i, count) : 0;
       }
-      if (i == p.num_payloads) return;
+      if (i == p.num_payloads) break;
       uint32_t claimed = 0;
-      if (kSteal && lane == 0) claimed = atomicAdd(claims_word(own, c), 1u);
+      if (kWhole && lane == 0) claimed = atomicAdd(header_word<uint32_t>(own, kHdrDispatchClaims), 1u);
       const CopyPlan& plan = a.plan[i];
       const int item = ((task - first_task) << (kLog2WarpSize - plan.lane_bits)) + (lane >> plan.lane_bits);
-      if (item < chunk * plan.segments) {  // else past the end of payload i's last task
-        const int64_t t = chunk_first + (plan.segments == 1 ? item : item / plan.segments);
+      if (item < count * plan.segments) {  // else past the end of payload i's last task
+        const int64_t t = first_token + (plan.segments == 1 ? item : item / plan.segments);
         const int segment = plan.segments == 1 ? 0 : static_cast<int>(item % plan.segments);
         const int32_t* route = routes + t * kMaxTopK;
         const int64_t row_bytes = p.payload_row_bytes[i];
@@ -422,33 +417,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
               return ws.row(route_rank(entry)) + plane_offset + (source_row + route_slot(entry)) * row_bytes;
             });
       }
-      task = kSteal ? kWarps + int(__shfl_sync(kFullWarp, claimed, 0)) : task + kWarps;
+      task = kWhole ? int(gridDim.x) * kWarps + int(__shfl_sync(kFullWarp, claimed, 0)) : task + kWarps;
     }
-  };
-  // The own chunk first, then with kSteal the other chunks that have tasks
-  // left, in turn: lane j looks at chunk b + offset + j (cyclically). Claims
-  // only grow, so a chunk seen done stays done and one pass visits them all.
-  int c = blockIdx.x;
-  int task = warp;
-  for (int offset = 1;;) {
-    copy_chunk(c, task);
-    if (!kSteal) break;
-    c = -1;
-    for (; offset < int(gridDim.x) && c < 0; offset += kWarpSize) {
-      const int look = (int(blockIdx.x) + offset + lane) % int(gridDim.x);
-      const bool left = offset + lane < int(gridDim.x) &&
-                        kWarps + int64_t(ld_relaxed_gpu(claims_word(own, look))) < a.chunk_tasks(look);
-      const uint32_t found = __ballot_sync(kFullWarp, left);
-      if (found != 0) {
-        const int first = __ffs(found) - 1;
-        c = (int(blockIdx.x) + offset + first) % int(gridDim.x);
-        offset += first + 1 - kWarpSize;  // the loop adds kWarpSize: resume after c
-      }
-    }
-    if (c < 0 || !wait_until_routed(own, a, c, epoch)) break;
-    uint32_t claimed = 0;
-    if (lane == 0) claimed = atomicAdd(claims_word(own, c), 1u);
-    task = kWarps + int(__shfl_sync(kFullWarp, claimed, 0));
   }
 
   // 4. EPLB row s into every active destination, spread over the grid.
@@ -468,11 +438,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   // the chain), then waits for the peers and advances the epoch.
   const bool system = a.sync_settings.system;
   if (!arrive_last(header_word<uint32_t>(own, kHdrDispatchArrivals), system)) return;
-  // Every warp has claimed its last task.
-  if (kSteal) {
-    for (int c = threadIdx.x; c < int(gridDim.x); c += kThreads) *claims_word(own, c) = 0;
-  }
   if (threadIdx.x == 0) {
+    if (kWhole) *header_word<uint32_t>(own, kHdrDispatchClaims) = 0;  // every warp has claimed its last task
     *header_word<int32_t>(own, kHdrLastLocalTokens) = static_cast<int32_t>(n);
     *header_word<int32_t>(own, kHdrLastRuntimeMax) = static_cast<int32_t>(p.runtime_max_tokens);
     *header_word<int32_t>(own, kHdrLastTopK) = static_cast<int32_t>(p.top_k);
@@ -488,12 +455,12 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
 }  // namespace
 
 cudaError_t dispatch_ctas_per_sm(int* ctas_per_sm) {
-  int stealing = 0;
+  int whole = 0;
   cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, dispatch_kernel<false>, kThreads, 0);
   if (err == cudaSuccess) {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&stealing, dispatch_kernel<true>, kThreads, 0);
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&whole, dispatch_kernel<true>, kThreads, 0);
   }
-  if (err == cudaSuccess) *ctas_per_sm = std::min(*ctas_per_sm, stealing);
+  if (err == cudaSuccess) *ctas_per_sm = std::min(*ctas_per_sm, whole);
   return err;
 }
 
@@ -514,15 +481,18 @@ cudaError_t launch_dispatch(const DispatchParams& p, const LaunchConfig& config,
     a.plan[i] = make_copy_plan(p.payload_row_bytes[i],
                                rows_bits | uint64_t(p.layout.payload_offset[i]) | address_bits(p.payload[i]));
   }
+  bool whole_fits = true;
   for (int i = 0; i < p.num_payloads; ++i) {
-    if (a.tokens_per_cta * a.plan[i].segments > kMaxChunkItems) return cudaErrorInvalidValue;
+    if (a.tokens_per_cta * a.plan[i].segments > kMaxLoopItems) return cudaErrorInvalidValue;
+    whole_fits = whole_fits && p.local_num_tokens * a.plan[i].segments <= kMaxLoopItems;
   }
-  // Taking over chunks (step 3) pays where chunks are long; a small call's
-  // chunks of at most a warp's tokens end within microseconds of each other,
-  // and the scan of the other chunks would only add its latency.
-  const bool steal = grid > 1 && a.tokens_per_cta > kWarpSize;
+  // The large calls' path (kWhole) pays where chunks are long. A small
+  // call's chunks of at most a warp's tokens are counted in one round and end
+  // their copies within microseconds of each other; the grid-wide waits would
+  // only add their latency.
+  const bool whole = grid > 1 && a.tokens_per_cta > kWarpSize && whole_fits;
   const bool pdl = p.sync.enable_pdl && config.pdl_supported;
-  return steal ? launch_kernel(dispatch_kernel<true>, grid, kThreads, stream, pdl, a)
+  return whole ? launch_kernel(dispatch_kernel<true>, grid, kThreads, stream, pdl, a)
                : launch_kernel(dispatch_kernel<false>, grid, kThreads, stream, pdl, a);
 }
 
