@@ -47,7 +47,8 @@ fi
 if has sanitizer; then
   # compute-sanitizer (memcheck, racecheck) on two simulated round trips: a
   # small one (dispatch chunks of at most 32 tokens) and one whose chunks are
-  # longer, where CTAs take over each other's copy tasks (dispatch.cu step 3).
+  # longer, the large calls' path (dispatch.cu kWhole: counts and routes
+  # published between CTAs, copy tasks claimed from one counter).
   san() {
     { timeout 240 compute-sanitizer --tool "$1" --error-exitcode 99 \
         "$PY" -m torch_moe_a2a demo --device cuda --ep 2 --tokens 16 --hidden 256 &&
