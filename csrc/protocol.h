@@ -173,12 +173,9 @@ constexpr int64_t kHdrDispatchArrivals = 68;     // uint32
 constexpr int64_t kHdrCombineArrivals = 72;      // uint32: CTAs done staging
 constexpr int64_t kHdrCombineDoneArrivals = 76;  // uint32: CTAs done pulling
 constexpr int64_t kHdrLastDispatchEnd = 80;      // int64, own: CallLayout::dispatch_end of the last dispatch
-// CUDA scratch, own, zero between calls: pull tasks of the running combine
-// claimed beyond each warp's first (the CTA that arrives last after the pull
-// resets it; see csrc/cuda/combine.cu), and copy tasks of the running large
+// CUDA scratch, own, zero between calls: copy tasks of the running large
 // dispatch claimed beyond each warp's first (the CTA that arrives last resets
 // it; see csrc/cuda/dispatch.cu, step 3).
-constexpr int64_t kHdrCombinePullClaims = 88;    // uint32
 constexpr int64_t kHdrDispatchClaims = 92;       // uint32
 constexpr int64_t kHdrDispatchFlags = 128;       // uint32 [kMaxRanks], [s] written by rank s
 constexpr int64_t kHdrCombineFlags = kHdrDispatchFlags + 4 * kMaxRanks;  // uint32 [kMaxRanks]

@@ -28,9 +28,6 @@ constexpr int kSumUnroll = 2;
 // sum of a token is a chain of dependent loads otherwise, the latency bound
 // of small calls. Each one holds kSumUnroll vectors in registers.
 constexpr int kPullRowsInFlight = 2;
-// Pull items of one call at most: tasks are claimed through a uint32 counter
-// that every warp overshoots by one claim at the end.
-constexpr int64_t kMaxPullItems = int64_t(1) << 31;
 static_assert(kDestBatch % kPullRowsInFlight == 0, "a batch holds whole groups of rows");
 
 // Element types: bit storage plus the exact conversions (no implicit half
@@ -110,14 +107,12 @@ __device__ void stage_rows(const CombineArgs& a) {
 
 // 4. Pull: out[t] = sum over the route of t of the destination's row [r, slot].
 // Work items are (token, segment) pairs; a warp task is the items of the
-// kWarpSize / lanes groups of one warp. An item's time grows with its
-// token's destination count (1 to top_k rows), so a fixed share of tasks per
-// warp leaves a tail of warps with heavy tokens: each warp takes its first
-// task by index and claims every later one from a counter in the own header
-// (kHdrCombinePullClaims), issuing the claim for its next task before it
-// pulls the current one so that the atomic's latency overlaps the loads.
-// The sums do not depend on which warp pulls an item: the results are the
-// same bits whatever the order of claims.
+// kWarpSize / lanes groups of one warp, and the warps of the grid take the
+// tasks in turn (warp w of CTA b: task b * kWarps + w, then by the grid's
+// warp count). Not claimed from a counter: with one rank's grid of 263 CTAs
+// (one rank per H200) every warp's claim on one word made the pull 1.7x
+// slower (docs/perf.md, seventh session). The sums do not depend on which
+// warp pulls an item.
 template <typename In, typename Out, int kElems>
 __device__ void pull_rows(const CombineArgs& a) {
   using InVec = Packed<typename In::Bits, kElems>;
@@ -210,15 +205,10 @@ __device__ void pull_rows(const CombineArgs& a) {
       dst[v] = y.raw;
     }
   };
-  // Few values live across pull_item (the 64-register cap): the claims
-  // word and the first round's size are recomputed rather than kept.
-  const bool claiming = (int64_t(gridDim.x) * kWarps << task_bits) < items;
-  for (int64_t task = int64_t(blockIdx.x) * kWarps + warp_id(); (task << task_bits) < items;) {
-    uint32_t claimed = 0;
-    if (lane == 0 && claiming) claimed = atomicAdd(header_word<uint32_t>(own, kHdrCombinePullClaims), 1u);
+  for (int64_t task = int64_t(blockIdx.x) * kWarps + warp_id(); (task << task_bits) < items;
+       task += int64_t(gridDim.x) * kWarps) {
     const int64_t item = (task << task_bits) + (lane >> a.pull_lane_bits);
     if (item < items) pull_item(item);
-    task = int64_t(gridDim.x) * kWarps + __shfl_sync(kFullWarp, claimed, 0);
   }
 }
 
@@ -266,9 +256,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   // peer's dispatch step 0 reads this word before it overwrites regions this
   // pull read (arrive_last's fences carry every CTA's loads along). Every
   // CTA read the epochs before it arrived; only the last one writes.
-  // The claims counter is reset here too: every warp has claimed its last task.
   if (arrive_last(header_word<uint32_t>(own, kHdrCombineDoneArrivals), system) && threadIdx.x == 0) {
-    *header_word<uint32_t>(own, kHdrCombinePullClaims) = 0;
     st_release(header_word<uint32_t>(own, kHdrCombineEpoch), epoch, system);
   }
 }
@@ -321,8 +309,6 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
   a.pull_lane_bits = log2_exact(pull_lanes);
   const int64_t per_segment = int64_t(pull_lanes) * kSumUnroll;
   a.pull_segments = static_cast<int>((vectors + per_segment - 1) / per_segment);
-  // Pull tasks (at most one per item) are claimed through a uint32 counter.
-  if (p.local_num_tokens * a.pull_segments > kMaxPullItems) return cudaErrorInvalidValue;
 
   // Pull: a row written per token (and as many read per destination); staging
   // copies about as many rows again.
