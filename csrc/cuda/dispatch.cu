@@ -271,11 +271,14 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   };
 
   // 1a. The first slot per destination: the tokens before the chunk. A small
-  // call counts them here (one round of ids: its chunks are at most a warp's
-  // tokens). A large call's CTA b would need b rounds, and while the other
-  // CTAs copy, each round waits long for its loads: CTA b counts only its own
-  // chunk, publishes the counts, and sums those of the chunks before it
-  // (every CTA publishes before it waits, and all of them are resident).
+  // call's CTA counts them here: its chunks are at most a warp's tokens, so
+  // CTA b reads at most b * 32 tokens' ids, in rounds of kThreads tokens. (The
+  // large path below for such chunks: slower with 263 CTAs, 1.5-3% faster with
+  // 32 CTAs of 16-32 tokens; docs/perf.md, seventh session.) A large call's CTA b
+  // would need b rounds of long chunks, and while the other CTAs copy, each
+  // round waits long for its loads: CTA b counts only its own chunk,
+  // publishes the counts, and sums those of the chunks before it (every CTA
+  // publishes before it waits, and all of them are resident).
   if (kWhole) {
     count_tokens(begin, end, own_token, own_set, chunk_count);
     __syncthreads();
