@@ -573,17 +573,23 @@ class _Ours:
         """Combine with the payload already in the workspace (the same views for every set)."""
         return self.sim.run(self._combine_ws_rank)
 
+    def _round_trip_rank(self, i: int, r: int, ws: bool) -> Tensor:
+        """Rank r's dispatch of set i, then its combine (with the payload in the
+        workspace if ``ws``) into its preallocated output ``rt_out[r]``."""
+        self._dispatch_rank(i, r)
+        return self._combine_ws_rank(r, self.rt_out[r]) if ws else self._combine_rank(i, r, self.rt_out[r])
+
     def round_trip(self, i: int) -> list[Tensor]:
         """Each rank: dispatch, then combine (one step: no join of the ranks in
         between) into the rank's preallocated output (a rank's combine must not
         wait for an allocation while its dispatch waits for a peer that the host
         has not launched yet)."""
-        return self.sim.run(lambda r: (self._dispatch_rank(i, r), self._combine_rank(i, r, self.rt_out[r]))[1])
+        return self.sim.run(lambda r: self._round_trip_rank(i, r, ws=False))
 
     def round_trip_ws(self, i: int) -> list[Tensor]:
         """Each rank: dispatch, then combine with the payload in the workspace (a MoE
         that writes its expert outputs there: the latency path), as round_trip."""
-        return self.sim.run(lambda r: (self._dispatch_rank(i, r), self._combine_ws_rank(r, self.rt_out[r]))[1])
+        return self.sim.run(lambda r: self._round_trip_rank(i, r, ws=True))
 
     def round_trips(self, first: int, steps: int, ws: bool) -> list[Tensor]:
         """Each rank: ``steps`` round trips (round_trip_ws if ``ws``, else round_trip)
@@ -592,9 +598,7 @@ class _Ours:
         last round trip's outputs (``rt_out``)."""
         def rank(r: int) -> Tensor:
             for k in range(steps):
-                i = (first + k) % len(self.sets)
-                self._dispatch_rank(i, r)
-                out = self._combine_ws_rank(r, self.rt_out[r]) if ws else self._combine_rank(i, r, self.rt_out[r])
+                out = self._round_trip_rank((first + k) % len(self.sets), r, ws)
             return out
 
         return self.sim.run(rank)
