@@ -15,8 +15,10 @@
 // the grid; the same order with only its writes or only its reads (which part
 // of the pattern costs); one grid per rank on a stream per rank, as the
 // simulated ranks run, with static chunks or with tasks claimed from a
-// per-rank counter (the best balance a rank's own grid can reach); TMA bulk
-// loads into shared memory and bulk stores from it.
+// per-rank counter (the best balance a rank's own grid can reach), in CTAs of
+// 512 threads two to an SM (the kernels' shape) or of 1024 threads one to an
+// SM (no SM shared by two ranks); TMA bulk loads into shared memory and bulk
+// stores from it.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -147,22 +149,25 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   }
 }
 
-// One rank's grid (rank `rank`'s tokens only). claims == nullptr: CTA c owns
-// chunk c, as the dispatch. Else a warp takes its first task by index and
-// claims each later one from claims[rank], the claim issued before the copy.
-__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+// One rank's grid (rank `rank`'s tokens only) of kRankThreads-thread CTAs,
+// 1024 / kRankThreads of them per SM. claims == nullptr: CTA c owns chunk c,
+// as the dispatch. Else a warp takes its first task by index and claims each
+// later one from claims[rank], the claim issued before the copy.
+template <int kRankThreads>
+__global__ void __launch_bounds__(kRankThreads, 1024 / kRankThreads)
     fanout_rank(const uint8_t* src, uint8_t* dst, const Entry* routes, int rank, unsigned* claims) {
+  constexpr int kRankWarps = kRankThreads / 32;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const long base = long(rank) * kTokens * kSegments;
   if (claims == nullptr) {
     const Chunk c = token_chunk(blockIdx.x, gridDim.x);
-    for (long task = c.begin * kSegments + warp; task < c.stop * kSegments; task += kWarps) {
+    for (long task = c.begin * kSegments + warp; task < c.stop * kSegments; task += kRankWarps) {
       fan_task<Moves::kCopy>(src, dst, routes, base + task, lane);
     }
     return;
   }
-  const long first_round = long(gridDim.x) * kWarps;
-  for (long task = long(blockIdx.x) * kWarps + warp; task < long(kTokens) * kSegments;) {
+  const long first_round = long(gridDim.x) * kRankWarps;
+  for (long task = long(blockIdx.x) * kRankWarps + warp; task < long(kTokens) * kSegments;) {
     unsigned claimed = 0;
     if (lane == 0) claimed = atomicAdd(claims + rank, 1u);
     fan_task<Moves::kCopy>(src, dst, routes, base + task, lane);
@@ -354,8 +359,9 @@ int main() {
              median_ms([&] { fanout_registers<Moves::kReadsOnly><<<grid, kThreads>>>(a, dst, d_routes, true); }) / 1e6);
   {
     // A grid per rank on a stream per rank, as many CTAs as the dispatch's
-    // resident grids get (spinning_grid_size: (sms * 2 - 1) / ranks).
-    const int per_rank = (sms * kCtasPerSm - 1) / kRanks;
+    // resident grids get (spinning_grid_size: (sms * ctas per SM - 1) / ranks):
+    // CTAs of kThreads, kCtasPerSm to an SM (an SM then runs CTAs of two
+    // ranks), or of 1024 threads, one to an SM (an SM runs one rank's warps).
     unsigned* claims = nullptr;
     CHECK(cudaMalloc(&claims, kRanks * sizeof(unsigned)));
     cudaStream_t streams[kRanks];
@@ -365,20 +371,30 @@ int main() {
       CHECK(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
       CHECK(cudaEventCreateWithFlags(&joins[r], cudaEventDisableTiming));
     }
-    const auto per_rank_grids = [&](bool claimed) {
+    const auto per_rank_grids = [&](bool claimed, bool whole_sm) {
       CHECK(cudaMemsetAsync(claims, 0, kRanks * sizeof(unsigned)));
       CHECK(cudaEventRecord(fork));
       for (int r = 0; r < kRanks; ++r) {
         CHECK(cudaStreamWaitEvent(streams[r], fork));
-        fanout_rank<<<per_rank, kThreads, 0, streams[r]>>>(a, dst, d_routes, r, claimed ? claims : nullptr);
+        unsigned* c = claimed ? claims : nullptr;
+        if (whole_sm) {
+          fanout_rank<1024><<<(sms - 1) / kRanks, 1024, 0, streams[r]>>>(a, dst, d_routes, r, c);
+        } else {
+          fanout_rank<kThreads><<<(sms * kCtasPerSm - 1) / kRanks, kThreads, 0, streams[r]>>>(a, dst, d_routes, r, c);
+        }
         CHECK(cudaEventRecord(joins[r], streams[r]));
         CHECK(cudaStreamWaitEvent(0, joins[r]));
       }
     };
-    for (const bool claimed : {false, true}) {
-      report(claimed ? "fan-out, a grid per rank, tasks claimed per rank" : "fan-out, a grid per rank, chunk per CTA",
-             moved / median_ms([&] { per_rank_grids(claimed); }) / 1e6);
-      check("fan-out per rank");
+    for (const bool whole_sm : {false, true}) {
+      for (const bool claimed : {false, true}) {
+        const char* label = whole_sm ? (claimed ? "fan-out, a grid per rank, 1 CTA/SM, claimed per rank"
+                                                : "fan-out, a grid per rank, 1 CTA/SM, chunk per CTA")
+                                     : (claimed ? "fan-out, a grid per rank, tasks claimed per rank"
+                                                : "fan-out, a grid per rank, chunk per CTA");
+        report(label, moved / median_ms([&] { per_rank_grids(claimed, whole_sm); }) / 1e6);
+        check("fan-out per rank");
+      }
     }
     for (int r = 0; r < kRanks; ++r) {
       CHECK(cudaStreamDestroy(streams[r]));
