@@ -661,9 +661,11 @@ std::vector<int64_t> constants_op() {
       kHdrCombineFlags,
       kHdrRecvCounts,
       kMaxDispatchCtas,
-      kHdrDispatchClaims,
       kHdrDispatchCounts,
       kHdrDispatchRouted,
+      kClaimCounters,
+      kClaimStride,
+      kHdrDispatchClaims,
       kHeaderBytes,
   };
 }

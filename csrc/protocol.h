@@ -173,10 +173,6 @@ constexpr int64_t kHdrDispatchArrivals = 68;     // uint32
 constexpr int64_t kHdrCombineArrivals = 72;      // uint32: CTAs done staging
 constexpr int64_t kHdrCombineDoneArrivals = 76;  // uint32: CTAs done pulling
 constexpr int64_t kHdrLastDispatchEnd = 80;      // int64, own: CallLayout::dispatch_end of the last dispatch
-// CUDA scratch, own, zero between calls: copy tasks of the running large
-// dispatch claimed beyond each warp's first (the CTA that arrives last resets
-// it; see csrc/cuda/dispatch.cu, step 3).
-constexpr int64_t kHdrDispatchClaims = 92;       // uint32
 constexpr int64_t kHdrDispatchFlags = 128;       // uint32 [kMaxRanks], [s] written by rank s
 constexpr int64_t kHdrCombineFlags = kHdrDispatchFlags + 4 * kMaxRanks;  // uint32 [kMaxRanks]
 constexpr int64_t kHdrRecvCounts = kHdrCombineFlags + 4 * kMaxRanks;     // int32 [kMaxRanks]
@@ -191,7 +187,14 @@ constexpr int64_t kHdrRecvCounts = kHdrCombineFlags + 4 * kMaxRanks;     // int3
 constexpr int kMaxDispatchCtas = 1024;
 constexpr int64_t kHdrDispatchCounts = kHdrRecvCounts + 4 * kMaxRanks;  // uint64 [kMaxDispatchCtas * kMaxRanks]
 constexpr int64_t kHdrDispatchRouted = kHdrDispatchCounts + 8 * kMaxDispatchCtas * kMaxRanks;  // uint32 [kMaxDispatchCtas]
-constexpr int64_t kHeaderBytes = kHdrDispatchRouted + 4 * kMaxDispatchCtas;  // 529280
+// CUDA scratch, own, zero between calls: copy tasks of the running large
+// dispatch claimed beyond each warp's first, from kClaimCounters counters
+// (the launch picks how many are used; see csrc/cuda/dispatch.cu, step 3),
+// each in its own 128-byte line. The CTA that arrives last resets them.
+constexpr int kClaimCounters = 16;
+constexpr int64_t kClaimStride = 128;
+constexpr int64_t kHdrDispatchClaims = kHdrDispatchRouted + 4 * kMaxDispatchCtas;  // uint32 at c * kClaimStride
+constexpr int64_t kHeaderBytes = kHdrDispatchClaims + kClaimStride * kClaimCounters;  // 531328
 static_assert(kHdrDispatchCounts % 8 == 0 && kHeaderBytes % kAlign == 0, "header words aligned, regions too");
 
 MOE_A2A_HD constexpr int64_t align_up(int64_t x, int64_t a = kAlign) { return (x + a - 1) / a * a; }

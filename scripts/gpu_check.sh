@@ -48,7 +48,7 @@ if has sanitizer; then
   # compute-sanitizer (memcheck, racecheck) on two simulated round trips: a
   # small one (dispatch chunks of at most 32 tokens) and one whose chunks are
   # longer, the large calls' path (dispatch.cu kWhole: counts and routes
-  # published between CTAs, copy tasks claimed from one counter).
+  # published between CTAs, copy tasks claimed from counters).
   san() {
     { timeout 240 compute-sanitizer --tool "$1" --error-exitcode 99 \
         "$PY" -m torch_moe_a2a demo --device cuda --ep 2 --tokens 16 --hidden 256 &&

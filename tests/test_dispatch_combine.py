@@ -12,6 +12,7 @@ from torch_moe_a2a import layout
 from conftest import (
     Case,
     PayloadSpec,
+    claim_counters,
     header_i32,
     make_generator,
     make_inputs,
@@ -237,15 +238,20 @@ def test_pull_tasks_past_the_first_round(payload_in_workspace, device):
 # The CUDA dispatch of a large call (chunks of more than 32 tokens, dispatch.cu
 # kWhole) takes each CTA's first slots from the counts that the CTAs publish of
 # their own chunks (step 1a), waits until every chunk is routed, and lets
-# every warp of the grid claim copy tasks of any chunk from one counter
-# (step 3). The second half of every rank's tokens has no destination here
-# (ids -1), so the tasks of those chunks end at once and their warps go on
-# with the first half. 2 KiB hidden rows are one copy task a token, and the
-# residency cap of the grid gives chunks of more than 32 tokens (4000 tokens
-# on 65 CTAs a rank at ep 4 on an H200). Three round trips in a row: a counter
-# left over would skip tasks of the next dispatch, whose poisoned receive rows
-# then fail the comparison, and wrong counts would put rows in wrong slots.
-WHOLE_RANK = Case(4, (4000, 3000, 3900, 2500), 8, 16, hidden=1024)
+# the warps of the grid claim copy tasks of any chunk (step 3), from one
+# counter or from several for large grids. The second half of every rank's
+# tokens has no destination here (ids -1), so the tasks of those chunks end at
+# once and their warps go on with the first half. 2 KiB hidden rows are one
+# copy task a token, and the residency cap of the grid gives chunks of more
+# than 32 tokens. On an H200: 4000 tokens on 65 CTAs a rank at ep 4 (1040
+# warps: four counters), 1100-1500 tokens on 32 CTAs at ep 8 (512 warps: one
+# counter). Three round trips in a row: a counter left over would skip tasks
+# of the next dispatch, whose poisoned receive rows then fail the comparison,
+# and wrong counts would put rows in wrong slots.
+WHOLE_RANK = {
+    "ep4": Case(4, (4000, 3000, 3900, 2500), 8, 16, hidden=1024),
+    "ep8": Case(8, (1500, 1100, 1400, 1200, 1300, 1050, 1450, 1150), 8, 32, hidden=1024),
+}
 
 
 def _chunk_counts(ids: torch.Tensor, chunks: int, case: Case) -> torch.Tensor:
@@ -264,20 +270,23 @@ def _chunk_counts(ids: torch.Tensor, chunks: int, case: Case) -> torch.Tensor:
     return counts
 
 
-def test_large_dispatch_shares_counts_and_tasks(device):
-    gen = make_generator(WHOLE_RANK)
-    sim = make_sim(WHOLE_RANK, device)
-    ep = WHOLE_RANK.ep_size
+@pytest.mark.parametrize("name", list(WHOLE_RANK))
+def test_large_dispatch_shares_counts_and_tasks(name, device):
+    case = WHOLE_RANK[name]
+    gen = make_generator(case)
+    sim = make_sim(case, device)
+    ep = case.ep_size
     routed_words = slice(layout.HDR_DISPATCH_ROUTED, layout.HDR_DISPATCH_ROUTED + 4 * layout.MAX_DISPATCH_CTAS)
     count_words = slice(layout.HDR_DISPATCH_COUNTS, layout.HDR_DISPATCH_ROUTED)
     for call in range(1, 4):
-        inputs = make_inputs(WHOLE_RANK, gen)
+        inputs = make_inputs(case, gen)
         for ids, payloads in zip(inputs.ids, inputs.payloads):
             ids[ids.shape[0] // 2 :] = -1
             payloads[1][ids.shape[0] // 2 :] = -1
-        round_trip(sim, WHOLE_RANK, inputs, gen)
+        round_trip(sim, case, inputs, gen)
         for r in range(ep):
-            assert header_i32(sim.workspace, r, layout.HDR_DISPATCH_CLAIMS) == 0, f"rank {r}: claims left over"
+            claims = claim_counters(sim.workspace, r, layout.HDR_DISPATCH_CLAIMS)
+            assert claims == [0] * layout.CLAIM_COUNTERS, f"rank {r}: claims left over"
             routed = sim.workspace[r, routed_words].cpu().view(torch.int32)
             # On CUDA every CTA published its routes (the path ran); the CPU never writes these words.
             published = int((routed == call).sum())
@@ -289,5 +298,5 @@ def test_large_dispatch_shares_counts_and_tasks(device):
             if published:
                 counted = counted[: published * ep].view(published, ep)
                 assert bool(((counted >> 32) == call).all()), f"rank {r}: a count word of another call"
-                expected = _chunk_counts(inputs.ids[r], published, WHOLE_RANK)
+                expected = _chunk_counts(inputs.ids[r], published, case)
                 assert torch.equal(counted & 0xFFFFFFFF, expected), f"rank {r}: chunk counts"

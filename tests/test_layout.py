@@ -128,7 +128,12 @@ def test_every_header_offset_is_mirrored():
     the rank header (also the ones constants() does not emit) has a twin of the
     same value in layout.py."""
     text = (pathlib.Path(__file__).parents[1] / "csrc" / "protocol.h").read_text()
-    values = {"kMaxRanks": layout.MAX_RANKS, "kMaxDispatchCtas": layout.MAX_DISPATCH_CTAS}
+    values = {
+        "kMaxRanks": layout.MAX_RANKS,
+        "kMaxDispatchCtas": layout.MAX_DISPATCH_CTAS,
+        "kClaimCounters": layout.CLAIM_COUNTERS,
+        "kClaimStride": layout.CLAIM_STRIDE,
+    }
     missing, wrong = [], []
     for name, expr in re.findall(r"constexpr\s+int64_t\s+(kHdr\w+)\s*=\s*([^;]+);", text):
         value = eval(re.sub(r"\bk\w+", lambda m: str(values[m.group(0)]), expr), {})  # + and * of literals

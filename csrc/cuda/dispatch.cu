@@ -15,9 +15,10 @@
 //     destinations (a segment of a row is loaded once, then stored to every
 //     destination). In a large call (kWhole) every CTA waits until all
 //     chunks are routed, then the copy tasks of all of the rank's tokens
-//     are claimed from one counter, in token order: chunks of equal token
-//     counts do not get equal shares of the memory system, and the rank's
-//     concurrent writes stay near each other in every destination plane.
+//     are claimed in token order (from one counter, or from a few where a
+//     large grid would queue on one word): chunks of equal token counts do
+//     not get equal shares of the memory system, and the rank's concurrent
+//     writes stay near each other in every destination plane.
 //   * The last CTA of the grid (arrival counter in the own header) holds the
 //     per-destination totals only if it owns the last chunk, so the CTA that
 //     owns the last chunk writes the receive counts before it arrives. The
@@ -45,19 +46,30 @@ __device__ __noinline__ int expert_to_rank_slow(int64_t expert, int64_t num_expe
 // Expert ids of a token loaded together (top_k <= 8, the common case, is one batch).
 constexpr int kIdsPerBatch = 8;
 
-// Copy items (token, segment) of one payload that one copy loop covers at
-// most (a chunk, or with kWhole all of the rank's tokens): the loop's indices
-// are 32-bit (fewer registers under the 64-register cap), and with kWhole the
-// tasks (at most the items) are claimed through a uint32 counter that every
-// warp overshoots once. A call beyond it would hold terabytes.
-constexpr int64_t kMaxLoopItems = (int64_t(1) << 31) - 1;
-static_assert(kMaxLoopItems + int64_t(kMaxDispatchCtas) * kWarps <= (int64_t(1) << 32),
-              "the claims fit the uint32 counter");
+// Copy items (token, segment) of all payloads that one copy loop covers at
+// most (a chunk, or with kWhole all of the rank's tokens): the loop's task
+// indices are 32-bit ints (fewer registers under the 64-register cap), and
+// with kWhole a claimed task is grid * kWarps + counter + claim * counters,
+// where every warp overshoots its counter once. A call beyond it would hold
+// terabytes.
+constexpr int64_t kMaxLoopItems = int64_t(1) << 30;
+static_assert(kMaxLoopItems + 2 * int64_t(kMaxDispatchCtas) * kWarps <= int64_t(INT32_MAX),
+              "claimed task indices fit an int");
+
+// Warps of a large call's grid that claim copy tasks from one counter at
+// most. One counter keeps the tasks in flight a narrow window of tokens (ep 8
+// on an H200: 512 warps a rank, 843 us against 853 with 16 counters at 4096
+// tokens), but every claim of a grid is an atomic on that one word: with the
+// 4208 warps of one rank's grid at ep 1 the claims took 224 us against 131
+// with 16 counters (16384 tokens; docs/perf.md, eighth session).
+constexpr int64_t kWarpsPerClaimCounter = 512;
+static_assert(kWarps % kClaimCounters == 0, "counter c serves the warps w = c mod counters of every CTA");
 
 struct DispatchArgs {
   DispatchParams p;
   SyncSettings sync_settings;
   int64_t tokens_per_cta;
+  int claim_bits;  // kWhole: log2 of the claim counters used
   CopyPlan plan[kMaxPayloads];
 
   // Warp tasks of payload i for `count` tokens (step 3): a task is
@@ -69,6 +81,10 @@ struct DispatchArgs {
 };
 
 // Scratch words of the large calls in the own header (protocol.h).
+__device__ __forceinline__ uint32_t* claim_word(uint8_t* own, int c) {
+  return header_word<uint32_t>(own, kHdrDispatchClaims + kClaimStride * c);
+}
+
 __device__ __forceinline__ uint32_t* routed_word(uint8_t* own, int c) {
   return header_word<uint32_t>(own, kHdrDispatchRouted + int64_t(sizeof(uint32_t)) * c);
 }
@@ -376,8 +392,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   // A small call's CTA copies its own chunk: each warp takes its first task
   // by index and its later ones by stride. With kWhole the tokens are all of
   // the rank's: each warp of the grid takes its first task by index and
-  // claims later ones from the rank's counter (kHdrDispatchClaims, the claim
-  // for the next task issued before the current copy), once every chunk's
+  // claims later ones from one of the rank's counters (kHdrDispatchClaims, the
+  // claim for the next task issued before the current copy), once every chunk's
   // route entries are visible: thread c acquires CTA c's routed word, and
   // the barrier hands what it saw to the CTA. The rows land where the routes
   // say whoever copies them: the result is the same bytes whatever the order
@@ -391,6 +407,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   const int64_t first_token = kWhole ? 0 : begin;
   const int count = int(kWhole ? n : end - begin);
   int task = kWhole ? int(blockIdx.x) * kWarps + warp : warp;
+  // kWhole: the tasks after the first round, grid * kWarps + i, go in turn to
+  // the claims of counter i mod counters; warp w claims from counter w mod
+  // counters (counters divide kWarps, so its first task is of that residue too).
+  const int counter = warp & ((1 << a.claim_bits) - 1);
   {
     int i = 0;
     int first_task = 0;  // of payload i
@@ -403,7 +423,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
       }
       if (i == p.num_payloads) break;
       uint32_t claimed = 0;
-      if (kWhole && lane == 0) claimed = atomicAdd(header_word<uint32_t>(own, kHdrDispatchClaims), 1u);
+      if (kWhole && lane == 0) claimed = atomicAdd(claim_word(own, counter), 1u);
       const CopyPlan& plan = a.plan[i];
       const int item = ((task - first_task) << (kLog2WarpSize - plan.lane_bits)) + (lane >> plan.lane_bits);
       if (item < count * plan.segments) {  // else past the end of payload i's last task
@@ -420,7 +440,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
               return ws.row(route_rank(entry)) + plane_offset + (source_row + route_slot(entry)) * row_bytes;
             });
       }
-      task = kWhole ? int(gridDim.x) * kWarps + int(__shfl_sync(kFullWarp, claimed, 0)) : task + kWarps;
+      task = kWhole ? int(gridDim.x) * kWarps + counter + (int(__shfl_sync(kFullWarp, claimed, 0)) << a.claim_bits)
+                   : task + kWarps;
     }
   }
 
@@ -441,8 +462,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   // the chain), then waits for the peers and advances the epoch.
   const bool system = a.sync_settings.system;
   if (!arrive_last(header_word<uint32_t>(own, kHdrDispatchArrivals), system)) return;
+  if (kWhole && threadIdx.x < kClaimCounters) *claim_word(own, threadIdx.x) = 0;  // every warp claimed its last task
   if (threadIdx.x == 0) {
-    if (kWhole) *header_word<uint32_t>(own, kHdrDispatchClaims) = 0;  // every warp has claimed its last task
     *header_word<int32_t>(own, kHdrLastLocalTokens) = static_cast<int32_t>(n);
     *header_word<int32_t>(own, kHdrLastRuntimeMax) = static_cast<int32_t>(p.runtime_max_tokens);
     *header_word<int32_t>(own, kHdrLastTopK) = static_cast<int32_t>(p.top_k);
@@ -484,16 +505,18 @@ cudaError_t launch_dispatch(const DispatchParams& p, const LaunchConfig& config,
     a.plan[i] = make_copy_plan(p.payload_row_bytes[i],
                                rows_bits | uint64_t(p.layout.payload_offset[i]) | address_bits(p.payload[i]));
   }
-  bool whole_fits = true;
-  for (int i = 0; i < p.num_payloads; ++i) {
-    if (a.tokens_per_cta * a.plan[i].segments > kMaxLoopItems) return cudaErrorInvalidValue;
-    whole_fits = whole_fits && p.local_num_tokens * a.plan[i].segments <= kMaxLoopItems;
-  }
+  int64_t token_segments = 0;  // copy items of a token, all payloads
+  for (int i = 0; i < p.num_payloads; ++i) token_segments += a.plan[i].segments;
+  if (a.tokens_per_cta * token_segments > kMaxLoopItems) return cudaErrorInvalidValue;
+  const bool whole_fits = p.local_num_tokens * token_segments <= kMaxLoopItems;
   // The large calls' path (kWhole) pays where chunks are long. A small
   // call's chunks of at most a warp's tokens are counted in one round and end
   // their copies within microseconds of each other; the grid-wide waits would
   // only add their latency.
   const bool whole = grid > 1 && a.tokens_per_cta > kWarpSize && whole_fits;
+  while ((1 << a.claim_bits) < kClaimCounters && (kWarpsPerClaimCounter << a.claim_bits) < int64_t(grid) * kWarps) {
+    ++a.claim_bits;
+  }
   const bool pdl = p.sync.enable_pdl && config.pdl_supported;
   return whole ? launch_kernel(dispatch_kernel<true>, grid, kThreads, stream, pdl, a)
                : launch_kernel(dispatch_kernel<false>, grid, kThreads, stream, pdl, a);
