@@ -403,9 +403,10 @@ def header_i32(workspace: torch.Tensor, rank: int, offset: int) -> int:
     return int(workspace[rank, offset : offset + 4].cpu().view(torch.int32)[0])
 
 
-def claim_counters(workspace: torch.Tensor, rank: int, offset: int) -> list[int]:
-    """The CLAIM_COUNTERS uint32 task counters at byte ``offset`` of rank ``rank``'s header."""
-    return [header_i32(workspace, rank, offset + layout.CLAIM_STRIDE * w) for w in range(layout.CLAIM_COUNTERS)]
+def dispatch_claims(workspace: torch.Tensor, rank: int) -> list[int]:
+    """The CLAIM_COUNTERS uint32 copy-task counters of a large dispatch in rank ``rank``'s header."""
+    return [header_i32(workspace, rank, layout.HDR_DISPATCH_CLAIMS + layout.CLAIM_STRIDE * c)
+            for c in range(layout.CLAIM_COUNTERS)]
 
 
 def header_i64(workspace: torch.Tensor, rank: int, offset: int) -> int:

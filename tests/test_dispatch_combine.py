@@ -12,7 +12,7 @@ from torch_moe_a2a import layout
 from conftest import (
     Case,
     PayloadSpec,
-    claim_counters,
+    dispatch_claims,
     header_i32,
     make_generator,
     make_inputs,
@@ -285,7 +285,7 @@ def test_large_dispatch_shares_counts_and_tasks(name, device):
             payloads[1][ids.shape[0] // 2 :] = -1
         round_trip(sim, case, inputs, gen)
         for r in range(ep):
-            claims = claim_counters(sim.workspace, r, layout.HDR_DISPATCH_CLAIMS)
+            claims = dispatch_claims(sim.workspace, r)
             assert claims == [0] * layout.CLAIM_COUNTERS, f"rank {r}: claims left over"
             routed = sim.workspace[r, routed_words].cpu().view(torch.int32)
             # On CUDA every CTA published its routes (the path ran); the CPU never writes these words.
