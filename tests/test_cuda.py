@@ -480,9 +480,9 @@ GRAPH_REPLAYS = 100
 
 
 def test_cuda_graph_replays_round_trip_of_all_ranks():
-    """dispatch -> toy MoE -> combine of all 4 simulated ranks (rank streams forked from
-    and joined into the capture stream) captured once, then replayed GRAPH_REPLAYS times
-    with fresh random inputs copied into the static input buffers; every replay's receive
+    """dispatch -> toy MoE -> combine of all 4 simulated ranks, each rank's step captured
+    once into its own graph (SimulatedEP.capture), then replayed GRAPH_REPLAYS times with
+    fresh random inputs copied into the static input buffers; every replay's receive
     counts, valid receive rows and combine outputs are checked against the reference."""
     case = GRAPH_CASE
     ep, T, tokens, specs = case.ep_size, case.T, case.tokens, case.payload_specs()
@@ -536,12 +536,20 @@ def test_cuda_graph_replays_round_trip_of_all_ranks():
             check(*step(), f"eager warm-up {i}")
     torch.cuda.current_stream().wait_stream(side)
 
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        recv, expert_out = step()
+    def rank_step(r):
+        """Rank r's whole step on its stream, as a rank of a deployment captures it."""
+        recv, offset, _ = sim.dispatch_rank(r, static_ids[r], static_payloads[r], T, case.top_k, case.num_experts)
+        expert_out = reference.toy_moe(*recv[:3], sim.recv_counts(r), ep_rank=r, ep_size=ep,
+                                       num_experts=case.num_experts)
+        sim.combine_rank(r, expert_out, tokens[r], T, case.top_k, offset, output=static_outputs[r])
+        return recv, expert_out
+
+    graphs, captured = sim.capture(rank_step)
+    assert len(graphs.graphs) == ep
+    recv, expert_out = [c[0] for c in captured], [c[1] for c in captured]
     for i in range(GRAPH_REPLAYS):
         fill_inputs()
-        graph.replay()
+        graphs.replay()
         check(recv, expert_out, f"replay {i}")
     torch.cuda.synchronize()
     a2a.check_errors(sim.workspace)

@@ -16,10 +16,12 @@ from conftest import (
     PayloadSpec,
     assert_bytes_equal,
     assert_ws_unchanged,
+    check_dispatch,
     make_generator,
     make_inputs,
     make_sim,
     poison_call_regions,
+    random_tensor,
     round_trip,
     ws_snapshot,
 )
@@ -303,6 +305,42 @@ def test_timeout_s_of_simulated_ep(device):
     assert 0.9 <= time.monotonic() - start <= 2.5
     with pytest.raises(RuntimeError, match=_timeout_message(0, [1], r"1(\.0)? s")):
         a2a.check_errors(sim.workspace)
+
+
+def test_rank_calls_of_simulated_ep(device):
+    """A round trip through the per-rank calls that SimulatedEP.capture takes
+    (dispatch_rank, toy MoE, combine_rank, each rank's step under run()) against the
+    reference: receive counts, valid receive rows and outputs, bitwise, with the call
+    regions and the outputs poisoned first. On the CPU, capture() refuses clearly."""
+    from torch_moe_a2a import reference
+
+    case = Case(3, (5, 0, 7), 2, 6, hidden=32, runtime_max=7)
+    ep, T, tokens = case.ep_size, case.T, list(case.tokens)
+    sim = make_sim(case, device)
+    gen = make_generator("rank calls")
+    x = make_inputs(case, gen)
+    dev = x.to(device)
+    poison_call_regions(sim.workspace, gen)
+    outs = [random_tensor((n, case.hidden), case.hidden_dtype, gen).to(device) for n in tokens]
+
+    def rank_step(r):
+        recv, offset, _ = sim.dispatch_rank(r, dev.ids[r], dev.payloads[r], T, case.top_k, case.num_experts)
+        counts = sim.recv_counts(r)
+        moe = reference.toy_moe(*recv[:3], counts, ep_rank=r, ep_size=ep, num_experts=case.num_experts)
+        sim.combine_rank(r, moe, tokens[r], T, case.top_k, offset, output=outs[r])
+        return [v.clone() for v in recv], counts.clone(), moe
+
+    results = sim.run(rank_step)
+    ref = reference.reference_dispatch(x.ids, x.payloads, ep_size=ep, num_experts=case.num_experts,
+                                       runtime_max_tokens_per_rank=T)
+    check_dispatch([res[0] for res in results], [res[1] for res in results], ref, case.payload_specs(), T,
+                   range(ep))
+    expected = reference.reference_combine([res[2].cpu() for res in results], ref, tokens)
+    for r in range(ep):
+        assert_bytes_equal(outs[r].cpu(), expected[r], f"rank {r} combine output")
+    if device == "cpu":
+        with pytest.raises(RuntimeError, match="CUDA graphs need simulated ranks on a CUDA device"):
+            sim.capture(lambda r: None)
 
 
 # ---- free-running ranks: no barrier between rounds ---------------------------------------------------

@@ -24,7 +24,7 @@ from .api import (
     moe_a2a_wrap_payload_tensor_in_workspace,
 )
 from .layout import MOE_A2A_RANK_MASK_WORDS
-from .simulate import SimulatedEP
+from .simulate import RankGraphs, SimulatedEP
 from .workspace import allocate_workspace, cuda_workspace_granularity
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "Mapping",
     "MoeAlltoAll",
     "SfLayout",
+    "RankGraphs",
     "SimulatedEP",
     "allocate_workspace",
     "check_errors",

@@ -9,6 +9,14 @@ dispatch or combine waits for its peers:
 - CUDA: a stream per rank. The host calls every rank's work in rank order,
   each inside its own stream; the kernels of different streams then run
   concurrently on the device and wait for each other there.
+
+CUDA graphs of simulated ranks: one graph per rank (:meth:`SimulatedEP.capture`),
+each captured on and replayed on its rank's stream, as a rank of a real
+deployment captures its own. Not one graph with a branch per rank: CUDA does
+not promise that the branches of one graph run concurrently, and a rank's
+kernel that waits for a peer's deadlocks (until the timeout) where the driver
+runs the peer's branch after it. Seen on an H200 after a process had captured
+and freed the graphs of eight other shapes (docs/perf.md, ninth session).
 """
 
 from __future__ import annotations
@@ -123,10 +131,92 @@ class SimulatedEP:
             raise errors[0]
         return results
 
+    def capture(self, fn: Callable[[int], T]) -> tuple["RankGraphs", list[T]]:
+        """CUDA only: capture ``fn(rank)`` into one CUDA graph per rank and return
+        the graphs and ``fn``'s results in rank order.
+
+        ``fn(rank)`` is called on the host in rank order inside
+        ``torch.cuda.graph(..., stream=self.streams[rank])``: it must enqueue
+        all of rank ``rank``'s work of a step (say its dispatch, its experts,
+        its combine with a preallocated ``output``) on the current stream;
+        nothing runs until :meth:`RankGraphs.replay`. Tensors that ``fn``
+        allocates belong to the rank's graph pool and are rewritten by every
+        replay. An exception raised by ``fn`` ends the capture and propagates
+        (capturing launches nothing, so no peer is left waiting).
+        """
+        if self.streams is None:
+            raise RuntimeError("SimulatedEP.capture: CUDA graphs need simulated ranks on a CUDA device")
+        graphs: list[torch.cuda.CUDAGraph] = []
+        results: list[T] = []
+        for rank, stream in enumerate(self.streams):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                results.append(fn(rank))
+            graphs.append(graph)
+        return RankGraphs(self, graphs), results
+
     def _rank_kwargs(self, kwargs: dict, rank: int) -> dict:
         return {
             k: (v[rank] if k in _PER_RANK_KWARGS and isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()
         }
+
+    def dispatch_rank(
+        self,
+        rank: int,
+        token_selected_experts: torch.Tensor,
+        input_payloads: list[torch.Tensor],
+        runtime_max_tokens_per_rank: int,
+        top_k: int,
+        num_experts: int,
+        **kwargs: Any,
+    ) -> tuple[list[torch.Tensor], int, Optional[torch.Tensor]]:
+        """Rank ``rank``'s ``moe_a2a_dispatch`` on the current stream (a
+        function of :meth:`run` or :meth:`capture` calls it on the rank's
+        stream), with this object's workspace, metainfo and timeout; returns
+        ``(output_payloads, combine_payload_offset, eplb_gathered_stats)``.
+        ``kwargs`` go to ``moe_a2a_dispatch``."""
+        return _dispatch(
+            token_selected_experts,
+            input_payloads,
+            self.workspace,
+            self.metainfo[rank],
+            runtime_max_tokens_per_rank,
+            rank,
+            self.ep_size,
+            top_k,
+            num_experts,
+            timeout_s=self.timeout_s,
+            **kwargs,
+        )
+
+    def combine_rank(
+        self,
+        rank: int,
+        payload: torch.Tensor,
+        local_num_tokens: int,
+        runtime_max_tokens_per_rank: int,
+        top_k: int,
+        combine_payload_offset: int,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Rank ``rank``'s ``moe_a2a_combine`` on the current stream, as
+        :meth:`dispatch_rank`; ``kwargs`` go to ``moe_a2a_combine``. Under
+        :meth:`run` on CUDA pass ``output``: an allocation between two ranks'
+        launches may wait for a spinning peer (:meth:`combine` allocates every
+        rank's output first)."""
+        return _combine(
+            payload,
+            local_num_tokens,
+            self.workspace,
+            self.metainfo[rank],
+            runtime_max_tokens_per_rank,
+            rank,
+            self.ep_size,
+            top_k,
+            combine_payload_offset,
+            timeout_s=self.timeout_s,
+            **kwargs,
+        )
 
     def dispatch(
         self,
@@ -146,23 +236,17 @@ class SimulatedEP:
         ``eplb_local_stats``, ``active_rank_mask`` and ``enable_pdl`` may be
         lists indexed by rank.
         """
-
-        def step(rank: int):
-            return _dispatch(
+        return self.run(
+            lambda rank: self.dispatch_rank(
+                rank,
                 token_selected_experts[rank],
                 input_payloads[rank],
-                self.workspace,
-                self.metainfo[rank],
                 runtime_max_tokens_per_rank,
-                rank,
-                self.ep_size,
                 top_k,
                 num_experts,
-                timeout_s=self.timeout_s,
                 **self._rank_kwargs(kwargs, rank),
             )
-
-        return self.run(step)
+        )
 
     def combine(
         self,
@@ -196,23 +280,34 @@ class SimulatedEP:
                 for n, p in zip(local_num_tokens, payloads)
             ]
 
-        def step(rank: int) -> torch.Tensor:
-            return _combine(
+        return self.run(
+            lambda rank: self.combine_rank(
+                rank,
                 payloads[rank],
                 local_num_tokens[rank],
-                self.workspace,
-                self.metainfo[rank],
                 runtime_max_tokens_per_rank,
-                rank,
-                self.ep_size,
                 top_k,
                 combine_payload_offsets[rank],
-                timeout_s=self.timeout_s,
                 **self._rank_kwargs(kwargs, rank),
             )
-
-        return self.run(step)
+        )
 
     def recv_counts(self, rank: int) -> torch.Tensor:
         """int32 ``[ep_size]`` view of rank ``rank``'s receive counts (``moe_a2a_get_recv_counts``)."""
         return moe_a2a_get_recv_counts(self.workspace, self.metainfo[rank], rank)
+
+
+class RankGraphs:
+    """One CUDA graph per simulated rank, from :meth:`SimulatedEP.capture`.
+
+    ``graphs[r]`` is rank ``r``'s graph. :meth:`replay` launches each on its
+    rank's stream, forked from and joined into the current stream as
+    :meth:`SimulatedEP.run` does, so a replay is ordered like ordinary work.
+    """
+
+    def __init__(self, sim: SimulatedEP, graphs: list["torch.cuda.CUDAGraph"]):
+        self._sim = sim
+        self.graphs = graphs
+
+    def replay(self) -> None:
+        self._sim.run(lambda rank: self.graphs[rank].replay())
