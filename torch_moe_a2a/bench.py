@@ -27,13 +27,16 @@ What is measured, for every point (model preset, ep, tokens per rank):
 - eager: the ops called from Python step after step, as an eager model
   loop issues them (host launch overhead included where the host is slower
   than the device). graph (CUDA only): one step per op kind and input set
-  captured in one ``torch.cuda.CUDAGraph`` and replayed; the device is given
-  a head start (a spin kernel) so that the timings are device time. A replay
-  carries the graph's launch and the simulation's fork into and join out of
-  the rank streams (about 5 us on the H200 at ep 8), which a rank of a real
-  deployment does not pay per op. graph per step (round trips, CUDA only):
-  STEPS_PER_GRAPH round trips in a row on every rank's stream, on
-  consecutive input sets, captured in one graph; its replay time /
+  captured as one CUDA graph per rank (:meth:`SimulatedEP.capture`, as each
+  rank of a deployment captures its own) and replayed on the rank streams,
+  forked from and joined into the current stream; the baseline's step as
+  one graph over all ranks (they never wait for each other). The device is
+  given a head start (a spin kernel) so that the timings are device time. A
+  replay carries the graph launches and the simulation's fork into and join
+  out of the rank streams (about 14 us on the H200 at ep 8), which a rank of
+  a real deployment does not pay per op. graph per step (round trips, CUDA
+  only): STEPS_PER_GRAPH round trips in a row on every rank's stream, on
+  consecutive input sets, captured the same way; its replay time /
   STEPS_PER_GRAPH is the round trip of a rank whose stream runs layer after
   layer inside one graph, as a deployment's captured forward pass does.
 - bytes (section 8): dispatch reads each token's payload row once and writes
@@ -80,7 +83,7 @@ from torch import Tensor
 from . import layout
 from .api import check_errors, moe_a2a_combine, moe_a2a_dispatch, moe_a2a_wrap_payload_tensor_in_workspace
 from .reference import random_routing, reference_combine, reference_dispatch
-from .simulate import SimulatedEP
+from .simulate import RankGraphs, SimulatedEP
 
 # ---------------------------------------------------------------------------
 # configuration
@@ -123,8 +126,12 @@ GIB = 1 << 30
 MIB = 1 << 20
 
 OPS = ("dispatch", "combine", "combine-ws", "round-trip", "round-trip-ws")
-# Round trips per rank stream in the graph of the per-step timing (module docstring).
-STEPS_PER_GRAPH = 8
+# Round trips per rank stream in the graph of the per-step timing (module
+# docstring): a captured forward pass of the presets' models holds 32 to 94 MoE
+# layers (Mixtral 32, GPT-OSS-120B 36, DeepSeek-V3 58, Qwen3-235B 94), and the
+# simulation's launch of a graph per rank, fork and join (about 14 us at ep 8
+# on the H200) add under half a microsecond to each of 32 steps.
+STEPS_PER_GRAPH = 32
 # The baseline has one combine; both of our combine variants are compared with it.
 BASELINE_OF = {"dispatch": "dispatch", "combine": "combine", "combine-ws": "combine", "round-trip": "round-trip",
                "round-trip-ws": "round-trip"}
@@ -164,9 +171,11 @@ TARGET_ROUND_TRIP_US = {128: 60.0, 1: 15.0}
 TARGET_HOST_US = 20.0
 
 # Graph timing: spin the device before the timed replays so the host can queue
-# them ahead of it; HOST_ENQUEUE_S per iteration is far more than a replay and
-# two event records take on the host.
+# them ahead of it, for HEAD_START_MARGIN times the host time per iteration of
+# the warm-up (a replay of our ops launches one graph per rank), at least
+# HOST_ENQUEUE_S per iteration.
 HOST_ENQUEUE_S = 50e-6
+HEAD_START_MARGIN = 2.0
 MAX_HEAD_START_S = 0.5
 SLEEP_CALIBRATION_CYCLES = 10**7
 
@@ -336,12 +345,16 @@ def _measure(
 
     Iteration ``it`` uses input set ``i = it % n_sets`` and runs ``before(i)``,
     ``timed(i)`` between two marks, ``after(i)``. No host sync until the end.
+    ``head_start``: the device spins before the timed iterations while the
+    host queues them (module constants).
     """
     marks = []
+    warmup_start = time.perf_counter()
     for it in range(warmup + iters):
         i = it % n_sets
         if it == warmup and head_start:
-            clock.head_start(min(MAX_HEAD_START_S, iters * HOST_ENQUEUE_S))
+            host_per_iter = (time.perf_counter() - warmup_start) / warmup if warmup else 0.0
+            clock.head_start(min(MAX_HEAD_START_S, iters * max(HOST_ENQUEUE_S, HEAD_START_MARGIN * host_per_iter)))
         if before is not None:
             before(i)
         start = clock.mark() if it >= warmup else None
@@ -373,7 +386,8 @@ _graph_roots: dict[torch.device, Tensor] = {}
 
 
 def _capture(step: Callable[[], Any]) -> tuple["torch.cuda.CUDAGraph", Any]:
-    """One CUDA graph of ``step()`` and what ``step()`` returned (tensors the replays rewrite).
+    """One CUDA graph of ``step()`` and what ``step()`` returned (tensors the replays rewrite):
+    the baseline's graphs, whose ranks never wait for each other (ours: _Ours.capture).
 
     The rank streams fork from and join into the capture stream (SimulatedEP.run).
     The graph starts with one memset node that every rank's branch depends on:
@@ -535,6 +549,8 @@ class _Ours:
         p, ep, T = point.preset, point.ep, point.tokens
         self.sim = SimulatedEP(ep, T, dispatch_bytes_per_token=point.dispatch_row_bytes,
                                combine_bytes_per_token=point.combine_row_bytes, device=device)
+        # Runs each op's per-rank function: sim.run, or sim.capture inside capture().
+        self._run: Callable[[Callable[[int], Any]], list] = self.sim.run
         # A recv_view_cache per rank, as a latency-minded caller passes one.
         self.caches: list[dict] = [{} for _ in range(ep)]
         # Same for every call of this point (checked against dispatch's return in the guard).
@@ -563,15 +579,38 @@ class _Ours:
         return moe_a2a_combine(self.ws_views[r], T, sim.workspace, sim.metainfo[r], T, r, self.point.ep, p.top_k,
                                self.offset, payload_in_workspace=True, output=output)
 
+    def capture(self, step: Callable[[], Any]) -> tuple[RankGraphs, Any]:
+        """One CUDA graph per rank of ``step()``, one call of an op of this class
+        (one ``sim.run``), whose per-rank function is captured on each rank's
+        stream (SimulatedEP.capture), and what ``step()`` returned (tensors the
+        replays rewrite). Not one graph over all ranks: its branches may run one
+        after another, and a rank that waits for a later branch's peer then
+        times out (simulate.py's docstring)."""
+        captured: list[RankGraphs] = []
+
+        def run(fn: Callable[[int], Any]) -> list:
+            graphs, results = self.sim.capture(fn)
+            captured.append(graphs)
+            return results
+
+        self._run = run
+        try:
+            result = step()
+        finally:
+            self._run = self.sim.run
+        if len(captured) != 1:
+            raise RuntimeError(f"_Ours.capture: a step must run the ranks once, it ran them {len(captured)} times")
+        return captured[0], result
+
     def dispatch(self, i: int) -> list:
-        return self.sim.run(lambda r: self._dispatch_rank(i, r))
+        return self._run(lambda r: self._dispatch_rank(i, r))
 
     def combine(self, i: int) -> list[Tensor]:
-        return self.sim.run(lambda r: self._combine_rank(i, r))
+        return self._run(lambda r: self._combine_rank(i, r))
 
     def combine_ws(self, i: int = 0) -> list[Tensor]:
         """Combine with the payload already in the workspace (the same views for every set)."""
-        return self.sim.run(self._combine_ws_rank)
+        return self._run(self._combine_ws_rank)
 
     def _round_trip_rank(self, i: int, r: int, ws: bool) -> Tensor:
         """Rank r's dispatch of set i, then its combine (with the payload in the
@@ -584,12 +623,12 @@ class _Ours:
         between) into the rank's preallocated output (a rank's combine must not
         wait for an allocation while its dispatch waits for a peer that the host
         has not launched yet)."""
-        return self.sim.run(lambda r: self._round_trip_rank(i, r, ws=False))
+        return self._run(lambda r: self._round_trip_rank(i, r, ws=False))
 
     def round_trip_ws(self, i: int) -> list[Tensor]:
         """Each rank: dispatch, then combine with the payload in the workspace (a MoE
         that writes its expert outputs there: the latency path), as round_trip."""
-        return self.sim.run(lambda r: self._round_trip_rank(i, r, ws=True))
+        return self._run(lambda r: self._round_trip_rank(i, r, ws=True))
 
     def round_trips(self, first: int, steps: int, ws: bool) -> list[Tensor]:
         """Each rank: ``steps`` round trips (round_trip_ws if ``ws``, else round_trip)
@@ -601,7 +640,7 @@ class _Ours:
                 out = self._round_trip_rank((first + k) % len(self.sets), r, ws)
             return out
 
-        return self.sim.run(rank)
+        return self._run(rank)
 
 
 def _routes_by_destination(ids: Tensor, owner: Tensor, ep: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -894,7 +933,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
         _release(device)
         ctx.progress.phase(label, "graph")
         try:
-            op_graphs = _OpGraphs(ours, n_sets, _capture)
+            op_graphs = _OpGraphs(ours, n_sets, ours.capture)
             graph_us = _time_ops(measure, op_graphs, head_start=True)
             # The replays must compute what the (reference-checked) eager calls compute.
             op_graphs.dispatch(0)
@@ -905,7 +944,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
             op_graphs = replayed = eager_out = None
             _release(device)
             for op, ws in (("round-trip", False), ("round-trip-ws", True)):
-                g_steps = [_capture(lambda i=i: ours.round_trips(i, STEPS_PER_GRAPH, ws)) for i in range(n_sets)]
+                g_steps = [ours.capture(lambda i=i: ours.round_trips(i, STEPS_PER_GRAPH, ws)) for i in range(n_sets)]
                 step_us[op] = measure(lambda i: g_steps[i][0].replay(), head_start=True) / STEPS_PER_GRAPH
                 # The graph whose last step is on set 0 against the eager round trip on set 0.
                 last_on_0 = g_steps[(1 - STEPS_PER_GRAPH) % n_sets]
