@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torch_moe_a2a as a2a
-from torch_moe_a2a import layout
+from torch_moe_a2a import layout, reference
 
 from conftest import (
     Case,
@@ -256,13 +256,13 @@ WHOLE_RANK = {
 
 def _chunk_counts(ids: torch.Tensor, chunks: int, case: Case) -> torch.Tensor:
     """int64 [chunks, ep_size]: tokens of each chunk (contiguous, ceil(n / chunks)
-    tokens) that go to each rank, from DESIGN's contiguous expert ranges."""
-    assert case.num_experts % case.ep_size == 0
-    per_rank = case.num_experts // case.ep_size
+    tokens) that go to each rank, from the reference's expert owners (DESIGN's
+    contiguous ranges)."""
+    owner = reference._expert_owner(case.num_experts, case.ep_size, torch.device("cpu"))
     goes = torch.zeros(ids.shape[0], case.ep_size, dtype=torch.bool)
     for k in range(ids.shape[1]):
         valid = ids[:, k] >= 0
-        goes[valid, ids[valid, k].long() // per_rank] = True
+        goes[valid, owner[ids[valid, k].long()]] = True
     size = -(-ids.shape[0] // chunks)
     counts = torch.zeros(chunks, case.ep_size, dtype=torch.int64)
     for c in range(chunks):
