@@ -665,6 +665,7 @@ std::vector<int64_t> constants_op() {
       kHdrDispatchRouted,
       kClaimCounters,
       kClaimStride,
+      kHdrDispatchClaim0,
       kHdrDispatchClaims,
       kHeaderBytes,
   };

@@ -173,6 +173,11 @@ constexpr int64_t kHdrDispatchArrivals = 68;     // uint32
 constexpr int64_t kHdrCombineArrivals = 72;      // uint32: CTAs done staging
 constexpr int64_t kHdrCombineDoneArrivals = 76;  // uint32: CTAs done pulling
 constexpr int64_t kHdrLastDispatchEnd = 80;      // int64, own: CallLayout::dispatch_end of the last dispatch
+// CUDA scratch, own, zero between calls: claim counter 0 of a large dispatch
+// (below), the only one where a grid has few warps (ep 8 on an H200). In this
+// line it measured 0.5% faster than in a line of its own (ep 8 x 4096 tokens,
+// docs/perf.md, tenth session).
+constexpr int64_t kHdrDispatchClaim0 = 88;       // uint32
 constexpr int64_t kHdrDispatchFlags = 128;       // uint32 [kMaxRanks], [s] written by rank s
 constexpr int64_t kHdrCombineFlags = kHdrDispatchFlags + 4 * kMaxRanks;  // uint32 [kMaxRanks]
 constexpr int64_t kHdrRecvCounts = kHdrCombineFlags + 4 * kMaxRanks;     // int32 [kMaxRanks]
@@ -189,13 +194,19 @@ constexpr int64_t kHdrDispatchCounts = kHdrRecvCounts + 4 * kMaxRanks;  // uint6
 constexpr int64_t kHdrDispatchRouted = kHdrDispatchCounts + 8 * kMaxDispatchCtas * kMaxRanks;  // uint32 [kMaxDispatchCtas]
 // CUDA scratch, own, zero between calls: copy tasks of the running large
 // dispatch claimed beyond each warp's first, from kClaimCounters counters
-// (the launch picks how many are used; see csrc/cuda/dispatch.cu, step 3),
-// each in its own 128-byte line. The CTA that arrives last resets them.
+// (the launch picks how many are used; see csrc/cuda/dispatch.cu, step 3):
+// counter 0 at kHdrDispatchClaim0, counters 1.. each in its own 128-byte
+// line. The CTA that arrives last resets them.
 constexpr int kClaimCounters = 16;
 constexpr int64_t kClaimStride = 128;
-constexpr int64_t kHdrDispatchClaims = kHdrDispatchRouted + 4 * kMaxDispatchCtas;  // uint32 at c * kClaimStride
-constexpr int64_t kHeaderBytes = kHdrDispatchClaims + kClaimStride * kClaimCounters;  // 531328
+constexpr int64_t kHdrDispatchClaims = kHdrDispatchRouted + 4 * kMaxDispatchCtas;  // uint32, counter c at (c - 1) * kClaimStride
+constexpr int64_t kHeaderBytes = kHdrDispatchClaims + kClaimStride * (kClaimCounters - 1);  // 531200
 static_assert(kHdrDispatchCounts % 8 == 0 && kHeaderBytes % kAlign == 0, "header words aligned, regions too");
+
+// Header offset of claim counter c (uint32), 0 <= c < kClaimCounters.
+MOE_A2A_HD constexpr int64_t claim_counter_offset(int c) {
+  return c == 0 ? kHdrDispatchClaim0 : kHdrDispatchClaims + kClaimStride * (c - 1);
+}
 
 MOE_A2A_HD constexpr int64_t align_up(int64_t x, int64_t a = kAlign) { return (x + a - 1) / a * a; }
 

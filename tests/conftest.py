@@ -405,8 +405,7 @@ def header_i32(workspace: torch.Tensor, rank: int, offset: int) -> int:
 
 def dispatch_claims(workspace: torch.Tensor, rank: int) -> list[int]:
     """The CLAIM_COUNTERS uint32 copy-task counters of a large dispatch in rank ``rank``'s header."""
-    return [header_i32(workspace, rank, layout.HDR_DISPATCH_CLAIMS + layout.CLAIM_STRIDE * c)
-            for c in range(layout.CLAIM_COUNTERS)]
+    return [header_i32(workspace, rank, layout.claim_counter_offset(c)) for c in range(layout.CLAIM_COUNTERS)]
 
 
 def header_i64(workspace: torch.Tensor, rank: int, offset: int) -> int:

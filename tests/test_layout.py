@@ -145,3 +145,18 @@ def test_every_header_offset_is_mirrored():
             wrong.append(f"{twin}: layout {getattr(layout, twin)} != protocol.h {value}")
     assert len(values) > 10, "protocol.h parse found too few header offsets"
     assert not missing and not wrong, f"missing in layout.py: {missing}; different: {wrong}"
+
+
+def test_claim_counters_have_words_of_their_own():
+    """A large dispatch's claim counters (CUDA scratch, reset by the last CTA) share
+    no byte with another header word: counter 0 in the free tail of the header's
+    first line, the others each in its own CLAIM_STRIDE line at the header's end."""
+    offsets = [layout.claim_counter_offset(c) for c in range(layout.CLAIM_COUNTERS)]
+    assert offsets[0] >= layout.HDR_LAST_DISPATCH_END + 8 and offsets[0] + 4 <= layout.HDR_DISPATCH_FLAGS
+    lines = [o // layout.CLAIM_STRIDE for o in offsets[1:]]
+    assert len(set(lines)) == len(lines), "counters 1.. share a line"
+    assert all(layout.HDR_DISPATCH_CLAIMS <= o and o + 4 <= layout.HEADER_BYTES and o % 4 == 0 for o in offsets[1:])
+    assert layout.HDR_DISPATCH_CLAIMS >= layout.HDR_DISPATCH_ROUTED + 4 * layout.MAX_DISPATCH_CTAS
+    for bad in (-1, layout.CLAIM_COUNTERS):
+        with pytest.raises(ValueError, match="claim counter"):
+            layout.claim_counter_offset(bad)

@@ -64,6 +64,7 @@ HDR_DISPATCH_ARRIVALS = 68  # CUDA grid scratch
 HDR_COMBINE_ARRIVALS = 72  # CUDA grid scratch
 HDR_COMBINE_DONE_ARRIVALS = 76  # CUDA grid scratch
 HDR_LAST_DISPATCH_END = 80  # dispatch step 0 (protocol.h)
+HDR_DISPATCH_CLAIM0 = 88  # CUDA grid scratch: claim counter 0 of large dispatches
 HDR_DISPATCH_FLAGS = 128
 HDR_COMBINE_FLAGS = HDR_DISPATCH_FLAGS + 4 * MAX_RANKS
 HDR_RECV_COUNTS = HDR_COMBINE_FLAGS + 4 * MAX_RANKS
@@ -71,11 +72,12 @@ MAX_DISPATCH_CTAS = 1024
 # CUDA grid scratch of large dispatches: uint64 [MAX_DISPATCH_CTAS * MAX_RANKS], uint32 [MAX_DISPATCH_CTAS]
 HDR_DISPATCH_COUNTS = HDR_RECV_COUNTS + 4 * MAX_RANKS
 HDR_DISPATCH_ROUTED = HDR_DISPATCH_COUNTS + 8 * MAX_DISPATCH_CTAS * MAX_RANKS
-# CUDA grid scratch of large dispatches: copy tasks claimed, counter c at c * CLAIM_STRIDE
+# CUDA grid scratch of large dispatches: copy tasks claimed, counter 0 at HDR_DISPATCH_CLAIM0,
+# counter c >= 1 at HDR_DISPATCH_CLAIMS + (c - 1) * CLAIM_STRIDE (claim_counter_offset)
 CLAIM_COUNTERS = 16
 CLAIM_STRIDE = 128
 HDR_DISPATCH_CLAIMS = HDR_DISPATCH_ROUTED + 4 * MAX_DISPATCH_CTAS
-HEADER_BYTES = HDR_DISPATCH_CLAIMS + CLAIM_STRIDE * CLAIM_COUNTERS
+HEADER_BYTES = HDR_DISPATCH_CLAIMS + CLAIM_STRIDE * (CLAIM_COUNTERS - 1)
 
 # Names and values that tests/test_layout.py compares with torch.ops.moe_a2a.constants().
 # The order is the order in which csrc/ops.cpp emits them.
@@ -109,9 +111,17 @@ CONSTANTS = {
     "HDR_DISPATCH_ROUTED": HDR_DISPATCH_ROUTED,
     "CLAIM_COUNTERS": CLAIM_COUNTERS,
     "CLAIM_STRIDE": CLAIM_STRIDE,
+    "HDR_DISPATCH_CLAIM0": HDR_DISPATCH_CLAIM0,
     "HDR_DISPATCH_CLAIMS": HDR_DISPATCH_CLAIMS,
     "HEADER_BYTES": HEADER_BYTES,
 }
+
+
+def claim_counter_offset(c: int) -> int:
+    """Header offset of a large dispatch's claim counter ``c`` (protocol.h's twin)."""
+    if not 0 <= c < CLAIM_COUNTERS:
+        raise ValueError(f"claim counter {c} outside [0, {CLAIM_COUNTERS})")
+    return HDR_DISPATCH_CLAIM0 if c == 0 else HDR_DISPATCH_CLAIMS + CLAIM_STRIDE * (c - 1)
 
 
 def align_up(x: int, a: int = ALIGN) -> int:

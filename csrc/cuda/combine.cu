@@ -10,7 +10,6 @@
 // in fp32 from 0.0f and rounds once to the output dtype with
 // round-to-nearest-even: the CPU's arithmetic, so the results are bitwise
 // identical.
-#include <algorithm>
 #include <limits>
 
 #include <cuda_bf16.h>
@@ -261,26 +260,17 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   }
 }
 
-// Lowers *ctas_per_sm to the occupancy of combine_kernel<In, Out>.
-template <typename In, typename Out>
-cudaError_t lower_to_occupancy(int* ctas_per_sm) {
-  int n = 0;
-  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, combine_kernel<In, Out>, kThreads, 0);
-  if (err == cudaSuccess) *ctas_per_sm = std::min(*ctas_per_sm, n);
-  return err;
-}
-
 int64_t dtype_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 
 }  // namespace
 
 cudaError_t combine_ctas_per_sm(int* ctas_per_sm) {
   *ctas_per_sm = std::numeric_limits<int>::max();
-  cudaError_t err = lower_to_occupancy<F32, F32>(ctas_per_sm);
-  if (err == cudaSuccess) err = lower_to_occupancy<F16, F16>(ctas_per_sm);
-  if (err == cudaSuccess) err = lower_to_occupancy<BF16, BF16>(ctas_per_sm);
-  if (err == cudaSuccess) err = lower_to_occupancy<F32, BF16>(ctas_per_sm);
-  if (err == cudaSuccess) err = lower_to_occupancy<F16, BF16>(ctas_per_sm);
+  cudaError_t err = lower_to_occupancy(combine_kernel<F32, F32>, ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy(combine_kernel<F16, F16>, ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy(combine_kernel<BF16, BF16>, ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy(combine_kernel<F32, BF16>, ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy(combine_kernel<F16, BF16>, ctas_per_sm);
   return err;
 }
 

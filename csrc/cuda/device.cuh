@@ -550,6 +550,16 @@ cudaError_t launch_kernel(void (*kernel)(KernelArgs...), int grid, int block, cu
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
+// Lowers *ctas_per_sm to the occupancy of `kernel` in kThreads-thread CTAs
+// (the spinning kernels' grids must be resident whole, so each instance counts).
+template <typename... KernelArgs>
+cudaError_t lower_to_occupancy(void (*kernel)(KernelArgs...), int* ctas_per_sm) {
+  int n = 0;
+  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0);
+  if (err == cudaSuccess && n < *ctas_per_sm) *ctas_per_sm = n;
+  return err;
+}
+
 // Occupancy of each spinning kernel (defined next to it), for query_ctas_per_sm.
 cudaError_t dispatch_ctas_per_sm(int* ctas_per_sm);
 cudaError_t combine_ctas_per_sm(int* ctas_per_sm);

@@ -24,6 +24,7 @@
 //     owns the last chunk writes the receive counts before it arrives. The
 //     last CTA to arrive raises the flags and is the only one that waits.
 #include <algorithm>
+#include <limits>
 
 #include "device.cuh"
 
@@ -82,7 +83,7 @@ struct DispatchArgs {
 
 // Scratch words of the large calls in the own header (protocol.h).
 __device__ __forceinline__ uint32_t* claim_word(uint8_t* own, int c) {
-  return header_word<uint32_t>(own, kHdrDispatchClaims + kClaimStride * c);
+  return header_word<uint32_t>(own, claim_counter_offset(c));
 }
 
 __device__ __forceinline__ uint32_t* routed_word(uint8_t* own, int c) {
@@ -186,8 +187,10 @@ struct Router {
 // kWhole: a large call, whose CTAs count and route their chunks through the
 // words they publish to each other and copy the tasks of all of the rank's
 // tokens (a template argument, so that the small calls' kernel carries none
-// of it).
-template <bool kWhole>
+// of it). kSpreadClaims: a large call's claims spread over several counters;
+// a grid with one counter runs the simpler claim loop (same-call A/B, ep 8 x
+// 4096 tokens on an H200: 863 against 871 us; docs/perf.md, tenth session).
+template <bool kWhole, bool kSpreadClaims>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const __grid_constant__ DispatchArgs a) {
   const DispatchParams& p = a.p;
   const WorkspaceView& ws = p.ws;
@@ -392,7 +395,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   // A small call's CTA copies its own chunk: each warp takes its first task
   // by index and its later ones by stride. With kWhole the tokens are all of
   // the rank's: each warp of the grid takes its first task by index and
-  // claims later ones from one of the rank's counters (kHdrDispatchClaims, the
+  // claims later ones from one of the rank's counters (claim_counter_offset, the
   // claim for the next task issued before the current copy), once every chunk's
   // route entries are visible: thread c acquires CTA c's routed word, and
   // the barrier hands what it saw to the CTA. The rows land where the routes
@@ -410,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   // kWhole: the tasks after the first round, grid * kWarps + i, go in turn to
   // the claims of counter i mod counters; warp w claims from counter w mod
   // counters (counters divide kWarps, so its first task is of that residue too).
-  const int counter = warp & ((1 << a.claim_bits) - 1);
+  const int counter = kSpreadClaims ? warp & ((1 << a.claim_bits) - 1) : 0;
   {
     int i = 0;
     int first_task = 0;  // of payload i
@@ -440,8 +443,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
               return ws.row(route_rank(entry)) + plane_offset + (source_row + route_slot(entry)) * row_bytes;
             });
       }
-      task = kWhole ? int(gridDim.x) * kWarps + counter + (int(__shfl_sync(kFullWarp, claimed, 0)) << a.claim_bits)
-                   : task + kWarps;
+      if (kWhole && kSpreadClaims) {
+        task = int(gridDim.x) * kWarps + counter + (int(__shfl_sync(kFullWarp, claimed, 0)) << a.claim_bits);
+      } else {
+        task = kWhole ? int(gridDim.x) * kWarps + int(__shfl_sync(kFullWarp, claimed, 0)) : task + kWarps;
+      }
     }
   }
 
@@ -479,12 +485,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
 }  // namespace
 
 cudaError_t dispatch_ctas_per_sm(int* ctas_per_sm) {
-  int whole = 0;
-  cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, dispatch_kernel<false>, kThreads, 0);
-  if (err == cudaSuccess) {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&whole, dispatch_kernel<true>, kThreads, 0);
-  }
-  if (err == cudaSuccess) *ctas_per_sm = std::min(*ctas_per_sm, whole);
+  *ctas_per_sm = std::numeric_limits<int>::max();
+  cudaError_t err = lower_to_occupancy(dispatch_kernel<false, false>, ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy(dispatch_kernel<true, false>, ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy(dispatch_kernel<true, true>, ctas_per_sm);
   return err;
 }
 
@@ -518,8 +522,9 @@ cudaError_t launch_dispatch(const DispatchParams& p, const LaunchConfig& config,
     ++a.claim_bits;
   }
   const bool pdl = p.sync.enable_pdl && config.pdl_supported;
-  return whole ? launch_kernel(dispatch_kernel<true>, grid, kThreads, stream, pdl, a)
-               : launch_kernel(dispatch_kernel<false>, grid, kThreads, stream, pdl, a);
+  if (!whole) return launch_kernel(dispatch_kernel<false, false>, grid, kThreads, stream, pdl, a);
+  return a.claim_bits > 0 ? launch_kernel(dispatch_kernel<true, true>, grid, kThreads, stream, pdl, a)
+                          : launch_kernel(dispatch_kernel<true, false>, grid, kThreads, stream, pdl, a);
 }
 
 }  // namespace gpu
