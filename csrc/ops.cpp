@@ -642,6 +642,7 @@ std::vector<int64_t> constants_op() {
       kMaxPayloads,
       kMaxNumTokens,
       kAlign,
+      kPlaneAlign,
       kRouteRankShift,
       kMetaCount,
       kMetaMailboxCode,

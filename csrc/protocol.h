@@ -29,9 +29,11 @@
 //       combine  [ep_size][T][combine_row_bytes]  at combine_payload_offset:
 //                                    this rank's expert outputs, read by the
 //                                    source ranks during combine
-//   Every region starts kAlign-aligned (relative to the row start, and rows
-//   are kAlign-sized multiples, so absolutely aligned too when the allocation
-//   is); rows inside a plane are packed.
+//   Every region starts kAlign-aligned, the planes and the combine region
+//   kPlaneAlign-aligned (relative to the row start; workspace_size_per_rank
+//   returns multiples of kPlaneAlign, so with such a row stride every rank's
+//   planes have the same alignment, absolute too when the allocation's is);
+//   rows inside a plane are packed.
 //
 // ---------------------------------------------------------------------------
 // Protocol (dispatch -> combine -> dispatch ..., on every rank)
@@ -109,6 +111,13 @@ constexpr int kMaxTopK = 22;
 constexpr int kMaxPayloads = 8;
 constexpr int64_t kMaxNumTokens = (int64_t(1) << 24) - 1;  // slot fits the route entry
 constexpr int64_t kAlign = 128;
+// The payload planes' and combine region's start, and workspace_size_per_rank's
+// multiple. Rows at 128 mod 256 bytes take stores 7% slower on an H200 (the
+// bare dispatch pattern: 0.804 of copy against 0.866 at any multiple of 256,
+// docs/perf.md, tenth session); planes only 128-byte aligned, with a row
+// stride that moved each rank's planes by 128 bytes, had made half the
+// destinations of the ep 8 x 4096-token dispatch such rows (859 -> 806 us).
+constexpr int64_t kPlaneAlign = 256;
 constexpr double kDefaultTimeoutS = 30.0;
 
 // ---- route entries ----------------------------------------------------------
@@ -246,9 +255,10 @@ MOE_A2A_HD CallLayout call_layout(int64_t ep_size, int64_t runtime_max_tokens, i
   }
   l.num_payloads = num_payloads;
   for (int i = 0; i < num_payloads; ++i) {
-    l.payload_offset[i] = off;
-    off = align_up(off + ep_size * runtime_max_tokens * payload_row_bytes[i]);
+    l.payload_offset[i] = align_up(off, kPlaneAlign);
+    off = l.payload_offset[i] + ep_size * runtime_max_tokens * payload_row_bytes[i];
   }
+  off = align_up(off, kPlaneAlign);
   l.combine_offset = off;
   l.dispatch_end = off;
   return l;
@@ -261,17 +271,19 @@ MOE_A2A_HD int64_t combine_end(int64_t combine_offset, int64_t ep_size, int64_t 
 }
 
 // Bytes per rank that hold any call with runtime_max_tokens <= max_num_tokens,
-// any payload list whose rows add up to total_dispatch_bytes (the kMaxPayloads
-// alignment pads included) and a combine row of combine_bytes.
+// any payload list whose rows add up to total_dispatch_bytes (the planes'
+// alignment pads included) and a combine row of combine_bytes; a multiple of
+// kPlaneAlign.
 MOE_A2A_HD int64_t workspace_size_per_rank(int64_t ep_size, int64_t max_num_tokens,
                                            int64_t total_dispatch_bytes, int64_t combine_bytes,
                                            int64_t eplb_n) {
-  int64_t size = kHeaderBytes;
-  size = align_up(size + max_num_tokens * kMaxTopK * 4);
-  if (eplb_n > 0) size = align_up(size + ep_size * eplb_n * 4);
-  size += align_up(ep_size * max_num_tokens * total_dispatch_bytes) + kMaxPayloads * kAlign;
-  size += align_up(ep_size * max_num_tokens * combine_bytes);
-  return align_up(size);
+  // Every term a multiple of kPlaneAlign, so that each region's bytes count whole.
+  int64_t size = align_up(kHeaderBytes + max_num_tokens * kMaxTopK * 4, kPlaneAlign);
+  if (eplb_n > 0) size += align_up(ep_size * eplb_n * 4, kPlaneAlign);
+  // Each plane's start and the combine region's round up by less than kPlaneAlign.
+  size += align_up(ep_size * max_num_tokens * total_dispatch_bytes, kPlaneAlign) + (kMaxPayloads + 1) * kPlaneAlign;
+  size += align_up(ep_size * max_num_tokens * combine_bytes, kPlaneAlign);
+  return size;
 }
 
 }  // namespace moe_a2a

@@ -16,6 +16,7 @@ MAX_TOP_K = 22
 MAX_PAYLOADS = 8
 MAX_NUM_TOKENS = (1 << 24) - 1
 ALIGN = 128
+PLANE_ALIGN = 256  # payload planes, the combine region, workspace_size_per_rank's multiple
 DEFAULT_TIMEOUT_S = 30.0
 
 # ---- route entries -----------------------------------------------------------
@@ -88,6 +89,7 @@ CONSTANTS = {
     "MAX_PAYLOADS": MAX_PAYLOADS,
     "MAX_NUM_TOKENS": MAX_NUM_TOKENS,
     "ALIGN": ALIGN,
+    "PLANE_ALIGN": PLANE_ALIGN,
     "ROUTE_RANK_SHIFT": ROUTE_RANK_SHIFT,
     "META_COUNT": META_COUNT,
     "META_MAILBOX_CODE": META_MAILBOX_CODE,
@@ -149,9 +151,9 @@ def call_layout(ep_size: int, runtime_max_tokens: int, eplb_n: int, payload_row_
         off = align_up(off + ep_size * eplb_n * 4)
     offsets = []
     for row_bytes in payload_row_bytes:
-        offsets.append(off)
-        off = align_up(off + ep_size * runtime_max_tokens * row_bytes)
-    return CallLayout(route_offset, eplb_offset, tuple(offsets), off)
+        offsets.append(align_up(off, PLANE_ALIGN))
+        off = offsets[-1] + ep_size * runtime_max_tokens * row_bytes
+    return CallLayout(route_offset, eplb_offset, tuple(offsets), align_up(off, PLANE_ALIGN))
 
 
 def combine_end(combine_offset: int, ep_size: int, runtime_max_tokens: int, combine_row_bytes: int) -> int:
@@ -162,13 +164,12 @@ def workspace_size_per_rank(
     ep_size: int, max_num_tokens: int, total_dispatch_bytes: int, combine_bytes: int, eplb_n: int
 ) -> int:
     """Mirror of ``moe_a2a::workspace_size_per_rank`` in csrc/protocol.h."""
-    size = HEADER_BYTES
-    size = align_up(size + max_num_tokens * MAX_TOP_K * 4)
+    size = align_up(HEADER_BYTES + max_num_tokens * MAX_TOP_K * 4, PLANE_ALIGN)
     if eplb_n > 0:
-        size = align_up(size + ep_size * eplb_n * 4)
-    size += align_up(ep_size * max_num_tokens * total_dispatch_bytes) + MAX_PAYLOADS * ALIGN
-    size += align_up(ep_size * max_num_tokens * combine_bytes)
-    return align_up(size)
+        size += align_up(ep_size * eplb_n * 4, PLANE_ALIGN)
+    size += align_up(ep_size * max_num_tokens * total_dispatch_bytes, PLANE_ALIGN) + (MAX_PAYLOADS + 1) * PLANE_ALIGN
+    size += align_up(ep_size * max_num_tokens * combine_bytes, PLANE_ALIGN)
+    return size
 
 
 def experts_per_rank(num_experts: int, ep_size: int) -> list[int]:
