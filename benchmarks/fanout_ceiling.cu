@@ -17,8 +17,9 @@
 // simulated ranks run, with static chunks or with tasks claimed from a
 // per-rank counter (the best balance a rank's own grid can reach), in CTAs of
 // 512 threads two to an SM (the kernels' shape) or of 1024 threads one to an
-// SM (no SM shared by two ranks); TMA bulk loads into shared memory and bulk
-// stores from it.
+// SM (no SM shared by two ranks), and the claimed grids with every destination
+// row at 128 mod 256 bytes (what 128-byte aligned planes gave half the ranks);
+// TMA bulk loads into shared memory and bulk stores from it.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -53,6 +54,7 @@ constexpr int kSegments = kRowBytes / kSegmentBytes;
 static_assert(kRowBytes % kSegmentBytes == 0, "whole segments per row");
 constexpr size_t kCeilingBytes = size_t(2) << 30;  // buffers of the copy and write-only rates
 constexpr int kReps = 10;
+constexpr size_t kMisalignBytes = 128;  // a row shift: 128-byte aligned, not 256
 
 // Route entry: destination row index (rank * kRanks * kTokens + slot), -1 ends.
 using Entry = int32_t;
@@ -324,25 +326,25 @@ int main() {
   uint8_t* dst = nullptr;
   CHECK(cudaMalloc(&d_routes, routes.size() * sizeof(Entry)));
   CHECK(cudaMemcpy(d_routes, routes.data(), routes.size() * sizeof(Entry), cudaMemcpyHostToDevice));
-  CHECK(cudaMalloc(&dst, dst_rows * kRowBytes));
+  CHECK(cudaMalloc(&dst, dst_rows * kRowBytes + kMisalignBytes));
 
   // Distinct source rows, so that a misplaced row fails the check below.
   std::vector<uint8_t> host(tokens * kRowBytes);
   for (size_t i = 0; i < host.size(); ++i) host[i] = uint8_t((i / 64) * 131 + i);
   CHECK(cudaMemcpy(a, host.data(), host.size(), cudaMemcpyHostToDevice));
-  const auto check = [&](const char* what) {
+  const auto check = [&](const char* what, size_t shift = 0) {
     std::vector<uint8_t> row(kRowBytes);
     for (int i = 0; i < 256; ++i) {
       const size_t t = gen() % tokens;
       const Entry e = routes[t * kRanks + gen() % 2];  // every token has one destination at least
       if (e < 0) continue;
-      CHECK(cudaMemcpy(row.data(), dst + size_t(e) * kRowBytes, kRowBytes, cudaMemcpyDeviceToHost));
+      CHECK(cudaMemcpy(row.data(), dst + shift + size_t(e) * kRowBytes, kRowBytes, cudaMemcpyDeviceToHost));
       if (!std::equal(row.begin(), row.end(), host.begin() + t * kRowBytes)) {
         std::printf("%s: token %zu misplaced at destination row %d\n", what, t, e);
         std::exit(1);
       }
     }
-    CHECK(cudaMemset(dst, 0, dst_rows * kRowBytes));
+    CHECK(cudaMemset(dst, 0, dst_rows * kRowBytes + kMisalignBytes));
   };
 
   const int grid = kRanks * (sms * kCtasPerSm / kRanks);  // whole CTAs per rank, as the resident grids
@@ -371,16 +373,17 @@ int main() {
       CHECK(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
       CHECK(cudaEventCreateWithFlags(&joins[r], cudaEventDisableTiming));
     }
-    const auto per_rank_grids = [&](bool claimed, bool whole_sm) {
+    const auto per_rank_grids = [&](bool claimed, bool whole_sm, size_t shift = 0) {
       CHECK(cudaMemsetAsync(claims, 0, kRanks * sizeof(unsigned)));
       CHECK(cudaEventRecord(fork));
       for (int r = 0; r < kRanks; ++r) {
         CHECK(cudaStreamWaitEvent(streams[r], fork));
         unsigned* c = claimed ? claims : nullptr;
         if (whole_sm) {
-          fanout_rank<1024><<<(sms - 1) / kRanks, 1024, 0, streams[r]>>>(a, dst, d_routes, r, c);
+          fanout_rank<1024><<<(sms - 1) / kRanks, 1024, 0, streams[r]>>>(a, dst + shift, d_routes, r, c);
         } else {
-          fanout_rank<kThreads><<<(sms * kCtasPerSm - 1) / kRanks, kThreads, 0, streams[r]>>>(a, dst, d_routes, r, c);
+          fanout_rank<kThreads><<<(sms * kCtasPerSm - 1) / kRanks, kThreads, 0, streams[r]>>>(a, dst + shift, d_routes,
+                                                                                             r, c);
         }
         CHECK(cudaEventRecord(joins[r], streams[r]));
         CHECK(cudaStreamWaitEvent(0, joins[r]));
@@ -396,6 +399,11 @@ int main() {
         check("fan-out per rank");
       }
     }
+    // Every destination row at 128 mod 256 bytes (the library's planes start
+    // kPlaneAlign-aligned because of this row).
+    report("fan-out, a grid per rank, claimed, rows at 128 mod 256 B",
+           moved / median_ms([&] { per_rank_grids(true, false, kMisalignBytes); }) / 1e6);
+    check("fan-out per rank, shifted rows", kMisalignBytes);
     for (int r = 0; r < kRanks; ++r) {
       CHECK(cudaStreamDestroy(streams[r]));
       CHECK(cudaEventDestroy(joins[r]));
