@@ -436,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
         const int64_t row_bytes = p.payload_row_bytes[i];
         const int64_t plane_offset = p.layout.payload_offset[i];
         // A token with no destination finds kRouteEnd first (its segment's loads are wasted).
-        copy_segment_any(
+        copy_segment_any<kWhole>(
             p.payload[i] + t * row_bytes, plan, segment, lane & (plan.lanes - 1),
             [&](int k) { return route[k]; },
             [&](int32_t entry) {
