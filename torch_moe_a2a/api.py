@@ -316,7 +316,8 @@ def moe_a2a_get_workspace_size_per_rank(
     *,
     backend: MoeAlltoAllBackend = "trtllm",
 ) -> int:
-    """Bytes per rank of a workspace for these sizes (a multiple of ``layout.ALIGN``).
+    """Bytes per rank of a workspace for these sizes (a multiple of ``layout.PLANE_ALIGN``, so
+    that as the row stride it gives every rank's planes the same alignment).
 
     Enough for any call with ``runtime_max_tokens_per_rank <= max_num_tokens``,
     any list of up to ``MAX_PAYLOADS`` payloads whose per-token bytes add up to

@@ -80,7 +80,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from . import layout
+from . import layout, reference
 from .api import check_errors, moe_a2a_combine, moe_a2a_dispatch, moe_a2a_wrap_payload_tensor_in_workspace
 from .reference import random_routing, reference_combine, reference_dispatch
 from .simulate import RankGraphs, SimulatedEP
@@ -472,8 +472,8 @@ class InputSet:
 
 
 def _expert_owner(num_experts: int, ep: int) -> Tensor:
-    """CPU int64 ``[num_experts]``: the rank owning each expert (layout's contiguous ranges)."""
-    return torch.repeat_interleave(torch.arange(ep), torch.tensor(layout.experts_per_rank(num_experts, ep)))
+    """CPU int64 ``[num_experts]``: the rank owning each expert (the reference's table)."""
+    return reference._expert_owner(num_experts, ep, torch.device("cpu"))
 
 
 def _distinct_destinations(ids: Tensor, owner: Tensor) -> Tensor:
