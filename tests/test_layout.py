@@ -55,6 +55,10 @@ def test_call_layout_matches_cpp(ep_size, eplb_n):
             assert (py.eplb_offset == -1) == (eplb_n == 0)
             for off in offsets:
                 assert off == -1 or off % layout.ALIGN == 0, f"offset {off} not {layout.ALIGN}-aligned"
+            # Planes and the combine region start PLANE_ALIGN-aligned (stores to rows at
+            # 128 mod 256 bytes are slower on an H200: docs/perf.md, tenth session).
+            for off in [*py.payload_offsets, py.combine_offset]:
+                assert off % layout.PLANE_ALIGN == 0, f"T={T} rows={rows}: region at {off}"
             # Regions are ordered and do not overlap.
             ends = [py.route_offset + T * layout.MAX_TOP_K * 4]
             if eplb_n:
@@ -83,7 +87,7 @@ def test_workspace_size_matches_and_holds_any_split(ep_size, max_tokens, dispatc
     assert isinstance(size, int)
     assert size == int(ops.workspace_size_per_rank(ep_size, max_tokens, dispatch_bytes, combine_bytes, eplb_n))
     assert size == layout.workspace_size_per_rank(ep_size, max_tokens, dispatch_bytes, combine_bytes, eplb_n)
-    assert size % layout.ALIGN == 0
+    assert size % layout.ALIGN == 0 and size % layout.PLANE_ALIGN == 0
     rng = random.Random(f"{ep_size}-{max_tokens}-{dispatch_bytes}")
     splits = [[dispatch_bytes]]
     for _ in range(60):
