@@ -422,15 +422,6 @@ struct CopyPlan {
   int segments;   // per row
 };
 
-// Copies segment `segment` of the row at `src` to the destination rows
-// row_of(key(0)), row_of(key(1)), ... up to the first key that is kRouteEnd
-// (keys are route entries in dispatch). The loads of the segment are all
-// issued before the first store, and each byte is read once however many
-// destinations there are. key(k) is called for a batch of kDestBatch values
-// of k before the batch's stores, so its loads are in flight together rather
-// than one per destination; it may be called past the end (k < kMaxTopK
-// always), and what it returns there is not used. Called by the `lanes` lanes
-// of one group with their lane index in the group.
 // L2 eviction priorities for the copies of large dispatches (kL2Hints below).
 __device__ __forceinline__ uint64_t l2_policy_evict_first() {
   uint64_t policy;
@@ -455,6 +446,16 @@ __device__ __forceinline__ void st_global_l2_hint(uint4* p, const uint4& v, uint
                : "memory");
 }
 
+// Copies segment `segment` of the row at `src` to the destination rows
+// row_of(key(0)), row_of(key(1)), ... up to the first key that is kRouteEnd
+// (keys are route entries in dispatch). The loads of the segment are all
+// issued before the first store, and each byte is read once however many
+// destinations there are. key(k) is called for a batch of kDestBatch values
+// of k before the batch's stores, so its loads are in flight together rather
+// than one per destination; it may be called past the end (k < kMaxTopK
+// always), and what it returns there is not used. Called by the `lanes` lanes
+// of one group with their lane index in the group.
+//
 // kL2Hints (16-byte vectors only): loads marked evict-last and stores
 // evict-first in L2. For copies whose rows are not read again from L2 soon
 // (a large dispatch writes more than L2 holds): same-call A/B on an H200, ep
