@@ -518,11 +518,11 @@ cudaError_t launch_dispatch(const DispatchParams& p, const LaunchConfig& config,
   // their copies within microseconds of each other; the grid-wide waits would
   // only add their latency.
   const bool whole = grid > 1 && a.tokens_per_cta > kWarpSize && whole_fits;
+  const bool pdl = p.sync.enable_pdl && config.pdl_supported;
+  if (!whole) return launch_kernel(dispatch_kernel<false, false>, grid, kThreads, stream, pdl, a);
   while ((1 << a.claim_bits) < kClaimCounters && (kWarpsPerClaimCounter << a.claim_bits) < int64_t(grid) * kWarps) {
     ++a.claim_bits;
   }
-  const bool pdl = p.sync.enable_pdl && config.pdl_supported;
-  if (!whole) return launch_kernel(dispatch_kernel<false, false>, grid, kThreads, stream, pdl, a);
   return a.claim_bits > 0 ? launch_kernel(dispatch_kernel<true, true>, grid, kThreads, stream, pdl, a)
                           : launch_kernel(dispatch_kernel<true, false>, grid, kThreads, stream, pdl, a);
 }
