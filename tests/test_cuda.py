@@ -505,15 +505,6 @@ def test_cuda_graph_replays_round_trip_of_all_ranks():
             for dst, src in zip(static_payloads[r], fresh):
                 dst.copy_(src)
 
-    def step():
-        results = sim.dispatch(static_ids, static_payloads, T, case.top_k, case.num_experts)
-        expert_out = [
-            reference.toy_moe(*res[0][:3], sim.recv_counts(r), ep_rank=r, ep_size=ep, num_experts=case.num_experts)
-            for r, res in enumerate(results)
-        ]
-        sim.combine(expert_out, list(tokens), T, case.top_k, [res[1] for res in results], output=static_outputs)
-        return [res[0] for res in results], expert_out
-
     def check(recv, expert_out, what):
         ref = reference.reference_dispatch(static_ids, static_payloads, ep_size=ep, num_experts=case.num_experts,
                                            runtime_max_tokens_per_rank=T)
@@ -528,14 +519,6 @@ def test_cuda_graph_replays_round_trip_of_all_ranks():
         for r in range(ep):
             assert_same_bytes(static_outputs[r], expected[r], f"{what}: rank {r} combine output")
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(GRAPH_WARMUP):
-            fill_inputs()
-            check(*step(), f"eager warm-up {i}")
-    torch.cuda.current_stream().wait_stream(side)
-
     def rank_step(r):
         """Rank r's whole step on its stream, as a rank of a deployment captures it."""
         recv, offset, _ = sim.dispatch_rank(r, static_ids[r], static_payloads[r], T, case.top_k, case.num_experts)
@@ -543,6 +526,16 @@ def test_cuda_graph_replays_round_trip_of_all_ranks():
                                        num_experts=case.num_experts)
         sim.combine_rank(r, expert_out, tokens[r], T, case.top_k, offset, output=static_outputs[r])
         return recv, expert_out
+
+    # Eager warm-up of the same per-rank step (on a side stream, as before any capture).
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(GRAPH_WARMUP):
+            fill_inputs()
+            results = sim.run(rank_step)
+            check([res[0] for res in results], [res[1] for res in results], f"eager warm-up {i}")
+    torch.cuda.current_stream().wait_stream(side)
 
     graphs, captured = sim.capture(rank_step)
     assert len(graphs.graphs) == ep
