@@ -1,6 +1,7 @@
 // What a bare dispatch-shaped copy reaches on this GPU: the ceiling that the
 // dispatch kernel's bandwidth is compared with in docs/perf.md. A standalone
-// CUDA program (no torch, no protocol): `nvcc -O3 -std=c++17 -arch=sm_90
+// CUDA program (no torch, no protocol; the kernels' L2-hint accesses come from
+// csrc/cuda/device.cuh): `nvcc -O3 -std=c++17 -arch=sm_90
 // benchmarks/fanout_ceiling.cu -o build/fanout_ceiling`; scripts/gpu_check.sh
 // builds and runs it in its bench stage.
 //
@@ -17,9 +18,11 @@
 // simulated ranks run, with static chunks or with tasks claimed from a
 // per-rank counter (the best balance a rank's own grid can reach), in CTAs of
 // 512 threads two to an SM (the kernels' shape) or of 1024 threads one to an
-// SM (no SM shared by two ranks), and the claimed grids with every destination
-// row at 128 mod 256 bytes (what 128-byte aligned planes gave half the ranks);
-// TMA bulk loads into shared memory and bulk stores from it.
+// SM (no SM shared by two ranks); the claimed grids with the large dispatches'
+// L2 policies (loads evict-last, stores evict-first: copy_segment's kL2Hints),
+// and with every destination row at 128 mod 256 bytes (what 128-byte aligned
+// planes gave half the ranks); TMA bulk loads into shared memory and bulk
+// stores from it.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -29,7 +32,14 @@
 #include <random>
 #include <vector>
 
+#include "../csrc/cuda/device.cuh"
+
 namespace {
+
+using moe_a2a::gpu::l2_policy_evict_first;
+using moe_a2a::gpu::l2_policy_evict_last;
+using moe_a2a::gpu::ld_global_l2_hint;
+using moe_a2a::gpu::st_global_l2_hint;
 
 #define CHECK(x)                                                                             \
   do {                                                                                       \
@@ -76,7 +86,9 @@ __global__ void fill_kernel(uint4* dst, size_t n) {
 // depends on them and never happens for this data).
 enum class Moves { kCopy, kWritesOnly, kReadsOnly };
 
-// The stores of a fan-out task: vector v[u] of every lane to each destination.
+// The stores of a fan-out task: vector v[u] of every lane to each destination
+// (kL2Hints: with the large dispatches' evict-first policy).
+template <bool kL2Hints>
 __device__ __forceinline__ void fan_stores(uint8_t* dst, const Entry* routes, long token, int segment, int lane,
                                            const uint4 (&v)[kUnroll]) {
   Entry e[kRanks];
@@ -87,13 +99,20 @@ __device__ __forceinline__ void fan_stores(uint8_t* dst, const Entry* routes, lo
     if (e[j] < 0) break;
     uint4* to = reinterpret_cast<uint4*>(dst + size_t(e[j]) * kRowBytes + segment * kSegmentBytes);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) to[lane + 32 * u] = v[u];
+    for (int u = 0; u < kUnroll; ++u) {
+      if constexpr (kL2Hints) {
+        st_global_l2_hint(to + lane + 32 * u, v[u], l2_policy_evict_first());
+      } else {
+        to[lane + 32 * u] = v[u];
+      }
+    }
   }
 }
 
 // Task `task` of the fan-out (token task / kSegments of all ranks' tokens,
-// segment task % kSegments), by the 32 lanes of a warp.
-template <Moves kMoves>
+// segment task % kSegments), by the 32 lanes of a warp. kL2Hints: loads and
+// stores with the large dispatches' L2 policies.
+template <Moves kMoves, bool kL2Hints = false>
 __device__ __forceinline__ void fan_task(const uint8_t* src, uint8_t* dst, const Entry* routes, long task, int lane) {
   const long token = task / kSegments;
   const int segment = task % kSegments;
@@ -101,7 +120,13 @@ __device__ __forceinline__ void fan_task(const uint8_t* src, uint8_t* dst, const
   uint4 v[kUnroll];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    v[u] = kMoves == Moves::kWritesOnly ? make_uint4(uint32_t(token), segment, lane, u) : from[lane + 32 * u];
+    if constexpr (kMoves == Moves::kWritesOnly) {
+      v[u] = make_uint4(uint32_t(token), segment, lane, u);
+    } else if constexpr (kL2Hints) {
+      v[u] = ld_global_l2_hint(from + lane + 32 * u, l2_policy_evict_last());
+    } else {
+      v[u] = from[lane + 32 * u];
+    }
   }
   if constexpr (kMoves == Moves::kReadsOnly) {
     uint32_t x = 0;
@@ -109,7 +134,7 @@ __device__ __forceinline__ void fan_task(const uint8_t* src, uint8_t* dst, const
     for (int u = 0; u < kUnroll; ++u) x ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
     if (x == 0x9e3779b9u) dst[token] = 1;
   } else {
-    fan_stores(dst, routes, token, segment, lane, v);
+    fan_stores<kL2Hints>(dst, routes, token, segment, lane, v);
   }
 }
 
@@ -155,7 +180,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 // 1024 / kRankThreads of them per SM. claims == nullptr: CTA c owns chunk c,
 // as the dispatch. Else a warp takes its first task by index and claims each
 // later one from claims[rank], the claim issued before the copy.
-template <int kRankThreads>
+template <int kRankThreads, bool kL2Hints = false>
 __global__ void __launch_bounds__(kRankThreads, 1024 / kRankThreads)
     fanout_rank(const uint8_t* src, uint8_t* dst, const Entry* routes, int rank, unsigned* claims) {
   constexpr int kRankWarps = kRankThreads / 32;
@@ -172,7 +197,7 @@ __global__ void __launch_bounds__(kRankThreads, 1024 / kRankThreads)
   for (long task = long(blockIdx.x) * kRankWarps + warp; task < long(kTokens) * kSegments;) {
     unsigned claimed = 0;
     if (lane == 0) claimed = atomicAdd(claims + rank, 1u);
-    fan_task<Moves::kCopy>(src, dst, routes, base + task, lane);
+    fan_task<Moves::kCopy, kL2Hints>(src, dst, routes, base + task, lane);
     task = first_round + __shfl_sync(0xffffffffu, claimed, 0);
   }
 }
@@ -373,7 +398,7 @@ int main() {
       CHECK(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
       CHECK(cudaEventCreateWithFlags(&joins[r], cudaEventDisableTiming));
     }
-    const auto per_rank_grids = [&](bool claimed, bool whole_sm, size_t shift = 0) {
+    const auto per_rank_grids = [&](bool claimed, bool whole_sm, size_t shift = 0, bool hints = false) {
       CHECK(cudaMemsetAsync(claims, 0, kRanks * sizeof(unsigned)));
       CHECK(cudaEventRecord(fork));
       for (int r = 0; r < kRanks; ++r) {
@@ -381,6 +406,9 @@ int main() {
         unsigned* c = claimed ? claims : nullptr;
         if (whole_sm) {
           fanout_rank<1024><<<(sms - 1) / kRanks, 1024, 0, streams[r]>>>(a, dst + shift, d_routes, r, c);
+        } else if (hints) {
+          fanout_rank<kThreads, true><<<(sms * kCtasPerSm - 1) / kRanks, kThreads, 0, streams[r]>>>(
+              a, dst + shift, d_routes, r, c);
         } else {
           fanout_rank<kThreads><<<(sms * kCtasPerSm - 1) / kRanks, kThreads, 0, streams[r]>>>(a, dst + shift, d_routes,
                                                                                              r, c);
@@ -399,6 +427,10 @@ int main() {
         check("fan-out per rank");
       }
     }
+    // The library's large dispatches copy with these policies (copy_segment's kL2Hints).
+    report("fan-out, a grid per rank, claimed, L2 hints (dispatch)",
+           moved / median_ms([&] { per_rank_grids(true, false, 0, true); }) / 1e6);
+    check("fan-out per rank, L2 hints");
     // Every destination row at 128 mod 256 bytes (the library's planes start
     // kPlaneAlign-aligned because of this row).
     report("fan-out, a grid per rank, claimed, rows at 128 mod 256 B",
