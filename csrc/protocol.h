@@ -187,6 +187,9 @@ constexpr int64_t kHdrLastDispatchEnd = 80;      // int64, own: CallLayout::disp
 // line it measured 0.5% faster than in a line of its own (ep 8 x 4096 tokens,
 // docs/perf.md, tenth session).
 constexpr int64_t kHdrDispatchClaim0 = 88;       // uint32
+// CUDA scratch, own, zero between calls: the pull tasks a combine's warps
+// claimed beyond their first (csrc/cuda/combine.cu; small grids only).
+constexpr int64_t kHdrCombineClaim = 92;         // uint32
 constexpr int64_t kHdrDispatchFlags = 128;       // uint32 [kMaxRanks], [s] written by rank s
 constexpr int64_t kHdrCombineFlags = kHdrDispatchFlags + 4 * kMaxRanks;  // uint32 [kMaxRanks]
 constexpr int64_t kHdrRecvCounts = kHdrCombineFlags + 4 * kMaxRanks;     // int32 [kMaxRanks]

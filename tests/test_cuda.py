@@ -118,15 +118,18 @@ EXPERTS = 256
 
 
 @pytest.mark.parametrize(
-    "ep, tokens, preallocated_output",
-    [(8, 4096, True), (4, 1024, False), (8, 1, False)],
-    ids=["ep8-4096tok", "ep4-1024tok", "ep8-1tok"],
+    "ep, tokens, preallocated_output, payload_in_workspace",
+    [(8, 4096, True, False), (4, 1024, False, False), (8, 1, False, False), (8, 128, False, True)],
+    ids=["ep8-4096tok", "ep4-1024tok", "ep8-1tok", "ep8-128tok-in-ws"],
 )
-def test_large_round_trips_equal_reference(ep, tokens, preallocated_output):
+def test_large_round_trips_equal_reference(ep, tokens, preallocated_output, payload_in_workspace):
     """Two rounds of dispatch -> toy MoE -> combine of hidden 7168 bf16, top-8 of 256
     experts, on ep_size streams of one GPU: receive counts, valid receive rows and
     combine outputs bitwise equal to the reference (run on the GPU). The first case
-    gives combine preallocated outputs (combine_into), the others let it allocate."""
+    gives combine preallocated outputs (combine_into), the others let it allocate.
+    The last one writes the expert outputs into the workspace (payload_in_workspace):
+    its combine claims pull tasks (one counter serves an ep-8 grid); the second
+    round finds the claim counter reset."""
     sim = a2a.SimulatedEP(
         ep,
         tokens,
@@ -164,11 +167,21 @@ def test_large_round_trips_equal_reference(ep, tokens, preallocated_output):
         kwargs = {}
         if preallocated_output:
             kwargs["output"] = [torch.empty((tokens, HIDDEN), dtype=torch.bfloat16, device=CUDA) for _ in range(ep)]
-        outs = sim.combine(expert_out, [tokens] * ep, tokens, TOP_K, [res[1] for res in results], **kwargs)
+        combine_payloads = expert_out
+        if payload_in_workspace:
+            nbytes = ep * tokens * HIDDEN * 2
+            combine_payloads = [
+                a2a.moe_a2a_wrap_payload_tensor_in_workspace(
+                    sim.workspace[d], [ep, tokens], results[d][1], results[d][1] + nbytes, torch.bfloat16
+                ).copy_(expert_out[d])
+                for d in range(ep)
+            ]
+            kwargs["payload_in_workspace"] = True
+        outs = sim.combine(combine_payloads, [tokens] * ep, tokens, TOP_K, [res[1] for res in results], **kwargs)
         expected = reference.reference_combine(expert_out, ref, [tokens] * ep)
         for r in range(ep):
             assert_same_bytes(outs[r], expected[r], f"round {round_} rank {r} combine output")
-        del results, ref, expert_out, outs, expected
+        del results, ref, expert_out, combine_payloads, outs, expected
     a2a.check_errors(sim.workspace)
 
 

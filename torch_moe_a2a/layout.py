@@ -66,6 +66,7 @@ HDR_COMBINE_ARRIVALS = 72  # CUDA grid scratch
 HDR_COMBINE_DONE_ARRIVALS = 76  # CUDA grid scratch
 HDR_LAST_DISPATCH_END = 80  # dispatch step 0 (protocol.h)
 HDR_DISPATCH_CLAIM0 = 88  # CUDA grid scratch: claim counter 0 of large dispatches
+HDR_COMBINE_CLAIM = 92  # CUDA grid scratch: pull tasks claimed by a small grid's combine
 HDR_DISPATCH_FLAGS = 128
 HDR_COMBINE_FLAGS = HDR_DISPATCH_FLAGS + 4 * MAX_RANKS
 HDR_RECV_COUNTS = HDR_COMBINE_FLAGS + 4 * MAX_RANKS

@@ -63,6 +63,7 @@ struct CombineArgs {
   int pull_elems;         // elements per vector access of the pull
   int pull_lane_bits;     // log2 of the lanes that sum one row
   int pull_segments;      // per row
+  bool claim_pull;        // warps claim their tasks after the first from kHdrCombineClaim
 };
 
 // 1. Stage: the first recv_count[s] rows of payload[s] for every active
@@ -106,12 +107,15 @@ __device__ void stage_rows(const CombineArgs& a) {
 
 // 4. Pull: out[t] = sum over the route of t of the destination's row [r, slot].
 // Work items are (token, segment) pairs; a warp task is the items of the
-// kWarpSize / lanes groups of one warp, and the warps of the grid take the
-// tasks in turn (warp w of CTA b: task b * kWarps + w, then by the grid's
-// warp count). Not claimed from a counter: with one rank's grid of 263 CTAs
-// (one rank per H200) every warp's claim on one word made the pull 1.7x
-// slower (docs/perf.md, seventh session). The sums do not depend on which
-// warp pulls an item.
+// kWarpSize / lanes groups of one warp. Warp w of CTA b takes task b * kWarps
+// + w first. Its later tasks: with claim_pull, the grid's warp count plus
+// what its claim on the own kHdrCombineClaim returned (the claim for the
+// next task issued before the current one is pulled), so that warps whose
+// rows come early take more; otherwise by the grid's warp count. Claims
+// serve only grids that one counter can serve (kWarpsPerClaimCounter): with
+// one rank's grid of 263 CTAs (one rank per H200) every warp's claim on one
+// word made the pull 1.7x slower (docs/perf.md, seventh session). The sums
+// do not depend on which warp pulls an item.
 template <typename In, typename Out, int kElems>
 __device__ void pull_rows(const CombineArgs& a) {
   using InVec = Packed<typename In::Bits, kElems>;
@@ -204,10 +208,13 @@ __device__ void pull_rows(const CombineArgs& a) {
       dst[v] = y.raw;
     }
   };
-  for (int64_t task = int64_t(blockIdx.x) * kWarps + warp_id(); (task << task_bits) < items;
-       task += int64_t(gridDim.x) * kWarps) {
+  const int64_t grid_warps = int64_t(gridDim.x) * kWarps;
+  for (int64_t task = int64_t(blockIdx.x) * kWarps + warp_id(); (task << task_bits) < items;) {
+    uint32_t claimed = 0;
+    if (a.claim_pull && lane == 0) claimed = atomicAdd(header_word<uint32_t>(own, kHdrCombineClaim), 1u);
     const int64_t item = (task << task_bits) + (lane >> a.pull_lane_bits);
     if (item < items) pull_item(item);
+    task = grid_warps + (a.claim_pull ? int64_t(__shfl_sync(kFullWarp, claimed, 0)) : task);
   }
 }
 
@@ -256,6 +263,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   // pull read (arrive_last's fences carry every CTA's loads along). Every
   // CTA read the epochs before it arrived; only the last one writes.
   if (arrive_last(header_word<uint32_t>(own, kHdrCombineDoneArrivals), system) && threadIdx.x == 0) {
+    if (a.claim_pull) *header_word<uint32_t>(own, kHdrCombineClaim) = 0;  // every warp claimed its last task
     st_release(header_word<uint32_t>(own, kHdrCombineEpoch), epoch, system);
   }
 }
@@ -303,6 +311,10 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
   // Pull: a row written per token (and as many read per destination); staging
   // copies about as many rows again.
   const int grid = spinning_grid_size(config, p.local_num_tokens * a.row_bytes * (a.stage ? 2 : 1));
+  // Claims pay where a warp has more than one task and one counter serves the grid.
+  const int64_t grid_warps = int64_t(grid) * kWarps;
+  const int64_t tasks = (p.local_num_tokens * a.pull_segments * pull_lanes + kWarpSize - 1) / kWarpSize;
+  a.claim_pull = grid_warps <= kWarpsPerClaimCounter && tasks > grid_warps;
   const bool pdl = p.sync.enable_pdl && config.pdl_supported;
   const DType in = p.payload_dtype, out = p.output_dtype;
   if (in == DType::kFloat32 && out == DType::kFloat32) {

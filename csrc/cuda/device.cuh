@@ -94,6 +94,13 @@ constexpr int kCopyUnroll = 4;
 // Destination rows of a copy whose addresses are looked up together.
 constexpr int kDestBatch = 4;
 
+// Warps of a grid that claim tasks from one counter in memory at most: every
+// claim is an atomic on that one word. With the 4208 warps of one rank's grid
+// at ep 1 the dispatch's claims took 224 us against 131 with 16 counters
+// (16384 tokens; docs/perf.md, eighth session); the combine's pull claims
+// only where one counter serves the whole grid.
+constexpr int64_t kWarpsPerClaimCounter = 512;
+
 // Spin-wait backoff: tight first (peers usually arrive within microseconds),
 // then __nanosleep doubling up to the cap so that many pollers of many
 // simulated ranks do not crowd the L2 slice that holds the flags.

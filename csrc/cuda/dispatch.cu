@@ -57,13 +57,10 @@ constexpr int64_t kMaxLoopItems = int64_t(1) << 30;
 static_assert(kMaxLoopItems + 2 * int64_t(kMaxDispatchCtas) * kWarps <= int64_t(INT32_MAX),
               "claimed task indices fit an int");
 
-// Warps of a large call's grid that claim copy tasks from one counter at
-// most. One counter keeps the tasks in flight a narrow window of tokens (ep 8
-// on an H200: 512 warps a rank, 843 us against 853 with 16 counters at 4096
-// tokens), but every claim of a grid is an atomic on that one word: with the
-// 4208 warps of one rank's grid at ep 1 the claims took 224 us against 131
-// with 16 counters (16384 tokens; docs/perf.md, eighth session).
-constexpr int64_t kWarpsPerClaimCounter = 512;
+// A large call's grid claims from one counter per kWarpsPerClaimCounter
+// warps (device.cuh). One counter keeps the tasks in flight a narrow window of
+// tokens (ep 8 on an H200: 512 warps a rank, 843 us against 853 with 16
+// counters at 4096 tokens).
 static_assert(kWarps % kClaimCounters == 0, "counter c serves the warps w = c mod counters of every CTA");
 
 struct DispatchArgs {
