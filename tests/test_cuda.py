@@ -128,8 +128,8 @@ def test_large_round_trips_equal_reference(ep, tokens, preallocated_output, payl
     combine outputs bitwise equal to the reference (run on the GPU). The first case
     gives combine preallocated outputs (combine_into), the others let it allocate.
     The last one writes the expert outputs into the workspace (payload_in_workspace):
-    its combine claims pull tasks (one counter serves an ep-8 grid); the second
-    round finds the claim counter reset."""
+    its combine claims pull tasks (one counter serves an ep-8 grid) and prefetches
+    its own region's first rows; the second round finds the claim counter reset."""
     sim = a2a.SimulatedEP(
         ep,
         tokens,

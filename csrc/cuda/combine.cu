@@ -28,6 +28,17 @@ constexpr int kSumUnroll = 2;
 // of small calls. Each one holds kSumUnroll vectors in registers.
 constexpr int kPullRowsInFlight = 2;
 static_assert(kDestBatch % kPullRowsInFlight == 0, "a batch holds whole groups of rows");
+// Rows of each source that a combine without staging prefetches into L2 from
+// its own combine region while it waits for the peers' flags (step 3a): the
+// rows the peers' first pull tasks read (a source's first slots are its first
+// tokens'), loaded while the memory would otherwise idle. Only where a source
+// has kPrefetchMinTokens slots or more: a prefetch of every row is worse
+// than none. Same-call A/Bs on an H200, ep 8 round trips per step: 128
+// tokens 65.1 -> 63.9 us with 16 rows (64.3 with 8, 64.5 with 24, 70.8 with
+// all); 16 tokens 22.1 -> 23.9 with all 16 (docs/perf.md, twelfth session).
+constexpr int64_t kPrefetchRowsPerSource = 16;
+constexpr int64_t kPrefetchMinTokens = 128;
+constexpr int64_t kL2LineBytes = 128;
 
 // Element types: bit storage plus the exact conversions (no implicit half
 // conversions: torch builds with __CUDA_NO_HALF_CONVERSIONS__ and friends).
@@ -64,6 +75,7 @@ struct CombineArgs {
   int pull_lane_bits;     // log2 of the lanes that sum one row
   int pull_segments;      // per row
   bool claim_pull;        // warps claim their tasks after the first from kHdrCombineClaim
+  bool prefetch;          // step 3a
 };
 
 // 1. Stage: the first recv_count[s] rows of payload[s] for every active
@@ -218,6 +230,27 @@ __device__ void pull_rows(const CombineArgs& a) {
   }
 }
 
+// 3a. While the grid waits for the peers' flags, a combine whose payload is
+// already in the own combine region (final: the kernel boundary ordered the
+// writes) prefetches into L2 the first kPrefetchRowsPerSource rows of each
+// active source s (rows[s]: recv_count[s], loaded with the epochs). A
+// prefetch only fills the cache: it orders nothing and writes nothing. Out of
+// line: the pull keeps its registers without it (inlined, it spilled).
+__device__ __noinline__ void prefetch_own_rows(const CombineArgs& a, const int32_t* rows) {
+  const CombineParams& p = a.p;
+  const WorkspaceView& ws = p.ws;
+  const int64_t T = p.runtime_max_tokens;
+  const uint8_t* region = ws.row(ws.ep_rank) + p.combine_offset;
+  const int64_t first = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * kL2LineBytes;
+  const int64_t stride = int64_t(gridDim.x) * kThreads * kL2LineBytes;
+  for (int s = 0; s < ws.ep_size; ++s) {
+    if (!rank_active(p.sync, s)) continue;
+    const int64_t bytes = min(min(int64_t(max(rows[s], 0)), T), kPrefetchRowsPerSource) * a.row_bytes;
+    const uint8_t* block = region + int64_t(s) * T * a.row_bytes;
+    for (int64_t offset = first; offset < bytes; offset += stride) prefetch_l2(block + offset);
+  }
+}
+
 // pull_rows with the vector width picked at run time, from the widest.
 template <typename In, typename Out, int kElems = 16 / int(sizeof(typename In::Bits))>
 __device__ void pull_rows_any(const CombineArgs& a) {
@@ -233,9 +266,18 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   const CombineParams& p = a.p;
   const WorkspaceView& ws = p.ws;
   uint8_t* own = ws.row(ws.ep_rank);
+  // Step 3a's receive counts: loaded with the epochs (one memory latency),
+  // stored once all of those loads are issued (a shared store waits for its
+  // value: 1.4 us more a 1-token round trip when it came first), handed to
+  // the CTA by may_proceed's barrier.
+  __shared__ int32_t recv_count[kMaxRanks];
+  const bool loads_count = a.prefetch && int(threadIdx.x) < ws.ep_size;
+  const int32_t count =
+      loads_count ? *header_word<int32_t>(own, kHdrRecvCounts + int64_t(sizeof(int32_t)) * threadIdx.x) : 0;
   const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
   const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
   const uint32_t error_code = load_error_code(own);
+  if (loads_count) recv_count[threadIdx.x] = count;
   if (!may_proceed(own, p.sync.mailbox, error_code, dispatch_epoch == combine_epoch + 1)) return;
   const uint32_t epoch = combine_epoch + 1;
 
@@ -249,6 +291,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   if (a.stage) stage_rows(a);
   const bool raise = a.stage ? arrive_last(header_word<uint32_t>(own, kHdrCombineArrivals), system) : blockIdx.x == 0;
   if (raise) raise_flags(ws, p.sync, kHdrCombineFlags, epoch, system);
+  if (a.prefetch) prefetch_own_rows(a, recv_count);
 
   // 3. Acquire: every CTA, so that each one's pull loads follow its own
   // acquire of every flag (own rank's included).
@@ -315,6 +358,7 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
   const int64_t grid_warps = int64_t(grid) * kWarps;
   const int64_t tasks = (p.local_num_tokens * a.pull_segments * pull_lanes + kWarpSize - 1) / kWarpSize;
   a.claim_pull = grid_warps <= kWarpsPerClaimCounter && tasks > grid_warps;
+  a.prefetch = !a.stage && p.runtime_max_tokens >= kPrefetchMinTokens;
   const bool pdl = p.sync.enable_pdl && config.pdl_supported;
   const DType in = p.payload_dtype, out = p.output_dtype;
   if (in == DType::kFloat32 && out == DType::kFloat32) {

@@ -453,6 +453,9 @@ __device__ __forceinline__ void st_global_l2_hint(uint4* p, const uint4& v, uint
                : "memory");
 }
 
+// Fills the L2 line that holds p: no register, no ordering, no write.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // Copies segment `segment` of the row at `src` to the destination rows
 // row_of(key(0)), row_of(key(1)), ... up to the first key that is kRouteEnd
 // (keys are route entries in dispatch). The loads of the segment are all
