@@ -34,8 +34,9 @@ static_assert(kDestBatch % kPullRowsInFlight == 0, "a batch holds whole groups o
 // tokens'), loaded while the memory would otherwise idle. Only where a source
 // has kPrefetchMinTokens slots or more: a prefetch of every row is worse
 // than none. Same-call A/Bs on an H200, ep 8 round trips per step: 128
-// tokens 65.1 -> 63.9 us with 16 rows (64.3 with 8, 64.5 with 24, 70.8 with
-// all); 16 tokens 22.1 -> 23.9 with all 16 (docs/perf.md, twelfth session).
+// tokens 65.1 -> 63.9 us with 16 rows (8 rows 64.3, 24 rows 64.5; every row
+// 70.8 against 67.6 without, in a probe build); 16 tokens 22.1 -> 23.9 with
+// all 16 (docs/perf.md, twelfth session).
 constexpr int64_t kPrefetchRowsPerSource = 16;
 constexpr int64_t kPrefetchMinTokens = 128;
 constexpr int64_t kL2LineBytes = 128;
