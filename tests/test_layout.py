@@ -152,11 +152,13 @@ def test_every_header_offset_is_mirrored():
 
 
 def test_claim_counters_have_words_of_their_own():
-    """A large dispatch's claim counters (CUDA scratch, reset by the last CTA) share
-    no byte with another header word: counter 0 in the free tail of the header's
-    first line, the others each in its own CLAIM_STRIDE line at the header's end."""
+    """A large dispatch's claim counters and the combine's claim word (CUDA scratch,
+    reset by the last CTA) share no byte with another header word: counter 0 and the
+    combine's word in the free tail of the header's first line, the other counters
+    each in its own CLAIM_STRIDE line at the header's end."""
     offsets = [layout.claim_counter_offset(c) for c in range(layout.CLAIM_COUNTERS)]
     assert offsets[0] >= layout.HDR_LAST_DISPATCH_END + 8 and offsets[0] + 4 <= layout.HDR_DISPATCH_FLAGS
+    assert offsets[0] + 4 <= layout.HDR_COMBINE_CLAIM and layout.HDR_COMBINE_CLAIM + 4 <= layout.HDR_DISPATCH_FLAGS
     lines = [o // layout.CLAIM_STRIDE for o in offsets[1:]]
     assert len(set(lines)) == len(lines), "counters 1.. share a line"
     assert all(layout.HDR_DISPATCH_CLAIMS <= o and o + 4 <= layout.HEADER_BYTES and o % 4 == 0 for o in offsets[1:])
