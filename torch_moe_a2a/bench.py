@@ -563,21 +563,20 @@ class _Ours:
         ]
         self.rt_out = [torch.empty((T, p.hidden), dtype=p.dtype, device=device) for _ in range(ep)]
 
-    # One rank's call of each op (set i).
+    # One rank's call of each op (set i), through SimulatedEP's per-rank calls.
     def _dispatch_rank(self, i: int, r: int) -> tuple:
-        p, T, s, sim = self.point.preset, self.point.tokens, self.sets[i], self.sim
-        return moe_a2a_dispatch(s.ids[r], s.payloads[r], sim.workspace, sim.metainfo[r], T, r, self.point.ep,
-                                p.top_k, p.num_experts, recv_view_cache=self.caches[r])
+        p, T, s = self.point.preset, self.point.tokens, self.sets[i]
+        return self.sim.dispatch_rank(r, s.ids[r], s.payloads[r], T, p.top_k, p.num_experts,
+                                      recv_view_cache=self.caches[r])
 
     def _combine_rank(self, i: int, r: int, output: Optional[Tensor] = None) -> Tensor:
-        p, T, s, sim = self.point.preset, self.point.tokens, self.sets[i], self.sim
-        return moe_a2a_combine(s.expert_out[r], T, sim.workspace, sim.metainfo[r], T, r, self.point.ep, p.top_k,
-                               self.offset, output=output)
+        p, T, s = self.point.preset, self.point.tokens, self.sets[i]
+        return self.sim.combine_rank(r, s.expert_out[r], T, T, p.top_k, self.offset, output=output)
 
     def _combine_ws_rank(self, r: int, output: Optional[Tensor] = None) -> Tensor:
-        p, T, sim = self.point.preset, self.point.tokens, self.sim
-        return moe_a2a_combine(self.ws_views[r], T, sim.workspace, sim.metainfo[r], T, r, self.point.ep, p.top_k,
-                               self.offset, payload_in_workspace=True, output=output)
+        p, T = self.point.preset, self.point.tokens
+        return self.sim.combine_rank(r, self.ws_views[r], T, T, p.top_k, self.offset, payload_in_workspace=True,
+                                     output=output)
 
     def capture(self, step: Callable[[], Any]) -> tuple[RankGraphs, Any]:
         """One CUDA graph per rank of ``step()``, one call of an op of this class
