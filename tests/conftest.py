@@ -252,6 +252,20 @@ class RoundTrip:
     dispatch_results: list = field(default_factory=list)  # raw moe_a2a_dispatch results
 
 
+def combine_payload_in_workspace(
+    sim: a2a.SimulatedEP, rank: int, offset: int, shape: Sequence[int], dtype: torch.dtype, values: torch.Tensor
+) -> torch.Tensor:
+    """Rank ``rank``'s combine payload placed in its workspace row (for
+    ``payload_in_workspace=True``): the ``shape`` (``[ep_size, T, hidden]``) view
+    of ``dtype`` at byte ``offset`` (the dispatch's combine_payload_offset),
+    filled with ``values`` (on the workspace's device)."""
+    ep, T, hidden = shape
+    end = offset + ep * T * hidden * dtype.itemsize
+    view = a2a.moe_a2a_wrap_payload_tensor_in_workspace(sim.workspace[rank], [ep, T], offset, end, dtype)
+    assert tuple(view.shape) == (ep, T, hidden)
+    return view.copy_(values)
+
+
 def check_dispatch(rt_recv, rt_counts, ref: reference.RefDispatch, specs, runtime_max, ranks) -> None:
     """Receive counts exact, receive views shaped [ep_size, T, *trail], valid rows
     bytewise equal to the reference."""
@@ -347,13 +361,9 @@ def round_trip(
         # rows are poisoned: combine must read valid rows only.
         expert_out = poison_padding(moe(r, recv[r], counts[r]), counts[r], gen)
         if payload_in_workspace:
-            nbytes = ep * T * case.combine_bytes
-            view = a2a.moe_a2a_wrap_payload_tensor_in_workspace(
-                sim.workspace[r], [ep, T], offsets[r], offsets[r] + nbytes, case.hidden_dtype
+            payloads[r] = combine_payload_in_workspace(
+                sim, r, offsets[r], (ep, T, case.hidden), case.hidden_dtype, expert_out.to(device)
             )
-            assert tuple(view.shape) == (ep, T, case.hidden)
-            view.copy_(expert_out.to(device))
-            payloads[r] = view
         else:
             payloads[r] = expert_out.to(device)
 

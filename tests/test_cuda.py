@@ -39,6 +39,7 @@ from conftest import (
     Case,
     PayloadSpec,
     assert_bytes_equal,
+    combine_payload_in_workspace,
     header_i32,
     make_generator,
     make_inputs,
@@ -169,11 +170,8 @@ def test_large_round_trips_equal_reference(ep, tokens, preallocated_output, payl
             kwargs["output"] = [torch.empty((tokens, HIDDEN), dtype=torch.bfloat16, device=CUDA) for _ in range(ep)]
         combine_payloads = expert_out
         if payload_in_workspace:
-            nbytes = ep * tokens * HIDDEN * 2
             combine_payloads = [
-                a2a.moe_a2a_wrap_payload_tensor_in_workspace(
-                    sim.workspace[d], [ep, tokens], results[d][1], results[d][1] + nbytes, torch.bfloat16
-                ).copy_(expert_out[d])
+                combine_payload_in_workspace(sim, d, results[d][1], (ep, tokens, HIDDEN), torch.bfloat16, expert_out[d])
                 for d in range(ep)
             ]
             kwargs["payload_in_workspace"] = True
