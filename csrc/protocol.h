@@ -222,6 +222,14 @@ MOE_A2A_HD constexpr int64_t claim_counter_offset(int c) {
 
 MOE_A2A_HD constexpr int64_t align_up(int64_t x, int64_t a = kAlign) { return (x + a - 1) / a * a; }
 
+// Rows of source s's plane that a combine stages or reads: recv_count[s]
+// clamped to [0, T], so that a peer that broke the equal-T contract cannot
+// make a rank read or write past the plane.
+MOE_A2A_HD int64_t received_rows(int32_t recv_count, int64_t runtime_max_tokens) {
+  const int64_t rows = recv_count > 0 ? int64_t(recv_count) : 0;
+  return rows < runtime_max_tokens ? rows : runtime_max_tokens;
+}
+
 // Wrap-safe "epoch a has reached b".
 MOE_A2A_HD bool epoch_reached(uint32_t a, uint32_t b) { return int32_t(a - b) >= 0; }
 

@@ -406,9 +406,7 @@ WaitResult combine(const CombineParams& p) {
   if (p.payload != nullptr && p.payload != region) {
     for (int s = 0; s < ws.ep_size; ++s) {
       if (!rank_active(p.sync, s)) continue;
-      // Clamped to T: a peer that broke the equal-T contract must not make us overrun.
-      const int64_t count = std::min<int64_t>(
-          std::max<int32_t>(0, load<int32_t>(own, kHdrRecvCounts + int64_t(sizeof(int32_t)) * s)), T);
+      const int64_t count = received_rows(load<int32_t>(own, kHdrRecvCounts + int64_t(sizeof(int32_t)) * s), T);
       const int64_t plane = int64_t(s) * T * row_bytes;
       at::parallel_for(0, count, grain_for(row_bytes), [&](int64_t begin, int64_t end) {
         std::memcpy(region + plane + begin * row_bytes, p.payload + plane + begin * row_bytes,
@@ -446,8 +444,7 @@ void sanitize_expert_ids(const SanitizeParams& p) {
   int32_t* plane = reinterpret_cast<int32_t*>(own + p.offset);
   const int64_t T = p.runtime_max_tokens;
   for (int s = 0; s < ws.ep_size; ++s) {
-    const int64_t count = std::min<int64_t>(
-        std::max<int32_t>(0, load<int32_t>(own, kHdrRecvCounts + int64_t(sizeof(int32_t)) * s)), T);
+    const int64_t count = received_rows(load<int32_t>(own, kHdrRecvCounts + int64_t(sizeof(int32_t)) * s), T);
     int32_t* first = plane + (int64_t(s) * T + count) * p.top_k;
     std::fill_n(first, (T - count) * p.top_k, p.invalid_expert_id);
   }

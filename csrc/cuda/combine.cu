@@ -79,10 +79,10 @@ struct CombineArgs {
   bool prefetch;          // step 3a
 };
 
-// 1. Stage: the first recv_count[s] rows of payload[s] for every active
-// source s (clamped to T, as on the CPU) into the own combine region. Work
-// items are (received row, segment) pairs spread over the grid.
-__device__ void stage_rows(const CombineArgs& a) {
+// 1. Stage: the first rows[s] rows of payload[s] for every active source s
+// (rows: recv_count[s], loaded with the epochs) into the own combine region.
+// Work items are (received row, segment) pairs spread over the grid.
+__device__ void stage_rows(const CombineArgs& a, const int32_t* rows) {
   const CombineParams& p = a.p;
   const WorkspaceView& ws = p.ws;
   uint8_t* own = ws.row(ws.ep_rank);
@@ -92,9 +92,7 @@ __device__ void stage_rows(const CombineArgs& a) {
     int64_t total = 0;
     for (int s = 0; s < ws.ep_size; ++s) {
       first_row[s] = total;
-      if (!rank_active(p.sync, s)) continue;
-      const int32_t count = *header_word<int32_t>(own, kHdrRecvCounts + int64_t(sizeof(int32_t)) * s);
-      total += min(int64_t(max(count, 0)), T);
+      if (rank_active(p.sync, s)) total += received_rows(rows[s], T);
     }
     first_row[ws.ep_size] = total;
   }
@@ -246,7 +244,7 @@ __device__ __noinline__ void prefetch_own_rows(const CombineArgs& a, const int32
   const int64_t stride = int64_t(gridDim.x) * kThreads * kL2LineBytes;
   for (int s = 0; s < ws.ep_size; ++s) {
     if (!rank_active(p.sync, s)) continue;
-    const int64_t bytes = min(min(int64_t(max(rows[s], 0)), T), kPrefetchRowsPerSource) * a.row_bytes;
+    const int64_t bytes = min(received_rows(rows[s], T), kPrefetchRowsPerSource) * a.row_bytes;
     const uint8_t* block = region + int64_t(s) * T * a.row_bytes;
     for (int64_t offset = first; offset < bytes; offset += stride) prefetch_l2(block + offset);
   }
@@ -267,12 +265,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   const CombineParams& p = a.p;
   const WorkspaceView& ws = p.ws;
   uint8_t* own = ws.row(ws.ep_rank);
-  // Step 3a's receive counts: loaded with the epochs (one memory latency),
-  // stored once all of those loads are issued (a shared store waits for its
-  // value: 1.4 us more a 1-token round trip when it came first), handed to
-  // the CTA by may_proceed's barrier.
+  // The receive counts that step 1 or step 3a needs: loaded with the epochs
+  // (one memory latency, where thread 0 of the staging once loaded them one
+  // after another), stored once all of those loads are issued (a shared
+  // store waits for its value: 1.4 us more a 1-token round trip when it came
+  // first), handed to the CTA by may_proceed's barrier.
   __shared__ int32_t recv_count[kMaxRanks];
-  const bool loads_count = a.prefetch && int(threadIdx.x) < ws.ep_size;
+  const bool loads_count = (a.stage || a.prefetch) && int(threadIdx.x) < ws.ep_size;
   const int32_t count =
       loads_count ? *header_word<int32_t>(own, kHdrRecvCounts + int64_t(sizeof(int32_t)) * threadIdx.x) : 0;
   const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
@@ -289,7 +288,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   // that needs publishing, and it read nothing a peer will overwrite: CTA 0
   // raises the flags at once, without the arrival's fences and counter.
   const bool system = a.sync_settings.system;
-  if (a.stage) stage_rows(a);
+  if (a.stage) stage_rows(a, recv_count);
   const bool raise = a.stage ? arrive_last(header_word<uint32_t>(own, kHdrCombineArrivals), system) : blockIdx.x == 0;
   if (raise) raise_flags(ws, p.sync, kHdrCombineFlags, epoch, system);
   if (a.prefetch) prefetch_own_rows(a, recv_count);

@@ -34,7 +34,7 @@ __global__ void sanitize_kernel(const __grid_constant__ SanitizeParams p) {
   __shared__ int64_t valid_rows[kMaxRanks];
   if (threadIdx.x < ws.ep_size) {
     const int32_t count = *header_word<int32_t>(own, kHdrRecvCounts + int64_t(sizeof(int32_t)) * threadIdx.x);
-    valid_rows[threadIdx.x] = min(int64_t(max(count, 0)), T);  // clamped as on the CPU
+    valid_rows[threadIdx.x] = received_rows(count, T);
   }
   __syncthreads();
   int32_t* plane = reinterpret_cast<int32_t*>(own + p.offset);
