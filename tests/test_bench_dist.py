@@ -79,9 +79,6 @@ def test_bench_dist_two_cpu_processes(tmp_path):
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["world"] == WORLD and data["device_type"] == "cpu" and data["NCCL_NVLS_ENABLE"] == "0"
     assert data["all_to_all_single_unavailable"] is None  # gloo has it: baseline and ceiling run
-    # The smallest point ran once before the first, unreported.
-    warm = f"{PRESET} ep {WORLD} x {min(TOKENS)} tok"
-    assert data["warmup_point"] == warm and f"warm-up: {warm} once" in table, table
     points = data["points"]
     assert [(p["ep"], p["tokens_per_rank"]) for p in points] == [(WORLD, t) for t in TOKENS]
     preset = bench.PRESETS[PRESET]
@@ -119,11 +116,6 @@ def test_bench_dist_outside_torchrun_says_how_to_launch(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert bench_dist.main(["--device", "cpu"]) == 2
     assert "WORLD_SIZE is 1" in capsys.readouterr().err
-
-
-def test_warmup_point_is_on_unless_switched_off():
-    assert bench_dist._parser().parse_args([]).warmup_point is True
-    assert bench_dist._parser().parse_args(["--no-warmup-point"]).warmup_point is False
 
 
 def test_launcher_help_and_bad_arguments():

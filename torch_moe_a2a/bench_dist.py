@@ -26,13 +26,7 @@ world size of the launch):
   call is ``bench``'s host-cost column; a call that synchronizes with the
   host (the baseline's split sizes) still waits for the GPU. The reported time
   is the max over ranks of each rank's median over ``--iters`` iterations
-  after ``--warmup``: an exchange is done when its slowest rank is. Before
-  the first point, the smallest point runs once in full (every op, the
-  baseline, the ceiling, the graphs; ``WARMUP_POINT_ITERS`` iterations a
-  measurement), untimed and unreported: on a fresh two-H200 machine the
-  first process's first point ran 2-4x slow in every column, NCCL's own
-  all-to-all included, which ``--warmup`` iterations of one measurement did
-  not absorb (docs/perf.md, eleventh session). ``--no-warmup-point`` skips it.
+  after ``--warmup``: an exchange is done when its slowest rank is.
   Dispatch and combine must alternate, so an op timed alone is paired with
   an untimed partner in every iteration.
 - eager: the ops called from Python; graph (CUDA): each rank captures its own
@@ -172,8 +166,6 @@ TARGET_CEILING_RATIO = 0.85
 TARGET_CEILING_TOKENS = 4096
 TARGET_SPEEDUP = 3.0
 TARGET_SPEEDUP_TOKENS = 128
-# Timed iterations a measurement of the warm-up point (at most --iters).
-WARMUP_POINT_ITERS = 20
 
 
 # ---------------------------------------------------------------------------
@@ -934,8 +926,6 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"timed iterations per measurement (default {DEFAULT_ITERS})")
     p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
                    help=f"untimed iterations first (default {DEFAULT_WARMUP})")
-    p.add_argument("--no-warmup-point", dest="warmup_point", action="store_false",
-                   help="do not run the smallest point once, unreported, before the first (see the module docstring)")
     p.add_argument("--fp8", action="store_true", help="hidden states as float8_e4m3fn plus fp32 scales")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes every number here")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -1016,22 +1006,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         dist.destroy_process_group()
 
 
-def _warm_up(args: argparse.Namespace, points: list[Point], proc: _Process, clock: _Clock, max_bytes: int,
-             l2_bytes: int, a2a_unavailable: Optional[str]) -> Optional[str]:
-    """Runs the smallest point once, its record dropped (the module docstring
-    says why); returns its label, or None when --no-warmup-point."""
-    if not args.warmup_point or not points:
-        return None
-    point = min(points, key=lambda p: p.tokens)
-    if proc.rank == 0:
-        print(f"warm-up: {point.label()} once, untimed and not reported", flush=True)
-    timer = _Timer(proc, clock, min(args.iters, WARMUP_POINT_ITERS), args.warmup)
-    _run_point(point, _Context(proc, timer, max_bytes, l2_bytes, a2a_unavailable, _Quiet()))
-    _meet(proc)
-    _release(proc.device)
-    return point.label()
-
-
 def _run(args: argparse.Namespace, proc: _Process) -> int:
     device, world = proc.device, proc.world
     names = _preset_names(args.preset, default=[DEFAULT_PRESET])
@@ -1059,7 +1033,6 @@ def _run(args: argparse.Namespace, proc: _Process) -> int:
     if leader:
         print("\n".join(lines), flush=True)
 
-    warmup_label = _warm_up(args, points, proc, clock, int(max_gib * GIB), l2, a2a_unavailable)
     progress = _Progress(len(points)) if leader else _Quiet()
     timer = _Timer(proc, clock, args.iters, args.warmup)
     ctx = _Context(proc, timer, int(max_gib * GIB), l2, a2a_unavailable, progress)
@@ -1086,8 +1059,7 @@ def _run(args: argparse.Namespace, proc: _Process) -> int:
                     "gpus_visible": proc.gpus_visible, "ranks_per_gpu": proc.ranks_per_gpu,
                     "timings_meaningful": proc.timings_meaningful, "targets_apply": proc.targets_apply,
                     NVLS_ENV: os.environ.get(NVLS_ENV),
-                    "iters": args.iters, "warmup": args.warmup, "warmup_point": warmup_label,
-                    "fp8": args.fp8, "max_gib": max_gib,
+                    "iters": args.iters, "warmup": args.warmup, "fp8": args.fp8, "max_gib": max_gib,
                     "l2_bytes": l2, "all_to_all_single_unavailable": a2a_unavailable, "notes": lines[1:],
                     "targets": {"ops": list(TARGET_OPS), "ceiling_ratio": TARGET_CEILING_RATIO,
                                 "ceiling_tokens": TARGET_CEILING_TOKENS, "speedup_eager": TARGET_SPEEDUP,
