@@ -117,18 +117,26 @@ def test_eplb_gathered_stats(eplb_n, device):
 # ---- rank mask ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dies_after", [0, 1])
 @pytest.mark.parametrize("dead", [0, 2])
-def test_rank_mask_dead_rank(dead, device):
-    """One rank never calls; the others mask it off, return without waiting for
-    it, and drop the tokens routed to it (reference with active_ranks)."""
+def test_rank_mask_dead_rank(dead, dies_after, device):
+    """One rank stops calling (from the start, or after a round with every
+    rank); the others mask it off, return without waiting for it, and drop
+    the tokens routed to it (reference with active_ranks): its receive
+    counts read 0 on the others, whatever an earlier round left there, so
+    none of its old rows passes for received."""
     gen = make_generator(dead)
     sim = make_sim(CASE, device, timeout_s=None)
+    for _ in range(dies_after):
+        round_trip(sim, CASE, make_inputs(CASE, gen), gen)
     active = [r for r in range(CASE.ep_size) if r != dead]
     start = time.monotonic()
     for _ in range(2):
         rt = round_trip(sim, CASE, make_inputs(CASE, gen), gen, active_ranks=active)
         assert rt.outputs[dead] is None
     assert time.monotonic() - start < 10, "masked ranks must not be waited for"
+    for r in active:
+        assert int(a2a.moe_a2a_get_recv_counts(sim.workspace, sim.metainfo[r], r)[dead]) == 0, f"rank {r}"
 
 
 def test_active_rank_mask_own_rank_must_be_set(device):

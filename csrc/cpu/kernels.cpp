@@ -379,6 +379,12 @@ WaitResult dispatch(const DispatchParams& p) {
                    static_cast<int32_t>(recv_count[d]));
   }
 
+  // A masked-off source writes nothing into this row this call: none of the
+  // rows an earlier call left from it counts as received.
+  for (int s = 0; s < ws.ep_size; ++s) {
+    if (!rank_active(p.sync, s)) store<int32_t>(own, kHdrRecvCounts + int64_t(sizeof(int32_t)) * s, 0);
+  }
+
   // What the matching combine must agree with, and the invalid-id tally.
   store<int32_t>(own, kHdrLastLocalTokens, static_cast<int32_t>(p.local_num_tokens));
   store<int32_t>(own, kHdrLastRuntimeMax, static_cast<int32_t>(p.runtime_max_tokens));

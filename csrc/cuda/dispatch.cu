@@ -376,11 +376,17 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
     st_release_gpu(routed_word(own, blockIdx.x), epoch);
   }
 
-  // 2. Receive counts: the totals, known to the CTA of the last chunk.
-  if (owns_last_chunk && threadIdx.x < ep_size && rank_active(p.sync, threadIdx.x)) {
+  // 2. Receive counts: the totals, known to the CTA of the last chunk, which
+  // also zeroes the own count of every masked-off source (it writes nothing
+  // here this call: none of the rows an earlier call left from it counts).
+  if (owns_last_chunk && threadIdx.x < ep_size) {
     const int d = threadIdx.x;
-    *header_word<int32_t>(ws.row(d), kHdrRecvCounts + int64_t(sizeof(int32_t)) * ws.ep_rank) =
-        static_cast<int32_t>(next_slot[d]);
+    if (rank_active(p.sync, d)) {
+      *header_word<int32_t>(ws.row(d), kHdrRecvCounts + int64_t(sizeof(int32_t)) * ws.ep_rank) =
+          static_cast<int32_t>(next_slot[d]);
+    } else {
+      *header_word<int32_t>(own, kHdrRecvCounts + int64_t(sizeof(int32_t)) * d) = 0;
+    }
   }
 
   // 3. Payload rows. Work items are (token, segment of its row) of every
