@@ -194,6 +194,20 @@ def test_receive_views_are_workspace_views(device):
         assert offset == lay.combine_offset
         for v, off in zip(views, lay.payload_offsets):
             assert v.data_ptr() == row.data_ptr() + off, "receive view must alias the own row at the layout offset"
+            assert v.data_ptr() % 128 == 0, "payload planes start 128-byte aligned (DESIGN.md section 3)"
+
+
+def test_allocated_workspace_puts_planes_aligned_in_memory(device):
+    """allocate_workspace's first byte is layout.PLANE_ALIGN-aligned whatever
+    the allocator gives (CPU allocations are only 64-byte aligned), so every
+    plane, aligned inside a row, is aligned in memory; the tensor is zeroed
+    and contiguous."""
+    size = layout.workspace_size_per_rank(2, 3, 64, 32, 0)
+    for _ in range(16):
+        ws = a2a.allocate_workspace(size, ep_size=2, device=device)
+        assert ws.data_ptr() % layout.PLANE_ALIGN == 0
+        assert tuple(ws.shape) == (2, size) and ws.is_contiguous() and ws.dtype == torch.uint8
+        assert int(ws.count_nonzero()) == 0
 
 
 def test_simulated_ep_helpers(device):

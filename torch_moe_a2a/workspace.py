@@ -67,6 +67,24 @@ _STATUS_BYTES = 2048
 _OK, _BAD_VALUE, _FAILED = 0, 1, 2
 
 
+def _zeros_plane_aligned(ep_size: int, size_per_rank: int, device: torch.device) -> torch.Tensor:
+    """A zeroed ``[ep_size, size_per_rank]`` uint8 tensor whose first byte is
+    ``layout.PLANE_ALIGN``-aligned in memory, so that the payload planes (that
+    aligned inside a row, and rows are multiples of it) are too: DESIGN.md
+    has planes start 128-byte aligned. CUDA allocations already are; CPU ones
+    are 64-byte aligned, so the CPU tensor is a view into a slightly larger
+    buffer (which it keeps alive)."""
+    if device.type != "cpu":
+        workspace = torch.zeros((ep_size, size_per_rank), dtype=torch.uint8, device=device)
+        if workspace.data_ptr() % layout.PLANE_ALIGN == 0:
+            return workspace
+        del workspace
+    nbytes = ep_size * size_per_rank
+    buffer = torch.zeros(nbytes + layout.PLANE_ALIGN, dtype=torch.uint8, device=device)
+    skip = -buffer.data_ptr() % layout.PLANE_ALIGN
+    return buffer[skip : skip + nbytes].view(ep_size, size_per_rank)
+
+
 def allocate_workspace(
     size_per_rank: int,
     *,
@@ -79,8 +97,10 @@ def allocate_workspace(
     size_per_rank: bytes per rank, a multiple of ``layout.ALIGN`` (the value of
     ``moe_a2a_get_workspace_size_per_rank``).
 
-    Without ``group``: ``ep_size`` simulated ranks in this process share a plain
-    ``torch.zeros`` tensor on ``device`` (default CPU).
+    Without ``group``: ``ep_size`` simulated ranks in this process share one
+    zeroed tensor on ``device`` (default CPU), its first byte aligned so that
+    every payload plane is 256-byte aligned in memory (on the CPU a view into
+    a buffer 256 bytes larger).
 
     With ``group`` (a ``torch.distributed`` process group; ``ep_size``
     defaults to, and must equal, its size): a collective call; row ``r`` is
@@ -120,7 +140,7 @@ def allocate_workspace(
     if group is None:
         if ep_size is None or not 1 <= ep_size <= layout.MAX_RANKS:
             raise ValueError(f"ep_size must be in [1, {layout.MAX_RANKS}] without a group, got {ep_size}")
-        return torch.zeros((ep_size, size_per_rank), dtype=torch.uint8, device=device)
+        return _zeros_plane_aligned(ep_size, size_per_rank, device)
 
     import torch.distributed as dist
 
