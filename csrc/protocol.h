@@ -54,7 +54,8 @@
 //      drop masked-off ranks), slots = per-destination running count in
 //      increasing token index (deterministic, no atomics order)
 //   2. write payload rows into dest d's planes at [s, slot], eplb row s into
-//      d's eplb region, recv_count[s] into d's header
+//      d's eplb region, recv_count[s] into d's header; own recv_count[q] := 0
+//      for every masked-off q (it writes nothing here this call)
 //   3. release: dispatch_flag[s] := n in every active dest d's header
 //   4. acquire: wait until own dispatch_flag[p] >= n for every active peer p
 //   5. own dispatch_epoch := n
