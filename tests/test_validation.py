@@ -184,6 +184,29 @@ def test_dispatch_rejects_payload_on_other_device(device):
     expect_error(env.workspace, lambda: a2a.moe_a2a_dispatch(**args), BAD, r"(?i)device")
 
 
+def test_meta_tensor_among_real_ones_is_refused(device):
+    """A meta tensor routes a call to the Meta kernels, which move nothing: with
+    a real workspace that is a device mismatch, refused like any other."""
+    env = make_env(device)
+    meta_payloads = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in env.payloads]
+    for change in (dict(input_payloads=meta_payloads),
+                   dict(token_selected_experts=torch.empty(env.ids.shape, dtype=torch.int32, device="meta"))):
+        args = env.dispatch_args()
+        args.update(change)
+        expect_error(env.workspace, lambda: a2a.moe_a2a_dispatch(**args), ValueError, r"(?i)device")
+    out, off, _ = a2a.moe_a2a_dispatch(**env.dispatch_args())
+    c, T, H = env.case, env.case.T, env.case.hidden
+    meta_payload = torch.empty((1, T, H), dtype=torch.bfloat16, device="meta")
+    expect_error(env.workspace, lambda: a2a.moe_a2a_combine(meta_payload, 6, env.workspace, env.metainfo, T, 0, 1,
+                                                            c.top_k, off), ValueError, r"(?i)device")
+    real_payload = out[0].clone()
+    meta_output = torch.empty((6, H), dtype=torch.bfloat16, device="meta")
+    expect_error(env.workspace, lambda: a2a.moe_a2a_combine(real_payload, 6, env.workspace, env.metainfo, T, 0, 1,
+                                                            c.top_k, off, output=meta_output), ValueError,
+                 r"(?i)device")
+    a2a.moe_a2a_combine(real_payload, 6, env.workspace, env.metainfo, T, 0, 1, c.top_k, off)
+
+
 # ---- combine -------------------------------------------------------------------------------------
 
 
@@ -430,3 +453,4 @@ def test_combine_op_rejects_sizes_other_than_the_dispatch(device):
         args = {**ce.args(), **changes}
         expect_error(ce.env.workspace, lambda: a2a.moe_a2a_combine(**args), BAD, match)
     a2a.moe_a2a_combine(**ce.args())
+
