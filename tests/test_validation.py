@@ -347,6 +347,14 @@ def test_sanitize_rejects(device):
                  BAD, r"(?i)ep_rank")
     expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(
         ids_view, env.workspace, env.metainfo, 0, -1, backend="cake"), ValueError, r"(?i)cake|capability")
+    # Reshaped views of the plane: more rows than the workspace was initialized for.
+    ep, T, k = ids_view.shape
+    longer = ids_view.view(ep, T * k, 1)
+    assert T * k > env.case.max_tokens
+    expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(longer, env.workspace, env.metainfo, 0, -1),
+                 ValueError, r"(?i)runtime_max|max_num_tokens")
+    expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(
+        ids_view.view(1, 1, ep * T * k), env.workspace, env.metainfo, 0, -1), ValueError, r"(?i)top_k")
     a2a.moe_a2a_combine(out[0], 6, env.workspace, env.metainfo, env.case.T, 0, 1, env.case.top_k, off)
 
 
@@ -454,3 +462,26 @@ def test_combine_op_rejects_sizes_other_than_the_dispatch(device):
         expect_error(ce.env.workspace, lambda: a2a.moe_a2a_combine(**args), BAD, match)
     a2a.moe_a2a_combine(**ce.args())
 
+
+def test_getters_reject_a_rank_outside_the_workspace(device):
+    env = make_env(device, ep_size=2)
+    for getter in (a2a.moe_a2a_get_recv_counts, a2a.moe_a2a_get_invalid_expert_count):
+        for rank in (-1, 2):
+            expect_error(env.workspace, lambda: getter(env.workspace, env.metainfo, rank), ValueError, r"ep_rank")
+
+
+def test_moe_alltoall_checks_sanitize_arguments_before_it_dispatches(device):
+    """A refused sanitize request leaves no row written and the instance idle."""
+    case = Case(1, (4,), 2, 4)
+    moe = a2a.MoeAlltoAll(a2a.Mapping(0, 1), 8, 2, 4, hidden_size=64, device=device)
+    payloads = make_inputs(case, make_generator(0)).to(device).payloads[0]
+    ids_index = next(i for i, p in enumerate(payloads) if p.dtype == torch.int32)
+    other = next(i for i, p in enumerate(payloads) if p.dtype != torch.int32)
+    ids = payloads[ids_index]
+    for index, invalid_id, match in ((None, -1, "required"), (len(payloads), -1, "index"), (-1, -1, "index"),
+                                     (other, -1, "int32"), (ids_index, 2**40, "int32")):
+        expect_error(moe.workspace, lambda: moe.dispatch(ids, payloads, 4, invalid_token_expert_id=invalid_id,
+                                                         expert_id_payload_index=index), ValueError, match)
+    recv = moe.dispatch(ids, payloads, 4, invalid_token_expert_id=-1, expert_id_payload_index=ids_index)
+    assert tuple(recv[ids_index].shape) == (1, 4, ids.shape[1])
+    moe.combine(torch.ones(1, 4, 64, dtype=torch.bfloat16, device=device), 4)

@@ -210,6 +210,29 @@ def _check_rank(meta: _MetaValues, ep_rank: int, ep_size: int) -> None:
         )
 
 
+def _check_sanitize_request(input_payloads: Sequence[torch.Tensor], index: Optional[int], invalid_id: int) -> None:
+    """MoeAlltoAll.dispatch's sanitize arguments, checked before the dispatch
+    runs: a refusal after it would leave the peers' rows written and no
+    receive views returned."""
+    if index is None:
+        raise ValueError("expert_id_payload_index is required when invalid_token_expert_id is set")
+    if not isinstance(index, int) or not 0 <= index < len(input_payloads):
+        raise ValueError(f"expert_id_payload_index must index input_payloads (0..{len(input_payloads) - 1}), "
+                         f"got {index!r}")
+    ids = input_payloads[index]
+    if ids.dtype != torch.int32 or ids.dim() != 2:
+        raise ValueError("expert_id_payload_index must name the int32 [local_num_tokens, top_k] expert-id payload, "
+                         f"got {ids.dtype} {tuple(ids.shape)}")
+    if not -(2**31) <= invalid_id < 2**31:
+        raise ValueError(f"invalid_token_expert_id must fit in int32, got {invalid_id}")
+
+
+def _check_rank_index(meta: _MetaValues, ep_rank: int) -> None:
+    """A getter's ep_rank: any rank of the workspace (the header it reads is that rank's)."""
+    if not 0 <= ep_rank < meta[1]:
+        raise ValueError(f"ep_rank must be in [0, {meta[1]}) (the metainfo's ep_size), got {ep_rank}")
+
+
 def _rank_mask_words(enable_rank_mask: bool, active_rank_mask: Optional[torch.Tensor]) -> Sequence[int]:
     """The op's ``active_rank_mask``: ``()`` for "every rank", else the words as signed int64."""
     if active_rank_mask is None:
@@ -753,6 +776,12 @@ def moe_a2a_sanitize_expert_ids(
             "expert_ids must be the contiguous int32 [ep_size, runtime_max_tokens_per_rank, top_k] "
             f"view returned by moe_a2a_dispatch, got {expert_ids.dtype} {tuple(expert_ids.shape)}"
         )
+    _, ep_size, max_num_tokens, _, _, _ = meta
+    if expert_ids.shape[0] != ep_size or not 1 <= expert_ids.shape[1] <= max_num_tokens:
+        raise ValueError(
+            f"expert_ids must be [ep_size ({ep_size}), runtime_max_tokens_per_rank (1..max_num_tokens = "
+            f"{max_num_tokens}), top_k], got {tuple(expert_ids.shape)}"
+        )
     if torch.compiler.is_compiling():
         # Dynamo cannot read storage_offset(); dispatch tagged its views with
         # the offset it built them at.
@@ -784,13 +813,14 @@ def moe_a2a_get_recv_counts(workspace: torch.Tensor, metainfo: torch.Tensor, ep_
     """int32 ``[ep_size]`` view of rank ``ep_rank``'s header: ``[s]`` = rows received from rank ``s``
     by the last dispatch (0 for masked-off ranks)."""
     meta = _metainfo_values(metainfo, id(metainfo))
+    _check_rank_index(meta, ep_rank)
     return layout.region_view(workspace[ep_rank], layout.HDR_RECV_COUNTS, (meta[1],), torch.int32)
 
 
 def moe_a2a_get_invalid_expert_count(workspace: torch.Tensor, metainfo: torch.Tensor, ep_rank: int) -> torch.Tensor:
     """0-d int64 view of rank ``ep_rank``'s header: expert ids ``>= num_experts`` its dispatches
     skipped since ``moe_a2a_initialize``."""
-    _metainfo_values(metainfo, id(metainfo))  # validates metainfo
+    _check_rank_index(_metainfo_values(metainfo, id(metainfo)), ep_rank)
     return layout.region_view(workspace[ep_rank], layout.HDR_INVALID_EXPERT_COUNT, (), torch.int64)
 
 
@@ -1060,8 +1090,8 @@ class MoeAlltoAll:
         """
         if self._state.phase != "idle":
             raise RuntimeError("MoeAlltoAll.dispatch called twice without combine")
-        if invalid_token_expert_id is not None and expert_id_payload_index is None:
-            raise ValueError("expert_id_payload_index is required when invalid_token_expert_id is set")
+        if invalid_token_expert_id is not None:
+            _check_sanitize_request(input_payloads, expert_id_payload_index, invalid_token_expert_id)
         if eplb_local_stats is not None and not self.enable_eplb:
             raise ValueError("eplb_local_stats given but the instance was constructed with eplb_stats_num_experts=0")
         if active_rank_mask is not None and not self.enable_rank_mask:
