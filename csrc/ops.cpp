@@ -338,10 +338,12 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
                     "local_num_tokens must be in [0, runtime_max_tokens_per_rank=", T, "], got ",
                     local_num_tokens);
 
+  // The payload first: output_dtype defaults to it, so an fp8 payload must
+  // not read as a request for a quantized output.
+  p.payload_dtype = to_dtype(payload_dtype, "payload dtype");
   TORCH_CHECK_NOT_IMPLEMENTED(!is_quantized_output(output_dtype), "output_dtype=", dtype_name(output_dtype),
                               " (a quantized combine output) is not implemented; use the payload "
                               "dtype or torch.bfloat16");
-  p.payload_dtype = to_dtype(payload_dtype, "payload dtype");
   p.output_dtype = to_dtype(output_dtype, "output_dtype");
   TORCH_CHECK_VALUE(output_dtype == payload_dtype || output_dtype == at::kBFloat16,
                     "output_dtype must be the payload dtype (", dtype_name(payload_dtype),

@@ -257,6 +257,8 @@ COMBINE_BAD = [
      r"(?i)offset|workspace"),
     ("ep_rank_1", _set(ep_rank=1), BAD, r"(?i)ep_rank"),
     ("output_dtype_fp8", _set(output_dtype=torch.float8_e4m3fn), NotImplementedError, None),
+    # An fp8 payload (output_dtype then defaults to it) is named as the payload's fault.
+    ("payload_fp8", _payload(lambda ce: ce.payload.to(torch.float8_e4m3fn)), ValueError, r"payload dtype"),
     ("output_dtype_int32", _set(output_dtype=torch.int32), (ValueError, NotImplementedError), r"(?i)output_dtype|dtype"),
     ("low_precision", _set(use_low_precision=True), NotImplementedError, None),
     ("output_scales", lambda ce, args: args.update(output_scales=torch.ones(6, 2, dtype=torch.uint8)),
