@@ -137,6 +137,11 @@ DISPATCH_BAD = [
         eplb_local_stats=torch.ones(4, dtype=torch.int32, device=env.device)), r"(?i)eplb"),
     ("cake_backend", _set(backend="cake"), r"(?i)cake|capability|blackwell"),
     ("unknown_backend", _set(backend="nccl"), r"(?i)backend"),
+    # Arguments of the wrong Python type are named (the C++ fast path's own text would not).
+    ("runtime_max_float", _set(runtime_max_tokens_per_rank=8.0), r"runtime_max_tokens_per_rank must be an int"),
+    ("top_k_str", _set(top_k="4"), r"top_k must be an int"),
+    ("payload_none", _payloads(lambda e: [e.payloads[0], None]), r"input_payloads\[1\] must be a tensor"),
+    ("payloads_a_tensor", _payloads(lambda e: e.payloads[0]), r"input_payloads must be a list of tensors"),
 ]
 
 
@@ -257,6 +262,8 @@ COMBINE_BAD = [
      r"(?i)offset|workspace"),
     ("ep_rank_1", _set(ep_rank=1), BAD, r"(?i)ep_rank"),
     ("output_dtype_fp8", _set(output_dtype=torch.float8_e4m3fn), NotImplementedError, None),
+    ("local_tokens_float", _set(local_num_tokens=6.0), ValueError, r"local_num_tokens must be an int"),
+    ("output_not_a_tensor", _set(output=[0.0] * 6), ValueError, r"output must be a tensor or None"),
     # An fp8 payload (output_dtype then defaults to it) is named as the payload's fault.
     ("payload_fp8", _payload(lambda ce: ce.payload.to(torch.float8_e4m3fn)), ValueError, r"payload dtype"),
     ("output_dtype_int32", _set(output_dtype=torch.int32), (ValueError, NotImplementedError), r"(?i)output_dtype|dtype"),

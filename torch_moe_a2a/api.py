@@ -297,6 +297,39 @@ def _debug_check_expert_ids(token_selected_experts: torch.Tensor, num_experts: i
         )
 
 
+# What an argument of the C++ fast path must be (_wrong_type).
+_TENSOR, _OPT_TENSOR, _TENSORS, _INT, _FLOAT, _BOOL = (
+    "a tensor", "a tensor or None", "a list of tensors", "an int", "a number", "a bool")
+
+
+def _type_ok(value: Any, kind: str) -> bool:
+    if kind == _TENSOR:
+        return isinstance(value, torch.Tensor)
+    if kind == _OPT_TENSOR:
+        return value is None or isinstance(value, torch.Tensor)
+    if kind == _TENSORS:
+        return isinstance(value, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in value)
+    if kind == _INT:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == _FLOAT:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, bool)
+
+
+def _wrong_type(fn: str, error: TypeError, **arguments: tuple[Any, str]) -> ValueError:
+    """The ValueError for a TypeError of _C.dispatch / _C.combine: the first
+    argument of the wrong kind, named (pybind's own text lists signatures and
+    whole tensors)."""
+    for name, (value, kind) in arguments.items():
+        if kind == _TENSORS and isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                if not isinstance(item, torch.Tensor):
+                    return ValueError(f"{fn}: {name}[{i}] must be a tensor, got {type(item).__name__}")
+        if not _type_ok(value, kind):
+            return ValueError(f"{fn}: {name} must be {kind}, got {type(value).__name__}")
+    return ValueError(f"{fn}: an argument has the wrong type ({str(error).splitlines()[0]})")
+
+
 def _direct_call_ok(*tensors: Optional[torch.Tensor]) -> bool:
     """Eager calls may skip torch.ops' Python argument matching (_C.dispatch,
     _C.combine: the same operators through the C++ dispatcher, dispatch modes
@@ -567,7 +600,15 @@ def _dispatch(
         hit = cache.get(key)
     if _direct_call_ok(token_selected_experts, workspace, eplb_local_stats, *input_payloads):
         # One C++ call runs the op and builds every view (protocol.h's call_layout).
-        views = _C.dispatch(*args, hit is None)
+        try:
+            views = _C.dispatch(*args, hit is None)
+        except TypeError as e:
+            raise _wrong_type("moe_a2a_dispatch", e, token_selected_experts=(token_selected_experts, _TENSOR),
+                              input_payloads=(input_payloads, _TENSORS), workspace=(workspace, _TENSOR),
+                              runtime_max_tokens_per_rank=(runtime_max_tokens_per_rank, _INT),
+                              ep_rank=(ep_rank, _INT), ep_size=(ep_size, _INT), top_k=(top_k, _INT),
+                              num_experts=(num_experts, _INT), eplb_local_stats=(eplb_local_stats, _OPT_TENSOR),
+                              timeout_s=(timeout_s, _FLOAT), enable_pdl=(enable_pdl, _BOOL)) from None
     else:
         _ops.dispatch.default(*args)
         views = None if hit is not None else _C.receive_views(
@@ -720,7 +761,15 @@ def _combine(
         enable_pdl,
     )
     if not compiling and _direct_call_ok(workspace, payload, output):
-        return _C.combine(*args, output)
+        try:
+            return _C.combine(*args, output)
+        except TypeError as e:
+            raise _wrong_type("moe_a2a_combine", e, payload=(payload, _TENSOR), workspace=(workspace, _TENSOR),
+                              local_num_tokens=(local_num_tokens, _INT),
+                              runtime_max_tokens_per_rank=(runtime_max_tokens_per_rank, _INT),
+                              ep_rank=(ep_rank, _INT), ep_size=(ep_size, _INT), top_k=(top_k, _INT),
+                              combine_payload_offset=(combine_payload_offset, _INT), output=(output, _OPT_TENSOR),
+                              timeout_s=(timeout_s, _FLOAT), enable_pdl=(enable_pdl, _BOOL)) from None
     if output is None:
         return _ops.combine.default(*args)
     _ops.combine_into.default(*args, output)
