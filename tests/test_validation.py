@@ -494,3 +494,16 @@ def test_moe_alltoall_checks_sanitize_arguments_before_it_dispatches(device):
     recv = moe.dispatch(ids, payloads, 4, invalid_token_expert_id=-1, expert_id_payload_index=ids_index)
     assert tuple(recv[ids_index].shape) == (1, 4, ids.shape[1])
     moe.combine(torch.ones(1, 4, 64, dtype=torch.bfloat16, device=device), 4)
+
+
+@pytest.mark.parametrize("top_k,num_experts,match", [
+    (0, 4, "top_k"), (23, 64, "top_k"), (True, 4, "top_k"), (2.0, 4, "top_k"), (2, 1, "num_experts"),
+])
+def test_moe_alltoall_constructor_checks_limits(top_k, num_experts, match, device):
+    """Refused before the workspace given to it is initialized."""
+    size = a2a.moe_a2a_get_workspace_size_per_rank(2, 8, 256, 128)
+    workspace = torch.zeros(2, size, dtype=torch.uint8, device=device)
+    snap = ws_snapshot(workspace)
+    with pytest.raises(ValueError, match=match):
+        a2a.MoeAlltoAll(a2a.Mapping(0, 2), 8, top_k, num_experts, workspace=workspace)
+    assert_ws_unchanged(workspace, snap)

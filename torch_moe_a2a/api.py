@@ -1005,10 +1005,11 @@ class MoeAlltoAll:
     ):
         self.ep_rank = int(mapping.moe_ep_rank)
         self.ep_size = int(mapping.moe_ep_size)
-        if not isinstance(top_k, int) or top_k <= 0:
-            raise ValueError("top_k must be a positive int")
-        if not isinstance(num_experts, int) or num_experts <= 0:
-            raise ValueError("num_experts must be a positive int")
+        # The limits of every later call, checked before anything is allocated or initialized.
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= layout.MAX_TOP_K:
+            raise ValueError(f"top_k must be an int in [1, {layout.MAX_TOP_K}], got {top_k!r}")
+        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < max(1, self.ep_size):
+            raise ValueError(f"num_experts must be an int >= ep_size ({self.ep_size}), got {num_experts!r}")
         if mnnvl_config is not None:
             raise NotImplementedError(
                 "mnnvl_config (FlashInfer's MNNVL transport) is not supported; pass a "
