@@ -734,11 +734,16 @@ def _combine(
     # `output` (shape, dtype, device, contiguity) is checked by the op (check_combine).
     compiling = torch.compiler.is_compiling()
     staged = payload
-    if payload_in_workspace:
-        if not compiling:
-            _check_payload_in_workspace(payload, workspace, ep_rank, ep_size, runtime_max_tokens_per_rank,
-                                        combine_payload_offset)
+    if payload_in_workspace and not compiling:
+        _check_payload_in_workspace(payload, workspace, ep_rank, ep_size, runtime_max_tokens_per_rank,
+                                    combine_payload_offset)
         staged = None
+    # Traced, the payload is always handed to the op, which stages it: a traced
+    # graph cannot check that it is the combine region, and
+    # MoeAlltoAll.get_combine_payload_tensor_in_workspace gives a plain buffer
+    # there (DESIGN.md section 4: a traced write into a workspace view makes
+    # Inductor copy the whole workspace). When it is the region after all,
+    # the kernels skip the copy of a region onto itself.
     row_shape = payload.shape[2:]
     if output_dtype is None:
         output_dtype = payload.dtype
@@ -1238,12 +1243,19 @@ class MoeAlltoAll:
 
         Write the expert outputs into it and call :meth:`combine` with
         ``payload_in_workspace=True`` to skip the staging copy. Valid between
-        :meth:`dispatch` and :meth:`combine`. Under ``torch.compile`` prefer
-        ``payload_in_workspace=False``: a traced write into a workspace view
-        makes Inductor copy the whole workspace (DESIGN.md section 4).
+        :meth:`dispatch` and :meth:`combine`. Under ``torch.compile`` it is a
+        plain tensor of that shape, which combine then stages: a traced write
+        into a workspace view would make Inductor copy the whole workspace
+        (DESIGN.md section 4), and with simulated ranks the ranks would then
+        signal each other in private copies and time out.
         """
         if self._state.phase != "dispatched":
             raise RuntimeError("get_combine_payload_tensor_in_workspace called before dispatch")
+        if torch.compiler.is_compiling():
+            # A buffer of its own, which combine stages (see _combine): the
+            # MoE's write into it is then no write into a workspace view.
+            return torch.empty((self.ep_size, runtime_max_tokens_per_rank, hidden_size), dtype=dtype,
+                               device=self.workspace.device)
         offset = self._state.combine_payload_offset
         nbytes = self.ep_size * runtime_max_tokens_per_rank * hidden_size * dtype.itemsize
         return moe_a2a_wrap_payload_tensor_in_workspace(
