@@ -53,7 +53,10 @@ def test_compiled_single_rank_equals_eager(device):
     assert_bytes_equal(compiled(*args), eager, "second compiled call")
 
 
-def test_compiled_two_simulated_ranks_equal_eager(device):
+@pytest.mark.parametrize("path", ["functional", "moe_alltoall"])
+def test_compiled_two_simulated_ranks_equal_eager(path, device):
+    """moe_step, or moe_alltoall_step with its buffer from
+    get_combine_payload_tensor_in_workspace (traced, a buffer of its own)."""
     if device == "cuda":
         # Each rank runs (and first compiles) its whole step on the one host
         # thread that launches every simulated rank: rank 1's compilation
@@ -63,13 +66,22 @@ def test_compiled_two_simulated_ranks_equal_eager(device):
     case = Case(2, (7, 12), 3, 6, hidden=64, runtime_max=12)
     sim = make_sim(case, device)
     inputs = make_inputs(case, make_generator(1)).to(device)
+    if path == "functional":
+        step = moe_step
 
-    def args(r):
-        return (inputs.ids[r], inputs.payloads[r], sim.workspace, sim.metainfo[r], case.T, r, 2, case.top_k,
-                case.num_experts, case.tokens[r])
+        def args(r):
+            return (inputs.ids[r], inputs.payloads[r], sim.workspace, sim.metainfo[r], case.T, r, 2, case.top_k,
+                    case.num_experts, case.tokens[r])
+    else:
+        step = moe_alltoall_step
+        moes = [a2a.MoeAlltoAll(a2a.Mapping(r, 2), case.max_tokens, case.top_k, case.num_experts,
+                                workspace=sim.workspace, timeout_s=10.0) for r in range(2)]
 
-    eager = [o.cpu() for o in sim.run(lambda r: moe_step(*args(r)))]
-    compiled = torch.compile(moe_step, fullgraph=True)
+        def args(r):
+            return (moes[r], inputs.ids[r], inputs.payloads[r], case.T)
+
+    eager = [o.cpu() for o in sim.run(lambda r: step(*args(r)))]
+    compiled = torch.compile(step, fullgraph=True)
     # Each rank compiles its own graph (ep_rank and metainfo differ) from its own
     # thread, while its peer waits inside the op.
     for _ in range(2):
@@ -105,23 +117,3 @@ def test_compiled_in_workspace_payload_copies_no_workspace(device):
     assert_bytes_equal(out, eager, "compiled vs eager")
     _assert_no_workspace_copy(codes, moe.workspace)
 
-
-def test_compiled_in_workspace_payload_two_simulated_ranks(device):
-    if device == "cuda":
-        pytest.skip("a compiled multi-rank step per rank needs a host thread per rank on CUDA")
-    torch._dynamo.reset()
-    case = Case(2, (7, 12), 3, 6, hidden=64, runtime_max=12)
-    sim = make_sim(case, device)
-    moes = [a2a.MoeAlltoAll(a2a.Mapping(r, 2), case.max_tokens, case.top_k, case.num_experts,
-                            workspace=sim.workspace, timeout_s=10.0) for r in range(2)]
-    inputs = make_inputs(case, make_generator(3)).to(device)
-
-    def step(r, fn):
-        return fn(moes[r], inputs.ids[r], inputs.payloads[r], case.T)
-
-    eager = [o.cpu() for o in sim.run(lambda r: step(r, moe_alltoall_step))]
-    compiled = torch.compile(moe_alltoall_step, fullgraph=True)
-    for _ in range(2):
-        outs = sim.run(lambda r: step(r, compiled))
-        for r in range(2):
-            assert_bytes_equal(outs[r], eager[r], f"rank {r}")
