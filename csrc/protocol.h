@@ -221,6 +221,9 @@ MOE_A2A_HD constexpr int64_t claim_counter_offset(int c) {
   return c == 0 ? kHdrDispatchClaim0 : kHdrDispatchClaims + kClaimStride * (c - 1);
 }
 
+// Header offset of recv_count[s] (int32): rows of this call that rank s sent here.
+MOE_A2A_HD constexpr int64_t recv_count_offset(int64_t s) { return kHdrRecvCounts + int64_t(sizeof(int32_t)) * s; }
+
 MOE_A2A_HD constexpr int64_t align_up(int64_t x, int64_t a = kAlign) { return (x + a - 1) / a * a; }
 
 // Rows of source s's plane that a combine stages or reads: recv_count[s]

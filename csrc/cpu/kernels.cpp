@@ -367,22 +367,20 @@ WaitResult dispatch(const DispatchParams& p) {
     }
   });
 
-  // EPLB row and receive count into every active destination.
+  // EPLB row and receive count into every active destination. A masked-off
+  // rank writes nothing into this row this call: its own count here is
+  // zeroed, so none of the rows an earlier call left from it counts.
   for (int d = 0; d < ws.ep_size; ++d) {
-    if (!rank_active(p.sync, d)) continue;
+    if (!rank_active(p.sync, d)) {
+      store<int32_t>(own, recv_count_offset(d), 0);
+      continue;
+    }
     uint8_t* dest = ws.row(d);
     if (p.eplb_local_stats != nullptr) {
       std::memcpy(dest + p.layout.eplb_offset + int64_t(ws.ep_rank) * p.eplb_n * int64_t(sizeof(int32_t)),
                   p.eplb_local_stats, static_cast<size_t>(p.eplb_n) * sizeof(int32_t));
     }
-    store<int32_t>(dest, kHdrRecvCounts + int64_t(sizeof(int32_t)) * ws.ep_rank,
-                   static_cast<int32_t>(recv_count[d]));
-  }
-
-  // A masked-off source writes nothing into this row this call: none of the
-  // rows an earlier call left from it counts as received.
-  for (int s = 0; s < ws.ep_size; ++s) {
-    if (!rank_active(p.sync, s)) store<int32_t>(own, kHdrRecvCounts + int64_t(sizeof(int32_t)) * s, 0);
+    store<int32_t>(dest, recv_count_offset(ws.ep_rank), static_cast<int32_t>(recv_count[d]));
   }
 
   // What the matching combine must agree with, and the invalid-id tally.
@@ -412,7 +410,7 @@ WaitResult combine(const CombineParams& p) {
   if (p.payload != nullptr && p.payload != region) {
     for (int s = 0; s < ws.ep_size; ++s) {
       if (!rank_active(p.sync, s)) continue;
-      const int64_t count = received_rows(load<int32_t>(own, kHdrRecvCounts + int64_t(sizeof(int32_t)) * s), T);
+      const int64_t count = received_rows(load<int32_t>(own, recv_count_offset(s)), T);
       const int64_t plane = int64_t(s) * T * row_bytes;
       at::parallel_for(0, count, grain_for(row_bytes), [&](int64_t begin, int64_t end) {
         std::memcpy(region + plane + begin * row_bytes, p.payload + plane + begin * row_bytes,
@@ -450,7 +448,7 @@ void sanitize_expert_ids(const SanitizeParams& p) {
   int32_t* plane = reinterpret_cast<int32_t*>(own + p.offset);
   const int64_t T = p.runtime_max_tokens;
   for (int s = 0; s < ws.ep_size; ++s) {
-    const int64_t count = received_rows(load<int32_t>(own, kHdrRecvCounts + int64_t(sizeof(int32_t)) * s), T);
+    const int64_t count = received_rows(load<int32_t>(own, recv_count_offset(s)), T);
     int32_t* first = plane + (int64_t(s) * T + count) * p.top_k;
     std::fill_n(first, (T - count) * p.top_k, p.invalid_expert_id);
   }

@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   __shared__ int32_t recv_count[kMaxRanks];
   const bool loads_count = (a.stage || a.prefetch) && int(threadIdx.x) < ws.ep_size;
   const int32_t count =
-      loads_count ? *header_word<int32_t>(own, kHdrRecvCounts + int64_t(sizeof(int32_t)) * threadIdx.x) : 0;
+      loads_count ? *header_word<int32_t>(own, recv_count_offset(threadIdx.x)) : 0;
   const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
   const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
   const uint32_t error_code = load_error_code(own);

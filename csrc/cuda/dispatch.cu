@@ -382,10 +382,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   if (owns_last_chunk && threadIdx.x < ep_size) {
     const int d = threadIdx.x;
     if (rank_active(p.sync, d)) {
-      *header_word<int32_t>(ws.row(d), kHdrRecvCounts + int64_t(sizeof(int32_t)) * ws.ep_rank) =
+      *header_word<int32_t>(ws.row(d), recv_count_offset(ws.ep_rank)) =
           static_cast<int32_t>(next_slot[d]);
     } else {
-      *header_word<int32_t>(own, kHdrRecvCounts + int64_t(sizeof(int32_t)) * d) = 0;
+      *header_word<int32_t>(own, recv_count_offset(d)) = 0;
     }
   }
 

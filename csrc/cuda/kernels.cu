@@ -33,7 +33,7 @@ __global__ void sanitize_kernel(const __grid_constant__ SanitizeParams p) {
   const int64_t T = p.runtime_max_tokens;
   __shared__ int64_t valid_rows[kMaxRanks];
   if (threadIdx.x < ws.ep_size) {
-    const int32_t count = *header_word<int32_t>(own, kHdrRecvCounts + int64_t(sizeof(int32_t)) * threadIdx.x);
+    const int32_t count = *header_word<int32_t>(own, recv_count_offset(threadIdx.x));
     valid_rows[threadIdx.x] = received_rows(count, T);
   }
   __syncthreads();
