@@ -307,8 +307,8 @@ def _type_ok(value: Any, kind: str) -> bool:
         return isinstance(value, torch.Tensor)
     if kind == _OPT_TENSOR:
         return value is None or isinstance(value, torch.Tensor)
-    if kind == _TENSORS:
-        return isinstance(value, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in value)
+    if kind == _TENSORS:  # the container; _wrong_type names a bad element
+        return isinstance(value, (list, tuple))
     if kind == _INT:
         return isinstance(value, int) and not isinstance(value, bool)
     if kind == _FLOAT:
@@ -321,12 +321,12 @@ def _wrong_type(fn: str, error: TypeError, **arguments: tuple[Any, str]) -> Valu
     argument of the wrong kind, named (pybind's own text lists signatures and
     whole tensors)."""
     for name, (value, kind) in arguments.items():
-        if kind == _TENSORS and isinstance(value, (list, tuple)):
+        if not _type_ok(value, kind):
+            return ValueError(f"{fn}: {name} must be {kind}, got {type(value).__name__}")
+        if kind == _TENSORS:
             for i, item in enumerate(value):
                 if not isinstance(item, torch.Tensor):
                     return ValueError(f"{fn}: {name}[{i}] must be a tensor, got {type(item).__name__}")
-        if not _type_ok(value, kind):
-            return ValueError(f"{fn}: {name} must be {kind}, got {type(value).__name__}")
     return ValueError(f"{fn}: an argument has the wrong type ({str(error).splitlines()[0]})")
 
 
