@@ -45,10 +45,14 @@
 //
 // dispatch n on rank s (n = own dispatch_epoch + 1; requires own
 // dispatch_epoch == own combine_epoch, else "two dispatches in a row"):
-//   0. only when this call's regions reach past the previous call's combine
-//      offset (dispatch_end > own kHdrLastDispatchEnd: T or the payload rows
-//      grew): acquire-wait until combine_epoch >= n - 1 in every active peer
-//      p's own header (p finished pulling combine n - 1) before writing
+//   0. a. n == 1 (the first dispatch since initialize): acquire-wait until
+//      every active peer p's kHdrMagic reads kMagic (p zeroed its row)
+//      before writing anything into it
+//      b. only when this call's regions may cover something a rank still
+//      reads of call n - 1 (previous_call_overlap below: dispatch_end >
+//      own kHdrLastDispatchEnd, or T < own kHdrLastRuntimeMax):
+//      acquire-wait until combine_epoch >= n - 1 in every active peer p's
+//      own header (p finished pulling combine n - 1) before writing
 //      anything; then own kHdrLastDispatchEnd := dispatch_end
 //   1. route every local token (skip ids < 0, count and skip ids >= num_experts,
 //      drop masked-off ranks), slots = per-destination running count in
@@ -76,14 +80,24 @@
 //     place) only after r's dispatch n+1 saw every peer p's dispatch-(n+1)
 //     flag, which p raised after its combine n finished pulling from r.
 //   * recv_count / eplb rows follow the same chain as the planes.
-//   * the layout moves with T and the payload sizes, so round n+1's route
-//     region, eplb rows and planes in d's row may cover d's round-n combine
-//     region, which every source rank pulls from during its combine n: hence
-//     dispatch step 0. Every region a dispatch writes lies in
+//   * the layout moves with T and the payload sizes, so round n+1's regions
+//     in d's row may cover what a rank still reads there of round n: d's
+//     combine region n, which every source rank pulls from during its
+//     combine n, and d's route region n, which d's own combine n reads
+//     while it pulls (after its flags, so a peer's dispatch n+1 can already
+//     run): hence dispatch step 0. Every region a dispatch writes lies in
 //     [kHeaderBytes, dispatch_end) and combine region n starts at
 //     dispatch_end of round n (equal on all ranks: same T and payload rows),
-//     so the two overlap only when dispatch_end grew; the steady state (same
-//     shapes every round) never waits there.
+//     so the two overlap only when dispatch_end grew. Peers write d's row
+//     from the end of round n+1's route region, which starts at kHeaderBytes
+//     and grows with T, so they reach d's route region n only when T shrank.
+//     The steady state (same shapes every round) never waits there.
+//   * initialize zeroes the row (local, as in FlashInfer): a peer's first
+//     dispatch waits for the row's magic (step 0a), so no zeroing can wipe
+//     what a peer wrote, whichever order the ranks initialize in. A row that
+//     still shows the magic of an earlier initialize (the workspace
+//     re-initialized after a failure) passes at once: re-initializing needs
+//     a barrier between every rank's initialize and the first dispatch.
 // Misuse that breaks the chain (two dispatches in a row, combine without
 // dispatch) is detected from the own epochs and refused with a clear error.
 //
@@ -277,6 +291,15 @@ MOE_A2A_HD CallLayout call_layout(int64_t ep_size, int64_t runtime_max_tokens, i
   l.combine_offset = off;
   l.dispatch_end = off;
   return l;
+}
+
+// Dispatch step 0b: whether call n+1 (dispatch_end, T) may write over a
+// region that a rank still reads of call n (last_dispatch_end, last_T, from
+// the own header: equal on every rank, as the layouts are): the combine region
+// n (dispatch_end grew) or the route region n (T shrank).
+MOE_A2A_HD bool previous_call_overlap(int64_t dispatch_end, int64_t last_dispatch_end, int64_t runtime_max_tokens,
+                                      int64_t last_runtime_max_tokens) {
+  return dispatch_end > last_dispatch_end || runtime_max_tokens < last_runtime_max_tokens;
 }
 
 // End of the combine region for a call: must stay <= size_per_rank.

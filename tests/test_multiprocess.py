@@ -4,6 +4,7 @@ and through MoeAlltoAll(group=...) match the reference computed here."""
 
 import datetime
 import os
+import time
 
 import pytest
 import torch
@@ -44,8 +45,12 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         # Round 1: functional API on allocate_workspace(group=...).
         workspace = a2a.allocate_workspace(size, group=dist.group.WORLD)
         assert tuple(workspace.shape) == (world, size) and workspace.dtype == torch.uint8
+        # No barrier after the local initialize (DESIGN section 5: no peer writes
+        # into a row before its owner zeroed it): the last rank initializes
+        # late, after its peers' first dispatches started.
+        if rank == world - 1:
+            time.sleep(0.3)
         metainfo = a2a.moe_a2a_initialize(workspace, rank, world, case.max_tokens)
-        dist.barrier()  # moe_a2a_initialize is local: no peer writes before every row is zeroed
         x = inputs[0]
         recv, offset, _ = a2a.moe_a2a_dispatch(x.ids[rank], x.payloads[rank], workspace, metainfo, case.T, rank,
                                                world, case.top_k, case.num_experts)

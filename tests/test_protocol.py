@@ -22,6 +22,7 @@ from conftest import (
     make_sim,
     poison_call_regions,
     random_tensor,
+    random_values,
     round_trip,
     ws_snapshot,
 )
@@ -445,6 +446,85 @@ def test_free_running_ranks_changing_layout(grow, device):
             case = Case(3, tokens, 1, 3, hidden=512, runtime_max=48, extras=() if small else big_extra)
         rounds.append((case, make_inputs(case, gen)))
     _check_free_running(make_sim(rounds[1][0], device), rounds, device)
+
+
+def test_runtime_max_shrinking_between_rounds(device):
+    """runtime_max_tokens_per_rank may change from one call to the next
+    (DESIGN section 3: equal on all ranks for one call). When it shrinks,
+    round n+1's receive planes start where round n's route region was, which
+    each rank's combine n reads while it pulls: a fast rank's dispatch n+1
+    must not write over a slow rank's routes. Rank 1 (slow) pulls many rows
+    of its own tokens; rank 0 (fast) sends one token whose words read as
+    route entries naming a valid slot, so an overwrite changes rank 1's
+    output instead of failing loudly. The ranks run free (no host
+    synchronization between rounds); on CUDA every input and output is
+    allocated before the rounds, so no round blocks the launching thread."""
+    ep, big, hidden = 2, 64, 1024
+    rounds = 40 if device == "cpu" else 12
+    sim = a2a.SimulatedEP(ep, big, dispatch_bytes_per_token=hidden * 4, combine_bytes_per_token=hidden * 4,
+                          device=device, timeout_s=30)
+    gen = make_generator(41)
+    fake_route = (1 << layout.ROUTE_RANK_SHIFT) | 7  # "rank 1, slot 7"
+    plan = []  # per round: runtime_max, then per rank (ids, payload, expert outputs, output)
+    for i in range(rounds):
+        T = big if i % 2 == 0 else 1
+        own = random_values((T, hidden), torch.float32, gen).to(device)
+        bait = torch.full((1, hidden), fake_route, dtype=torch.int32).view(torch.float32).to(device)
+        ranks = [(torch.ones((1, 1), dtype=torch.int32, device=device), bait),
+                 (torch.ones((T, 1), dtype=torch.int32, device=device), own)]
+        plan.append((T, [(ids, x, torch.zeros((ep, T, hidden), device=device), torch.empty_like(x))
+                         for ids, x in ranks]))
+
+    def rank_loop(r):
+        for T, per_rank in plan:
+            ids, x, echo, out = per_rank[r]
+            recv, off, _ = a2a.moe_a2a_dispatch(ids, [x], sim.workspace, sim.metainfo[r], T, r, ep, 1, ep)
+            echo[1] = recv[0][1]  # rank 1's own tokens back to it, zeros to rank 0
+            a2a.moe_a2a_combine(echo, x.shape[0], sim.workspace, sim.metainfo[r], T, r, ep, 1, off, output=out)
+
+    sim.run(rank_loop)
+    for i, (T, per_rank) in enumerate(plan):
+        _, x, _, out = per_rank[1]
+        assert_bytes_equal(out.cpu(), x.cpu(), f"round {i} (T={T}): rank 1's output")
+        assert int(torch.count_nonzero(per_rank[0][3])) == 0, f"round {i}: rank 0's output"
+
+
+def test_initialize_after_a_peers_first_dispatch(device):
+    """initialize is local and zeroes the own row (DESIGN section 3), yet no
+    peer writes into a rank's row before that rank has zeroed it (section
+    5): the last rank initializes only after its peers' first dispatches
+    are under way (on the CPU after a delay; on CUDA its initialize is
+    launched after their dispatch kernels), and the round still completes
+    and matches the reference."""
+    from torch_moe_a2a import reference
+
+    case = Case(3, (6, 9, 4), 2, 6, hidden=128, runtime_max=12)
+    ep, late = case.ep_size, case.ep_size - 1
+    sim = make_sim(case, device, timeout_s=20)
+    sim.workspace.zero_()  # as allocate_workspace returns it: no row initialized yet
+    gen = make_generator(43)
+    inputs = make_inputs(case, gen)
+    dev = inputs.to(device)
+    _wait_for_device(device)
+
+    def first_dispatch(r):
+        if r == late and device == "cpu":
+            time.sleep(0.3)
+        sim.metainfo[r] = a2a.moe_a2a_initialize(sim.workspace, r, ep, case.max_tokens)
+        return a2a.moe_a2a_dispatch(dev.ids[r], dev.payloads[r], sim.workspace, sim.metainfo[r], case.T, r, ep,
+                                    case.top_k, case.num_experts)
+
+    results = sim.run(first_dispatch)
+    recv = [[v.cpu().clone() for v in res[0]] for res in results]
+    counts = [a2a.moe_a2a_get_recv_counts(sim.workspace, sim.metainfo[r], r).cpu().clone() for r in range(ep)]
+    ref = reference.reference_dispatch(inputs.ids, inputs.payloads, ep_size=ep, num_experts=case.num_experts,
+                                       runtime_max_tokens_per_rank=case.T)
+    check_dispatch(recv, counts, ref, case.payload_specs(), case.T, range(ep))
+    outs = sim.run(lambda r: a2a.moe_a2a_combine(results[r][0][0], case.tokens[r], sim.workspace, sim.metainfo[r],
+                                                 case.T, r, ep, case.top_k, results[r][1]))
+    expected = reference.reference_combine([ref.recv[r][0] for r in range(ep)], ref, list(case.tokens))
+    for r in range(ep):
+        assert_bytes_equal(outs[r].cpu(), expected[r], f"rank {r} output")
 
 
 # ---- padded rows ------------------------------------------------------------------

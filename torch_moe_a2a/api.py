@@ -403,8 +403,13 @@ def moe_a2a_initialize(
 
     Local, as in FlashInfer: it touches only this rank's row, so a plain
     ``[ep_size, size_per_rank]`` uint8 tensor can be initialized rank by rank.
-    Across processes, no peer may dispatch before every rank has initialized:
-    :class:`MoeAlltoAll` adds that barrier.
+    On a zeroed workspace (``allocate_workspace``, ``torch.zeros``) the ranks
+    may initialize in any order: a rank's first dispatch after initialize
+    writes into a peer's row only once that row shows the peer's
+    initialization (its magic, written last). A workspace initialized again
+    after use still shows the old magic, so then no peer may dispatch before
+    every rank has initialized: a barrier in between (:class:`MoeAlltoAll`
+    always adds one across processes).
 
     Returns a new CPU int64 ``[META_COUNT]`` tensor (layout.META_*), owned by
     the caller and read-only by convention; pass it to every later call for
@@ -971,8 +976,10 @@ class MoeAlltoAll:
 
     - ``workspace=``: a pre-allocated ``[ep_size, size_per_rank]`` uint8
       workspace shared with other instances of this process (simulated
-      ranks). This instance initializes its own row only: construct every
-      rank's instance before any of them dispatches.
+      ranks). This instance initializes its own row only; a rank's first
+      dispatch waits until every peer's row is initialized, so on a zeroed
+      workspace the instances may be constructed in any order (on CUDA, with
+      every rank's phase launched before anything waits: README).
     - ``group=`` (a ``torch.distributed`` group; the default group when
       ``torch.distributed`` is initialized and ``ep_size > 1``):
       :func:`allocate_workspace` maps every member's row into every member,

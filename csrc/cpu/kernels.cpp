@@ -126,11 +126,9 @@ WaitResult record_timeout(const WorkspaceView& ws, const SyncParams& sync, Error
   return result;
 }
 
-// Waits until the uint32 *word_of(p) reached `epoch` for every active rank p,
-// at most sync.timeout_s.
-template <typename WordOf>
-WaitResult wait_for_peers(const WorkspaceView& ws, const SyncParams& sync, WordOf word_of,
-                          uint32_t epoch, ErrorCode code_on_timeout) {
+// Waits until ready(p) holds for every active rank p, at most sync.timeout_s.
+template <typename Ready>
+WaitResult wait_for_peers(const WorkspaceView& ws, const SyncParams& sync, Ready ready, ErrorCode code_on_timeout) {
   uint64_t pending[kRankMaskWords] = {};
   for (int p = 0; p < ws.ep_size; ++p) {
     if (rank_active(sync, p)) pending[p / 64] |= uint64_t(1) << (p % 64);
@@ -142,7 +140,7 @@ WaitResult wait_for_peers(const WorkspaceView& ws, const SyncParams& sync, WordO
     for (int p = 0; p < ws.ep_size; ++p) {
       const uint64_t bit = uint64_t(1) << (p % 64);
       if (!(pending[p / 64] & bit)) continue;
-      if (epoch_reached(__atomic_load_n(word_of(p), __ATOMIC_ACQUIRE), epoch)) {
+      if (ready(p)) {
         pending[p / 64] &= ~bit;
       } else {
         any_pending = true;
@@ -161,11 +159,20 @@ WaitResult wait_for_peers(const WorkspaceView& ws, const SyncParams& sync, WordO
   }
 }
 
+// Waits until the uint32 *word_of(p) reached `epoch` for every active rank p.
+template <typename WordOf>
+WaitResult wait_for_words(const WorkspaceView& ws, const SyncParams& sync, WordOf word_of, uint32_t epoch,
+                          ErrorCode code_on_timeout) {
+  return wait_for_peers(
+      ws, sync, [&](int p) { return epoch_reached(__atomic_load_n(word_of(p), __ATOMIC_ACQUIRE), epoch); },
+      code_on_timeout);
+}
+
 // Waits for the flags[p] (at flags_offset) of the own header.
 WaitResult wait_for_own_flags(const WorkspaceView& ws, const SyncParams& sync, int64_t flags_offset,
                               uint32_t epoch, ErrorCode code_on_timeout) {
   uint8_t* own = ws.row(ws.ep_rank);
-  return wait_for_peers(
+  return wait_for_words(
       ws, sync, [&](int p) { return flag_word(own, flags_offset, p); }, epoch, code_on_timeout);
 }
 
@@ -309,13 +316,24 @@ WaitResult dispatch(const DispatchParams& p) {
   uint8_t* own = ws.row(ws.ep_rank);
   const uint32_t epoch = load<uint32_t>(own, kHdrDispatchEpoch) + 1;
 
-  // 0. When this call's regions reach past the previous combine offset
-  // (runtime_max_tokens_per_rank or the payload sizes grew), they may cover
-  // a combine region that slower ranks are still pulling from: then write
+  // 0a. The first dispatch since initialize writes into no row before its
+  // owner has zeroed it (the magic, stored last with release by initialize).
+  if (epoch == 1) {
+    const WaitResult zeroed = wait_for_peers(
+        ws, p.sync,
+        [&](int q) {
+          return __atomic_load_n(reinterpret_cast<const int64_t*>(ws.row(q) + kHdrMagic), __ATOMIC_ACQUIRE) == kMagic;
+        },
+        kErrorDispatchTimeout);
+    if (zeroed.code != kErrorNone) return zeroed;
+  }
+  // 0b. When this call's regions may cover what slower ranks still read of
+  // call n-1 (their combine regions, or their own routes: protocol.h), write
   // nothing before every active rank finished combine n-1 (its own
   // combine_epoch, advanced with a release store after its pull).
-  if (p.layout.dispatch_end > load<int64_t>(own, kHdrLastDispatchEnd)) {
-    const WaitResult previous = wait_for_peers(
+  if (previous_call_overlap(p.layout.dispatch_end, load<int64_t>(own, kHdrLastDispatchEnd), p.runtime_max_tokens,
+                            load<int32_t>(own, kHdrLastRuntimeMax))) {
+    const WaitResult previous = wait_for_words(
         ws, p.sync,
         [&](int q) { return reinterpret_cast<const uint32_t*>(ws.row(q) + kHdrCombineEpoch); },
         epoch - 1, kErrorDispatchTimeout);

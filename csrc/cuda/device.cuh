@@ -123,6 +123,12 @@ __device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
   return v;
 }
 
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -137,12 +143,22 @@ __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
   return v;
 }
 
+__device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ void st_release_gpu(uint32_t* p, uint32_t v) {
   asm volatile("st.release.gpu.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 // The same at the scope of a launch (SyncSettings::system).
 __device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p, bool system) {
+  return system ? ld_acquire_sys(p) : ld_acquire_gpu(p);
+}
+
+__device__ __forceinline__ uint64_t ld_acquire(const uint64_t* p, bool system) {
   return system ? ld_acquire_sys(p) : ld_acquire_gpu(p);
 }
 
@@ -351,14 +367,14 @@ __device__ inline PollResult poll_until(uint8_t* own, uint64_t timeout_ns, Ready
   return PollResult::kReady;
 }
 
-// Waits until the word word_of(p) reached `epoch` for every active rank p
-// (thread p polls word p), at most limits.timeout_ns. Every thread of the
-// CTA calls it; returns true in all of them when every word arrived. On
-// expiry the CTA records code_on_timeout with the mask of the missing ranks;
-// a CTA that sees an error recorded by another CTA of the grid stops too.
-template <typename WordOf>
-__device__ inline bool wait_for_words(const WorkspaceView& ws, const SyncParams& sync, WordOf word_of,
-                                      uint32_t epoch, uint32_t code_on_timeout, const SyncSettings& settings) {
+// Waits until ready(p) holds for every active rank p (thread p polls rank
+// p), at most limits.timeout_ns. Every thread of the CTA calls it; returns
+// true in all of them when every rank was ready. On expiry the CTA records
+// code_on_timeout with the mask of the missing ranks; a CTA that sees an
+// error recorded by another CTA of the grid stops too.
+template <typename Ready>
+__device__ inline bool wait_for_peers(const WorkspaceView& ws, const SyncParams& sync, Ready ready,
+                                      uint32_t code_on_timeout, const SyncSettings& settings) {
   __shared__ unsigned long long missing;
   __shared__ int aborted;
   uint8_t* own = ws.row(ws.ep_rank);
@@ -369,9 +385,7 @@ __device__ inline bool wait_for_words(const WorkspaceView& ws, const SyncParams&
   __syncthreads();
   const int p = threadIdx.x;
   if (p < ws.ep_size && rank_active(sync, p)) {
-    const uint32_t* flag = word_of(p);
-    const PollResult result = poll_until(
-        own, settings.timeout_ns, [&] { return epoch_reached(ld_acquire(flag, settings.system), epoch); });
+    const PollResult result = poll_until(own, settings.timeout_ns, [&] { return ready(p); });
     if (result == PollResult::kAborted) aborted = 1;
     if (result == PollResult::kTimedOut) atomicOr(&missing, 1ull << p);
   }
@@ -381,6 +395,15 @@ __device__ inline bool wait_for_words(const WorkspaceView& ws, const SyncParams&
     record_error(own, sync.mailbox, code_on_timeout, missed, settings.timeout_ms);
   }
   return missed == 0 && aborted == 0;
+}
+
+// wait_for_peers until the word word_of(p) reached `epoch` for every active rank p.
+template <typename WordOf>
+__device__ inline bool wait_for_words(const WorkspaceView& ws, const SyncParams& sync, WordOf word_of,
+                                      uint32_t epoch, uint32_t code_on_timeout, const SyncSettings& settings) {
+  return wait_for_peers(
+      ws, sync, [&](int p) { return epoch_reached(ld_acquire(word_of(p), settings.system), epoch); },
+      code_on_timeout, settings);
 }
 
 // wait_for_words on flags[p] of the own header.

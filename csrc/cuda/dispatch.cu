@@ -145,6 +145,41 @@ __device__ __noinline__ void wait_all_routed(uint8_t* own, const DispatchArgs& a
   }
 }
 
+// Step 0 of the call with epoch `epoch` (protocol.h), by every thread: false
+// when a wait failed (recorded). 0a: the first dispatch since initialize
+// writes into no row before its owner zeroed it (the magic, stored last).
+// 0b: when this call's regions may cover what a rank still reads of call
+// n-1 (its combine region or its own routes), nothing is written before
+// every active rank finished pulling combine n-1 (its combine_epoch,
+// released after its last pull).
+__device__ __forceinline__ bool wait_before_writing(const DispatchArgs& a, uint32_t epoch, int64_t last_dispatch_end,
+                                                 int32_t last_runtime_max) {
+  const WorkspaceView& ws = a.p.ws;
+  if (epoch == 1) {
+    const bool zeroed = wait_for_peers(
+        ws, a.p.sync,
+        [&](int q) {
+          return ld_acquire(header_word<uint64_t>(ws.row(q), kHdrMagic), a.sync_settings.system) == uint64_t(kMagic);
+        },
+        kErrorDispatchTimeout, a.sync_settings);
+    if (!zeroed) return false;
+  }
+  if (previous_call_overlap(a.p.layout.dispatch_end, last_dispatch_end, a.p.runtime_max_tokens, last_runtime_max)) {
+    return wait_for_words(
+        ws, a.p.sync, [&](int q) { return header_word<uint32_t>(ws.row(q), kHdrCombineEpoch); }, epoch - 1,
+        kErrorDispatchTimeout, a.sync_settings);
+  }
+  return true;
+}
+
+// The same out of line, for the large calls' kernel: inlined there, it costs
+// that kernel registers in its copy loop (ptxas: more spilled bytes), while
+// the small calls' kernel spills when it calls out.
+__device__ __noinline__ bool wait_before_writing_out_of_line(const DispatchArgs& a, uint32_t epoch,
+                                                             int64_t last_dispatch_end, int32_t last_runtime_max) {
+  return wait_before_writing(a, epoch, last_dispatch_end, last_runtime_max);
+}
+
 // The destination set of a token: bit r is set when an active rank r owns one
 // of its experts. Negative ids are skipped; ids >= num_experts are skipped and
 // counted in `invalid`.
@@ -239,6 +274,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
   const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
   const int64_t last_dispatch_end = *header_word<int64_t>(own, kHdrLastDispatchEnd);
+  const int32_t last_runtime_max = *header_word<int32_t>(own, kHdrLastRuntimeMax);
   const uint32_t error_code = load_error_code(own);
   uint32_t not_counted_here = 0;  // invalid ids are counted by the CTA that owns the token
   uint32_t invalid = 0;
@@ -250,15 +286,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   if (!may_proceed(own, p.sync.mailbox, error_code, dispatch_epoch == combine_epoch)) return;
   const uint32_t epoch = dispatch_epoch + 1;
 
-  // 0. protocol.h dispatch step 0: when this call's regions reach past the
-  // previous combine offset, write nothing before every active rank finished
-  // pulling combine n-1 (its combine_epoch, released after its last pull).
-  // Every CTA reads kHdrLastDispatchEnd before it arrives; the last one rewrites it.
-  if (p.layout.dispatch_end > last_dispatch_end) {
-    const bool peers_done = wait_for_words(
-        ws, p.sync, [&](int q) { return header_word<uint32_t>(ws.row(q), kHdrCombineEpoch); }, epoch - 1,
-        kErrorDispatchTimeout, a.sync_settings);
-    if (!peers_done) return;
+  // 0. protocol.h dispatch step 0 (every CTA reads kHdrLastDispatchEnd and
+  // kHdrLastRuntimeMax before it arrives; the last one rewrites them).
+  if (!(kWhole ? wait_before_writing_out_of_line(a, epoch, last_dispatch_end, last_runtime_max)
+               : wait_before_writing(a, epoch, last_dispatch_end, last_runtime_max))) {
+    return;
   }
 
   // Adds to counts[d] the tokens of [from, to) that go to destination d, in
