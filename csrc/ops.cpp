@@ -112,11 +112,14 @@ void check_on_workspace_device(const at::Tensor& t, const at::Tensor& workspace,
 }
 
 // Bytes of one row of `t` (all dimensions but the first), or -1 when it
-// exceeds kMaxRowBytes (the product is stopped before it can overflow).
+// exceeds kMaxRowBytes (the product is stopped before it can overflow). A
+// trailing size of 0 makes a row of 0 bytes, whatever the other sizes.
 int64_t row_bytes_of(at::IntArrayRef trailing, int64_t element_size) {
-  int64_t bytes = element_size;
   for (const int64_t d : trailing) {
     if (d == 0) return 0;
+  }
+  int64_t bytes = element_size;
+  for (const int64_t d : trailing) {
     if (bytes > kMaxRowBytes / d) return -1;
     bytes *= d;
   }
@@ -279,8 +282,10 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts,
     TORCH_CHECK_VALUE(t.is_contiguous(), arg, " must be contiguous, got strides ", t.strides(),
                       " for shape ", t.sizes());
     const int64_t row_bytes = row_bytes_of(t.sizes().slice(1), t.element_size());
-    TORCH_CHECK_VALUE(row_bytes > 0 && row_bytes <= kMaxRowBytes, arg,
-                      " must have between 1 and ", kMaxRowBytes, " bytes per token, got shape ",
+    // A payload of 0 bytes per token ("any trailing shape", DESIGN section 3)
+    // gets a plane of 0 bytes and no copy.
+    TORCH_CHECK_VALUE(row_bytes >= 0 && row_bytes <= kMaxRowBytes, arg,
+                      " must have at most ", kMaxRowBytes, " bytes per token, got shape ",
                       t.sizes(), " of ", dtype_name(t.scalar_type()));
     p.payload[i] = static_cast<const uint8_t*>(t.data_ptr());
     p.payload_row_bytes[i] = row_bytes;
@@ -351,11 +356,12 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
 
   const int64_t element_size = static_cast<int64_t>(c10::elementSize(payload_dtype));
   for (const int64_t d : row_shape) {
-    TORCH_CHECK_VALUE(d >= 1, "row_shape (the payload's trailing shape) must have positive sizes, got ",
+    TORCH_CHECK_VALUE(d >= 0, "row_shape (the payload's trailing shape) must have sizes >= 0, got ",
                       row_shape);
   }
+  // A row of 0 bytes: the combine only synchronizes, its output has no elements.
   const int64_t row_bytes = row_bytes_of(row_shape, element_size);
-  TORCH_CHECK_VALUE(row_bytes > 0 && row_bytes <= kMaxRowBytes, "a combine row must have between 1 and ",
+  TORCH_CHECK_VALUE(row_bytes >= 0 && row_bytes <= kMaxRowBytes, "a combine row must have at most ",
                     kMaxRowBytes, " bytes, got row_shape ", row_shape, " of ", dtype_name(payload_dtype));
   p.row_elems = row_bytes / element_size;
 

@@ -68,6 +68,8 @@ def random_tensor(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator
     itemsize = dtype.itemsize
     if len(shape) == 0:
         raise ValueError("payload rows need at least one dimension")
+    if math.prod(shape) == 0:  # no bytes to draw (a byte view of an empty tensor has no strides to divide)
+        return torch.empty(shape, dtype=dtype)
     raw = random_bytes(shape[:-1] + (shape[-1] * itemsize,), gen)
     return raw.view(dtype)
 

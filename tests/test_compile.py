@@ -11,7 +11,7 @@ from torch._inductor.utils import run_and_get_code
 
 import torch_moe_a2a as a2a
 
-from conftest import Case, assert_bytes_equal, make_generator, make_inputs, make_sim
+from conftest import Case, PayloadSpec, assert_bytes_equal, make_generator, make_inputs, make_sim
 
 
 def moe_step(ids, payloads, workspace, metainfo, T, ep_rank, ep_size, top_k, num_experts, local_num_tokens):
@@ -39,7 +39,9 @@ def _assert_no_workspace_copy(codes, workspace):
 
 def test_compiled_single_rank_equals_eager(device):
     torch._dynamo.reset()
-    case = Case(1, (13,), 4, 9, hidden=96, runtime_max=16, max_num_tokens=16)
+    # With a payload of 0 bytes per token: its receive view is traced too.
+    case = Case(1, (13,), 4, 9, hidden=96, runtime_max=16, max_num_tokens=16,
+                extras=(PayloadSpec(torch.float16, (0,)),))
     sim = make_sim(case, device)
     inputs = make_inputs(case, make_generator(0)).to(device)
     args = (inputs.ids[0], inputs.payloads[0], sim.workspace, sim.metainfo[0], case.T, 0, 1, case.top_k,

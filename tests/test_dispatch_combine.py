@@ -43,6 +43,10 @@ HAND_PICKED = [
     Case(6, (3, 8, 1, 0, 2, 8), 5, 6, hidden=72, extras=(PayloadSpec(torch.uint8, (7,)),)),  # top_k > experts/rank
     Case(2, (64, 33), 8, 16, hidden=512, max_num_tokens=64),
     Case(3, (4, 9, 2), 2, 8, extras=(PayloadSpec(torch.int32, ()), PayloadSpec(torch.float16, (2, 2, 2)))),  # 1-D payload
+    # Payloads of 0 bytes per token between others ("any trailing shape"): empty planes, nothing copied.
+    Case(3, (6, 0, 10), 3, 9, extras=(PayloadSpec(torch.float16, (0,)), PayloadSpec(torch.uint8, (5,)),
+                                      PayloadSpec(torch.float32, (3, 0)))),
+    Case(2, (7, 4), 2, 6, hidden=0),  # a hidden state and combine row of 0 bytes: the exchange only synchronizes
 ]
 
 

@@ -18,8 +18,10 @@ from conftest import Case, PayloadSpec, make_generator, make_inputs
 ops = torch.ops.moe_a2a
 
 # fp8 payloads are left out: SchemaCheckMode compares tensors with ops that have no fp8 CPU kernel.
+# The empty payload (0 bytes per token) checks that the ops take one too.
 CASE = Case(1, (5,), 3, 6, hidden=64, runtime_max=8, max_num_tokens=8,
-            extras=(PayloadSpec(torch.uint8, (16,)), PayloadSpec(torch.float32, (2, 3))))
+            extras=(PayloadSpec(torch.uint8, (16,)), PayloadSpec(torch.float16, (4, 0)),
+                    PayloadSpec(torch.float32, (2, 3))))
 TIMEOUT_FROM_ENV = -1.0
 
 

@@ -796,8 +796,11 @@ def _check_payload_in_workspace(
 ) -> None:
     """payload_in_workspace=True: ``payload`` must be the combine region view of this rank's row."""
     expected = workspace.data_ptr() + ep_rank * workspace.stride(0) + combine_payload_offset
+    # data_ptr() of a tensor without elements reads 0; its storage and offset still say where it is.
+    address = (payload.data_ptr() if payload.numel() else
+               payload.untyped_storage().data_ptr() + payload.storage_offset() * payload.element_size())
     if (
-        payload.data_ptr() != expected
+        address != expected
         or payload.dim() < 2
         or tuple(payload.shape[:2]) != (ep_size, runtime_max)
         or not payload.is_contiguous()

@@ -54,6 +54,14 @@ def _bytes_per_row(payload: Tensor) -> int:
     return math.prod(payload.shape[1:]) * payload.element_size()
 
 
+def _from_row_bytes(rows: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+    """``shape`` of ``dtype`` from uint8 rows ``rows`` (the inverse of _row_bytes;
+    rows of 0 bytes, which a dtype view cannot reinterpret, give an empty tensor)."""
+    if rows.numel() == 0:
+        return torch.empty(shape, dtype=dtype, device=rows.device)
+    return rows.view(dtype).view(shape)
+
+
 def _row_bytes(payload: Tensor) -> Tensor:
     """uint8 ``[n, row_bytes]``: the bytes of each row of ``[n, *]`` ``payload``.
 
@@ -120,7 +128,7 @@ def reference_dispatch(
         slot_table.append(slots)
         routes.append([[(d, slot) for d, slot in enumerate(row) if slot >= 0] for row in slots.tolist()])
     recv = [
-        [plane.view(p.dtype).view(ep_size, T, *p.shape[1:]) for plane, p in zip(planes, templates)]
+        [_from_row_bytes(plane, p.dtype, (ep_size, T, *p.shape[1:])) for plane, p in zip(planes, templates)]
         for planes in recv_bytes
     ]
     return RefDispatch(recv, recv_counts, routes, invalid_counts, slot_table)

@@ -378,6 +378,7 @@ WaitResult dispatch(const DispatchParams& p) {
         const int64_t row_index = source_row_offset + route_slot(route[k]);
         for (int i = 0; i < p.num_payloads; ++i) {
           const int64_t bytes = p.payload_row_bytes[i];
+          if (bytes == 0) continue;  // an empty payload's data pointer may be null
           std::memcpy(dest + p.layout.payload_offset[i] + row_index * bytes, p.payload[i] + t * bytes,
                       static_cast<size_t>(bytes));
         }
