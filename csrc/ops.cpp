@@ -460,15 +460,18 @@ uint32_t timeout_ms(double timeout_s) {
   return ms >= kMax ? std::numeric_limits<uint32_t>::max() : static_cast<uint32_t>(ms);
 }
 
-std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missing,
-                           uint32_t timeout_ms) {
+std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missing, uint32_t detail) {
   std::ostringstream os;
   os << "rank " << ep_rank << ": ";
   switch (code) {
     case kErrorDispatchTimeout:
     case kErrorCombineTimeout:
-      os << "peers " << rank_list(missing) << " did not arrive within " << seconds_text(timeout_ms)
+      os << "peers " << rank_list(missing) << " did not arrive within " << seconds_text(detail)
          << " s (" << (code == kErrorDispatchTimeout ? "dispatch" : "combine") << ")";
+      break;
+    case kErrorRuntimeMaxMismatch:
+      os << "peers " << rank_list(missing) << " called dispatch with another runtime_max_tokens_per_rank than "
+         << "this rank's " << detail << " (it must be equal on all ranks for one call)";
       break;
     case kErrorSequence:
       os << "dispatch and combine must alternate on every rank, but dispatch was called twice "
@@ -493,14 +496,14 @@ void raise_if_mailbox_error(int64_t mailbox, int64_t ep_rank) {
     missing[w] = static_cast<uint64_t>(
         __atomic_load_n(&words[kMetaMailboxMissing - kMetaMailboxCode + w], __ATOMIC_RELAXED));
   }
-  const int64_t ms = __atomic_load_n(&words[kMetaMailboxTimeoutMs - kMetaMailboxCode], __ATOMIC_RELAXED);
+  const int64_t detail = __atomic_load_n(&words[kMetaMailboxDetail - kMetaMailboxCode], __ATOMIC_RELAXED);
   TORCH_CHECK(false, describe_error(ep_rank, static_cast<uint32_t>(code), missing,
-                                    static_cast<uint32_t>(ms)));
+                                    static_cast<uint32_t>(detail)));
 }
 
-void raise_if_wait_failed(const WaitResult& result, int64_t ep_rank, uint32_t timeout_ms) {
+void raise_if_wait_failed(const WaitResult& result, int64_t ep_rank) {
   if (result.code == kErrorNone) return;
-  TORCH_CHECK(false, describe_error(ep_rank, result.code, result.missing, timeout_ms));
+  TORCH_CHECK(false, describe_error(ep_rank, result.code, result.missing, result.detail));
 }
 
 namespace {
@@ -517,7 +520,7 @@ void raise_row_status(const cpu::RowStatus& status, int64_t ep_rank) {
       TORCH_CHECK(false, status.message);
     case cpu::RowStatus::kFailed:
       TORCH_CHECK(false, describe_error(ep_rank, status.record.code, status.record.missing,
-                                        status.timeout_ms));
+                                        status.record.detail));
   }
 }
 
@@ -545,7 +548,7 @@ void dispatch_cpu(const at::Tensor& token_selected_experts, at::TensorList input
       active_rank_mask, timeout_s, mailbox, enable_pdl);
   raise_if_mailbox_error(mailbox, ep_rank);
   raise_row_status(cpu::check_row_for_dispatch(p.ws, max_num_tokens, eplb_stats_num_experts), ep_rank);
-  raise_if_wait_failed(cpu::dispatch(p), ep_rank, timeout_ms(p.sync.timeout_s));
+  raise_if_wait_failed(cpu::dispatch(p), ep_rank);
 }
 
 void run_combine_cpu(const CombineParams& p, int64_t max_num_tokens, int64_t top_k, int64_t mailbox) {
@@ -553,7 +556,7 @@ void run_combine_cpu(const CombineParams& p, int64_t max_num_tokens, int64_t top
   raise_row_status(cpu::check_row_for_combine(p.ws, max_num_tokens, p.local_num_tokens,
                                               p.runtime_max_tokens, top_k),
                    p.ws.ep_rank);
-  raise_if_wait_failed(cpu::combine(p), p.ws.ep_rank, timeout_ms(p.sync.timeout_s));
+  raise_if_wait_failed(cpu::combine(p), p.ws.ep_rank);
 }
 
 at::Tensor combine_cpu(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
@@ -655,20 +658,21 @@ std::vector<int64_t> constants_op() {
       kMetaCount,
       kMetaMailboxCode,
       kMetaMailboxMissing,
-      kMetaMailboxTimeoutMs,
+      kMetaMailboxDetail,
       kMetaMailboxAddr,
       kMagic,
       kVersion,
       kHdrDispatchEpoch,
       kHdrCombineEpoch,
       kHdrErrorCode,
-      kHdrErrorTimeoutMs,
+      kHdrErrorDetail,
       kHdrErrorMissing,
       kHdrInvalidExpertCount,
       kHdrLastLocalTokens,
       kHdrDispatchFlags,
       kHdrCombineFlags,
       kHdrRecvCounts,
+      kHdrPeerRuntimeMax,
       kMaxDispatchCtas,
       kHdrDispatchCounts,
       kHdrDispatchRouted,

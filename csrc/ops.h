@@ -89,20 +89,20 @@ uint32_t timeout_ms(double timeout_s);
 // ---- errors -----------------------------------------------------------------
 // The message of an error record, e.g.
 //   "rank 0: peers [1] did not arrive within 2.0 s (dispatch); ..."
-// `missing` points to kRankMaskWords words (bit p: peer p did not arrive).
-std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missing,
-                           uint32_t timeout_ms);
+// `missing` points to kRankMaskWords words (bit p: peer p did not arrive, or
+// disagreed); `detail` as kHdrErrorDetail.
+std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missing, uint32_t detail);
 
 // `mailbox` is 0 (CPU workspace: nothing to do) or the address initialize
 // returned: pinned host int64 words laid out like metainfo's mailbox words
 // (word i of the mailbox = metainfo word kMetaMailboxCode + i): the error
-// code, kRankMaskWords words of missing-peer mask, the timeout in ms. A CUDA
-// kernel that timed out wrote them, the code last; raises
+// code, kRankMaskWords words of peer mask, the detail (kHdrErrorDetail). A
+// CUDA kernel that recorded an error wrote them, the code last; raises
 // RuntimeError(describe_error(...)) when the code is set.
 // The mailbox is not cleared: the workspace stays failed until initialize.
 void raise_if_mailbox_error(int64_t mailbox, int64_t ep_rank);
 
 // Raises RuntimeError(describe_error(...)) when `result` carries an error.
-void raise_if_wait_failed(const WaitResult& result, int64_t ep_rank, uint32_t timeout_ms);
+void raise_if_wait_failed(const WaitResult& result, int64_t ep_rank);
 
 }  // namespace moe_a2a

@@ -87,6 +87,7 @@ struct SanitizeParams {
 struct WaitResult {
   uint32_t code;  // ErrorCode
   uint64_t missing[kRankMaskWords];
+  uint32_t detail;  // as kHdrErrorDetail
 };
 
 }  // namespace moe_a2a

@@ -58,10 +58,15 @@
 //      drop masked-off ranks), slots = per-destination running count in
 //      increasing token index (deterministic, no atomics order)
 //   2. write payload rows into dest d's planes at [s, slot], eplb row s into
-//      d's eplb region, recv_count[s] into d's header; own recv_count[q] := 0
-//      for every masked-off q (it writes nothing here this call)
+//      d's eplb region, recv_count[s] and runtime_max[s] := T into d's
+//      header; own recv_count[q] := 0 for every masked-off q (it writes
+//      nothing here this call)
 //   3. release: dispatch_flag[s] := n in every active dest d's header
-//   4. acquire: wait until own dispatch_flag[p] >= n for every active peer p
+//   4. a. acquire: wait until own dispatch_flag[p] >= n for every active peer p
+//      b. own runtime_max[p] == T for every active peer p, else record
+//      kErrorRuntimeMaxMismatch with the mask of those peers (the contract
+//      wants T equal on all ranks: a peer with another T wrote at other
+//      offsets, so this call's rows are not to be trusted)
 //   5. own dispatch_epoch := n
 // combine n on rank r (requires own dispatch_epoch == own combine_epoch + 1):
 //   1. stage: copy the first recv_count[s] rows of payload[s] into own combine
@@ -145,9 +150,17 @@ MOE_A2A_HD int32_t route_entry(int rank, int64_t slot) {
 }
 MOE_A2A_HD int route_rank(int32_t e) { return int(uint32_t(e) >> kRouteRankShift); }
 MOE_A2A_HD int64_t route_slot(int32_t e) { return int64_t(e & kRouteSlotMask); }
+// Whether entry e (kRouteEnd: no) names a row of a call's planes. Routes are
+// read back from the workspace, where only a peer that broke the equal-T
+// contract (dispatch step 4b reports it) can have written over them: the
+// copies and pulls stop at an entry outside the call rather than touch
+// memory beyond the workspace.
+MOE_A2A_HD bool route_in_call(int32_t e, int ep_size, int64_t runtime_max_tokens) {
+  return e != kRouteEnd && route_rank(e) < ep_size && route_slot(e) < runtime_max_tokens;
+}
 
 // ---- metainfo (CPU int64 tensor returned by initialize) ---------------------
-// The mailbox words are written by CUDA kernels on timeout (metainfo is pinned
+// The mailbox words are written by CUDA kernels on an error (metainfo is pinned
 // host memory for a CUDA workspace) and read by the host before each call.
 enum MetaIndex : int {
   kMetaMagic = 0,
@@ -159,8 +172,8 @@ enum MetaIndex : int {
   kMetaSizePerRank,
   kMetaHeaderBytes,
   kMetaMailboxCode,       // kError* (0: none)
-  kMetaMailboxMissing,    // kRankMaskWords words: peers that did not arrive
-  kMetaMailboxTimeoutMs = kMetaMailboxMissing + kRankMaskWords,
+  kMetaMailboxMissing,    // kRankMaskWords words: as kHdrErrorMissing
+  kMetaMailboxDetail = kMetaMailboxMissing + kRankMaskWords,  // as kHdrErrorDetail
   kMetaMailboxAddr,       // address of the pinned host mailbox (CUDA), 0 on the CPU
   kMetaCount
 };
@@ -173,6 +186,9 @@ enum ErrorCode : uint32_t {
   kErrorDispatchTimeout = 1,
   kErrorCombineTimeout = 2,
   kErrorSequence = 3,  // dispatch/combine alternation broken (CUDA detects on device)
+  // A peer's dispatch had another runtime_max_tokens_per_rank than this
+  // rank's (dispatch step 4b; detail: this rank's).
+  kErrorRuntimeMaxMismatch = 4,
 };
 
 // ---- rank header: byte offsets inside each row -----------------------------
@@ -184,8 +200,9 @@ constexpr int64_t kHdrEplbN = 20;                // int32
 constexpr int64_t kHdrDispatchEpoch = 24;        // uint32, own
 constexpr int64_t kHdrCombineEpoch = 28;         // uint32, own
 constexpr int64_t kHdrErrorCode = 32;            // uint32, own
-constexpr int64_t kHdrErrorTimeoutMs = 36;       // uint32, own
-constexpr int64_t kHdrErrorMissing = 40;         // uint64 [kRankMaskWords], own
+constexpr int64_t kHdrErrorDetail = 36;          // uint32, own: the timeout (ms) of a timed-out wait;
+                                                 // this rank's T for kErrorRuntimeMaxMismatch
+constexpr int64_t kHdrErrorMissing = 40;         // uint64 [kRankMaskWords], own: the peers the error names
 constexpr int64_t kHdrInvalidExpertCount = 48;   // int64, own, cumulative since initialize
 constexpr int64_t kHdrLastLocalTokens = 56;      // int32, own: last dispatch's local_num_tokens
 constexpr int64_t kHdrLastRuntimeMax = 60;       // int32, own: last dispatch's T
@@ -208,6 +225,8 @@ constexpr int64_t kHdrCombineClaim = 92;         // uint32
 constexpr int64_t kHdrDispatchFlags = 128;       // uint32 [kMaxRanks], [s] written by rank s
 constexpr int64_t kHdrCombineFlags = kHdrDispatchFlags + 4 * kMaxRanks;  // uint32 [kMaxRanks]
 constexpr int64_t kHdrRecvCounts = kHdrCombineFlags + 4 * kMaxRanks;     // int32 [kMaxRanks]
+// int32 [kMaxRanks], [s] written by rank s: the T of its latest dispatch
+constexpr int64_t kHdrPeerRuntimeMax = kHdrRecvCounts + 4 * kMaxRanks;
 // CUDA dispatch scratch of large calls, own, per CTA b of the grid (grids have
 // at most kMaxDispatchCtas CTAs; see csrc/cuda/dispatch.cu, steps 1a and 3).
 // Never reset: the epoch tells this call's words from older ones.
@@ -217,7 +236,7 @@ constexpr int64_t kHdrRecvCounts = kHdrCombineFlags + 4 * kMaxRanks;     // int3
 //   routed[b]  the dispatch epoch once CTA b's route entries are written
 //              (every CTA copies tokens of any chunk, after all are routed)
 constexpr int kMaxDispatchCtas = 1024;
-constexpr int64_t kHdrDispatchCounts = kHdrRecvCounts + 4 * kMaxRanks;  // uint64 [kMaxDispatchCtas * kMaxRanks]
+constexpr int64_t kHdrDispatchCounts = kHdrPeerRuntimeMax + 4 * kMaxRanks;  // uint64 [kMaxDispatchCtas * kMaxRanks]
 constexpr int64_t kHdrDispatchRouted = kHdrDispatchCounts + 8 * kMaxDispatchCtas * kMaxRanks;  // uint32 [kMaxDispatchCtas]
 // CUDA scratch, own, zero between calls: copy tasks of the running large
 // dispatch claimed beyond each warp's first, from kClaimCounters counters
@@ -227,7 +246,7 @@ constexpr int64_t kHdrDispatchRouted = kHdrDispatchCounts + 8 * kMaxDispatchCtas
 constexpr int kClaimCounters = 16;
 constexpr int64_t kClaimStride = 128;
 constexpr int64_t kHdrDispatchClaims = kHdrDispatchRouted + 4 * kMaxDispatchCtas;  // uint32, counter c at (c - 1) * kClaimStride
-constexpr int64_t kHeaderBytes = kHdrDispatchClaims + kClaimStride * (kClaimCounters - 1);  // 531200
+constexpr int64_t kHeaderBytes = kHdrDispatchClaims + kClaimStride * (kClaimCounters - 1);  // 531456
 static_assert(kHdrDispatchCounts % 8 == 0 && kHeaderBytes % kAlign == 0, "header words aligned, regions too");
 
 // Header offset of claim counter c (uint32), 0 <= c < kClaimCounters.
@@ -237,6 +256,11 @@ MOE_A2A_HD constexpr int64_t claim_counter_offset(int c) {
 
 // Header offset of recv_count[s] (int32): rows of this call that rank s sent here.
 MOE_A2A_HD constexpr int64_t recv_count_offset(int64_t s) { return kHdrRecvCounts + int64_t(sizeof(int32_t)) * s; }
+
+// Header offset of runtime_max[s] (int32): the T of rank s's latest dispatch.
+MOE_A2A_HD constexpr int64_t peer_runtime_max_offset(int64_t s) {
+  return kHdrPeerRuntimeMax + int64_t(sizeof(int32_t)) * s;
+}
 
 MOE_A2A_HD constexpr int64_t align_up(int64_t x, int64_t a = kAlign) { return (x + a - 1) / a * a; }
 

@@ -100,7 +100,7 @@ def mailbox_words(metainfo: torch.Tensor):
     like metainfo from META_MAILBOX_CODE: [code, missing words..., timeout_ms]."""
     address = int(metainfo[layout.META_MAILBOX_ADDR])
     assert address != 0, "a CUDA workspace's metainfo must hold a mailbox address"
-    count = layout.META_MAILBOX_TIMEOUT_MS - layout.META_MAILBOX_CODE + 1
+    count = layout.META_MAILBOX_DETAIL - layout.META_MAILBOX_CODE + 1
     return (ctypes.c_int64 * count).from_address(address)
 
 
@@ -108,7 +108,7 @@ def _mailbox_record(metainfo: torch.Tensor) -> tuple[int, list[int], int]:
     words = mailbox_words(metainfo)
     first_missing = layout.META_MAILBOX_MISSING - layout.META_MAILBOX_CODE
     missing = [w % (1 << 64) for w in words[first_missing : first_missing + layout.MOE_A2A_RANK_MASK_WORDS]]
-    return words[0], missing, words[layout.META_MAILBOX_TIMEOUT_MS - layout.META_MAILBOX_CODE]
+    return words[0], missing, words[layout.META_MAILBOX_DETAIL - layout.META_MAILBOX_CODE]
 
 
 # ---- large simulated exchanges -------------------------------------------------------------------

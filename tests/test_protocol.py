@@ -527,6 +527,54 @@ def test_initialize_after_a_peers_first_dispatch(device):
         assert_bytes_equal(outs[r].cpu(), expected[r], f"rank {r} output")
 
 
+def test_runtime_max_differing_between_ranks_is_reported(device):
+    """runtime_max_tokens_per_rank must be equal on all ranks for one call
+    (DESIGN section 3); a rank cannot check that before it writes, but every
+    rank learns the peers' T with their flags: a call where they differ fails
+    on every rank, naming the peers with another T, instead of leaving wrong
+    rows. Rank 2's smaller T puts its planes inside ranks 0 and 1's route
+    regions, so their copies may read overwritten routes: they stop at an
+    entry outside the call rather than write beyond the workspace. After a
+    re-initialization the ranks work again."""
+    case = Case(3, (24, 20, 8), 2, 6, hidden=256, runtime_max=24)
+    Ts = (24, 24, 8)
+    ep = case.ep_size
+    gen = make_generator(47)
+    sim = make_sim(case, device, timeout_s=20)
+    dev = make_inputs(case, gen).to(device)
+
+    def dispatch(r):
+        return a2a.moe_a2a_dispatch(dev.ids[r], dev.payloads[r], sim.workspace, sim.metainfo[r], Ts[r], r, ep,
+                                    case.top_k, case.num_experts)
+
+    def message(r):
+        peers = "2" if r < 2 else "0, 1"
+        return (rf"rank {r}: peers \[{peers}\] called dispatch with another runtime_max_tokens_per_rank than "
+                rf"this rank's {Ts[r]} \(it must be equal on all ranks for one call\)")
+
+    def first_call(r):
+        try:
+            dispatch(r)
+        except RuntimeError as e:  # the CPU raises at once
+            return str(e)
+        return None
+
+    first = sim.run(first_call)
+    _wait_for_device(device)
+    for r in range(ep):
+        if device == "cpu":
+            assert first[r] is not None and re.search(message(r), first[r]), f"rank {r}: {first[r]}"
+        # The rank stays failed: its next call raises the recorded error (on CUDA: from the mailbox).
+        with pytest.raises(RuntimeError, match=message(r)):
+            dispatch(r)
+    with pytest.raises(RuntimeError, match=message(0)):
+        a2a.check_errors(sim.workspace)
+    for r in range(ep):
+        sim.metainfo[r] = a2a.moe_a2a_initialize(sim.workspace, r, ep, case.max_tokens)
+    a2a.check_errors(sim.workspace)
+    round_trip(sim, case, make_inputs(case, gen), gen)
+
+
 # ---- padded rows ------------------------------------------------------------------
 
 PAD_BYTES = 3 * layout.ALIGN  # between rows, as a multi-process CUDA workspace pads rows to whole allocations

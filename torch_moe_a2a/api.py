@@ -899,17 +899,20 @@ def _seconds_text(ms: int) -> str:
     return f"{ms / 1000.0:.{decimals}f}"
 
 
-def describe_error(ep_rank: int, code: int, missing_words: Sequence[int], timeout_ms: int) -> str:
+def describe_error(ep_rank: int, code: int, missing_words: Sequence[int], detail: int) -> str:
     """The message of an error record, the same text as ``describe_error`` in csrc/ops.cpp, e.g.
     ``"rank 0: peers [1] did not arrive within 2.0 s (dispatch); the workspace stays failed ..."``.
 
-    missing_words: the ``MOE_A2A_RANK_MASK_WORDS`` words of the missing-peers mask (unsigned).
+    missing_words: the ``MOE_A2A_RANK_MASK_WORDS`` words of the peer mask (unsigned); detail:
+    the timeout in ms, or for ``ERROR_RUNTIME_MAX_MISMATCH`` this rank's runtime_max_tokens_per_rank.
     """
+    peers = ", ".join(str(r) for r in range(layout.MAX_RANKS) if (missing_words[r // 64] >> (r % 64)) & 1)
     if code in _ERROR_PHASE:
-        missing = [r for r in range(layout.MAX_RANKS) if (missing_words[r // 64] >> (r % 64)) & 1]
+        what = f"peers [{peers}] did not arrive within {_seconds_text(detail)} s ({_ERROR_PHASE[code]})"
+    elif code == layout.ERROR_RUNTIME_MAX_MISMATCH:
         what = (
-            f"peers [{', '.join(map(str, missing))}] did not arrive within {_seconds_text(timeout_ms)} s "
-            f"({_ERROR_PHASE[code]})"
+            f"peers [{peers}] called dispatch with another runtime_max_tokens_per_rank than this rank's "
+            f"{detail} (it must be equal on all ranks for one call)"
         )
     elif code == layout.ERROR_SEQUENCE:
         what = (
@@ -927,12 +930,13 @@ def _header_field(headers: torch.Tensor, offset: int, dtype: torch.dtype) -> lis
 
 
 def check_errors(workspace: torch.Tensor) -> None:
-    """Raise RuntimeError if any rank's header holds an error record (a timed-out wait).
+    """Raise RuntimeError if any rank's header holds an error record (a timed-out wait, or a
+    dispatch whose peers passed another runtime_max_tokens_per_rank).
 
     Reads the header of every row of ``workspace`` (``[ep_size, size_per_rank]``
     uint8); uninitialized rows are skipped. On CUDA this copies the headers to
-    the host (a sync with the current stream). The message names the rank, the
-    peers that did not arrive and the timeout, as the op's error does.
+    the host (a sync with the current stream). The message names the rank and
+    the peers, as the op's error does.
     """
     if workspace.dim() != 2 or workspace.dtype != torch.uint8 or workspace.shape[1] < layout.HEADER_BYTES:
         raise ValueError(
@@ -943,7 +947,7 @@ def check_errors(workspace: torch.Tensor) -> None:
     headers = workspace[:, : layout.HDR_DISPATCH_FLAGS].to("cpu")
     magic = _header_field(headers, layout.HDR_MAGIC, torch.int64)
     codes = _header_field(headers, layout.HDR_ERROR_CODE, torch.int32)
-    timeouts = _header_field(headers, layout.HDR_ERROR_TIMEOUT_MS, torch.int32)
+    details = _header_field(headers, layout.HDR_ERROR_DETAIL, torch.int32)
     missing = [
         _header_field(headers, layout.HDR_ERROR_MISSING + 8 * w, torch.int64)
         for w in range(MOE_A2A_RANK_MASK_WORDS)
@@ -952,7 +956,7 @@ def check_errors(workspace: torch.Tensor) -> None:
         code = codes[rank] & 0xFFFFFFFF
         if magic[rank] == layout.MAGIC and code != layout.ERROR_NONE:
             words = [m[rank] % _U64 for m in missing]
-            raise RuntimeError(describe_error(rank, code, words, timeouts[rank] & 0xFFFFFFFF))
+            raise RuntimeError(describe_error(rank, code, words, details[rank] & 0xFFFFFFFF))
 
 
 # ---------------------------------------------------------------------------

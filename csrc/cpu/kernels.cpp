@@ -98,7 +98,7 @@ RowStatus check_config(const WorkspaceView& ws, int64_t max_num_tokens, int64_t 
     for (int w = 0; w < kRankMaskWords; ++w) {
       st.record.missing[w] = load<uint64_t>(row, kHdrErrorMissing + int64_t(sizeof(uint64_t)) * w);
     }
-    st.timeout_ms = load<uint32_t>(row, kHdrErrorTimeoutMs);
+    st.record.detail = load<uint32_t>(row, kHdrErrorDetail);
   }
   return st;
 }
@@ -110,18 +110,19 @@ RowStatus runtime_error(const std::string& message) {
   return st;
 }
 
-// Records a failed wait in the own header (code last, so a reader that sees
-// the code sees the rest) and returns it.
-WaitResult record_timeout(const WorkspaceView& ws, const SyncParams& sync, ErrorCode code,
-                          const uint64_t* pending) {
+// Records an error in the own header (code last, so a reader that sees the
+// code sees the rest) and returns it: `peers` (kRankMaskWords words) and
+// `detail` as kHdrErrorMissing and kHdrErrorDetail say.
+WaitResult record_error(const WorkspaceView& ws, ErrorCode code, const uint64_t* peers, uint32_t detail) {
   uint8_t* row = ws.row(ws.ep_rank);
   WaitResult result{};
   result.code = code;
+  result.detail = detail;
   for (int w = 0; w < kRankMaskWords; ++w) {
-    result.missing[w] = pending[w];
-    store<uint64_t>(row, kHdrErrorMissing + int64_t(sizeof(uint64_t)) * w, pending[w]);
+    result.missing[w] = peers[w];
+    store<uint64_t>(row, kHdrErrorMissing + int64_t(sizeof(uint64_t)) * w, peers[w]);
   }
-  store<uint32_t>(row, kHdrErrorTimeoutMs, timeout_ms(sync.timeout_s));
+  store<uint32_t>(row, kHdrErrorDetail, detail);
   __atomic_store_n(reinterpret_cast<uint32_t*>(row + kHdrErrorCode), uint32_t(code), __ATOMIC_RELEASE);
   return result;
 }
@@ -148,7 +149,9 @@ WaitResult wait_for_peers(const WorkspaceView& ws, const SyncParams& sync, Ready
     }
     if (!any_pending) return WaitResult{};
     const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
-    if (waited.count() >= sync.timeout_s) return record_timeout(ws, sync, code_on_timeout, pending);
+    if (waited.count() >= sync.timeout_s) {
+      return record_error(ws, code_on_timeout, pending, timeout_ms(sync.timeout_s));
+    }
     if (round < kSpinRounds) continue;
     if (round < kSpinRounds + kYieldRounds) {
       std::this_thread::yield();
@@ -174,6 +177,22 @@ WaitResult wait_for_own_flags(const WorkspaceView& ws, const SyncParams& sync, i
   uint8_t* own = ws.row(ws.ep_rank);
   return wait_for_words(
       ws, sync, [&](int p) { return flag_word(own, flags_offset, p); }, epoch, code_on_timeout);
+}
+
+// Dispatch step 4b: every active peer's dispatch had this rank's T (the
+// acquired flags make their runtime_max words visible); else the error.
+WaitResult check_peer_runtime_max(const WorkspaceView& ws, const SyncParams& sync, int64_t runtime_max) {
+  const uint8_t* own = ws.row(ws.ep_rank);
+  uint64_t other[kRankMaskWords] = {};
+  bool any = false;
+  for (int q = 0; q < ws.ep_size; ++q) {
+    if (rank_active(sync, q) && load<int32_t>(own, peer_runtime_max_offset(q)) != runtime_max) {
+      other[q / 64] |= uint64_t(1) << (q % 64);
+      any = true;
+    }
+  }
+  if (!any) return WaitResult{};
+  return record_error(ws, kErrorRuntimeMaxMismatch, other, static_cast<uint32_t>(runtime_max));
 }
 
 // Publishes `epoch` in flags[ep_rank] of every active rank's header.
@@ -209,7 +228,7 @@ void pull_reduce(const CombineParams& p) {
     for (int64_t t = begin; t < end; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       const int32_t* route = route_of(own, p.route_offset, t);
-      for (int k = 0; k < kMaxTopK && route[k] != kRouteEnd; ++k) {
+      for (int k = 0; k < kMaxTopK && route_in_call(route[k], ws.ep_size, p.runtime_max_tokens); ++k) {
         const int dest = route_rank(route[k]);
         // A rank masked off since the dispatch was not waited for: its rows are not final.
         if (!rank_active(p.sync, dest)) continue;
@@ -373,7 +392,7 @@ WaitResult dispatch(const DispatchParams& p) {
   at::parallel_for(0, p.local_num_tokens, grain_for(token_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int32_t* route = routes + t * kMaxTopK;
-      for (int k = 0; k < kMaxTopK && route[k] != kRouteEnd; ++k) {
+      for (int k = 0; k < kMaxTopK && route_in_call(route[k], ws.ep_size, p.runtime_max_tokens); ++k) {
         uint8_t* dest = ws.row(route_rank(route[k]));
         const int64_t row_index = source_row_offset + route_slot(route[k]);
         for (int i = 0; i < p.num_payloads; ++i) {
@@ -400,6 +419,7 @@ WaitResult dispatch(const DispatchParams& p) {
                   p.eplb_local_stats, static_cast<size_t>(p.eplb_n) * sizeof(int32_t));
     }
     store<int32_t>(dest, recv_count_offset(ws.ep_rank), static_cast<int32_t>(recv_count[d]));
+    store<int32_t>(dest, peer_runtime_max_offset(ws.ep_rank), static_cast<int32_t>(p.runtime_max_tokens));
   }
 
   // What the matching combine must agree with, and the invalid-id tally.
@@ -412,6 +432,8 @@ WaitResult dispatch(const DispatchParams& p) {
   release_to_peers(ws, p.sync, kHdrDispatchFlags, epoch);
   const WaitResult result = wait_for_own_flags(ws, p.sync, kHdrDispatchFlags, epoch, kErrorDispatchTimeout);
   if (result.code != kErrorNone) return result;
+  const WaitResult agreed = check_peer_runtime_max(ws, p.sync, p.runtime_max_tokens);
+  if (agreed.code != kErrorNone) return agreed;
   store<uint32_t>(own, kHdrDispatchEpoch, epoch);
   return result;
 }

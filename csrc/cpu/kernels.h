@@ -27,8 +27,7 @@ struct RowStatus {
   };
   Kind kind = kOk;
   std::string message;
-  WaitResult record{};     // kFailed: code and missing peers from the header
-  uint32_t timeout_ms = 0;  // kFailed: the timeout the failed wait used
+  WaitResult record{};  // kFailed: code, peers and detail from the header
 };
 
 // Before dispatch: the row is initialized, its config equals the arguments,

@@ -149,15 +149,15 @@ __device__ void pull_rows(const CombineArgs& a) {
   const int64_t items = p.local_num_tokens * segments;
   // The row of a route entry; nullptr for a rank masked off since the
   // dispatch, which was not waited for: its rows are not final (as on the
-  // CPU). An entry outside this call's planes can only come from a combine
-  // whose sizes differ from its dispatch's, which the CPU refuses up front
-  // and the device cannot check before running: it is skipped rather than
-  // read out of bounds.
+  // CPU). An entry outside this call's planes (a combine whose sizes differ
+  // from its dispatch's, which the CPU refuses up front and the device
+  // cannot check before running, or route_in_call's case) is skipped rather
+  // than read out of bounds.
   const auto row_of = [&](int32_t entry) -> const InRaw* {
     const int d = route_rank(entry);
-    const int64_t slot = route_slot(entry);
-    if (d >= ws.ep_size || slot >= T || !rank_active(p.sync, d)) return nullptr;
-    return reinterpret_cast<const InRaw*>(ws.row(d) + p.combine_offset + (source_row + slot) * a.row_bytes);
+    if (!route_in_call(entry, ws.ep_size, T) || !rank_active(p.sync, d)) return nullptr;
+    const int64_t row = source_row + route_slot(entry);
+    return reinterpret_cast<const InRaw*>(ws.row(d) + p.combine_offset + row * a.row_bytes);
   };
   const auto pull_item = [&](int64_t item) {
     const int64_t t = segments == 1 ? item : item / segments;

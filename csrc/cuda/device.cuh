@@ -262,15 +262,15 @@ __device__ __forceinline__ int lowest_rank(uint64_t set) { return __ffsll(static
 
 // Records `code` as this rank's error unless one is already recorded. One
 // thread calls it. See "Error records" at the top for the ordering.
-__device__ inline void record_error(uint8_t* own, int64_t* mailbox, uint32_t code, uint64_t missing,
-                                    uint32_t timeout_ms) {
+__device__ inline void record_error(uint8_t* own, int64_t* mailbox, uint32_t code, uint64_t peers,
+                                    uint32_t detail) {
   if (atomicCAS(header_word<unsigned>(own, kHdrErrorCode), 0u, code) != 0u) return;
-  *header_word<uint64_t>(own, kHdrErrorMissing) = missing;
-  *header_word<uint32_t>(own, kHdrErrorTimeoutMs) = timeout_ms;
+  *header_word<uint64_t>(own, kHdrErrorMissing) = peers;
+  *header_word<uint32_t>(own, kHdrErrorDetail) = detail;
   if (mailbox == nullptr) return;
   volatile int64_t* words = mailbox;
-  words[kMetaMailboxMissing - kMetaMailboxCode] = static_cast<int64_t>(missing);
-  words[kMetaMailboxTimeoutMs - kMetaMailboxCode] = timeout_ms;
+  words[kMetaMailboxMissing - kMetaMailboxCode] = static_cast<int64_t>(peers);
+  words[kMetaMailboxDetail - kMetaMailboxCode] = detail;
   __threadfence_system();
   st_release_sys(mailbox + (kMetaMailboxCode - kMetaMailboxCode), static_cast<int64_t>(code));
 }

@@ -85,7 +85,7 @@ gpu::LaunchConfig launch_config(const at::Tensor& workspace, int64_t ep_size, do
 // write into memory that was handed to someone else.
 constexpr size_t kMailboxSlotBytes = 64;
 constexpr size_t kMailboxChunkBytes = 4096;
-static_assert((kMetaMailboxTimeoutMs - kMetaMailboxCode + 1) * sizeof(int64_t) <= kMailboxSlotBytes,
+static_assert((kMetaMailboxDetail - kMetaMailboxCode + 1) * sizeof(int64_t) <= kMailboxSlotBytes,
               "the mailbox words fit in a slot");
 static_assert(kMailboxChunkBytes % kMailboxSlotBytes == 0, "chunks hold whole slots");
 
