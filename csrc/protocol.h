@@ -62,12 +62,17 @@
 //      header; own recv_count[q] := 0 for every masked-off q (it writes
 //      nothing here this call)
 //   3. release: dispatch_flag[s] := n in every active dest d's header
-//   4. a. acquire: wait until own dispatch_flag[p] >= n for every active peer p
-//      b. own runtime_max[p] == T for every active peer p, else record
-//      kErrorRuntimeMaxMismatch with the mask of those peers (the contract
-//      wants T equal on all ranks: a peer with another T wrote at other
-//      offsets, so this call's rows are not to be trusted)
+//   4. acquire: wait until own dispatch_flag[p] >= n for every active peer p
 //   5. own dispatch_epoch := n
+//   The equal-T check: own runtime_max[p] == own runtime_max[s] for every
+//   active peer p, else kErrorRuntimeMaxMismatch with the mask of those
+//   peers (the contract wants T equal on all ranks for one call: a peer with
+//   another T wrote at other offsets, so the call's rows are not to be
+//   trusted; when the T differ, every rank has such a peer, so every rank
+//   fails and none waits for another). The CPU dispatch checks after step 4
+//   and raises at once; the CUDA combine n checks before its step 1, with
+//   its first loads, so that the dispatch, whose end the combine waits for,
+//   spends no memory latency on it.
 // combine n on rank r (requires own dispatch_epoch == own combine_epoch + 1):
 //   1. stage: copy the first recv_count[s] rows of payload[s] into own combine
 //      region (skipped when the payload already lives there)
@@ -152,7 +157,7 @@ MOE_A2A_HD int route_rank(int32_t e) { return int(uint32_t(e) >> kRouteRankShift
 MOE_A2A_HD int64_t route_slot(int32_t e) { return int64_t(e & kRouteSlotMask); }
 // Whether entry e (kRouteEnd: no) names a row of a call's planes. Routes are
 // read back from the workspace, where only a peer that broke the equal-T
-// contract (dispatch step 4b reports it) can have written over them: the
+// contract (the equal-T check reports it) can have written over them: the
 // copies and pulls stop at an entry outside the call rather than touch
 // memory beyond the workspace.
 MOE_A2A_HD bool route_in_call(int32_t e, int ep_size, int64_t runtime_max_tokens) {
@@ -187,7 +192,7 @@ enum ErrorCode : uint32_t {
   kErrorCombineTimeout = 2,
   kErrorSequence = 3,  // dispatch/combine alternation broken (CUDA detects on device)
   // A peer's dispatch had another runtime_max_tokens_per_rank than this
-  // rank's (dispatch step 4b; detail: this rank's).
+  // rank's (the equal-T check below; detail: this rank's).
   kErrorRuntimeMaxMismatch = 4,
 };
 

@@ -532,10 +532,11 @@ def test_runtime_max_differing_between_ranks_is_reported(device):
     (DESIGN section 3); a rank cannot check that before it writes, but every
     rank learns the peers' T with their flags: a call where they differ fails
     on every rank, naming the peers with another T, instead of leaving wrong
-    rows. Rank 2's smaller T puts its planes inside ranks 0 and 1's route
-    regions, so their copies may read overwritten routes: they stop at an
-    entry outside the call rather than write beyond the workspace. After a
-    re-initialization the ranks work again."""
+    rows (the CPU dispatch raises at once; on CUDA the combine's kernel
+    records it and the next call raises). Rank 2's smaller T puts its planes
+    inside ranks 0 and 1's route regions, so their copies may read
+    overwritten routes: they stop at an entry outside the call rather than
+    write beyond the workspace. After a re-initialization the ranks work again."""
     case = Case(3, (24, 20, 8), 2, 6, hidden=256, runtime_max=24)
     Ts = (24, 24, 8)
     ep = case.ep_size
@@ -552,14 +553,18 @@ def test_runtime_max_differing_between_ranks_is_reported(device):
         return (rf"rank {r}: peers \[{peers}\] called dispatch with another runtime_max_tokens_per_rank than "
                 rf"this rank's {Ts[r]} \(it must be equal on all ranks for one call\)")
 
-    def first_call(r):
+    def round_of_calls(r):
+        """The rank's dispatch and combine; the first error's text, or None."""
         try:
-            dispatch(r)
-        except RuntimeError as e:  # the CPU raises at once
+            recv, offset, _ = dispatch(r)
+            payload = torch.ones(ep, Ts[r], case.hidden, dtype=case.hidden_dtype, device=device)
+            a2a.moe_a2a_combine(payload, case.tokens[r], sim.workspace, sim.metainfo[r], Ts[r], r, ep, case.top_k,
+                                offset)
+        except RuntimeError as e:
             return str(e)
         return None
 
-    first = sim.run(first_call)
+    first = sim.run(round_of_calls)
     _wait_for_device(device)
     for r in range(ep):
         if device == "cpu":

@@ -179,8 +179,9 @@ WaitResult wait_for_own_flags(const WorkspaceView& ws, const SyncParams& sync, i
       ws, sync, [&](int p) { return flag_word(own, flags_offset, p); }, epoch, code_on_timeout);
 }
 
-// Dispatch step 4b: every active peer's dispatch had this rank's T (the
-// acquired flags make their runtime_max words visible); else the error.
+// The equal-T check (protocol.h) after dispatch step 4: every active peer's
+// dispatch had this rank's T (the acquired flags make their runtime_max
+// words visible); else the error.
 WaitResult check_peer_runtime_max(const WorkspaceView& ws, const SyncParams& sync, int64_t runtime_max) {
   const uint8_t* own = ws.row(ws.ep_rank);
   uint64_t other[kRankMaskWords] = {};

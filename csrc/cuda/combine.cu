@@ -259,6 +259,22 @@ __device__ void pull_rows_any(const CombineArgs& a) {
   pull_rows<In, Out, kElems>(a);
 }
 
+// The equal-T check (protocol.h, "runtime_max[p]"), once a CTA found a peer
+// whose dispatch had another T than this rank's: CTA 0 records the error
+// with the mask of those peers (thread q compares peer q). Every thread of
+// the CTA calls it.
+__device__ __noinline__ void record_runtime_max_mismatch(const CombineParams& p, bool other, int32_t own_t) {
+  __shared__ unsigned long long peers;
+  uint8_t* own = p.ws.row(p.ws.ep_rank);
+  if (threadIdx.x == 0) peers = 0;
+  __syncthreads();
+  if (other) atomicOr(&peers, 1ull << threadIdx.x);
+  __syncthreads();
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    record_error(own, p.sync.mailbox, kErrorRuntimeMaxMismatch, peers, static_cast<uint32_t>(own_t));
+  }
+}
+
 template <typename In, typename Out>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const __grid_constant__ CombineArgs a) {
   wait_for_previous_grid();
@@ -277,8 +293,24 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
   const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
   const uint32_t error_code = load_error_code(own);
+  // The T of every active peer's dispatch against the own dispatch's
+  // (thread q: peer q), written before the dispatch flags that the own
+  // dispatch acquired. Checked here rather than at the end of the dispatch:
+  // these loads go with the ones above, where the dispatch would have waited
+  // for one more memory latency before its dependents could start.
+  const bool checks_t = int(threadIdx.x) < ws.ep_size && rank_active(p.sync, threadIdx.x);
+  const int32_t peer_t = checks_t ? *header_word<int32_t>(own, peer_runtime_max_offset(threadIdx.x)) : 0;
+  const int32_t own_t = checks_t ? *header_word<int32_t>(own, peer_runtime_max_offset(ws.ep_rank)) : 0;
   if (loads_count) recv_count[threadIdx.x] = count;
-  if (!may_proceed(own, p.sync.mailbox, error_code, dispatch_epoch == combine_epoch + 1)) return;
+  bool other_t_seen = false;
+  if (!may_proceed(own, p.sync.mailbox, error_code, dispatch_epoch == combine_epoch + 1, peer_t != own_t,
+                   &other_t_seen)) {
+    return;
+  }
+  if (other_t_seen) {
+    record_runtime_max_mismatch(p, peer_t != own_t, own_t);
+    return;
+  }
   const uint32_t epoch = combine_epoch + 1;
 
   // 1. Stage, and 2. release: the last CTA publishes the whole grid's staging

@@ -284,8 +284,11 @@ __device__ inline void record_error(uint8_t* own, int64_t* mailbox, uint32_t cod
 // (load_error_code, issued together with the epochs so that the two cost one
 // memory latency): a CTA that starts late may see an error that a waiting
 // CTA of this grid recorded meanwhile, and its threads must not split on it
-// around a barrier. The other threads' `error_code` is not used.
-__device__ inline bool may_proceed(uint8_t* own, int64_t* mailbox, uint32_t error_code, bool sequence_ok) {
+// around a barrier. The other threads' `error_code` is not used. `vote`: a
+// condition of each thread whose OR over the CTA the same barrier hands to
+// every thread in *any_vote (when given): a second check costs no barrier.
+__device__ inline bool may_proceed(uint8_t* own, int64_t* mailbox, uint32_t error_code, bool sequence_ok,
+                                   bool vote = false, bool* any_vote = nullptr) {
   __shared__ bool proceed;
   if (threadIdx.x == 0) {
     proceed = false;
@@ -297,7 +300,11 @@ __device__ inline bool may_proceed(uint8_t* own, int64_t* mailbox, uint32_t erro
       }
     }
   }
-  __syncthreads();
+  if (any_vote != nullptr) {
+    *any_vote = __syncthreads_or(vote);
+  } else {
+    __syncthreads();
+  }
   return proceed;
 }
 

@@ -180,29 +180,6 @@ __device__ __noinline__ bool wait_before_writing_out_of_line(const DispatchArgs&
   return wait_before_writing(a, epoch, last_dispatch_end, last_runtime_max);
 }
 
-// Step 4b, by every thread of the CTA that waited for the flags: true when
-// every active peer's dispatch had this call's T. Thread q reads peer q's
-// word, which its own acquire of q's flag in wait_for_flags made visible.
-// Out of line: only the last CTA of a grid runs it.
-__device__ __noinline__ bool peers_agree_on_runtime_max(const DispatchParams& p) {
-  __shared__ unsigned long long other;
-  const WorkspaceView& ws = p.ws;
-  uint8_t* own = ws.row(ws.ep_rank);
-  if (threadIdx.x == 0) other = 0;
-  __syncthreads();
-  const int q = threadIdx.x;
-  if (q < ws.ep_size && rank_active(p.sync, q) &&
-      *header_word<int32_t>(own, peer_runtime_max_offset(q)) != p.runtime_max_tokens) {
-    atomicOr(&other, 1ull << q);
-  }
-  __syncthreads();
-  const uint64_t mask = other;
-  if (mask != 0 && threadIdx.x == 0) {
-    record_error(own, p.sync.mailbox, kErrorRuntimeMaxMismatch, mask, static_cast<uint32_t>(p.runtime_max_tokens));
-  }
-  return mask == 0;
-}
-
 // The destination set of a token: bit r is set when an active rank r owns one
 // of its experts. Negative ids are skipped; ids >= num_experts are skipped and
 // counted in `invalid`.
@@ -540,8 +517,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   }
   raise_flags(ws, p.sync, kHdrDispatchFlags, epoch, system);
   const bool arrived =
-      wait_for_flags(ws, p.sync, kHdrDispatchFlags, epoch, kErrorDispatchTimeout, a.sync_settings) &&
-      peers_agree_on_runtime_max(p);
+      wait_for_flags(ws, p.sync, kHdrDispatchFlags, epoch, kErrorDispatchTimeout, a.sync_settings);
   allow_dependent_launch();
   if (arrived && threadIdx.x == 0) *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
 }
