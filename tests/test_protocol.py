@@ -556,7 +556,7 @@ def test_runtime_max_differing_between_ranks_is_reported(device):
     def round_of_calls(r):
         """The rank's dispatch and combine; the first error's text, or None."""
         try:
-            recv, offset, _ = dispatch(r)
+            _, offset, _ = dispatch(r)
             payload = torch.ones(ep, Ts[r], case.hidden, dtype=case.hidden_dtype, device=device)
             a2a.moe_a2a_combine(payload, case.tokens[r], sim.workspace, sim.metainfo[r], Ts[r], r, ep, case.top_k,
                                 offset)
