@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The one GPU script (run through `./dev gpu [stage ...]`, which has already
 # built the extension): CUDA tests, compute-sanitizer on a small round trip,
-# the smoke benchmark, and a short table printed last. Stages: tests,
-# sanitizer, bench (default: all three). Arguments after `--` go to pytest
+# the smoke benchmark, the CMake library with its CUDA kernels (for C++
+# users), and a short table printed last. Stages: tests, sanitizer, bench,
+# cmake (default: all four). Arguments after `--` go to pytest
 # instead of the default selection (the CUDA tests). Full logs go to $OUT
 # (the device tool's return folder) when it is set, else to build/gpu-logs.
 set -uo pipefail
@@ -11,7 +12,7 @@ shift || true
 stages=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do stages+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
-[ ${#stages[@]} -eq 0 ] && stages=(tests sanitizer bench)
+[ ${#stages[@]} -eq 0 ] && stages=(tests sanitizer bench cmake)
 LOG=${OUT:-build/gpu-logs}
 mkdir -p "$LOG"
 export PYTHONUNBUFFERED=1 MOE_A2A_TIMEOUT_S=${MOE_A2A_TIMEOUT_S:-20}
@@ -26,7 +27,7 @@ print("cuda kernels registered:", torch._C._dispatch_has_kernel_for_dispatch_key
 EOF
 
 status() { if [ "$1" -eq 0 ]; then echo PASS; elif [ "$1" -eq 255 ]; then echo "not run"; else echo "FAIL($1)"; fi; }
-rc_tests=255 rc_mem=255 rc_race=255 rc_bench=255 tests_line=""
+rc_tests=255 rc_mem=255 rc_race=255 rc_bench=255 rc_cmake=255 tests_line=""
 has() { for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 if has tests; then
@@ -78,12 +79,37 @@ if has bench; then
   fi
 fi
 
+if has cmake; then
+  # CMakeLists.txt's library with -DMOE_A2A_WITH_CUDA=ON, then its round trip
+  # on cpu and cuda (tests/test_cmake_library.py, which must not skip here).
+  cuda_home=$("$PY" -c 'from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME or "/usr/local/cuda")')
+  prefix=$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+  arch=$("$PY" -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"{p.major}{p.minor}")')
+  # As setup.py: a compiler without a shared libstdc++ breaks beside torch's.
+  cxx=${CXX:-c++}
+  libstdcxx=$("$cxx" -print-file-name=libstdc++.so 2>/dev/null)
+  [[ "$libstdcxx" == /* ]] || cxx=/usr/bin/g++
+  if command -v cmake >/dev/null 2>&1; then
+    { cmake -S . -B build/cmake-cuda -DMOE_A2A_WITH_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_CUDA_HOST_COMPILER="$cxx" \
+        -DCMAKE_CUDA_COMPILER="$cuda_home/bin/nvcc" -DCMAKE_CUDA_ARCHITECTURES="$arch" &&
+      cmake --build build/cmake-cuda -j "$(nproc)" &&
+      MOE_A2A_CMAKE_LIB=build/cmake-cuda/libtorch_moe_a2a_ops.so \
+        "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cmake_library.py; } >"$LOG/cmake.txt" 2>&1
+    rc_cmake=$?
+  else
+    echo "cmake not found" >"$LOG/cmake.txt"
+    rc_cmake=127
+  fi
+fi
+
 echo
 echo "================ GPU check ================"
 printf '%-28s %s\n' "tests" "$(status $rc_tests)  $tests_line"
 printf '%-28s %s\n' "compute-sanitizer memcheck" "$(status $rc_mem)"
 printf '%-28s %s\n' "compute-sanitizer racecheck" "$(status $rc_race)"
 printf '%-28s %s\n' "smoke benchmark" "$(status $rc_bench)"
+printf '%-28s %s\n' "CMake library (CUDA)" "$(status $rc_cmake)  $(grep -E '[0-9]+ (passed|failed)' "$LOG/cmake.txt" 2>/dev/null | tail -n 1)"
 if has bench; then
   echo "-------------------------------------------"
   tail -n 30 "$LOG/bench.txt"
@@ -91,6 +117,6 @@ if has bench; then
   echo "-------------------------------------------"
   cat "$LOG/fanout.txt"
 fi
-for rc in $rc_tests $rc_mem $rc_race $rc_bench; do
+for rc in $rc_tests $rc_mem $rc_race $rc_bench $rc_cmake; do
   [ "$rc" -eq 0 ] || [ "$rc" -eq 255 ] || exit 1
 done
