@@ -84,15 +84,17 @@ if has cmake; then
   # on cpu and cuda (tests/test_cmake_library.py, which must not skip here).
   cuda_home=$("$PY" -c 'from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME or "/usr/local/cuda")')
   prefix=$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')
-  arch=$("$PY" -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"{p.major}{p.minor}")')
+  # torch's CMake config takes the architectures from TORCH_CUDA_ARCH_LIST
+  # (it ignores CMAKE_CUDA_ARCHITECTURES).
+  arch_list=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"{p.major}.{p.minor}")')}
   # As setup.py: a compiler without a shared libstdc++ breaks beside torch's.
   cxx=${CXX:-c++}
   libstdcxx=$("$cxx" -print-file-name=libstdc++.so 2>/dev/null)
   [[ "$libstdcxx" == /* ]] || cxx=/usr/bin/g++
   if command -v cmake >/dev/null 2>&1; then
-    { cmake -S . -B build/cmake-cuda -DMOE_A2A_WITH_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
+    { TORCH_CUDA_ARCH_LIST=$arch_list cmake -S . -B build/cmake-cuda -DMOE_A2A_WITH_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
         -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_CUDA_HOST_COMPILER="$cxx" \
-        -DCMAKE_CUDA_COMPILER="$cuda_home/bin/nvcc" -DCMAKE_CUDA_ARCHITECTURES="$arch" &&
+        -DCMAKE_CUDA_COMPILER="$cuda_home/bin/nvcc" &&
       cmake --build build/cmake-cuda -j "$(nproc)" &&
       MOE_A2A_CMAKE_LIB=build/cmake-cuda/libtorch_moe_a2a_ops.so \
         "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cmake_library.py; } >"$LOG/cmake.txt" 2>&1
