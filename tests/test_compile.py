@@ -27,6 +27,23 @@ def moe_step(ids, payloads, workspace, metainfo, T, ep_rank, ep_size, top_k, num
                                offset)
 
 
+def wrapped_step(ids, payloads, workspace, metainfo, T, ep_rank, ep_size, top_k, num_experts, local_num_tokens):
+    """moe_step through FlashInfer's functional zero-copy path: the expert
+    outputs written into the buffer moe_a2a_wrap_payload_tensor_in_workspace
+    gives for the combine region (traced, a copy of its bytes), then combined
+    with payload_in_workspace=True."""
+    recv, offset, _ = a2a.moe_a2a_dispatch(ids, payloads, workspace, metainfo, T, ep_rank, ep_size, top_k,
+                                           num_experts)
+    hidden, weights = recv[0], recv[2]
+    expert_out = (hidden.float() * weights[..., :1]).to(hidden.dtype)
+    end = offset + ep_size * T * expert_out.shape[-1] * expert_out.element_size()
+    buf = a2a.moe_a2a_wrap_payload_tensor_in_workspace(workspace[ep_rank], [ep_size, T], offset, end,
+                                                       expert_out.dtype)
+    buf.copy_(expert_out)
+    return a2a.moe_a2a_combine(buf, local_num_tokens, workspace, metainfo, T, ep_rank, ep_size, top_k, offset,
+                               payload_in_workspace=True)
+
+
 def _assert_no_workspace_copy(codes, workspace):
     rows, size = workspace.shape
     text = "\n".join(codes)
@@ -55,10 +72,12 @@ def test_compiled_single_rank_equals_eager(device):
     assert_bytes_equal(compiled(*args), eager, "second compiled call")
 
 
-@pytest.mark.parametrize("path", ["functional", "moe_alltoall"])
+@pytest.mark.parametrize("path", ["functional", "functional_in_workspace", "moe_alltoall"])
 def test_compiled_two_simulated_ranks_equal_eager(path, device):
-    """moe_step, or moe_alltoall_step with its buffer from
-    get_combine_payload_tensor_in_workspace (traced, a buffer of its own)."""
+    """moe_step, wrapped_step, or moe_alltoall_step with its buffer from
+    get_combine_payload_tensor_in_workspace (traced, both buffers are copies of
+    the region). A compiled step that copied the workspace would run the ops on
+    a private copy, and the ranks would time out waiting for each other."""
     if device == "cuda":
         # Each rank runs (and first compiles) its whole step on the one host
         # thread that launches every simulated rank: rank 1's compilation
@@ -68,8 +87,8 @@ def test_compiled_two_simulated_ranks_equal_eager(path, device):
     case = Case(2, (7, 12), 3, 6, hidden=64, runtime_max=12)
     sim = make_sim(case, device)
     inputs = make_inputs(case, make_generator(1)).to(device)
-    if path == "functional":
-        step = moe_step
+    if path != "moe_alltoall":
+        step = moe_step if path == "functional" else wrapped_step
 
         def args(r):
             return (inputs.ids[r], inputs.payloads[r], sim.workspace, sim.metainfo[r], case.T, r, 2, case.top_k,
@@ -103,19 +122,28 @@ def moe_alltoall_step(moe, ids, payloads, T):
     return moe.combine(buf, T, payload_in_workspace=True)
 
 
-def test_compiled_in_workspace_payload_copies_no_workspace(device):
-    """Traced, the combine buffer is a tensor of its own that combine stages:
-    the MoE's write is no write into a workspace view, so the compiled code
-    copies no workspace (with two ranks such copies had made both time out)."""
+@pytest.mark.parametrize("path", ["functional", "moe_alltoall"])
+def test_compiled_in_workspace_payload_copies_no_workspace(path, device):
+    """Traced, the combine buffer (from moe_a2a_wrap_payload_tensor_in_workspace
+    or MoeAlltoAll.get_combine_payload_tensor_in_workspace) is a tensor of its
+    own that combine stages: the MoE's write is no write into a workspace view,
+    so the compiled code copies no workspace."""
     torch._dynamo.reset()
     case = Case(1, (13,), 4, 9, hidden=96, runtime_max=16, max_num_tokens=16)
     inputs = make_inputs(case, make_generator(2)).to(device)
-    moe = a2a.MoeAlltoAll(a2a.Mapping(0, 1), 16, case.top_k, case.num_experts, hidden_size=96, device=device,
-                          workspace_size_per_rank=a2a.moe_a2a_get_workspace_size_per_rank(
-                              1, 16, case.dispatch_bytes, case.combine_bytes))
-    args = (moe, inputs.ids[0], inputs.payloads[0], case.T)
-    eager = moe_alltoall_step(*args).cpu()
-    out, codes = run_and_get_code(torch.compile(moe_alltoall_step, fullgraph=True), *args)
+    if path == "functional":
+        sim = make_sim(case, device)
+        step, workspace = wrapped_step, sim.workspace
+        args = (inputs.ids[0], inputs.payloads[0], workspace, sim.metainfo[0], case.T, 0, 1, case.top_k,
+                case.num_experts, 13)
+    else:
+        moe = a2a.MoeAlltoAll(a2a.Mapping(0, 1), 16, case.top_k, case.num_experts, hidden_size=96, device=device,
+                              workspace_size_per_rank=a2a.moe_a2a_get_workspace_size_per_rank(
+                                  1, 16, case.dispatch_bytes, case.combine_bytes))
+        step, workspace = moe_alltoall_step, moe.workspace
+        args = (moe, inputs.ids[0], inputs.payloads[0], case.T)
+    eager = step(*args).cpu()
+    out, codes = run_and_get_code(torch.compile(step, fullgraph=True), *args)
     assert_bytes_equal(out, eager, "compiled vs eager")
-    _assert_no_workspace_copy(codes, moe.workspace)
+    _assert_no_workspace_copy(codes, workspace)
 

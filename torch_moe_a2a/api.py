@@ -448,7 +448,15 @@ def moe_a2a_wrap_payload_tensor_in_workspace(
     o`` unless the rows are padded) or one 1-D row (for example
     ``workspace[ep_rank]`` with an offset relative to that row, like
     ``combine_payload_offset``). The slice must lie within one row. The result
-    aliases the workspace.
+    aliases the workspace, except under ``torch.compile``: there it is a copy
+    of those bytes, taken when it is wrapped. A traced write into a workspace
+    view makes Inductor copy the whole workspace and run the ops that follow
+    on that private copy (DESIGN.md section 4), where simulated ranks no longer
+    see each other's flags; a write into the copy is an ordinary write, and
+    :func:`moe_a2a_combine` under ``torch.compile`` stages the payload it is
+    given (``payload_in_workspace=True`` included). Inductor drops the copy
+    when the caller overwrites it whole, as with the expert outputs of a
+    combine payload.
     """
     ws = workspace.unsqueeze(0) if workspace.dim() == 1 else workspace
     if ws.dim() != 2 or ws.dtype != torch.uint8:
@@ -465,7 +473,8 @@ def moe_a2a_wrap_payload_tensor_in_workspace(
             f"slice [{slice_start}, {slice_end}) does not lie within one row of a "
             f"{tuple(ws.shape)} workspace"
         )
-    return ws[rank].narrow(0, start, length).view(dtype).view(*leading_shape, -1)
+    view = ws[rank].narrow(0, start, length).view(dtype).view(*leading_shape, -1)
+    return view.clone() if torch.compiler.is_compiling() else view
 
 
 def moe_a2a_active_rank_mask(active_ranks: Union[Sequence[int], torch.Tensor], ep_size: int) -> torch.Tensor:
@@ -745,8 +754,8 @@ def _combine(
         staged = None
     # Traced, the payload is always handed to the op, which stages it: a traced
     # graph cannot check that it is the combine region, and
-    # MoeAlltoAll.get_combine_payload_tensor_in_workspace gives a plain buffer
-    # there (DESIGN.md section 4: a traced write into a workspace view makes
+    # moe_a2a_wrap_payload_tensor_in_workspace gives a copy of the region there
+    # (DESIGN.md section 4: a traced write into a workspace view makes
     # Inductor copy the whole workspace). When it is the region after all,
     # the kernels skip the copy of a region onto itself.
     row_shape = payload.shape[2:]
@@ -1258,18 +1267,11 @@ class MoeAlltoAll:
         Write the expert outputs into it and call :meth:`combine` with
         ``payload_in_workspace=True`` to skip the staging copy. Valid between
         :meth:`dispatch` and :meth:`combine`. Under ``torch.compile`` it is a
-        plain tensor of that shape, which combine then stages: a traced write
-        into a workspace view would make Inductor copy the whole workspace
-        (DESIGN.md section 4), and with simulated ranks the ranks would then
-        signal each other in private copies and time out.
+        tensor of its own, which combine then stages (see
+        :func:`moe_a2a_wrap_payload_tensor_in_workspace`).
         """
         if self._state.phase != "dispatched":
             raise RuntimeError("get_combine_payload_tensor_in_workspace called before dispatch")
-        if torch.compiler.is_compiling():
-            # A buffer of its own, which combine stages (see _combine): the
-            # MoE's write into it is then no write into a workspace view.
-            return torch.empty((self.ep_size, runtime_max_tokens_per_rank, hidden_size), dtype=dtype,
-                               device=self.workspace.device)
         offset = self._state.combine_payload_offset
         nbytes = self.ep_size * runtime_max_tokens_per_rank * hidden_size * dtype.itemsize
         return moe_a2a_wrap_payload_tensor_in_workspace(
