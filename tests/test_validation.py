@@ -142,6 +142,8 @@ DISPATCH_BAD = [
     ("top_k_str", _set(top_k="4"), r"top_k must be an int"),
     ("payload_none", _payloads(lambda e: [e.payloads[0], None]), r"input_payloads\[1\] must be a tensor"),
     ("payloads_a_tensor", _payloads(lambda e: e.payloads[0]), r"input_payloads must be a list of tensors"),
+    ("ids_none", _set(token_selected_experts=None), r"token_selected_experts must be a tensor, got NoneType"),
+    ("workspace_none", _set(workspace=None), r"workspace must be a tensor, got NoneType"),
 ]
 
 
@@ -279,6 +281,8 @@ COMBINE_BAD = [
      BAD, r"(?i)mask"),
     ("cake_backend", _set(backend="cake"), ValueError, r"(?i)cake|capability|blackwell"),
     ("unknown_backend", _set(backend="nccl"), ValueError, r"(?i)backend"),
+    ("payload_none", _set(payload=None), ValueError, r"payload must be a tensor, got NoneType"),
+    ("workspace_none", _set(workspace=None), ValueError, r"workspace must be a tensor, got NoneType"),
 ]
 
 
@@ -306,6 +310,7 @@ INIT_BAD = [
     ("max_num_tokens_0", lambda ws: (ws, 0, 1, 0, 0), r"(?i)max_num_tokens"),
     ("max_num_tokens_huge", lambda ws: (ws, 0, 1, layout.MAX_NUM_TOKENS + 1, 0), r"(?i)max_num_tokens|workspace"),
     ("eplb_negative", lambda ws: (ws, 0, 1, 10, -1), r"(?i)eplb"),
+    ("workspace_none", lambda ws: (None, 0, 1, 10, 0), r"workspace must be a tensor, got NoneType"),
 ]
 
 
@@ -356,6 +361,10 @@ def test_sanitize_rejects(device):
                  BAD, r"(?i)ep_rank")
     expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(
         ids_view, env.workspace, env.metainfo, 0, -1, backend="cake"), ValueError, r"(?i)cake|capability")
+    expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(None, env.workspace, env.metainfo, 0, -1),
+                 ValueError, r"expert_ids must be a tensor, got NoneType")
+    expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(ids_view, None, env.metainfo, 0, -1),
+                 ValueError, r"workspace must be a tensor, got NoneType")
     # Reshaped views of the plane: more rows than the workspace was initialized for.
     ep, T, k = ids_view.shape
     longer = ids_view.view(ep, T * k, 1)
@@ -477,6 +486,10 @@ def test_getters_reject_a_rank_outside_the_workspace(device):
     for getter in (a2a.moe_a2a_get_recv_counts, a2a.moe_a2a_get_invalid_expert_count):
         for rank in (-1, 2):
             expect_error(env.workspace, lambda: getter(env.workspace, env.metainfo, rank), ValueError, r"ep_rank")
+        expect_error(env.workspace, lambda: getter([env.workspace], env.metainfo, 0), ValueError,
+                     r"workspace must be a tensor, got list")
+    expect_error(env.workspace, lambda: a2a.moe_a2a_wrap_payload_tensor_in_workspace(None, [1, 2], 0, 64, torch.int32),
+                 ValueError, r"workspace must be a tensor, got NoneType")
 
 
 def test_moe_alltoall_checks_sanitize_arguments_before_it_dispatches(device):

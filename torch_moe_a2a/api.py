@@ -316,6 +316,15 @@ def _type_ok(value: Any, kind: str) -> bool:
     return isinstance(value, bool)
 
 
+def _expect_tensors(fn: str, **arguments: Any) -> None:
+    """ValueError naming the first argument that is not a tensor: the
+    arguments the Python layer reads before any op does (the ops' own
+    TypeErrors go through _wrong_type)."""
+    for name, value in arguments.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{fn}: {name} must be a tensor, got {type(value).__name__}")
+
+
 def _wrong_type(fn: str, error: TypeError, **arguments: tuple[Any, str]) -> ValueError:
     """The ValueError for a TypeError of _C.dispatch / _C.combine: the first
     argument of the wrong kind, named (pybind's own text lists signatures and
@@ -415,6 +424,7 @@ def moe_a2a_initialize(
     the caller and read-only by convention; pass it to every later call for
     this rank. It holds the address of the rank's host error mailbox (CUDA).
     """
+    _expect_tensors("moe_a2a_initialize", workspace=workspace)
     _check_backend(backend, workspace)
     mailbox = _ops.alloc_mailbox.default(workspace)
     _ops.initialize.default(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, mailbox)
@@ -458,6 +468,7 @@ def moe_a2a_wrap_payload_tensor_in_workspace(
     when the caller overwrites it whole, as with the expert outputs of a
     combine payload.
     """
+    _expect_tensors("moe_a2a_wrap_payload_tensor_in_workspace", workspace=workspace)
     ws = workspace.unsqueeze(0) if workspace.dim() == 1 else workspace
     if ws.dim() != 2 or ws.dtype != torch.uint8:
         raise ValueError(
@@ -582,6 +593,7 @@ def _dispatch(
     timeout_s: float = _ENV_TIMEOUT,
 ) -> tuple[list[torch.Tensor], int, Optional[torch.Tensor]]:
     """:func:`moe_a2a_dispatch` plus ``timeout_s`` (``<= 0``: MOE_A2A_TIMEOUT_S, else the default)."""
+    _expect_tensors("moe_a2a_dispatch", token_selected_experts=token_selected_experts, workspace=workspace)
     _check_backend(backend, workspace)
     meta = _metainfo_values(metainfo, id(metainfo))
     _check_rank(meta, ep_rank, ep_size)
@@ -730,6 +742,7 @@ def _combine(
 
     ``output_scalar_scale`` only matters for quantized outputs, which are refused.
     """
+    _expect_tensors("moe_a2a_combine", payload=payload, workspace=workspace)
     _check_backend(backend, workspace)
     # By value, so FlashInfer's own SfLayout (or a plain int) is understood too.
     if output_scales is not None or getattr(sf_layout, "value", sf_layout) != SfLayout.layout_linear.value:
@@ -838,6 +851,7 @@ def moe_a2a_sanitize_expert_ids(
     must alias this rank's row). Rows ``[s, j]`` with ``j >= recv_counts[s]``
     get ``invalid_expert_id`` in every column; valid rows are untouched.
     """
+    _expect_tensors("moe_a2a_sanitize_expert_ids", expert_ids=expert_ids, workspace=workspace)
     _check_backend(backend, workspace)
     meta = _metainfo_values(metainfo, id(metainfo))
     if meta[0] != ep_rank:
@@ -883,6 +897,7 @@ def moe_a2a_sanitize_expert_ids(
 def moe_a2a_get_recv_counts(workspace: torch.Tensor, metainfo: torch.Tensor, ep_rank: int) -> torch.Tensor:
     """int32 ``[ep_size]`` view of rank ``ep_rank``'s header: ``[s]`` = rows received from rank ``s``
     by the last dispatch (0 for masked-off ranks)."""
+    _expect_tensors("moe_a2a_get_recv_counts", workspace=workspace)
     meta = _metainfo_values(metainfo, id(metainfo))
     _check_rank_index(meta, ep_rank)
     return layout.region_view(workspace[ep_rank], layout.HDR_RECV_COUNTS, (meta[1],), torch.int32)
@@ -891,6 +906,7 @@ def moe_a2a_get_recv_counts(workspace: torch.Tensor, metainfo: torch.Tensor, ep_
 def moe_a2a_get_invalid_expert_count(workspace: torch.Tensor, metainfo: torch.Tensor, ep_rank: int) -> torch.Tensor:
     """0-d int64 view of rank ``ep_rank``'s header: expert ids ``>= num_experts`` its dispatches
     skipped since ``moe_a2a_initialize``."""
+    _expect_tensors("moe_a2a_get_invalid_expert_count", workspace=workspace)
     _check_rank_index(_metainfo_values(metainfo, id(metainfo)), ep_rank)
     return layout.region_view(workspace[ep_rank], layout.HDR_INVALID_EXPERT_COUNT, (), torch.int64)
 
