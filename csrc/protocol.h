@@ -46,8 +46,9 @@
 // dispatch n on rank s (n = own dispatch_epoch + 1; requires own
 // dispatch_epoch == own combine_epoch, else "two dispatches in a row"):
 //   0. a. n == 1 (the first dispatch since initialize): acquire-wait until
-//      every active peer p's kHdrMagic reads kMagic (p zeroed its row)
-//      before writing anything into it
+//      every active peer p's init word is fresh_peer (p zeroed its row
+//      since its last use) before writing anything into it; then
+//      own init_seen[p] := p's tag (kept by the next initialize as stale)
 //      b. only when this call's regions may cover something a rank still
 //      reads of call n - 1 (previous_call_overlap below: dispatch_end >
 //      own kHdrLastDispatchEnd, or T < own kHdrLastRuntimeMax):
@@ -63,7 +64,8 @@
 //      nothing here this call)
 //   3. release: dispatch_flag[s] := n in every active dest d's header
 //   4. acquire: wait until own dispatch_flag[p] >= n for every active peer p
-//   5. own dispatch_epoch := n
+//   5. own dispatch_epoch := n; n == 1: own init word marked in use (also
+//      by every recorded error)
 //   The equal-T check: own runtime_max[p] == own runtime_max[s] for every
 //   active peer p, else kErrorRuntimeMaxMismatch with the mask of those
 //   peers (the contract wants T equal on all ranks for one call: a peer with
@@ -103,11 +105,20 @@
 //     and grows with T, so they reach d's route region n only when T shrank.
 //     The steady state (same shapes every round) never waits there.
 //   * initialize zeroes the row (local, as in FlashInfer): a peer's first
-//     dispatch waits for the row's magic (step 0a), so no zeroing can wipe
-//     what a peer wrote, whichever order the ranks initialize in. A row that
-//     still shows the magic of an earlier initialize (the workspace
-//     re-initialized after a failure) passes at once: re-initializing needs
-//     a barrier between every rank's initialize and the first dispatch.
+//     dispatch waits for the row's init word (step 0a), so no zeroing can
+//     wipe what a peer wrote, whichever order the ranks initialize in, also
+//     when the workspace is initialized again after use or after a failure
+//     (no barrier needed). A row's earlier initialization is told from the
+//     new one because it was in use (it finished a dispatch or recorded an
+//     error: bit kInitInUse), because the peer saw its tag at its own first
+//     dispatch then (init_seen, kept as init_stale), or, when the peer saw
+//     none, because its count is not the peer's own (each rank counts its
+//     initializations; collective ones keep the counts equal). The count
+//     makes every initialization's tag differ from the one before. Still
+//     racy, so a barrier is still needed, in two cases: a row that its owner
+//     initialized again after the peer's last look and did not use before
+//     this round (initialize twice with no call in between), and, for a
+//     peer that never looked, a row whose count ran ahead of the peer's.
 // Misuse that breaks the chain (two dispatches in a row, combine without
 // dispatch) is detected from the own epochs and refused with a clear error.
 //
@@ -182,7 +193,7 @@ enum MetaIndex : int {
   kMetaMailboxAddr,       // address of the pinned host mailbox (CUDA), 0 on the CPU
   kMetaCount
 };
-constexpr int64_t kMagic = 0x4d6f65413241LL;  // "MoeA2A"
+constexpr int64_t kMagic = 0x4d6f65413241LL;  // "MoeA2A" (48 bits)
 constexpr int64_t kVersion = 1;
 
 // ---- error codes (header and mailbox) ---------------------------------------
@@ -197,7 +208,7 @@ enum ErrorCode : uint32_t {
 };
 
 // ---- rank header: byte offsets inside each row -----------------------------
-constexpr int64_t kHdrMagic = 0;                 // int64, kMagic once initialized
+constexpr int64_t kHdrMagic = 0;                 // uint64, the init word (init_word below) once initialized
 constexpr int64_t kHdrEpRank = 8;                // int32
 constexpr int64_t kHdrEpSize = 12;               // int32
 constexpr int64_t kHdrMaxNumTokens = 16;         // int32
@@ -232,6 +243,12 @@ constexpr int64_t kHdrCombineFlags = kHdrDispatchFlags + 4 * kMaxRanks;  // uint
 constexpr int64_t kHdrRecvCounts = kHdrCombineFlags + 4 * kMaxRanks;     // int32 [kMaxRanks]
 // int32 [kMaxRanks], [s] written by rank s: the T of its latest dispatch
 constexpr int64_t kHdrPeerRuntimeMax = kHdrRecvCounts + 4 * kMaxRanks;
+// uint16 [kMaxRanks], own, kept by initialize (dispatch step 0a): [q] = the
+// init tag of peer q's row that a first dispatch saw before this row's latest
+// initialize (stale: not to be trusted), and the one that the first dispatch
+// since then saw (seen: the next initialize's stale).
+constexpr int64_t kHdrInitStale = kHdrPeerRuntimeMax + 4 * kMaxRanks;
+constexpr int64_t kHdrInitSeen = kHdrInitStale + 2 * kMaxRanks;
 // CUDA dispatch scratch of large calls, own, per CTA b of the grid (grids have
 // at most kMaxDispatchCtas CTAs; see csrc/cuda/dispatch.cu, steps 1a and 3).
 // Never reset: the epoch tells this call's words from older ones.
@@ -241,7 +258,7 @@ constexpr int64_t kHdrPeerRuntimeMax = kHdrRecvCounts + 4 * kMaxRanks;
 //   routed[b]  the dispatch epoch once CTA b's route entries are written
 //              (every CTA copies tokens of any chunk, after all are routed)
 constexpr int kMaxDispatchCtas = 1024;
-constexpr int64_t kHdrDispatchCounts = kHdrPeerRuntimeMax + 4 * kMaxRanks;  // uint64 [kMaxDispatchCtas * kMaxRanks]
+constexpr int64_t kHdrDispatchCounts = kHdrInitSeen + 2 * kMaxRanks;  // uint64 [kMaxDispatchCtas * kMaxRanks]
 constexpr int64_t kHdrDispatchRouted = kHdrDispatchCounts + 8 * kMaxDispatchCtas * kMaxRanks;  // uint32 [kMaxDispatchCtas]
 // CUDA scratch, own, zero between calls: copy tasks of the running large
 // dispatch claimed beyond each warp's first, from kClaimCounters counters
@@ -251,7 +268,7 @@ constexpr int64_t kHdrDispatchRouted = kHdrDispatchCounts + 8 * kMaxDispatchCtas
 constexpr int kClaimCounters = 16;
 constexpr int64_t kClaimStride = 128;
 constexpr int64_t kHdrDispatchClaims = kHdrDispatchRouted + 4 * kMaxDispatchCtas;  // uint32, counter c at (c - 1) * kClaimStride
-constexpr int64_t kHeaderBytes = kHdrDispatchClaims + kClaimStride * (kClaimCounters - 1);  // 531456
+constexpr int64_t kHeaderBytes = kHdrDispatchClaims + kClaimStride * (kClaimCounters - 1);  // 531712
 static_assert(kHdrDispatchCounts % 8 == 0 && kHeaderBytes % kAlign == 0, "header words aligned, regions too");
 
 // Header offset of claim counter c (uint32), 0 <= c < kClaimCounters.
@@ -266,6 +283,38 @@ MOE_A2A_HD constexpr int64_t recv_count_offset(int64_t s) { return kHdrRecvCount
 MOE_A2A_HD constexpr int64_t peer_runtime_max_offset(int64_t s) {
   return kHdrPeerRuntimeMax + int64_t(sizeof(int32_t)) * s;
 }
+
+// ---- the init word (kHdrMagic) ----------------------------------------------
+// kMagic in the low 48 bits and a 16-bit tag above them: bits 0-14 count the
+// row's initializations (1, 2, ..., 32767, 1, ...: each differs from the one
+// before), bit 15 is set once the rank has finished a dispatch or recorded an
+// error since. A first dispatch writes into a peer's row only when it shows
+// an initialization that has not been in use and that is not the stale one
+// (kHdrInitStale), so a re-initialization after use needs no barrier.
+constexpr int kInitTagShift = 48;
+constexpr uint16_t kInitInUse = 0x8000;
+constexpr uint16_t kInitCountMax = 0x7fff;
+
+MOE_A2A_HD constexpr bool row_initialized(uint64_t word) {
+  return (word & ((uint64_t(1) << kInitTagShift) - 1)) == uint64_t(kMagic);
+}
+MOE_A2A_HD constexpr uint16_t init_tag(uint64_t word) { return uint16_t(word >> kInitTagShift); }
+MOE_A2A_HD constexpr uint64_t init_word(uint16_t tag) { return uint64_t(kMagic) | (uint64_t(tag) << kInitTagShift); }
+// The word initialize writes over `old` (what the row held before).
+MOE_A2A_HD constexpr uint64_t next_init_word(uint64_t old) {
+  return init_word(row_initialized(old) ? uint16_t((init_tag(old) & kInitCountMax) % kInitCountMax + 1) : uint16_t(1));
+}
+// Dispatch step 0a: whether the peer row whose init word is `word` may be
+// written by this rank's first dispatch since its initialize: the row is
+// initialized and not yet in use, and its tag is not `stale` (the peer's tag
+// this rank saw at its previous first dispatch) or, when this rank saw none,
+// its count equals `own_count`, this rank's own (every rank initializes
+// once per collective initialization).
+MOE_A2A_HD constexpr bool fresh_peer(uint64_t word, uint16_t stale, uint16_t own_count) {
+  return row_initialized(word) && (init_tag(word) & kInitInUse) == 0 &&
+         (stale != 0 ? init_tag(word) != stale : (init_tag(word) & kInitCountMax) == own_count);
+}
+MOE_A2A_HD constexpr uint16_t init_count(uint64_t word) { return uint16_t(init_tag(word) & kInitCountMax); }
 
 MOE_A2A_HD constexpr int64_t align_up(int64_t x, int64_t a = kAlign) { return (x + a - 1) / a * a; }
 

@@ -489,22 +489,38 @@ def test_runtime_max_shrinking_between_rounds(device):
         assert int(torch.count_nonzero(per_rank[0][3])) == 0, f"round {i}: rank 0's output"
 
 
-def test_initialize_after_a_peers_first_dispatch(device):
+@pytest.mark.parametrize("history", ["fresh", "after_use", "after_failure"])
+def test_initialize_after_a_peers_first_dispatch(history, device):
     """initialize is local and zeroes the own row (DESIGN section 3), yet no
     peer writes into a rank's row before that rank has zeroed it (section
     5): the last rank initializes only after its peers' first dispatches
     are under way (on the CPU after a delay; on CUDA its initialize is
     launched after their dispatch kernels), and the round still completes
-    and matches the reference."""
+    and matches the reference. On a zeroed workspace, and initialized again
+    (no barrier) after a full round trip, or after a dispatch of rank 0
+    alone that timed out (the late rank's row then shows an initialization
+    that no call used)."""
     from torch_moe_a2a import reference
 
     case = Case(3, (6, 9, 4), 2, 6, hidden=128, runtime_max=12)
     ep, late = case.ep_size, case.ep_size - 1
     sim = make_sim(case, device, timeout_s=20)
-    sim.workspace.zero_()  # as allocate_workspace returns it: no row initialized yet
     gen = make_generator(43)
     inputs = make_inputs(case, gen)
     dev = inputs.to(device)
+    if history == "fresh":
+        sim.workspace.zero_()  # as allocate_workspace returns it: no row initialized yet
+    elif history == "after_use":
+        used = sim.run(lambda r: a2a.moe_a2a_dispatch(dev.ids[r], dev.payloads[r], sim.workspace, sim.metainfo[r],
+                                                      case.T, r, ep, case.top_k, case.num_experts))
+        sim.run(lambda r: a2a.moe_a2a_combine(used[r][0][0], case.tokens[r], sim.workspace, sim.metainfo[r], case.T,
+                                              r, ep, case.top_k, used[r][1]))
+    else:
+        try:
+            a2a.api._dispatch(dev.ids[0], dev.payloads[0], sim.workspace, sim.metainfo[0], case.T, 0, ep,
+                              case.top_k, case.num_experts, timeout_s=0.2)
+        except RuntimeError as e:  # the CPU raises at once, CUDA at the next call
+            assert "did not arrive" in str(e)
     _wait_for_device(device)
 
     def first_dispatch(r):

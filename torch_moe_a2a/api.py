@@ -412,13 +412,15 @@ def moe_a2a_initialize(
 
     Local, as in FlashInfer: it touches only this rank's row, so a plain
     ``[ep_size, size_per_rank]`` uint8 tensor can be initialized rank by rank.
-    On a zeroed workspace (``allocate_workspace``, ``torch.zeros``) the ranks
-    may initialize in any order: a rank's first dispatch after initialize
-    writes into a peer's row only once that row shows the peer's
-    initialization (its magic, written last). A workspace initialized again
-    after use still shows the old magic, so then no peer may dispatch before
-    every rank has initialized: a barrier in between (:class:`MoeAlltoAll`
-    always adds one across processes).
+    The ranks may initialize in any order, with no barrier before the first
+    dispatch, on a zeroed workspace (``allocate_workspace``, ``torch.zeros``)
+    and when every rank initializes again after use or after a failure: a
+    rank's first dispatch after initialize writes into a peer's row only once
+    that row shows an initialization newer than the one this rank last used
+    or saw (the init word, written last; csrc/protocol.h, dispatch step 0a).
+    A rank initialized twice with no call in between leaves a row that cannot
+    be told from a new one: then barrier between every rank's initialize and
+    the first dispatch (:class:`MoeAlltoAll` always does, across processes).
 
     Returns a new CPU int64 ``[META_COUNT]`` tensor (layout.META_*), owned by
     the caller and read-only by convention; pass it to every later call for
@@ -982,7 +984,8 @@ def check_errors(workspace: torch.Tensor) -> None:
     ]
     for rank in range(workspace.shape[0]):
         code = codes[rank] & 0xFFFFFFFF
-        if magic[rank] == layout.MAGIC and code != layout.ERROR_NONE:
+        initialized = magic[rank] % (1 << layout.INIT_TAG_SHIFT) == layout.MAGIC
+        if initialized and code != layout.ERROR_NONE:
             words = [m[rank] % _U64 for m in missing]
             raise RuntimeError(describe_error(rank, code, words, details[rank] & 0xFFFFFFFF))
 

@@ -62,7 +62,7 @@ int64_t grain_for(int64_t bytes_per_item) {
 RowStatus check_config(const WorkspaceView& ws, int64_t max_num_tokens, int64_t eplb_n) {
   RowStatus st;
   const uint8_t* row = ws.row(ws.ep_rank);
-  if (load<int64_t>(row, kHdrMagic) != kMagic) {
+  if (!row_initialized(load<uint64_t>(row, kHdrMagic))) {
     st.kind = RowStatus::kRuntimeError;
     st.message = "rank " + std::to_string(ws.ep_rank) +
                  "'s row is not initialized: call moe_a2a_initialize on every rank first";
@@ -113,8 +113,16 @@ RowStatus runtime_error(const std::string& message) {
 // Records an error in the own header (code last, so a reader that sees the
 // code sees the rest) and returns it: `peers` (kRankMaskWords words) and
 // `detail` as kHdrErrorMissing and kHdrErrorDetail say.
+// Sets the in-use bit of the own init word (protocol.h, dispatch step 0a).
+void mark_in_use(uint8_t* own) {
+  const uint64_t word = load<uint64_t>(own, kHdrMagic);
+  __atomic_store_n(reinterpret_cast<uint64_t*>(own + kHdrMagic), word | (uint64_t(kInitInUse) << kInitTagShift),
+                   __ATOMIC_RELAXED);
+}
+
 WaitResult record_error(const WorkspaceView& ws, ErrorCode code, const uint64_t* peers, uint32_t detail) {
   uint8_t* row = ws.row(ws.ep_rank);
+  mark_in_use(row);
   WaitResult result{};
   result.code = code;
   result.detail = detail;
@@ -320,15 +328,22 @@ RowStatus check_row_for_sanitize(const WorkspaceView& ws) {
 
 void initialize(const InitParams& p) {
   uint8_t* row = p.ws.row(p.ws.ep_rank);
+  // What survives the zeroing (protocol.h, dispatch step 0a): the peers' tags
+  // that the last first dispatch saw, and the count in the init word.
+  const uint64_t old_word = load<uint64_t>(row, kHdrMagic);
+  uint16_t seen[kMaxRanks] = {};
+  if (row_initialized(old_word)) std::memcpy(seen, row + kHdrInitSeen, sizeof(seen));
   at::parallel_for(0, p.ws.size_per_rank, kParallelGrainBytes, [&](int64_t begin, int64_t end) {
     std::memset(row + begin, 0, static_cast<size_t>(end - begin));
   });
+  std::memcpy(row + kHdrInitStale, seen, sizeof(seen));
+  std::memcpy(row + kHdrInitSeen, seen, sizeof(seen));
   store<int32_t>(row, kHdrEpRank, p.ws.ep_rank);
   store<int32_t>(row, kHdrEpSize, p.ws.ep_size);
   store<int32_t>(row, kHdrMaxNumTokens, static_cast<int32_t>(p.max_num_tokens));
   store<int32_t>(row, kHdrEplbN, static_cast<int32_t>(p.eplb_n));
-  // The magic last: a row that shows it is fully set up.
-  __atomic_store_n(reinterpret_cast<int64_t*>(row + kHdrMagic), kMagic, __ATOMIC_RELEASE);
+  // The init word last: a row that shows it is fully set up.
+  __atomic_store_n(reinterpret_cast<uint64_t*>(row + kHdrMagic), next_init_word(old_word), __ATOMIC_RELEASE);
 }
 
 WaitResult dispatch(const DispatchParams& p) {
@@ -337,14 +352,20 @@ WaitResult dispatch(const DispatchParams& p) {
   const uint32_t epoch = load<uint32_t>(own, kHdrDispatchEpoch) + 1;
 
   // 0a. The first dispatch since initialize writes into no row before its
-  // owner has zeroed it (the magic, stored last with release by initialize).
+  // owner has zeroed it since its last use (the init word, stored last with
+  // release by initialize), then notes which initialization it saw.
   if (epoch == 1) {
+    auto init_word_of = [&](int q) {
+      return __atomic_load_n(reinterpret_cast<const uint64_t*>(ws.row(q) + kHdrMagic), __ATOMIC_ACQUIRE);
+    };
+    const uint16_t own_count = init_count(load<uint64_t>(own, kHdrMagic));
     const WaitResult zeroed = wait_for_peers(
         ws, p.sync,
-        [&](int q) {
-          return __atomic_load_n(reinterpret_cast<const int64_t*>(ws.row(q) + kHdrMagic), __ATOMIC_ACQUIRE) == kMagic;
-        },
+        [&](int q) { return fresh_peer(init_word_of(q), load<uint16_t>(own, kHdrInitStale + 2 * q), own_count); },
         kErrorDispatchTimeout);
+    for (int q = 0; q < ws.ep_size; ++q) {
+      if (rank_active(p.sync, q)) store<uint16_t>(own, kHdrInitSeen + 2 * q, init_tag(init_word_of(q)));
+    }
     if (zeroed.code != kErrorNone) return zeroed;
   }
   // 0b. When this call's regions may cover what slower ranks still read of
@@ -436,6 +457,7 @@ WaitResult dispatch(const DispatchParams& p) {
   const WaitResult agreed = check_peer_runtime_max(ws, p.sync, p.runtime_max_tokens);
   if (agreed.code != kErrorNone) return agreed;
   store<uint32_t>(own, kHdrDispatchEpoch, epoch);
+  if (epoch == 1) mark_in_use(own);
   return result;
 }
 

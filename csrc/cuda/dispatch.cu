@@ -145,9 +145,29 @@ __device__ __noinline__ void wait_all_routed(uint8_t* own, const DispatchArgs& a
   }
 }
 
+// Step 0a (protocol.h), by every thread of the first dispatch since
+// initialize: it writes into no row before its owner zeroed it since its last
+// use (the init word, stored last); CTA 0 then notes the tags it saw, for the
+// next initialize. Out of line: it runs once per initialize, and inlined it
+// would cost the copy loops registers.
+__device__ __noinline__ bool first_dispatch_wait(const DispatchArgs& a) {
+  const WorkspaceView& ws = a.p.ws;
+  uint8_t* own = ws.row(ws.ep_rank);
+  const uint16_t own_count = init_count(*header_word<uint64_t>(own, kHdrMagic));
+  auto init_word_of = [&](int q) { return ld_acquire(header_word<uint64_t>(ws.row(q), kHdrMagic), a.sync_settings.system); };
+  const bool zeroed = wait_for_peers(
+      ws, a.p.sync,
+      [&](int q) { return fresh_peer(init_word_of(q), *header_word<uint16_t>(own, kHdrInitStale + 2 * q), own_count); },
+      kErrorDispatchTimeout, a.sync_settings);
+  const int q = threadIdx.x;
+  if (blockIdx.x == 0 && q < ws.ep_size && rank_active(a.p.sync, q)) {
+    *header_word<uint16_t>(own, kHdrInitSeen + 2 * q) = init_tag(init_word_of(q));
+  }
+  return zeroed;
+}
+
 // Step 0 of the call with epoch `epoch` (protocol.h), by every thread: false
-// when a wait failed (recorded). 0a: the first dispatch since initialize
-// writes into no row before its owner zeroed it (the magic, stored last).
+// when a wait failed (recorded). 0a: first_dispatch_wait.
 // 0b: when this call's regions may cover what a rank still reads of call
 // n-1 (its combine region or its own routes), nothing is written before
 // every active rank finished pulling combine n-1 (its combine_epoch,
@@ -155,15 +175,7 @@ __device__ __noinline__ void wait_all_routed(uint8_t* own, const DispatchArgs& a
 __device__ __forceinline__ bool wait_before_writing(const DispatchArgs& a, uint32_t epoch, int64_t last_dispatch_end,
                                                  int32_t last_runtime_max) {
   const WorkspaceView& ws = a.p.ws;
-  if (epoch == 1) {
-    const bool zeroed = wait_for_peers(
-        ws, a.p.sync,
-        [&](int q) {
-          return ld_acquire(header_word<uint64_t>(ws.row(q), kHdrMagic), a.sync_settings.system) == uint64_t(kMagic);
-        },
-        kErrorDispatchTimeout, a.sync_settings);
-    if (!zeroed) return false;
-  }
+  if (epoch == 1 && !first_dispatch_wait(a)) return false;
   if (previous_call_overlap(a.p.layout.dispatch_end, last_dispatch_end, a.p.runtime_max_tokens, last_runtime_max)) {
     return wait_for_words(
         ws, a.p.sync, [&](int q) { return header_word<uint32_t>(ws.row(q), kHdrCombineEpoch); }, epoch - 1,
@@ -519,7 +531,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   const bool arrived =
       wait_for_flags(ws, p.sync, kHdrDispatchFlags, epoch, kErrorDispatchTimeout, a.sync_settings);
   allow_dependent_launch();
-  if (arrived && threadIdx.x == 0) *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
+  if (arrived && threadIdx.x == 0) {
+    *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
+    if (epoch == 1) mark_in_use(own);
+  }
 }
 
 }  // namespace

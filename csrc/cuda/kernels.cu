@@ -12,16 +12,37 @@ namespace {
 constexpr int kSanitizeThreads = 256;
 constexpr int kSanitizeCtasPerSm = 4;
 
-// The header config after the row was zeroed; the magic last, as on the CPU,
-// so that a row showing it is fully set up.
+// initialize, before the row is zeroed around the init word and the stale
+// tags (launch_initialize): the tags the last first dispatch saw become the
+// stale ones, and the init word holds only the next initialization's tag (no
+// magic, so no peer writes here until write_header_kernel).
+__global__ void init_carry_kernel(const __grid_constant__ InitParams p) {
+  uint8_t* row = p.ws.row(p.ws.ep_rank);
+  const uint64_t old_word = *header_word<uint64_t>(row, kHdrMagic);
+  const int q = threadIdx.x;
+  const uint16_t seen = row_initialized(old_word) ? *header_word<uint16_t>(row, kHdrInitSeen + 2 * q) : 0;
+  *header_word<uint16_t>(row, kHdrInitStale + 2 * q) = seen;
+  __syncthreads();
+  if (q == 0) *header_word<uint64_t>(row, kHdrMagic) = uint64_t(init_tag(next_init_word(old_word))) << kInitTagShift;
+}
+
+// The header config after the row was zeroed; the init word last, as on the
+// CPU, so that a row showing it is fully set up.
 __global__ void write_header_kernel(const __grid_constant__ InitParams p) {
   uint8_t* row = p.ws.row(p.ws.ep_rank);
-  *header_word<int32_t>(row, kHdrEpRank) = p.ws.ep_rank;
-  *header_word<int32_t>(row, kHdrEpSize) = p.ws.ep_size;
-  *header_word<int32_t>(row, kHdrMaxNumTokens) = static_cast<int32_t>(p.max_num_tokens);
-  *header_word<int32_t>(row, kHdrEplbN) = static_cast<int32_t>(p.eplb_n);
-  __threadfence_system();
-  *header_word<int64_t>(row, kHdrMagic) = kMagic;
+  const int q = threadIdx.x;
+  *header_word<uint16_t>(row, kHdrInitSeen + 2 * q) = *header_word<uint16_t>(row, kHdrInitStale + 2 * q);
+  if (q == 0) {
+    *header_word<int32_t>(row, kHdrEpRank) = p.ws.ep_rank;
+    *header_word<int32_t>(row, kHdrEpSize) = p.ws.ep_size;
+    *header_word<int32_t>(row, kHdrMaxNumTokens) = static_cast<int32_t>(p.max_num_tokens);
+    *header_word<int32_t>(row, kHdrEplbN) = static_cast<int32_t>(p.eplb_n);
+  }
+  __syncthreads();
+  if (q == 0) {
+    __threadfence_system();
+    *header_word<uint64_t>(row, kHdrMagic) = init_word(init_tag(*header_word<uint64_t>(row, kHdrMagic)));
+  }
 }
 
 __global__ void sanitize_kernel(const __grid_constant__ SanitizeParams p) {
@@ -66,9 +87,18 @@ int spinning_grid_size(const LaunchConfig& config, int64_t work_bytes) {
 }
 
 cudaError_t launch_initialize(const InitParams& p, cudaStream_t stream) {
-  const cudaError_t err = cudaMemsetAsync(p.ws.row(p.ws.ep_rank), 0, static_cast<size_t>(p.ws.size_per_rank), stream);
+  uint8_t* row = p.ws.row(p.ws.ep_rank);
+  // Zeroed: all but the init word [0, 8) and the stale tags, which
+  // init_carry_kernel wrote and write_header_kernel reads.
+  constexpr int64_t kStaleEnd = kHdrInitStale + 2 * kMaxRanks;
+  static_assert(kHdrMagic == 0 && kHdrInitStale > 8, "the init word leads the header");
+  cudaError_t err = launch_kernel(init_carry_kernel, 1, kMaxRanks, stream, /*pdl=*/false, p);
+  if (err == cudaSuccess) err = cudaMemsetAsync(row + 8, 0, static_cast<size_t>(kHdrInitStale - 8), stream);
+  if (err == cudaSuccess) {
+    err = cudaMemsetAsync(row + kStaleEnd, 0, static_cast<size_t>(p.ws.size_per_rank - kStaleEnd), stream);
+  }
   if (err != cudaSuccess) return err;
-  return launch_kernel(write_header_kernel, 1, 1, stream, /*pdl=*/false, p);
+  return launch_kernel(write_header_kernel, 1, kMaxRanks, stream, /*pdl=*/false, p);
 }
 
 cudaError_t launch_sanitize(const SanitizeParams& p, const LaunchConfig& config, cudaStream_t stream) {
