@@ -506,6 +506,18 @@ void raise_if_wait_failed(const WaitResult& result, int64_t ep_rank) {
   TORCH_CHECK(false, describe_error(ep_rank, result.code, result.missing, result.detail));
 }
 
+void check_expert_ids_host(const at::Tensor& token_selected_experts, int64_t num_experts) {
+  const at::Tensor bad = at::nonzero(token_selected_experts.ge(num_experts)).cpu();
+  if (bad.size(0) == 0) return;
+  const at::Tensor first = bad[0];
+  std::ostringstream where;
+  for (int64_t d = 0; d < first.size(0); ++d) where << (d ? ", " : "") << first[d].item<int64_t>();
+  at::Tensor value = token_selected_experts;
+  for (int64_t d = 0; d < first.size(0); ++d) value = value.select(0, first[d].item<int64_t>());
+  TORCH_CHECK_VALUE(false, "MOE_A2A_DEBUG: token_selected_experts[", where.str(), "] = ", value.item<int64_t>(),
+                    " is >= num_experts (", num_experts, ")");
+}
+
 namespace {
 
 // ---- CPU operators ----------------------------------------------------------------
@@ -701,6 +713,7 @@ TORCH_LIBRARY(moe_a2a, m) {
   m.def(kSchemaCombine, {at::Tag::pt2_compliant_tag});
   m.def(kSchemaCombineInto, {at::Tag::pt2_compliant_tag});
   m.def(kSchemaSanitize, {at::Tag::pt2_compliant_tag});
+  m.def(kSchemaCheckExpertIds, {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(moe_a2a, CPU, m) {
@@ -711,4 +724,5 @@ TORCH_LIBRARY_IMPL(moe_a2a, CPU, m) {
   m.impl("combine", &combine_cpu);
   m.impl("combine_into", &combine_into_cpu);
   m.impl("sanitize_expert_ids", &sanitize_expert_ids_cpu);
+  m.impl("check_expert_ids", &check_expert_ids_host);
 }

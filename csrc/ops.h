@@ -105,4 +105,8 @@ void raise_if_mailbox_error(int64_t mailbox, int64_t ep_rank);
 // Raises RuntimeError(describe_error(...)) when `result` carries an error.
 void raise_if_wait_failed(const WaitResult& result, int64_t ep_rank);
 
+// The kernel of check_expert_ids (schemas.h) on any device: the first id >=
+// num_experts, read on the host, raises a ValueError that names its index.
+void check_expert_ids_host(const at::Tensor& token_selected_experts, int64_t num_experts);
+
 }  // namespace moe_a2a

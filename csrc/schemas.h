@@ -48,6 +48,12 @@ constexpr const char* kSchemaCombineInto =
 
 #undef MOE_A2A_COMBINE_ARGS
 
+// MOE_A2A_DEBUG=1 (torch_moe_a2a/api.py): raises when an expert id is >=
+// num_experts, reading the ids on the host (a sync on CUDA; skipped while the
+// stream is being captured). No output and no mutation: registered as a side
+// effect so that traced graphs keep it.
+constexpr const char* kSchemaCheckExpertIds = "check_expert_ids(Tensor token_selected_experts, int num_experts) -> ()";
+
 constexpr const char* kSchemaSanitize =
     "sanitize_expert_ids(Tensor(a!) workspace, int ep_rank, int ep_size, int runtime_max_tokens_per_rank, "
     "int offset, int top_k, int invalid_expert_id, bool enable_pdl) -> ()";

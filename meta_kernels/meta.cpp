@@ -66,6 +66,9 @@ void combine_into_meta(const std::optional<at::Tensor>& payload, c10::SymInt, co
 void sanitize_expert_ids_meta(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                               bool) {}
 
+// A traced check has no values to read: the real kernels do it when the graph runs.
+void check_expert_ids_meta(const at::Tensor&, int64_t) {}
+
 }  // namespace
 }  // namespace moe_a2a
 
@@ -77,4 +80,5 @@ TORCH_LIBRARY_IMPL(moe_a2a, Meta, m) {
   m.impl("combine", &combine_meta);
   m.impl("combine_into", &combine_into_meta);
   m.impl("sanitize_expert_ids", &sanitize_expert_ids_meta);
+  m.impl("check_expert_ids", &check_expert_ids_meta);
 }

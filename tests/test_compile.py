@@ -147,3 +147,28 @@ def test_compiled_in_workspace_payload_copies_no_workspace(path, device):
     assert_bytes_equal(out, eager, "compiled vs eager")
     _assert_no_workspace_copy(codes, workspace)
 
+
+
+def test_debug_mode_checks_ids_in_the_compiled_graph(monkeypatch, device):
+    """MOE_A2A_DEBUG=1 (DESIGN.md section 6) checks the ids of a traced
+    dispatch too: the compiled code calls check_expert_ids before the dispatch,
+    and an id >= num_experts raises there, the workspace untouched."""
+    monkeypatch.setenv("MOE_A2A_DEBUG", "1")
+    torch._dynamo.reset()
+    case = Case(1, (13,), 4, 9, hidden=96, runtime_max=16, max_num_tokens=16)
+    sim = make_sim(case, device)
+    inputs = make_inputs(case, make_generator(3)).to(device)
+    args = [inputs.ids[0], inputs.payloads[0], sim.workspace, sim.metainfo[0], case.T, 0, 1, case.top_k,
+            case.num_experts, 13]
+    compiled = torch.compile(moe_step, fullgraph=True)
+    out, codes = run_and_get_code(compiled, *args)
+    text = "\n".join(codes)
+    assert text.index("moe_a2a.check_expert_ids") < text.index("moe_a2a.dispatch"), "checked before it dispatches"
+    bad = inputs.ids[0].clone()
+    bad[7, 2] = case.num_experts
+    before = sim.workspace.clone()
+    args[0] = bad
+    with pytest.raises(ValueError, match=re.escape(
+            f"MOE_A2A_DEBUG: token_selected_experts[7, 2] = {case.num_experts} is >= num_experts")):
+        compiled(*args)
+    assert torch.equal(sim.workspace, before), "the failed call wrote into the workspace"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import re
 import time
 import warnings
 from typing import Optional
@@ -789,3 +790,17 @@ def test_mailbox_is_host_memory_read_before_each_call():
                          case.num_experts)
     torch.cuda.synchronize()
     a2a.check_errors(sim.workspace)
+
+
+def test_check_expert_ids_skips_inside_a_graph_capture():
+    """MOE_A2A_DEBUG's check reads the ids on the host: eagerly it raises on an
+    id >= num_experts; inside a CUDA-graph capture, where the host cannot
+    read them, it does nothing (a sync there would break the capture)."""
+    ids = torch.tensor([[0, 5], [1, 2]], dtype=torch.int32, device=CUDA)
+    with pytest.raises(ValueError, match=re.escape("token_selected_experts[0, 1] = 5 is >= num_experts (4)")):
+        ops.check_expert_ids.default(ids, 4)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.check_expert_ids.default(ids, 4)
+    graph.replay()
+    torch.cuda.synchronize()

@@ -102,3 +102,8 @@ def test_opcheck_sanitize_expert_ids(device):
     lay = env.dispatched()
     ids_offset = lay.payload_offsets[1]  # payload 1 carries the expert ids
     _opcheck(ops.sanitize_expert_ids.default, (env.workspace, 0, 1, CASE.T, ids_offset, CASE.top_k, -1, False))
+
+
+def test_opcheck_check_expert_ids(device):
+    env = Env(device)
+    _opcheck(ops.check_expert_ids.default, (env.ids, CASE.num_experts))

@@ -285,16 +285,12 @@ def _debug_enabled() -> bool:
     return value not in ("", "0")
 
 
-def _debug_check_expert_ids(token_selected_experts: torch.Tensor, num_experts: int) -> None:
-    """MOE_A2A_DEBUG=1: refuse expert ids >= num_experts on the host (syncs on CUDA)."""
-    bad = (token_selected_experts >= num_experts).nonzero()
-    if bad.shape[0] > 0:
-        index = tuple(bad[0].tolist())
-        value = int(token_selected_experts[index])
-        where = ", ".join(str(i) for i in index)
-        raise ValueError(
-            f"MOE_A2A_DEBUG: token_selected_experts[{where}] = {value} is >= num_experts ({num_experts})"
-        )
+# MOE_A2A_DEBUG=1: refuse expert ids >= num_experts on the host before each
+# dispatch, eager or traced (the op reads the ids when the graph runs; a
+# sync on CUDA, skipped inside a CUDA-graph capture). It returns nothing and
+# mutates nothing, so traced graphs would drop it without this mark.
+_check_expert_ids = _ops.check_expert_ids.default
+torch.fx.node.has_side_effect(_check_expert_ids)
 
 
 # What an argument of the C++ fast path must be (_wrong_type).
@@ -610,12 +606,14 @@ def _dispatch(
             enable_pdl)
     call_eplb_n = eplb_n if eplb_local_stats is not None else 0
     if torch.compiler.is_compiling():
+        if _debug_enabled():  # read when the call is traced
+            _check_expert_ids(token_selected_experts, num_experts)
         _ops.dispatch.default(*args)
         return _traced_receive_views(workspace, ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n,
                                      input_payloads)
 
     if _debug_enabled():
-        _debug_check_expert_ids(token_selected_experts, num_experts)
+        _check_expert_ids(token_selected_experts, num_experts)
 
     # The receive views of this call: regions of this rank's own row.
     cache = recv_view_cache

@@ -193,6 +193,15 @@ void sanitize_expert_ids_cuda(const at::Tensor& workspace, int64_t ep_rank, int6
                                       c10::cuda::getCurrentCUDAStream()));
 }
 
+void check_expert_ids_cuda(const at::Tensor& token_selected_experts, int64_t num_experts) {
+  const c10::cuda::CUDAGuard guard(token_selected_experts.device());
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &status));
+  // A captured graph replays without the host, which then reads no ids.
+  if (status != cudaStreamCaptureStatusNone) return;
+  check_expert_ids_host(token_selected_experts, num_experts);
+}
+
 }  // namespace
 }  // namespace moe_a2a
 
@@ -204,4 +213,5 @@ TORCH_LIBRARY_IMPL(moe_a2a, CUDA, m) {
   m.impl("combine", &combine_cuda);
   m.impl("combine_into", &combine_into_cuda);
   m.impl("sanitize_expert_ids", &sanitize_expert_ids_cuda);
+  m.impl("check_expert_ids", &check_expert_ids_cuda);
 }
