@@ -110,9 +110,6 @@ RowStatus runtime_error(const std::string& message) {
   return st;
 }
 
-// Records an error in the own header (code last, so a reader that sees the
-// code sees the rest) and returns it: `peers` (kRankMaskWords words) and
-// `detail` as kHdrErrorMissing and kHdrErrorDetail say.
 // Sets the in-use bit of the own init word (protocol.h, dispatch step 0a).
 void mark_in_use(uint8_t* own) {
   const uint64_t word = load<uint64_t>(own, kHdrMagic);
@@ -120,6 +117,10 @@ void mark_in_use(uint8_t* own) {
                    __ATOMIC_RELAXED);
 }
 
+// Records an error in the own header (code last, so a reader that sees the
+// code sees the rest) and returns it: `peers` (kRankMaskWords words) and
+// `detail` as kHdrErrorMissing and kHdrErrorDetail say. The row is in use
+// from then on.
 WaitResult record_error(const WorkspaceView& ws, ErrorCode code, const uint64_t* peers, uint32_t detail) {
   uint8_t* row = ws.row(ws.ep_rank);
   mark_in_use(row);

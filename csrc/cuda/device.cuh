@@ -260,14 +260,15 @@ __device__ __forceinline__ int lowest_rank(uint64_t set) { return __ffsll(static
 
 // ---- error records ----------------------------------------------------------------------
 
-// Records `code` as this rank's error unless one is already recorded. One
-// thread calls it. See "Error records" at the top for the ordering.
 // Sets the in-use bit of the own init word (protocol.h, dispatch step 0a).
 __device__ inline void mark_in_use(uint8_t* own) {
   atomicOr(header_word<unsigned long long>(own, kHdrMagic),
            static_cast<unsigned long long>(kInitInUse) << kInitTagShift);
 }
 
+// Records `code` as this rank's error unless one is already recorded (the row
+// is in use from then on). One thread calls it. See "Error records" at the
+// top for the ordering.
 __device__ inline void record_error(uint8_t* own, int64_t* mailbox, uint32_t code, uint64_t peers,
                                     uint32_t detail) {
   if (atomicCAS(header_word<unsigned>(own, kHdrErrorCode), 0u, code) != 0u) return;
