@@ -566,7 +566,7 @@ void dispatch_cpu(const at::Tensor& token_selected_experts, at::TensorList input
 void run_combine_cpu(const CombineParams& p, int64_t max_num_tokens, int64_t top_k, int64_t mailbox) {
   raise_if_mailbox_error(mailbox, p.ws.ep_rank);
   raise_row_status(cpu::check_row_for_combine(p.ws, max_num_tokens, p.local_num_tokens,
-                                              p.runtime_max_tokens, top_k),
+                                              p.runtime_max_tokens, top_k, p.combine_offset),
                    p.ws.ep_rank);
   raise_if_wait_failed(cpu::combine(p), p.ws.ep_rank);
 }

@@ -474,8 +474,12 @@ def test_combine_op_rejects_sizes_other_than_the_dispatch(device):
     if device == "cuda":
         pytest.skip(HEADER_CHECKED)
     ce = make_combine_env(device)
+    # An offset of another call (a stale one, 256 bytes on) would stage the
+    # payload where no peer pulls it.
     for changes, match in [({"local_num_tokens": 5}, r"(?i)local_num_tokens"),
-                           ({"top_k": 3}, r"(?i)top_k")]:
+                           ({"top_k": 3}, r"(?i)top_k"),
+                           ({"combine_payload_offset": ce.offset + 256},
+                            rf"combine_payload_offset must be the one the dispatch returned \({ce.offset}\)")]:
         args = {**ce.args(), **changes}
         expect_error(ce.env.workspace, lambda: a2a.moe_a2a_combine(**args), BAD, match)
     a2a.moe_a2a_combine(**ce.args())

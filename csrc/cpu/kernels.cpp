@@ -295,7 +295,7 @@ RowStatus check_row_for_dispatch(const WorkspaceView& ws, int64_t max_num_tokens
 
 RowStatus check_row_for_combine(const WorkspaceView& ws, int64_t max_num_tokens,
                                 int64_t local_num_tokens, int64_t runtime_max_tokens,
-                                int64_t top_k) {
+                                int64_t top_k, int64_t combine_payload_offset) {
   RowStatus st = check_config(ws, max_num_tokens, /*eplb_n=*/-1);
   if (st.kind != RowStatus::kOk) return st;
   const uint8_t* row = ws.row(ws.ep_rank);
@@ -317,6 +317,15 @@ RowStatus check_row_for_combine(const WorkspaceView& ws, int64_t max_num_tokens,
        << ", runtime_max_tokens_per_rank=" << runtime_max_tokens << ", top_k=" << top_k << ")";
     st.kind = RowStatus::kValueError;
     st.message = os.str();
+    return st;
+  }
+  // The peers pull this rank's combine region n where the layout of dispatch n
+  // puts it (protocol.h): staged anywhere else, they would sum stale rows.
+  const int64_t region = load<int64_t>(row, kHdrLastDispatchEnd);
+  if (combine_payload_offset != region) {
+    st.kind = RowStatus::kValueError;
+    st.message = "combine_payload_offset must be the one the dispatch returned (" + std::to_string(region) +
+                 "), got " + std::to_string(combine_payload_offset);
   }
   return st;
 }
