@@ -108,7 +108,10 @@
 //     dispatch waits for the row's init word (step 0a), so no zeroing can
 //     wipe what a peer wrote, whichever order the ranks initialize in, also
 //     when the workspace is initialized again after use or after a failure
-//     (no barrier needed). A row's earlier initialization is told from the
+//     (no barrier needed after the initializes; before them, no rank may
+//     still be inside a call: its late flags would land in a zeroed row and
+//     count for the new epoch 1, and its pulls would read a row being
+//     zeroed). A row's earlier initialization is told from the
 //     new one because it was in use (it finished a dispatch or recorded an
 //     error: bit kInitInUse), because the peer saw its tag at its own first
 //     dispatch then (init_seen, kept as init_stale), or, when the peer saw
@@ -290,7 +293,8 @@ MOE_A2A_HD constexpr int64_t peer_runtime_max_offset(int64_t s) {
 // before), bit 15 is set once the rank has finished a dispatch or recorded an
 // error since. A first dispatch writes into a peer's row only when it shows
 // an initialization that has not been in use and that is not the stale one
-// (kHdrInitStale), so a re-initialization after use needs no barrier.
+// (kHdrInitStale), so a re-initialization after use needs no barrier
+// between the initializes and the first dispatch.
 constexpr int kInitTagShift = 48;
 constexpr uint16_t kInitInUse = 0x8000;
 constexpr uint16_t kInitCountMax = 0x7fff;

@@ -409,14 +409,17 @@ def moe_a2a_initialize(
     Local, as in FlashInfer: it touches only this rank's row, so a plain
     ``[ep_size, size_per_rank]`` uint8 tensor can be initialized rank by rank.
     The ranks may initialize in any order, with no barrier before the first
-    dispatch, on a zeroed workspace (``allocate_workspace``, ``torch.zeros``)
-    and when every rank initializes again after use or after a failure: a
-    rank's first dispatch after initialize writes into a peer's row only once
-    that row shows an initialization newer than the one this rank last used
-    or saw (the init word, written last; csrc/protocol.h, dispatch step 0a).
-    A rank initialized twice with no call in between leaves a row that cannot
-    be told from a new one: then barrier between every rank's initialize and
-    the first dispatch (:class:`MoeAlltoAll` always does, across processes).
+    dispatch, on a zeroed workspace (``allocate_workspace``, ``torch.zeros``),
+    and when every rank initializes again after use or after a failure once
+    no rank is still inside a call on the workspace (every rank's last call
+    returned or raised and its kernels finished: a barrier before
+    re-initializing): a rank's first dispatch after initialize writes into a
+    peer's row only once that row shows an initialization newer than the one
+    this rank last used or saw (the init word, written last; csrc/protocol.h,
+    dispatch step 0a). A rank initialized twice with no call in between
+    leaves a row that cannot be told from a new one: then also barrier
+    between every rank's initialize and the first dispatch
+    (:class:`MoeAlltoAll` always does, across processes).
 
     Returns a new CPU int64 ``[META_COUNT]`` tensor (layout.META_*), owned by
     the caller and read-only by convention; pass it to every later call for
