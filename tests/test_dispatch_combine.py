@@ -173,6 +173,29 @@ def test_consecutive_round_trips_reuse_workspace(device):
             assert header_i32(sim.workspace, r, layout.HDR_COMBINE_EPOCH) == i
 
 
+def test_random_rounds_reuse_workspace(device):
+    """Thirty rounds on one workspace, each with a random runtime_max, token
+    counts (0 included), top_k, payload list (empty payloads included) and
+    combine path: the buffer-reuse chain of DESIGN.md section 5 under shapes
+    that grow and shrink in any order. Every round against the reference."""
+    menu = (PayloadSpec(FP8, (64,)), PayloadSpec(torch.int32, (3,)), PayloadSpec(torch.uint8, (5,)),
+            PayloadSpec(torch.float32, (4, 3)), PayloadSpec(torch.float16, (4, 0)))
+    base = Case(4, (16, 16, 16, 16), 4, 11, hidden=128, max_num_tokens=32, extras=menu)
+    sim = make_sim(base, device)
+    gen = make_generator(17)
+    for i in range(1, 31):
+        T = int(torch.randint(1, 33, (), generator=gen))
+        picks = torch.randperm(len(menu), generator=gen)[: int(torch.randint(0, 4, (), generator=gen))]
+        case = dataclasses.replace(base, extras=tuple(menu[j] for j in sorted(picks.tolist())), runtime_max=T,
+                                   top_k=int(torch.randint(1, 5, (), generator=gen)))
+        tokens = [int(torch.randint(0, T + 1, (), generator=gen)) for _ in range(4)]
+        round_trip(sim, case, make_inputs(case, gen, tokens), gen, runtime_max=T,
+                   payload_in_workspace=bool(torch.randint(0, 2, (), generator=gen)))
+        for r in range(4):
+            assert header_i32(sim.workspace, r, layout.HDR_DISPATCH_EPOCH) == i
+            assert header_i32(sim.workspace, r, layout.HDR_COMBINE_EPOCH) == i
+
+
 def test_plain_zeroed_workspace_rank_by_rank(device):
     """DESIGN.md section 2: a plain torch.zeros workspace initialized rank by rank
     through the functional API works (driven by threads here)."""
