@@ -287,6 +287,10 @@ MOE_A2A_HD constexpr int64_t peer_runtime_max_offset(int64_t s) {
   return kHdrPeerRuntimeMax + int64_t(sizeof(int32_t)) * s;
 }
 
+// Header offsets of init_stale[q] and init_seen[q] (uint16): peer q's init tags.
+MOE_A2A_HD constexpr int64_t init_stale_offset(int64_t q) { return kHdrInitStale + int64_t(sizeof(uint16_t)) * q; }
+MOE_A2A_HD constexpr int64_t init_seen_offset(int64_t q) { return kHdrInitSeen + int64_t(sizeof(uint16_t)) * q; }
+
 // ---- the init word (kHdrMagic) ----------------------------------------------
 // kMagic in the low 48 bits and a 16-bit tag above them: bits 0-14 count the
 // row's initializations (1, 2, ..., 32767, 1, ...: each differs from the one
@@ -298,15 +302,18 @@ MOE_A2A_HD constexpr int64_t peer_runtime_max_offset(int64_t s) {
 constexpr int kInitTagShift = 48;
 constexpr uint16_t kInitInUse = 0x8000;
 constexpr uint16_t kInitCountMax = 0x7fff;
+// kInitInUse where it lies in the init word (the bit mark_in_use sets).
+constexpr uint64_t kInitWordInUse = uint64_t(kInitInUse) << kInitTagShift;
 
 MOE_A2A_HD constexpr bool row_initialized(uint64_t word) {
   return (word & ((uint64_t(1) << kInitTagShift) - 1)) == uint64_t(kMagic);
 }
 MOE_A2A_HD constexpr uint16_t init_tag(uint64_t word) { return uint16_t(word >> kInitTagShift); }
+MOE_A2A_HD constexpr uint16_t init_count(uint64_t word) { return uint16_t(init_tag(word) & kInitCountMax); }
 MOE_A2A_HD constexpr uint64_t init_word(uint16_t tag) { return uint64_t(kMagic) | (uint64_t(tag) << kInitTagShift); }
 // The word initialize writes over `old` (what the row held before).
 MOE_A2A_HD constexpr uint64_t next_init_word(uint64_t old) {
-  return init_word(row_initialized(old) ? uint16_t((init_tag(old) & kInitCountMax) % kInitCountMax + 1) : uint16_t(1));
+  return init_word(row_initialized(old) ? uint16_t(init_count(old) % kInitCountMax + 1) : uint16_t(1));
 }
 // Dispatch step 0a: whether the peer row whose init word is `word` may be
 // written by this rank's first dispatch since its initialize: the row is
@@ -315,10 +322,9 @@ MOE_A2A_HD constexpr uint64_t next_init_word(uint64_t old) {
 // its count equals `own_count`, this rank's own (every rank initializes
 // once per collective initialization).
 MOE_A2A_HD constexpr bool fresh_peer(uint64_t word, uint16_t stale, uint16_t own_count) {
-  return row_initialized(word) && (init_tag(word) & kInitInUse) == 0 &&
-         (stale != 0 ? init_tag(word) != stale : (init_tag(word) & kInitCountMax) == own_count);
+  return row_initialized(word) && (word & kInitWordInUse) == 0 &&
+         (stale != 0 ? init_tag(word) != stale : init_count(word) == own_count);
 }
-MOE_A2A_HD constexpr uint16_t init_count(uint64_t word) { return uint16_t(init_tag(word) & kInitCountMax); }
 
 MOE_A2A_HD constexpr int64_t align_up(int64_t x, int64_t a = kAlign) { return (x + a - 1) / a * a; }
 

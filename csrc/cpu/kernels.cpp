@@ -113,7 +113,7 @@ RowStatus runtime_error(const std::string& message) {
 // Sets the in-use bit of the own init word (protocol.h, dispatch step 0a).
 void mark_in_use(uint8_t* own) {
   const uint64_t word = load<uint64_t>(own, kHdrMagic);
-  __atomic_store_n(reinterpret_cast<uint64_t*>(own + kHdrMagic), word | (uint64_t(kInitInUse) << kInitTagShift),
+  __atomic_store_n(reinterpret_cast<uint64_t*>(own + kHdrMagic), word | kInitWordInUse,
                    __ATOMIC_RELAXED);
 }
 
@@ -371,10 +371,10 @@ WaitResult dispatch(const DispatchParams& p) {
     const uint16_t own_count = init_count(load<uint64_t>(own, kHdrMagic));
     const WaitResult zeroed = wait_for_peers(
         ws, p.sync,
-        [&](int q) { return fresh_peer(init_word_of(q), load<uint16_t>(own, kHdrInitStale + 2 * q), own_count); },
+        [&](int q) { return fresh_peer(init_word_of(q), load<uint16_t>(own, init_stale_offset(q)), own_count); },
         kErrorDispatchTimeout);
     for (int q = 0; q < ws.ep_size; ++q) {
-      if (rank_active(p.sync, q)) store<uint16_t>(own, kHdrInitSeen + 2 * q, init_tag(init_word_of(q)));
+      if (rank_active(p.sync, q)) store<uint16_t>(own, init_seen_offset(q), init_tag(init_word_of(q)));
     }
     if (zeroed.code != kErrorNone) return zeroed;
   }

@@ -262,8 +262,7 @@ __device__ __forceinline__ int lowest_rank(uint64_t set) { return __ffsll(static
 
 // Sets the in-use bit of the own init word (protocol.h, dispatch step 0a).
 __device__ inline void mark_in_use(uint8_t* own) {
-  atomicOr(header_word<unsigned long long>(own, kHdrMagic),
-           static_cast<unsigned long long>(kInitInUse) << kInitTagShift);
+  atomicOr(header_word<unsigned long long>(own, kHdrMagic), static_cast<unsigned long long>(kInitWordInUse));
 }
 
 // Records `code` as this rank's error unless one is already recorded (the row

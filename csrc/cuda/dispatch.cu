@@ -157,11 +157,11 @@ __device__ __noinline__ bool first_dispatch_wait(const DispatchArgs& a) {
   auto init_word_of = [&](int q) { return ld_acquire(header_word<uint64_t>(ws.row(q), kHdrMagic), a.sync_settings.system); };
   const bool zeroed = wait_for_peers(
       ws, a.p.sync,
-      [&](int q) { return fresh_peer(init_word_of(q), *header_word<uint16_t>(own, kHdrInitStale + 2 * q), own_count); },
+      [&](int q) { return fresh_peer(init_word_of(q), *header_word<uint16_t>(own, init_stale_offset(q)), own_count); },
       kErrorDispatchTimeout, a.sync_settings);
   const int q = threadIdx.x;
   if (blockIdx.x == 0 && q < ws.ep_size && rank_active(a.p.sync, q)) {
-    *header_word<uint16_t>(own, kHdrInitSeen + 2 * q) = init_tag(init_word_of(q));
+    *header_word<uint16_t>(own, init_seen_offset(q)) = init_tag(init_word_of(q));
   }
   return zeroed;
 }

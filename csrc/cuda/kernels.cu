@@ -20,8 +20,8 @@ __global__ void init_carry_kernel(const __grid_constant__ InitParams p) {
   uint8_t* row = p.ws.row(p.ws.ep_rank);
   const uint64_t old_word = *header_word<uint64_t>(row, kHdrMagic);
   const int q = threadIdx.x;
-  const uint16_t seen = row_initialized(old_word) ? *header_word<uint16_t>(row, kHdrInitSeen + 2 * q) : 0;
-  *header_word<uint16_t>(row, kHdrInitStale + 2 * q) = seen;
+  const uint16_t seen = row_initialized(old_word) ? *header_word<uint16_t>(row, init_seen_offset(q)) : 0;
+  *header_word<uint16_t>(row, init_stale_offset(q)) = seen;
   __syncthreads();
   if (q == 0) *header_word<uint64_t>(row, kHdrMagic) = uint64_t(init_tag(next_init_word(old_word))) << kInitTagShift;
 }
@@ -31,7 +31,7 @@ __global__ void init_carry_kernel(const __grid_constant__ InitParams p) {
 __global__ void write_header_kernel(const __grid_constant__ InitParams p) {
   uint8_t* row = p.ws.row(p.ws.ep_rank);
   const int q = threadIdx.x;
-  *header_word<uint16_t>(row, kHdrInitSeen + 2 * q) = *header_word<uint16_t>(row, kHdrInitStale + 2 * q);
+  *header_word<uint16_t>(row, init_seen_offset(q)) = *header_word<uint16_t>(row, init_stale_offset(q));
   if (q == 0) {
     *header_word<int32_t>(row, kHdrEpRank) = p.ws.ep_rank;
     *header_word<int32_t>(row, kHdrEpSize) = p.ws.ep_size;
@@ -90,7 +90,7 @@ cudaError_t launch_initialize(const InitParams& p, cudaStream_t stream) {
   uint8_t* row = p.ws.row(p.ws.ep_rank);
   // Zeroed: all but the init word [0, 8) and the stale tags, which
   // init_carry_kernel wrote and write_header_kernel reads.
-  constexpr int64_t kStaleEnd = kHdrInitStale + 2 * kMaxRanks;
+  constexpr int64_t kStaleEnd = init_stale_offset(kMaxRanks);
   static_assert(kHdrMagic == 0 && kHdrInitStale > 8, "the init word leads the header");
   cudaError_t err = launch_kernel(init_carry_kernel, 1, kMaxRanks, stream, /*pdl=*/false, p);
   if (err == cudaSuccess) err = cudaMemsetAsync(row + 8, 0, static_cast<size_t>(kHdrInitStale - 8), stream);
