@@ -608,15 +608,12 @@ def _dispatch(
             runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_n, mask, timeout_s, mailbox,
             enable_pdl)
     call_eplb_n = eplb_n if eplb_local_stats is not None else 0
+    if _debug_enabled():  # under torch.compile: read when the call is traced
+        _check_expert_ids(token_selected_experts, num_experts)
     if torch.compiler.is_compiling():
-        if _debug_enabled():  # read when the call is traced
-            _check_expert_ids(token_selected_experts, num_experts)
         _ops.dispatch.default(*args)
         return _traced_receive_views(workspace, ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n,
                                      input_payloads)
-
-    if _debug_enabled():
-        _check_expert_ids(token_selected_experts, num_experts)
 
     # The receive views of this call: regions of this rank's own row.
     cache = recv_view_cache
