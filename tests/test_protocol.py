@@ -511,10 +511,7 @@ def test_initialize_after_a_peers_first_dispatch(history, device):
     if history == "fresh":
         sim.workspace.zero_()  # as allocate_workspace returns it: no row initialized yet
     elif history == "after_use":
-        used = sim.run(lambda r: a2a.moe_a2a_dispatch(dev.ids[r], dev.payloads[r], sim.workspace, sim.metainfo[r],
-                                                      case.T, r, ep, case.top_k, case.num_experts))
-        sim.run(lambda r: a2a.moe_a2a_combine(used[r][0][0], case.tokens[r], sim.workspace, sim.metainfo[r], case.T,
-                                              r, ep, case.top_k, used[r][1]))
+        round_trip(sim, case, inputs, gen)
     else:
         try:
             a2a.api._dispatch(dev.ids[0], dev.payloads[0], sim.workspace, sim.metainfo[0], case.T, 0, ep,
