@@ -161,7 +161,7 @@ def test_debug_mode_checks_ids_in_the_compiled_graph(monkeypatch, device):
     args = [inputs.ids[0], inputs.payloads[0], sim.workspace, sim.metainfo[0], case.T, 0, 1, case.top_k,
             case.num_experts, 13]
     compiled = torch.compile(moe_step, fullgraph=True)
-    out, codes = run_and_get_code(compiled, *args)
+    _, codes = run_and_get_code(compiled, *args)
     text = "\n".join(codes)
     assert text.index("moe_a2a.check_expert_ids") < text.index("moe_a2a.dispatch"), "checked before it dispatches"
     bad = inputs.ids[0].clone()
