@@ -408,6 +408,7 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
 
   p.local_num_tokens = local_num_tokens;
   p.runtime_max_tokens = T;
+  p.top_k = top_k;
   p.route_offset = call_layout(ep_size, T, 0, 0, nullptr).route_offset;
   p.combine_offset = combine_payload_offset;
   return p;
@@ -477,6 +478,20 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
       os << "dispatch and combine must alternate on every rank, but dispatch was called twice "
             "without a combine in between, or combine without a preceding dispatch";
       break;
+    case kErrorCombineMismatch: {
+      // In the order of the CombineMismatch bits.
+      const char* names[] = {"local_num_tokens", "runtime_max_tokens_per_rank", "top_k", "combine_payload_offset"};
+      os << "combine was called with another";
+      const char* sep = " ";
+      for (int bit = 0; bit < 4; ++bit) {
+        if ((detail >> bit) & 1) {
+          os << sep << names[bit];
+          sep = ", ";
+        }
+      }
+      os << " than its dispatch (it must use the dispatch's sizes and the combine_payload_offset it returned)";
+      break;
+    }
     default:
       os << "unknown error code " << code;
       break;
@@ -563,11 +578,9 @@ void dispatch_cpu(const at::Tensor& token_selected_experts, at::TensorList input
   raise_if_wait_failed(cpu::dispatch(p), ep_rank);
 }
 
-void run_combine_cpu(const CombineParams& p, int64_t max_num_tokens, int64_t top_k, int64_t mailbox) {
+void run_combine_cpu(const CombineParams& p, int64_t max_num_tokens, int64_t mailbox) {
   raise_if_mailbox_error(mailbox, p.ws.ep_rank);
-  raise_row_status(cpu::check_row_for_combine(p.ws, max_num_tokens, p.local_num_tokens,
-                                              p.runtime_max_tokens, top_k, p.combine_offset),
-                   p.ws.ep_rank);
+  raise_row_status(cpu::check_row_for_combine(p, max_num_tokens), p.ws.ep_rank);
   raise_if_wait_failed(cpu::combine(p), p.ws.ep_rank);
 }
 
@@ -586,7 +599,7 @@ at::Tensor combine_cpu(const std::optional<at::Tensor>& payload, int64_t local_n
   shape.insert(shape.end(), row_shape.begin(), row_shape.end());
   at::Tensor out = at::empty(shape, workspace.options().dtype(output_dtype));
   p.output = static_cast<uint8_t*>(out.data_ptr());
-  run_combine_cpu(p, max_num_tokens, top_k, mailbox);
+  run_combine_cpu(p, max_num_tokens, mailbox);
   return out;
 }
 
@@ -602,7 +615,7 @@ void combine_into_cpu(const std::optional<at::Tensor>& payload, int64_t local_nu
                                         combine_payload_offset, row_shape, payload_dtype,
                                         output_dtype, active_rank_mask, timeout_s, mailbox,
                                         enable_pdl, &output);
-  run_combine_cpu(p, max_num_tokens, top_k, mailbox);
+  run_combine_cpu(p, max_num_tokens, mailbox);
 }
 
 void sanitize_expert_ids_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,

@@ -65,6 +65,7 @@ struct CombineParams {
   SyncParams sync;
   int64_t local_num_tokens;
   int64_t runtime_max_tokens;  // T, as in the matching dispatch
+  int64_t top_k;               // as in the matching dispatch
   int64_t route_offset;        // CallLayout::route_offset
   int64_t combine_offset;      // combine_payload_offset
   int64_t row_elems;           // elements per combine row

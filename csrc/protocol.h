@@ -75,7 +75,12 @@
 //   and raises at once; the CUDA combine n checks before its step 1, with
 //   its first loads, so that the dispatch, whose end the combine waits for,
 //   spends no memory latency on it.
-// combine n on rank r (requires own dispatch_epoch == own combine_epoch + 1):
+// combine n on rank r (requires own dispatch_epoch == own combine_epoch + 1,
+// and its local_num_tokens, T, top_k and combine_payload_offset equal to own
+// kHdrLastLocalTokens, kHdrLastRuntimeMax, kHdrLastTopK, kHdrLastDispatchEnd:
+// else kErrorCombineMismatch; the routes, counts and regions it reads are
+// laid out for dispatch n's sizes, and the peers pull its combine region n
+// from dispatch_end n):
 //   1. stage: copy the first recv_count[s] rows of payload[s] into own combine
 //      region (skipped when the payload already lives there)
 //   2. release: combine_flag[r] := n in every active peer p's header
@@ -208,6 +213,10 @@ enum ErrorCode : uint32_t {
   // A peer's dispatch had another runtime_max_tokens_per_rank than this
   // rank's (the equal-T check below; detail: this rank's).
   kErrorRuntimeMaxMismatch = 4,
+  // A combine whose sizes or combine_payload_offset are not its dispatch's
+  // (combine_mismatch below; detail: its CombineMismatch bits). The CPU
+  // combine refuses such a call before it starts; the CUDA kernel records it.
+  kErrorCombineMismatch = 5,
 };
 
 // ---- rank header: byte offsets inside each row -----------------------------
@@ -220,7 +229,8 @@ constexpr int64_t kHdrDispatchEpoch = 24;        // uint32, own
 constexpr int64_t kHdrCombineEpoch = 28;         // uint32, own
 constexpr int64_t kHdrErrorCode = 32;            // uint32, own
 constexpr int64_t kHdrErrorDetail = 36;          // uint32, own: the timeout (ms) of a timed-out wait;
-                                                 // this rank's T for kErrorRuntimeMaxMismatch
+                                                 // this rank's T for kErrorRuntimeMaxMismatch;
+                                                 // the CombineMismatch bits for kErrorCombineMismatch
 constexpr int64_t kHdrErrorMissing = 40;         // uint64 [kRankMaskWords], own: the peers the error names
 constexpr int64_t kHdrInvalidExpertCount = 48;   // int64, own, cumulative since initialize
 constexpr int64_t kHdrLastLocalTokens = 56;      // int32, own: last dispatch's local_num_tokens
@@ -388,6 +398,22 @@ MOE_A2A_HD CallLayout call_layout(int64_t ep_size, int64_t runtime_max_tokens, i
 MOE_A2A_HD bool previous_call_overlap(int64_t dispatch_end, int64_t last_dispatch_end, int64_t runtime_max_tokens,
                                       int64_t last_runtime_max_tokens) {
   return dispatch_end > last_dispatch_end || runtime_max_tokens < last_runtime_max_tokens;
+}
+
+// What of a combine's call differs from its dispatch's (the own header's
+// kHdrLast* words, written by that dispatch): kErrorCombineMismatch's detail.
+enum CombineMismatch : uint32_t {
+  kMismatchLocalTokens = 1,
+  kMismatchRuntimeMax = 2,
+  kMismatchTopK = 4,
+  kMismatchOffset = 8,  // combine_payload_offset != the dispatch's dispatch_end
+};
+MOE_A2A_HD uint32_t combine_mismatch(int64_t dispatch_tokens, int64_t dispatch_runtime_max, int64_t dispatch_top_k,
+                                     int64_t dispatch_end, int64_t local_num_tokens, int64_t runtime_max_tokens,
+                                     int64_t top_k, int64_t combine_offset) {
+  return (local_num_tokens != dispatch_tokens ? kMismatchLocalTokens : 0u) |
+         (runtime_max_tokens != dispatch_runtime_max ? kMismatchRuntimeMax : 0u) |
+         (top_k != dispatch_top_k ? kMismatchTopK : 0u) | (combine_offset != dispatch_end ? kMismatchOffset : 0u);
 }
 
 // End of the combine region for a call: must stay <= size_per_rank.

@@ -151,6 +151,19 @@ def test_every_header_offset_is_mirrored():
     assert not missing and not wrong, f"missing in layout.py: {missing}; different: {wrong}"
 
 
+def test_every_error_code_is_mirrored():
+    """protocol.h's ErrorCode values and CombineMismatch bits have twins in layout.py
+    (check_errors and describe_error read records with them)."""
+    text = (pathlib.Path(__file__).parents[1] / "csrc" / "protocol.h").read_text()
+    codes = dict(re.findall(r"\b(kError\w+)\s*=\s*(\d+)", text))
+    assert len(codes) >= 6, "protocol.h parse found too few error codes"
+    wrong = [f"{_snake(n)}: layout {getattr(layout, _snake(n), None)} != protocol.h {v}"
+             for n, v in codes.items() if getattr(layout, _snake(n), None) != int(v)]
+    assert not wrong, "; ".join(wrong)
+    bits = re.findall(r"\bkMismatch\w+\s*=\s*(\d+)", text)
+    assert [int(b) for b in bits] == [1 << i for i in range(len(layout.COMBINE_MISMATCH_FIELDS))]
+
+
 def test_claim_counters_have_words_of_their_own():
     """A large dispatch's claim counters and the combine's claim word (CUDA scratch,
     reset by the last CTA) share no byte with another header word: counter 0 and the

@@ -470,19 +470,61 @@ def test_ops_refuse_uninitialized_row(device):
     expect_error(env.workspace, lambda: torch.ops.moe_a2a.dispatch.default(*args), BAD, r"(?i)initiali")
 
 
-def test_combine_op_rejects_sizes_other_than_the_dispatch(device):
-    if device == "cuda":
-        pytest.skip(HEADER_CHECKED)
-    ce = make_combine_env(device)
+def _other_runtime_max(ce: CombineEnv) -> dict:
+    """T 9 instead of the dispatch's 8, with a payload of that T (the dispatch's rows, one padding row more)."""
+    padded = torch.cat([ce.payload, ce.payload[:, :1]], dim=1).contiguous()
+    return {"runtime_max_tokens_per_rank": ce.env.case.T + 1, "payload": padded}
+
+
+# (id, the changed combine arguments, what the CPU's ValueError says, the field a CUDA error names).
+COMBINE_MISMATCH = [
+    ("local_num_tokens", lambda ce: {"local_num_tokens": 5}, r"the combine got \(local_num_tokens=5,",
+     "local_num_tokens"),
+    ("runtime_max", _other_runtime_max, r"the combine got \(local_num_tokens=6, runtime_max_tokens_per_rank=9,",
+     "runtime_max_tokens_per_rank"),
+    ("top_k", lambda ce: {"top_k": 3}, r"top_k=3\)", "top_k"),
     # An offset of another call (a stale one, 256 bytes on) would stage the
     # payload where no peer pulls it.
-    for changes, match in [({"local_num_tokens": 5}, r"(?i)local_num_tokens"),
-                           ({"top_k": 3}, r"(?i)top_k"),
-                           ({"combine_payload_offset": ce.offset + 256},
-                            rf"combine_payload_offset must be the one the dispatch returned \({ce.offset}\)")]:
-        args = {**ce.args(), **changes}
+    ("offset", lambda ce: {"combine_payload_offset": ce.offset + 256},
+     r"combine_payload_offset must be the one the dispatch returned \({offset}\), got {bad}",
+     "combine_payload_offset"),
+]
+
+
+@pytest.mark.parametrize("changes,cpu_match,field", [pytest.param(c, m, f, id=i) for i, c, m, f in COMBINE_MISMATCH])
+def test_combine_op_rejects_sizes_other_than_the_dispatch(changes, cpu_match, field, device):
+    """The CPU combine refuses at once and the workspace stays usable. The CUDA
+    combine's header is device memory: its kernel refuses before it writes
+    anything but the error record (kErrorCombineMismatch naming the field),
+    which check_errors and the next call raise."""
+    ce = make_combine_env(device)
+    args = {**ce.args(), **changes(ce)}
+    if device == "cpu":
+        match = cpu_match.format(offset=ce.offset, bad=args["combine_payload_offset"])
         expect_error(ce.env.workspace, lambda: a2a.moe_a2a_combine(**args), BAD, match)
-    a2a.moe_a2a_combine(**ce.args())
+        a2a.moe_a2a_combine(**ce.args())
+        return
+    before = ce.env.workspace.cpu()
+    a2a.moe_a2a_combine(**args)
+    torch.cuda.synchronize()
+    after = ce.env.workspace.cpu()
+    record = slice(layout.HDR_ERROR_CODE, layout.HDR_ERROR_MISSING + 8 * layout.MOE_A2A_RANK_MASK_WORDS)
+    before[0, record] = after[0, record]
+    assert torch.equal(after, before), "a refused combine must write nothing but the error record"
+    message = rf"rank 0: combine was called with another {field} than its dispatch"
+    with pytest.raises(RuntimeError, match=message):
+        a2a.check_errors(ce.env.workspace)
+    with pytest.raises(RuntimeError, match=message):
+        a2a.moe_a2a_combine(**ce.args())
+
+
+def test_combine_mismatch_record_names_every_field_that_differs():
+    """The text check_errors gives a CUDA kernel's kErrorCombineMismatch record: the
+    detail's bits name the fields, in the order of layout.COMBINE_MISMATCH_FIELDS."""
+    text = a2a.api.describe_error(3, layout.ERROR_COMBINE_MISMATCH, [0] * layout.MOE_A2A_RANK_MASK_WORDS, 0b1001)
+    assert text.startswith("rank 3: combine was called with another local_num_tokens, combine_payload_offset "
+                           "than its dispatch (it must use the dispatch's sizes and the combine_payload_offset "
+                           "it returned); the workspace stays failed"), text
 
 
 def test_getters_reject_a_rank_outside_the_workspace(device):

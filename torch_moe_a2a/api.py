@@ -681,6 +681,11 @@ def moe_a2a_combine(
     ``MoeAlltoAll.get_combine_payload_tensor_in_workspace`` returns (this
     rank's row at ``combine_payload_offset``) and is read in place; else it is
     a contiguous tensor and the op copies its valid rows into the workspace.
+    ``local_num_tokens``, ``runtime_max_tokens_per_rank``, ``top_k`` and
+    ``combine_payload_offset`` must be those of this rank's preceding dispatch
+    (the offset it returned): the CPU backend raises ValueError at once; on
+    CUDA the kernel refuses the call and records an error that
+    :func:`check_errors` and the next call raise.
 
     Returns ``[local_num_tokens, *row_shape]`` of ``output_dtype`` (default the
     payload dtype; bf16 always accepted): for each token the fp32 sum, in
@@ -932,7 +937,8 @@ def describe_error(ep_rank: int, code: int, missing_words: Sequence[int], detail
     ``"rank 0: peers [1] did not arrive within 2.0 s (dispatch); the workspace stays failed ..."``.
 
     missing_words: the ``MOE_A2A_RANK_MASK_WORDS`` words of the peer mask (unsigned); detail:
-    the timeout in ms, or for ``ERROR_RUNTIME_MAX_MISMATCH`` this rank's runtime_max_tokens_per_rank.
+    the timeout in ms, for ``ERROR_RUNTIME_MAX_MISMATCH`` this rank's runtime_max_tokens_per_rank,
+    for ``ERROR_COMBINE_MISMATCH`` the bits of ``layout.COMBINE_MISMATCH_FIELDS`` that differ.
     """
     peers = ", ".join(str(r) for r in range(layout.MAX_RANKS) if (missing_words[r // 64] >> (r % 64)) & 1)
     if code in _ERROR_PHASE:
@@ -947,6 +953,12 @@ def describe_error(ep_rank: int, code: int, missing_words: Sequence[int], detail
             "dispatch and combine must alternate on every rank, but dispatch was called twice "
             "without a combine in between, or combine without a preceding dispatch"
         )
+    elif code == layout.ERROR_COMBINE_MISMATCH:
+        fields = ", ".join(f for i, f in enumerate(layout.COMBINE_MISMATCH_FIELDS) if (detail >> i) & 1)
+        what = (
+            f"combine was called with another {fields} than its dispatch (it must use the dispatch's "
+            "sizes and the combine_payload_offset it returned)"
+        )
     else:
         what = f"unknown error code {code}"
     return f"rank {ep_rank}: {what}; the workspace stays failed until every rank calls moe_a2a_initialize again"
@@ -958,8 +970,9 @@ def _header_field(headers: torch.Tensor, offset: int, dtype: torch.dtype) -> lis
 
 
 def check_errors(workspace: torch.Tensor) -> None:
-    """Raise RuntimeError if any rank's header holds an error record (a timed-out wait, or a
-    dispatch whose peers passed another runtime_max_tokens_per_rank).
+    """Raise RuntimeError if any rank's header holds an error record (a timed-out wait,
+    dispatch and combine out of alternation, a dispatch whose peers passed another
+    runtime_max_tokens_per_rank, or, on CUDA, a combine that does not match its dispatch).
 
     Reads the header of every row of ``workspace`` (``[ep_size, size_per_rank]``
     uint8); uninitialized rows are skipped. On CUDA this copies the headers to

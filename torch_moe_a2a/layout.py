@@ -49,6 +49,10 @@ ERROR_DISPATCH_TIMEOUT = 1
 ERROR_COMBINE_TIMEOUT = 2
 ERROR_SEQUENCE = 3
 ERROR_RUNTIME_MAX_MISMATCH = 4
+ERROR_COMBINE_MISMATCH = 5
+# What differs for ERROR_COMBINE_MISMATCH: bit i of its detail names
+# COMBINE_MISMATCH_FIELDS[i] (protocol.h: CombineMismatch).
+COMBINE_MISMATCH_FIELDS = ("local_num_tokens", "runtime_max_tokens_per_rank", "top_k", "combine_payload_offset")
 
 # ---- rank header byte offsets ---------------------------------------------------
 HDR_MAGIC = 0

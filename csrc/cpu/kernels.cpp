@@ -293,9 +293,8 @@ RowStatus check_row_for_dispatch(const WorkspaceView& ws, int64_t max_num_tokens
   return st;
 }
 
-RowStatus check_row_for_combine(const WorkspaceView& ws, int64_t max_num_tokens,
-                                int64_t local_num_tokens, int64_t runtime_max_tokens,
-                                int64_t top_k, int64_t combine_payload_offset) {
+RowStatus check_row_for_combine(const CombineParams& p, int64_t max_num_tokens) {
+  const WorkspaceView& ws = p.ws;
   RowStatus st = check_config(ws, max_num_tokens, /*eplb_n=*/-1);
   if (st.kind != RowStatus::kOk) return st;
   const uint8_t* row = ws.row(ws.ep_rank);
@@ -309,23 +308,24 @@ RowStatus check_row_for_combine(const WorkspaceView& ws, int64_t max_num_tokens,
   const int32_t last_tokens = load<int32_t>(row, kHdrLastLocalTokens);
   const int32_t last_max = load<int32_t>(row, kHdrLastRuntimeMax);
   const int32_t last_top_k = load<int32_t>(row, kHdrLastTopK);
-  if (last_tokens != local_num_tokens || last_max != runtime_max_tokens || last_top_k != top_k) {
+  const int64_t region = load<int64_t>(row, kHdrLastDispatchEnd);
+  const uint32_t mismatch = combine_mismatch(last_tokens, last_max, last_top_k, region, p.local_num_tokens,
+                                             p.runtime_max_tokens, p.top_k, p.combine_offset);
+  if (mismatch & ~uint32_t(kMismatchOffset)) {
     std::ostringstream os;
     os << "combine must use the dispatch's sizes: the dispatch had (local_num_tokens=" << last_tokens
        << ", runtime_max_tokens_per_rank=" << last_max << ", top_k=" << last_top_k
-       << "), the combine got (local_num_tokens=" << local_num_tokens
-       << ", runtime_max_tokens_per_rank=" << runtime_max_tokens << ", top_k=" << top_k << ")";
+       << "), the combine got (local_num_tokens=" << p.local_num_tokens
+       << ", runtime_max_tokens_per_rank=" << p.runtime_max_tokens << ", top_k=" << p.top_k << ")";
     st.kind = RowStatus::kValueError;
     st.message = os.str();
-    return st;
-  }
-  // The peers pull this rank's combine region n where the layout of dispatch n
-  // puts it (protocol.h): staged anywhere else, they would sum stale rows.
-  const int64_t region = load<int64_t>(row, kHdrLastDispatchEnd);
-  if (combine_payload_offset != region) {
+  } else if (mismatch != 0) {
+    // The peers pull this rank's combine region n where the layout of
+    // dispatch n puts it (protocol.h): staged anywhere else, they would sum
+    // stale rows.
     st.kind = RowStatus::kValueError;
     st.message = "combine_payload_offset must be the one the dispatch returned (" + std::to_string(region) +
-                 "), got " + std::to_string(combine_payload_offset);
+                 "), got " + std::to_string(p.combine_offset);
   }
   return st;
 }

@@ -36,12 +36,11 @@ struct RowStatus {
 RowStatus check_row_for_dispatch(const WorkspaceView& ws, int64_t max_num_tokens, int64_t eplb_n);
 
 // Before combine: as for dispatch, but a dispatch must be pending
-// (dispatch_epoch == combine_epoch + 1) and the call's local_num_tokens,
-// runtime_max_tokens, top_k and combine_payload_offset must be those the
-// dispatch recorded (its dispatch_end for the offset).
-RowStatus check_row_for_combine(const WorkspaceView& ws, int64_t max_num_tokens,
-                                int64_t local_num_tokens, int64_t runtime_max_tokens,
-                                int64_t top_k, int64_t combine_payload_offset);
+// (dispatch_epoch == combine_epoch + 1) and the call must match it
+// (protocol.h's combine_mismatch: local_num_tokens, runtime_max_tokens, top_k
+// and combine_payload_offset those the dispatch recorded, its dispatch_end
+// for the offset).
+RowStatus check_row_for_combine(const CombineParams& p, int64_t max_num_tokens);
 
 // Before sanitize_expert_ids: the row is initialized for this rank and
 // ep_size and no error is recorded.

@@ -293,6 +293,15 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
   const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
   const uint32_t error_code = load_error_code(own);
+  // Thread 0: whether this call matches its dispatch (the own header's
+  // words of it, in the line of the epochs).
+  const uint32_t mismatch =
+      threadIdx.x == 0 ? combine_mismatch(*header_word<int32_t>(own, kHdrLastLocalTokens),
+                                          *header_word<int32_t>(own, kHdrLastRuntimeMax),
+                                          *header_word<int32_t>(own, kHdrLastTopK),
+                                          *header_word<int64_t>(own, kHdrLastDispatchEnd), p.local_num_tokens,
+                                          p.runtime_max_tokens, p.top_k, p.combine_offset)
+                       : 0;
   // The T of every active peer's dispatch against the own dispatch's
   // (thread q: peer q), written before the dispatch flags that the own
   // dispatch acquired. Checked here rather than at the end of the dispatch:
@@ -303,8 +312,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   const int32_t own_t = checks_t ? *header_word<int32_t>(own, peer_runtime_max_offset(ws.ep_rank)) : 0;
   if (loads_count) recv_count[threadIdx.x] = count;
   bool other_t_seen = false;
-  if (!may_proceed(own, p.sync.mailbox, error_code, dispatch_epoch == combine_epoch + 1, peer_t != own_t,
-                   &other_t_seen)) {
+  if (!may_proceed(own, p.sync.mailbox, error_code, dispatch_epoch == combine_epoch + 1, mismatch,
+                   peer_t != own_t, &other_t_seen)) {
     return;
   }
   if (other_t_seen) {

@@ -291,19 +291,23 @@ __device__ inline void record_error(uint8_t* own, int64_t* mailbox, uint32_t cod
 // (load_error_code, issued together with the epochs so that the two cost one
 // memory latency): a CTA that starts late may see an error that a waiting
 // CTA of this grid recorded meanwhile, and its threads must not split on it
-// around a barrier. The other threads' `error_code` is not used. `vote`: a
-// condition of each thread whose OR over the CTA the same barrier hands to
-// every thread in *any_vote (when given): a second check costs no barrier.
+// around a barrier. The other threads' `error_code` is not used; nor is
+// their `mismatch`: a combine's protocol.h combine_mismatch bits as thread 0
+// computed them, recorded as kErrorCombineMismatch (by CTA 0) like a broken
+// sequence, which is checked first. `vote`: a condition of each thread whose
+// OR over the CTA the same barrier hands to every thread in *any_vote (when
+// given): a second check costs no barrier.
 __device__ inline bool may_proceed(uint8_t* own, int64_t* mailbox, uint32_t error_code, bool sequence_ok,
-                                   bool vote = false, bool* any_vote = nullptr) {
+                                   uint32_t mismatch = 0, bool vote = false, bool* any_vote = nullptr) {
   __shared__ bool proceed;
   if (threadIdx.x == 0) {
     proceed = false;
     if (error_code == kErrorNone) {
-      if (sequence_ok) {
+      if (sequence_ok && mismatch == 0) {
         proceed = true;
       } else if (blockIdx.x == 0) {
-        record_error(own, mailbox, kErrorSequence, 0, 0);
+        record_error(own, mailbox, sequence_ok ? kErrorCombineMismatch : kErrorSequence, 0,
+                     sequence_ok ? mismatch : 0);
       }
     }
   }
