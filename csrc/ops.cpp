@@ -315,6 +315,7 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts,
   p.layout = call_layout(ep_size, runtime_max_tokens_per_rank, p.eplb_n,
                          static_cast<int>(num_payloads), p.payload_row_bytes);
   check_fits(p.layout.dispatch_end, p.ws.size_per_rank);
+  p.payload_signature = payload_signature(p.layout, p.payload_row_bytes);
 
   p.local_num_tokens = n;
   p.runtime_max_tokens = runtime_max_tokens_per_rank;
@@ -477,6 +478,10 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
     case kErrorSequence:
       os << "dispatch and combine must alternate on every rank, but dispatch was called twice "
             "without a combine in between, or combine without a preceding dispatch";
+      break;
+    case kErrorPayloadMismatch:
+      os << "peers " << rank_list(missing) << " called dispatch with other payloads than this rank's (their "
+         << "number, row sizes or eplb_local_stats differ; they must be the same on all ranks for one call)";
       break;
     case kErrorCombineMismatch: {
       // In the order of the CombineMismatch bits.
@@ -699,6 +704,7 @@ std::vector<int64_t> constants_op() {
       kHdrCombineFlags,
       kHdrRecvCounts,
       kHdrPeerRuntimeMax,
+      kHdrPeerPayloads,
       kHdrInitStale,
       kHdrInitSeen,
       kMaxDispatchCtas,

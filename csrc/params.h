@@ -58,6 +58,7 @@ struct DispatchParams {
   const int32_t* eplb_local_stats;  // [eplb_n] or nullptr
   int64_t eplb_n;                   // 0 when eplb_local_stats is nullptr
   CallLayout layout;                // offsets inside every row for this call
+  uint32_t payload_signature;       // payload_signature(layout, payload_row_bytes)
 };
 
 struct CombineParams {

@@ -59,8 +59,8 @@
 //      drop masked-off ranks), slots = per-destination running count in
 //      increasing token index (deterministic, no atomics order)
 //   2. write payload rows into dest d's planes at [s, slot], eplb row s into
-//      d's eplb region, recv_count[s] and runtime_max[s] := T into d's
-//      header; own recv_count[q] := 0 for every masked-off q (it writes
+//      d's eplb region, recv_count[s], runtime_max[s] := T and payloads[s] :=
+//      the call's payload_signature into d's header; own recv_count[q] := 0 for every masked-off q (it writes
 //      nothing here this call)
 //   3. release: dispatch_flag[s] := n in every active dest d's header
 //   4. acquire: wait until own dispatch_flag[p] >= n for every active peer p
@@ -71,10 +71,13 @@
 //   peers (the contract wants T equal on all ranks for one call: a peer with
 //   another T wrote at other offsets, so the call's rows are not to be
 //   trusted; when the T differ, every rank has such a peer, so every rank
-//   fails and none waits for another). The CPU dispatch checks after step 4
-//   and raises at once; the CUDA combine n checks before its step 1, with
-//   its first loads, so that the dispatch, whose end the combine waits for,
-//   spends no memory latency on it.
+//   fails and none waits for another). Then, likewise, the equal-payloads
+//   check: own payloads[p] == own payloads[s] (payload_signature: the
+//   payloads' row sizes and where the layout puts them, EPLB region
+//   included), else kErrorPayloadMismatch. The CPU dispatch checks after
+//   step 4 and raises at once; the CUDA combine n checks before its step 1,
+//   with its first loads, so that the dispatch, whose end the combine waits
+//   for, spends no memory latency on it.
 // combine n on rank r (requires own dispatch_epoch == own combine_epoch + 1,
 // and its local_num_tokens, T, top_k and combine_payload_offset equal to own
 // kHdrLastLocalTokens, kHdrLastRuntimeMax, kHdrLastTopK, kHdrLastDispatchEnd:
@@ -217,6 +220,9 @@ enum ErrorCode : uint32_t {
   // (combine_mismatch below; detail: its CombineMismatch bits). The CPU
   // combine refuses such a call before it starts; the CUDA kernel records it.
   kErrorCombineMismatch = 5,
+  // A peer's dispatch, with this rank's T, had other payloads (the
+  // equal-payloads check below; detail unused).
+  kErrorPayloadMismatch = 6,
 };
 
 // ---- rank header: byte offsets inside each row -----------------------------
@@ -260,7 +266,9 @@ constexpr int64_t kHdrPeerRuntimeMax = kHdrRecvCounts + 4 * kMaxRanks;
 // init tag of peer q's row that a first dispatch saw before this row's latest
 // initialize (stale: not to be trusted), and the one that the first dispatch
 // since then saw (seen: the next initialize's stale).
-constexpr int64_t kHdrInitStale = kHdrPeerRuntimeMax + 4 * kMaxRanks;
+// uint32 [kMaxRanks], [s] written by rank s: the payload_signature of its latest dispatch
+constexpr int64_t kHdrPeerPayloads = kHdrPeerRuntimeMax + 4 * kMaxRanks;
+constexpr int64_t kHdrInitStale = kHdrPeerPayloads + 4 * kMaxRanks;
 constexpr int64_t kHdrInitSeen = kHdrInitStale + 2 * kMaxRanks;
 // CUDA dispatch scratch of large calls, own, per CTA b of the grid (grids have
 // at most kMaxDispatchCtas CTAs; see csrc/cuda/dispatch.cu, steps 1a and 3).
@@ -281,7 +289,7 @@ constexpr int64_t kHdrDispatchRouted = kHdrDispatchCounts + 8 * kMaxDispatchCtas
 constexpr int kClaimCounters = 16;
 constexpr int64_t kClaimStride = 128;
 constexpr int64_t kHdrDispatchClaims = kHdrDispatchRouted + 4 * kMaxDispatchCtas;  // uint32, counter c at (c - 1) * kClaimStride
-constexpr int64_t kHeaderBytes = kHdrDispatchClaims + kClaimStride * (kClaimCounters - 1);  // 531712
+constexpr int64_t kHeaderBytes = kHdrDispatchClaims + kClaimStride * (kClaimCounters - 1);  // 531968
 static_assert(kHdrDispatchCounts % 8 == 0 && kHeaderBytes % kAlign == 0, "header words aligned, regions too");
 
 // Header offset of claim counter c (uint32), 0 <= c < kClaimCounters.
@@ -296,6 +304,9 @@ MOE_A2A_HD constexpr int64_t recv_count_offset(int64_t s) { return kHdrRecvCount
 MOE_A2A_HD constexpr int64_t peer_runtime_max_offset(int64_t s) {
   return kHdrPeerRuntimeMax + int64_t(sizeof(int32_t)) * s;
 }
+
+// Header offset of payloads[s] (uint32): the payload_signature of rank s's latest dispatch.
+MOE_A2A_HD constexpr int64_t peer_payloads_offset(int64_t s) { return kHdrPeerPayloads + int64_t(sizeof(uint32_t)) * s; }
 
 // Header offsets of init_stale[q] and init_seen[q] (uint16): peer q's init tags.
 MOE_A2A_HD constexpr int64_t init_stale_offset(int64_t q) { return kHdrInitStale + int64_t(sizeof(uint16_t)) * q; }
@@ -389,6 +400,23 @@ MOE_A2A_HD CallLayout call_layout(int64_t ep_size, int64_t runtime_max_tokens, i
   l.combine_offset = off;
   l.dispatch_end = off;
   return l;
+}
+
+// The equal-payloads check's word of a call (dispatch step 2): where its
+// bytes land, as a hash (FNV-1a) of its payloads' row sizes and of the
+// layout's EPLB and plane offsets and end. Ranks whose calls share T but not
+// this word sent other payloads (their number, row sizes, or EPLB stats).
+MOE_A2A_HD uint32_t fnv1a_mix(uint32_t hash, int64_t value) {
+  for (int b = 0; b < 8; ++b) hash = (hash ^ uint32_t((uint64_t(value) >> (8 * b)) & 0xff)) * 16777619u;
+  return hash;
+}
+MOE_A2A_HD uint32_t payload_signature(const CallLayout& l, const int64_t* payload_row_bytes) {
+  uint32_t hash = fnv1a_mix(2166136261u, l.num_payloads);
+  hash = fnv1a_mix(hash, l.eplb_offset);
+  for (int i = 0; i < l.num_payloads; ++i) {
+    hash = fnv1a_mix(fnv1a_mix(hash, payload_row_bytes[i]), l.payload_offset[i]);
+  }
+  return fnv1a_mix(hash, l.dispatch_end);
 }
 
 // Dispatch step 0b: whether call n+1 (dispatch_end, T) may write over a

@@ -540,31 +540,42 @@ def test_initialize_after_a_peers_first_dispatch(history, device):
         assert_bytes_equal(outs[r].cpu(), expected[r], f"rank {r} output")
 
 
-def test_runtime_max_differing_between_ranks_is_reported(device):
+@pytest.mark.parametrize("differs", ["runtime_max", "payload_rows", "eplb"])
+def test_calls_differing_between_ranks_are_reported(differs, device):
     """runtime_max_tokens_per_rank must be equal on all ranks for one call
-    (DESIGN section 3); a rank cannot check that before it writes, but every
-    rank learns the peers' T with their flags: a call where they differ fails
-    on every rank, naming the peers with another T, instead of leaving wrong
-    rows (the CPU dispatch raises at once; on CUDA the combine's kernel
-    records it and the next call raises). Rank 2's smaller T puts its planes
-    inside ranks 0 and 1's route regions, so their copies may read
-    overwritten routes: they stop at an entry outside the call rather than
-    write beyond the workspace. After a re-initialization the ranks work again."""
+    (DESIGN section 3), and so must the payload list; a rank cannot check
+    that before it writes, but every rank learns the peers' T and payload
+    signature with their flags: a call where they differ fails on every rank,
+    naming the peers, instead of leaving wrong rows (the CPU dispatch raises
+    at once; on CUDA the combine's kernel records it and the next call
+    raises). Rank 2 differs: a smaller T (its planes then lie inside ranks 0
+    and 1's route regions, so their copies may read overwritten routes: they
+    stop at an entry outside the call rather than write beyond the
+    workspace), a narrower hidden state, or EPLB stats that the others do not
+    send (its planes then start after an EPLB region). After a
+    re-initialization the ranks work again."""
     case = Case(3, (24, 20, 8), 2, 6, hidden=256, runtime_max=24)
-    Ts = (24, 24, 8)
-    ep = case.ep_size
+    Ts = (24, 24, 8) if differs == "runtime_max" else (24, 24, 24)
+    ep, eplb_n = case.ep_size, 4
     gen = make_generator(47)
-    sim = make_sim(case, device, timeout_s=20)
+    sim = make_sim(case, device, timeout_s=20, eplb_n=eplb_n)
     dev = make_inputs(case, gen).to(device)
+    if differs == "payload_rows":
+        dev.payloads[2][0] = dev.payloads[2][0][:, : case.hidden // 2].contiguous()
+    stats = torch.arange(eplb_n, dtype=torch.int32, device=device)
 
     def dispatch(r):
+        eplb = stats if differs == "eplb" and r == 2 else None
         return a2a.moe_a2a_dispatch(dev.ids[r], dev.payloads[r], sim.workspace, sim.metainfo[r], Ts[r], r, ep,
-                                    case.top_k, case.num_experts)
+                                    case.top_k, case.num_experts, eplb_local_stats=eplb)
 
     def message(r):
         peers = "2" if r < 2 else "0, 1"
-        return (rf"rank {r}: peers \[{peers}\] called dispatch with another runtime_max_tokens_per_rank than "
-                rf"this rank's {Ts[r]} \(it must be equal on all ranks for one call\)")
+        if differs == "runtime_max":
+            return (rf"rank {r}: peers \[{peers}\] called dispatch with another runtime_max_tokens_per_rank than "
+                    rf"this rank's {Ts[r]} \(it must be equal on all ranks for one call\)")
+        return (rf"rank {r}: peers \[{peers}\] called dispatch with other payloads than this rank's \(their "
+                rf"number, row sizes or eplb_local_stats differ; they must be the same on all ranks for one call\)")
 
     def round_of_calls(r):
         """The rank's dispatch and combine; the first error's text, or None."""
@@ -588,7 +599,7 @@ def test_runtime_max_differing_between_ranks_is_reported(device):
     with pytest.raises(RuntimeError, match=message(0)):
         a2a.check_errors(sim.workspace)
     for r in range(ep):
-        sim.metainfo[r] = a2a.moe_a2a_initialize(sim.workspace, r, ep, case.max_tokens)
+        sim.metainfo[r] = a2a.moe_a2a_initialize(sim.workspace, r, ep, case.max_tokens, eplb_n)
     a2a.check_errors(sim.workspace)
     round_trip(sim, case, make_inputs(case, gen), gen)
 

@@ -534,7 +534,11 @@ def moe_a2a_dispatch(
     (:func:`moe_a2a_get_invalid_expert_count`). input_payloads: 1 to 8 tensors
     ``[local_num_tokens, *]`` of any dtype with contiguous rows, on the
     workspace's device. ``runtime_max_tokens_per_rank`` must be the same on
-    every rank, ``>= local_num_tokens`` and ``<= max_num_tokens``.
+    every rank, ``>= local_num_tokens`` and ``<= max_num_tokens``; so must the
+    payloads' number and row sizes, and whether ``eplb_local_stats`` is given.
+    Where they differ, the call fails on every rank with an error naming the
+    peers (CPU: this call raises; CUDA: the combine's kernel records it and
+    the next call raises).
 
     Returns ``(output_payloads, combine_payload_offset, eplb_gathered_stats)``:
 
@@ -948,6 +952,11 @@ def describe_error(ep_rank: int, code: int, missing_words: Sequence[int], detail
             f"peers [{peers}] called dispatch with another runtime_max_tokens_per_rank than this rank's "
             f"{detail} (it must be equal on all ranks for one call)"
         )
+    elif code == layout.ERROR_PAYLOAD_MISMATCH:
+        what = (
+            f"peers [{peers}] called dispatch with other payloads than this rank's (their number, row sizes "
+            "or eplb_local_stats differ; they must be the same on all ranks for one call)"
+        )
     elif code == layout.ERROR_SEQUENCE:
         what = (
             "dispatch and combine must alternate on every rank, but dispatch was called twice "
@@ -972,7 +981,8 @@ def _header_field(headers: torch.Tensor, offset: int, dtype: torch.dtype) -> lis
 def check_errors(workspace: torch.Tensor) -> None:
     """Raise RuntimeError if any rank's header holds an error record (a timed-out wait,
     dispatch and combine out of alternation, a dispatch whose peers passed another
-    runtime_max_tokens_per_rank, or, on CUDA, a combine that does not match its dispatch).
+    runtime_max_tokens_per_rank or other payloads, or, on CUDA, a combine that does not
+    match its dispatch).
 
     Reads the header of every row of ``workspace`` (``[ep_size, size_per_rank]``
     uint8); uninitialized rows are skipped. On CUDA this copies the headers to

@@ -188,21 +188,28 @@ WaitResult wait_for_own_flags(const WorkspaceView& ws, const SyncParams& sync, i
       ws, sync, [&](int p) { return flag_word(own, flags_offset, p); }, epoch, code_on_timeout);
 }
 
-// The equal-T check (protocol.h) after dispatch step 4: every active peer's
-// dispatch had this rank's T (the acquired flags make their runtime_max
-// words visible); else the error.
-WaitResult check_peer_runtime_max(const WorkspaceView& ws, const SyncParams& sync, int64_t runtime_max) {
+// The equal-T and equal-payloads checks (protocol.h) after dispatch step 4:
+// every active peer's dispatch had this rank's T, and then its payloads (the
+// acquired flags make their words visible); else the error of the first
+// check that fails, naming the peers.
+WaitResult check_peer_calls(const WorkspaceView& ws, const SyncParams& sync, const DispatchParams& p) {
   const uint8_t* own = ws.row(ws.ep_rank);
-  uint64_t other[kRankMaskWords] = {};
-  bool any = false;
+  uint64_t other_t[kRankMaskWords] = {}, other_payloads[kRankMaskWords] = {};
+  bool any_t = false, any_payloads = false;
   for (int q = 0; q < ws.ep_size; ++q) {
-    if (rank_active(sync, q) && load<int32_t>(own, peer_runtime_max_offset(q)) != runtime_max) {
-      other[q / 64] |= uint64_t(1) << (q % 64);
-      any = true;
+    if (!rank_active(sync, q)) continue;
+    if (load<int32_t>(own, peer_runtime_max_offset(q)) != p.runtime_max_tokens) {
+      other_t[q / 64] |= uint64_t(1) << (q % 64);
+      any_t = true;
+    }
+    if (load<uint32_t>(own, peer_payloads_offset(q)) != p.payload_signature) {
+      other_payloads[q / 64] |= uint64_t(1) << (q % 64);
+      any_payloads = true;
     }
   }
-  if (!any) return WaitResult{};
-  return record_error(ws, kErrorRuntimeMaxMismatch, other, static_cast<uint32_t>(runtime_max));
+  if (any_t) return record_error(ws, kErrorRuntimeMaxMismatch, other_t, static_cast<uint32_t>(p.runtime_max_tokens));
+  if (any_payloads) return record_error(ws, kErrorPayloadMismatch, other_payloads, 0);
+  return WaitResult{};
 }
 
 // Publishes `epoch` in flags[ep_rank] of every active rank's header.
@@ -452,6 +459,7 @@ WaitResult dispatch(const DispatchParams& p) {
     }
     store<int32_t>(dest, recv_count_offset(ws.ep_rank), static_cast<int32_t>(recv_count[d]));
     store<int32_t>(dest, peer_runtime_max_offset(ws.ep_rank), static_cast<int32_t>(p.runtime_max_tokens));
+    store<uint32_t>(dest, peer_payloads_offset(ws.ep_rank), p.payload_signature);
   }
 
   // What the matching combine must agree with, and the invalid-id tally.
@@ -464,7 +472,7 @@ WaitResult dispatch(const DispatchParams& p) {
   release_to_peers(ws, p.sync, kHdrDispatchFlags, epoch);
   const WaitResult result = wait_for_own_flags(ws, p.sync, kHdrDispatchFlags, epoch, kErrorDispatchTimeout);
   if (result.code != kErrorNone) return result;
-  const WaitResult agreed = check_peer_runtime_max(ws, p.sync, p.runtime_max_tokens);
+  const WaitResult agreed = check_peer_calls(ws, p.sync, p);
   if (agreed.code != kErrorNone) return agreed;
   store<uint32_t>(own, kHdrDispatchEpoch, epoch);
   if (epoch == 1) mark_in_use(own);

@@ -259,19 +259,26 @@ __device__ void pull_rows_any(const CombineArgs& a) {
   pull_rows<In, Out, kElems>(a);
 }
 
-// The equal-T check (protocol.h, "runtime_max[p]"), once a CTA found a peer
-// whose dispatch had another T than this rank's: CTA 0 records the error
-// with the mask of those peers (thread q compares peer q). Every thread of
-// the CTA calls it.
-__device__ __noinline__ void record_runtime_max_mismatch(const CombineParams& p, bool other, int32_t own_t) {
-  __shared__ unsigned long long peers;
+// The equal-T and equal-payloads checks (protocol.h, "runtime_max[p]" and
+// "payloads[p]"), once a CTA found a peer whose dispatch had another T or
+// other payloads than this rank's: CTA 0 records the error of the first
+// check that fails, with the mask of the peers that fail it (thread q
+// compares peer q). Every thread of the CTA calls it.
+__device__ __noinline__ void record_peer_call_mismatch(const CombineParams& p, bool other_t, bool other_payloads,
+                                                       int32_t own_t) {
+  __shared__ unsigned long long peers_t, peers_payloads;
   uint8_t* own = p.ws.row(p.ws.ep_rank);
-  if (threadIdx.x == 0) peers = 0;
+  if (threadIdx.x == 0) peers_t = peers_payloads = 0;
   __syncthreads();
-  if (other) atomicOr(&peers, 1ull << threadIdx.x);
+  if (other_t) atomicOr(&peers_t, 1ull << threadIdx.x);
+  if (other_payloads) atomicOr(&peers_payloads, 1ull << threadIdx.x);
   __syncthreads();
   if (blockIdx.x == 0 && threadIdx.x == 0) {
-    record_error(own, p.sync.mailbox, kErrorRuntimeMaxMismatch, peers, static_cast<uint32_t>(own_t));
+    if (peers_t != 0) {
+      record_error(own, p.sync.mailbox, kErrorRuntimeMaxMismatch, peers_t, static_cast<uint32_t>(own_t));
+    } else {
+      record_error(own, p.sync.mailbox, kErrorPayloadMismatch, peers_payloads, 0);
+    }
   }
 }
 
@@ -302,22 +309,25 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
                                           *header_word<int64_t>(own, kHdrLastDispatchEnd), p.local_num_tokens,
                                           p.runtime_max_tokens, p.top_k, p.combine_offset)
                        : 0;
-  // The T of every active peer's dispatch against the own dispatch's
-  // (thread q: peer q), written before the dispatch flags that the own
-  // dispatch acquired. Checked here rather than at the end of the dispatch:
-  // these loads go with the ones above, where the dispatch would have waited
-  // for one more memory latency before its dependents could start.
-  const bool checks_t = int(threadIdx.x) < ws.ep_size && rank_active(p.sync, threadIdx.x);
-  const int32_t peer_t = checks_t ? *header_word<int32_t>(own, peer_runtime_max_offset(threadIdx.x)) : 0;
-  const int32_t own_t = checks_t ? *header_word<int32_t>(own, peer_runtime_max_offset(ws.ep_rank)) : 0;
+  // The T and the payload signature of every active peer's dispatch against
+  // the own dispatch's (thread q: peer q), written before the dispatch flags
+  // that the own dispatch acquired. Checked here rather than at the end of
+  // the dispatch: these loads go with the ones above, where the dispatch
+  // would have waited for one more memory latency before its dependents
+  // could start.
+  const bool checks_peer = int(threadIdx.x) < ws.ep_size && rank_active(p.sync, threadIdx.x);
+  const int32_t peer_t = checks_peer ? *header_word<int32_t>(own, peer_runtime_max_offset(threadIdx.x)) : 0;
+  const int32_t own_t = checks_peer ? *header_word<int32_t>(own, peer_runtime_max_offset(ws.ep_rank)) : 0;
+  const uint32_t peer_payloads = checks_peer ? *header_word<uint32_t>(own, peer_payloads_offset(threadIdx.x)) : 0;
+  const uint32_t own_payloads = checks_peer ? *header_word<uint32_t>(own, peer_payloads_offset(ws.ep_rank)) : 0;
   if (loads_count) recv_count[threadIdx.x] = count;
-  bool other_t_seen = false;
+  bool other_call_seen = false;
   if (!may_proceed(own, p.sync.mailbox, error_code, dispatch_epoch == combine_epoch + 1, mismatch,
-                   peer_t != own_t, &other_t_seen)) {
+                   peer_t != own_t || peer_payloads != own_payloads, &other_call_seen)) {
     return;
   }
-  if (other_t_seen) {
-    record_runtime_max_mismatch(p, peer_t != own_t, own_t);
+  if (other_call_seen) {
+    record_peer_call_mismatch(p, peer_t != own_t, peer_payloads != own_payloads, own_t);
     return;
   }
   const uint32_t epoch = combine_epoch + 1;

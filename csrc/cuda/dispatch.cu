@@ -430,6 +430,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
           static_cast<int32_t>(next_slot[d]);
       *header_word<int32_t>(ws.row(d), peer_runtime_max_offset(ws.ep_rank)) =
           static_cast<int32_t>(p.runtime_max_tokens);
+      *header_word<uint32_t>(ws.row(d), peer_payloads_offset(ws.ep_rank)) = p.payload_signature;
     } else {
       *header_word<int32_t>(own, recv_count_offset(d)) = 0;
     }
