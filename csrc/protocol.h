@@ -60,8 +60,8 @@
 //      increasing token index (deterministic, no atomics order)
 //   2. write payload rows into dest d's planes at [s, slot], eplb row s into
 //      d's eplb region, recv_count[s], runtime_max[s] := T and payloads[s] :=
-//      the call's payload_signature into d's header; own recv_count[q] := 0 for every masked-off q (it writes
-//      nothing here this call)
+//      the call's payload_signature into d's header; own recv_count[q] := 0
+//      for every masked-off q (it writes nothing here this call)
 //   3. release: dispatch_flag[s] := n in every active dest d's header
 //   4. acquire: wait until own dispatch_flag[p] >= n for every active peer p
 //   5. own dispatch_epoch := n; n == 1: own init word marked in use (also
@@ -262,12 +262,12 @@ constexpr int64_t kHdrCombineFlags = kHdrDispatchFlags + 4 * kMaxRanks;  // uint
 constexpr int64_t kHdrRecvCounts = kHdrCombineFlags + 4 * kMaxRanks;     // int32 [kMaxRanks]
 // int32 [kMaxRanks], [s] written by rank s: the T of its latest dispatch
 constexpr int64_t kHdrPeerRuntimeMax = kHdrRecvCounts + 4 * kMaxRanks;
+// uint32 [kMaxRanks], [s] written by rank s: the payload_signature of its latest dispatch
+constexpr int64_t kHdrPeerPayloads = kHdrPeerRuntimeMax + 4 * kMaxRanks;
 // uint16 [kMaxRanks], own, kept by initialize (dispatch step 0a): [q] = the
 // init tag of peer q's row that a first dispatch saw before this row's latest
 // initialize (stale: not to be trusted), and the one that the first dispatch
 // since then saw (seen: the next initialize's stale).
-// uint32 [kMaxRanks], [s] written by rank s: the payload_signature of its latest dispatch
-constexpr int64_t kHdrPeerPayloads = kHdrPeerRuntimeMax + 4 * kMaxRanks;
 constexpr int64_t kHdrInitStale = kHdrPeerPayloads + 4 * kMaxRanks;
 constexpr int64_t kHdrInitSeen = kHdrInitStale + 2 * kMaxRanks;
 // CUDA dispatch scratch of large calls, own, per CTA b of the grid (grids have
