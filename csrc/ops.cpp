@@ -488,7 +488,7 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
       const char* names[] = {"local_num_tokens", "runtime_max_tokens_per_rank", "top_k", "combine_payload_offset"};
       os << "combine was called with another";
       const char* sep = " ";
-      for (int bit = 0; bit < 4; ++bit) {
+      for (int bit = 0; bit < int(sizeof(names) / sizeof(names[0])); ++bit) {
         if ((detail >> bit) & 1) {
           os << sep << names[bit];
           sep = ", ";

@@ -149,10 +149,9 @@ __device__ void pull_rows(const CombineArgs& a) {
   const int64_t items = p.local_num_tokens * segments;
   // The row of a route entry; nullptr for a rank masked off since the
   // dispatch, which was not waited for: its rows are not final (as on the
-  // CPU). An entry outside this call's planes (a combine whose sizes differ
-  // from its dispatch's, which the CPU refuses up front and the device
-  // cannot check before running, or route_in_call's case) is skipped rather
-  // than read out of bounds.
+  // CPU). An entry outside this call's planes (route_in_call's case: a
+  // combine whose sizes differ from its dispatch's never gets here) is
+  // skipped rather than read out of bounds.
   const auto row_of = [&](int32_t entry) -> const InRaw* {
     const int d = route_rank(entry);
     if (!route_in_call(entry, ws.ep_size, T) || !rank_active(p.sync, d)) return nullptr;
