@@ -3,7 +3,9 @@
 # built the extension): CUDA tests, compute-sanitizer on a small round trip,
 # the smoke benchmark, the CMake library with its CUDA kernels (for C++
 # users), and a short table printed last. Stages: tests, sanitizer, bench,
-# cmake (default: all four). Arguments after `--` go to pytest
+# cmake (default: all four), and counters (Nsight Compute's DRAM and L2
+# counters of the fan-out program; not by default: about a minute more).
+# Arguments after `--` go to pytest
 # instead of the default selection (the CUDA tests). Full logs go to $OUT
 # (the device tool's return folder) when it is set, else to build/gpu-logs.
 set -uo pipefail
@@ -26,8 +28,17 @@ print(f"torch {torch.__version__} cuda {torch.version.cuda} | {p.name} sm_{p.maj
 print("cuda kernels registered:", torch._C._dispatch_has_kernel_for_dispatch_key("moe_a2a::dispatch", "CUDA"))
 EOF
 
+# benchmarks/fanout_ceiling.cu for this device, into build/fanout_ceiling.
+build_fanout() {
+  local arch nvcc
+  arch=$("$PY" -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"{p.major}{p.minor}")')
+  nvcc=$("$PY" -c 'from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME or "/usr/local/cuda")')/bin/nvcc
+  mkdir -p build
+  "$nvcc" -O3 -std=c++17 -gencode=arch=compute_$arch,code=sm_$arch benchmarks/fanout_ceiling.cu -o build/fanout_ceiling
+}
+
 status() { if [ "$1" -eq 0 ]; then echo PASS; elif [ "$1" -eq 255 ]; then echo "not run"; else echo "FAIL($1)"; fi; }
-rc_tests=255 rc_mem=255 rc_race=255 rc_bench=255 rc_cmake=255 tests_line=""
+rc_tests=255 rc_mem=255 rc_race=255 rc_bench=255 rc_cmake=255 rc_counters=255 tests_line=""
 has() { for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 if has tests; then
@@ -68,14 +79,26 @@ if has bench; then
   timeout 400 "$PY" -m torch_moe_a2a bench --smoke --json "$LOG/bench-smoke.json" >"$LOG/bench.txt" 2>"$LOG/bench-progress.txt"
   rc_bench=$?
   # The bare dispatch-shaped copy (docs/perf.md's dispatch ceiling), same device, same run.
-  arch=$("$PY" -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"{p.major}{p.minor}")')
-  nvcc=$("$PY" -c 'from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME or "/usr/local/cuda")')/bin/nvcc
-  mkdir -p build
-  if "$nvcc" -O3 -std=c++17 -gencode=arch=compute_$arch,code=sm_$arch benchmarks/fanout_ceiling.cu \
-      -o build/fanout_ceiling >"$LOG/fanout.txt" 2>&1; then
+  if build_fanout >"$LOG/fanout.txt" 2>&1; then
     timeout 120 build/fanout_ceiling >>"$LOG/fanout.txt" 2>&1 || rc_bench=1
   else
     rc_bench=1
+  fi
+fi
+
+if has counters; then
+  # Hardware counters (Nsight Compute) of the fan-out program's one-grid
+  # kernels: DRAM bytes read and written against the bytes each pattern
+  # counts, and the share of the DRAM's peak they flow at (docs/perf.md,
+  # eighteenth session). Clocks left as they are (the device's METHOD.md).
+  if command -v ncu >/dev/null 2>&1 && build_fanout >"$LOG/counters.txt" 2>&1; then
+    timeout 300 ncu --clock-control none --metrics "$("$PY" benchmarks/counters_summary.py --metrics)" \
+      -k 'regex:copy_kernel|fill_kernel|fanout_registers' --csv --page raw --print-units base \
+      build/fanout_ceiling >"$LOG/counters.csv" 2>>"$LOG/counters.txt" &&
+      "$PY" benchmarks/counters_summary.py "$LOG/counters.csv" >>"$LOG/counters.txt" 2>&1
+    rc_counters=$?
+  else
+    rc_counters=127
   fi
 fi
 
@@ -112,6 +135,7 @@ printf '%-28s %s\n' "compute-sanitizer memcheck" "$(status $rc_mem)"
 printf '%-28s %s\n' "compute-sanitizer racecheck" "$(status $rc_race)"
 printf '%-28s %s\n' "smoke benchmark" "$(status $rc_bench)"
 printf '%-28s %s\n' "CMake library (CUDA)" "$(status $rc_cmake)  $(grep -E '[0-9]+ (passed|failed)' "$LOG/cmake.txt" 2>/dev/null | tail -n 1)"
+printf '%-28s %s\n' "hardware counters (ncu)" "$(status $rc_counters)"
 if has bench; then
   echo "-------------------------------------------"
   tail -n 30 "$LOG/bench.txt"
@@ -119,6 +143,10 @@ if has bench; then
   echo "-------------------------------------------"
   cat "$LOG/fanout.txt"
 fi
-for rc in $rc_tests $rc_mem $rc_race $rc_bench $rc_cmake; do
+if has counters; then
+  echo "-------------------------------------------"
+  tail -n 8 "$LOG/counters.txt"
+fi
+for rc in $rc_tests $rc_mem $rc_race $rc_bench $rc_cmake $rc_counters; do
   [ "$rc" -eq 0 ] || [ "$rc" -eq 255 ] || exit 1
 done
