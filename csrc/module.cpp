@@ -3,8 +3,9 @@
 // (the operators need no Python binding). It also holds the eager entry
 // points of the Python wrapper, which are cheaper in C++:
 //   * receive_views: dispatch's receive views, which an uncached call
-//     rebuilds every time (about two thirds of the wrapper's host time when
-//     done with Python view ops);
+//     rebuilds every time (two view ops per payload from C++: 4 us for
+//     three payloads on the CI machine, where the Python chain of three
+//     view ops per payload took about two thirds of the wrapper's host time);
 //   * dispatch / combine: the same operators called through the C++
 //     dispatcher (so every backend, dispatch mode and the profiler see them as
 //     usual), without the per-argument schema matching of a torch.ops call
@@ -23,32 +24,44 @@
 namespace moe_a2a {
 namespace {
 
-// A view `shape` of `dtype` at byte `offset` of rank `ep_rank`'s row of the
-// [ep_size, size_per_rank] uint8 `workspace` (rows at its stride, which may
-// exceed size_per_rank), sharing (and keeping alive) the workspace's
-// storage. Built directly as a TensorImpl over that storage rather than with
-// view ops: each op through the dispatcher costs about a microsecond, and an
-// uncached dispatch builds two per payload on every call. Like an
-// as_strided view it aliases the workspace; unlike one, autograd does not
-// track it as a view (the workspace is a uint8 buffer outside autograd). The
+// Views of the [ep_size, size_per_rank] uint8 `workspace` (rows at its
+// stride, which may exceed size_per_rank) as `dtype`, built with ordinary
+// view ops (DESIGN.md section 4): aten::view.dtype of the whole workspace,
+// once per dtype a call needs, then aten::as_strided per region. Real views:
+// their _base is the workspace, they share its version counter, and every
+// dispatch mode (FakeTensorMode, make_fx) sees and traces the ops. The
 // dispatch op has already checked the workspace's strides and that every
 // region is aligned for its dtype.
-at::Tensor region_view(const at::Tensor& workspace, int64_t ep_rank, int64_t offset, at::IntArrayRef shape,
-                       at::ScalarType dtype) {
-  const int64_t itemsize = static_cast<int64_t>(c10::elementSize(dtype));
-  // The workspace is uint8: its storage offset is in bytes.
-  const int64_t start = (workspace.storage_offset() + ep_rank * workspace.stride(0) + offset) / itemsize;
-  std::vector<int64_t> strides(shape.size());
-  int64_t step = 1;
-  for (size_t i = shape.size(); i-- > 0;) {
-    strides[i] = step;
-    step *= shape[i];
+class RegionViews {
+ public:
+  explicit RegionViews(const at::Tensor& workspace) : workspace_(workspace) {}
+
+  // The contiguous view `shape` at byte `offset` of rank `ep_rank`'s row.
+  at::Tensor view(int64_t ep_rank, int64_t offset, at::IntArrayRef shape, at::ScalarType dtype) {
+    const int64_t itemsize = static_cast<int64_t>(c10::elementSize(dtype));
+    // The workspace is uint8: its storage offset and strides are in bytes.
+    const int64_t start = (workspace_.storage_offset() + ep_rank * workspace_.stride(0) + offset) / itemsize;
+    std::vector<int64_t> strides(shape.size());
+    int64_t step = 1;
+    for (size_t i = shape.size(); i-- > 0;) {
+      strides[i] = step;
+      step *= shape[i];
+    }
+    return typed(dtype).as_strided(shape, strides, start);
   }
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(workspace.storage()),
-                                                   workspace.key_set(), c10::scalarTypeToTypeMeta(dtype));
-  impl->set_sizes_and_strides(shape, strides, start);
-  return at::Tensor(std::move(impl));
-}
+
+ private:
+  const at::Tensor& typed(at::ScalarType dtype) {
+    for (const at::Tensor& t : typed_) {
+      if (t.scalar_type() == dtype) return t;
+    }
+    typed_.push_back(workspace_.view(dtype));
+    return typed_.back();
+  }
+
+  const at::Tensor& workspace_;
+  std::vector<at::Tensor> typed_;  // the workspace as each dtype asked for so far
+};
 
 // Dispatch's return values for an eager call that already ran: the receive
 // view of each payload ([ep_size, runtime_max, *payload.shape[1:]], its
@@ -70,17 +83,18 @@ ReceiveViews receive_views(
   }
   const CallLayout call =
       call_layout(ep_size, runtime_max_tokens, eplb_n, static_cast<int>(payloads.size()), row_bytes);
+  RegionViews regions(workspace);
   std::vector<at::Tensor> views;
   views.reserve(payloads.size());
   for (size_t i = 0; i < payloads.size(); ++i) {
     std::vector<int64_t> shape{ep_size, runtime_max_tokens};
     const at::IntArrayRef trailing = payloads[i].sizes();
     shape.insert(shape.end(), trailing.begin() + std::min<size_t>(1, trailing.size()), trailing.end());
-    views.push_back(region_view(workspace, ep_rank, call.payload_offset[i], shape, payloads[i].scalar_type()));
+    views.push_back(regions.view(ep_rank, call.payload_offset[i], shape, payloads[i].scalar_type()));
   }
   std::optional<at::Tensor> eplb;
   if (call.eplb_offset >= 0) {
-    eplb = region_view(workspace, ep_rank, call.eplb_offset, {ep_size, eplb_n}, at::kInt);
+    eplb = regions.view(ep_rank, call.eplb_offset, {ep_size, eplb_n}, at::kInt);
   }
   return {std::move(views), call.combine_offset, std::move(eplb)};
 }

@@ -271,6 +271,8 @@ def test_moe_alltoall_round_trips(payload_in_workspace, device):
     sim = make_sim(case, device, eplb_n=5)
     moes = _instances(sim, case, eplb_stats_num_experts=5)
     assert all(m.workspace is sim.workspace for m in moes)
+    # Marked static for CUDA-graph trees (DESIGN.md section 4), on every device.
+    assert getattr(sim.workspace, "_dynamo_static_input_type", None) is not None
     gen = make_generator(case)
     invalid = -3
     for round_ in range(3):
@@ -400,6 +402,67 @@ def test_eager_receive_views_equal_traced_ones(case, device):
         for e, t in pairs:
             assert (e.shape, e.stride(), e.dtype, e.data_ptr()) == (t.shape, t.stride(), t.dtype, t.data_ptr())
             assert e.untyped_storage().data_ptr() == workspace.untyped_storage().data_ptr()
+            # Made by view ops (DESIGN.md section 4): a view that shares the
+            # workspace's version counter, so autograd sees the ops' writes.
+            assert e._is_view()
+            version = e._version
+            workspace[rank, :1].add_(0)
+            assert e._version == version + 1
+
+
+def test_dispatch_modes_trace_the_receive_views(device):
+    """Under a dispatch mode the receive views are built by view ops the mode
+    sees: FakeTensorMode gives fake views of the right shapes (and leaves the
+    real workspace alone), and make_fx records them from its workspace
+    argument, so a graph traced on one workspace runs right on another."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    T, k, E, hidden = 4, 2, 4, 6
+    size = a2a.moe_a2a_get_workspace_size_per_rank(1, T, hidden * 4 + k * 4, hidden * 4)
+
+    def fresh(storage_offset=0):
+        # A workspace at `storage_offset` bytes into its storage.
+        ws = torch.zeros((storage_offset + size,), dtype=torch.uint8, device=device)[storage_offset:].view(1, size)
+        return ws, a2a.moe_a2a_initialize(ws, 0, 1, T)
+
+    cache: dict = {}
+
+    def step(ids, x, ws, meta):
+        (rx, _), offset, _ = a2a.moe_a2a_dispatch(ids, [x, ids], ws, meta, T, 0, 1, k, E, recv_view_cache=cache)
+        return a2a.moe_a2a_combine(rx * 3.0, ids.shape[0], ws, meta, T, 0, 1, k, offset)
+
+    gen = torch.Generator().manual_seed(11)
+
+    def inputs():
+        ids = torch.randint(0, E, (3, k), generator=gen, dtype=torch.int32).to(device)
+        return ids, torch.randn((3, hidden), generator=gen).to(device)
+
+    ws, meta = fresh()
+    before = ws.clone()
+    with FakeTensorMode() as mode:
+        fake_ws = mode.from_tensor(ws)
+        ids = torch.empty((3, k), dtype=torch.int32, device=device)
+        x = torch.empty((3, 5, 2), dtype=torch.bfloat16, device=device)
+        views, offset, _ = a2a.moe_a2a_dispatch(ids, [x, ids], fake_ws, meta, T, 0, 1, k, E)
+        assert all(isinstance(v, FakeTensor) for v in views)
+        assert [(tuple(v.shape), v.dtype) for v in views] == [((1, T, 5, 2), torch.bfloat16), ((1, T, k), torch.int32)]
+        out = a2a.moe_a2a_combine(views[0].float(), 3, fake_ws, meta, T, 0, 1, k, offset)
+        assert isinstance(out, FakeTensor) and tuple(out.shape) == (3, 5, 2) and out.dtype == torch.float32
+    assert torch.equal(ws, before)
+
+    # Traced on a workspace whose views the cache already holds from an eager
+    # call: the trace must not take them from there (they would be constants).
+    ws, meta = fresh()
+    step(*inputs(), ws, meta)
+    traced = make_fx(step)(*inputs(), ws, meta)
+    ids, x = inputs()
+    expected = 3.0 * x  # ep 1: every token's one destination is this rank
+    for run in (traced, step):
+        for storage_offset in (0, 1024):  # views relative to the workspace, not to its storage
+            cache.clear()
+            got = run(ids, x, *fresh(storage_offset))
+            assert torch.equal(got, expected)
 
 
 # ---- the two eager paths --------------------------------------------------------------------

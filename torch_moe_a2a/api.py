@@ -343,12 +343,21 @@ def _direct_call_ok(*tensors: Optional[torch.Tensor]) -> bool:
     return not torch.overrides.has_torch_function(tensors)
 
 
+def _tracing() -> bool:
+    """Whether this call is being traced: by torch.compile, or under a
+    dispatch mode (make_fx, FakeTensorMode, ...), which must see every view
+    op and gets none of the views built outside it (cached, or made eagerly)."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
 def _traced_receive_views(
     workspace: torch.Tensor, ep_rank: int, ep_size: int, runtime_max: int, eplb_n: int, payloads: list[torch.Tensor]
 ) -> tuple[list[torch.Tensor], int, Optional[torch.Tensor]]:
-    """Dispatch's return values under ``torch.compile``: the receive views built
-    with plain view ops (layout.region_view), which trace; eager calls use the
-    C++ ``_C.receive_views`` instead, from the same layout."""
+    """Dispatch's return values when traced (:func:`_tracing`): the receive
+    views built with plain view ops relative to the workspace's row
+    (layout.region_view), which trace; eager calls use the C++
+    ``_C.receive_views`` instead (view ops too, from the same layout, with the
+    offsets of the workspace at hand)."""
     row_bytes = tuple(p.element_size() * math.prod(p.shape[1:]) for p in payloads)
     call = layout.call_layout(ep_size, runtime_max, eplb_n, row_bytes)
     row = workspace.select(0, ep_rank)
@@ -614,7 +623,7 @@ def _dispatch(
     call_eplb_n = eplb_n if eplb_local_stats is not None else 0
     if _debug_enabled():  # under torch.compile: read when the call is traced
         _check_expert_ids(token_selected_experts, num_experts)
-    if torch.compiler.is_compiling():
+    if _tracing():
         _ops.dispatch.default(*args)
         return _traced_receive_views(workspace, ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n,
                                      input_payloads)
@@ -1048,9 +1057,10 @@ class MoeAlltoAll:
     - otherwise (``ep_size == 1`` only): a plain zeroed tensor on ``device``
       (default: the current CUDA device if there is one, else the CPU).
 
-    A CUDA workspace is marked static (``torch._dynamo.mark_static_address``)
+    The workspace is marked static (``torch._dynamo.mark_static_address``)
     so CUDA-graph trees (``mode="reduce-overhead"``) accept the in-place
-    mutations of the ops. ``timeout_s``: the bound on every wait for a peer
+    mutations of the ops (DESIGN.md section 4; on the CPU it only tells
+    torch.compile the same). ``timeout_s``: the bound on every wait for a peer
     (default: MOE_A2A_TIMEOUT_S, else 30 s). ``mnnvl_config`` is FlashInfer's
     MNNVL transport setting and is refused (use ``group=``). ``backend``: as in
     the functional API ("cake" is refused).
@@ -1147,8 +1157,7 @@ class MoeAlltoAll:
                 # the barrier lets a peer's dispatch write into this row.
                 torch.cuda.current_stream(workspace.device).synchronize()
             torch.distributed.barrier(group=group)
-        if workspace.is_cuda:
-            torch._dynamo.mark_static_address(workspace)
+        torch._dynamo.mark_static_address(workspace)
         self._recv_counts = moe_a2a_get_recv_counts(workspace, self.metainfo, self.ep_rank)
         self._recv_view_cache: dict = {"_workspace": workspace}
         self._state = _A2AState()
@@ -1182,9 +1191,10 @@ class MoeAlltoAll:
     @property
     def recv_counts(self) -> torch.Tensor:
         """int32 ``[ep_size]`` workspace view: rows received from each rank by the last dispatch."""
-        if torch.compiler.is_compiling():
+        if _tracing():
             # A view made outside the graph would be a second graph input aliasing
-            # the mutated workspace with another dtype, which AOTAutograd refuses.
+            # the mutated workspace with another dtype, which AOTAutograd refuses
+            # (and a constant to make_fx).
             return moe_a2a_get_recv_counts(self.workspace, self.metainfo, self.ep_rank)
         return self._recv_counts
 
