@@ -10,9 +10,12 @@
 #include <cstdlib>
 #include <limits>
 #include <sstream>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include "cpu/kernels.h"
@@ -718,6 +721,56 @@ std::vector<int64_t> constants_op() {
   };
 }
 
+// The ADInplaceOrView kernels of the ops that write a tensor argument (the
+// workspace; combine_into's output): after the op, each written tensor's
+// version counter goes up, as after ATen's in-place ops, so that autograd
+// refuses a backward whose saved tensors (a receive view, say) a later call
+// overwrote, instead of computing with the new bytes. Inference tensors have
+// no version counter (and inference mode skips this key). Unboxed: a boxed
+// kernel cost every eager call about 2 us of host time.
+void bump_version(const at::Tensor& t) {
+  if (!t.is_inference()) torch::autograd::impl::bump_version(t);
+}
+
+template <const char* kOp, typename Signature, size_t... kWritten>
+struct BumpWrittenVersions;
+
+template <const char* kOp, typename Ret, typename... Args, size_t... kWritten>
+struct BumpWrittenVersions<kOp, Ret(Args...), kWritten...> {
+  static Ret call(c10::DispatchKeySet keys, Args... args) {
+    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(kOp, "").typed<Ret(Args...)>();
+    const c10::DispatchKeySet below = keys & c10::after_ADInplaceOrView_keyset;
+    if constexpr (std::is_void_v<Ret>) {
+      op.redispatch(below, args...);
+      (bump_version(std::get<kWritten>(std::forward_as_tuple(args...))), ...);
+    } else {
+      Ret result = op.redispatch(below, args...);
+      (bump_version(std::get<kWritten>(std::forward_as_tuple(args...))), ...);
+      return result;
+    }
+  }
+};
+
+constexpr char kOpInitialize[] = "moe_a2a::initialize";
+constexpr char kOpDispatch[] = "moe_a2a::dispatch";
+constexpr char kOpCombine[] = "moe_a2a::combine";
+constexpr char kOpCombineInto[] = "moe_a2a::combine_into";
+constexpr char kOpSanitize[] = "moe_a2a::sanitize_expert_ids";
+
+// The schemas' C++ argument types (schemas.h), as the dispatcher passes them.
+using InitializeSignature = void(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t);
+using DispatchSignature = void(const at::Tensor&, at::TensorList, const at::Tensor&, int64_t, int64_t, int64_t,
+                               int64_t, int64_t, int64_t, const std::optional<at::Tensor>&, int64_t,
+                               at::IntArrayRef, double, int64_t, bool);
+#define MOE_A2A_COMBINE_TYPES                                                                              \
+  const std::optional<at::Tensor>&, c10::SymInt, const at::Tensor&, int64_t, int64_t, int64_t, int64_t, \
+      int64_t, int64_t, c10::SymIntArrayRef, at::ScalarType, at::ScalarType, at::IntArrayRef, double,    \
+      int64_t, bool
+using CombineSignature = at::Tensor(MOE_A2A_COMBINE_TYPES);
+using CombineIntoSignature = void(MOE_A2A_COMBINE_TYPES, const at::Tensor&);
+#undef MOE_A2A_COMBINE_TYPES
+using SanitizeSignature = void(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool);
+
 }  // namespace
 }  // namespace moe_a2a
 
@@ -744,4 +797,14 @@ TORCH_LIBRARY_IMPL(moe_a2a, CPU, m) {
   m.impl("combine_into", &combine_into_cpu);
   m.impl("sanitize_expert_ids", &sanitize_expert_ids_cpu);
   m.impl("check_expert_ids", &check_expert_ids_host);
+}
+
+TORCH_LIBRARY_IMPL(moe_a2a, ADInplaceOrView, m) {
+  using namespace moe_a2a;
+  // The indices: the written arguments (Tensor(a!) workspace, Tensor(b!) output).
+  m.impl("initialize", TORCH_FN((BumpWrittenVersions<kOpInitialize, InitializeSignature, 0>::call)));
+  m.impl("dispatch", TORCH_FN((BumpWrittenVersions<kOpDispatch, DispatchSignature, 2>::call)));
+  m.impl("combine", TORCH_FN((BumpWrittenVersions<kOpCombine, CombineSignature, 2>::call)));
+  m.impl("combine_into", TORCH_FN((BumpWrittenVersions<kOpCombineInto, CombineIntoSignature, 2, 16>::call)));
+  m.impl("sanitize_expert_ids", TORCH_FN((BumpWrittenVersions<kOpSanitize, SanitizeSignature, 0>::call)));
 }

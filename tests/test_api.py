@@ -410,6 +410,44 @@ def test_eager_receive_views_equal_traced_ones(case, device):
             assert e._version == version + 1
 
 
+def test_ops_bump_the_version_of_what_they_write(device):
+    """Every op that writes the workspace (and combine_into its output) bumps
+    its version counter, as ATen's in-place ops do: a backward that saved a
+    receive view which a later dispatch overwrote fails loudly instead of
+    computing with the new bytes. Inference tensors have no counter and
+    still work outside inference mode."""
+    T, k, E, hidden = 4, 2, 4, 6
+    size = a2a.moe_a2a_get_workspace_size_per_rank(1, T, hidden * 4 + k * 4, hidden * 4)
+    gen = torch.Generator().manual_seed(12)
+    ids = torch.randint(0, E, (3, k), generator=gen, dtype=torch.int32).to(device)
+    x = torch.randn((3, hidden), generator=gen).to(device)
+    ws = torch.zeros((1, size), dtype=torch.uint8, device=device)
+
+    def bumps(call, tensor):
+        version = tensor._version
+        result = call()
+        assert tensor._version == version + 1
+        return result
+
+    meta = bumps(lambda: a2a.moe_a2a_initialize(ws, 0, 1, T), ws)
+    (rx, rids), offset, _ = bumps(lambda: a2a.moe_a2a_dispatch(ids, [x, ids], ws, meta, T, 0, 1, k, E), ws)
+    bumps(lambda: a2a.moe_a2a_sanitize_expert_ids(rids, ws, meta, 0, -1), ws)
+    weight = torch.randn((hidden,), generator=gen).to(device).requires_grad_()
+    saved = rx * weight  # autograd saves rx, a view of the workspace
+    out = torch.empty((3, hidden), device=device)
+    bumps(lambda: a2a.moe_a2a_combine(rx, 3, ws, meta, T, 0, 1, k, offset, output=out), out)
+    bumps(lambda: a2a.moe_a2a_dispatch(ids, [2 * x, ids], ws, meta, T, 0, 1, k, E), ws)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
+    bumps(lambda: a2a.moe_a2a_combine(rx, 3, ws, meta, T, 0, 1, k, offset), ws)
+
+    with torch.inference_mode():
+        frozen = torch.zeros((1, size), dtype=torch.uint8, device=device)
+    meta = a2a.moe_a2a_initialize(frozen, 0, 1, T)
+    (rx, _), offset, _ = a2a.moe_a2a_dispatch(ids, [x, ids], frozen, meta, T, 0, 1, k, E)
+    assert torch.equal(a2a.moe_a2a_combine(rx, 3, frozen, meta, T, 0, 1, k, offset), x)
+
+
 def test_dispatch_modes_trace_the_receive_views(device):
     """Under a dispatch mode the receive views are built by view ops the mode
     sees: FakeTensorMode gives fake views of the right shapes (and leaves the
