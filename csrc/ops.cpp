@@ -419,13 +419,13 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
 }
 
 SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
-                              int64_t runtime_max_tokens_per_rank, int64_t offset, int64_t top_k,
-                              int64_t invalid_expert_id, bool enable_pdl) {
+                              int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t offset,
+                              int64_t top_k, int64_t invalid_expert_id, bool enable_pdl) {
   SanitizeParams p{};
   p.ws = check_workspace(workspace, ep_rank, ep_size);
+  check_max_num_tokens(max_num_tokens);
   const int64_t T = runtime_max_tokens_per_rank;
-  TORCH_CHECK_VALUE(T >= 1 && T <= kMaxNumTokens, "runtime_max_tokens_per_rank must be in [1, ",
-                    kMaxNumTokens, "], got ", T);
+  check_runtime_max(T, max_num_tokens);
   check_top_k(top_k);
   TORCH_CHECK_VALUE(invalid_expert_id >= std::numeric_limits<int32_t>::min() &&
                         invalid_expert_id <= std::numeric_limits<int32_t>::max(),
@@ -627,11 +627,12 @@ void combine_into_cpu(const std::optional<at::Tensor>& payload, int64_t local_nu
 }
 
 void sanitize_expert_ids_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
-                             int64_t runtime_max_tokens_per_rank, int64_t offset, int64_t top_k,
-                             int64_t invalid_expert_id, bool enable_pdl) {
-  const SanitizeParams p = check_sanitize(workspace, ep_rank, ep_size, runtime_max_tokens_per_rank,
-                                          offset, top_k, invalid_expert_id, enable_pdl);
-  raise_row_status(cpu::check_row_for_sanitize(p.ws), ep_rank);
+                             int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t offset,
+                             int64_t top_k, int64_t invalid_expert_id, bool enable_pdl) {
+  const SanitizeParams p = check_sanitize(workspace, ep_rank, ep_size, max_num_tokens,
+                                          runtime_max_tokens_per_rank, offset, top_k, invalid_expert_id,
+                                          enable_pdl);
+  raise_row_status(cpu::check_row_for_sanitize(p.ws, max_num_tokens), ep_rank);
   cpu::sanitize_expert_ids(p);
 }
 
@@ -769,7 +770,8 @@ using DispatchSignature = void(const at::Tensor&, at::TensorList, const at::Tens
 using CombineSignature = at::Tensor(MOE_A2A_COMBINE_TYPES);
 using CombineIntoSignature = void(MOE_A2A_COMBINE_TYPES, const at::Tensor&);
 #undef MOE_A2A_COMBINE_TYPES
-using SanitizeSignature = void(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool);
+using SanitizeSignature = void(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                               bool);
 
 }  // namespace
 }  // namespace moe_a2a

@@ -55,7 +55,8 @@ constexpr const char* kSchemaCombineInto =
 constexpr const char* kSchemaCheckExpertIds = "check_expert_ids(Tensor token_selected_experts, int num_experts) -> ()";
 
 constexpr const char* kSchemaSanitize =
-    "sanitize_expert_ids(Tensor(a!) workspace, int ep_rank, int ep_size, int runtime_max_tokens_per_rank, "
+    "sanitize_expert_ids(Tensor(a!) workspace, int ep_rank, int ep_size, int max_num_tokens, "
+    "int runtime_max_tokens_per_rank, "
     "int offset, int top_k, int invalid_expert_id, bool enable_pdl) -> ()";
 
 // ---- CUDA virtual memory: the multi-process workspace (csrc/cuda/vmm.cpp) ----

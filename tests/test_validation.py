@@ -373,6 +373,16 @@ def test_sanitize_rejects(device):
                  ValueError, r"(?i)runtime_max|max_num_tokens")
     expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(
         ids_view.view(1, 1, ep * T * k), env.workspace, env.metainfo, 0, -1), ValueError, r"(?i)top_k")
+    # The raw op, as a C++ caller drives it: its T is bounded by the
+    # max_num_tokens it is given, which on the CPU must be the row's.
+    offset = ids_view.storage_offset() * ids_view.element_size() - env.workspace.storage_offset()
+    max_tokens = env.case.max_tokens
+    raw = torch.ops.moe_a2a.sanitize_expert_ids.default
+    expect_error(env.workspace, lambda: raw(env.workspace, 0, 1, max_tokens, max_tokens + 1, offset, k, -1, False),
+                 ValueError, r"runtime_max_tokens_per_rank must be in \[1, max_num_tokens")
+    if device == "cpu":  # a CUDA row's header is on the device: the host takes max_num_tokens on trust
+        expect_error(env.workspace, lambda: raw(env.workspace, 0, 1, 4 * max_tokens, T, offset, k, -1, False),
+                     ValueError, r"(?i)metainfo does not match the workspace")
     a2a.moe_a2a_combine(out[0], 6, env.workspace, env.metainfo, env.case.T, 0, 1, env.case.top_k, off)
 
 

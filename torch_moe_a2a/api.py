@@ -907,6 +907,7 @@ def moe_a2a_sanitize_expert_ids(
         workspace,
         ep_rank,
         expert_ids.shape[0],
+        max_num_tokens,
         expert_ids.shape[1],
         offset,
         expert_ids.shape[2],

@@ -337,8 +337,8 @@ RowStatus check_row_for_combine(const CombineParams& p, int64_t max_num_tokens) 
   return st;
 }
 
-RowStatus check_row_for_sanitize(const WorkspaceView& ws) {
-  return check_config(ws, /*max_num_tokens=*/-1, /*eplb_n=*/-1);
+RowStatus check_row_for_sanitize(const WorkspaceView& ws, int64_t max_num_tokens) {
+  return check_config(ws, max_num_tokens, /*eplb_n=*/-1);
 }
 
 // ---- kernels ----------------------------------------------------------------------

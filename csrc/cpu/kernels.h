@@ -42,9 +42,9 @@ RowStatus check_row_for_dispatch(const WorkspaceView& ws, int64_t max_num_tokens
 // for the offset).
 RowStatus check_row_for_combine(const CombineParams& p, int64_t max_num_tokens);
 
-// Before sanitize_expert_ids: the row is initialized for this rank and
-// ep_size and no error is recorded.
-RowStatus check_row_for_sanitize(const WorkspaceView& ws);
+// Before sanitize_expert_ids: the row is initialized for this rank, ep_size
+// and max_num_tokens, and no error is recorded.
+RowStatus check_row_for_sanitize(const WorkspaceView& ws, int64_t max_num_tokens);
 
 // Zeroes the own row and writes its header config; epochs start at 0.
 void initialize(const InitParams& p);
