@@ -3,6 +3,7 @@ shared-memory file into every process; round trips through the functional API
 and through MoeAlltoAll(group=...) match the reference computed here."""
 
 import datetime
+import re
 import os
 import time
 
@@ -136,3 +137,45 @@ def test_shared_workspace_file_mode(tmp_path, monkeypatch):
     path, mode = created[0]
     assert mode == 0o600, oct(mode)
     assert not os.path.exists(path)
+
+
+# (what rank 1 passes, what every member's error names) where rank 0's arguments are good.
+BAD_MEMBER_ARGUMENTS = {
+    "size": ({"size_per_rank": 8192 + 8}, r"size_per_rank must be a positive multiple of 128, got 8200"),
+    "ep_size": ({"ep_size": 3}, r"ep_size 3 differs from the group size 2"),
+    "device": ({"device": "meta"}, r"unsupported workspace device meta"),
+}
+
+
+def _bad_member_worker(rank: int, init_file: str, out_dir: str, case: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        kwargs = {"size_per_rank": 8192}
+        if rank == 1:
+            kwargs.update(BAD_MEMBER_ARGUMENTS[case][0])
+        start = time.monotonic()
+        try:
+            a2a.allocate_workspace(group=dist.group.WORLD, **kwargs)
+            outcome = "returned"
+        except ValueError as e:
+            outcome = str(e)
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(f"{time.monotonic() - start:.3f}\n{outcome}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MEMBER_ARGUMENTS))
+def test_bad_arguments_on_one_member_raise_on_every_member(case, tmp_path):
+    """allocate_workspace(group=...) with bad arguments on rank 1 only: both
+    members raise at once (no member left waiting in a collective until the
+    group's timeout), with an error that names rank 1 and its problem."""
+    mp.spawn(_bad_member_worker, args=(str(tmp_path / "init"), str(tmp_path), case), nprocs=2)
+    pattern = BAD_MEMBER_ARGUMENTS[case][1]
+    for rank in range(2):
+        seconds, message = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
+        assert float(seconds) < 20, f"rank {rank} waited {seconds} s"
+        assert "invalid arguments on ranks [1]" in message, message
+        assert re.search(pattern, message), message

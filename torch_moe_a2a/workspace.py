@@ -134,25 +134,33 @@ def allocate_workspace(
     rank still calls ``moe_a2a_initialize`` on its own row and synchronizes
     the group before any peer's dispatch (``MoeAlltoAll`` does both).
     """
-    if not isinstance(size_per_rank, int) or size_per_rank <= 0 or size_per_rank % layout.ALIGN:
-        raise ValueError(f"size_per_rank must be a positive multiple of {layout.ALIGN}, got {size_per_rank}")
-    device = torch.device("cpu" if device is None else device)
     if group is None:
+        problem = _argument_problem(size_per_rank, device)
+        if problem:
+            raise ValueError(problem)
         if ep_size is None or not 1 <= ep_size <= layout.MAX_RANKS:
             raise ValueError(f"ep_size must be in [1, {layout.MAX_RANKS}] without a group, got {ep_size}")
-        return _zeros_plane_aligned(ep_size, size_per_rank, device)
+        return _zeros_plane_aligned(ep_size, size_per_rank, torch.device("cpu" if device is None else device))
 
     import torch.distributed as dist
 
     group_size = dist.get_world_size(group)
-    if ep_size is not None and ep_size != group_size:
-        raise ValueError(f"ep_size {ep_size} differs from the group size {group_size}")
-    if not 1 <= group_size <= layout.MAX_RANKS:
+    if not 1 <= group_size <= layout.MAX_RANKS:  # the same on every member
         raise ValueError(f"group size {group_size} out of range [1, {layout.MAX_RANKS}]")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"unsupported workspace device {device}")
-
+    # A member must not raise alone: the others would wait in the next
+    # collective until the group's timeout. Every member's argument error is
+    # shared first, and then every member raises, naming the ranks.
+    problem = _argument_problem(size_per_rank, device)
+    if not problem and ep_size is not None and ep_size != group_size:
+        problem = f"ep_size {ep_size} differs from the group size {group_size}"
+    device = torch.device("cpu" if device is None else device) if not problem else _fallback_device()
     collective_device = _bootstrap_device(group, device)
+    problems = [m.decode() for m in _all_gather_bytes(problem.encode()[:_PROBLEM_BYTES], _PROBLEM_BYTES, group,
+                                                      collective_device)]
+    if any(problems):
+        raise ValueError("allocate_workspace: invalid arguments on ranks "
+                         f"{[r for r, m in enumerate(problems) if m]}: "
+                         + "; ".join(f"rank {r}: {m}" for r, m in enumerate(problems) if m))
     _check_equal_sizes(size_per_rank, group, collective_device)
     if device.type == "cuda":
         return _cuda_vmm_workspace(group, group_size, size_per_rank, device, collective_device)
@@ -311,6 +319,29 @@ def _collective_step(step: str, group: Any, device: torch.device) -> Iterator[No
     except Exception as e:  # reported to every member below
         error = e
     _raise_failures(step, _gather_failures(error, group, device), error)
+
+
+# Bytes of a member's argument error that allocate_workspace shares (longer ones are cut).
+_PROBLEM_BYTES = 256
+
+
+def _argument_problem(size_per_rank: Any, device: Any) -> str:
+    """What is wrong with allocate_workspace's size and device ('' if nothing)."""
+    if not isinstance(size_per_rank, int) or size_per_rank <= 0 or size_per_rank % layout.ALIGN:
+        return f"size_per_rank must be a positive multiple of {layout.ALIGN}, got {size_per_rank!r}"
+    try:
+        parsed = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError) as e:
+        return f"invalid device {device!r} ({e})"
+    if parsed.type not in ("cpu", "cuda"):
+        return f"unsupported workspace device {parsed}"
+    return ""
+
+
+def _fallback_device() -> torch.device:
+    """The device a member whose own is unusable lends the bootstrap's
+    collectives, so that it still takes part in the one that reports it."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _check_equal_sizes(size_per_rank: int, group: Any, device: torch.device) -> None:
