@@ -407,6 +407,12 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
                       "output must be [local_num_tokens, *row_shape] = ", at::IntArrayRef(expected),
                       ", got shape ", o.sizes());
     TORCH_CHECK_VALUE(o.is_contiguous(), "output must be contiguous, got strides ", o.strides());
+    // combine writes into `output` and has no backward: autograd would keep
+    // the tensor's old history (or, for a leaf, miss the write) and give
+    // wrong gradients without a word.
+    TORCH_CHECK_VALUE(!(o.requires_grad() && at::GradMode::is_enabled()),
+                      "output must not require grad: combine writes into it and has no backward (pass one "
+                      "that does not require grad, or call under torch.no_grad())");
     p.output = static_cast<uint8_t*>(o.data_ptr());
   }
 

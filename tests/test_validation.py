@@ -248,6 +248,11 @@ def _payload(fn):
     return lambda ce, args: args.update(payload=fn(ce))
 
 
+def _grad_output(ce):
+    """A valid combine output, but a leaf that requires grad."""
+    return torch.zeros(6, 64, dtype=torch.bfloat16, device=ce.env.device, requires_grad=True)
+
+
 COMBINE_BAD = [
     ("payload_rows", _payload(lambda ce: ce.payload[:, :-1].contiguous()), BAD, r"(?i)payload|runtime_max"),
     ("payload_ranks", _payload(lambda ce: torch.cat([ce.payload, ce.payload]).contiguous()), BAD, r"(?i)payload|ep_size"),
@@ -277,6 +282,11 @@ COMBINE_BAD = [
     ("output_dtype_mismatch", lambda ce, args: args.update(output=torch.empty(6, 64, dtype=torch.float32,
                                                                               device=ce.env.device)),
      BAD, r"(?i)output|dtype"),
+    # combine writes into output and has no backward (under torch.no_grad it is accepted).
+    ("output_requires_grad", lambda ce, args: args.update(output=_grad_output(ce)), ValueError,
+     r"output must not require grad"),
+    ("output_with_history", lambda ce, args: args.update(output=_grad_output(ce) * 2), ValueError,
+     r"output must not require grad"),
     ("mask_without_enable", lambda ce, args: args.update(active_rank_mask=a2a.moe_a2a_active_rank_mask([0], 1)),
      BAD, r"(?i)mask"),
     ("cake_backend", _set(backend="cake"), ValueError, r"(?i)cake|capability|blackwell"),
