@@ -46,6 +46,10 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         # Round 1: functional API on allocate_workspace(group=...).
         workspace = a2a.allocate_workspace(size, group=dist.group.WORLD)
         assert tuple(workspace.shape) == (world, size) and workspace.dtype == torch.uint8
+        # Mapped, and already unlinked on every member (nothing left behind if a process dies now).
+        with open("/proc/self/maps") as maps:
+            mapped = [line.strip() for line in maps if f"{SHM_DIR}/{SHM_PREFIX}" in line]
+        assert mapped and all(line.endswith("(deleted)") for line in mapped), mapped
         # No barrier after the local initialize (DESIGN section 5: no peer writes
         # into a row before its owner zeroed it): the last rank initializes
         # late, after its peers' first dispatches started.

@@ -403,6 +403,7 @@ def _shared_cpu_workspace(group: Any, group_size: int, size_per_rank: int) -> to
     finally:
         if rank == 0:
             os.unlink(path)
+    dist.barrier(group=group)  # and it is gone from the file system when this returns on any member
     return workspace
 
 
