@@ -20,6 +20,7 @@
 #include <torch/extension.h>
 
 #include "protocol.h"
+#include "schemas.h"
 
 namespace moe_a2a {
 namespace {
@@ -28,7 +29,7 @@ namespace {
 // stride, which may exceed size_per_rank) as `dtype`, built with ordinary
 // view ops (DESIGN.md section 4): aten::view.dtype of the whole workspace,
 // once per dtype a call needs, then aten::as_strided per region. Real views:
-// their _base is the workspace, they share its version counter, and every
+// they share the workspace's version counter (which the ops bump), and every
 // dispatch mode (FakeTensorMode, make_fx) sees and traces the ops. The
 // dispatch op has already checked the workspace's strides and that every
 // region is aligned for its dtype.
@@ -108,11 +109,7 @@ std::optional<ReceiveViews> dispatch(
     int64_t eplb_stats_num_experts, const std::vector<int64_t>& active_rank_mask, double timeout_s, int64_t mailbox,
     bool enable_pdl, bool views) {
   static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("moe_a2a::dispatch", "")
-          .typed<void(const at::Tensor&, at::TensorList, const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
-                      int64_t, int64_t, const std::optional<at::Tensor>&, int64_t, at::IntArrayRef, double, int64_t,
-                      bool)>();
+      c10::Dispatcher::singleton().findSchemaOrThrow("moe_a2a::dispatch", "").typed<DispatchSignature>();
   op.call(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens,
           top_k, num_experts, eplb_local_stats, eplb_stats_num_experts, active_rank_mask, timeout_s, mailbox,
           enable_pdl);
@@ -132,20 +129,13 @@ at::Tensor combine(const std::optional<at::Tensor>& payload, int64_t local_num_t
   auto& dispatcher = c10::Dispatcher::singleton();
   const c10::SymIntArrayRef shape = c10::fromIntArrayRefSlow(row_shape);
   if (!output.has_value()) {
-    static const auto op =
-        dispatcher.findSchemaOrThrow("moe_a2a::combine", "")
-            .typed<at::Tensor(const std::optional<at::Tensor>&, c10::SymInt, const at::Tensor&, int64_t, int64_t,
-                              int64_t, int64_t, int64_t, int64_t, c10::SymIntArrayRef, at::ScalarType,
-                              at::ScalarType, at::IntArrayRef, double, int64_t, bool)>();
+    static const auto op = dispatcher.findSchemaOrThrow("moe_a2a::combine", "").typed<CombineSignature>();
     return op.call(payload, c10::SymInt(local_num_tokens), workspace, ep_rank, ep_size, max_num_tokens,
                    runtime_max_tokens, top_k, combine_payload_offset, shape, payload_dtype, output_dtype,
                    active_rank_mask, timeout_s, mailbox, enable_pdl);
   }
   static const auto op_into =
-      dispatcher.findSchemaOrThrow("moe_a2a::combine_into", "")
-          .typed<void(const std::optional<at::Tensor>&, c10::SymInt, const at::Tensor&, int64_t, int64_t, int64_t,
-                      int64_t, int64_t, int64_t, c10::SymIntArrayRef, at::ScalarType, at::ScalarType,
-                      at::IntArrayRef, double, int64_t, bool, const at::Tensor&)>();
+      dispatcher.findSchemaOrThrow("moe_a2a::combine_into", "").typed<CombineIntoSignature>();
   op_into.call(payload, c10::SymInt(local_num_tokens), workspace, ep_rank, ep_size, max_num_tokens,
                runtime_max_tokens, top_k, combine_payload_offset, shape, payload_dtype, output_dtype,
                active_rank_mask, timeout_s, mailbox, enable_pdl, *output);

@@ -764,21 +764,6 @@ constexpr char kOpCombine[] = "moe_a2a::combine";
 constexpr char kOpCombineInto[] = "moe_a2a::combine_into";
 constexpr char kOpSanitize[] = "moe_a2a::sanitize_expert_ids";
 
-// The schemas' C++ argument types (schemas.h), as the dispatcher passes them.
-using InitializeSignature = void(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t);
-using DispatchSignature = void(const at::Tensor&, at::TensorList, const at::Tensor&, int64_t, int64_t, int64_t,
-                               int64_t, int64_t, int64_t, const std::optional<at::Tensor>&, int64_t,
-                               at::IntArrayRef, double, int64_t, bool);
-#define MOE_A2A_COMBINE_TYPES                                                                              \
-  const std::optional<at::Tensor>&, c10::SymInt, const at::Tensor&, int64_t, int64_t, int64_t, int64_t, \
-      int64_t, int64_t, c10::SymIntArrayRef, at::ScalarType, at::ScalarType, at::IntArrayRef, double,    \
-      int64_t, bool
-using CombineSignature = at::Tensor(MOE_A2A_COMBINE_TYPES);
-using CombineIntoSignature = void(MOE_A2A_COMBINE_TYPES, const at::Tensor&);
-#undef MOE_A2A_COMBINE_TYPES
-using SanitizeSignature = void(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                               bool);
-
 }  // namespace
 }  // namespace moe_a2a
 

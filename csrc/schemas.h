@@ -9,6 +9,10 @@
 // (Tensor(a!)) and returns nothing or fresh tensors, never a view.
 #pragma once
 
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+
 namespace moe_a2a {
 
 constexpr const char* kSchemaWorkspaceSize =
@@ -58,6 +62,23 @@ constexpr const char* kSchemaSanitize =
     "sanitize_expert_ids(Tensor(a!) workspace, int ep_rank, int ep_size, int max_num_tokens, "
     "int runtime_max_tokens_per_rank, "
     "int offset, int top_k, int invalid_expert_id, bool enable_pdl) -> ()";
+
+// The C++ signatures the dispatcher gives the kernels of the ops that
+// callers in C++ redispatch or call typed (ops.cpp's ADInplaceOrView
+// kernels, module.cpp's eager entry points), argument for argument as above.
+using InitializeSignature = void(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t);
+using DispatchSignature = void(const at::Tensor&, at::TensorList, const at::Tensor&, int64_t, int64_t, int64_t,
+                               int64_t, int64_t, int64_t, const std::optional<at::Tensor>&, int64_t,
+                               at::IntArrayRef, double, int64_t, bool);
+#define MOE_A2A_COMBINE_TYPES                                                                              \
+  const std::optional<at::Tensor>&, c10::SymInt, const at::Tensor&, int64_t, int64_t, int64_t, int64_t, \
+      int64_t, int64_t, c10::SymIntArrayRef, at::ScalarType, at::ScalarType, at::IntArrayRef, double,    \
+      int64_t, bool
+using CombineSignature = at::Tensor(MOE_A2A_COMBINE_TYPES);
+using CombineIntoSignature = void(MOE_A2A_COMBINE_TYPES, const at::Tensor&);
+#undef MOE_A2A_COMBINE_TYPES
+using SanitizeSignature = void(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                               bool);
 
 // ---- CUDA virtual memory: the multi-process workspace (csrc/cuda/vmm.cpp) ----
 // Defined by vmm.cpp (TORCH_LIBRARY_FRAGMENT), so they exist only in builds

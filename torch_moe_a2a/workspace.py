@@ -135,9 +135,7 @@ def allocate_workspace(
     the group before any peer's dispatch (``MoeAlltoAll`` does both).
     """
     if group is None:
-        problem = _argument_problem(size_per_rank, device)
-        if problem:
-            raise ValueError(problem)
+        _check_size(size_per_rank)
         if ep_size is None or not 1 <= ep_size <= layout.MAX_RANKS:
             raise ValueError(f"ep_size must be in [1, {layout.MAX_RANKS}] without a group, got {ep_size}")
         return _zeros_plane_aligned(ep_size, size_per_rank, torch.device("cpu" if device is None else device))
@@ -148,19 +146,17 @@ def allocate_workspace(
     if not 1 <= group_size <= layout.MAX_RANKS:  # the same on every member
         raise ValueError(f"group size {group_size} out of range [1, {layout.MAX_RANKS}]")
     # A member must not raise alone: the others would wait in the next
-    # collective until the group's timeout. Every member's argument error is
-    # shared first, and then every member raises, naming the ranks.
-    problem = _argument_problem(size_per_rank, device)
-    if not problem and ep_size is not None and ep_size != group_size:
-        problem = f"ep_size {ep_size} differs from the group size {group_size}"
-    device = torch.device("cpu" if device is None else device) if not problem else _fallback_device()
-    collective_device = _bootstrap_device(group, device)
-    problems = [m.decode() for m in _all_gather_bytes(problem.encode()[:_PROBLEM_BYTES], _PROBLEM_BYTES, group,
-                                                      collective_device)]
-    if any(problems):
-        raise ValueError("allocate_workspace: invalid arguments on ranks "
-                         f"{[r for r, m in enumerate(problems) if m]}: "
-                         + "; ".join(f"rank {r}: {m}" for r, m in enumerate(problems) if m))
+    # collective until the group's timeout. Every member checks its own
+    # arguments, then every member raises if any member's were bad.
+    parsed = _workspace_device(device)
+    collective_device = _bootstrap_device(group, parsed if parsed is not None else _fallback_device())
+    with _collective_step("the argument check", group, collective_device):
+        _check_size(size_per_rank)
+        if parsed is None:
+            raise ValueError(f"unsupported workspace device {device!r} (cpu or cuda)")
+        if ep_size is not None and ep_size != group_size:
+            raise ValueError(f"ep_size {ep_size} differs from the group size {group_size}")
+    device = parsed
     _check_equal_sizes(size_per_rank, group, collective_device)
     if device.type == "cuda":
         return _cuda_vmm_workspace(group, group_size, size_per_rank, device, collective_device)
@@ -321,21 +317,18 @@ def _collective_step(step: str, group: Any, device: torch.device) -> Iterator[No
     _raise_failures(step, _gather_failures(error, group, device), error)
 
 
-# Bytes of a member's argument error that allocate_workspace shares (longer ones are cut).
-_PROBLEM_BYTES = 256
-
-
-def _argument_problem(size_per_rank: Any, device: Any) -> str:
-    """What is wrong with allocate_workspace's size and device ('' if nothing)."""
+def _check_size(size_per_rank: Any) -> None:
     if not isinstance(size_per_rank, int) or size_per_rank <= 0 or size_per_rank % layout.ALIGN:
-        return f"size_per_rank must be a positive multiple of {layout.ALIGN}, got {size_per_rank!r}"
+        raise ValueError(f"size_per_rank must be a positive multiple of {layout.ALIGN}, got {size_per_rank!r}")
+
+
+def _workspace_device(device: Any) -> Optional[torch.device]:
+    """``device`` (default CPU) if a multi-process workspace can live there, else None."""
     try:
         parsed = torch.device("cpu" if device is None else device)
-    except (RuntimeError, TypeError) as e:
-        return f"invalid device {device!r} ({e})"
-    if parsed.type not in ("cpu", "cuda"):
-        return f"unsupported workspace device {parsed}"
-    return ""
+    except (RuntimeError, TypeError):
+        return None
+    return parsed if parsed.type in ("cpu", "cuda") else None
 
 
 def _fallback_device() -> torch.device:
