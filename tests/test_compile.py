@@ -172,3 +172,31 @@ def test_debug_mode_checks_ids_in_the_compiled_graph(monkeypatch, device):
             f"MOE_A2A_DEBUG: token_selected_experts[7, 2] = {case.num_experts} is >= num_experts")):
         compiled(*args)
     assert torch.equal(sim.workspace, before), "the failed call wrote into the workspace"
+
+
+def test_compiled_step_keeping_a_receive_view_copy(device):
+    """The README's advice for a receive view kept past the combine: clone it
+    after the combine. (A clone between dispatch and combine is removed by
+    Inductor as a no-op, which leaves a read of the workspace after the
+    combine: this very step then copies the workspace, torch 2.13.) The
+    compiled step copies no workspace and equals eager."""
+    torch._dynamo.reset()
+    T, k, E, hidden = 6, 2, 7, 16
+    size = a2a.moe_a2a_get_workspace_size_per_rank(1, T, hidden * 4 + k * 4, hidden * 4)
+    workspace = torch.zeros((1, size), dtype=torch.uint8, device=device)
+    metainfo = a2a.moe_a2a_initialize(workspace, 0, 1, T)
+    gen = make_generator(3)
+    ids = torch.randint(-1, E, (5, k), generator=gen, dtype=torch.int32).to(device)
+    x = torch.randn((5, hidden), generator=gen).to(device)
+
+    def step(ids, x, workspace, metainfo):
+        recv, offset, _ = a2a.moe_a2a_dispatch(ids, [x, ids], workspace, metainfo, T, 0, 1, k, E)
+        out = a2a.moe_a2a_combine(recv[0] * 2, 5, workspace, metainfo, T, 0, 1, k, offset)
+        return out, recv[1].clone()
+
+    eager = [t.cpu() for t in step(ids, x, workspace, metainfo)]
+    (out, kept), codes = run_and_get_code(torch.compile(step, fullgraph=True), ids, x, workspace, metainfo)
+    assert_bytes_equal(out, eager[0], "compiled vs eager output")
+    valid = int(a2a.moe_a2a_get_recv_counts(workspace, metainfo, 0)[0])
+    assert valid > 0 and torch.equal(kept.cpu()[0, :valid], eager[1][0, :valid]), "the kept receive view"
+    _assert_no_workspace_copy(codes, workspace)

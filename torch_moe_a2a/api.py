@@ -541,8 +541,8 @@ def moe_a2a_dispatch(
     token_selected_experts: int32 ``[local_num_tokens, top_k]``; negative ids
     are skipped, ids ``>= num_experts`` are skipped and counted
     (:func:`moe_a2a_get_invalid_expert_count`). input_payloads: 1 to 8 tensors
-    ``[local_num_tokens, *]`` of any dtype with contiguous rows, on the
-    workspace's device. ``runtime_max_tokens_per_rank`` must be the same on
+    ``[local_num_tokens, *]`` of any dtype, contiguous (rows packed one after
+    another), on the workspace's device. ``runtime_max_tokens_per_rank`` must be the same on
     every rank, ``>= local_num_tokens`` and ``<= max_num_tokens``; so must the
     payloads' number and row sizes, and whether ``eplb_local_stats`` is given.
     Where they differ, the call fails on every rank with an error naming the
@@ -990,9 +990,10 @@ def _header_field(headers: torch.Tensor, offset: int, dtype: torch.dtype) -> lis
 
 def check_errors(workspace: torch.Tensor) -> None:
     """Raise RuntimeError if any rank's header holds an error record (a timed-out wait,
-    dispatch and combine out of alternation, a dispatch whose peers passed another
-    runtime_max_tokens_per_rank or other payloads, or, on CUDA, a combine that does not
-    match its dispatch).
+    a dispatch whose peers passed another runtime_max_tokens_per_rank or other
+    payloads, or, on CUDA, dispatch and combine out of alternation and a combine
+    that does not match its dispatch: the CPU refuses those two before it
+    touches the workspace, so nothing is recorded).
 
     Reads the header of every row of ``workspace`` (``[ep_size, size_per_rank]``
     uint8); uninitialized rows are skipped. On CUDA this copies the headers to
