@@ -19,6 +19,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
+#include "ops.h"
 #include "protocol.h"
 #include "schemas.h"
 
@@ -148,6 +149,16 @@ at::Tensor combine(const std::optional<at::Tensor>& payload, int64_t local_num_t
 PYBIND11_MODULE(_C, m) {
   namespace py = pybind11;
   m.doc() = "Loads the torch.ops.moe_a2a operator library; eager entry points of the Python wrapper.";
+  // The text of an error record (csrc/ops.cpp), for check_errors: one source
+  // for the messages the ops raise and those read back from a header.
+  m.def(
+      "describe_error",
+      [](int64_t ep_rank, uint32_t code, const std::vector<uint64_t>& missing, uint32_t detail) {
+        TORCH_CHECK_VALUE(missing.size() == static_cast<size_t>(moe_a2a::kRankMaskWords), "describe_error: ",
+                          moe_a2a::kRankMaskWords, " mask words expected, got ", missing.size());
+        return moe_a2a::describe_error(ep_rank, code, missing.data(), detail);
+      },
+      py::arg("ep_rank"), py::arg("code"), py::arg("missing"), py::arg("detail"));
   m.def("receive_views", &moe_a2a::receive_views, py::arg("workspace"), py::arg("ep_rank"), py::arg("ep_size"),
         py::arg("runtime_max_tokens"), py::arg("eplb_n"), py::arg("payloads"));
   // Positional arguments in the order of the operators' schemas (schemas.h).

@@ -542,8 +542,8 @@ def moe_a2a_dispatch(
     are skipped, ids ``>= num_experts`` are skipped and counted
     (:func:`moe_a2a_get_invalid_expert_count`). input_payloads: 1 to 8 tensors
     ``[local_num_tokens, *]`` of any dtype, contiguous (rows packed one after
-    another), on the workspace's device. ``runtime_max_tokens_per_rank`` must be the same on
-    every rank, ``>= local_num_tokens`` and ``<= max_num_tokens``; so must the
+    another), on the workspace's device. ``runtime_max_tokens_per_rank`` must
+    be the same on every rank, ``>= local_num_tokens`` and ``<= max_num_tokens``; so must the
     payloads' number and row sizes, and whether ``eplb_local_stats`` is given.
     Where they differ, the call fails on every rank with an error naming the
     peers (CPU: this call raises; CUDA: the combine's kernel records it and
@@ -937,50 +937,17 @@ def moe_a2a_get_invalid_expert_count(workspace: torch.Tensor, metainfo: torch.Te
 # errors
 # ---------------------------------------------------------------------------
 
-_ERROR_PHASE = {layout.ERROR_DISPATCH_TIMEOUT: "dispatch", layout.ERROR_COMBINE_TIMEOUT: "combine"}
-
-
-def _seconds_text(ms: int) -> str:
-    """"2.0", "0.25", "1.005": as many decimals as the milliseconds need, at least one."""
-    decimals = 1 if ms % 100 == 0 else 2 if ms % 10 == 0 else 3
-    return f"{ms / 1000.0:.{decimals}f}"
-
 
 def describe_error(ep_rank: int, code: int, missing_words: Sequence[int], detail: int) -> str:
-    """The message of an error record, the same text as ``describe_error`` in csrc/ops.cpp, e.g.
-    ``"rank 0: peers [1] did not arrive within 2.0 s (dispatch); the workspace stays failed ..."``.
+    """The message of an error record: ``describe_error`` of csrc/ops.cpp, the text the
+    ops raise, e.g. ``"rank 0: peers [1] did not arrive within 2.0 s (dispatch); the
+    workspace stays failed ..."``.
 
     missing_words: the ``MOE_A2A_RANK_MASK_WORDS`` words of the peer mask (unsigned); detail:
     the timeout in ms, for ``ERROR_RUNTIME_MAX_MISMATCH`` this rank's runtime_max_tokens_per_rank,
     for ``ERROR_COMBINE_MISMATCH`` the bits of ``layout.COMBINE_MISMATCH_FIELDS`` that differ.
     """
-    peers = ", ".join(str(r) for r in range(layout.MAX_RANKS) if (missing_words[r // 64] >> (r % 64)) & 1)
-    if code in _ERROR_PHASE:
-        what = f"peers [{peers}] did not arrive within {_seconds_text(detail)} s ({_ERROR_PHASE[code]})"
-    elif code == layout.ERROR_RUNTIME_MAX_MISMATCH:
-        what = (
-            f"peers [{peers}] called dispatch with another runtime_max_tokens_per_rank than this rank's "
-            f"{detail} (it must be equal on all ranks for one call)"
-        )
-    elif code == layout.ERROR_PAYLOAD_MISMATCH:
-        what = (
-            f"peers [{peers}] called dispatch with other payloads than this rank's (their number, row sizes "
-            "or eplb_local_stats differ; they must be the same on all ranks for one call)"
-        )
-    elif code == layout.ERROR_SEQUENCE:
-        what = (
-            "dispatch and combine must alternate on every rank, but dispatch was called twice "
-            "without a combine in between, or combine without a preceding dispatch"
-        )
-    elif code == layout.ERROR_COMBINE_MISMATCH:
-        fields = ", ".join(f for i, f in enumerate(layout.COMBINE_MISMATCH_FIELDS) if (detail >> i) & 1)
-        what = (
-            f"combine was called with another {fields} than its dispatch (it must use the dispatch's "
-            "sizes and the combine_payload_offset it returned)"
-        )
-    else:
-        what = f"unknown error code {code}"
-    return f"rank {ep_rank}: {what}; the workspace stays failed until every rank calls moe_a2a_initialize again"
+    return _C.describe_error(ep_rank, code, [int(w) % _U64 for w in missing_words], detail)
 
 
 def _header_field(headers: torch.Tensor, offset: int, dtype: torch.dtype) -> list[int]:
