@@ -235,6 +235,14 @@ InitParams check_initialize(const at::Tensor& workspace, int64_t ep_rank, int64_
   p.ws = check_workspace(workspace, ep_rank, ep_size);
   check_max_num_tokens(max_num_tokens);
   check_eplb_n(eplb_n);
+  // What this initialization declares (calls of up to max_num_tokens tokens,
+  // EPLB stats of eplb_n experts) must fit before payloads are counted: the
+  // header, a full route region and the EPLB region of such a call.
+  const int64_t least = call_layout(ep_size, max_num_tokens, eplb_n, 0, nullptr).dispatch_end;
+  TORCH_CHECK_VALUE(least <= p.ws.size_per_rank, "workspace too small for max_num_tokens=", max_num_tokens,
+                    " and eplb_stats_num_experts=", eplb_n, ": even a call without payloads needs ", least,
+                    " bytes per rank, the workspace has ", p.ws.size_per_rank,
+                    " (moe_a2a_get_workspace_size_per_rank gives the size for your payloads)");
   p.max_num_tokens = max_num_tokens;
   p.eplb_n = eplb_n;
   return p;

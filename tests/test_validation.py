@@ -320,6 +320,11 @@ INIT_BAD = [
     ("max_num_tokens_0", lambda ws: (ws, 0, 1, 0, 0), r"(?i)max_num_tokens"),
     ("max_num_tokens_huge", lambda ws: (ws, 0, 1, layout.MAX_NUM_TOKENS + 1, 0), r"(?i)max_num_tokens|workspace"),
     ("eplb_negative", lambda ws: (ws, 0, 1, 10, -1), r"(?i)eplb"),
+    # Declared sizes the workspace cannot hold even without payloads.
+    ("too_small_for_max_num_tokens", lambda ws: (ws, 0, 1, 1 << 20, 0),
+     r"workspace too small for max_num_tokens=1048576 and eplb_stats_num_experts=0"),
+    ("too_small_for_eplb", lambda ws: (ws, 0, 1, 10, 1 << 20),
+     r"workspace too small for max_num_tokens=10 and eplb_stats_num_experts=1048576"),
     ("workspace_none", lambda ws: (None, 0, 1, 10, 0), r"workspace must be a tensor, got NoneType"),
 ]
 
