@@ -175,11 +175,13 @@ def test_debug_mode_checks_ids_in_the_compiled_graph(monkeypatch, device):
 
 
 def test_compiled_step_keeping_a_receive_view_copy(device):
-    """The README's advice for a receive view kept past the combine: clone it
-    after the combine. (A clone between dispatch and combine is removed by
-    Inductor as a no-op, which leaves a read of the workspace after the
-    combine: this very step then copies the workspace, torch 2.13.) The
-    compiled step copies no workspace and equals eager."""
+    """The README's advice for receive rows kept past the combine: copy them
+    before the combine with an op Inductor keeps (index_select). (A clone()
+    there becomes a view of the workspace read after the combine, and the step
+    copies the workspace, torch 2.13; a copy after the combine may already
+    hold a peer's next dispatch.) The compiled step copies no workspace, equals
+    eager, and what it kept is its own memory: a later dispatch of other data
+    leaves it as it was."""
     torch._dynamo.reset()
     T, k, E, hidden = 6, 2, 7, 16
     size = a2a.moe_a2a_get_workspace_size_per_rank(1, T, hidden * 4 + k * 4, hidden * 4)
@@ -191,12 +193,20 @@ def test_compiled_step_keeping_a_receive_view_copy(device):
 
     def step(ids, x, workspace, metainfo):
         recv, offset, _ = a2a.moe_a2a_dispatch(ids, [x, ids], workspace, metainfo, T, 0, 1, k, E)
+        kept = recv[1].index_select(0, torch.arange(recv[1].shape[0], device=recv[1].device))
         out = a2a.moe_a2a_combine(recv[0] * 2, 5, workspace, metainfo, T, 0, 1, k, offset)
-        return out, recv[1].clone()
+        return out, kept
 
     eager = [t.cpu() for t in step(ids, x, workspace, metainfo)]
     (out, kept), codes = run_and_get_code(torch.compile(step, fullgraph=True), ids, x, workspace, metainfo)
     assert_bytes_equal(out, eager[0], "compiled vs eager output")
     valid = int(a2a.moe_a2a_get_recv_counts(workspace, metainfo, 0)[0])
-    assert valid > 0 and torch.equal(kept.cpu()[0, :valid], eager[1][0, :valid]), "the kept receive view"
+    assert valid > 0 and torch.equal(kept.cpu()[0, :valid], eager[1][0, :valid]), "the kept receive rows"
     _assert_no_workspace_copy(codes, workspace)
+    # Another round with other ids overwrites the receive planes, not what was kept.
+    kept_before = kept.clone()
+    other = torch.randint(0, E, (5, k), generator=gen, dtype=torch.int32).to(device)
+    recv, offset, _ = a2a.moe_a2a_dispatch(other, [x, other], workspace, metainfo, T, 0, 1, k, E)
+    a2a.moe_a2a_combine(recv[0], 5, workspace, metainfo, T, 0, 1, k, offset)
+    assert not torch.equal(recv[1][0, :valid].cpu(), kept_before[0, :valid].cpu()), "the second round must differ"
+    assert torch.equal(kept, kept_before), "the kept rows changed with the workspace"

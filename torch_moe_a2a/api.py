@@ -17,8 +17,10 @@ docs/internals.md); this layer
 Ownership: the workspace belongs to the caller (or to :class:`MoeAlltoAll`);
 every tensor this module returns from dispatch, ``moe_a2a_get_recv_counts``,
 ``moe_a2a_get_invalid_expert_count`` and ``moe_a2a_wrap_payload_tensor_in_workspace``
-is a view of it and stays valid as long as the workspace does. Its contents are
-only meaningful between the dispatch that wrote them and the next dispatch.
+is a view of it and stays valid as long as the workspace does. The contents of
+the receive views, counts and EPLB stats are only meaningful from the dispatch
+that wrote them until this rank's combine: once the combine has started, a
+peer's next dispatch may overwrite them (DESIGN.md section 5).
 """
 
 from __future__ import annotations
@@ -562,6 +564,10 @@ def moe_a2a_dispatch(
     - ``eplb_gathered_stats``: int32 ``[ep_size, eplb_stats_num_experts]``
       workspace view (row ``r`` = rank ``r``'s ``eplb_local_stats``) when
       ``eplb_local_stats`` is given, else None.
+
+    The views' contents are this call's until this rank's combine starts; then
+    peers' next dispatch may overwrite them: copy what must outlive the combine
+    before calling it.
 
     ``recv_view_cache``: FlashInfer's opaque cache; pass a dict to reuse the
     views across calls (it holds a reference to ``workspace`` and is cleared
