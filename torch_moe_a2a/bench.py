@@ -1211,7 +1211,7 @@ def _summary(records: list[dict], copy_gbps: float, host: dict[str, float], host
         )
     if host:
         lines.append("  host cost per eager call (CPU time; wall time in brackets): "
-                     + ", ".join(f"{k} {v:.1f} us ({host_wall.get(k, float('nan')):.1f})" for k, v in host.items()))
+                     + ", ".join(f"{k} {v:.1f} us ({host_wall[k]:.1f})" for k, v in host.items()))
     for r in failed:
         lines.append(f"  {r['status']}: {r['preset']} ep {r['ep']} x {r['tokens_per_rank']} tok: "
                      f"{'; '.join(r['notes'])}")
