@@ -61,7 +61,7 @@ constexpr const char* kSchemaCheckExpertIds = "check_expert_ids(Tensor token_sel
 constexpr const char* kSchemaSanitize =
     "sanitize_expert_ids(Tensor(a!) workspace, int ep_rank, int ep_size, int max_num_tokens, "
     "int runtime_max_tokens_per_rank, "
-    "int offset, int top_k, int invalid_expert_id, bool enable_pdl) -> ()";
+    "int offset, int width, int invalid_expert_id, bool enable_pdl) -> ()";
 
 // The C++ signatures the dispatcher gives the kernels of the ops that
 // callers in C++ redispatch or call typed (ops.cpp's ADInplaceOrView
@@ -116,5 +116,15 @@ constexpr const char* kSchemaVmmMap = "vmm_map(int device, int size_per_rank, in
 
 // Number of mapped workspaces alive in this process (leak checks).
 constexpr const char* kSchemaVmmLiveWorkspaces = "vmm_live_workspaces() -> int";
+
+// Checkpointing (torch_moe_a2a/workspace.py: release_workspace_memory,
+// restore_workspace_memory). `base` is the storage address of a tensor
+// vmm_map returned. vmm_unmap synchronizes `device`, unmaps every row and
+// releases its handle, keeping the reserved addresses; vmm_remap maps new
+// row handles (taken over, also on failure) at the same addresses.
+constexpr const char* kSchemaVmmUnmap = "vmm_unmap(int device, int base) -> ()";
+constexpr const char* kSchemaVmmRemap = "vmm_remap(int device, int base, int[] handles) -> ()";
+// Whether `base` is the storage address of a live vmm_map workspace.
+constexpr const char* kSchemaVmmIsWorkspace = "vmm_is_workspace(int base) -> bool";
 
 }  // namespace moe_a2a

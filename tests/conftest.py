@@ -438,6 +438,58 @@ def assert_ws_unchanged(workspace: torch.Tensor, snapshot: torch.Tensor) -> None
 # ---- one rank per process ------------------------------------------------------------
 
 
+def ep_mapping(rank: int, world: int) -> "a2a.Mapping":
+    """The pure expert-parallel Mapping the real clients build (SGLang's
+    FlashinferDispatcher, FlashInfer's moe_ep nvlink_common): every rank of the
+    world one EP rank."""
+    return a2a.Mapping(world_size=world, rank=rank, gpus_per_node=world, tp_size=world, moe_ep_size=world)
+
+
+class TorchDistributedCommBackend:
+    """A FlashInfer ``CommBackend`` on torch.distributed, written from the
+    interface SGLang's ``TorchDistributedCommBackend``
+    (sglang/srt/layers/moe/token_dispatcher/flashinfer_utils.py) and vLLM's
+    ``CustomCommunicator`` (vllm/distributed/device_communicators/mnnvl_compat.py)
+    implement: object collectives (pickled through all_gather_object), and a
+    Split that returns the group itself (the group already is the EP group)."""
+
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        self._dist = dist
+        self._group = group
+
+    def Get_rank(self) -> int:
+        return self._group.rank()
+
+    def Get_size(self) -> int:
+        return self._group.size()
+
+    def allgather(self, data):
+        gathered = [None] * self.Get_size()
+        self._dist.all_gather_object(gathered, data, group=self._group)
+        return gathered
+
+    def bcast(self, data, root: int = 0):
+        objects = [data]
+        self._dist.broadcast_object_list(objects, src=root, group=self._group)
+        return objects[0]
+
+    def barrier(self) -> None:
+        self._dist.barrier(group=self._group)
+
+    def Split(self, color: int, key: int):
+        return self
+
+
+class MnnvlConfig:
+    """FlashInfer's ``MnnvlConfig`` as its callers build it: ``MnnvlConfig(comm_backend=...)``."""
+
+    def __init__(self, comm_backend=None):
+        self.comm_backend = comm_backend
+
+
+
 def _rank_entry(target, rank: int, world: int, report_dir: str, args: tuple) -> None:
     """Runs in a spawned process: target(rank, world, *args); on an exception
     its traceback goes to report_dir/rank<r>.err and the process exits with

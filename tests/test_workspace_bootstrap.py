@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 import torch_moe_a2a as a2a
 from torch_moe_a2a import workspace as ws
+from torch_moe_a2a.collective import as_collective
 from torch_moe_a2a.workspace import FABRIC, HANDLE_TYPE_ENV, POSIX_FD, choose_handle_type
 
-from conftest import open_fds, run_ranks
+from conftest import TorchDistributedCommBackend, open_fds, run_ranks
 
 # ---- choose_handle_type --------------------------------------------------------------
 
@@ -210,31 +211,33 @@ class _Later:
     """Stands for the workspace that allocate_workspace maps after an exchange."""
 
 
-def _trade_then_allocate(ops, group, rank, handles, device):
+def _trade_then_allocate(ops, coll, handles):
     """What allocate_workspace does: a fabric exchange, then a new object in the same frame."""
-    failures = ws._trade_fabric_handles(ops, group, rank, 0, SIZE, handles, device)
+    failures = ws._trade_fabric_handles(ops, coll, 0, SIZE, handles)
     later = _Later()
     return failures, later
 
 
-def _bootstrap_worker(rank, world, init_file, out_dir, row_dir):
+def _bootstrap_worker(rank, world, init_file, out_dir, row_dir, adapter):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        group, cpu = dist.group.WORLD, torch.device("cpu")
+        # The one bootstrap, over either kind of group.
+        group = dist.group.WORLD if adapter == "torch" else TorchDistributedCommBackend(dist.group.WORLD)
+        coll = as_collective(group)
         results = {}
         dist.barrier()
         fds_before, dirs_before = open_fds(), _socket_dirs()
 
         ops = FakeVmm(rank, row_dir)
         handles = [None] * world
-        ws._trade_file_descriptors(ops, group, rank, 0, SIZE, handles, cpu)
+        ws._trade_file_descriptors(ops, coll, 0, SIZE, handles)
         results["posix"] = [ops.live[h] for h in handles]
         ws._release(ops, handles)
         results["posix_live"] = len(ops.live)
 
         handles = [None] * world
-        results["fabric_failures"] = ws._trade_fabric_handles(ops, group, rank, 0, SIZE, handles, cpu)
+        results["fabric_failures"] = ws._trade_fabric_handles(ops, coll, 0, SIZE, handles)
         results["fabric"] = [ops.live[h] for h in handles]
         ws._release(ops, handles)
 
@@ -245,7 +248,7 @@ def _bootstrap_worker(rank, world, init_file, out_dir, row_dir):
         handles = [None] * world
         gc.disable()
         try:
-            results["fabric_create_failures"], later = _trade_then_allocate(ops, group, rank, handles, cpu)
+            results["fabric_create_failures"], later = _trade_then_allocate(ops, coll, handles)
             later_ref = weakref.ref(later)
             del later
             results["caller_locals_freed"] = later_ref() is None
@@ -256,7 +259,7 @@ def _bootstrap_worker(rank, world, init_file, out_dir, row_dir):
         # A peer's fabric handle cannot be imported on one rank.
         ops = FakeVmm(rank, row_dir, fail={("import", FABRIC)} if rank == FAILING_RANK else ())
         handles = [None] * world
-        results["fabric_import_failures"] = ws._trade_fabric_handles(ops, group, rank, 0, SIZE, handles, cpu)
+        results["fabric_import_failures"] = ws._trade_fabric_handles(ops, coll, 0, SIZE, handles)
         ws._release(ops, handles)
         results["fabric_live"] = len(ops.live)
 
@@ -264,7 +267,7 @@ def _bootstrap_worker(rank, world, init_file, out_dir, row_dir):
         ops = FakeVmm(rank, row_dir, fail={("import", POSIX_FD)} if rank == FAILING_RANK else ())
         handles = [None] * world
         try:
-            ws._trade_file_descriptors(ops, group, rank, 0, SIZE, handles, cpu)
+            ws._trade_file_descriptors(ops, coll, 0, SIZE, handles)
             results["posix_import_error"] = None
         except RuntimeError as e:
             results["posix_import_error"] = str(e)
@@ -281,11 +284,12 @@ def _bootstrap_worker(rank, world, init_file, out_dir, row_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("adapter", ["torch", "comm_backend"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_exchanges_between_processes(world, tmp_path):
+def test_exchanges_between_processes(world, adapter, tmp_path):
     rows = tmp_path / "rows"
     rows.mkdir()
-    run_ranks(_bootstrap_worker, world, (str(tmp_path / "init"), str(tmp_path), str(rows)),
+    run_ranks(_bootstrap_worker, world, (str(tmp_path / "init"), str(tmp_path), str(rows), adapter),
               report_dir=tmp_path, timeout_s=120)
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for rank, res in enumerate(got):
@@ -318,7 +322,7 @@ def test_cuda_group_workspace_needs_a_cuda_build(tmp_path):
         with pytest.raises(RuntimeError, match=r"group ranks \[0\].*need torch_moe_a2a built with CUDA"):
             a2a.allocate_workspace(1 << 21, group=dist.group.WORLD, device="cuda")
         with pytest.raises(RuntimeError, match=r"need torch_moe_a2a built with CUDA"):
-            a2a.MoeAlltoAll(a2a.Mapping(0, 1), 8, 2, 4, hidden_size=64, group=dist.group.WORLD, device="cuda")
+            a2a.MoeAlltoAll(a2a.Mapping(world_size=1, rank=0, tp_size=1, moe_ep_size=1), 8, 2, 4, hidden_size=64, group=dist.group.WORLD, device="cuda")
         with pytest.raises(RuntimeError, match=r"need torch_moe_a2a built with CUDA"):
             a2a.cuda_workspace_granularity()
     finally:

@@ -131,7 +131,8 @@ from .bench import (
     _time_ops,
 )
 from .reference import reference_combine, reference_dispatch
-from .workspace import _all_gather_bytes, allocate_workspace, cuda_workspace_granularity
+from .collective import TorchGroupCollective
+from .workspace import allocate_workspace, cuda_workspace_granularity
 
 DEFAULT_PRESET = "deepseek-v3"
 DEFAULT_TOKENS = (128, 4096)
@@ -244,7 +245,7 @@ def _gather_floats(values: list[float]) -> Tensor:
 def _gather_text(text: str) -> list[str]:
     """Every rank's ``text`` (cut to TEXT_BYTES bytes)."""
     data = text.encode()[:TEXT_BYTES]
-    return [raw.decode(errors="replace") for raw in _all_gather_bytes(data, TEXT_BYTES, None, torch.device("cpu"))]
+    return [raw.decode(errors="replace") for raw in TorchGroupCollective().allgather(data)]
 
 
 def _by_rank(texts: list[str]) -> list[str]:

@@ -11,7 +11,8 @@ rank ``r``'s memory, readable and writable by every rank:
   fabric handle gathered through the group), imports its peers' rows and maps
   all rows contiguously (``torch.ops.moe_a2a.vmm_*``, csrc/cuda/vmm.cpp).
 
-The multi-process paths are collective. Every step that can fail in one
+The multi-process paths are collective, over a ``torch.distributed`` group
+or a FlashInfer ``CommBackend`` alike (:mod:`torch_moe_a2a.collective`). Every step that can fail in one
 process ends with a status exchange through the group, so when one member
 fails, every member raises an error naming the failed ranks instead of waiting
 for it in the next step.
@@ -28,11 +29,13 @@ import secrets
 import socket
 import struct
 import tempfile
+import weakref
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 
 from . import layout
+from .collective import Collective, allgather_ints, as_collective
 
 _log = logging.getLogger(__name__)
 
@@ -60,8 +63,7 @@ _FD_MESSAGE = struct.Struct(f"<i{_TOKEN_BYTES}s")
 _SOCKET_PATH_MAX = 107
 _SOCKET_NAME = "socket"
 
-# Fixed sizes of the byte gathers (tensor collectives need equal shapes).
-_MAX_NAME_BYTES = 4096
+# The longest message of a member's failure in a step's status exchange.
 _STATUS_BYTES = 2048
 # The status a member reports after a step.
 _OK, _BAD_VALUE, _FAILED = 0, 1, 2
@@ -102,8 +104,9 @@ def allocate_workspace(
     every payload plane is 256-byte aligned in memory (on the CPU a view into
     a buffer 256 bytes larger).
 
-    With ``group`` (a ``torch.distributed`` process group; ``ep_size``
-    defaults to, and must equal, its size): a collective call; row ``r`` is
+    With ``group`` (a ``torch.distributed`` process group, or an object with
+    FlashInfer's ``CommBackend`` interface: :mod:`torch_moe_a2a.collective`;
+    ``ep_size`` defaults to, and must equal, its size): a collective call; row ``r`` is
     the memory of group rank ``r`` in every process. The members must agree
     on ``size_per_rank`` (ValueError naming the ranks otherwise); when a
     member fails, every member raises (ValueError for bad arguments,
@@ -123,8 +126,8 @@ def allocate_workspace(
       :func:`cuda_workspace_granularity` apart: the result is the
       ``[ep_size, size_per_rank]`` view of them (``stride(0)`` is the rounded
       size; the ops accept such padded rows and never touch the padding).
-      Bootstrap collectives use CPU tensors, or tensors on ``device`` for an
-      NCCL-only group.
+      A ``torch.distributed`` group's bootstrap collectives use CPU tensors,
+      or tensors on ``device`` for an NCCL-only group.
 
     Ownership: the returned tensor owns the mapping; the memory is released
     with its last reference (views included). A member's row lives on until
@@ -140,27 +143,86 @@ def allocate_workspace(
             raise ValueError(f"ep_size must be in [1, {layout.MAX_RANKS}] without a group, got {ep_size}")
         return _zeros_plane_aligned(ep_size, size_per_rank, torch.device("cpu" if device is None else device))
 
-    import torch.distributed as dist
-
-    group_size = dist.get_world_size(group)
-    if not 1 <= group_size <= layout.MAX_RANKS:  # the same on every member
-        raise ValueError(f"group size {group_size} out of range [1, {layout.MAX_RANKS}]")
     # A member must not raise alone: the others would wait in the next
     # collective until the group's timeout. Every member checks its own
     # arguments, then every member raises if any member's were bad.
     parsed = _workspace_device(device)
-    collective_device = _bootstrap_device(group, parsed if parsed is not None else _fallback_device())
-    with _collective_step("the argument check", group, collective_device):
+    coll = as_collective(group, parsed if parsed is not None else _fallback_device())
+    if not 1 <= coll.size <= layout.MAX_RANKS:  # the same on every member
+        raise ValueError(f"group size {coll.size} out of range [1, {layout.MAX_RANKS}]")
+    with _collective_step("the argument check", coll):
         _check_size(size_per_rank)
         if parsed is None:
             raise ValueError(f"unsupported workspace device {device!r} (cpu or cuda)")
-        if ep_size is not None and ep_size != group_size:
-            raise ValueError(f"ep_size {ep_size} differs from the group size {group_size}")
+        if ep_size is not None and ep_size != coll.size:
+            raise ValueError(f"ep_size {ep_size} differs from the group size {coll.size}")
     device = parsed
-    _check_equal_sizes(size_per_rank, group, collective_device)
+    sizes = [v[0] for v in allgather_ints([size_per_rank], coll)]
+    if len(set(sizes)) != 1:
+        raise ValueError(f"group members disagree on size_per_rank ({_describe_by_value(sizes)})")
     if device.type == "cuda":
-        return _cuda_vmm_workspace(group, group_size, size_per_rank, device, collective_device)
-    return _shared_cpu_workspace(group, group_size, size_per_rank)
+        return _cuda_vmm_workspace(coll, size_per_rank, device)
+    return _shared_cpu_workspace(coll, size_per_rank)
+
+
+def release_workspace_memory(workspace: torch.Tensor, group: Any) -> None:
+    """Give back the memory of a multi-process workspace, keeping its addresses (collective).
+
+    ``workspace``: what :func:`allocate_workspace` returned with ``group``.
+    Every member finishes its work on the device, then the group
+    synchronizes, each member unmaps every row and releases its handles
+    (CUDA: the reserved address range stays, so captured CUDA graphs and
+    views keep their addresses; CPU: the shared file's pages are freed), and
+    the group synchronizes again. Until :func:`restore_workspace_memory`, any
+    access to the workspace is invalid (CUDA: an illegal address).
+
+    Raises:
+        ValueError: ``workspace`` is not a multi-process workspace of this process.
+    """
+    coll = as_collective(group, workspace.device)
+    kind = _multiprocess_kind(workspace)
+    if workspace.is_cuda:
+        torch.cuda.synchronize(workspace.device)
+    coll.barrier()  # no member still reads or writes a peer's row
+    with _collective_step("releasing the workspace memory", coll):
+        if kind == "cuda":
+            _vmm_ops().vmm_unmap(workspace.device.index, workspace.untyped_storage().data_ptr())
+        elif coll.rank == 0:  # one hole punch frees the shared file for every member
+            _cpu_mapping(workspace).madvise(mmap.MADV_REMOVE)
+    coll.barrier()
+
+
+def restore_workspace_memory(workspace: torch.Tensor, group: Any) -> None:
+    """Give a released workspace fresh, zeroed memory at its old addresses (collective).
+
+    The inverse of :func:`release_workspace_memory`, over ``group`` (the same
+    ranks in the same order; it may be another communicator object). CUDA:
+    every member creates and trades a new row as :func:`allocate_workspace`
+    does and maps the rows into the reserved range; CPU: the freed pages of
+    the shared file read as zeros again. Every row is zero when this returns;
+    the rows still need ``moe_a2a_initialize`` (``MoeAlltoAll.checkpoint_restore``
+    does it).
+
+    Raises:
+        ValueError: ``workspace`` is not a multi-process workspace of this
+            process, or ``group``'s size differs from its rows.
+    """
+    coll = as_collective(group, workspace.device)
+    kind = _multiprocess_kind(workspace)
+    if coll.size != workspace.shape[0]:
+        raise ValueError(f"the group has {coll.size} members, the workspace {workspace.shape[0]} rows")
+    if kind == "cuda":
+        index = workspace.device.index
+        ops = _vmm_ops()
+        row_stride = workspace.stride(0)
+        handles, _ = _trade_rows(coll, ops, index, row_stride)
+        with _collective_step("mapping the rows", coll):
+            rows, handles = handles, [None] * coll.size
+            ops.vmm_remap(index, workspace.untyped_storage().data_ptr(), rows)  # owns every handle, also on failure
+            workspace[coll.rank].zero_()
+            torch.cuda.synchronize(index)
+    else:
+        coll.barrier()
 
 
 def cuda_workspace_granularity(device: Union[torch.device, str, int, None] = None) -> int:
@@ -235,65 +297,21 @@ def choose_handle_type(
     return FABRIC if not unsupported and not failing else POSIX_FD
 
 
-# ---- group collectives of the bootstrap -------------------------------------------
-# Tensor collectives only: the *_object ones need numpy, which CI does not install.
-
-
-def _bootstrap_device(group: Any, device: torch.device) -> torch.device:
-    """Where the bootstrap's tensors live: on ``device`` for a group whose only
-    backend is NCCL (it moves CUDA tensors only), else on the CPU."""
-    import torch.distributed as dist
-
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and "gloo" not in backend and device.type == "cuda":
-        return device
-    return torch.device("cpu")
-
-
-def _all_gather(values: torch.Tensor, group: Any) -> list[torch.Tensor]:
-    """Every member's ``values`` (same shape and dtype everywhere), as CPU tensors."""
-    import torch.distributed as dist
-
-    gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, values, group=group)
-    return [t.cpu() for t in gathered]
-
-
-def _all_gather_ints(values: Sequence[int], group: Any, device: torch.device) -> list[list[int]]:
-    return [t.tolist() for t in _all_gather(torch.tensor(list(values), dtype=torch.int64, device=device), group)]
-
-
-def _all_gather_bytes(data: bytes, capacity: int, group: Any, device: torch.device) -> list[bytes]:
-    """Every member's ``data`` (at most ``capacity`` bytes), through one
-    fixed-size uint8 gather: a 4-byte length, then the bytes."""
-    if len(data) > capacity:
-        raise ValueError(f"{len(data)} bytes do not fit a gather of {capacity}")
-    buffer = torch.zeros(4 + capacity, dtype=torch.uint8)
-    framed = struct.pack("<I", len(data)) + data
-    buffer[: len(framed)] = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
-    result = []
-    for t in _all_gather(buffer.to(device), group):
-        raw = bytes(t.tolist())
-        (length,) = struct.unpack_from("<I", raw)
-        result.append(raw[4 : 4 + length])
-    return result
+# ---- failures of a collective step ------------------------------------------------
 
 
 # A member's outcome of a step: None, or (status kind, message).
 _Failure = Optional[tuple[int, str]]
 
 
-def _gather_failures(error: Optional[BaseException], group: Any, device: torch.device) -> list[_Failure]:
+def _gather_failures(error: Optional[BaseException], coll: Collective) -> list[_Failure]:
     """Collective: every member's outcome of a step, None or (kind, message)."""
     if error is None:
         status = bytes([_OK])
     else:
         kind = _BAD_VALUE if isinstance(error, ValueError) else _FAILED
         status = bytes([kind]) + f"{type(error).__name__}: {error}".encode()[: _STATUS_BYTES - 1]
-    outcomes = []
-    for raw in _all_gather_bytes(status, _STATUS_BYTES, group, device):
-        outcomes.append(None if raw[0] == _OK else (raw[0], raw[1:].decode(errors="replace")))
-    return outcomes
+    return [None if raw[0] == _OK else (raw[0], raw[1:].decode(errors="replace")) for raw in coll.allgather(status)]
 
 
 def _raise_failures(step: str, failures: list[_Failure], cause: Optional[BaseException]) -> None:
@@ -306,7 +324,7 @@ def _raise_failures(step: str, failures: list[_Failure], cause: Optional[BaseExc
 
 
 @contextlib.contextmanager
-def _collective_step(step: str, group: Any, device: torch.device) -> Iterator[None]:
+def _collective_step(step: str, coll: Collective) -> Iterator[None]:
     """Run the body locally, then tell every member whether every member
     succeeded: on any failure, every member raises the same error."""
     error = None
@@ -314,7 +332,7 @@ def _collective_step(step: str, group: Any, device: torch.device) -> Iterator[No
         yield
     except Exception as e:  # reported to every member below
         error = e
-    _raise_failures(step, _gather_failures(error, group, device), error)
+    _raise_failures(step, _gather_failures(error, coll), error)
 
 
 def _check_size(size_per_rank: Any) -> None:
@@ -337,12 +355,6 @@ def _fallback_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _check_equal_sizes(size_per_rank: int, group: Any, device: torch.device) -> None:
-    sizes = [v[0] for v in _all_gather_ints([size_per_rank], group, device)]
-    if len(set(sizes)) != 1:
-        raise ValueError(f"group members disagree on size_per_rank ({_describe_by_value(sizes)})")
-
-
 def _describe_by_value(values: Sequence[Any]) -> str:
     """'ranks [0, 2]: a; ranks [1]: b' for per-rank ``values``."""
     by_value: dict[Any, list[int]] = {}
@@ -351,18 +363,28 @@ def _describe_by_value(values: Sequence[Any]) -> str:
     return "; ".join(f"ranks {ranks}: {value}" for value, ranks in by_value.items())
 
 
+def _multiprocess_kind(workspace: Any) -> str:
+    """``"cuda"`` or ``"cpu"`` for a workspace :func:`allocate_workspace` mapped
+    over a group in this process; ValueError for any other tensor."""
+    if isinstance(workspace, torch.Tensor) and workspace.dim() == 2:
+        base = workspace.untyped_storage().data_ptr()
+        if workspace.is_cuda and hasattr(torch.ops.moe_a2a, "vmm_map") and torch.ops.moe_a2a.vmm_is_workspace(base):
+            return "cuda"
+        if workspace.device.type == "cpu" and base in _CPU_MAPPINGS:
+            return "cpu"
+    raise ValueError("the workspace was not mapped over a group by allocate_workspace in this process "
+                     "(a plain tensor has no memory to release and restore)")
+
+
 # ---- one rank per process on the CPU: shared memory ---------------------------------
 
 
-def _shared_cpu_workspace(group: Any, group_size: int, size_per_rank: int) -> torch.Tensor:
+def _shared_cpu_workspace(coll: Collective, size_per_rank: int) -> torch.Tensor:
     """Group rank 0 creates a /dev/shm file, everyone maps it, rank 0 unlinks it after a barrier."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank(group)
-    total = group_size * size_per_rank
+    total = coll.size * size_per_rank
     path = ""
     failure = None
-    if rank == 0:
+    if coll.rank == 0:
         # O_EXCL with a random name: never reuse (or clobber) somebody else's file.
         path = os.path.join(_SHM_DIR, f"torch_moe_a2a_{os.getpid()}_{secrets.token_hex(8)}")
         try:
@@ -379,7 +401,7 @@ def _shared_cpu_workspace(group: Any, group_size: int, size_per_rank: int) -> to
             finally:
                 os.close(fd)
     # An empty name tells the peers that rank 0 failed, so they raise instead of waiting.
-    path = _broadcast_text(path, group)
+    path = coll.allgather(path.encode())[0].decode()
     if failure is not None:
         raise failure
     if not path:
@@ -391,26 +413,27 @@ def _shared_cpu_workspace(group: Any, group_size: int, size_per_rank: int) -> to
         finally:
             os.close(fd)
         # frombuffer keeps `mapping` alive for as long as the tensor (and its views) live.
-        workspace = torch.frombuffer(mapping, dtype=torch.uint8).view(group_size, size_per_rank)
-        dist.barrier(group=group)  # everyone has mapped the file
+        workspace = torch.frombuffer(mapping, dtype=torch.uint8).view(coll.size, size_per_rank)
+        base = workspace.untyped_storage().data_ptr()
+        _CPU_MAPPINGS[base] = weakref.ref(mapping, lambda _, base=base: _CPU_MAPPINGS.pop(base, None))
+        coll.barrier()  # everyone has mapped the file
     finally:
-        if rank == 0:
+        if coll.rank == 0:
             os.unlink(path)
-    dist.barrier(group=group)  # and it is gone from the file system when this returns on any member
+    coll.barrier()  # and it is gone from the file system when this returns on any member
     return workspace
 
 
-def _broadcast_text(text: str, group: Any) -> str:
-    """Group rank 0's ``text`` on every member (a fixed-size uint8 tensor: no numpy needed)."""
-    import torch.distributed as dist
+# Storage address -> weak reference to the mapping of a shared CPU workspace
+# (release_workspace_memory punches its pages out).
+_CPU_MAPPINGS: dict[int, weakref.ref] = {}
 
-    buffer = torch.zeros(_MAX_NAME_BYTES, dtype=torch.uint8)
-    encoded = text.encode()
-    if len(encoded) >= _MAX_NAME_BYTES:
-        raise ValueError(f"shared-memory file name too long: {text!r}")
-    buffer[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
-    dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)
-    return bytes(buffer.tolist()).rstrip(b"\0").decode()
+
+def _cpu_mapping(workspace: torch.Tensor) -> mmap.mmap:
+    mapping = _CPU_MAPPINGS[workspace.untyped_storage().data_ptr()]()
+    if mapping is None:  # the workspace outlives its mapping: cannot happen while frombuffer holds it
+        raise RuntimeError("the shared-memory workspace's mapping is gone")
+    return mapping
 
 
 # ---- one rank per process on CUDA: virtual memory ----------------------------------------
@@ -447,35 +470,56 @@ def _handle_type_override() -> Optional[str]:
     return value
 
 
-def _cuda_vmm_workspace(
-    group: Any, group_size: int, size_per_rank: int, device: torch.device, collective_device: torch.device
-) -> torch.Tensor:
+def _cuda_vmm_workspace(coll: Collective, size_per_rank: int, device: torch.device) -> torch.Tensor:
     """The steps: check locally, agree on the handle type, trade the rows
     (fabric handles, or descriptors), map, zero the own row; each ends with a
     collective status exchange (_collective_step)."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank(group)
-    ops = index = None
-    override, fabric_supported = None, False
-    with _collective_step("checking the CUDA device", group, collective_device):
-        override = _handle_type_override()
+    ops = index = row_stride = None
+    with _collective_step("checking the CUDA device", coll):
         ops = _vmm_ops()
         index = _cuda_index(device)
         torch.cuda.init()
         unit = cuda_workspace_granularity(index)
         row_stride = -(-size_per_rank // unit) * unit  # whole allocations per row
+    handles, handle_type = _trade_rows(coll, ops, index, row_stride)
+    workspace = None
+    try:
+        with _collective_step("mapping the rows", coll):
+            rows, handles = handles, [None] * coll.size
+            rows_mapped = ops.vmm_map(index, row_stride, rows)  # owns every handle from here, also on failure
+            workspace = rows_mapped[:, :size_per_rank]  # shares (and keeps alive) the mapping
+            # Peers write into this row only after allocate_workspace returned
+            # on them, which is after the exchange that closes this step.
+            workspace[coll.rank].zero_()
+            torch.cuda.synchronize(index)
+    finally:
+        _release(ops, handles)
+    _log.info("allocate_workspace: group rank %d of %d mapped %d rows of %d bytes on cuda:%d (%s handles)",
+              coll.rank, coll.size, coll.size, size_per_rank, index, handle_type)
+    return workspace
+
+
+def _trade_rows(coll: Collective, ops: Any, index: int, row_stride: int) -> tuple[list[Optional[int]], str]:
+    """Create this member's row of ``row_stride`` bytes on CUDA device
+    ``index``, trade it with every member and import theirs (collective).
+
+    Returns the allocation handles by row (this process owns them; the caller
+    maps or releases them) and the handle type the members agreed on.
+    """
+    override, fabric_supported = None, False
+    with _collective_step("checking the handle types", coll):
+        override = _handle_type_override()
         fabric_supported = bool(ops.vmm_fabric_supported(index))
-    facts = _all_gather_ints([_OVERRIDE_CODES[override], int(fabric_supported)], group, collective_device)
+    facts = allgather_ints([_OVERRIDE_CODES[override], int(fabric_supported)], coll)
     names = {code: name for name, code in _OVERRIDE_CODES.items()}
     overrides = [names[f[0]] for f in facts]
     supported = [bool(f[1]) for f in facts]
 
-    handles: list[Optional[int]] = [None] * group_size  # allocation handles this process owns, by row
+    handles: list[Optional[int]] = [None] * coll.size  # allocation handles this process owns, by row
     try:
-        handle_type = choose_handle_type(overrides, supported, [True] * group_size)
+        handle_type = choose_handle_type(overrides, supported, [True] * coll.size)
         if handle_type == FABRIC:
-            failures = _trade_fabric_handles(ops, group, rank, index, row_stride, handles, collective_device)
+            failures = _trade_fabric_handles(ops, coll, index, row_stride, handles)
             works = [f is None for f in failures]
             try:
                 handle_type = choose_handle_type(overrides, supported, works)
@@ -487,22 +531,11 @@ def _cuda_vmm_workspace(
                           "; ".join(f"rank {r}: {f}" for r, f in enumerate(failures) if f is not None))
                 _release(ops, handles)
         if handle_type == POSIX_FD:
-            _trade_file_descriptors(ops, group, rank, index, row_stride, handles, collective_device)
-
-        workspace = None
-        with _collective_step("mapping the rows", group, collective_device):
-            rows, handles = handles, [None] * group_size
-            rows_mapped = ops.vmm_map(index, row_stride, rows)  # owns every handle from here, also on failure
-            workspace = rows_mapped[:, :size_per_rank]  # shares (and keeps alive) the mapping
-            # Peers write into this row only after allocate_workspace returned
-            # on them, which is after the exchange that closes this step.
-            workspace[rank].zero_()
-            torch.cuda.synchronize(index)
-    finally:
+            _trade_file_descriptors(ops, coll, index, row_stride, handles)
+    except BaseException:
         _release(ops, handles)
-    _log.info("allocate_workspace: group rank %d of %d mapped %d rows of %d bytes on cuda:%d (%s handles)",
-              rank, group_size, group_size, size_per_rank, index, handle_type)
-    return workspace
+        raise
+    return handles, handle_type
 
 
 def _release(ops: Any, handles: list[Optional[int]]) -> None:
@@ -518,7 +551,7 @@ def _release(ops: Any, handles: list[Optional[int]]) -> None:
 
 
 def _trade_fabric_handles(
-    ops: Any, group: Any, rank: int, index: int, size: int, handles: list[Optional[int]], device: torch.device
+    ops: Any, coll: Collective, index: int, size: int, handles: list[Optional[int]]
 ) -> list[Optional[str]]:
     """Create this rank's row with a fabric handle, gather every member's
     handle through the group and import the peers' rows into ``handles``.
@@ -526,28 +559,28 @@ def _trade_fabric_handles(
     exported = b""
     error = None
     try:
-        handles[rank] = ops.vmm_create(index, size, FABRIC)
-        exported = bytes(ops.vmm_export(handles[rank], FABRIC))
+        handles[coll.rank] = ops.vmm_create(index, size, FABRIC)
+        exported = bytes(ops.vmm_export(handles[coll.rank], FABRIC))
         if len(exported) != _FABRIC_HANDLE_BYTES:
             raise RuntimeError(f"a fabric handle has {_FABRIC_HANDLE_BYTES} bytes, the export gave {len(exported)}")
     except Exception as e:  # typically no IMEX channel: the peers learn it below
         error = e
-    failures = [None if f is None else f[1] for f in _gather_failures(error, group, device)]
+    failures = [None if f is None else f[1] for f in _gather_failures(error, coll)]
     # An exception left in a local ties this frame, and through it the
     # caller's (which will hold the workspace), into a reference cycle: the
     # workspace would outlive its last reference until the garbage collector runs.
     error = None
-    peer_handles = _all_gather_bytes(exported, _FABRIC_HANDLE_BYTES, group, device)
+    peer_handles = coll.allgather(exported)
     if any(failures):
         return failures
     error = None
     try:
         for peer, shareable in enumerate(peer_handles):
-            if peer != rank:
+            if peer != coll.rank:
                 handles[peer] = ops.vmm_import(index, list(shareable), FABRIC)
     except Exception as e:
         error = e
-    failures = [None if f is None else f[1] for f in _gather_failures(error, group, device)]
+    failures = [None if f is None else f[1] for f in _gather_failures(error, coll)]
     error = None  # no cycle (above)
     return failures
 
@@ -563,7 +596,7 @@ def _socket_directory() -> str:
 
 
 def _trade_file_descriptors(
-    ops: Any, group: Any, rank: int, index: int, size: int, handles: list[Optional[int]], device: torch.device
+    ops: Any, coll: Collective, index: int, size: int, handles: list[Optional[int]]
 ) -> None:
     """Create this rank's row with a POSIX file descriptor handle, send the
     descriptor to every peer over its Unix socket (SCM_RIGHTS), receive
@@ -585,9 +618,9 @@ def _trade_file_descriptors(
     token = secrets.token_bytes(_TOKEN_BYTES)
     try:
         address = b""
-        with _collective_step("creating the row and its socket", group, device):
-            handles[rank] = ops.vmm_create(index, size, POSIX_FD)
-            (own_fd,) = ops.vmm_export(handles[rank], POSIX_FD)
+        with _collective_step("creating the row and its socket", coll):
+            handles[coll.rank] = ops.vmm_create(index, size, POSIX_FD)
+            (own_fd,) = ops.vmm_export(handles[coll.rank], POSIX_FD)
             directory = _socket_directory()
             path = os.path.join(directory, _SOCKET_NAME)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # keeps message boundaries
@@ -596,15 +629,15 @@ def _trade_file_descriptors(
             listener.listen(n)
             listener.settimeout(_SOCKET_TIMEOUT_S)
             address = token + path.encode()
-        peers = _all_gather_bytes(address, _MAX_NAME_BYTES, group, device)
+        peers = coll.allgather(address)
         tokens = [p[:_TOKEN_BYTES] for p in peers]
         paths = [p[_TOKEN_BYTES:].decode() for p in peers]
 
         # Connect to everyone before anyone waits for a message: a rank that
         # cannot reach a peer (another host) makes every rank fail here.
-        with _collective_step("connecting to the peers' sockets", group, device):
+        with _collective_step("connecting to the peers' sockets", coll):
             for peer in range(n):
-                if peer == rank:
+                if peer == coll.rank:
                     continue
                 conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 connections[peer] = conn
@@ -618,15 +651,15 @@ def _trade_file_descriptors(
                         f"({HANDLE_TYPE_ENV}={FABRIC}, with an IMEX channel)"
                     ) from e
 
-        with _collective_step("passing the file descriptors", group, device):
+        with _collective_step("passing the file descriptors", coll):
             for peer, conn in connections.items():
-                socket.send_fds(conn, [_FD_MESSAGE.pack(rank, tokens[peer])], [own_fd])
+                socket.send_fds(conn, [_FD_MESSAGE.pack(coll.rank, tokens[peer])], [own_fd])
             while len(received) < n - 1:
                 conn, _ = listener.accept()
                 with conn:
                     conn.settimeout(_SOCKET_TIMEOUT_S)
                     message, fds, flags, _ = socket.recv_fds(conn, _FD_MESSAGE.size, 1)
-                    sender = _check_fd_message(message, fds, flags, token, rank, n, received)
+                    sender = _check_fd_message(message, fds, flags, token, coll.rank, n, received)
                     received[sender] = fds[0]
             for peer, fd in received.items():
                 handles[peer] = ops.vmm_import(index, [fd], POSIX_FD)

@@ -18,7 +18,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <unordered_set>
+#include <unordered_map>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -179,8 +179,11 @@ std::mutex& registry_mutex() {
   return *mutex;
 }
 
-std::unordered_set<const void*>& registry() {
-  static auto* bases = new std::unordered_set<const void*>();
+class Mapping;
+
+// Base address -> the mapping that owns it (vmm_unmap / vmm_remap find it here).
+std::unordered_map<const void*, Mapping*>& registry() {
+  static auto* bases = new std::unordered_map<const void*, Mapping*>();
   return *bases;
 }
 
@@ -205,7 +208,7 @@ void report_teardown(CUresult result, const char* call) {
 class Mapping {
  public:
   Mapping(int64_t device, int64_t row_bytes, at::IntArrayRef handles)
-      : device_(static_cast<int>(device)), row_bytes_(static_cast<size_t>(row_bytes)) {
+      : device_(static_cast<int>(device)), row_bytes_(static_cast<size_t>(row_bytes)), rows_(handles.size()) {
     handles_.reserve(handles.size());
     for (const int64_t h : handles) handles_.push_back(to_handle(h));
   }
@@ -226,14 +229,27 @@ class Mapping {
   // a guard on device_.
   void map();
 
+  // Unmaps every row and releases its handle, keeping the reserved range
+  // (and so every address handed out). The caller holds a guard on device_.
+  void unmap_rows();
+
+  // Maps new handles (one per row, taken over also on failure) into the
+  // range unmap_rows left. On failure the rows are unmapped again.
+  void remap_rows(at::IntArrayRef handles);
+
+  bool rows_mapped() const { return mapped_rows_ == handles_.size() && !handles_.empty(); }
+
   void* base() const { return reinterpret_cast<void*>(base_); }
 
  private:
-  size_t total_bytes() const { return handles_.size() * row_bytes_; }
+  size_t total_bytes() const { return rows_ * row_bytes_; }
   void teardown();
+  void map_rows();
+  void release_rows();
 
   int device_;
   size_t row_bytes_;
+  size_t rows_;
   std::vector<CUmemGenericAllocationHandle> handles_;
   CUdeviceptr base_ = 0;
   size_t mapped_rows_ = 0;
@@ -263,12 +279,19 @@ void Mapping::teardown() {
       }
     }
   }
+  release_rows();
+  if (base_ != 0) report_teardown(driver().address_free(base_, total_bytes()), "cuMemAddressFree");
+  if (switched) (void)cudaSetDevice(previous);
+}
+
+// Never throws: teardown and the failure paths of remap_rows use it.
+void Mapping::release_rows() {
   for (size_t r = 0; r < mapped_rows_; ++r) {
     report_teardown(driver().unmap(base_ + r * row_bytes_, row_bytes_), "cuMemUnmap");
   }
-  if (base_ != 0) report_teardown(driver().address_free(base_, total_bytes()), "cuMemAddressFree");
+  mapped_rows_ = 0;
   for (const CUmemGenericAllocationHandle h : handles_) report_teardown(driver().release(h), "cuMemRelease");
-  if (switched) (void)cudaSetDevice(previous);
+  handles_.clear();
 }
 
 void Mapping::map() {
@@ -277,6 +300,14 @@ void Mapping::map() {
   TORCH_CHECK_VALUE(row_bytes_ % alignment == 0, "size_per_rank ", row_bytes_,
                     " is not a multiple of the allocation granularity ", alignment, " of CUDA device ", device_);
   check(d.address_reserve(&base_, total_bytes(), alignment, 0, 0), "cuMemAddressReserve");
+  map_rows();
+  const std::lock_guard<std::mutex> lock(registry_mutex());
+  registry().emplace(base(), this);
+  registered_ = true;
+}
+
+void Mapping::map_rows() {
+  const Driver& d = driver();
   for (size_t r = 0; r < handles_.size(); ++r) {
     const CUresult result = d.map(base_ + r * row_bytes_, row_bytes_, 0, handles_[r], 0);
     TORCH_CHECK(result == CUDA_SUCCESS, "cuMemMap of rank ", r, "'s row (", row_bytes_, " bytes) failed: ",
@@ -294,9 +325,29 @@ void Mapping::map() {
                 "'s row for reading and writing: ", describe(result),
                 " (is there peer access between the GPUs of these ranks?)");
   }
-  const std::lock_guard<std::mutex> lock(registry_mutex());
-  registry().insert(base());
-  registered_ = true;
+}
+
+void Mapping::unmap_rows() {
+  TORCH_CHECK(rows_mapped(), "vmm_unmap: the workspace's memory is already released");
+  // Unmapping memory that queued kernels still use is undefined.
+  C10_CUDA_CHECK(cudaDeviceSynchronize());
+  release_rows();
+}
+
+void Mapping::remap_rows(at::IntArrayRef handles) {
+  if (!handles_.empty() || mapped_rows_ != 0) {
+    for (const int64_t h : handles) report_teardown(driver().release(to_handle(h)), "cuMemRelease");
+    TORCH_CHECK(false, "vmm_remap: the workspace's memory is mapped; release it first");
+  }
+  for (const int64_t h : handles) handles_.push_back(to_handle(h));
+  TORCH_CHECK_VALUE(handles_.size() == rows_, "vmm_remap: one handle per row (", rows_, ") expected, got ",
+                    handles_.size());
+  try {
+    map_rows();
+  } catch (...) {
+    release_rows();
+    throw;
+  }
 }
 
 // ---- operators -----------------------------------------------------------------------
@@ -411,6 +462,41 @@ at::Tensor vmm_map_op(int64_t device, int64_t size_per_rank, at::IntArrayRef han
       at::TensorOptions().dtype(at::kByte).device(where), where);
 }
 
+// The registered mapping at `base` (a workspace's storage address); the caller holds registry_mutex().
+Mapping& registered(int64_t base) {
+  const auto found = registry().find(reinterpret_cast<const void*>(base));
+  TORCH_CHECK_VALUE(found != registry().end(), "no multi-process CUDA workspace of this process starts at ",
+                    reinterpret_cast<const void*>(base));
+  return *found->second;
+}
+
+void vmm_unmap_op(int64_t device, int64_t base) {
+  const int d = checked_device(device);
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(d));
+  const std::lock_guard<std::mutex> lock(registry_mutex());
+  registered(base).unmap_rows();
+}
+
+void vmm_remap_op(int64_t device, int64_t base, at::IntArrayRef handles) {
+  const int d = checked_device(device);
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(d));
+  activate_primary_context();
+  const std::lock_guard<std::mutex> lock(registry_mutex());
+  const auto found = registry().find(reinterpret_cast<const void*>(base));
+  if (found == registry().end()) {
+    // Taken over also on failure (the schema's promise).
+    for (const int64_t h : handles) report_teardown(driver().release(to_handle(h)), "cuMemRelease");
+    C10_THROW_ERROR(ValueError, c10::str("no multi-process CUDA workspace of this process starts at ",
+                                         reinterpret_cast<const void*>(base)));
+  }
+  found->second->remap_rows(handles);
+}
+
+bool vmm_is_workspace_op(int64_t base) {
+  const std::lock_guard<std::mutex> lock(registry_mutex());
+  return registry().count(reinterpret_cast<const void*>(base)) != 0;
+}
+
 int64_t vmm_live_workspaces_op() {
   const std::lock_guard<std::mutex> lock(registry_mutex());
   return static_cast<int64_t>(registry().size());
@@ -438,4 +524,7 @@ TORCH_LIBRARY_FRAGMENT(moe_a2a, m) {
   m.def(kSchemaVmmRelease, &vmm_release_op);
   m.def(kSchemaVmmMap, &vmm_map_op);
   m.def(kSchemaVmmLiveWorkspaces, &vmm_live_workspaces_op);
+  m.def(kSchemaVmmUnmap, &vmm_unmap_op);
+  m.def(kSchemaVmmRemap, &vmm_remap_op);
+  m.def(kSchemaVmmIsWorkspace, &vmm_is_workspace_op);
 }
