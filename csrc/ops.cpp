@@ -434,13 +434,15 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
 
 SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
                               int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t offset,
-                              int64_t top_k, int64_t invalid_expert_id, bool enable_pdl) {
+                              int64_t width, int64_t invalid_expert_id, bool enable_pdl) {
   SanitizeParams p{};
   p.ws = check_workspace(workspace, ep_rank, ep_size);
   check_max_num_tokens(max_num_tokens);
   const int64_t T = runtime_max_tokens_per_rank;
   check_runtime_max(T, max_num_tokens);
-  check_top_k(top_k);
+  // Any int32 payload is an expert-id payload to sanitize, whatever its width.
+  TORCH_CHECK_VALUE(width >= 1 && width <= kMaxRowBytes / int64_t(sizeof(int32_t)), "width (int32 values per row) must be in [1, ",
+                    kMaxRowBytes / int64_t(sizeof(int32_t)), "], got ", width);
   TORCH_CHECK_VALUE(invalid_expert_id >= std::numeric_limits<int32_t>::min() &&
                         invalid_expert_id <= std::numeric_limits<int32_t>::max(),
                     "invalid_expert_id must fit in int32, got ", invalid_expert_id);
@@ -449,10 +451,10 @@ SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int6
                     sizeof(int32_t), " and >= ", kHeaderBytes, ", got ", offset);
   TORCH_CHECK_VALUE(offset <= p.ws.size_per_rank, "offset must be <= ", p.ws.size_per_rank,
                     " (bytes per rank), got ", offset);
-  check_fits(offset + ep_size * T * top_k * int64_t(sizeof(int32_t)), p.ws.size_per_rank);
+  check_fits(offset + ep_size * T * width * int64_t(sizeof(int32_t)), p.ws.size_per_rank);
   p.runtime_max_tokens = T;
   p.offset = offset;
-  p.top_k = top_k;
+  p.width = width;
   p.invalid_expert_id = static_cast<int32_t>(invalid_expert_id);
   p.enable_pdl = enable_pdl;
   return p;
@@ -642,9 +644,9 @@ void combine_into_cpu(const std::optional<at::Tensor>& payload, int64_t local_nu
 
 void sanitize_expert_ids_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
                              int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t offset,
-                             int64_t top_k, int64_t invalid_expert_id, bool enable_pdl) {
+                             int64_t width, int64_t invalid_expert_id, bool enable_pdl) {
   const SanitizeParams p = check_sanitize(workspace, ep_rank, ep_size, max_num_tokens,
-                                          runtime_max_tokens_per_rank, offset, top_k, invalid_expert_id,
+                                          runtime_max_tokens_per_rank, offset, width, invalid_expert_id,
                                           enable_pdl);
   raise_row_status(cpu::check_row_for_sanitize(p.ws, max_num_tokens), ep_rank);
   cpu::sanitize_expert_ids(p);

@@ -79,8 +79,8 @@ struct CombineParams {
 struct SanitizeParams {
   WorkspaceView ws;
   int64_t runtime_max_tokens;  // T
-  int64_t offset;              // byte offset of the [ep_size, T, top_k] int32 plane in the own row
-  int64_t top_k;
+  int64_t offset;              // byte offset of the [ep_size, T, width] int32 plane in the own row
+  int64_t width;               // int32 values per row (any expert-id payload, not only top_k wide)
   int32_t invalid_expert_id;
   bool enable_pdl;
 };

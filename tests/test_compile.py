@@ -95,7 +95,7 @@ def test_compiled_two_simulated_ranks_equal_eager(path, device):
                     case.num_experts, case.tokens[r])
     else:
         step = moe_alltoall_step
-        moes = [a2a.MoeAlltoAll(a2a.Mapping(r, 2), case.max_tokens, case.top_k, case.num_experts,
+        moes = [a2a.MoeAlltoAll(a2a.Mapping(world_size=2, rank=r, tp_size=2, moe_ep_size=2), case.max_tokens, case.top_k, case.num_experts,
                                 workspace=sim.workspace, timeout_s=10.0) for r in range(2)]
 
         def args(r):
@@ -137,7 +137,7 @@ def test_compiled_in_workspace_payload_copies_no_workspace(path, device):
         args = (inputs.ids[0], inputs.payloads[0], workspace, sim.metainfo[0], case.T, 0, 1, case.top_k,
                 case.num_experts, 13)
     else:
-        moe = a2a.MoeAlltoAll(a2a.Mapping(0, 1), 16, case.top_k, case.num_experts, hidden_size=96, device=device,
+        moe = a2a.MoeAlltoAll(a2a.Mapping(world_size=1, rank=0, tp_size=1, moe_ep_size=1), 16, case.top_k, case.num_experts, hidden_size=96, device=device,
                               workspace_size_per_rank=a2a.moe_a2a_get_workspace_size_per_rank(
                                   1, 16, case.dispatch_bytes, case.combine_bytes))
         step, workspace = moe_alltoall_step, moe.workspace

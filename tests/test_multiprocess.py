@@ -68,7 +68,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         results.append({"recv": recv, "counts": counts, "out": out})
 
         # Round 2: MoeAlltoAll with its own workspace over the group.
-        moe = a2a.MoeAlltoAll(a2a.Mapping(rank, world), case.max_tokens, case.top_k, case.num_experts,
+        moe = a2a.MoeAlltoAll(a2a.Mapping(world_size=world, rank=rank, tp_size=world, moe_ep_size=world), case.max_tokens, case.top_k, case.num_experts,
                               workspace_size_per_rank=size, group=dist.group.WORLD, device="cpu")
         x = inputs[1]
         recv = moe.dispatch(x.ids[rank], x.payloads[rank], case.T)

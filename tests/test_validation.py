@@ -386,8 +386,12 @@ def test_sanitize_rejects(device):
     assert T * k > env.case.max_tokens
     expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(longer, env.workspace, env.metainfo, 0, -1),
                  ValueError, r"(?i)runtime_max|max_num_tokens")
+    # Any width is an expert-id payload (FlashInfer sanitizes wide int32 payloads),
+    # but not past the end of the row.
+    past_end = torch.empty(0, dtype=torch.int32, device=ids_view.device).set_(
+        ids_view.untyped_storage(), ids_view.storage_offset(), (1, 1, env.workspace.shape[1]))
     expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(
-        ids_view.view(1, 1, ep * T * k), env.workspace, env.metainfo, 0, -1), ValueError, r"(?i)top_k")
+        past_end, env.workspace, env.metainfo, 0, -1), ValueError, r"(?i)too small|width")
     # The raw op, as a C++ caller drives it: its T is bounded by the
     # max_num_tokens it is given, which on the CPU must be the row's.
     offset = ids_view.storage_offset() * ids_view.element_size() - env.workspace.storage_offset()
@@ -566,7 +570,7 @@ def test_getters_reject_a_rank_outside_the_workspace(device):
 def test_moe_alltoall_checks_sanitize_arguments_before_it_dispatches(device):
     """A refused sanitize request leaves no row written and the instance idle."""
     case = Case(1, (4,), 2, 4)
-    moe = a2a.MoeAlltoAll(a2a.Mapping(0, 1), 8, 2, 4, hidden_size=64, device=device)
+    moe = a2a.MoeAlltoAll(a2a.Mapping(world_size=1, rank=0, tp_size=1, moe_ep_size=1), 8, 2, 4, hidden_size=64, device=device)
     payloads = make_inputs(case, make_generator(0)).to(device).payloads[0]
     ids_index = next(i for i, p in enumerate(payloads) if p.dtype == torch.int32)
     other = next(i for i, p in enumerate(payloads) if p.dtype != torch.int32)
@@ -589,5 +593,5 @@ def test_moe_alltoall_constructor_checks_limits(top_k, num_experts, match, devic
     workspace = torch.zeros(2, size, dtype=torch.uint8, device=device)
     snap = ws_snapshot(workspace)
     with pytest.raises(ValueError, match=match):
-        a2a.MoeAlltoAll(a2a.Mapping(0, 2), 8, top_k, num_experts, workspace=workspace)
+        a2a.MoeAlltoAll(a2a.Mapping(world_size=2, rank=0, tp_size=2, moe_ep_size=2), 8, top_k, num_experts, workspace=workspace)
     assert_ws_unchanged(workspace, snap)

@@ -9,8 +9,6 @@ import torch  # noqa: F401  (libtorch must be loaded before the extension)
 
 from . import _C  # noqa: F401  (registers torch.ops.moe_a2a)
 from .api import (
-    Mapping,
-    MoeAlltoAll,
     SfLayout,
     check_errors,
     moe_a2a_active_rank_mask,
@@ -23,7 +21,10 @@ from .api import (
     moe_a2a_sanitize_expert_ids,
     moe_a2a_wrap_payload_tensor_in_workspace,
 )
+from .flashinfer_patch import patch_flashinfer, unpatch_flashinfer
 from .layout import MOE_A2A_RANK_MASK_WORDS
+from .mapping import Mapping
+from .moe_alltoall import MoeAlltoAll
 from .simulate import RankGraphs, SimulatedEP
 from .workspace import allocate_workspace, cuda_workspace_granularity
 
@@ -46,4 +47,6 @@ __all__ = [
     "moe_a2a_initialize",
     "moe_a2a_sanitize_expert_ids",
     "moe_a2a_wrap_payload_tensor_in_workspace",
+    "patch_flashinfer",
+    "unpatch_flashinfer",
 ]

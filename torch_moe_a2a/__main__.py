@@ -180,7 +180,7 @@ def demo_distributed(args: argparse.Namespace) -> int:
     # gloo carries the bootstrap and the report: both are CPU tensors.
     dist.init_process_group("gloo", init_method=args.init_method, rank=rank, world_size=world)
     try:
-        moe = MoeAlltoAll(Mapping(rank, world), n, top_k, num_experts, hidden_size=args.hidden,
+        moe = MoeAlltoAll(Mapping(world_size=world, rank=rank, tp_size=world, moe_ep_size=world), n, top_k, num_experts, hidden_size=args.hidden,
                           group=dist.group.WORLD, device=device)
         ids = problem.ids[rank].to(device)
         payloads = [t.to(device) for t in problem.payloads[rank]]

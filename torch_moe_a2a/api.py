@@ -29,14 +29,12 @@ import enum
 import math
 import os
 import weakref
-from dataclasses import dataclass
 from typing import Any, Literal, Optional, Sequence, Union
 
 import torch
 
 from . import _C, layout
 from .layout import MOE_A2A_RANK_MASK_WORDS
-from .workspace import allocate_workspace
 
 MoeAlltoAllBackend = Literal["trtllm", "cake"]
 
@@ -52,8 +50,10 @@ _U64 = 1 << 64
 _I64_SIGN = 1 << 63
 
 
-class SfLayout(enum.Enum):
-    """Scale-factor layout of a quantized combine output (FlashInfer's values).
+class SfLayout(enum.IntEnum):
+    """Scale-factor layout of a quantized combine output: FlashInfer's
+    ``SfLayout`` (an ``IntEnum`` with the same values; FlashInfer's own members
+    and plain ints are understood too).
 
     Only ``layout_linear`` is accepted: quantized combine outputs are not
     implemented, and the layout matters only for them.
@@ -62,22 +62,6 @@ class SfLayout(enum.Enum):
     layout_128x4 = 0
     layout_8x4 = 1
     layout_linear = 2
-
-
-@dataclass
-class Mapping:
-    """The two fields of FlashInfer's ``Mapping`` that ``MoeAlltoAll`` reads.
-
-    ``MoeAlltoAll`` accepts any object with ``moe_ep_rank`` and ``moe_ep_size``
-    attributes (FlashInfer's own ``Mapping`` included).
-    """
-
-    moe_ep_rank: int
-    moe_ep_size: int
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.moe_ep_rank < self.moe_ep_size:
-            raise ValueError(f"moe_ep_rank {self.moe_ep_rank} out of range [0, {self.moe_ep_size})")
 
 
 # ---------------------------------------------------------------------------
@@ -212,23 +196,6 @@ def _check_rank(meta: _MetaValues, ep_rank: int, ep_size: int) -> None:
         )
 
 
-def _check_sanitize_request(input_payloads: Sequence[torch.Tensor], index: Optional[int], invalid_id: int) -> None:
-    """MoeAlltoAll.dispatch's sanitize arguments, checked before the dispatch
-    runs: a refusal after it would leave the peers' rows written and no
-    receive views returned."""
-    if index is None:
-        raise ValueError("expert_id_payload_index is required when invalid_token_expert_id is set")
-    if not isinstance(index, int) or not 0 <= index < len(input_payloads):
-        raise ValueError(f"expert_id_payload_index must index input_payloads (0..{len(input_payloads) - 1}), "
-                         f"got {index!r}")
-    ids = input_payloads[index]
-    if ids.dtype != torch.int32 or ids.dim() != 2:
-        raise ValueError("expert_id_payload_index must name the int32 [local_num_tokens, top_k] expert-id payload, "
-                         f"got {ids.dtype} {tuple(ids.shape)}")
-    if not -(2**31) <= invalid_id < 2**31:
-        raise ValueError(f"invalid_token_expert_id must fit in int32, got {invalid_id}")
-
-
 def _check_rank_index(meta: _MetaValues, ep_rank: int) -> None:
     """A getter's ep_rank: any rank of the workspace (the header it reads is that rank's)."""
     if not 0 <= ep_rank < meta[1]:
@@ -238,6 +205,11 @@ def _check_rank_index(meta: _MetaValues, ep_rank: int) -> None:
 def _rank_mask_words(enable_rank_mask: bool, active_rank_mask: Optional[torch.Tensor]) -> Sequence[int]:
     """The op's ``active_rank_mask``: ``()`` for "every rank", else the words as signed int64."""
     if active_rank_mask is None:
+        if enable_rank_mask:
+            # FlashInfer's contract: opting into the mask without saying which
+            # ranks are alive is a caller's bug, not "every rank".
+            raise ValueError("active_rank_mask must be given when enable_rank_mask=True "
+                             "(see moe_a2a_active_rank_mask)")
         return ()
     if not enable_rank_mask:
         raise ValueError("active_rank_mask requires enable_rank_mask=True")
@@ -873,9 +845,9 @@ def moe_a2a_sanitize_expert_ids(
 ) -> None:
     """Write ``invalid_expert_id`` into the padding rows of a received expert-id view, in place.
 
-    expert_ids: the int32 ``[ep_size, runtime_max_tokens_per_rank, top_k]``
-    view that :func:`moe_a2a_dispatch` returned for an expert-id payload (it
-    must alias this rank's row). Rows ``[s, j]`` with ``j >= recv_counts[s]``
+    expert_ids: the int32 ``[ep_size, runtime_max_tokens_per_rank, width]``
+    view that :func:`moe_a2a_dispatch` returned for an int32 payload of any
+    width (usually the ``top_k`` expert ids; it must alias this rank's row). Rows ``[s, j]`` with ``j >= recv_counts[s]``
     get ``invalid_expert_id`` in every column; valid rows are untouched.
     """
     _expect_tensors("moe_a2a_sanitize_expert_ids", expert_ids=expert_ids, workspace=workspace)
@@ -885,14 +857,14 @@ def moe_a2a_sanitize_expert_ids(
         raise ValueError(f"ep_rank {ep_rank} does not match the metainfo's ep_rank {meta[0]}")
     if expert_ids.dim() != 3 or expert_ids.dtype != torch.int32 or not expert_ids.is_contiguous():
         raise ValueError(
-            "expert_ids must be the contiguous int32 [ep_size, runtime_max_tokens_per_rank, top_k] "
+            "expert_ids must be the contiguous int32 [ep_size, runtime_max_tokens_per_rank, width] "
             f"view returned by moe_a2a_dispatch, got {expert_ids.dtype} {tuple(expert_ids.shape)}"
         )
     _, ep_size, max_num_tokens, _, _, _ = meta
     if expert_ids.shape[0] != ep_size or not 1 <= expert_ids.shape[1] <= max_num_tokens:
         raise ValueError(
             f"expert_ids must be [ep_size ({ep_size}), runtime_max_tokens_per_rank (1..max_num_tokens = "
-            f"{max_num_tokens}), top_k], got {tuple(expert_ids.shape)}"
+            f"{max_num_tokens}), width], got {tuple(expert_ids.shape)}"
         )
     if torch.compiler.is_compiling():
         # Dynamo cannot read storage_offset(); dispatch tagged its views with
@@ -993,315 +965,3 @@ def check_errors(workspace: torch.Tensor) -> None:
         if initialized and code != layout.ERROR_NONE:
             words = [m[rank] % _U64 for m in missing]
             raise RuntimeError(describe_error(rank, code, words, details[rank] & 0xFFFFFFFF))
-
-
-# ---------------------------------------------------------------------------
-# MoeAlltoAll
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class _A2AState:
-    phase: str = "idle"  # idle | dispatched
-    local_num_tokens: Optional[int] = None
-    combine_payload_offset: Optional[int] = None
-    eplb_gathered_stats: Optional[torch.Tensor] = None
-
-
-class MoeAlltoAll:
-    """Stateful wrapper of the functional API, FlashInfer's ``MoeAlltoAll``.
-
-    Owns (or shares) the workspace and this rank's metainfo, remembers what
-    dispatch returned for the matching combine, and enforces the alternation
-    dispatch -> combine -> dispatch with a clear RuntimeError.
-
-    Workspace, by precedence:
-
-    - ``workspace=``: a pre-allocated ``[ep_size, size_per_rank]`` uint8
-      workspace shared with other instances of this process (simulated
-      ranks). This instance initializes its own row only; a rank's first
-      dispatch waits until every peer's row is initialized, so on a zeroed
-      workspace the instances may be constructed in any order (on CUDA, with
-      every rank's phase launched before anything waits: README).
-    - ``group=`` (a ``torch.distributed`` group; the default group when
-      ``torch.distributed`` is initialized and ``ep_size > 1``):
-      :func:`allocate_workspace` maps every member's row into every member,
-      then the rows are initialized and the group synchronizes (the
-      initialization finished on the device, then a barrier), so no peer
-      writes into a row before its owner zeroed it.
-    - otherwise (``ep_size == 1`` only): a plain zeroed tensor on ``device``
-      (default: the current CUDA device if there is one, else the CPU).
-
-    The workspace is marked static (``torch._dynamo.mark_static_address``)
-    so CUDA-graph trees (``mode="reduce-overhead"``) accept the in-place
-    mutations of the ops (DESIGN.md section 4; on the CPU it only tells
-    torch.compile the same). ``timeout_s``: the bound on every wait for a peer
-    (default: MOE_A2A_TIMEOUT_S, else 30 s). ``mnnvl_config`` is FlashInfer's
-    MNNVL transport setting and is refused (use ``group=``). ``backend``: as in
-    the functional API ("cake" is refused).
-    """
-
-    def __init__(
-        self,
-        mapping: Any,
-        max_num_tokens: int,
-        top_k: int,
-        num_experts: int,
-        workspace_size_per_rank: Optional[int] = None,
-        hidden_size: Optional[int] = None,
-        mnnvl_config: Any = None,
-        eplb_stats_num_experts: int = 0,
-        enable_rank_mask: bool = False,
-        *,
-        backend: MoeAlltoAllBackend = "trtllm",
-        workspace: Optional[torch.Tensor] = None,
-        group: Any = None,
-        device: Union[torch.device, str, None] = None,
-        timeout_s: Optional[float] = None,
-    ):
-        self.ep_rank = int(mapping.moe_ep_rank)
-        self.ep_size = int(mapping.moe_ep_size)
-        # The limits of every later call, checked before anything is allocated or initialized.
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= layout.MAX_TOP_K:
-            raise ValueError(f"top_k must be an int in [1, {layout.MAX_TOP_K}], got {top_k!r}")
-        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < max(1, self.ep_size):
-            raise ValueError(f"num_experts must be an int >= ep_size ({self.ep_size}), got {num_experts!r}")
-        if mnnvl_config is not None:
-            raise NotImplementedError(
-                "mnnvl_config (FlashInfer's MNNVL transport) is not supported; pass a "
-                "torch.distributed group with group= instead"
-            )
-        if timeout_s is not None and not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-
-        if workspace is not None:
-            # A given workspace fixes the device and the size; hidden_size is not needed.
-            if workspace.dim() != 2 or workspace.shape[0] != self.ep_size:
-                raise ValueError(
-                    f"workspace must be [ep_size={self.ep_size}, size_per_rank], got {tuple(workspace.shape)}"
-                )
-            if workspace_size_per_rank is not None and workspace_size_per_rank != workspace.shape[1]:
-                raise ValueError(
-                    f"workspace_size_per_rank {workspace_size_per_rank} differs from the workspace's "
-                    f"{workspace.shape[1]} bytes per rank"
-                )
-            workspace_size_per_rank = workspace.shape[1]
-            device = workspace.device
-        elif device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        device = torch.device(device)
-        _check_backend(backend, device)
-
-        if workspace is None:
-            if workspace_size_per_rank is None:
-                if hidden_size is None:
-                    raise ValueError("hidden_size must be provided if workspace_size_per_rank is not provided")
-                workspace_size_per_rank = self.get_moe_workspace_size_per_rank(
-                    self.ep_size, top_k, max_num_tokens, hidden_size, 0, eplb_stats_num_experts, backend=backend
-                )
-            if group is None and self.ep_size > 1 and torch.distributed.is_available() \
-                    and torch.distributed.is_initialized():
-                group = torch.distributed.group.WORLD
-            if group is None and self.ep_size > 1:
-                raise ValueError(
-                    f"ep_size {self.ep_size} > 1 needs a shared workspace: pass workspace= (simulated "
-                    "ranks in this process) or group= (one rank per process)"
-                )
-            if group is not None:
-                group_rank = torch.distributed.get_rank(group)
-                if group_rank != self.ep_rank:
-                    raise ValueError(f"mapping.moe_ep_rank {self.ep_rank} differs from the group rank {group_rank}")
-            workspace = allocate_workspace(workspace_size_per_rank, group=group, ep_size=self.ep_size, device=device)
-
-        self.workspace = workspace
-        self.workspace_size_per_rank = workspace_size_per_rank
-        self.max_num_tokens = max_num_tokens
-        self.top_k = top_k
-        self.num_experts = num_experts
-        self.eplb_stats_num_experts = eplb_stats_num_experts
-        self.enable_eplb = eplb_stats_num_experts > 0
-        self.enable_rank_mask = enable_rank_mask
-        self.timeout_s = _ENV_TIMEOUT if timeout_s is None else float(timeout_s)
-        self._backend = backend
-        self.metainfo = moe_a2a_initialize(
-            workspace, self.ep_rank, self.ep_size, max_num_tokens, eplb_stats_num_experts, backend=backend
-        )
-        if group is not None:
-            if workspace.is_cuda:
-                # initialize only enqueued its kernel: it must have run before
-                # the barrier lets a peer's dispatch write into this row.
-                torch.cuda.current_stream(workspace.device).synchronize()
-            torch.distributed.barrier(group=group)
-        torch._dynamo.mark_static_address(workspace)
-        self._recv_counts = moe_a2a_get_recv_counts(workspace, self.metainfo, self.ep_rank)
-        self._recv_view_cache: dict = {"_workspace": workspace}
-        self._state = _A2AState()
-
-    @staticmethod
-    def get_moe_workspace_size_per_rank(
-        ep_size: int,
-        top_k: int,
-        max_num_tokens: int,
-        hidden_size: int,
-        extra_payload_bytes_per_token: int = 0,
-        eplb_stats_num_experts: int = 0,
-        *,
-        backend: MoeAlltoAllBackend = "trtllm",
-    ) -> int:
-        """FlashInfer's sizing: 16-bit hidden states plus int32 expert ids and fp32
-        router weights per token (and ``extra_payload_bytes_per_token``) for
-        dispatch, 16-bit hidden states for combine."""
-        hidden_bytes = hidden_size * 2
-        dispatch_bytes = hidden_bytes + top_k * 4 + top_k * 4 + extra_payload_bytes_per_token
-        return moe_a2a_get_workspace_size_per_rank(
-            ep_size, max_num_tokens, dispatch_bytes, hidden_bytes, eplb_stats_num_experts, backend=backend
-        )
-
-    @property
-    def eplb_gathered_stats(self) -> Optional[torch.Tensor]:
-        """int32 ``[ep_size, eplb_stats_num_experts]`` view from the last dispatch (None when it
-        gathered none); valid until :meth:`combine`."""
-        return self._state.eplb_gathered_stats
-
-    @property
-    def recv_counts(self) -> torch.Tensor:
-        """int32 ``[ep_size]`` workspace view: rows received from each rank by the last dispatch."""
-        if _tracing():
-            # A view made outside the graph would be a second graph input aliasing
-            # the mutated workspace with another dtype, which AOTAutograd refuses
-            # (and a constant to make_fx).
-            return moe_a2a_get_recv_counts(self.workspace, self.metainfo, self.ep_rank)
-        return self._recv_counts
-
-    def check(self) -> None:
-        """Raise RuntimeError if any rank of the workspace recorded an error (:func:`check_errors`)."""
-        check_errors(self.workspace)
-
-    def dispatch(
-        self,
-        token_selected_experts: torch.Tensor,
-        input_payloads: list[torch.Tensor],
-        runtime_max_tokens_per_rank: int,
-        invalid_token_expert_id: Optional[int] = None,
-        expert_id_payload_index: Optional[int] = None,
-        eplb_local_stats: Optional[torch.Tensor] = None,
-        active_rank_mask: Optional[torch.Tensor] = None,
-        enable_pdl: Optional[bool] = None,
-    ) -> list[torch.Tensor]:
-        """:func:`moe_a2a_dispatch` on this instance's workspace; returns the receive views.
-
-        With ``invalid_token_expert_id`` (and ``expert_id_payload_index``, the
-        payload holding the expert ids), the padding rows of that received
-        payload are then overwritten with it (:func:`moe_a2a_sanitize_expert_ids`).
-        """
-        if self._state.phase != "idle":
-            raise RuntimeError("MoeAlltoAll.dispatch called twice without combine")
-        if invalid_token_expert_id is not None:
-            _check_sanitize_request(input_payloads, expert_id_payload_index, invalid_token_expert_id)
-        if eplb_local_stats is not None and not self.enable_eplb:
-            raise ValueError("eplb_local_stats given but the instance was constructed with eplb_stats_num_experts=0")
-        if active_rank_mask is not None and not self.enable_rank_mask:
-            raise ValueError("active_rank_mask requires the instance to be constructed with enable_rank_mask=True")
-        recv, combine_payload_offset, eplb_gathered_stats = _dispatch(
-            token_selected_experts,
-            input_payloads,
-            self.workspace,
-            self.metainfo,
-            runtime_max_tokens_per_rank,
-            self.ep_rank,
-            self.ep_size,
-            self.top_k,
-            self.num_experts,
-            enable_pdl,
-            eplb_local_stats,
-            self.enable_rank_mask,
-            active_rank_mask,
-            backend=self._backend,
-            recv_view_cache=self._recv_view_cache,
-            timeout_s=self.timeout_s,
-        )
-        self._state = _A2AState(
-            "dispatched",
-            token_selected_experts.shape[0],
-            combine_payload_offset,
-            eplb_gathered_stats,
-        )
-        if invalid_token_expert_id is not None:
-            moe_a2a_sanitize_expert_ids(
-                recv[expert_id_payload_index],
-                self.workspace,
-                self.metainfo,
-                self.ep_rank,
-                invalid_token_expert_id,
-                enable_pdl,
-                backend=self._backend,
-            )
-        return recv
-
-    def combine(
-        self,
-        payload: torch.Tensor,
-        runtime_max_tokens_per_rank: int,
-        payload_in_workspace: bool = False,
-        output_dtype: Optional[torch.dtype] = None,
-        output_scales: Optional[torch.Tensor] = None,
-        output_scalar_scale: float = 1.0,
-        sf_layout: SfLayout = SfLayout.layout_linear,
-        output: Optional[torch.Tensor] = None,
-        *,
-        use_low_precision: bool = False,
-        active_rank_mask: Optional[torch.Tensor] = None,
-        enable_pdl: Optional[bool] = None,
-    ) -> torch.Tensor:
-        """:func:`moe_a2a_combine` for the tokens of the last :meth:`dispatch`."""
-        if self._state.phase != "dispatched":
-            raise RuntimeError("MoeAlltoAll.combine called before dispatch (each combine needs its own dispatch)")
-        if active_rank_mask is not None and not self.enable_rank_mask:
-            raise ValueError("active_rank_mask requires the instance to be constructed with enable_rank_mask=True")
-        out = _combine(
-            payload,
-            self._state.local_num_tokens,
-            self.workspace,
-            self.metainfo,
-            runtime_max_tokens_per_rank,
-            self.ep_rank,
-            self.ep_size,
-            self.top_k,
-            self._state.combine_payload_offset,
-            payload_in_workspace,
-            output_dtype,
-            output_scales,
-            output_scalar_scale,
-            sf_layout,
-            output,
-            use_low_precision=use_low_precision,
-            enable_pdl=enable_pdl,
-            enable_rank_mask=self.enable_rank_mask,
-            active_rank_mask=active_rank_mask,
-            backend=self._backend,
-            timeout_s=self.timeout_s,
-        )
-        self._state = _A2AState()
-        return out
-
-    def get_combine_payload_tensor_in_workspace(
-        self,
-        runtime_max_tokens_per_rank: int,
-        hidden_size: int,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """``[ep_size, runtime_max_tokens_per_rank, hidden_size]`` view of this rank's combine region.
-
-        Write the expert outputs into it and call :meth:`combine` with
-        ``payload_in_workspace=True`` to skip the staging copy. Valid between
-        :meth:`dispatch` and :meth:`combine`. Under ``torch.compile`` it is a
-        tensor of its own, which combine then stages (see
-        :func:`moe_a2a_wrap_payload_tensor_in_workspace`).
-        """
-        if self._state.phase != "dispatched":
-            raise RuntimeError("get_combine_payload_tensor_in_workspace called before dispatch")
-        offset = self._state.combine_payload_offset
-        nbytes = self.ep_size * runtime_max_tokens_per_rank * hidden_size * dtype.itemsize
-        return moe_a2a_wrap_payload_tensor_in_workspace(
-            self.workspace[self.ep_rank], [self.ep_size, runtime_max_tokens_per_rank], offset, offset + nbytes, dtype
-        )

@@ -531,8 +531,8 @@ void sanitize_expert_ids(const SanitizeParams& p) {
   const int64_t T = p.runtime_max_tokens;
   for (int s = 0; s < ws.ep_size; ++s) {
     const int64_t count = received_rows(load<int32_t>(own, recv_count_offset(s)), T);
-    int32_t* first = plane + (int64_t(s) * T + count) * p.top_k;
-    std::fill_n(first, (T - count) * p.top_k, p.invalid_expert_id);
+    int32_t* first = plane + (int64_t(s) * T + count) * p.width;
+    std::fill_n(first, (T - count) * p.width, p.invalid_expert_id);
   }
 }
 

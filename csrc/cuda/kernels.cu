@@ -59,12 +59,12 @@ __global__ void sanitize_kernel(const __grid_constant__ SanitizeParams p) {
   }
   __syncthreads();
   int32_t* plane = reinterpret_cast<int32_t*>(own + p.offset);
-  const int64_t per_source = T * p.top_k;
+  const int64_t per_source = T * p.width;
   const int64_t total = int64_t(ws.ep_size) * per_source;
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t s = idx / per_source;
-    const int64_t j = (idx % per_source) / p.top_k;
+    const int64_t j = (idx % per_source) / p.width;
     if (j >= valid_rows[s]) plane[idx] = p.invalid_expert_id;
   }
 }

@@ -1,0 +1,405 @@
+"""The real FlashInfer clients' call sequences, reproduced from their source
+and run on torch-moe-a2a: SGLang 0.5.23's FlashInfer token dispatcher and
+FlashInfer 0.7.2.post1's ``moe_ep`` NVLink one-sided wrapper (the path vLLM
+0.33.0 takes). One process per rank, the workspace mapped over a FlashInfer
+``CommBackend`` written on torch.distributed; every received row and every
+output is checked against the reference computed in each process from the
+same seeded inputs of all ranks."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import layout, reference
+
+from conftest import (
+    MnnvlConfig,
+    TorchDistributedCommBackend,
+    assert_bytes_equal,
+    make_generator,
+    run_ranks,
+)
+
+HIDDEN = 96
+TOP_K = 4
+NUM_EXPERTS = 10  # not divisible by 3 ranks
+MAX_TOKENS = 12
+INVALID_ID = -1
+# Decode steps: tokens per rank (uneven, zeros included), for up to 3 ranks.
+STEPS = [(5, 0, 7), (12, 3, 1), (0, 0, 2), (1, 1, 1)]
+MASKED_RANK = 1  # taken out by the rank mask in the vLLM sequence's last step
+
+
+def _inputs(seed: str, tokens: list[int], extra_width: int = 0) -> tuple[list, list]:
+    """Every rank's (ids, [hidden bf16, (scale uint8), ids, weights fp32]) for one step."""
+    gen = make_generator(seed)
+    ids, payloads = [], []
+    for n in tokens:
+        routing = reference.random_routing(n, TOP_K, NUM_EXPERTS, gen, negative_fraction=0.1)
+        hidden = torch.randn((n, HIDDEN), generator=gen).to(torch.bfloat16)
+        weights = torch.rand((n, TOP_K), generator=gen)
+        extra = [torch.randint(0, 256, (n, extra_width), dtype=torch.uint8, generator=gen)] if extra_width else []
+        ids.append(routing)
+        payloads.append([hidden, *extra, routing, weights])
+    return ids, payloads
+
+
+def _expert_outputs(recv_hidden, recv_ids, recv_weights, counts, rank, world):
+    """The rank's toy experts (reference.toy_moe), as the MoE would compute them."""
+    return reference.toy_moe(recv_hidden, recv_ids, recv_weights, counts, ep_rank=rank, ep_size=world,
+                             num_experts=NUM_EXPERTS)
+
+
+def _check_step(what, rank, world, ids, payloads, runtime_max, recv, counts, out, *, id_index, active=None):
+    """recv (this rank's receive views), counts and out against the reference."""
+    ref = reference.reference_dispatch(ids, payloads, ep_size=world, num_experts=NUM_EXPERTS,
+                                       runtime_max_tokens_per_rank=runtime_max, active_ranks=active)
+    assert torch.equal(counts.cpu(), ref.recv_counts[rank]), f"{what}: counts"
+    for i, (view, expected) in enumerate(zip(recv, ref.recv[rank])):
+        for s in range(world):
+            n = int(ref.recv_counts[rank][s])
+            assert_bytes_equal(view[s, :n].cpu(), expected[s, :n], f"{what}: payload {i} from rank {s}")
+    # Sanitized: every padding row of the expert-id payload holds the invalid id.
+    padding = torch.arange(runtime_max) >= ref.recv_counts[rank].long().unsqueeze(1)
+    assert bool((recv[id_index].cpu()[padding] == INVALID_ID).all()), f"{what}: expert-id padding not sanitized"
+    expert_out = [_expert_outputs(ref.recv[d][0], ref.recv[d][id_index], ref.recv[d][id_index + 1],
+                                  ref.recv_counts[d], d, world) for d in range(world)]
+    expected = reference.reference_combine(expert_out, ref, [x.shape[0] for x in ids])
+    assert_bytes_equal(out.cpu(), expected[rank], f"{what}: combine output")
+
+
+def _sglang_sequence(rank, world, device):
+    """sglang/srt/layers/moe/token_dispatcher/flashinfer.py (SGLang 0.5.23),
+    FlashinferDispatcher: one MoeAlltoAll per MoE layer; two layers here."""
+    group = dist.group.WORLD
+    # flashinfer.py:250: workspace sized for bf16 hidden states + int32 ids + fp32 weights.
+    size = a2a.moe_a2a_get_workspace_size_per_rank(
+        ep_size=world, max_num_tokens=MAX_TOKENS, total_dispatch_payload_size_per_token=HIDDEN * 2 + TOP_K * 8,
+        combine_payload_size_per_token=HIDDEN * 2)
+    # flashinfer.py:257-266: the pure-EP Mapping and the MnnvlConfig.
+    mapping = a2a.Mapping(rank=rank, tp_size=world, moe_ep_size=world, world_size=world, gpus_per_node=8,
+                          pp_size=1, cp_size=1)
+    mnnvl_config = MnnvlConfig(comm_backend=TorchDistributedCommBackend(group))
+    # flashinfer.py:274: MoeAlltoAll(...) per layer; same geometry: one workspace.
+    layers = [a2a.MoeAlltoAll(mapping=mapping, max_num_tokens=MAX_TOKENS, top_k=TOP_K, num_experts=NUM_EXPERTS,
+                              workspace_size_per_rank=size, mnnvl_config=mnnvl_config, device=device)
+              for _ in range(2)]
+    assert layers[0].workspace is layers[1].workspace and layers[0].metainfo is layers[1].metainfo
+    for step, tokens in enumerate(STEPS):
+        tokens = list(tokens[:world])
+        # flashinfer.py:520-529: runtime_max is the max over the DP ranks' token counts.
+        runtime_max = max(1, max(tokens))
+        for layer, moe in enumerate(layers):
+            in_workspace = (step + layer) % 2 == 1  # flashinfer.py:564: payload_in_workspace for cutlass runners
+            ids, payloads = _inputs(f"sglang-{world}-{step}-{layer}", tokens)
+            mine = [p.to(device) for p in payloads[rank]]
+            # flashinfer.py:540: dispatch with sanitize of the expert-id payload (index 1).
+            recv = moe.dispatch(mine[1], mine, runtime_max, invalid_token_expert_id=INVALID_ID,
+                                expert_id_payload_index=1)
+            counts = moe.recv_counts.clone()
+            x_recv, ids_recv, w_recv = recv
+            expert_out = _expert_outputs(x_recv, ids_recv, w_recv, counts, rank, world)
+            if in_workspace:
+                # flashinfer.py:568: the experts write into the combine region.
+                moe_output = moe.get_combine_payload_tensor_in_workspace(runtime_max, HIDDEN, torch.bfloat16)
+                moe_output.view(-1, HIDDEN).copy_(expert_out.view(-1, HIDDEN))
+                hidden = moe_output.view(-1, HIDDEN)
+            else:
+                hidden = expert_out.view(-1, HIDDEN)
+            recv_copy = [v.clone() for v in recv]  # copied before the combine: peers may overwrite after
+            # flashinfer.py:626: combine of the [ep_size, runtime_max, H] view.
+            out = moe.combine(hidden.view(world, runtime_max, HIDDEN), runtime_max, payload_in_workspace=in_workspace)
+            _check_step(f"sglang step {step} layer {layer}", rank, world, ids, payloads, runtime_max, recv_copy,
+                        counts, out, id_index=1)
+    for moe in layers:
+        moe.check()
+
+
+def _moe_ep_sequence(rank, world, device):
+    """flashinfer/moe_ep/backends/split/comm/nvlink_one_sided/communication.py
+    (FlashInfer 0.7.2.post1), NVLinkOneSidedAlltoAll, as vLLM 0.33.0's
+    FlashInferNVLinkOneSidedManager (vllm/distributed/device_communicators/all2all.py)
+    drives it: EPLB stats, a rank mask, a scale payload, output=, checkpointing."""
+    group = dist.group.WORLD
+    eplb_n = NUM_EXPERTS
+    scale_width = HIDDEN // 32
+    # nvlink_common.py:90-97: the pure-EP Mapping and the MnnvlConfig over the EP group.
+    mapping = a2a.Mapping(world_size=world, rank=rank, gpus_per_node=world, tp_size=world, moe_ep_size=world)
+    mnnvl_config = MnnvlConfig(comm_backend=TorchDistributedCommBackend(group))
+    # communication.py:75: sizes from the dispatch row (hidden, scales, ids, weights) and a >= 16-bit combine row.
+    size = a2a.moe_a2a_get_workspace_size_per_rank(world, MAX_TOKENS, HIDDEN * 2 + scale_width + TOP_K * 8,
+                                                   HIDDEN * 2, eplb_n, backend="trtllm")
+    # communication.py:90: MoeAlltoAll(mapping, ...).
+    moe = a2a.MoeAlltoAll(mapping, max_num_tokens=MAX_TOKENS, top_k=TOP_K, num_experts=NUM_EXPERTS,
+                          workspace_size_per_rank=size, mnnvl_config=mnnvl_config, eplb_stats_num_experts=eplb_n,
+                          enable_rank_mask=True, backend="trtllm", device=device)
+    everyone = a2a.moe_a2a_active_rank_mask(range(world), world)
+    steps = [(tokens, None) for tokens in STEPS[:3]] + [(STEPS[3], MASKED_RANK)]
+    for step, (tokens, masked) in enumerate(steps):
+        if step == 2:
+            # all2all.py:899-919: checkpoint_prepare(), then checkpoint_restore(a new communicator).
+            moe.checkpoint_prepare()
+            moe.checkpoint_prepare()  # idempotent
+            with pytest.raises(RuntimeError, match="checkpoint_prepare"):
+                moe.dispatch(torch.zeros((0, TOP_K), dtype=torch.int32, device=device), [], 1)
+            moe.checkpoint_restore(TorchDistributedCommBackend(group))
+            moe.checkpoint_restore(TorchDistributedCommBackend(group))  # idempotent
+        tokens = list(tokens[:world])
+        active = [r for r in range(world) if r != masked]
+        if rank not in active:
+            continue  # a masked-off rank takes no part (FlashInfer: nobody waits for it)
+        mask = everyone if masked is None else a2a.moe_a2a_active_rank_mask(active, world)
+        tokens_per_rank = max(1, max(tokens))
+        ids, payloads = _inputs(f"moe-ep-{world}-{step}", tokens, extra_width=scale_width)
+        mine = [p.to(device) for p in payloads[rank]]
+        stats = torch.arange(eplb_n, dtype=torch.int32, device=device) * (rank + 1) + step
+        # communication.py:158: dispatch(topk_ids, [hidden, scale, ids, weights], ...), expert ids at index 2.
+        recv = moe.dispatch(mine[2], mine, tokens_per_rank, invalid_token_expert_id=INVALID_ID,
+                            expert_id_payload_index=2, eplb_local_stats=stats, active_rank_mask=mask)
+        gathered = moe.eplb_gathered_stats.clone()
+        for r in active:
+            expected = torch.arange(eplb_n, dtype=torch.int32) * (r + 1) + step
+            assert torch.equal(gathered[r].cpu(), expected), f"moe_ep step {step}: EPLB stats of rank {r}"
+        counts = moe.recv_counts.clone()
+        flat = [t.flatten(0, 1) for t in recv]  # communication.py:168
+        expert_out = _expert_outputs(recv[0], recv[2], recv[3], counts, rank, world)
+        # communication.py:185: get_combine_input_buffer, the experts write into it.
+        buffer = moe.get_combine_payload_tensor_in_workspace(tokens_per_rank, HIDDEN, torch.bfloat16).flatten(0, 1)
+        use_buffer = step % 2 == 0
+        expert_output = buffer if use_buffer else torch.empty_like(buffer)
+        expert_output.copy_(expert_out.view(-1, HIDDEN))
+        recv_copy = [t.view(world, tokens_per_rank, *t.shape[1:]).clone() for t in flat]
+        output = torch.full((tokens[rank], HIDDEN), float("nan"), dtype=torch.bfloat16, device=device)
+        # communication.py:214-218: in-workspace detection by data_ptr, combine(..., output=, active_rank_mask=).
+        in_workspace = expert_output.data_ptr() == buffer.data_ptr()
+        combined = moe.combine(expert_output.view(world, tokens_per_rank, -1), tokens_per_rank,
+                               payload_in_workspace=in_workspace, output=output, use_low_precision=False,
+                               active_rank_mask=mask)
+        assert combined is output
+        _check_step(f"moe_ep step {step}", rank, world, ids, payloads, tokens_per_rank, recv_copy, counts, output,
+                    id_index=2, active=active)
+
+
+def _clients_worker(rank, world, init_file, device):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        if device == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        _sglang_sequence(rank, world, device)
+        _moe_ep_sequence(rank, world, device)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_client_call_sequences(world, device, tmp_path):
+    run_ranks(_clients_worker, world, (str(tmp_path / "init"), device), report_dir=tmp_path, timeout_s=300)
+
+
+# ---- in one process ---------------------------------------------------------------------
+
+
+def _ep1(device, **kwargs):
+    size = kwargs.pop("workspace_size_per_rank", None)
+    return a2a.MoeAlltoAll(a2a.Mapping(), 8, 2, 4, workspace_size_per_rank=size, hidden_size=64, device=device,
+                           **kwargs)
+
+
+def test_instances_of_one_geometry_share_a_workspace(device):
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    first, second = _ep1(device), _ep1(device)
+    assert first.workspace is second.workspace and first.metainfo is second.metainfo
+    other = _ep1(device, workspace_size_per_rank=first.workspace_size_per_rank + layout.PLANE_ALIGN)
+    assert other.workspace is not first.workspace  # SGLang's namespaces: another size, another workspace
+    eplb = _ep1(device, eplb_stats_num_experts=4)
+    assert eplb.workspace is not first.workspace
+    # Instances sharing a workspace take turns.
+    ids = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    hidden = torch.randn((1, 64), device=device).to(torch.bfloat16)
+    first.dispatch(ids, [hidden], 1)
+    with pytest.raises(RuntimeError, match="another MoeAlltoAll sharing this workspace"):
+        second.dispatch(ids, [hidden], 1)
+    out = first.combine(first.get_combine_payload_tensor_in_workspace(1, 64, torch.bfloat16), 1,
+                        payload_in_workspace=True)
+    assert out.shape == (1, 64)
+    second.dispatch(ids, [hidden], 1)
+    second.combine(torch.zeros((1, 1, 64), dtype=torch.bfloat16, device=device), 1)
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    assert _ep1(device).workspace is not first.workspace
+
+
+def test_checkpoint_needs_a_group(device):
+    moe = _ep1(device)
+    with pytest.raises(RuntimeError, match="needs a workspace mapped over a group"):
+        moe.checkpoint_prepare()
+
+
+def test_checkpoint_refused_between_dispatch_and_combine(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        a2a.MoeAlltoAll.clear_workspace_cache()
+        comm = TorchDistributedCommBackend(dist.group.WORLD)
+        moe = a2a.MoeAlltoAll(a2a.Mapping(), 8, 2, 4, hidden_size=64, mnnvl_config=MnnvlConfig(comm), device="cpu")
+        ids = torch.tensor([[0, 3]], dtype=torch.int32)
+        hidden = torch.randn((1, 64)).to(torch.bfloat16)
+        moe.dispatch(ids, [hidden], 1)
+        with pytest.raises(RuntimeError, match="between a dispatch and its combine"):
+            moe.checkpoint_prepare()
+        # One destination rank (this one): the output is its payload row.
+        payload = (hidden * 2).view(1, 1, 64)
+        assert torch.equal(moe.combine(payload, 1), payload[0])
+        moe.checkpoint_prepare()
+        with pytest.raises(RuntimeError, match="rank/size 0/2 differ"):
+            moe.checkpoint_restore(_FakeComm(0, 2))
+        moe.checkpoint_restore(comm)
+        # The shared file's pages were given back: past the header, the memory reads zeros again.
+        assert int(moe.workspace[0, layout.HEADER_BYTES:].count_nonzero()) == 0
+        moe.dispatch(ids, [hidden], 1)
+        assert torch.equal(moe.combine(hidden.view(1, 1, 64), 1), hidden)
+    finally:
+        a2a.MoeAlltoAll.clear_workspace_cache()
+        dist.destroy_process_group()
+
+
+class _FakeComm:
+    """A CommBackend of another size (checkpoint_restore must refuse it before any collective)."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return self.size
+
+    def allgather(self, data):
+        raise AssertionError("no collective expected")
+
+    bcast = barrier = Split = allgather
+
+
+def test_mnnvl_config_needs_a_comm_backend():
+    with pytest.raises(ValueError, match="CommBackend"):
+        a2a.MoeAlltoAll(a2a.Mapping(), 8, 2, 4, hidden_size=64, mnnvl_config=MnnvlConfig(None), device="cpu")
+    with pytest.raises(ValueError, match="not both"):
+        a2a.MoeAlltoAll(a2a.Mapping(), 8, 2, 4, hidden_size=64, mnnvl_config=MnnvlConfig(_FakeComm(0, 1)),
+                        group=_FakeComm(0, 1), device="cpu")
+
+
+def test_mapping_must_match_the_communicator():
+    comm = _FakeComm(0, 2)
+    comm.Split = lambda color, key: comm
+    with pytest.raises(ValueError, match=r"differ from the group's \(rank, size\) = \(0, 2\)"):
+        a2a.MoeAlltoAll(a2a.Mapping(world_size=4, rank=1, tp_size=4, moe_ep_size=4), 8, 2, 4, hidden_size=64,
+                        mnnvl_config=MnnvlConfig(comm), device="cpu")
+
+
+@pytest.mark.parametrize("width", [24, 100, 21504])
+def test_sanitize_any_width(width, device):
+    """FlashInfer's single-GPU sanitize test: int32 payloads of any width."""
+    gen = make_generator(f"wide-{width}")
+    tokens = 3
+    size = a2a.moe_a2a_get_workspace_size_per_rank(1, 4, width * 4 + TOP_K * 4, 64)
+    workspace = a2a.allocate_workspace(size, ep_size=1, device=device)
+    metainfo = a2a.moe_a2a_initialize(workspace, 0, 1, 4)
+    ids = reference.random_routing(tokens, TOP_K, 8, gen).to(device)
+    wide = torch.randint(0, 1000, (tokens, width), dtype=torch.int32, generator=gen).to(device)
+    recv, _, _ = a2a.moe_a2a_dispatch(ids, [wide], workspace, metainfo, 4, 0, 1, TOP_K, 8)
+    a2a.moe_a2a_sanitize_expert_ids(recv[0], workspace, metainfo, 0, -7)
+    assert torch.equal(recv[0][0, :tokens].cpu(), wide.cpu())
+    assert bool((recv[0][0, tokens:] == -7).all())
+
+
+# ---- FlashInfer's other behaviours ----------------------------------------------------------
+
+
+def test_sf_layout_is_flashinfers_int_enum():
+    import enum
+
+    assert issubclass(a2a.SfLayout, enum.IntEnum)
+    assert {m.name: int(m) for m in a2a.SfLayout} == {"layout_128x4": 0, "layout_8x4": 1, "layout_linear": 2}
+
+
+def test_rank_mask_enabled_needs_a_mask(device):
+    size = a2a.moe_a2a_get_workspace_size_per_rank(1, 4, 64 * 2 + 8, 128)
+    workspace = a2a.allocate_workspace(size, ep_size=1, device=device)
+    metainfo = a2a.moe_a2a_initialize(workspace, 0, 1, 4)
+    ids = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="active_rank_mask must be given when enable_rank_mask=True"):
+        a2a.moe_a2a_dispatch(ids, [ids], workspace, metainfo, 1, 0, 1, 2, 4, enable_rank_mask=True)
+    with pytest.raises(ValueError, match="active_rank_mask must be given when enable_rank_mask=True"):
+        a2a.moe_a2a_combine(torch.zeros((1, 1, 64), dtype=torch.bfloat16, device=device), 1, workspace, metainfo, 1,
+                            0, 1, 2, 0, enable_rank_mask=True)
+    moe = a2a.MoeAlltoAll(a2a.Mapping(), 4, 2, 4, hidden_size=64, enable_rank_mask=True, device=device)
+    with pytest.raises(ValueError, match="active_rank_mask must be given"):
+        moe.dispatch(ids, [ids], 1)
+
+
+# ---- Mapping ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    # world 8, tp 4, pp 2: rank 6 is tp_rank 2 of pp group 1.
+    (dict(world_size=8, rank=6, tp_size=4, pp_size=2), dict(tp_rank=2, pp_rank=1, cp_rank=0, moe_tp_size=4,
+                                                           moe_ep_size=1, moe_ep_rank=0, moe_tp_rank=2)),
+    # tp 8 split as moe_tp 2 x moe_ep 4: rank 5 is moe_ep_rank 1 of moe_tp group 1.
+    (dict(world_size=8, rank=5, tp_size=8, moe_tp_size=2), dict(moe_ep_size=4, moe_ep_rank=1, moe_tp_rank=1)),
+    (dict(world_size=16, rank=13, gpus_per_node=8, tp_size=8, pp_size=2, moe_ep_size=4),
+     dict(moe_tp_size=2, tp_rank=5, pp_rank=1, moe_ep_rank=1, moe_tp_rank=1, node_rank=1, local_rank=5,
+          moe_ep_group=[12, 13, 14, 15])),
+    (dict(world_size=8, rank=3, tp_size=4, cp_size=2), dict(cp_rank=0, tp_rank=3, attn_tp_size=8)),
+    (dict(world_size=8, rank=7, tp_size=4, cp_size=2), dict(cp_rank=1, tp_rank=3, pp_rank=0)),
+    (dict(), dict(world_size=1, rank=0, moe_ep_size=1, moe_ep_rank=0, moe_tp_size=1)),
+])
+def test_mapping_derivations(kwargs, expected):
+    mapping = a2a.Mapping(**kwargs)
+    for name, value in expected.items():
+        assert getattr(mapping, name) == value, name
+    assert a2a.Mapping.from_dict(mapping.to_dict()) == mapping
+    assert hash(a2a.Mapping.from_dict(mapping.to_dict())) == hash(mapping)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(world_size=8, rank=0, tp_size=4), r"world_size 8 must equal tp_size \* pp_size \* cp_size"),
+    (dict(world_size=4, rank=0, tp_size=4, moe_tp_size=2, moe_ep_size=4), r"tp_size 4 must equal moe_tp_size"),
+    (dict(world_size=4, rank=0, tp_size=4, moe_ep_size=3), r"not divisible by 3"),
+    (dict(world_size=4, rank=4, tp_size=4), r"rank must be an int in \[0, 4\)"),
+    (dict(world_size=0), r"world_size must be a positive int"),
+    (dict(world_size=4, tp_size=2, cp_size=2, attn_cp_size=2), r"attn_cp_size must be 1"),
+])
+def test_mapping_refuses_inconsistent_sizes(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        a2a.Mapping(**kwargs)
+
+
+def test_mapping_cp_with_moe_ep_is_not_implemented():
+    with pytest.raises(NotImplementedError):
+        a2a.Mapping(world_size=4, rank=0, tp_size=2, cp_size=2, moe_ep_size=2)
+
+
+def test_ep_group_split_of_a_larger_world():
+    """MoeAlltoAll splits a job-wide CommBackend into this rank's EP group:
+    with moe_tp 2 x moe_ep 4 in tp 8 (x pp 2), the ranks of one color are exactly
+    one moe_ep group, ordered by moe_ep_rank."""
+    from torch_moe_a2a.mapping import ep_group_color
+
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for rank in range(16):
+        m = a2a.Mapping(world_size=16, rank=rank, tp_size=8, pp_size=2, moe_tp_size=2, moe_ep_size=4)
+        color, key = ep_group_color(m)
+        assert key == m.moe_ep_rank
+        groups.setdefault(color, []).append((key, rank))
+    assert len(groups) == 4 and all(sorted(k for k, _ in g) == [0, 1, 2, 3] for g in groups.values())
+    for members in groups.values():
+        ranks = [r for _, r in sorted(members)]
+        m = a2a.Mapping(world_size=16, rank=ranks[0], tp_size=8, pp_size=2, moe_tp_size=2, moe_ep_size=4)
+        assert ranks == m.moe_ep_group
+

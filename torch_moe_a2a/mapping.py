@@ -1,0 +1,227 @@
+"""FlashInfer's ``Mapping``: where a rank sits in a job's tensor, pipeline,
+context and MoE parallel groups (docs/DESIGN.md section 2).
+
+The constructor takes FlashInfer's arguments with FlashInfer's defaults and
+derivations, so ``Mapping(world_size=8, rank=r, tp_size=8, moe_ep_size=8)``
+means here what it means there. :class:`~torch_moe_a2a.MoeAlltoAll` reads
+``moe_ep_rank`` and ``moe_ep_size`` (and, to pick this rank's EP group out of
+a larger communicator, the ranks :func:`ep_group_color` uses); it accepts
+FlashInfer's own ``Mapping`` as well.
+
+Rank order, as in FlashInfer: ``rank = (pp_rank * cp_size + cp_rank) * tp_size
++ tp_rank``, and inside the tensor-parallel group ``tp_rank = (moe_tp_rank *
+moe_cluster_size + moe_cluster_rank) * moe_ep_size + moe_ep_rank``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+# FlashInfer's "not given" value of the MoE and attention sizes.
+_UNSET = -1
+# The constructor arguments, in FlashInfer's to_dict order.
+_FIELDS = ("world_size", "rank", "gpus_per_node", "cp_size", "tp_size", "pp_size", "moe_tp_size",
+           "moe_cluster_size", "moe_ep_size", "attn_tp_size", "attn_cp_size", "auto_parallel")
+
+
+def _positive(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"Mapping: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def _quotient(what: str, total: int, divisor: int) -> int:
+    if total % divisor:
+        raise ValueError(f"Mapping: {what}: {total} is not divisible by {divisor}")
+    return total // divisor
+
+
+class Mapping:
+    """A rank's place in the parallel layout, with FlashInfer's constructor.
+
+    Args:
+        world_size: ranks in the job; must equal ``tp_size * pp_size * cp_size``
+            (unless ``auto_parallel``).
+        rank: this rank, in ``[0, world_size)``.
+        gpus_per_node: GPUs per node (``node_rank``, ``local_rank``).
+        cp_size, tp_size, pp_size: context, tensor and pipeline parallel sizes.
+        moe_cluster_size, moe_tp_size, moe_ep_size: how each tensor-parallel
+            group splits for the MoE layers; ``-1`` (not given) is derived as in
+            FlashInfer: none given means ``moe_ep_size = 1``, ``moe_tp_size =
+            tp_size``; one of ``moe_tp_size`` / ``moe_ep_size`` given derives the
+            other from ``tp_size``. Their product must equal ``tp_size``.
+        attn_tp_size, attn_cp_size: attention parallel sizes (``attn_cp_size``
+            must be 1).
+        cp_config: carried, not interpreted.
+        auto_parallel: every size must be 1; the ranks derived are 0.
+        enable_attention_dp: carried (FlashInfer then skips the rank check).
+
+    Raises:
+        ValueError: sizes that are not positive ints, do not divide, or do not
+            multiply up as above; a rank outside ``[0, world_size)``.
+        NotImplementedError: ``moe_ep_size > 1`` with ``cp_size > 1`` (as in FlashInfer).
+    """
+
+    def __init__(
+        self,
+        world_size: int = 1,
+        rank: int = 0,
+        gpus_per_node: int = 8,
+        *,
+        cp_size: int = 1,
+        cp_config: Optional[dict] = None,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        moe_cluster_size: int = _UNSET,
+        moe_tp_size: int = _UNSET,
+        moe_ep_size: int = _UNSET,
+        attn_tp_size: int = _UNSET,
+        attn_cp_size: int = _UNSET,
+        auto_parallel: bool = False,
+        enable_attention_dp: bool = False,
+    ):
+        for name, value in (("world_size", world_size), ("gpus_per_node", gpus_per_node), ("cp_size", cp_size),
+                            ("tp_size", tp_size), ("pp_size", pp_size)):
+            _positive(name, value)
+        if moe_cluster_size == _UNSET:
+            moe_cluster_size = 1
+        _positive("moe_cluster_size", moe_cluster_size)
+        if moe_tp_size == _UNSET and moe_ep_size == _UNSET:
+            moe_tp_size = _quotient("tp_size / moe_cluster_size", tp_size, moe_cluster_size)
+            moe_ep_size = 1
+        elif moe_tp_size == _UNSET:
+            moe_tp_size = _quotient("tp_size / (moe_ep_size * moe_cluster_size)", tp_size,
+                                    _positive("moe_ep_size", moe_ep_size) * moe_cluster_size)
+        elif moe_ep_size == _UNSET:
+            moe_ep_size = _quotient("tp_size / (moe_tp_size * moe_cluster_size)", tp_size,
+                                    _positive("moe_tp_size", moe_tp_size) * moe_cluster_size)
+        _positive("moe_tp_size", moe_tp_size)
+        _positive("moe_ep_size", moe_ep_size)
+        if attn_tp_size == _UNSET and attn_cp_size == _UNSET:
+            attn_tp_size, attn_cp_size = tp_size * cp_size, 1
+        elif attn_tp_size == _UNSET:
+            attn_tp_size = _quotient("cp_size * tp_size / attn_cp_size", cp_size * tp_size,
+                                     _positive("attn_cp_size", attn_cp_size))
+        elif attn_cp_size == _UNSET:
+            attn_cp_size = _quotient("cp_size * tp_size / attn_tp_size", cp_size * tp_size,
+                                     _positive("attn_tp_size", attn_tp_size))
+        if attn_cp_size != 1:
+            raise ValueError(f"Mapping: attn_cp_size must be 1, got {attn_cp_size} (attn_tp_size {attn_tp_size})")
+        if auto_parallel:
+            if tp_size != 1 or pp_size != 1 or cp_size != 1:
+                raise ValueError("Mapping: with auto_parallel, tp_size, pp_size and cp_size must be 1, got "
+                                 f"{tp_size}, {pp_size}, {cp_size}")
+        elif tp_size * pp_size * cp_size != world_size:
+            raise ValueError(f"Mapping: world_size {world_size} must equal tp_size * pp_size * cp_size = "
+                             f"{tp_size} * {pp_size} * {cp_size}")
+        if moe_tp_size * moe_ep_size * moe_cluster_size != tp_size:
+            raise ValueError(f"Mapping: tp_size {tp_size} must equal moe_tp_size * moe_ep_size * moe_cluster_size "
+                             f"= {moe_tp_size} * {moe_ep_size} * {moe_cluster_size}")
+        if attn_tp_size * attn_cp_size != tp_size * cp_size:
+            raise ValueError(f"Mapping: tp_size * cp_size = {tp_size} * {cp_size} must equal attn_tp_size * "
+                             f"attn_cp_size = {attn_tp_size} * {attn_cp_size}")
+        if moe_ep_size != 1 and cp_size > 1:
+            raise NotImplementedError("Mapping: context parallelism (cp_size > 1) with MoE expert parallelism")
+        if moe_cluster_size > 1 and moe_ep_size != 1:
+            raise ValueError(f"Mapping: moe_cluster_size {moe_cluster_size} > 1 needs moe_ep_size 1, "
+                             f"got {moe_ep_size}")
+        if not enable_attention_dp and (not isinstance(rank, int) or isinstance(rank, bool)
+                                        or not 0 <= rank < world_size):
+            raise ValueError(f"Mapping: rank must be an int in [0, {world_size}), got {rank!r}")
+
+        self.world_size = world_size
+        self.rank = rank
+        self.gpus_per_node = gpus_per_node
+        self.cp_size = cp_size
+        self.cp_config = {} if cp_config is None else cp_config
+        self.tp_size = tp_size
+        self.pp_size = pp_size
+        self.moe_cluster_size = moe_cluster_size
+        self.moe_tp_size = moe_tp_size
+        self.moe_ep_size = moe_ep_size
+        self.attn_tp_size = attn_tp_size
+        self.attn_cp_size = attn_cp_size
+        self.auto_parallel = auto_parallel
+        self.enable_attention_dp = enable_attention_dp
+
+    # ---- ranks inside the groups (FlashInfer's derivations) ----
+
+    @property
+    def tp_rank(self) -> int:
+        return 0 if self.auto_parallel else self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return 0 if self.auto_parallel else self.rank // (self.tp_size * self.cp_size)
+
+    @property
+    def cp_rank(self) -> int:
+        return 0 if self.auto_parallel else self.rank % (self.tp_size * self.cp_size) // self.tp_size
+
+    @property
+    def moe_tp_rank(self) -> int:
+        return self.tp_rank // (self.moe_ep_size * self.moe_cluster_size)
+
+    @property
+    def moe_cluster_rank(self) -> int:
+        return self.tp_rank % self.moe_cluster_size
+
+    @property
+    def moe_ep_rank(self) -> int:
+        return self.tp_rank % self.moe_ep_size
+
+    @property
+    def node_rank(self) -> int:
+        return self.rank // self.gpus_per_node
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.gpus_per_node
+
+    @property
+    def moe_ep_group(self) -> list[int]:
+        """The global ranks of this rank's MoE expert-parallel group, in ``moe_ep_rank`` order."""
+        first = self.rank - self.moe_ep_rank
+        return list(range(first, first + self.moe_ep_size))
+
+    def has_moe_ep(self) -> bool:
+        return self.moe_ep_size > 1
+
+    def is_multi_node(self) -> bool:
+        return self.world_size > self.gpus_per_node
+
+    # ---- value semantics ----
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name) for name in _FIELDS}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "Mapping":
+        return cls(**values)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.to_dict().values()))
+
+    def __repr__(self) -> str:
+        return "Mapping(" + ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items()) + ")"
+
+
+def ep_group_color(mapping: Any) -> tuple[int, int]:
+    """``(color, key)`` that split a job-wide communicator into MoE EP groups:
+    ranks with equal ``color`` form one group, ordered by ``key`` =
+    ``moe_ep_rank``. Works on FlashInfer's ``Mapping`` too; an object with only
+    ``moe_ep_rank`` / ``moe_ep_size`` is one EP group (color 0)."""
+    ep_rank = int(mapping.moe_ep_rank)
+    try:
+        pp_rank, cp_rank, cp_size = int(mapping.pp_rank), int(mapping.cp_rank), int(mapping.cp_size)
+        moe_tp_rank, moe_tp_size = int(mapping.moe_tp_rank), int(mapping.moe_tp_size)
+        cluster_rank, cluster_size = int(mapping.moe_cluster_rank), int(mapping.moe_cluster_size)
+    except AttributeError:
+        return 0, ep_rank
+    color = ((pp_rank * cp_size + cp_rank) * moe_tp_size + moe_tp_rank) * cluster_size + cluster_rank
+    return color, ep_rank

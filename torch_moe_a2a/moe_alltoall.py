@@ -1,0 +1,613 @@
+"""``MoeAlltoAll``: FlashInfer's stateful wrapper of the functional API
+(docs/DESIGN.md section 2), with its workspace cache and checkpointing."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Union
+
+import torch
+
+from . import layout
+from .api import (
+    _ENV_TIMEOUT,
+    MoeAlltoAllBackend,
+    SfLayout,
+    _check_backend,
+    _combine,
+    _dispatch,
+    _tracing,
+    check_errors,
+    moe_a2a_get_recv_counts,
+    moe_a2a_get_workspace_size_per_rank,
+    moe_a2a_initialize,
+    moe_a2a_sanitize_expert_ids,
+    moe_a2a_wrap_payload_tensor_in_workspace,
+)
+from .collective import Collective, as_collective, is_comm_backend
+from .mapping import ep_group_color
+from .workspace import allocate_workspace, release_workspace_memory, restore_workspace_memory
+
+_ops = torch.ops.moe_a2a
+
+
+@dataclass
+class _A2AState:
+    phase: str = "idle"  # idle | dispatched
+    local_num_tokens: Optional[int] = None
+    combine_payload_offset: Optional[int] = None
+    eplb_gathered_stats: Optional[torch.Tensor] = None
+
+
+@dataclass(eq=False)
+class _SharedWorkspace:
+    """One workspace and this rank's metainfo, shared by every instance built
+    with the same geometry in this process (FlashInfer's workspace cache)."""
+
+    workspace: torch.Tensor
+    metainfo: torch.Tensor
+    # The group the memory was mapped over (None: a local tensor), for checkpointing.
+    collective: Optional[Collective]
+    mapped: bool = True
+    # The instance between its dispatch and its combine, if any: instances
+    # sharing a workspace take turns, one round trip at a time.
+    active: Optional[weakref.ref] = None
+
+    def active_instance(self) -> Optional["MoeAlltoAll"]:
+        return None if self.active is None else self.active()
+
+
+def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"MoeAlltoAll: {name} must be an int {bound}, got {value!r}")
+    return value
+
+
+class MoeAlltoAll:
+    """Stateful wrapper of the functional API, FlashInfer's ``MoeAlltoAll``.
+
+    Remembers what dispatch returned for the matching combine and enforces
+    the alternation dispatch -> combine -> dispatch with a clear RuntimeError.
+
+    Args:
+        mapping: where this rank sits: :class:`~torch_moe_a2a.Mapping`,
+            FlashInfer's ``Mapping``, or any object with ``moe_ep_rank`` and
+            ``moe_ep_size``.
+        max_num_tokens: the most tokens one rank dispatches in a call.
+        top_k: experts per token, 1..22.
+        num_experts: experts in all, ``>= ep_size``.
+        workspace_size_per_rank: bytes per rank; default from ``hidden_size``
+            (:meth:`get_moe_workspace_size_per_rank`).
+        hidden_size: sizes the workspace when ``workspace_size_per_rank`` is not given.
+        mnnvl_config: FlashInfer's ``MnnvlConfig`` (any object with a
+            ``comm_backend`` speaking FlashInfer's ``CommBackend`` interface):
+            as in FlashInfer, ``comm_backend.Split(color, moe_ep_rank)`` gives
+            this rank's EP group, over which the workspace is mapped.
+        eplb_stats_num_experts: length of the EPLB stats :meth:`dispatch`
+            gathers (0: none).
+        enable_rank_mask: whether :meth:`dispatch` / :meth:`combine` take an
+            ``active_rank_mask`` (then they must).
+        backend: ``"trtllm"`` (``"cake"`` is refused, as off Blackwell in FlashInfer).
+        workspace: a pre-allocated ``[ep_size, size_per_rank]`` uint8
+            workspace shared with other instances of this process (simulated
+            ranks). This instance initializes its own row only; a rank's first
+            dispatch waits until every peer's row is initialized, so on a zeroed
+            workspace the instances may be constructed in any order (on CUDA,
+            with every rank's phase launched before anything waits: README).
+        group: a ``torch.distributed`` group or a ``CommBackend`` to map the
+            workspace over (default: the default group when
+            ``torch.distributed`` is initialized and ``ep_size > 1``).
+        device: where an allocated workspace lives (default: the current
+            CUDA device if there is one, else the CPU).
+        timeout_s: the bound on every wait for a peer (default:
+            ``MOE_A2A_TIMEOUT_S``, else 30 s).
+
+    Workspace ownership. Without ``workspace=``, instances of one geometry
+    (``workspace_size_per_rank``, ``ep_rank``, ``ep_size``,
+    ``max_num_tokens``, ``eplb_stats_num_experts``, ``backend``, device) share
+    one workspace and one metainfo, as FlashInfer's do: the first allocates
+    it (collectively over the group: every rank constructs its instances in
+    the same order), the process-wide cache owns it, and the rest reuse it;
+    instances sharing it take turns (a dispatch while another instance is
+    between its dispatch and combine raises). The memory lives until
+    :meth:`clear_workspace_cache` has dropped the cache's reference and the
+    last instance and view are gone. Allocation with a group maps every
+    member's row into every member (:func:`~torch_moe_a2a.allocate_workspace`),
+    initializes the rows and synchronizes the group (the initialization
+    finished on the device, then a barrier), so no peer writes into a row
+    before its owner zeroed it. Without a group (``ep_size == 1``) it is a
+    plain zeroed tensor.
+
+    The workspace is marked static (``torch._dynamo.mark_static_address``) so
+    CUDA-graph trees (``mode="reduce-overhead"``) accept the in-place
+    mutations of the ops (docs/DESIGN.md section 4).
+
+    Raises:
+        ValueError: arguments out of range, ``mapping`` inconsistent with the
+            group, ``workspace=`` together with a group, a workspace too small.
+        NotImplementedError: ``backend="cake"`` on a Blackwell device.
+    """
+
+    # (workspace_size_per_rank, ep_rank, ep_size, max_num_tokens,
+    # eplb_stats_num_experts, backend, device) -> the shared workspace.
+    _WORKSPACE_CACHE: ClassVar[dict[tuple, _SharedWorkspace]] = {}
+
+    def __init__(
+        self,
+        mapping: Any,
+        max_num_tokens: int,
+        top_k: int,
+        num_experts: int,
+        workspace_size_per_rank: Optional[int] = None,
+        hidden_size: Optional[int] = None,
+        mnnvl_config: Any = None,
+        eplb_stats_num_experts: int = 0,
+        enable_rank_mask: bool = False,
+        *,
+        backend: MoeAlltoAllBackend = "trtllm",
+        workspace: Optional[torch.Tensor] = None,
+        group: Any = None,
+        device: Union[torch.device, str, None] = None,
+        timeout_s: Optional[float] = None,
+    ):
+        self.ep_rank = int(mapping.moe_ep_rank)
+        self.ep_size = int(mapping.moe_ep_size)
+        # The limits of every later call, checked before anything is allocated or initialized.
+        _check_int("ep_size", self.ep_size, 1, layout.MAX_RANKS)
+        if not 0 <= self.ep_rank < self.ep_size:
+            raise ValueError(f"MoeAlltoAll: moe_ep_rank {self.ep_rank} out of range [0, {self.ep_size})")
+        _check_int("max_num_tokens", max_num_tokens, 1, layout.MAX_NUM_TOKENS)
+        _check_int("top_k", top_k, 1, layout.MAX_TOP_K)
+        _check_int("num_experts", num_experts, max(1, self.ep_size))
+        _check_int("eplb_stats_num_experts", eplb_stats_num_experts, 0)
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"MoeAlltoAll: timeout_s must be > 0, got {timeout_s}")
+        if mnnvl_config is not None and group is not None:
+            raise ValueError("MoeAlltoAll: pass mnnvl_config= or group=, not both")
+        if workspace is not None and (group is not None or mnnvl_config is not None):
+            raise ValueError("MoeAlltoAll: workspace= is a workspace of simulated ranks in this process; "
+                             "it takes no group or mnnvl_config")
+
+        if mnnvl_config is not None:
+            comm = getattr(mnnvl_config, "comm_backend", None)
+            if not is_comm_backend(comm) or not callable(getattr(comm, "Split", None)):
+                raise ValueError("MoeAlltoAll: mnnvl_config.comm_backend must speak FlashInfer's CommBackend "
+                                 f"interface (Get_rank, Get_size, allgather, bcast, barrier, Split), got "
+                                 f"{type(comm).__name__} (FlashInfer's MPI default is not used here)")
+            group = comm.Split(*ep_group_color(mapping))
+
+        if workspace is not None:
+            if workspace.dim() != 2 or workspace.shape[0] != self.ep_size:
+                raise ValueError(
+                    f"workspace must be [ep_size={self.ep_size}, size_per_rank], got {tuple(workspace.shape)}"
+                )
+            if workspace_size_per_rank is not None and workspace_size_per_rank != workspace.shape[1]:
+                raise ValueError(
+                    f"workspace_size_per_rank {workspace_size_per_rank} differs from the workspace's "
+                    f"{workspace.shape[1]} bytes per rank"
+                )
+            workspace_size_per_rank = workspace.shape[1]
+            device = workspace.device
+        elif device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        _check_backend(backend, device)
+
+        if workspace_size_per_rank is None:
+            if hidden_size is None:
+                raise ValueError("hidden_size must be provided if workspace_size_per_rank is not provided")
+            workspace_size_per_rank = self.get_moe_workspace_size_per_rank(
+                self.ep_size, top_k, max_num_tokens, hidden_size, 0, eplb_stats_num_experts, backend=backend
+            )
+        self.workspace_size_per_rank = workspace_size_per_rank
+        self.max_num_tokens = max_num_tokens
+        self.top_k = top_k
+        self.num_experts = num_experts
+        self.eplb_stats_num_experts = eplb_stats_num_experts
+        self.enable_eplb = eplb_stats_num_experts > 0
+        self.enable_rank_mask = enable_rank_mask
+        self.timeout_s = _ENV_TIMEOUT if timeout_s is None else float(timeout_s)
+        self._backend = backend
+
+        if workspace is not None:
+            metainfo = moe_a2a_initialize(
+                workspace, self.ep_rank, self.ep_size, max_num_tokens, eplb_stats_num_experts, backend=backend
+            )
+            self._shared = _SharedWorkspace(workspace, metainfo, None)
+        else:
+            self._shared = self._cached_workspace(group, device)
+        torch._dynamo.mark_static_address(self.workspace)
+        self._recv_counts = moe_a2a_get_recv_counts(self.workspace, self.metainfo, self.ep_rank)
+        self._recv_view_cache: dict = {"_workspace": self.workspace}
+        self._state = _A2AState()
+
+    def _cached_workspace(self, group: Any, device: torch.device) -> _SharedWorkspace:
+        key = (self.workspace_size_per_rank, self.ep_rank, self.ep_size, self.max_num_tokens,
+               self.eplb_stats_num_experts, self._backend, device)
+        shared = self._WORKSPACE_CACHE.get(key)
+        if shared is not None:
+            return shared
+        if group is None and self.ep_size > 1 and torch.distributed.is_available() \
+                and torch.distributed.is_initialized():
+            group = torch.distributed.group.WORLD
+        if group is None and self.ep_size > 1:
+            raise ValueError(
+                f"ep_size {self.ep_size} > 1 needs a shared workspace: pass workspace= (simulated "
+                "ranks in this process), group= or mnnvl_config= (one rank per process)"
+            )
+        coll = None
+        if group is not None:
+            coll = as_collective(group, device)
+            if (coll.rank, coll.size) != (self.ep_rank, self.ep_size):
+                raise ValueError(f"MoeAlltoAll: the mapping's (moe_ep_rank, moe_ep_size) = ({self.ep_rank}, "
+                                 f"{self.ep_size}) differ from the group's (rank, size) = ({coll.rank}, {coll.size})")
+        workspace = allocate_workspace(self.workspace_size_per_rank, group=coll, ep_size=self.ep_size,
+                                       device=device)
+        metainfo = moe_a2a_initialize(workspace, self.ep_rank, self.ep_size, self.max_num_tokens,
+                                      self.eplb_stats_num_experts, backend=self._backend)
+        if coll is not None:
+            _synchronize(workspace)
+            coll.barrier()
+        shared = _SharedWorkspace(workspace, metainfo, coll)
+        self._WORKSPACE_CACHE[key] = shared
+        return shared
+
+    @classmethod
+    def clear_workspace_cache(cls) -> None:
+        """Drop the process-wide cache's references to the shared workspaces.
+
+        Instances built before keep theirs; the memory goes when the last of
+        them and of the views is gone. Instances built after allocate anew
+        (collectively: call this on every rank at the same point).
+        """
+        cls._WORKSPACE_CACHE.clear()
+
+    @property
+    def workspace(self) -> torch.Tensor:
+        """The ``[ep_size, size_per_rank]`` uint8 workspace (shared; see the class docstring)."""
+        return self._shared.workspace
+
+    @property
+    def metainfo(self) -> torch.Tensor:
+        """This rank's metainfo (:func:`~torch_moe_a2a.moe_a2a_initialize`), shared with the workspace."""
+        return self._shared.metainfo
+
+    @staticmethod
+    def get_moe_workspace_size_per_rank(
+        ep_size: int,
+        top_k: int,
+        max_num_tokens: int,
+        hidden_size: int,
+        extra_payload_bytes_per_token: int = 0,
+        eplb_stats_num_experts: int = 0,
+        *,
+        backend: MoeAlltoAllBackend = "trtllm",
+    ) -> int:
+        """FlashInfer's sizing: 16-bit hidden states plus int32 expert ids and fp32
+        router weights per token (and ``extra_payload_bytes_per_token``) for
+        dispatch, 16-bit hidden states for combine."""
+        hidden_bytes = hidden_size * 2
+        dispatch_bytes = hidden_bytes + top_k * 4 + top_k * 4 + extra_payload_bytes_per_token
+        return moe_a2a_get_workspace_size_per_rank(
+            ep_size, max_num_tokens, dispatch_bytes, hidden_bytes, eplb_stats_num_experts, backend=backend
+        )
+
+    @property
+    def eplb_gathered_stats(self) -> Optional[torch.Tensor]:
+        """int32 ``[ep_size, eplb_stats_num_experts]`` view from the last dispatch (None when it
+        gathered none); valid until :meth:`combine`."""
+        return self._state.eplb_gathered_stats
+
+    @property
+    def recv_counts(self) -> torch.Tensor:
+        """int32 ``[ep_size]`` workspace view: rows received from each rank by the last dispatch."""
+        if _tracing():
+            # A view made outside the graph would be a second graph input aliasing
+            # the mutated workspace with another dtype, which AOTAutograd refuses
+            # (and a constant to make_fx).
+            return moe_a2a_get_recv_counts(self.workspace, self.metainfo, self.ep_rank)
+        return self._recv_counts
+
+    def check(self) -> None:
+        """Raise RuntimeError if any rank of the workspace recorded an error (:func:`check_errors`)."""
+        self._check_mapped("check")
+        check_errors(self.workspace)
+
+    def _check_mapped(self, what: str) -> None:
+        if not self._shared.mapped:
+            raise RuntimeError(f"MoeAlltoAll.{what}: the workspace's memory was released by checkpoint_prepare(); "
+                               "call checkpoint_restore(comm_backend) first")
+
+    def dispatch(
+        self,
+        token_selected_experts: torch.Tensor,
+        input_payloads: list[torch.Tensor],
+        runtime_max_tokens_per_rank: int,
+        invalid_token_expert_id: Optional[int] = None,
+        expert_id_payload_index: Optional[int] = None,
+        eplb_local_stats: Optional[torch.Tensor] = None,
+        active_rank_mask: Optional[torch.Tensor] = None,
+        enable_pdl: Optional[bool] = None,
+    ) -> list[torch.Tensor]:
+        """:func:`~torch_moe_a2a.moe_a2a_dispatch` on this instance's workspace.
+
+        Args:
+            token_selected_experts, input_payloads, runtime_max_tokens_per_rank,
+                eplb_local_stats, active_rank_mask, enable_pdl: as in the
+                functional dispatch (``active_rank_mask`` required when the
+                instance was built with ``enable_rank_mask=True``).
+            invalid_token_expert_id: when given, the padding rows of the
+                received expert-id payload ``input_payloads[expert_id_payload_index]``
+                (an int32 payload of any width) are overwritten with it
+                (:func:`~torch_moe_a2a.moe_a2a_sanitize_expert_ids`).
+
+        Returns:
+            The receive views, one per payload: ``[ep_size,
+            runtime_max_tokens_per_rank, *]`` views of the workspace, valid until
+            :meth:`combine`.
+
+        Raises:
+            RuntimeError: two dispatches without a combine, another instance
+                sharing the workspace between its dispatch and combine, or the
+                workspace released by :meth:`checkpoint_prepare`.
+            ValueError: arguments the functional dispatch refuses; EPLB stats or
+                a rank mask the instance was not built for.
+        """
+        self._check_mapped("dispatch")
+        if self._state.phase != "idle":
+            raise RuntimeError("MoeAlltoAll.dispatch called twice without combine")
+        other = self._shared.active_instance()
+        if other is not None and other is not self:
+            raise RuntimeError("MoeAlltoAll.dispatch: another MoeAlltoAll sharing this workspace is between its "
+                               "dispatch and combine; instances of one geometry share one workspace and take turns")
+        if invalid_token_expert_id is not None:
+            _check_sanitize_request(input_payloads, expert_id_payload_index, invalid_token_expert_id)
+        if eplb_local_stats is not None and not self.enable_eplb:
+            raise ValueError("eplb_local_stats given but the instance was constructed with eplb_stats_num_experts=0")
+        if active_rank_mask is not None and not self.enable_rank_mask:
+            raise ValueError("active_rank_mask requires the instance to be constructed with enable_rank_mask=True")
+        recv, combine_payload_offset, eplb_gathered_stats = _dispatch(
+            token_selected_experts,
+            input_payloads,
+            self.workspace,
+            self.metainfo,
+            runtime_max_tokens_per_rank,
+            self.ep_rank,
+            self.ep_size,
+            self.top_k,
+            self.num_experts,
+            enable_pdl,
+            eplb_local_stats,
+            self.enable_rank_mask,
+            active_rank_mask,
+            backend=self._backend,
+            recv_view_cache=self._recv_view_cache,
+            timeout_s=self.timeout_s,
+        )
+        self._state = _A2AState(
+            "dispatched",
+            token_selected_experts.shape[0],
+            combine_payload_offset,
+            eplb_gathered_stats,
+        )
+        self._shared.active = weakref.ref(self)
+        if invalid_token_expert_id is not None:
+            moe_a2a_sanitize_expert_ids(
+                recv[expert_id_payload_index],
+                self.workspace,
+                self.metainfo,
+                self.ep_rank,
+                invalid_token_expert_id,
+                enable_pdl,
+                backend=self._backend,
+            )
+        return recv
+
+    def combine(
+        self,
+        payload: torch.Tensor,
+        runtime_max_tokens_per_rank: int,
+        payload_in_workspace: bool = False,
+        output_dtype: Optional[torch.dtype] = None,
+        output_scales: Optional[torch.Tensor] = None,
+        output_scalar_scale: float = 1.0,
+        sf_layout: SfLayout = SfLayout.layout_linear,
+        output: Optional[torch.Tensor] = None,
+        *,
+        use_low_precision: bool = False,
+        active_rank_mask: Optional[torch.Tensor] = None,
+        enable_pdl: Optional[bool] = None,
+    ) -> torch.Tensor:
+        """:func:`~torch_moe_a2a.moe_a2a_combine` for the tokens of the last :meth:`dispatch`.
+
+        Returns:
+            ``[local_num_tokens, *payload.shape[2:]]``: a new tensor, or ``output``.
+
+        Raises:
+            RuntimeError: no dispatch before it, or the workspace released by
+                :meth:`checkpoint_prepare`.
+            ValueError: arguments the functional combine refuses.
+        """
+        self._check_mapped("combine")
+        if self._state.phase != "dispatched":
+            raise RuntimeError("MoeAlltoAll.combine called before dispatch (each combine needs its own dispatch)")
+        if active_rank_mask is not None and not self.enable_rank_mask:
+            raise ValueError("active_rank_mask requires the instance to be constructed with enable_rank_mask=True")
+        out = _combine(
+            payload,
+            self._state.local_num_tokens,
+            self.workspace,
+            self.metainfo,
+            runtime_max_tokens_per_rank,
+            self.ep_rank,
+            self.ep_size,
+            self.top_k,
+            self._state.combine_payload_offset,
+            payload_in_workspace,
+            output_dtype,
+            output_scales,
+            output_scalar_scale,
+            sf_layout,
+            output,
+            use_low_precision=use_low_precision,
+            enable_pdl=enable_pdl,
+            enable_rank_mask=self.enable_rank_mask,
+            active_rank_mask=active_rank_mask,
+            backend=self._backend,
+            timeout_s=self.timeout_s,
+        )
+        self._state = _A2AState()
+        self._shared.active = None
+        return out
+
+    def get_combine_payload_tensor_in_workspace(
+        self,
+        runtime_max_tokens_per_rank: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """``[ep_size, runtime_max_tokens_per_rank, hidden_size]`` view of this rank's combine region.
+
+        Write the expert outputs into it and call :meth:`combine` with
+        ``payload_in_workspace=True`` to skip the staging copy. Valid between
+        :meth:`dispatch` and :meth:`combine`. Under ``torch.compile`` it is a
+        tensor of its own, which combine then stages (see
+        :func:`~torch_moe_a2a.moe_a2a_wrap_payload_tensor_in_workspace`).
+
+        Raises:
+            RuntimeError: called before :meth:`dispatch`, or with the workspace released.
+        """
+        self._check_mapped("get_combine_payload_tensor_in_workspace")
+        if self._state.phase != "dispatched":
+            raise RuntimeError("get_combine_payload_tensor_in_workspace called before dispatch")
+        offset = self._state.combine_payload_offset
+        nbytes = self.ep_size * runtime_max_tokens_per_rank * hidden_size * dtype.itemsize
+        return moe_a2a_wrap_payload_tensor_in_workspace(
+            self.workspace[self.ep_rank], [self.ep_size, runtime_max_tokens_per_rank], offset, offset + nbytes, dtype
+        )
+
+    # ---- checkpointing (FlashInfer's checkpoint_prepare / checkpoint_restore) ----
+
+    def _check_checkpointable(self, what: str) -> Collective:
+        coll = self._shared.collective
+        if coll is None:
+            raise RuntimeError(f"MoeAlltoAll.{what} needs a workspace mapped over a group (mnnvl_config= or "
+                               "group=); this instance's is a tensor of this process, with no memory to hand back")
+        if self._shared.active_instance() is not None:
+            raise RuntimeError(f"MoeAlltoAll.{what}: cannot release or remap the workspace between a dispatch and "
+                               "its combine")
+        return coll
+
+    def checkpoint_prepare(self) -> None:
+        """Release the workspace's memory, keeping its addresses (collective; idempotent).
+
+        Every rank finishes its work on the device, the group synchronizes,
+        and each rank unmaps the rows (CUDA: the address range stays reserved,
+        so CUDA graphs captured on the workspace stay valid for after
+        :meth:`checkpoint_restore`; CPU: the shared pages are freed). Every
+        instance sharing the workspace is released with it; until the
+        restore, their dispatch, combine and views raise or must not be
+        touched. A second call is a no-op.
+
+        Raises:
+            RuntimeError: between a dispatch and its combine (of any instance
+                sharing the workspace), or on a workspace not mapped over a group.
+        """
+        if not self._shared.mapped:
+            return
+        coll = self._check_checkpointable("checkpoint_prepare")
+        release_workspace_memory(self.workspace, coll)
+        self._shared.mapped = False
+
+    def checkpoint_restore(self, comm_backend: Any) -> None:
+        """Map fresh memory at the old addresses and re-initialize (collective; idempotent).
+
+        Args:
+            comm_backend: a FlashInfer ``CommBackend`` (or ``torch.distributed``
+                group) of the same ranks in the same order as the workspace's
+                group; it becomes the workspace's group.
+
+        The metainfo stays the same object with the same values, so CUDA
+        graphs captured before :meth:`checkpoint_prepare` replay unchanged. A
+        call on a mapped workspace is a no-op.
+
+        Raises:
+            RuntimeError: ``comm_backend``'s rank or size differ from this
+                rank's place in the workspace, or between a dispatch and its combine.
+        """
+        if self._shared.mapped:
+            return
+        self._check_checkpointable("checkpoint_restore")
+        coll = as_collective(comm_backend, self.workspace.device)
+        if (coll.rank, coll.size) != (self.ep_rank, self.ep_size):
+            raise RuntimeError(f"MoeAlltoAll.checkpoint_restore: the communicator's rank/size {coll.rank}/"
+                               f"{coll.size} differ from the workspace's {self.ep_rank}/{self.ep_size}")
+        _synchronize(self.workspace)
+        restore_workspace_memory(self.workspace, coll)
+        self._initialize_own_row()
+        coll.barrier()
+        self._shared.collective = coll
+        self._shared.mapped = True
+        self._state = _A2AState()
+
+    def reset(self) -> None:
+        """Re-initialize the workspace after a failure (a timed-out peer), collectively.
+
+        With a group: every rank calls it; the group synchronizes (no rank is
+        still inside a call), each rank re-initializes its own row (clearing
+        its error record), and the group synchronizes again. On a ``workspace=``
+        of simulated ranks: this rank's row only, and the caller makes sure
+        no rank is inside a call (every rank's last call returned and its
+        kernels finished) before any rank resets. The metainfo stays the same.
+
+        Raises:
+            RuntimeError: the workspace was released by :meth:`checkpoint_prepare`.
+        """
+        self._check_mapped("reset")
+        coll = self._shared.collective
+        _synchronize(self.workspace)
+        if coll is not None:
+            coll.barrier()
+        self._initialize_own_row()
+        if coll is not None:
+            coll.barrier()
+        self._state = _A2AState()
+        self._shared.active = None
+
+    def _initialize_own_row(self) -> None:
+        """moe_a2a_initialize of the own row with the metainfo's mailbox (so the
+        metainfo, which CUDA graphs baked in, stays valid), finished on the device."""
+        mailbox = int(self.metainfo[layout.META_MAILBOX_ADDR])
+        _ops.initialize.default(self.workspace, self.ep_rank, self.ep_size, self.max_num_tokens,
+                                self.eplb_stats_num_experts, mailbox)
+        _synchronize(self.workspace)
+
+
+def _synchronize(workspace: torch.Tensor) -> None:
+    """Wait for the queued work on the workspace's device (before a barrier lets a peer in)."""
+    if workspace.is_cuda:
+        torch.cuda.current_stream(workspace.device).synchronize()
+
+
+def _check_sanitize_request(input_payloads: list, index: Optional[int], invalid_id: int) -> None:
+    """MoeAlltoAll.dispatch's sanitize arguments, checked before the dispatch
+    runs: a refusal after it would leave the peers' rows written and no
+    receive views returned."""
+    if index is None:
+        raise ValueError("expert_id_payload_index is required when invalid_token_expert_id is set")
+    if not isinstance(index, int) or not 0 <= index < len(input_payloads):
+        raise ValueError(f"expert_id_payload_index must index input_payloads (0..{len(input_payloads) - 1}), "
+                         f"got {index!r}")
+    ids = input_payloads[index]
+    if ids.dtype != torch.int32 or ids.dim() != 2:
+        raise ValueError("expert_id_payload_index must name an int32 [local_num_tokens, width] payload, "
+                         f"got {ids.dtype} {tuple(ids.shape)}")
+    if not -(2**31) <= invalid_id < 2**31:
+        raise ValueError(f"invalid_token_expert_id must fit in int32, got {invalid_id}")
+
+
+__all__ = ["MoeAlltoAll"]
