@@ -266,8 +266,9 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts,
 
   const at::Tensor& ids = token_selected_experts;
   TORCH_CHECK_VALUE(ids.defined(), "token_selected_experts must be a tensor, got an undefined tensor");
-  TORCH_CHECK_VALUE(ids.scalar_type() == at::kInt, "token_selected_experts must be torch.int32, got ",
-                    dtype_name(ids.scalar_type()));
+  // int64 too: torch.topk's indices, read as they are (no conversion copy).
+  TORCH_CHECK_VALUE(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong,
+                    "token_selected_experts must be torch.int32 or torch.int64, got ", dtype_name(ids.scalar_type()));
   TORCH_CHECK_VALUE(ids.dim() == 2 && ids.size(1) == top_k,
                     "token_selected_experts must be 2-D [local_num_tokens, top_k=", top_k,
                     "], got shape ", ids.sizes());
@@ -332,7 +333,8 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts,
   p.runtime_max_tokens = runtime_max_tokens_per_rank;
   p.top_k = top_k;
   p.num_experts = num_experts;
-  p.token_selected_experts = static_cast<const int32_t*>(ids.data_ptr());
+  p.token_selected_experts = ids.data_ptr();
+  p.ids_int64 = ids.scalar_type() == at::kLong;
   p.num_payloads = static_cast<int>(num_payloads);
   return p;
 }
@@ -434,28 +436,32 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
 
 SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
                               int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t offset,
-                              int64_t width, int64_t invalid_expert_id, bool enable_pdl) {
+                              int64_t width, int64_t invalid_expert_id, int64_t id_bytes, bool enable_pdl) {
   SanitizeParams p{};
   p.ws = check_workspace(workspace, ep_rank, ep_size);
   check_max_num_tokens(max_num_tokens);
   const int64_t T = runtime_max_tokens_per_rank;
   check_runtime_max(T, max_num_tokens);
-  // Any int32 payload is an expert-id payload to sanitize, whatever its width.
-  TORCH_CHECK_VALUE(width >= 1 && width <= kMaxRowBytes / int64_t(sizeof(int32_t)), "width (int32 values per row) must be in [1, ",
-                    kMaxRowBytes / int64_t(sizeof(int32_t)), "], got ", width);
-  TORCH_CHECK_VALUE(invalid_expert_id >= std::numeric_limits<int32_t>::min() &&
-                        invalid_expert_id <= std::numeric_limits<int32_t>::max(),
+  TORCH_CHECK_VALUE(id_bytes == int64_t(sizeof(int32_t)) || id_bytes == int64_t(sizeof(int64_t)),
+                    "id_bytes must be 4 (int32 ids) or 8 (int64 ids), got ", id_bytes);
+  // Any int32 or int64 payload is an expert-id payload to sanitize, whatever its width.
+  TORCH_CHECK_VALUE(width >= 1 && width <= kMaxRowBytes / id_bytes, "width (ids per row) must be in [1, ",
+                    kMaxRowBytes / id_bytes, "], got ", width);
+  TORCH_CHECK_VALUE(id_bytes == int64_t(sizeof(int64_t)) ||
+                        (invalid_expert_id >= std::numeric_limits<int32_t>::min() &&
+                         invalid_expert_id <= std::numeric_limits<int32_t>::max()),
                     "invalid_expert_id must fit in int32, got ", invalid_expert_id);
-  TORCH_CHECK_VALUE(offset >= kHeaderBytes && offset % int64_t(sizeof(int32_t)) == 0,
-                    "offset (of the received expert-id plane) must be a multiple of ",
-                    sizeof(int32_t), " and >= ", kHeaderBytes, ", got ", offset);
+  TORCH_CHECK_VALUE(offset >= kHeaderBytes && offset % id_bytes == 0,
+                    "offset (of the received expert-id plane) must be a multiple of ", id_bytes, " and >= ",
+                    kHeaderBytes, ", got ", offset);
   TORCH_CHECK_VALUE(offset <= p.ws.size_per_rank, "offset must be <= ", p.ws.size_per_rank,
                     " (bytes per rank), got ", offset);
-  check_fits(offset + ep_size * T * width * int64_t(sizeof(int32_t)), p.ws.size_per_rank);
+  check_fits(offset + ep_size * T * width * id_bytes, p.ws.size_per_rank);
   p.runtime_max_tokens = T;
   p.offset = offset;
   p.width = width;
-  p.invalid_expert_id = static_cast<int32_t>(invalid_expert_id);
+  p.invalid_expert_id = invalid_expert_id;
+  p.ids_int64 = id_bytes == int64_t(sizeof(int64_t));
   p.enable_pdl = enable_pdl;
   return p;
 }
@@ -644,10 +650,10 @@ void combine_into_cpu(const std::optional<at::Tensor>& payload, int64_t local_nu
 
 void sanitize_expert_ids_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
                              int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t offset,
-                             int64_t width, int64_t invalid_expert_id, bool enable_pdl) {
+                             int64_t width, int64_t invalid_expert_id, int64_t id_bytes, bool enable_pdl) {
   const SanitizeParams p = check_sanitize(workspace, ep_rank, ep_size, max_num_tokens,
                                           runtime_max_tokens_per_rank, offset, width, invalid_expert_id,
-                                          enable_pdl);
+                                          id_bytes, enable_pdl);
   raise_row_status(cpu::check_row_for_sanitize(p.ws, max_num_tokens), ep_rank);
   cpu::sanitize_expert_ids(p);
 }

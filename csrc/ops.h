@@ -74,7 +74,7 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
 // sanitize_expert_ids: the arguments of kSchemaSanitize, in order.
 SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
                               int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t offset,
-                              int64_t width, int64_t invalid_expert_id, bool enable_pdl);
+                              int64_t width, int64_t invalid_expert_id, int64_t id_bytes, bool enable_pdl);
 
 // ---- timeouts ---------------------------------------------------------------
 // timeout_s > 0 is used as given; <= 0 means "the default": the environment

@@ -51,7 +51,9 @@ struct DispatchParams {
   int64_t runtime_max_tokens;  // T
   int64_t top_k;               // 1..kMaxTopK
   int64_t num_experts;         // >= ep_size
-  const int32_t* token_selected_experts;  // [local_num_tokens, top_k], contiguous
+  // [local_num_tokens, top_k], contiguous: int32 ids, or int64 ids (torch.topk's) when ids_int64.
+  const void* token_selected_experts;
+  bool ids_int64;
   int num_payloads;                       // 1..kMaxPayloads
   const uint8_t* payload[kMaxPayloads];   // [local_num_tokens, row_bytes], contiguous rows
   int64_t payload_row_bytes[kMaxPayloads];
@@ -60,6 +62,13 @@ struct DispatchParams {
   CallLayout layout;                // offsets inside every row for this call
   uint32_t payload_signature;       // payload_signature(layout, payload_row_bytes)
 };
+
+// Expert id i (token i / top_k, column i % top_k) of a dispatch, whichever
+// width the caller's ids have.
+MOE_A2A_HD int64_t expert_id(const DispatchParams& p, int64_t i) {
+  return p.ids_int64 ? static_cast<const int64_t*>(p.token_selected_experts)[i]
+                     : static_cast<const int32_t*>(p.token_selected_experts)[i];
+}
 
 struct CombineParams {
   WorkspaceView ws;
@@ -80,8 +89,9 @@ struct SanitizeParams {
   WorkspaceView ws;
   int64_t runtime_max_tokens;  // T
   int64_t offset;              // byte offset of the [ep_size, T, width] int32 plane in the own row
-  int64_t width;               // int32 values per row (any expert-id payload, not only top_k wide)
-  int32_t invalid_expert_id;
+  int64_t width;               // ids per row (any expert-id payload, not only top_k wide)
+  bool ids_int64;              // the plane holds int64 ids (else int32)
+  int64_t invalid_expert_id;  // fits int32 for an int32 plane
   bool enable_pdl;
 };
 

@@ -61,7 +61,7 @@ constexpr const char* kSchemaCheckExpertIds = "check_expert_ids(Tensor token_sel
 constexpr const char* kSchemaSanitize =
     "sanitize_expert_ids(Tensor(a!) workspace, int ep_rank, int ep_size, int max_num_tokens, "
     "int runtime_max_tokens_per_rank, "
-    "int offset, int width, int invalid_expert_id, bool enable_pdl) -> ()";
+    "int offset, int width, int invalid_expert_id, int id_bytes, bool enable_pdl) -> ()";
 
 // The C++ signatures the dispatcher gives the kernels of the ops that
 // callers in C++ redispatch or call typed (ops.cpp's ADInplaceOrView
@@ -78,7 +78,7 @@ using CombineSignature = at::Tensor(MOE_A2A_COMBINE_TYPES);
 using CombineIntoSignature = void(MOE_A2A_COMBINE_TYPES, const at::Tensor&);
 #undef MOE_A2A_COMBINE_TYPES
 using SanitizeSignature = void(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                               bool);
+                               int64_t, bool);
 
 // ---- CUDA virtual memory: the multi-process workspace (csrc/cuda/vmm.cpp) ----
 // Defined by vmm.cpp (TORCH_LIBRARY_FRAGMENT), so they exist only in builds

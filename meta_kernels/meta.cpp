@@ -64,7 +64,7 @@ void combine_into_meta(const std::optional<at::Tensor>& payload, c10::SymInt, co
 }
 
 void sanitize_expert_ids_meta(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                              int64_t, bool) {}
+                              int64_t, int64_t, bool) {}
 
 // A traced check has no values to read: the real kernels do it when the graph runs.
 void check_expert_ids_meta(const at::Tensor&, int64_t) {}

@@ -561,3 +561,21 @@ def test_torch_function_mode_sees_torch_ops(monkeypatch, device):
     round_trip(sim, case, make_inputs(case, gen), gen, use_output=True)
     expected = ["dispatch.default"] * 4 + ["combine.default"] * 2 + ["combine_into.default"] * 2
     assert sorted(recorder.ops) == sorted(expected), recorder.ops
+
+
+@pytest.mark.parametrize("ep_size", [1, 3])
+def test_int64_expert_ids_route_as_int32(ep_size, device):
+    """torch.topk's int64 indices dispatch without a conversion: the same
+    counts and combine as the int32 ids."""
+    case = Case(ep_size, (5, 0, 7)[:ep_size], 4, 10, hidden=32, negative_fraction=0.1, invalid_fraction=0.05)
+    x = make_inputs(case, make_generator(f"int64-{ep_size}"))
+    results = []
+    for id_dtype in (torch.int32, torch.int64):
+        ids = [t.to(id_dtype) for t in x.ids]
+        # Each round trip is checked against the reference; then against each other.
+        results.append(round_trip(make_sim(case, device), case, type(x)(ids, x.payloads),
+                                  make_generator(f"poison-{id_dtype}")))
+    for a, b in zip(results[0].outputs, results[1].outputs):
+        assert_bytes_equal(a, b, "combine output")
+    for r in range(ep_size):
+        assert torch.equal(results[0].counts[r], results[1].counts[r])

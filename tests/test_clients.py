@@ -302,16 +302,19 @@ def test_mapping_must_match_the_communicator():
                         mnnvl_config=MnnvlConfig(comm), device="cpu")
 
 
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("width", [24, 100, 21504])
-def test_sanitize_any_width(width, device):
-    """FlashInfer's single-GPU sanitize test: int32 payloads of any width."""
+def test_sanitize_any_width(width, id_dtype, device):
+    """FlashInfer's single-GPU sanitize test: int32 payloads of any width (and
+    int64 ones, written in their own width)."""
     gen = make_generator(f"wide-{width}")
     tokens = 3
-    size = a2a.moe_a2a_get_workspace_size_per_rank(1, 4, width * 4 + TOP_K * 4, 64)
+    size = a2a.moe_a2a_get_workspace_size_per_rank(1, 4, width * 8 + TOP_K * 4, 64)
     workspace = a2a.allocate_workspace(size, ep_size=1, device=device)
     metainfo = a2a.moe_a2a_initialize(workspace, 0, 1, 4)
     ids = reference.random_routing(tokens, TOP_K, 8, gen).to(device)
-    wide = torch.randint(0, 1000, (tokens, width), dtype=torch.int32, generator=gen).to(device)
+    wide = torch.randint(-2**40 if id_dtype == torch.int64 else -1000, 1000, (tokens, width), dtype=id_dtype,
+                         generator=gen).to(device)
     recv, _, _ = a2a.moe_a2a_dispatch(ids, [wide], workspace, metainfo, 4, 0, 1, TOP_K, 8)
     a2a.moe_a2a_sanitize_expert_ids(recv[0], workspace, metainfo, 0, -7)
     assert torch.equal(recv[0][0, :tokens].cpu(), wide.cpu())

@@ -103,7 +103,7 @@ def _other_workspace_dtype(env, args):
 
 
 DISPATCH_BAD = [
-    ("ids_int64", _ids(lambda e: e.ids.long()), r"(?i)token_selected_experts|int32"),
+    ("ids_int16", _ids(lambda e: e.ids.to(torch.int16)), r"(?i)token_selected_experts must be torch.int32 or torch.int64"),
     ("ids_1d", _ids(lambda e: e.ids[:, 0].contiguous()), r"(?i)token_selected_experts|top_k|dim|shape"),
     ("ids_wrong_top_k", _ids(lambda e: torch.cat([e.ids, e.ids[:, :1]], 1)), r"(?i)token_selected_experts|top_k"),
     ("top_k_0", _set(top_k=0), r"(?i)top_k"),
@@ -397,10 +397,10 @@ def test_sanitize_rejects(device):
     offset = ids_view.storage_offset() * ids_view.element_size() - env.workspace.storage_offset()
     max_tokens = env.case.max_tokens
     raw = torch.ops.moe_a2a.sanitize_expert_ids.default
-    expect_error(env.workspace, lambda: raw(env.workspace, 0, 1, max_tokens, max_tokens + 1, offset, k, -1, False),
+    expect_error(env.workspace, lambda: raw(env.workspace, 0, 1, max_tokens, max_tokens + 1, offset, k, -1, 4, False),
                  ValueError, r"runtime_max_tokens_per_rank must be in \[1, max_num_tokens")
     if device == "cpu":  # a CUDA row's header is on the device: the host takes max_num_tokens on trust
-        expect_error(env.workspace, lambda: raw(env.workspace, 0, 1, 4 * max_tokens, T, offset, k, -1, False),
+        expect_error(env.workspace, lambda: raw(env.workspace, 0, 1, 4 * max_tokens, T, offset, k, -1, 4, False),
                      ValueError, r"(?i)metainfo does not match the workspace")
     a2a.moe_a2a_combine(out[0], 6, env.workspace, env.metainfo, env.case.T, 0, 1, env.case.top_k, off)
 

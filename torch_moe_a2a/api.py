@@ -47,6 +47,8 @@ _CAKE_CAPABILITIES = ((10, 0), (10, 3))
 # Programmatic dependent launch needs Hopper or newer.
 _PDL_MIN_CAPABILITY = (9, 0)
 _U64 = 1 << 64
+# Expert-id dtypes dispatch reads and sanitize writes (int64: torch.topk's indices).
+_ID_DTYPES = (torch.int32, torch.int64)
 _I64_SIGN = 1 << 63
 
 
@@ -512,7 +514,8 @@ def moe_a2a_dispatch(
 ) -> tuple[list[torch.Tensor], int, Optional[torch.Tensor]]:
     """Send each local token's payload rows to every rank that owns one of its experts.
 
-    token_selected_experts: int32 ``[local_num_tokens, top_k]``; negative ids
+    token_selected_experts: int32 or int64 (``torch.topk``'s indices, read
+    as they are) ``[local_num_tokens, top_k]``; negative ids
     are skipped, ids ``>= num_experts`` are skipped and counted
     (:func:`moe_a2a_get_invalid_expert_count`). input_payloads: 1 to 8 tensors
     ``[local_num_tokens, *]`` of any dtype, contiguous (rows packed one after
@@ -846,8 +849,9 @@ def moe_a2a_sanitize_expert_ids(
     """Write ``invalid_expert_id`` into the padding rows of a received expert-id view, in place.
 
     expert_ids: the int32 ``[ep_size, runtime_max_tokens_per_rank, width]``
-    view that :func:`moe_a2a_dispatch` returned for an int32 payload of any
-    width (usually the ``top_k`` expert ids; it must alias this rank's row). Rows ``[s, j]`` with ``j >= recv_counts[s]``
+    view that :func:`moe_a2a_dispatch` returned for an int32 (or int64)
+    payload of any width (usually the ``top_k`` expert ids; it must alias
+    this rank's row). Rows ``[s, j]`` with ``j >= recv_counts[s]``
     get ``invalid_expert_id`` in every column; valid rows are untouched.
     """
     _expect_tensors("moe_a2a_sanitize_expert_ids", expert_ids=expert_ids, workspace=workspace)
@@ -855,9 +859,9 @@ def moe_a2a_sanitize_expert_ids(
     meta = _metainfo_values(metainfo, id(metainfo))
     if meta[0] != ep_rank:
         raise ValueError(f"ep_rank {ep_rank} does not match the metainfo's ep_rank {meta[0]}")
-    if expert_ids.dim() != 3 or expert_ids.dtype != torch.int32 or not expert_ids.is_contiguous():
+    if expert_ids.dim() != 3 or expert_ids.dtype not in _ID_DTYPES or not expert_ids.is_contiguous():
         raise ValueError(
-            "expert_ids must be the contiguous int32 [ep_size, runtime_max_tokens_per_rank, width] "
+            "expert_ids must be the contiguous int32 or int64 [ep_size, runtime_max_tokens_per_rank, width] "
             f"view returned by moe_a2a_dispatch, got {expert_ids.dtype} {tuple(expert_ids.shape)}"
         )
     _, ep_size, max_num_tokens, _, _, _ = meta
@@ -890,6 +894,7 @@ def moe_a2a_sanitize_expert_ids(
         offset,
         expert_ids.shape[2],
         invalid_expert_id,
+        expert_ids.element_size(),
         enable_pdl,
     )
 

@@ -603,11 +603,12 @@ def _check_sanitize_request(input_payloads: list, index: Optional[int], invalid_
         raise ValueError(f"expert_id_payload_index must index input_payloads (0..{len(input_payloads) - 1}), "
                          f"got {index!r}")
     ids = input_payloads[index]
-    if ids.dtype != torch.int32 or ids.dim() != 2:
-        raise ValueError("expert_id_payload_index must name an int32 [local_num_tokens, width] payload, "
+    if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 2:
+        raise ValueError("expert_id_payload_index must name an int32 or int64 [local_num_tokens, width] payload, "
                          f"got {ids.dtype} {tuple(ids.shape)}")
-    if not -(2**31) <= invalid_id < 2**31:
-        raise ValueError(f"invalid_token_expert_id must fit in int32, got {invalid_id}")
+    bits = 8 * ids.element_size()
+    if not -(2 ** (bits - 1)) <= invalid_id < 2 ** (bits - 1):
+        raise ValueError(f"invalid_token_expert_id must fit in {ids.dtype}, got {invalid_id}")
 
 
 __all__ = ["MoeAlltoAll"]

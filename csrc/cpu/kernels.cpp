@@ -405,9 +405,8 @@ WaitResult dispatch(const DispatchParams& p) {
   int32_t* routes = reinterpret_cast<int32_t*>(own + p.layout.route_offset);
   for (int64_t t = 0; t < p.local_num_tokens; ++t) {
     uint64_t dests = 0;  // ep_size <= 64: one bit per rank, read back in ascending order
-    const int32_t* ids = p.token_selected_experts + t * p.top_k;
     for (int64_t k = 0; k < p.top_k; ++k) {
-      const int32_t e = ids[k];
+      const int64_t e = expert_id(p, t * p.top_k + k);
       if (e < 0) continue;
       if (e >= p.num_experts) {
         ++invalid;
@@ -527,12 +526,16 @@ WaitResult combine(const CombineParams& p) {
 void sanitize_expert_ids(const SanitizeParams& p) {
   const WorkspaceView& ws = p.ws;
   uint8_t* own = ws.row(ws.ep_rank);
-  int32_t* plane = reinterpret_cast<int32_t*>(own + p.offset);
   const int64_t T = p.runtime_max_tokens;
   for (int s = 0; s < ws.ep_size; ++s) {
     const int64_t count = received_rows(load<int32_t>(own, recv_count_offset(s)), T);
-    int32_t* first = plane + (int64_t(s) * T + count) * p.width;
-    std::fill_n(first, (T - count) * p.width, p.invalid_expert_id);
+    const int64_t first = (int64_t(s) * T + count) * p.width;
+    const int64_t n = (T - count) * p.width;
+    if (p.ids_int64) {
+      std::fill_n(reinterpret_cast<int64_t*>(own + p.offset) + first, n, p.invalid_expert_id);
+    } else {
+      std::fill_n(reinterpret_cast<int32_t*>(own + p.offset) + first, n, static_cast<int32_t>(p.invalid_expert_id));
+    }
   }
 }
 

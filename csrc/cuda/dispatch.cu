@@ -196,7 +196,8 @@ __device__ __noinline__ bool wait_before_writing_out_of_line(const DispatchArgs&
 // of its experts. Negative ids are skipped; ids >= num_experts are skipped and
 // counted in `invalid`.
 struct Router {
-  const int32_t* ids;  // [local_num_tokens, top_k]
+  const void* ids;  // [local_num_tokens, top_k], int32 or (ids_int64) int64
+  bool ids_int64;
   int64_t top_k;
   int64_t num_experts;
   int ep_size;
@@ -204,17 +205,23 @@ struct Router {
   const uint8_t* rank_of;  // shared table, or nullptr: call expert_to_rank
 
   __device__ __forceinline__ uint64_t dests(int64_t t, uint32_t& invalid) const {
-    const int32_t* row = ids + t * top_k;
+    // One branch for the call (uniform across the grid): the loads stay the caller's width.
+    return ids_int64 ? dests_of(static_cast<const int64_t*>(ids) + t * top_k, invalid)
+                     : dests_of(static_cast<const int32_t*>(ids) + t * top_k, invalid);
+  }
+
+  template <typename Id>
+  __device__ __forceinline__ uint64_t dests_of(const Id* row, uint32_t& invalid) const {
     uint64_t set = 0;
     // Ids in batches whose loads are all issued before the first is used: few
     // memory latencies per token without holding kMaxTopK ids in registers.
     for (int first = 0; first < top_k; first += kIdsPerBatch) {
-      int32_t expert[kIdsPerBatch];
+      Id expert[kIdsPerBatch];
 #pragma unroll
-      for (int k = 0; k < kIdsPerBatch; ++k) expert[k] = first + k < top_k ? row[first + k] : -1;
+      for (int k = 0; k < kIdsPerBatch; ++k) expert[k] = first + k < top_k ? row[first + k] : Id(-1);
 #pragma unroll
       for (int k = 0; k < kIdsPerBatch; ++k) {
-        const int32_t e = expert[k];
+        const Id e = expert[k];
         if (e < 0) continue;
         if (e >= num_experts) {
           ++invalid;
@@ -267,8 +274,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
 
   wait_for_previous_grid();
   uint8_t* own = ws.row(ws.ep_rank);
-  const Router router{p.token_selected_experts, p.top_k,      p.num_experts,
-                      ep_size,                  p.sync.active_mask[0], use_table ? rank_table : nullptr};
+  const Router router{p.token_selected_experts, p.ids_int64, p.top_k, p.num_experts,
+                      ep_size, p.sync.active_mask[0], use_table ? rank_table : nullptr};
   const int64_t n = p.local_num_tokens;
   const int64_t begin = min(n, int64_t(blockIdx.x) * a.tokens_per_cta);
   const int64_t end = min(n, begin + a.tokens_per_cta);

@@ -58,14 +58,19 @@ __global__ void sanitize_kernel(const __grid_constant__ SanitizeParams p) {
     valid_rows[threadIdx.x] = received_rows(count, T);
   }
   __syncthreads();
-  int32_t* plane = reinterpret_cast<int32_t*>(own + p.offset);
   const int64_t per_source = T * p.width;
   const int64_t total = int64_t(ws.ep_size) * per_source;
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t s = idx / per_source;
     const int64_t j = (idx % per_source) / p.width;
-    if (j >= valid_rows[s]) plane[idx] = p.invalid_expert_id;
+    if (j >= valid_rows[s]) {
+      if (p.ids_int64) {
+        reinterpret_cast<int64_t*>(own + p.offset)[idx] = p.invalid_expert_id;
+      } else {
+        reinterpret_cast<int32_t*>(own + p.offset)[idx] = static_cast<int32_t>(p.invalid_expert_id);
+      }
+    }
   }
 }
 
