@@ -5,9 +5,9 @@ one-grid kernels with `ncu --csv --page raw --print-units base --metrics
 <METRICS>` and pipes the CSV through this script, which prints one line per
 variant: the median over its launches of the time, the DRAM bytes read and
 written, the DRAM rate and its share of the DRAM's sustained peak, and the
-L2's busiest-unit share. The question it answers (docs/perf.md, eighteenth
-session): whether a pattern moves more DRAM bytes than it counts, and how
-close to the DRAM's peak its bytes flow. Standard library only.
+L2's busiest-unit share. The question it answers (docs/performance.md,
+'Hardware counters'): whether a pattern moves more DRAM bytes than it counts,
+and how close to the DRAM's peak its bytes flow. Standard library only.
 
 Usage: python benchmarks/counters_summary.py counters.csv
 """

@@ -1,5 +1,6 @@
 // What a bare dispatch-shaped copy reaches on this GPU: the ceiling that the
-// dispatch kernel's bandwidth is compared with in docs/perf.md. A standalone
+// dispatch kernel's bandwidth is compared with (docs/performance.md, 'The
+// dispatch pattern's own ceiling'). A standalone
 // CUDA program (no torch, no protocol; the kernels' L2-hint accesses come from
 // csrc/cuda/device.cuh): `nvcc -O3 -std=c++17 -arch=sm_90
 // benchmarks/fanout_ceiling.cu -o build/fanout_ceiling`; scripts/gpu_check.sh

@@ -161,9 +161,10 @@ constexpr int64_t kAlign = 128;
 // The payload planes' and combine region's start, and workspace_size_per_rank's
 // multiple. Rows at 128 mod 256 bytes take stores 7% slower on an H200 (the
 // bare dispatch pattern: 0.804 of copy against 0.866 at any multiple of 256,
-// docs/perf.md, tenth session); planes only 128-byte aligned, with a row
-// stride that moved each rank's planes by 128 bytes, had made half the
-// destinations of the ep 8 x 4096-token dispatch such rows (859 -> 806 us).
+// docs/performance.md, 'Design decisions and their measured effect'); planes
+// only 128-byte aligned, with a row stride that moved each rank's planes by
+// 128 bytes, had made half the destinations of the ep 8 x 4096-token dispatch
+// such rows (859 -> 806 us).
 constexpr int64_t kPlaneAlign = 256;
 constexpr double kDefaultTimeoutS = 30.0;
 
@@ -252,7 +253,7 @@ constexpr int64_t kHdrLastDispatchEnd = 80;      // int64, own: CallLayout::disp
 // CUDA scratch, own, zero between calls: claim counter 0 of a large dispatch
 // (below), the only one where a grid has few warps (ep 8 on an H200). In this
 // line it measured 0.5% faster than in a line of its own (ep 8 x 4096 tokens,
-// docs/perf.md, tenth session).
+// docs/performance.md, 'Design decisions and their measured effect').
 constexpr int64_t kHdrDispatchClaim0 = 88;       // uint32
 // CUDA scratch, own, zero between calls: the pull tasks a combine's warps
 // claimed beyond their first (csrc/cuda/combine.cu; small grids only).

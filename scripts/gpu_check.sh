@@ -7,7 +7,7 @@
 # counters of the fan-out program; not by default: about a minute more).
 # Arguments after `--` go to pytest
 # instead of the default selection (the CUDA tests). Full logs go to $OUT
-# (the device tool's return folder) when it is set, else to build/gpu-logs.
+# when it is set, else to build/gpu-logs.
 set -uo pipefail
 PY=${1:-python3}
 shift || true
@@ -42,7 +42,7 @@ rc_tests=255 rc_mem=255 rc_race=255 rc_bench=255 rc_cmake=255 rc_counters=255 te
 has() { for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 if has tests; then
-  # A hung test must not eat the device lease: per-test limit where pytest-timeout exists.
+  # A hung test must not hold the GPU indefinitely: per-test limit where pytest-timeout exists.
   limit=()
   "$PY" -c 'import pytest_timeout' >/dev/null 2>&1 && limit=(--timeout 240)  # the plugin loads itself through its entry point
   # By default only the tests that touch CUDA (device-parametrized ones on
@@ -78,7 +78,8 @@ fi
 if has bench; then
   timeout 400 "$PY" -m torch_moe_a2a bench --smoke --json "$LOG/bench-smoke.json" >"$LOG/bench.txt" 2>"$LOG/bench-progress.txt"
   rc_bench=$?
-  # The bare dispatch-shaped copy (docs/perf.md's dispatch ceiling), same device, same run.
+  # The bare dispatch-shaped copy (docs/performance.md, 'The dispatch pattern's own
+  # ceiling'), same device, same run.
   if build_fanout >"$LOG/fanout.txt" 2>&1; then
     timeout 120 build/fanout_ceiling >>"$LOG/fanout.txt" 2>&1 || rc_bench=1
   else
@@ -89,8 +90,8 @@ fi
 if has counters; then
   # Hardware counters (Nsight Compute) of the fan-out program's one-grid
   # kernels: DRAM bytes read and written against the bytes each pattern
-  # counts, and the share of the DRAM's peak they flow at (docs/perf.md,
-  # eighteenth session). Clocks left as they are (the device's METHOD.md).
+  # counts, and the share of the DRAM's peak they flow at (docs/performance.md,
+  # 'Hardware counters'). Clocks left as they are (--clock-control none).
   if command -v ncu >/dev/null 2>&1 && build_fanout >"$LOG/counters.txt" 2>&1; then
     timeout 300 ncu --clock-control none --metrics "$("$PY" benchmarks/counters_summary.py --metrics)" \
       -k 'regex:copy_kernel|fill_kernel|fanout_registers' --csv --page raw --print-units base \

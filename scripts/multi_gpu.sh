@@ -3,7 +3,7 @@
 # multi-process CUDA tests with one GPU per rank, then the distributed
 # benchmark (torchrun ... -m torch_moe_a2a bench-dist) for ep 2, 4 and 8 as
 # far as the GPUs go, and print a short table last. Logs go to $OUT when it
-# is set (the device tool's return folder), else to build/multi-gpu-logs.
+# is set, else to build/multi-gpu-logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -74,7 +74,7 @@ done
 # NVLink multicast off, also for every process started from here.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 MOE_A2A_TIMEOUT_S=${MOE_A2A_TIMEOUT_S:-20}
-# A stage that runs longer has hung (the device tool allows 10 minutes a command).
+# A stage that runs longer has hung.
 TEST_LIMIT_S=300 BENCH_LIMIT_S=900
 LOG=${OUT:-build/multi-gpu-logs}
 mkdir -p "$LOG"

@@ -56,7 +56,8 @@ def test_call_layout_matches_cpp(ep_size, eplb_n):
             for off in offsets:
                 assert off == -1 or off % layout.ALIGN == 0, f"offset {off} not {layout.ALIGN}-aligned"
             # Planes and the combine region start PLANE_ALIGN-aligned (stores to rows at
-            # 128 mod 256 bytes are slower on an H200: docs/perf.md, tenth session).
+            # 128 mod 256 bytes are slower on an H200: docs/performance.md, 'Design
+            # decisions and their measured effect').
             for off in [*py.payload_offsets, py.combine_offset]:
                 assert off % layout.PLANE_ALIGN == 0, f"T={T} rows={rows}: region at {off}"
             # Regions are ordered and do not overlap.

@@ -16,7 +16,8 @@ deployment captures its own. Not one graph with a branch per rank: CUDA does
 not promise that the branches of one graph run concurrently, and a rank's
 kernel that waits for a peer's deadlocks (until the timeout) where the driver
 runs the peer's branch after it. Seen on an H200 after a process had captured
-and freed the graphs of eight other shapes (docs/perf.md, ninth session).
+and freed the graphs of eight other shapes (docs/performance.md, 'Design
+decisions and their measured effect').
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ static_assert(kDestBatch % kPullRowsInFlight == 0, "a batch holds whole groups o
 // than none. Same-call A/Bs on an H200, ep 8 round trips per step: 128
 // tokens 65.1 -> 63.9 us with 16 rows (8 rows 64.3, 24 rows 64.5; every row
 // 70.8 against 67.6 without, in a probe build); 16 tokens 22.1 -> 23.9 with
-// all 16 (docs/perf.md, twelfth session).
+// all 16 (docs/performance.md, 'Design decisions and their measured effect').
 constexpr int64_t kPrefetchRowsPerSource = 16;
 constexpr int64_t kPrefetchMinTokens = 128;
 constexpr int64_t kL2LineBytes = 128;
@@ -125,8 +125,8 @@ __device__ void stage_rows(const CombineArgs& a, const int32_t* rows) {
 // rows come early take more; otherwise by the grid's warp count. Claims
 // serve only grids that one counter can serve (kWarpsPerClaimCounter): with
 // one rank's grid of 263 CTAs (one rank per H200) every warp's claim on one
-// word made the pull 1.7x slower (docs/perf.md, seventh session). The sums
-// do not depend on which warp pulls an item.
+// word made the pull 1.7x slower (docs/performance.md, 'Design decisions and
+// their measured effect'). The sums do not depend on which warp pulls an item.
 template <typename In, typename Out, int kElems>
 __device__ void pull_rows(const CombineArgs& a) {
   using InVec = Packed<typename In::Bits, kElems>;

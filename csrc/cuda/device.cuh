@@ -97,8 +97,9 @@ constexpr int kDestBatch = 4;
 // Warps of a grid that claim tasks from one counter in memory at most: every
 // claim is an atomic on that one word. With the 4208 warps of one rank's grid
 // at ep 1 the dispatch's claims took 224 us against 131 with 16 counters
-// (16384 tokens; docs/perf.md, eighth session); the combine's pull claims
-// only where one counter serves the whole grid.
+// (16384 tokens on an H200; docs/performance.md, 'Design decisions and their
+// measured effect'); the combine's pull claims only where one counter serves
+// the whole grid.
 constexpr int64_t kWarpsPerClaimCounter = 512;
 
 // Spin-wait backoff: tight first (peers usually arrive within microseconds),
@@ -511,8 +512,8 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 // evict-first in L2. For copies whose rows are not read again from L2 soon
 // (a large dispatch writes more than L2 holds): same-call A/B on an H200, ep
 // 8 x 4096 tokens, 820 -> 804 us; the bare pattern gains the same (0.866 ->
-// 0.887 of copy, docs/perf.md, tenth session). Why the loads' priority helps
-// as well was not separated.
+// 0.887 of copy; docs/performance.md, 'Design decisions and their measured
+// effect'). Why the loads' priority helps as well is not separated.
 template <int kBytes, bool kL2Hints = false, typename Key, typename RowOf>
 __device__ __forceinline__ void copy_segment(const uint8_t* src, const CopyPlan& plan, int segment,
                                              int lane_in_group, Key&& key, RowOf&& row_of) {

@@ -240,7 +240,8 @@ struct Router {
 // tokens (a template argument, so that the small calls' kernel carries none
 // of it). kSpreadClaims: a large call's claims spread over several counters;
 // a grid with one counter runs the simpler claim loop (same-call A/B, ep 8 x
-// 4096 tokens on an H200: 863 against 871 us; docs/perf.md, tenth session).
+// 4096 tokens on an H200: 863 against 871 us; docs/performance.md, 'Design
+// decisions and their measured effect').
 template <bool kWhole, bool kSpreadClaims>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const __grid_constant__ DispatchArgs a) {
   const DispatchParams& p = a.p;
@@ -341,11 +342,12 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   // call's CTA counts them here: its chunks are at most a warp's tokens, so
   // CTA b reads at most b * 32 tokens' ids, in rounds of kThreads tokens. (The
   // large path below for such chunks: slower with 263 CTAs, 1.5-3% faster with
-  // 32 CTAs of 16-32 tokens; docs/perf.md, seventh session.) A large call's CTA b
-  // would need b rounds of long chunks, and while the other CTAs copy, each
-  // round waits long for its loads: CTA b counts only its own chunk,
-  // publishes the counts, and sums those of the chunks before it (every CTA
-  // publishes before it waits, and all of them are resident).
+  // 32 CTAs of 16-32 tokens; docs/performance.md, 'Design decisions and their
+  // measured effect'.) A large call's CTA b would need b rounds of long
+  // chunks, and while the other CTAs copy, each round waits long for its
+  // loads: CTA b counts only its own chunk, publishes the counts, and sums
+  // those of the chunks before it (every CTA publishes before it waits, and
+  // all of them are resident).
   if (kWhole) {
     count_tokens(begin, end, own_token, own_set, chunk_count);
     __syncthreads();
