@@ -109,6 +109,14 @@ WorkspaceView check_workspace(const at::Tensor& workspace, int64_t ep_rank, int6
   return view;
 }
 
+// The ops have no backward: a tensor that requires grad would lose its
+// gradient without a word (torch only warns once a backward reaches the op).
+void check_no_grad(const at::Tensor& t, const std::string& arg) {
+  TORCH_CHECK_VALUE(!(t.requires_grad() && at::GradMode::is_enabled()), arg,
+                    " requires grad, but dispatch and combine have no backward: call under torch.no_grad() "
+                    "(or torch.inference_mode()), or pass a tensor that does not require grad (.detach())");
+}
+
 void check_on_workspace_device(const at::Tensor& t, const at::Tensor& workspace, const std::string& arg) {
   TORCH_CHECK_VALUE(t.device() == workspace.device(), arg, " must be on the workspace's device ",
                     workspace.device(), ", got ", t.device());
@@ -299,6 +307,7 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts,
     TORCH_CHECK_VALUE(row_bytes >= 0 && row_bytes <= kMaxRowBytes, arg,
                       " must have at most ", kMaxRowBytes, " bytes per token, got shape ",
                       t.sizes(), " of ", dtype_name(t.scalar_type()));
+    check_no_grad(t, arg);
     p.payload[i] = static_cast<const uint8_t*>(t.data_ptr());
     p.payload_row_bytes[i] = row_bytes;
   }
@@ -390,6 +399,7 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
                       "payload must be [ep_size, runtime_max_tokens_per_rank, *row_shape] = ",
                       at::IntArrayRef(expected), ", got shape ", t.sizes());
     TORCH_CHECK_VALUE(t.is_contiguous(), "payload must be contiguous, got strides ", t.strides());
+    check_no_grad(t, "payload");
     p.payload = static_cast<const uint8_t*>(t.data_ptr());
   }
 

@@ -406,3 +406,23 @@ def test_ep_group_split_of_a_larger_world():
         m = a2a.Mapping(world_size=16, rank=ranks[0], tp_size=8, pp_size=2, moe_tp_size=2, moe_ep_size=4)
         assert ranks == m.moe_ep_group
 
+
+
+def test_moe_alltoall_sizes_from_the_hidden_dtype(device):
+    """fp32 hidden states: dtype= sizes for them, and a size made for 16-bit
+    ones is refused at construction, not at the first combine."""
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    half = a2a.MoeAlltoAll.get_moe_workspace_size_per_rank(1, 2, 8, 64)
+    full = a2a.MoeAlltoAll.get_moe_workspace_size_per_rank(1, 2, 8, 64, dtype=torch.float32)
+    assert full > half
+    with pytest.raises(ValueError, match=r"workspace_size_per_rank \d+ is too small for hidden_size 64 of 4-byte"):
+        a2a.MoeAlltoAll(a2a.Mapping(), 8, 2, 4, workspace_size_per_rank=half, hidden_size=64, dtype=torch.float32,
+                        device=device)
+    moe = a2a.MoeAlltoAll(a2a.Mapping(), 8, 2, 4, hidden_size=64, dtype=torch.float32, device=device)
+    assert moe.workspace_size_per_rank == full
+    x = torch.randn((8, 64), generator=make_generator("fp32")).to(device)
+    ids = torch.tensor([[0, 1]] * 8, dtype=torch.int32, device=device)
+    (recv,) = moe.dispatch(ids, [x], 8)
+    out = moe.combine(recv.clone(), 8)
+    assert torch.equal(out, x)
+    a2a.MoeAlltoAll.clear_workspace_cache()

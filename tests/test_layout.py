@@ -121,6 +121,13 @@ def test_expert_ranges_contract(num_experts, ep_size):
         first += n
     assert [layout.expert_range(num_experts, ep_size, r) for r in range(ep_size)] == expected
     assert layout.experts_per_rank(num_experts, ep_size) == [b - a for a, b in expected]
+    assert [a2a.local_expert_range(num_experts, ep_size, r) for r in range(ep_size)] == [range(*e) for e in expected]
+
+
+@pytest.mark.parametrize("args", [(3, 4, 0), (8, 2, 2), (8, 0, 0), (8, 65, 0), (8.0, 2, 0)])
+def test_local_expert_range_refuses(args):
+    with pytest.raises(ValueError, match="local_expert_range"):
+        a2a.local_expert_range(*args)
 
 
 def _snake(name: str) -> str:

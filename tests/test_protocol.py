@@ -306,9 +306,9 @@ def test_timeout_s_of_simulated_ep(device):
     case = Case(2, (4, 6), 2, 4, runtime_max=6)
     sim = make_sim(case, device, timeout_s=1.0)
     inputs = make_inputs(case, make_generator(0)).to(device)
-    bad_ids = [inputs.ids[0], inputs.ids[1].long()]  # rank 1: wrong dtype
+    bad_ids = [inputs.ids[0], inputs.ids[1].to(torch.int16)]  # rank 1: wrong dtype
     start = time.monotonic()
-    with pytest.raises(ValueError, match=r"int32"):
+    with pytest.raises(ValueError, match=r"int32 or torch.int64"):
         sim.dispatch(bad_ids, inputs.payloads, 6, 2, 4)
     _wait_for_device(device)
     assert 0.9 <= time.monotonic() - start <= 2.5
@@ -514,7 +514,7 @@ def test_initialize_after_a_peers_first_dispatch(history, device):
         round_trip(sim, case, inputs, gen)
     else:
         try:
-            a2a.api._dispatch(dev.ids[0], dev.payloads[0], sim.workspace, sim.metainfo[0], case.T, 0, ep,
+            a2a.moe_a2a_dispatch(dev.ids[0], dev.payloads[0], sim.workspace, sim.metainfo[0], case.T, 0, ep,
                               case.top_k, case.num_experts, timeout_s=0.2)
         except RuntimeError as e:  # the CPU raises at once, CUDA at the next call
             assert "did not arrive" in str(e)

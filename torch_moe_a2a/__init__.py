@@ -11,6 +11,7 @@ from . import _C  # noqa: F401  (registers torch.ops.moe_a2a)
 from .api import (
     SfLayout,
     check_errors,
+    local_expert_range,
     moe_a2a_active_rank_mask,
     moe_a2a_combine,
     moe_a2a_dispatch,
@@ -38,6 +39,7 @@ __all__ = [
     "allocate_workspace",
     "check_errors",
     "cuda_workspace_granularity",
+    "local_expert_range",
     "moe_a2a_active_rank_mask",
     "moe_a2a_combine",
     "moe_a2a_dispatch",

@@ -511,6 +511,7 @@ def moe_a2a_dispatch(
     *,
     backend: MoeAlltoAllBackend = "trtllm",
     recv_view_cache: Optional[dict] = None,
+    timeout_s: Optional[float] = None,
 ) -> tuple[list[torch.Tensor], int, Optional[torch.Tensor]]:
     """Send each local token's payload rows to every rank that owns one of its experts.
 
@@ -548,46 +549,11 @@ def moe_a2a_dispatch(
     views across calls (it holds a reference to ``workspace`` and is cleared
     when another workspace is passed). Not used under ``torch.compile``,
     where views cost nothing at run time.
+
+    ``timeout_s`` (ours, keyword-only): the bound on this call's waits for
+    its peers; None reads ``MOE_A2A_TIMEOUT_S`` (default 30 s).
     """
-    return _dispatch(
-        token_selected_experts,
-        input_payloads,
-        workspace,
-        metainfo,
-        runtime_max_tokens_per_rank,
-        ep_rank,
-        ep_size,
-        top_k,
-        num_experts,
-        enable_pdl,
-        eplb_local_stats,
-        enable_rank_mask,
-        active_rank_mask,
-        backend=backend,
-        recv_view_cache=recv_view_cache,
-    )
-
-
-def _dispatch(
-    token_selected_experts: torch.Tensor,
-    input_payloads: list[torch.Tensor],
-    workspace: torch.Tensor,
-    metainfo: torch.Tensor,
-    runtime_max_tokens_per_rank: int,
-    ep_rank: int,
-    ep_size: int,
-    top_k: int,
-    num_experts: int,
-    enable_pdl: Optional[bool] = None,
-    eplb_local_stats: Optional[torch.Tensor] = None,
-    enable_rank_mask: bool = False,
-    active_rank_mask: Optional[torch.Tensor] = None,
-    *,
-    backend: MoeAlltoAllBackend = "trtllm",
-    recv_view_cache: Optional[dict] = None,
-    timeout_s: float = _ENV_TIMEOUT,
-) -> tuple[list[torch.Tensor], int, Optional[torch.Tensor]]:
-    """:func:`moe_a2a_dispatch` plus ``timeout_s`` (``<= 0``: MOE_A2A_TIMEOUT_S, else the default)."""
+    timeout_s = _ENV_TIMEOUT if timeout_s is None else timeout_s
     if not (isinstance(token_selected_experts, torch.Tensor) and isinstance(workspace, torch.Tensor)):
         # Inline test first: the call costs the per-call path half a microsecond.
         _expect_tensors("moe_a2a_dispatch", token_selected_experts=token_selected_experts, workspace=workspace)
@@ -665,6 +631,7 @@ def moe_a2a_combine(
     enable_rank_mask: bool = False,
     active_rank_mask: Optional[torch.Tensor] = None,
     backend: MoeAlltoAllBackend = "trtllm",
+    timeout_s: Optional[float] = None,
 ) -> torch.Tensor:
     """Return every local token's sum of the expert outputs of its destination ranks.
 
@@ -690,59 +657,11 @@ def moe_a2a_combine(
     Not implemented (NotImplementedError): quantized outputs (``output_scales``,
     a non-linear ``sf_layout``) and ``use_low_precision``;
     ``output_scalar_scale`` only affects quantized outputs and is ignored.
+
+    ``timeout_s`` (ours, keyword-only): the bound on this call's waits for
+    its peers; None reads ``MOE_A2A_TIMEOUT_S`` (default 30 s).
     """
-    return _combine(
-        payload,
-        local_num_tokens,
-        workspace,
-        metainfo,
-        runtime_max_tokens_per_rank,
-        ep_rank,
-        ep_size,
-        top_k,
-        combine_payload_offset,
-        payload_in_workspace,
-        output_dtype,
-        output_scales,
-        output_scalar_scale,
-        sf_layout,
-        output,
-        use_low_precision=use_low_precision,
-        enable_pdl=enable_pdl,
-        enable_rank_mask=enable_rank_mask,
-        active_rank_mask=active_rank_mask,
-        backend=backend,
-    )
-
-
-def _combine(
-    payload: torch.Tensor,
-    local_num_tokens: int,
-    workspace: torch.Tensor,
-    metainfo: torch.Tensor,
-    runtime_max_tokens_per_rank: int,
-    ep_rank: int,
-    ep_size: int,
-    top_k: int,
-    combine_payload_offset: int,
-    payload_in_workspace: bool = False,
-    output_dtype: Optional[torch.dtype] = None,
-    output_scales: Optional[torch.Tensor] = None,
-    output_scalar_scale: float = 1.0,
-    sf_layout: SfLayout = SfLayout.layout_linear,
-    output: Optional[torch.Tensor] = None,
-    *,
-    use_low_precision: bool = False,
-    enable_pdl: Optional[bool] = None,
-    enable_rank_mask: bool = False,
-    active_rank_mask: Optional[torch.Tensor] = None,
-    backend: MoeAlltoAllBackend = "trtllm",
-    timeout_s: float = _ENV_TIMEOUT,
-) -> torch.Tensor:
-    """:func:`moe_a2a_combine` plus ``timeout_s`` (``<= 0``: MOE_A2A_TIMEOUT_S, else the default).
-
-    ``output_scalar_scale`` only matters for quantized outputs, which are refused.
-    """
+    timeout_s = _ENV_TIMEOUT if timeout_s is None else timeout_s
     if not (isinstance(payload, torch.Tensor) and isinstance(workspace, torch.Tensor)):
         _expect_tensors("moe_a2a_combine", payload=payload, workspace=workspace)  # as in _dispatch
     _check_backend(backend, workspace)
@@ -897,6 +816,35 @@ def moe_a2a_sanitize_expert_ids(
         expert_ids.element_size(),
         enable_pdl,
     )
+
+
+def local_expert_range(num_experts: int, ep_size: int, ep_rank: int) -> range:
+    """The experts rank ``ep_rank`` owns: the split dispatch routes by.
+
+    Contiguous ranges (docs/DESIGN.md section 3): the first ``num_experts %
+    ep_size`` ranks own ``num_experts // ep_size + 1`` experts, the rest one
+    fewer: ``expert_to_rank`` of csrc/protocol.h, which every dispatch test
+    checks through the reference's routes.
+
+    Args:
+        num_experts: experts in all, ``>= ep_size``.
+        ep_size: ranks, 1..64.
+        ep_rank: the rank, in ``[0, ep_size)``.
+
+    Returns:
+        ``range(first, last)`` of global expert ids; local expert ``i`` is
+        global expert ``first + i``.
+
+    Raises:
+        ValueError: arguments out of range.
+    """
+    for name, value in (("num_experts", num_experts), ("ep_size", ep_size), ("ep_rank", ep_rank)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"local_expert_range: {name} must be an int, got {value!r}")
+    if not 1 <= ep_size <= layout.MAX_RANKS or num_experts < ep_size or not 0 <= ep_rank < ep_size:
+        raise ValueError(f"local_expert_range: need 1 <= ep_size <= {layout.MAX_RANKS}, num_experts >= ep_size and "
+                         f"0 <= ep_rank < ep_size, got num_experts={num_experts}, ep_size={ep_size}, ep_rank={ep_rank}")
+    return range(*layout.expert_range(num_experts, ep_size, ep_rank))
 
 
 def moe_a2a_get_recv_counts(workspace: torch.Tensor, metainfo: torch.Tensor, ep_rank: int) -> torch.Tensor:

@@ -11,14 +11,13 @@ import torch
 
 from . import layout
 from .api import (
-    _ENV_TIMEOUT,
     MoeAlltoAllBackend,
     SfLayout,
     _check_backend,
-    _combine,
-    _dispatch,
     _tracing,
     check_errors,
+    moe_a2a_combine,
+    moe_a2a_dispatch,
     moe_a2a_get_recv_counts,
     moe_a2a_get_workspace_size_per_rank,
     moe_a2a_initialize,
@@ -103,6 +102,11 @@ class MoeAlltoAll:
             CUDA device if there is one, else the CPU).
         timeout_s: the bound on every wait for a peer (default:
             ``MOE_A2A_TIMEOUT_S``, else 30 s).
+        dtype: the hidden states' dtype, for sizing from ``hidden_size``
+            (default 16-bit, as FlashInfer sizes). With ``hidden_size`` and
+            ``workspace_size_per_rank`` both given, a size too small for
+            ``hidden_size`` hidden states of ``dtype`` (plus int32 ids and
+            fp32 weights) is refused here rather than at the first call.
 
     Workspace ownership. Without ``workspace=``, instances of one geometry
     (``workspace_size_per_rank``, ``ep_rank``, ``ep_size``,
@@ -151,6 +155,7 @@ class MoeAlltoAll:
         group: Any = None,
         device: Union[torch.device, str, None] = None,
         timeout_s: Optional[float] = None,
+        dtype: Optional[torch.dtype] = None,
     ):
         self.ep_rank = int(mapping.moe_ep_rank)
         self.ep_size = int(mapping.moe_ep_size)
@@ -197,12 +202,19 @@ class MoeAlltoAll:
             device = torch.device("cuda", torch.cuda.current_device())
         _check_backend(backend, device)
 
-        if workspace_size_per_rank is None:
-            if hidden_size is None:
-                raise ValueError("hidden_size must be provided if workspace_size_per_rank is not provided")
-            workspace_size_per_rank = self.get_moe_workspace_size_per_rank(
-                self.ep_size, top_k, max_num_tokens, hidden_size, 0, eplb_stats_num_experts, backend=backend
-            )
+        if workspace_size_per_rank is None and hidden_size is None:
+            raise ValueError("hidden_size must be provided if workspace_size_per_rank is not provided")
+        if hidden_size is not None:
+            needed = self.get_moe_workspace_size_per_rank(
+                self.ep_size, top_k, max_num_tokens, hidden_size, 0, eplb_stats_num_experts, backend=backend,
+                dtype=dtype)
+            if workspace_size_per_rank is None:
+                workspace_size_per_rank = needed
+            elif workspace_size_per_rank < needed:
+                itemsize = 2 if dtype is None else dtype.itemsize
+                raise ValueError(f"MoeAlltoAll: workspace_size_per_rank {workspace_size_per_rank} is too small for "
+                                 f"hidden_size {hidden_size} of {itemsize}-byte elements with top_k {top_k} and "
+                                 f"max_num_tokens {max_num_tokens}: {needed} bytes per rank needed")
         self.workspace_size_per_rank = workspace_size_per_rank
         self.max_num_tokens = max_num_tokens
         self.top_k = top_k
@@ -210,7 +222,7 @@ class MoeAlltoAll:
         self.eplb_stats_num_experts = eplb_stats_num_experts
         self.enable_eplb = eplb_stats_num_experts > 0
         self.enable_rank_mask = enable_rank_mask
-        self.timeout_s = _ENV_TIMEOUT if timeout_s is None else float(timeout_s)
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
         self._backend = backend
 
         if workspace is not None:
@@ -286,11 +298,13 @@ class MoeAlltoAll:
         eplb_stats_num_experts: int = 0,
         *,
         backend: MoeAlltoAllBackend = "trtllm",
+        dtype: Optional[torch.dtype] = None,
     ) -> int:
-        """FlashInfer's sizing: 16-bit hidden states plus int32 expert ids and fp32
-        router weights per token (and ``extra_payload_bytes_per_token``) for
-        dispatch, 16-bit hidden states for combine."""
-        hidden_bytes = hidden_size * 2
+        """FlashInfer's sizing: hidden states plus int32 expert ids and fp32 router
+        weights per token (and ``extra_payload_bytes_per_token``) for dispatch,
+        hidden states for combine; hidden states of ``dtype`` (ours; default
+        16-bit, FlashInfer's assumption)."""
+        hidden_bytes = hidden_size * (2 if dtype is None else dtype.itemsize)
         dispatch_bytes = hidden_bytes + top_k * 4 + top_k * 4 + extra_payload_bytes_per_token
         return moe_a2a_get_workspace_size_per_rank(
             ep_size, max_num_tokens, dispatch_bytes, hidden_bytes, eplb_stats_num_experts, backend=backend
@@ -370,7 +384,7 @@ class MoeAlltoAll:
             raise ValueError("eplb_local_stats given but the instance was constructed with eplb_stats_num_experts=0")
         if active_rank_mask is not None and not self.enable_rank_mask:
             raise ValueError("active_rank_mask requires the instance to be constructed with enable_rank_mask=True")
-        recv, combine_payload_offset, eplb_gathered_stats = _dispatch(
+        recv, combine_payload_offset, eplb_gathered_stats = moe_a2a_dispatch(
             token_selected_experts,
             input_payloads,
             self.workspace,
@@ -437,7 +451,7 @@ class MoeAlltoAll:
             raise RuntimeError("MoeAlltoAll.combine called before dispatch (each combine needs its own dispatch)")
         if active_rank_mask is not None and not self.enable_rank_mask:
             raise ValueError("active_rank_mask requires the instance to be constructed with enable_rank_mask=True")
-        out = _combine(
+        out = moe_a2a_combine(
             payload,
             self._state.local_num_tokens,
             self.workspace,

@@ -28,9 +28,8 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 
 from .api import (
-    _ENV_TIMEOUT,
-    _combine,
-    _dispatch,
+    moe_a2a_combine,
+    moe_a2a_dispatch,
     moe_a2a_get_recv_counts,
     moe_a2a_get_workspace_size_per_rank,
     moe_a2a_initialize,
@@ -80,7 +79,7 @@ class SimulatedEP:
                 f"simulated EP on one GPU supports at most {MAX_SIMULATED_RANKS_PER_GPU} ranks (the GPU's "
                 f"concurrent hardware queues), got ep_size {ep_size}; simulate on the CPU or run one process per rank"
             )
-        self.timeout_s = _ENV_TIMEOUT if timeout_s is None else float(timeout_s)
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
         size_per_rank = moe_a2a_get_workspace_size_per_rank(
             ep_size, max_num_tokens, dispatch_bytes_per_token, combine_bytes_per_token, eplb_stats_num_experts
         )
@@ -176,7 +175,7 @@ class SimulatedEP:
         stream), with this object's workspace, metainfo and timeout; returns
         ``(output_payloads, combine_payload_offset, eplb_gathered_stats)``.
         ``kwargs`` go to ``moe_a2a_dispatch``."""
-        return _dispatch(
+        return moe_a2a_dispatch(
             token_selected_experts,
             input_payloads,
             self.workspace,
@@ -205,7 +204,7 @@ class SimulatedEP:
         :meth:`run` on CUDA pass ``output``: an allocation between two ranks'
         launches may wait for a spinning peer (:meth:`combine` allocates every
         rank's output first)."""
-        return _combine(
+        return moe_a2a_combine(
             payload,
             local_num_tokens,
             self.workspace,
