@@ -389,7 +389,7 @@ def test_eager_receive_views_equal_traced_ones(case, device):
     the traced path give the same views: shape, strides, dtype, address, and
     the same storage as the workspace."""
     from torch_moe_a2a import _C
-    from torch_moe_a2a.api import _traced_receive_views
+    from torch_moe_a2a.fastpath import traced_receive_views
 
     ep, T, eplb_n, specs, tokens = case
     payloads = [torch.empty((tokens, *shape), dtype=dtype, device=device) for shape, dtype in specs]
@@ -398,7 +398,7 @@ def test_eager_receive_views_equal_traced_ones(case, device):
     workspace = torch.zeros((ep, size), dtype=torch.uint8, device=device)
     for rank in range(ep):
         eager = _C.receive_views(workspace, rank, ep, T, eplb_n, payloads)
-        traced = _traced_receive_views(workspace, rank, ep, T, eplb_n, payloads)
+        traced = traced_receive_views(workspace, rank, ep, T, eplb_n, payloads)
         assert eager[1] == traced[1] == layout.call_layout(ep, T, eplb_n, tuple(row_bytes)).combine_offset
         pairs = list(zip(eager[0], traced[0])) + ([(eager[2], traced[2])] if eplb_n else [])
         assert len(pairs) == len(payloads) + (1 if eplb_n else 0)

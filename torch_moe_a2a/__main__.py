@@ -67,7 +67,12 @@ class _Problem:
 
 def _demo_problem(args: argparse.Namespace, ep: int) -> _Problem:
     """Seeded inputs of every rank and the reference: the same in every process."""
-    from .reference import random_routing, reference_combine, reference_dispatch, toy_moe
+    from .reference import (
+        random_routing,
+        reference_combine,
+        reference_dispatch,
+        toy_moe,
+    )
 
     n, hidden, top_k, num_experts = args.tokens, args.hidden, args.top_k, args.experts
     gen = torch.Generator().manual_seed(args.seed)

@@ -7,7 +7,7 @@ docs/internals.md); this layer
 
 - unpacks the metainfo tensor into the plain ints the ops take, through one
   cached helper that ``torch.compile`` evaluates at trace time
-  (:func:`_metainfo_values`),
+  (:func:`metainfo_values`),
 - builds the receive views with ordinary view ops of the workspace from the
   layout arithmetic of :mod:`torch_moe_a2a.layout` (ops never return views),
 - checks only what the ops cannot see (the metainfo tensor, the rank-mask
@@ -26,30 +26,40 @@ peer's next dispatch may overwrite them (DESIGN.md section 5).
 from __future__ import annotations
 
 import enum
-import math
 import os
-import weakref
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
 from . import _C, layout
-from .layout import MOE_A2A_RANK_MASK_WORDS
+from .backend import MoeAlltoAllBackend, check_backend, pdl_default
 
-MoeAlltoAllBackend = Literal["trtllm", "cake"]
+# check_errors and describe_error are part of this module's public names too.
+from .errors import check_errors, describe_error  # noqa: F401
+from .fastpath import (
+    BOOL,
+    FLOAT,
+    INT,
+    OPT_TENSOR,
+    TENSOR,
+    TENSORS,
+    direct_call_ok,
+    expect_tensors,
+    traced_receive_views,
+    tracing,
+    wrong_type,
+)
+from .layout import MOE_A2A_RANK_MASK_WORDS
+from .metainfo import check_rank, check_rank_index, metainfo_values
 
 _ops = torch.ops.moe_a2a
 
 # timeout_s the ops read as "use MOE_A2A_TIMEOUT_S, else the default".
 _ENV_TIMEOUT = -1.0
-# FlashInfer's opt-in backend exists only for these compute capabilities.
-_CAKE_CAPABILITIES = ((10, 0), (10, 3))
-# Programmatic dependent launch needs Hopper or newer.
-_PDL_MIN_CAPABILITY = (9, 0)
 _U64 = 1 << 64
+_I64_SIGN = 1 << 63
 # Expert-id dtypes dispatch reads and sanitize writes (int64: torch.topk's indices).
 _ID_DTYPES = (torch.int32, torch.int64)
-_I64_SIGN = 1 << 63
 
 
 class SfLayout(enum.IntEnum):
@@ -64,144 +74,6 @@ class SfLayout(enum.IntEnum):
     layout_128x4 = 0
     layout_8x4 = 1
     layout_linear = 2
-
-
-# ---------------------------------------------------------------------------
-# helpers: backend, device capabilities, metainfo
-# ---------------------------------------------------------------------------
-
-_CAPABILITIES: dict[int, tuple[int, int]] = {}
-
-
-@torch.compiler.assume_constant_result
-def _cuda_capability(device_index: int) -> tuple[int, int]:
-    """Compute capability of a CUDA device, queried once per device."""
-    cap = _CAPABILITIES.get(device_index)
-    if cap is None:
-        cap = _CAPABILITIES[device_index] = tuple(torch.cuda.get_device_capability(device_index))
-    return cap
-
-
-def _check_backend(backend: str, where: Union[torch.Tensor, torch.device, None]) -> None:
-    """Accept ``"trtllm"``; refuse ``"cake"`` and unknown names with a clear error.
-
-    ``"cake"`` is judged on the device of ``where`` (a tensor or a device), or
-    on the current CUDA device when ``where`` is None (functions without a
-    tensor argument; DESIGN.md section 3).
-    """
-    if backend == "trtllm":
-        return
-    if backend != "cake":
-        raise ValueError(f"unknown MoE all-to-all backend {backend!r}; expected 'trtllm' or 'cake'")
-    if isinstance(where, torch.Tensor):
-        where = where.device
-    if where is None and torch.cuda.is_available():
-        where = torch.device("cuda", torch.cuda.current_device())
-    capability = None
-    if where is not None and where.type == "cuda":
-        capability = _cuda_capability(where.index if where.index is not None else torch.cuda.current_device())
-    if capability not in _CAKE_CAPABILITIES:
-        found = f"compute capability {capability}" if capability else f"device {where or 'cpu (no CUDA device)'}"
-        raise ValueError(f'backend="cake" requires compute capability 10.0 or 10.3, got {found}')
-    raise NotImplementedError(
-        'backend="cake" (FlashInfer\'s generated Blackwell kernels) is not implemented by '
-        'torch-moe-a2a; use backend="trtllm"'
-    )
-
-
-def _pdl_default(tensor: torch.Tensor) -> bool:
-    """FlashInfer's ``enable_pdl=None``: on for CUDA devices of capability >= 9.0."""
-    if not tensor.is_cuda:
-        return False
-    return _pdl_capable(tensor.get_device())
-
-
-@torch.compiler.assume_constant_result
-def _pdl_capable(device_index: int) -> bool:
-    # A bool, not the capability tuple: dynamo cannot compare baked tuples.
-    return _cuda_capability(device_index) >= _PDL_MIN_CAPABILITY
-
-
-# (ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, size_per_rank, mailbox)
-_MetaValues = tuple[int, int, int, int, int, int]
-# id(metainfo) -> (weak reference to it, its values). The weak reference both
-# detects a reused id and drops the entry when the tensor dies.
-_META_CACHE: dict[int, tuple[weakref.ref, _MetaValues]] = {}
-
-
-def _drop_dead_entry(cache: dict, key: int, ref: weakref.ref) -> None:
-    """Weak-reference callback of the id-keyed caches: forget the entry of a dead
-    tensor (unless a new tensor with the same id already replaced it)."""
-    entry = cache.get(key)
-    if entry is not None and entry[0] is ref:
-        del cache[key]
-
-
-def _read_metainfo(metainfo: Any) -> _MetaValues:
-    if not (
-        isinstance(metainfo, torch.Tensor)
-        and metainfo.dtype == torch.int64
-        and metainfo.device.type == "cpu"
-        and tuple(metainfo.shape) == (layout.META_COUNT,)
-    ):
-        what = (
-            f"{metainfo.dtype} {tuple(metainfo.shape)} on {metainfo.device}"
-            if isinstance(metainfo, torch.Tensor)
-            else type(metainfo).__name__
-        )
-        raise ValueError(
-            f"metainfo must be the CPU int64 [{layout.META_COUNT}] tensor returned by "
-            f"moe_a2a_initialize, got {what}"
-        )
-    v = metainfo.tolist()
-    if v[layout.META_MAGIC] != layout.MAGIC or v[layout.META_VERSION] != layout.VERSION:
-        raise ValueError(
-            "metainfo was not returned by torch_moe_a2a.moe_a2a_initialize "
-            f"(magic {v[layout.META_MAGIC]:#x}, version {v[layout.META_VERSION]}; expected "
-            f"{layout.MAGIC:#x}, {layout.VERSION})"
-        )
-    return (
-        v[layout.META_EP_RANK],
-        v[layout.META_EP_SIZE],
-        v[layout.META_MAX_NUM_TOKENS],
-        v[layout.META_EPLB_N],
-        v[layout.META_SIZE_PER_RANK],
-        v[layout.META_MAILBOX_ADDR],
-    )
-
-
-@torch.compiler.assume_constant_result
-def _metainfo_values(metainfo: torch.Tensor, key: int) -> _MetaValues:
-    """The metainfo values as Python ints; ``key`` must be ``id(metainfo)``.
-
-    Eager: a dict lookup after the first call. ``torch.compile``: dynamo calls
-    this with the real tensor at trace time and bakes the result into the
-    graph; the ``id(metainfo)`` argument makes it guard on the tensor's
-    identity, so another metainfo recompiles instead of reusing stale values.
-    Metainfo is never written after ``moe_a2a_initialize`` (the mailbox lives
-    elsewhere), so its values are constants for the life of the tensor.
-    """
-    entry = _META_CACHE.get(key)
-    if entry is not None and entry[0]() is metainfo:
-        return entry[1]
-    values = _read_metainfo(metainfo)
-    ref = weakref.ref(metainfo, lambda r, key=key: _drop_dead_entry(_META_CACHE, key, r))
-    _META_CACHE[key] = (ref, values)
-    return values
-
-
-def _check_rank(meta: _MetaValues, ep_rank: int, ep_size: int) -> None:
-    if meta[0] != ep_rank or meta[1] != ep_size:
-        raise ValueError(
-            f"ep_rank/ep_size ({ep_rank}, {ep_size}) do not match the metainfo "
-            f"({meta[0]}, {meta[1]}) given by moe_a2a_initialize"
-        )
-
-
-def _check_rank_index(meta: _MetaValues, ep_rank: int) -> None:
-    """A getter's ep_rank: any rank of the workspace (the header it reads is that rank's)."""
-    if not 0 <= ep_rank < meta[1]:
-        raise ValueError(f"ep_rank must be in [0, {meta[1]}) (the metainfo's ep_size), got {ep_rank}")
 
 
 def _rank_mask_words(enable_rank_mask: bool, active_rank_mask: Optional[torch.Tensor]) -> Sequence[int]:
@@ -269,85 +141,6 @@ _check_expert_ids = _ops.check_expert_ids.default
 torch.fx.node.has_side_effect(_check_expert_ids)
 
 
-# What an argument of the C++ fast path must be (_wrong_type).
-_TENSOR, _OPT_TENSOR, _TENSORS, _INT, _FLOAT, _BOOL = (
-    "a tensor", "a tensor or None", "a list of tensors", "an int", "a number", "a bool")
-
-
-def _type_ok(value: Any, kind: str) -> bool:
-    if kind == _TENSOR:
-        return isinstance(value, torch.Tensor)
-    if kind == _OPT_TENSOR:
-        return value is None or isinstance(value, torch.Tensor)
-    if kind == _TENSORS:  # the container; _wrong_type names a bad element
-        return isinstance(value, (list, tuple))
-    if kind == _INT:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == _FLOAT:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, bool)
-
-
-def _expect_tensors(fn: str, **arguments: Any) -> None:
-    """ValueError naming the first argument that is not a tensor: the
-    arguments the Python layer reads before any op does (the ops' own
-    TypeErrors go through _wrong_type)."""
-    for name, value in arguments.items():
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"{fn}: {name} must be a tensor, got {type(value).__name__}")
-
-
-def _wrong_type(fn: str, error: TypeError, **arguments: tuple[Any, str]) -> ValueError:
-    """The ValueError for a TypeError of _C.dispatch / _C.combine: the first
-    argument of the wrong kind, named (pybind's own text lists signatures and
-    whole tensors)."""
-    for name, (value, kind) in arguments.items():
-        if not _type_ok(value, kind):
-            return ValueError(f"{fn}: {name} must be {kind}, got {type(value).__name__}")
-        if kind == _TENSORS:
-            for i, item in enumerate(value):
-                if not isinstance(item, torch.Tensor):
-                    return ValueError(f"{fn}: {name}[{i}] must be a tensor, got {type(item).__name__}")
-    return ValueError(f"{fn}: an argument has the wrong type ({str(error).splitlines()[0]})")
-
-
-def _direct_call_ok(*tensors: Optional[torch.Tensor]) -> bool:
-    """Eager calls may skip torch.ops' Python argument matching (_C.dispatch,
-    _C.combine: the same operators through the C++ dispatcher, dispatch modes
-    and backends included) unless a __torch_function__ override (a tensor
-    subclass, a TorchFunctionMode) could want to see the call."""
-    return not torch.overrides.has_torch_function(tensors)
-
-
-def _tracing() -> bool:
-    """Whether this call is being traced: by torch.compile, or under a
-    dispatch mode (make_fx, FakeTensorMode, ...), which must see every view
-    op and gets none of the views built outside it (cached, or made eagerly)."""
-    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-
-
-def _traced_receive_views(
-    workspace: torch.Tensor, ep_rank: int, ep_size: int, runtime_max: int, eplb_n: int, payloads: list[torch.Tensor]
-) -> tuple[list[torch.Tensor], int, Optional[torch.Tensor]]:
-    """Dispatch's return values when traced (:func:`_tracing`): the receive
-    views built with plain view ops relative to the workspace's row
-    (layout.region_view), which trace; eager calls use the C++
-    ``_C.receive_views`` instead (view ops too, from the same layout, with the
-    offsets of the workspace at hand)."""
-    row_bytes = tuple(p.element_size() * math.prod(p.shape[1:]) for p in payloads)
-    call = layout.call_layout(ep_size, runtime_max, eplb_n, row_bytes)
-    row = workspace.select(0, ep_rank)
-    views = []
-    for payload, offset in zip(payloads, call.payload_offsets):
-        view = layout.region_view(row, offset, (ep_size, runtime_max, *payload.shape[1:]), payload.dtype)
-        view._moe_a2a_row_offset = offset  # sanitize cannot trace storage_offset()
-        views.append(view)
-    eplb = None
-    if call.eplb_offset >= 0:
-        eplb = layout.region_view(row, call.eplb_offset, (ep_size, eplb_n), torch.int32)
-    return views, call.combine_offset, eplb
-
-
 # ---------------------------------------------------------------------------
 # functional API
 # ---------------------------------------------------------------------------
@@ -370,7 +163,7 @@ def moe_a2a_get_workspace_size_per_rank(
     ``total_dispatch_payload_size_per_token`` (alignment pads included) and a
     combine row of ``combine_payload_size_per_token`` bytes.
     """
-    _check_backend(backend, None)
+    check_backend(backend, None)
     return _ops.workspace_size_per_rank.default(
         ep_size,
         max_num_tokens,
@@ -410,8 +203,8 @@ def moe_a2a_initialize(
     the caller and read-only by convention; pass it to every later call for
     this rank. It holds the address of the rank's host error mailbox (CUDA).
     """
-    _expect_tensors("moe_a2a_initialize", workspace=workspace)
-    _check_backend(backend, workspace)
+    expect_tensors("moe_a2a_initialize", workspace=workspace)
+    check_backend(backend, workspace)
     mailbox = _ops.alloc_mailbox.default(workspace)
     _ops.initialize.default(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, mailbox)
     values = [0] * layout.META_COUNT
@@ -425,7 +218,7 @@ def moe_a2a_initialize(
     values[layout.META_HEADER_BYTES] = layout.HEADER_BYTES
     values[layout.META_MAILBOX_ADDR] = mailbox
     metainfo = torch.tensor(values, dtype=torch.int64)
-    _metainfo_values(metainfo, id(metainfo))  # warm the cache
+    metainfo_values(metainfo, id(metainfo))  # warm the cache
     return metainfo
 
 
@@ -454,7 +247,7 @@ def moe_a2a_wrap_payload_tensor_in_workspace(
     when the caller overwrites it whole, as with the expert outputs of a
     combine payload.
     """
-    _expect_tensors("moe_a2a_wrap_payload_tensor_in_workspace", workspace=workspace)
+    expect_tensors("moe_a2a_wrap_payload_tensor_in_workspace", workspace=workspace)
     ws = workspace.unsqueeze(0) if workspace.dim() == 1 else workspace
     if ws.dim() != 2 or ws.dtype != torch.uint8:
         raise ValueError(
@@ -556,23 +349,23 @@ def moe_a2a_dispatch(
     timeout_s = _ENV_TIMEOUT if timeout_s is None else timeout_s
     if not (isinstance(token_selected_experts, torch.Tensor) and isinstance(workspace, torch.Tensor)):
         # Inline test first: the call costs the per-call path half a microsecond.
-        _expect_tensors("moe_a2a_dispatch", token_selected_experts=token_selected_experts, workspace=workspace)
-    _check_backend(backend, workspace)
-    meta = _metainfo_values(metainfo, id(metainfo))
-    _check_rank(meta, ep_rank, ep_size)
+        expect_tensors("moe_a2a_dispatch", token_selected_experts=token_selected_experts, workspace=workspace)
+    check_backend(backend, workspace)
+    meta = metainfo_values(metainfo, id(metainfo))
+    check_rank(meta, ep_rank, ep_size)
     _, _, max_num_tokens, eplb_n, _, mailbox = meta
     mask = _rank_mask_words(enable_rank_mask, active_rank_mask)
     if enable_pdl is None:
-        enable_pdl = _pdl_default(workspace)
+        enable_pdl = pdl_default(workspace)
     args = (token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
             runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_n, mask, timeout_s, mailbox,
             enable_pdl)
     call_eplb_n = eplb_n if eplb_local_stats is not None else 0
     if _debug_enabled():  # under torch.compile: read when the call is traced
         _check_expert_ids(token_selected_experts, num_experts)
-    if _tracing():
+    if tracing():
         _ops.dispatch.default(*args)
-        return _traced_receive_views(workspace, ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n,
+        return traced_receive_views(workspace, ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n,
                                      input_payloads)
 
     # The receive views of this call: regions of this rank's own row.
@@ -586,17 +379,17 @@ def moe_a2a_dispatch(
         key = (ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n,
                tuple([(p.shape[1:], p.dtype) for p in input_payloads]))
         hit = cache.get(key)
-    if _direct_call_ok(token_selected_experts, workspace, eplb_local_stats, *input_payloads):
+    if direct_call_ok(token_selected_experts, workspace, eplb_local_stats, *input_payloads):
         # One C++ call runs the op and builds every view (protocol.h's call_layout).
         try:
             views = _C.dispatch(*args, hit is None)
         except TypeError as e:
-            raise _wrong_type("moe_a2a_dispatch", e, token_selected_experts=(token_selected_experts, _TENSOR),
-                              input_payloads=(input_payloads, _TENSORS), workspace=(workspace, _TENSOR),
-                              runtime_max_tokens_per_rank=(runtime_max_tokens_per_rank, _INT),
-                              ep_rank=(ep_rank, _INT), ep_size=(ep_size, _INT), top_k=(top_k, _INT),
-                              num_experts=(num_experts, _INT), eplb_local_stats=(eplb_local_stats, _OPT_TENSOR),
-                              timeout_s=(timeout_s, _FLOAT), enable_pdl=(enable_pdl, _BOOL)) from None
+            raise wrong_type("moe_a2a_dispatch", e, token_selected_experts=(token_selected_experts, TENSOR),
+                              input_payloads=(input_payloads, TENSORS), workspace=(workspace, TENSOR),
+                              runtime_max_tokens_per_rank=(runtime_max_tokens_per_rank, INT),
+                              ep_rank=(ep_rank, INT), ep_size=(ep_size, INT), top_k=(top_k, INT),
+                              num_experts=(num_experts, INT), eplb_local_stats=(eplb_local_stats, OPT_TENSOR),
+                              timeout_s=(timeout_s, FLOAT), enable_pdl=(enable_pdl, BOOL)) from None
     else:
         _ops.dispatch.default(*args)
         views = None if hit is not None else _C.receive_views(
@@ -663,8 +456,8 @@ def moe_a2a_combine(
     """
     timeout_s = _ENV_TIMEOUT if timeout_s is None else timeout_s
     if not (isinstance(payload, torch.Tensor) and isinstance(workspace, torch.Tensor)):
-        _expect_tensors("moe_a2a_combine", payload=payload, workspace=workspace)  # as in _dispatch
-    _check_backend(backend, workspace)
+        expect_tensors("moe_a2a_combine", payload=payload, workspace=workspace)  # as in _dispatch
+    check_backend(backend, workspace)
     # By value, so FlashInfer's own SfLayout (or a plain int) is understood too.
     if output_scales is not None or getattr(sf_layout, "value", sf_layout) != SfLayout.layout_linear.value:
         raise NotImplementedError(
@@ -673,12 +466,12 @@ def moe_a2a_combine(
         )
     if use_low_precision:
         raise NotImplementedError("use_low_precision (FP8 combine transport) is not implemented")
-    meta = _metainfo_values(metainfo, id(metainfo))
-    _check_rank(meta, ep_rank, ep_size)
+    meta = metainfo_values(metainfo, id(metainfo))
+    check_rank(meta, ep_rank, ep_size)
     _, _, max_num_tokens, _, _, mailbox = meta
     mask = _rank_mask_words(enable_rank_mask, active_rank_mask)
     if enable_pdl is None:
-        enable_pdl = _pdl_default(workspace)
+        enable_pdl = pdl_default(workspace)
     # `output` (shape, dtype, device, contiguity) is checked by the op (check_combine).
     compiling = torch.compiler.is_compiling()
     staged = payload
@@ -713,16 +506,16 @@ def moe_a2a_combine(
         mailbox,
         enable_pdl,
     )
-    if not compiling and _direct_call_ok(workspace, payload, output):
+    if not compiling and direct_call_ok(workspace, payload, output):
         try:
             return _C.combine(*args, output)
         except TypeError as e:
-            raise _wrong_type("moe_a2a_combine", e, payload=(payload, _TENSOR), workspace=(workspace, _TENSOR),
-                              local_num_tokens=(local_num_tokens, _INT),
-                              runtime_max_tokens_per_rank=(runtime_max_tokens_per_rank, _INT),
-                              ep_rank=(ep_rank, _INT), ep_size=(ep_size, _INT), top_k=(top_k, _INT),
-                              combine_payload_offset=(combine_payload_offset, _INT), output=(output, _OPT_TENSOR),
-                              timeout_s=(timeout_s, _FLOAT), enable_pdl=(enable_pdl, _BOOL)) from None
+            raise wrong_type("moe_a2a_combine", e, payload=(payload, TENSOR), workspace=(workspace, TENSOR),
+                              local_num_tokens=(local_num_tokens, INT),
+                              runtime_max_tokens_per_rank=(runtime_max_tokens_per_rank, INT),
+                              ep_rank=(ep_rank, INT), ep_size=(ep_size, INT), top_k=(top_k, INT),
+                              combine_payload_offset=(combine_payload_offset, INT), output=(output, OPT_TENSOR),
+                              timeout_s=(timeout_s, FLOAT), enable_pdl=(enable_pdl, BOOL)) from None
     if output is None:
         return _ops.combine.default(*args)
     _ops.combine_into.default(*args, output)
@@ -773,9 +566,9 @@ def moe_a2a_sanitize_expert_ids(
     this rank's row). Rows ``[s, j]`` with ``j >= recv_counts[s]``
     get ``invalid_expert_id`` in every column; valid rows are untouched.
     """
-    _expect_tensors("moe_a2a_sanitize_expert_ids", expert_ids=expert_ids, workspace=workspace)
-    _check_backend(backend, workspace)
-    meta = _metainfo_values(metainfo, id(metainfo))
+    expect_tensors("moe_a2a_sanitize_expert_ids", expert_ids=expert_ids, workspace=workspace)
+    check_backend(backend, workspace)
+    meta = metainfo_values(metainfo, id(metainfo))
     if meta[0] != ep_rank:
         raise ValueError(f"ep_rank {ep_rank} does not match the metainfo's ep_rank {meta[0]}")
     if expert_ids.dim() != 3 or expert_ids.dtype not in _ID_DTYPES or not expert_ids.is_contiguous():
@@ -803,7 +596,7 @@ def moe_a2a_sanitize_expert_ids(
         row_start = workspace.storage_offset() + ep_rank * workspace.stride(0)
         offset = expert_ids.storage_offset() * expert_ids.element_size() - row_start
     if enable_pdl is None:
-        enable_pdl = _pdl_default(workspace)
+        enable_pdl = pdl_default(workspace)
     _ops.sanitize_expert_ids.default(
         workspace,
         ep_rank,
@@ -850,71 +643,15 @@ def local_expert_range(num_experts: int, ep_size: int, ep_rank: int) -> range:
 def moe_a2a_get_recv_counts(workspace: torch.Tensor, metainfo: torch.Tensor, ep_rank: int) -> torch.Tensor:
     """int32 ``[ep_size]`` view of rank ``ep_rank``'s header: ``[s]`` = rows received from rank ``s``
     by the last dispatch (0 for masked-off ranks)."""
-    _expect_tensors("moe_a2a_get_recv_counts", workspace=workspace)
-    meta = _metainfo_values(metainfo, id(metainfo))
-    _check_rank_index(meta, ep_rank)
+    expect_tensors("moe_a2a_get_recv_counts", workspace=workspace)
+    meta = metainfo_values(metainfo, id(metainfo))
+    check_rank_index(meta, ep_rank)
     return layout.region_view(workspace[ep_rank], layout.HDR_RECV_COUNTS, (meta[1],), torch.int32)
 
 
 def moe_a2a_get_invalid_expert_count(workspace: torch.Tensor, metainfo: torch.Tensor, ep_rank: int) -> torch.Tensor:
     """0-d int64 view of rank ``ep_rank``'s header: expert ids ``>= num_experts`` its dispatches
     skipped since ``moe_a2a_initialize``."""
-    _expect_tensors("moe_a2a_get_invalid_expert_count", workspace=workspace)
-    _check_rank_index(_metainfo_values(metainfo, id(metainfo)), ep_rank)
+    expect_tensors("moe_a2a_get_invalid_expert_count", workspace=workspace)
+    check_rank_index(metainfo_values(metainfo, id(metainfo)), ep_rank)
     return layout.region_view(workspace[ep_rank], layout.HDR_INVALID_EXPERT_COUNT, (), torch.int64)
-
-
-# ---------------------------------------------------------------------------
-# errors
-# ---------------------------------------------------------------------------
-
-
-def describe_error(ep_rank: int, code: int, missing_words: Sequence[int], detail: int) -> str:
-    """The message of an error record: ``describe_error`` of csrc/ops.cpp, the text the
-    ops raise, e.g. ``"rank 0: peers [1] did not arrive within 2.0 s (dispatch); the
-    workspace stays failed ..."``.
-
-    missing_words: the ``MOE_A2A_RANK_MASK_WORDS`` words of the peer mask (unsigned); detail:
-    the timeout in ms, for ``ERROR_RUNTIME_MAX_MISMATCH`` this rank's runtime_max_tokens_per_rank,
-    for ``ERROR_COMBINE_MISMATCH`` the bits of ``layout.COMBINE_MISMATCH_FIELDS`` that differ.
-    """
-    return _C.describe_error(ep_rank, code, [int(w) % _U64 for w in missing_words], detail)
-
-
-def _header_field(headers: torch.Tensor, offset: int, dtype: torch.dtype) -> list[int]:
-    """One header field of every row of ``headers`` ([rows, >= the field's end] uint8) as ints."""
-    return headers[:, offset : offset + dtype.itemsize].view(dtype)[:, 0].tolist()
-
-
-def check_errors(workspace: torch.Tensor) -> None:
-    """Raise RuntimeError if any rank's header holds an error record (a timed-out wait,
-    a dispatch whose peers passed another runtime_max_tokens_per_rank or other
-    payloads, or, on CUDA, dispatch and combine out of alternation and a combine
-    that does not match its dispatch: the CPU refuses those two before it
-    touches the workspace, so nothing is recorded).
-
-    Reads the header of every row of ``workspace`` (``[ep_size, size_per_rank]``
-    uint8); uninitialized rows are skipped. On CUDA this copies the headers to
-    the host (a sync with the current stream). The message names the rank and
-    the peers, as the op's error does.
-    """
-    if workspace.dim() != 2 or workspace.dtype != torch.uint8 or workspace.shape[1] < layout.HEADER_BYTES:
-        raise ValueError(
-            f"workspace must be a uint8 [ep_size, size_per_rank] tensor, got {workspace.dtype} "
-            f"{tuple(workspace.shape)}"
-        )
-    # The error record lies among the fixed words, which end where the flags begin.
-    headers = workspace[:, : layout.HDR_DISPATCH_FLAGS].to("cpu")
-    magic = _header_field(headers, layout.HDR_MAGIC, torch.int64)
-    codes = _header_field(headers, layout.HDR_ERROR_CODE, torch.int32)
-    details = _header_field(headers, layout.HDR_ERROR_DETAIL, torch.int32)
-    missing = [
-        _header_field(headers, layout.HDR_ERROR_MISSING + 8 * w, torch.int64)
-        for w in range(MOE_A2A_RANK_MASK_WORDS)
-    ]
-    for rank in range(workspace.shape[0]):
-        code = codes[rank] & 0xFFFFFFFF
-        initialized = magic[rank] % (1 << layout.INIT_TAG_SHIFT) == layout.MAGIC
-        if initialized and code != layout.ERROR_NONE:
-            words = [m[rank] % _U64 for m in missing]
-            raise RuntimeError(describe_error(rank, code, words, details[rank] & 0xFFFFFFFF))

@@ -85,7 +85,12 @@ import torch
 from torch import Tensor
 
 from . import layout, reference
-from .api import check_errors, moe_a2a_combine, moe_a2a_dispatch, moe_a2a_wrap_payload_tensor_in_workspace
+from .api import (
+    check_errors,
+    moe_a2a_combine,
+    moe_a2a_dispatch,
+    moe_a2a_wrap_payload_tensor_in_workspace,
+)
 from .reference import random_routing, reference_combine, reference_dispatch
 from .simulate import RankGraphs, SimulatedEP
 

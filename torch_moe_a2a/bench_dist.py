@@ -130,8 +130,8 @@ from .bench import (
     _set_bytes,
     _time_ops,
 )
-from .reference import reference_combine, reference_dispatch
 from .collective import TorchGroupCollective
+from .reference import reference_combine, reference_dispatch
 from .workspace import allocate_workspace, cuda_workspace_granularity
 
 DEFAULT_PRESET = "deepseek-v3"

@@ -11,11 +11,7 @@ import torch
 
 from . import layout
 from .api import (
-    MoeAlltoAllBackend,
     SfLayout,
-    _check_backend,
-    _tracing,
-    check_errors,
     moe_a2a_combine,
     moe_a2a_dispatch,
     moe_a2a_get_recv_counts,
@@ -24,9 +20,16 @@ from .api import (
     moe_a2a_sanitize_expert_ids,
     moe_a2a_wrap_payload_tensor_in_workspace,
 )
+from .backend import MoeAlltoAllBackend, check_backend
 from .collective import Collective, as_collective, is_comm_backend
+from .errors import check_errors
+from .fastpath import tracing
 from .mapping import ep_group_color
-from .workspace import allocate_workspace, release_workspace_memory, restore_workspace_memory
+from .workspace import (
+    allocate_workspace,
+    release_workspace_memory,
+    restore_workspace_memory,
+)
 
 _ops = torch.ops.moe_a2a
 
@@ -200,7 +203,7 @@ class MoeAlltoAll:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
-        _check_backend(backend, device)
+        check_backend(backend, device)
 
         if workspace_size_per_rank is None and hidden_size is None:
             raise ValueError("hidden_size must be provided if workspace_size_per_rank is not provided")
@@ -319,7 +322,7 @@ class MoeAlltoAll:
     @property
     def recv_counts(self) -> torch.Tensor:
         """int32 ``[ep_size]`` workspace view: rows received from each rank by the last dispatch."""
-        if _tracing():
+        if tracing():
             # A view made outside the graph would be a second graph input aliasing
             # the mutated workspace with another dtype, which AOTAutograd refuses
             # (and a constant to make_fx).

@@ -1,0 +1,63 @@
+"""Error records: the text of a record (one source, csrc/ops.cpp's
+``describe_error``) and :func:`check_errors`, which reads every rank's record."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import _C, layout
+from .layout import MOE_A2A_RANK_MASK_WORDS
+
+_U64 = 1 << 64
+
+def describe_error(ep_rank: int, code: int, missing_words: Sequence[int], detail: int) -> str:
+    """The message of an error record: ``describe_error`` of csrc/ops.cpp, the text the
+    ops raise, e.g. ``"rank 0: peers [1] did not arrive within 2.0 s (dispatch); the
+    workspace stays failed ..."``.
+
+    missing_words: the ``MOE_A2A_RANK_MASK_WORDS`` words of the peer mask (unsigned); detail:
+    the timeout in ms, for ``ERROR_RUNTIME_MAX_MISMATCH`` this rank's runtime_max_tokens_per_rank,
+    for ``ERROR_COMBINE_MISMATCH`` the bits of ``layout.COMBINE_MISMATCH_FIELDS`` that differ.
+    """
+    return _C.describe_error(ep_rank, code, [int(w) % _U64 for w in missing_words], detail)
+
+
+def _header_field(headers: torch.Tensor, offset: int, dtype: torch.dtype) -> list[int]:
+    """One header field of every row of ``headers`` ([rows, >= the field's end] uint8) as ints."""
+    return headers[:, offset : offset + dtype.itemsize].view(dtype)[:, 0].tolist()
+
+
+def check_errors(workspace: torch.Tensor) -> None:
+    """Raise RuntimeError if any rank's header holds an error record (a timed-out wait,
+    a dispatch whose peers passed another runtime_max_tokens_per_rank or other
+    payloads, or, on CUDA, dispatch and combine out of alternation and a combine
+    that does not match its dispatch: the CPU refuses those two before it
+    touches the workspace, so nothing is recorded).
+
+    Reads the header of every row of ``workspace`` (``[ep_size, size_per_rank]``
+    uint8); uninitialized rows are skipped. On CUDA this copies the headers to
+    the host (a sync with the current stream). The message names the rank and
+    the peers, as the op's error does.
+    """
+    if workspace.dim() != 2 or workspace.dtype != torch.uint8 or workspace.shape[1] < layout.HEADER_BYTES:
+        raise ValueError(
+            f"workspace must be a uint8 [ep_size, size_per_rank] tensor, got {workspace.dtype} "
+            f"{tuple(workspace.shape)}"
+        )
+    # The error record lies among the fixed words, which end where the flags begin.
+    headers = workspace[:, : layout.HDR_DISPATCH_FLAGS].to("cpu")
+    magic = _header_field(headers, layout.HDR_MAGIC, torch.int64)
+    codes = _header_field(headers, layout.HDR_ERROR_CODE, torch.int32)
+    details = _header_field(headers, layout.HDR_ERROR_DETAIL, torch.int32)
+    missing = [
+        _header_field(headers, layout.HDR_ERROR_MISSING + 8 * w, torch.int64)
+        for w in range(MOE_A2A_RANK_MASK_WORDS)
+    ]
+    for rank in range(workspace.shape[0]):
+        code = codes[rank] & 0xFFFFFFFF
+        initialized = magic[rank] % (1 << layout.INIT_TAG_SHIFT) == layout.MAGIC
+        if initialized and code != layout.ERROR_NONE:
+            words = [m[rank] % _U64 for m in missing]
+            raise RuntimeError(describe_error(rank, code, words, details[rank] & 0xFFFFFFFF))

@@ -1,0 +1,93 @@
+"""The eager fast path of dispatch and combine: when no ``__torch_function__``
+override and no dispatch mode can want to see the call, one C++ call
+(``_C.dispatch`` / ``_C.combine``) runs the op and builds the receive views;
+a ``TypeError`` of it is turned into a ``ValueError`` naming the argument.
+Traced calls (``torch.compile``, ``make_fx``, ``FakeTensorMode``) build the
+views with Python view ops instead."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from . import layout
+
+# What an argument of the C++ fast path must be (wrong_type).
+TENSOR, OPT_TENSOR, TENSORS, INT, FLOAT, BOOL = (
+    "a tensor", "a tensor or None", "a list of tensors", "an int", "a number", "a bool")
+
+
+def _type_ok(value: Any, kind: str) -> bool:
+    if kind == TENSOR:
+        return isinstance(value, torch.Tensor)
+    if kind == OPT_TENSOR:
+        return value is None or isinstance(value, torch.Tensor)
+    if kind == TENSORS:  # the container; wrong_type names a bad element
+        return isinstance(value, (list, tuple))
+    if kind == INT:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == FLOAT:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, bool)
+
+
+def expect_tensors(fn: str, **arguments: Any) -> None:
+    """ValueError naming the first argument that is not a tensor: the
+    arguments the Python layer reads before any op does (the ops' own
+    TypeErrors go through wrong_type)."""
+    for name, value in arguments.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{fn}: {name} must be a tensor, got {type(value).__name__}")
+
+
+def wrong_type(fn: str, error: TypeError, **arguments: tuple[Any, str]) -> ValueError:
+    """The ValueError for a TypeError of _C.dispatch / _C.combine: the first
+    argument of the wrong kind, named (pybind's own text lists signatures and
+    whole tensors)."""
+    for name, (value, kind) in arguments.items():
+        if not _type_ok(value, kind):
+            return ValueError(f"{fn}: {name} must be {kind}, got {type(value).__name__}")
+        if kind == TENSORS:
+            for i, item in enumerate(value):
+                if not isinstance(item, torch.Tensor):
+                    return ValueError(f"{fn}: {name}[{i}] must be a tensor, got {type(item).__name__}")
+    return ValueError(f"{fn}: an argument has the wrong type ({str(error).splitlines()[0]})")
+
+
+def direct_call_ok(*tensors: Optional[torch.Tensor]) -> bool:
+    """Eager calls may skip torch.ops' Python argument matching (_C.dispatch,
+    _C.combine: the same operators through the C++ dispatcher, dispatch modes
+    and backends included) unless a __torch_function__ override (a tensor
+    subclass, a TorchFunctionMode) could want to see the call."""
+    return not torch.overrides.has_torch_function(tensors)
+
+
+def tracing() -> bool:
+    """Whether this call is being traced: by torch.compile, or under a
+    dispatch mode (make_fx, FakeTensorMode, ...), which must see every view
+    op and gets none of the views built outside it (cached, or made eagerly)."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
+def traced_receive_views(
+    workspace: torch.Tensor, ep_rank: int, ep_size: int, runtime_max: int, eplb_n: int, payloads: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], int, Optional[torch.Tensor]]:
+    """Dispatch's return values when traced (:func:`tracing`): the receive
+    views built with plain view ops relative to the workspace's row
+    (layout.region_view), which trace; eager calls use the C++
+    ``_C.receive_views`` instead (view ops too, from the same layout, with the
+    offsets of the workspace at hand)."""
+    row_bytes = tuple(p.element_size() * math.prod(p.shape[1:]) for p in payloads)
+    call = layout.call_layout(ep_size, runtime_max, eplb_n, row_bytes)
+    row = workspace.select(0, ep_rank)
+    views = []
+    for payload, offset in zip(payloads, call.payload_offsets):
+        view = layout.region_view(row, offset, (ep_size, runtime_max, *payload.shape[1:]), payload.dtype)
+        view._moe_a2a_row_offset = offset  # sanitize cannot trace storage_offset()
+        views.append(view)
+    eplb = None
+    if call.eplb_offset >= 0:
+        eplb = layout.region_view(row, call.eplb_offset, (ep_size, eplb_n), torch.int32)
+    return views, call.combine_offset, eplb
