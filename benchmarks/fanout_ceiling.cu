@@ -42,13 +42,13 @@ using moe_a2a::gpu::l2_policy_evict_last;
 using moe_a2a::gpu::ld_global_l2_hint;
 using moe_a2a::gpu::st_global_l2_hint;
 
-#define CHECK(x)                                                                             \
-  do {                                                                                       \
-    const cudaError_t err_ = (x);                                                            \
-    if (err_ != cudaSuccess) {                                                               \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_));    \
-      std::exit(1);                                                                          \
-    }                                                                                        \
+#define CHECK(x)                                                                         \
+  do {                                                                                   \
+    const cudaError_t err_ = (x);                                                        \
+    if (err_ != cudaSuccess) {                                                           \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
+      std::exit(1);                                                                      \
+    }                                                                                    \
   } while (0)
 
 constexpr int kRanks = 8;
@@ -59,8 +59,8 @@ constexpr int kRowBytes = 14336;  // 7168 bf16
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kCtasPerSm = 2;
-constexpr int kUnroll = 4;                         // uint4 per lane per segment
-constexpr int kSegmentBytes = 32 * 16 * kUnroll;   // 2 KB, as dispatch's copies
+constexpr int kUnroll = 4;                        // uint4 per lane per segment
+constexpr int kSegmentBytes = 32 * 16 * kUnroll;  // 2 KB, as dispatch's copies
 constexpr int kSegments = kRowBytes / kSegmentBytes;
 static_assert(kRowBytes % kSegmentBytes == 0, "whole segments per row");
 constexpr size_t kCeilingBytes = size_t(2) << 30;  // buffers of the copy and write-only rates
@@ -233,11 +233,10 @@ __global__ void fanout_tma(const uint8_t* src, uint8_t* dst, const Entry* routes
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(&barriers[warp][b])),
                  "n"(kSegmentBytes)
                  : "memory");
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-            smem_address(buffers + b * kSegmentBytes)),
-        "l"(from), "n"(kSegmentBytes), "r"(smem_address(&barriers[warp][b]))
-        : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_address(buffers + b * kSegmentBytes)),
+                 "l"(from), "n"(kSegmentBytes), "r"(smem_address(&barriers[warp][b]))
+                 : "memory");
   };
   for (int k = 0; k < kBuffers; ++k) load(k);
   for (long k = 0; first + k * stride < total; ++k) {
@@ -247,17 +246,16 @@ __global__ void fanout_tma(const uint8_t* src, uint8_t* dst, const Entry* routes
     const int b = k % kBuffers;
     uint32_t ready = 0;
     while (!ready) {
-      asm volatile(
-          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-          : "=r"(ready)
-          : "r"(smem_address(&barriers[warp][b])), "r"(uint32_t(k / kBuffers) & 1)
-          : "memory");
+      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                   : "=r"(ready)
+                   : "r"(smem_address(&barriers[warp][b])), "r"(uint32_t(k / kBuffers) & 1)
+                   : "memory");
     }
     for (int j = 0; j < kRanks; ++j) {
       const Entry e = routes[token * kRanks + j];
       if (e < 0) break;
-      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
-                       dst + size_t(e) * kRowBytes + segment * kSegmentBytes),
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst + size_t(e) * kRowBytes +
+                                                                                       segment * kSegmentBytes),
                    "r"(smem_address(buffers + b * kSegmentBytes)), "n"(kSegmentBytes)
                    : "memory");
     }
@@ -309,14 +307,16 @@ int main() {
   CHECK(cudaMalloc(&b, kCeilingBytes));
   CHECK(cudaMemset(a, 1, kCeilingBytes));
   const size_t vectors = kCeilingBytes / sizeof(uint4);
-  const double memcpy_gbps =
-      2.0 * kCeilingBytes / median_ms([&] { CHECK(cudaMemcpyAsync(b, a, kCeilingBytes, cudaMemcpyDeviceToDevice)); }) / 1e6;
+  const double memcpy_gbps = 2.0 * kCeilingBytes /
+                             median_ms([&] { CHECK(cudaMemcpyAsync(b, a, kCeilingBytes, cudaMemcpyDeviceToDevice)); }) /
+                             1e6;
   std::printf("%-48s %8.1f GB/s   1.000 x copy\n", "copy (cudaMemcpy D2D, read + write)", memcpy_gbps);
   const auto report = [&](const char* what, double gbps) {
     std::printf("%-48s %8.1f GB/s   %.3f x copy\n", what, gbps, gbps / memcpy_gbps);
   };
-  report("copy kernel (uint4 per thread)",
-         2.0 * kCeilingBytes / median_ms([&] { copy_kernel<<<sms * 8, 256>>>((uint4*)b, (const uint4*)a, vectors); }) / 1e6);
+  report("copy kernel (uint4 per thread)", 2.0 * kCeilingBytes / median_ms([&] {
+                                             copy_kernel<<<sms * 8, 256>>>((uint4*)b, (const uint4*)a, vectors);
+                                           }) / 1e6);
   report("write only (uint4 stores)",
          1.0 * kCeilingBytes / median_ms([&] { fill_kernel<<<sms * 8, 256>>>((uint4*)b, vectors); }) / 1e6);
   report("write only (cudaMemset)",
@@ -381,9 +381,12 @@ int main() {
     check("fan-out registers");
   }
   // The two halves of the chunked pattern alone (each rate counts only the bytes it moves).
-  report("  its writes only (no loads)", double(entries) * kRowBytes /
-             median_ms([&] { fanout_registers<Moves::kWritesOnly><<<grid, kThreads>>>(a, dst, d_routes, true); }) / 1e6);
-  report("  its reads only (no stores)", double(tokens) * kRowBytes /
+  report("  its writes only (no loads)", double(entries) * kRowBytes / median_ms([&] {
+                                           fanout_registers<Moves::kWritesOnly>
+                                               <<<grid, kThreads>>>(a, dst, d_routes, true);
+                                         }) / 1e6);
+  report("  its reads only (no stores)",
+         double(tokens) * kRowBytes /
              median_ms([&] { fanout_registers<Moves::kReadsOnly><<<grid, kThreads>>>(a, dst, d_routes, true); }) / 1e6);
   {
     // A grid per rank on a stream per rank, as many CTAs as the dispatch's
@@ -408,11 +411,11 @@ int main() {
         if (whole_sm) {
           fanout_rank<1024><<<(sms - 1) / kRanks, 1024, 0, streams[r]>>>(a, dst + shift, d_routes, r, c);
         } else if (hints) {
-          fanout_rank<kThreads, true><<<(sms * kCtasPerSm - 1) / kRanks, kThreads, 0, streams[r]>>>(
-              a, dst + shift, d_routes, r, c);
+          fanout_rank<kThreads, true>
+              <<<(sms * kCtasPerSm - 1) / kRanks, kThreads, 0, streams[r]>>>(a, dst + shift, d_routes, r, c);
         } else {
-          fanout_rank<kThreads><<<(sms * kCtasPerSm - 1) / kRanks, kThreads, 0, streams[r]>>>(a, dst + shift, d_routes,
-                                                                                             r, c);
+          fanout_rank<kThreads>
+              <<<(sms * kCtasPerSm - 1) / kRanks, kThreads, 0, streams[r]>>>(a, dst + shift, d_routes, r, c);
         }
         CHECK(cudaEventRecord(joins[r], streams[r]));
         CHECK(cudaStreamWaitEvent(0, joins[r]));

@@ -72,9 +72,8 @@ class RegionViews {
 // call_layout, the one the kernels used.
 using ReceiveViews = std::tuple<std::vector<at::Tensor>, int64_t, std::optional<at::Tensor>>;
 
-ReceiveViews receive_views(
-    const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t runtime_max_tokens, int64_t eplb_n,
-    const std::vector<at::Tensor>& payloads) {
+ReceiveViews receive_views(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t runtime_max_tokens,
+                           int64_t eplb_n, const std::vector<at::Tensor>& payloads) {
   TORCH_CHECK_VALUE(payloads.size() <= static_cast<size_t>(kMaxPayloads), "receive_views: at most ", kMaxPayloads,
                     " payloads, got ", payloads.size());
   int64_t row_bytes[kMaxPayloads] = {};
@@ -103,12 +102,13 @@ ReceiveViews receive_views(
 
 // torch.ops.moe_a2a.dispatch, then, when `views`, receive_views of the call
 // (else nothing: the caller has them cached).
-std::optional<ReceiveViews> dispatch(
-    const at::Tensor& token_selected_experts, const std::vector<at::Tensor>& input_payloads,
-    const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
-    int64_t runtime_max_tokens, int64_t top_k, int64_t num_experts, const std::optional<at::Tensor>& eplb_local_stats,
-    int64_t eplb_stats_num_experts, const std::vector<int64_t>& active_rank_mask, double timeout_s, int64_t mailbox,
-    bool enable_pdl, bool views) {
+std::optional<ReceiveViews> dispatch(const at::Tensor& token_selected_experts,
+                                     const std::vector<at::Tensor>& input_payloads, const at::Tensor& workspace,
+                                     int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                                     int64_t runtime_max_tokens, int64_t top_k, int64_t num_experts,
+                                     const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
+                                     const std::vector<int64_t>& active_rank_mask, double timeout_s, int64_t mailbox,
+                                     bool enable_pdl, bool views) {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("moe_a2a::dispatch", "").typed<DispatchSignature>();
   op.call(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens,
@@ -122,11 +122,10 @@ std::optional<ReceiveViews> dispatch(
 // torch.ops.moe_a2a.combine, or combine_into when `output` is given (then
 // returned).
 at::Tensor combine(const std::optional<at::Tensor>& payload, int64_t local_num_tokens, const at::Tensor& workspace,
-                   int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens,
-                   int64_t top_k, int64_t combine_payload_offset, const std::vector<int64_t>& row_shape,
-                   at::ScalarType payload_dtype, at::ScalarType output_dtype,
-                   const std::vector<int64_t>& active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
-                   const std::optional<at::Tensor>& output) {
+                   int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens, int64_t top_k,
+                   int64_t combine_payload_offset, const std::vector<int64_t>& row_shape, at::ScalarType payload_dtype,
+                   at::ScalarType output_dtype, const std::vector<int64_t>& active_rank_mask, double timeout_s,
+                   int64_t mailbox, bool enable_pdl, const std::optional<at::Tensor>& output) {
   auto& dispatcher = c10::Dispatcher::singleton();
   const c10::SymIntArrayRef shape = c10::fromIntArrayRefSlow(row_shape);
   if (!output.has_value()) {
@@ -135,11 +134,10 @@ at::Tensor combine(const std::optional<at::Tensor>& payload, int64_t local_num_t
                    runtime_max_tokens, top_k, combine_payload_offset, shape, payload_dtype, output_dtype,
                    active_rank_mask, timeout_s, mailbox, enable_pdl);
   }
-  static const auto op_into =
-      dispatcher.findSchemaOrThrow("moe_a2a::combine_into", "").typed<CombineIntoSignature>();
-  op_into.call(payload, c10::SymInt(local_num_tokens), workspace, ep_rank, ep_size, max_num_tokens,
-               runtime_max_tokens, top_k, combine_payload_offset, shape, payload_dtype, output_dtype,
-               active_rank_mask, timeout_s, mailbox, enable_pdl, *output);
+  static const auto op_into = dispatcher.findSchemaOrThrow("moe_a2a::combine_into", "").typed<CombineIntoSignature>();
+  op_into.call(payload, c10::SymInt(local_num_tokens), workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens,
+               top_k, combine_payload_offset, shape, payload_dtype, output_dtype, active_rank_mask, timeout_s, mailbox,
+               enable_pdl, *output);
   return *output;
 }
 
@@ -154,8 +152,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "describe_error",
       [](int64_t ep_rank, uint32_t code, const std::vector<uint64_t>& missing, uint32_t detail) {
-        TORCH_CHECK_VALUE(missing.size() == static_cast<size_t>(moe_a2a::kRankMaskWords), "describe_error: ",
-                          moe_a2a::kRankMaskWords, " mask words expected, got ", missing.size());
+        TORCH_CHECK_VALUE(missing.size() == static_cast<size_t>(moe_a2a::kRankMaskWords),
+                          "describe_error: ", moe_a2a::kRankMaskWords, " mask words expected, got ", missing.size());
         return moe_a2a::describe_error(ep_rank, code, missing.data(), detail);
       },
       py::arg("ep_rank"), py::arg("code"), py::arg("missing"), py::arg("detail"));

@@ -39,39 +39,34 @@ constexpr int64_t kWorkspaceBaseAlign = 16;
 constexpr int64_t kCombineOffsetAlign = 16;
 
 // torch's Python spelling ("torch.float32"), the one users wrote.
-std::string dtype_name(at::ScalarType t) {
-  return "torch." + std::string(c10::getDtypeNames(t).first);
-}
+std::string dtype_name(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
 
 // ---- argument checks shared by the builders ----------------------------------
 
 void check_ranks(int64_t ep_rank, int64_t ep_size) {
-  TORCH_CHECK_VALUE(ep_size >= 1 && ep_size <= kMaxRanks, "ep_size must be in [1, ", kMaxRanks,
-                    "], got ", ep_size);
-  TORCH_CHECK_VALUE(ep_rank >= 0 && ep_rank < ep_size, "ep_rank must be in [0, ep_size=", ep_size,
-                    "), got ", ep_rank);
+  TORCH_CHECK_VALUE(ep_size >= 1 && ep_size <= kMaxRanks, "ep_size must be in [1, ", kMaxRanks, "], got ", ep_size);
+  TORCH_CHECK_VALUE(ep_rank >= 0 && ep_rank < ep_size, "ep_rank must be in [0, ep_size=", ep_size, "), got ", ep_rank);
 }
 
 void check_max_num_tokens(int64_t max_num_tokens) {
-  TORCH_CHECK_VALUE(max_num_tokens >= 1 && max_num_tokens <= kMaxNumTokens,
-                    "max_num_tokens must be in [1, ", kMaxNumTokens, "], got ", max_num_tokens);
+  TORCH_CHECK_VALUE(max_num_tokens >= 1 && max_num_tokens <= kMaxNumTokens, "max_num_tokens must be in [1, ",
+                    kMaxNumTokens, "], got ", max_num_tokens);
 }
 
 void check_runtime_max(int64_t runtime_max, int64_t max_num_tokens) {
   TORCH_CHECK_VALUE(runtime_max >= 1 && runtime_max <= max_num_tokens,
-                    "runtime_max_tokens_per_rank must be in [1, max_num_tokens=", max_num_tokens,
-                    "], got ", runtime_max);
+                    "runtime_max_tokens_per_rank must be in [1, max_num_tokens=", max_num_tokens, "], got ",
+                    runtime_max);
 }
 
 void check_top_k(int64_t top_k) {
-  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= kMaxTopK, "top_k must be in [1, ", kMaxTopK, "], got ",
-                    top_k);
+  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= kMaxTopK, "top_k must be in [1, ", kMaxTopK, "], got ", top_k);
 }
 
 void check_eplb_n(int64_t eplb_n) {
   TORCH_CHECK_VALUE(eplb_n >= 0 && eplb_n <= kMaxRowBytes / int64_t(sizeof(int32_t)),
-                    "eplb_stats_num_experts must be in [0, ", kMaxRowBytes / int64_t(sizeof(int32_t)),
-                    "], got ", eplb_n);
+                    "eplb_stats_num_experts must be in [0, ", kMaxRowBytes / int64_t(sizeof(int32_t)), "], got ",
+                    eplb_n);
 }
 
 // The workspace: [ep_size, size_per_rank] uint8 whose rows are contiguous and
@@ -85,21 +80,21 @@ WorkspaceView check_workspace(const at::Tensor& workspace, int64_t ep_rank, int6
                     workspace.sizes());
   TORCH_CHECK_VALUE(workspace.scalar_type() == at::kByte, "workspace must be torch.uint8, got ",
                     dtype_name(workspace.scalar_type()));
-  TORCH_CHECK_VALUE(workspace.size(0) == ep_size, "workspace.shape[0] must equal ep_size=", ep_size,
-                    ", got shape ", workspace.sizes());
+  TORCH_CHECK_VALUE(workspace.size(0) == ep_size, "workspace.shape[0] must equal ep_size=", ep_size, ", got shape ",
+                    workspace.sizes());
   const int64_t size_per_rank = workspace.size(1);
   TORCH_CHECK_VALUE(size_per_rank % kAlign == 0 && size_per_rank >= kHeaderBytes,
-                    "workspace.shape[1] (bytes per rank) must be a multiple of ", kAlign,
-                    " and at least ", kHeaderBytes, ", got ", size_per_rank);
+                    "workspace.shape[1] (bytes per rank) must be a multiple of ", kAlign, " and at least ",
+                    kHeaderBytes, ", got ", size_per_rank);
   // One row: the stride between rows matters only when there are several.
   const int64_t row_stride = ep_size > 1 ? workspace.stride(0) : size_per_rank;
   TORCH_CHECK_VALUE(workspace.stride(1) == 1 && row_stride >= size_per_rank && row_stride % kAlign == 0,
                     "workspace rows must be contiguous bytes (stride 1) that do not overlap, at a row stride "
-                    "that is a multiple of ", kAlign, ", got strides ", workspace.strides(), " for shape ",
-                    workspace.sizes());
+                    "that is a multiple of ",
+                    kAlign, ", got strides ", workspace.strides(), " for shape ", workspace.sizes());
   const auto address = reinterpret_cast<uintptr_t>(workspace.data_ptr());
-  TORCH_CHECK_VALUE(address % kWorkspaceBaseAlign == 0, "workspace data must be ",
-                    kWorkspaceBaseAlign, "-byte aligned, got address ", address);
+  TORCH_CHECK_VALUE(address % kWorkspaceBaseAlign == 0, "workspace data must be ", kWorkspaceBaseAlign,
+                    "-byte aligned, got address ", address);
   WorkspaceView view;
   view.base = static_cast<uint8_t*>(workspace.data_ptr());
   view.row_stride = row_stride;
@@ -118,8 +113,8 @@ void check_no_grad(const at::Tensor& t, const std::string& arg) {
 }
 
 void check_on_workspace_device(const at::Tensor& t, const at::Tensor& workspace, const std::string& arg) {
-  TORCH_CHECK_VALUE(t.device() == workspace.device(), arg, " must be on the workspace's device ",
-                    workspace.device(), ", got ", t.device());
+  TORCH_CHECK_VALUE(t.device() == workspace.device(), arg, " must be on the workspace's device ", workspace.device(),
+                    ", got ", t.device());
 }
 
 // Bytes of one row of `t` (all dimensions but the first), or -1 when it
@@ -143,22 +138,22 @@ void check_fits(int64_t needed, int64_t size_per_rank) {
 }
 
 // active_rank_mask (empty: every rank), timeout, mailbox.
-SyncParams check_sync(at::IntArrayRef active_rank_mask, const at::Tensor& workspace, int64_t ep_rank,
-                      int64_t ep_size, double timeout_s, int64_t mailbox, bool enable_pdl) {
+SyncParams check_sync(at::IntArrayRef active_rank_mask, const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                      double timeout_s, int64_t mailbox, bool enable_pdl) {
   SyncParams sync{};
   if (active_rank_mask.empty()) {
     for (int64_t r = 0; r < ep_size; ++r) sync.active_mask[r / 64] |= uint64_t(1) << (r % 64);
   } else {
     TORCH_CHECK_VALUE(active_rank_mask.size() == size_t(kRankMaskWords),
-                      "active_rank_mask must be empty (all ranks active) or hold exactly ",
-                      kRankMaskWords, " words, got ", active_rank_mask.size());
+                      "active_rank_mask must be empty (all ranks active) or hold exactly ", kRankMaskWords,
+                      " words, got ", active_rank_mask.size());
     for (int w = 0; w < kRankMaskWords; ++w) sync.active_mask[w] = uint64_t(active_rank_mask[w]);
     TORCH_CHECK_VALUE(rank_active(sync, static_cast<int>(ep_rank)),
-                      "active_rank_mask must have the own rank's bit set (ep_rank=", ep_rank,
-                      "), got mask ", active_rank_mask);
+                      "active_rank_mask must have the own rank's bit set (ep_rank=", ep_rank, "), got mask ",
+                      active_rank_mask);
     for (int64_t r = ep_size; r < kMaxRanks; ++r) {
-      TORCH_CHECK_VALUE(!rank_active(sync, static_cast<int>(r)), "active_rank_mask has bit ", r,
-                        " set but ep_size is ", ep_size, ", got mask ", active_rank_mask);
+      TORCH_CHECK_VALUE(!rank_active(sync, static_cast<int>(r)), "active_rank_mask has bit ", r, " set but ep_size is ",
+                        ep_size, ", got mask ", active_rank_mask);
     }
   }
   sync.timeout_s = resolve_timeout(timeout_s);
@@ -237,8 +232,8 @@ at::ScalarType to_scalar_type(DType d) {
 
 // ---- builders -------------------------------------------------------------------
 
-InitParams check_initialize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
-                            int64_t max_num_tokens, int64_t eplb_n) {
+InitParams check_initialize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                            int64_t eplb_n) {
   InitParams p{};
   p.ws = check_workspace(workspace, ep_rank, ep_size);
   check_max_num_tokens(max_num_tokens);
@@ -256,21 +251,17 @@ InitParams check_initialize(const at::Tensor& workspace, int64_t ep_rank, int64_
   return p;
 }
 
-DispatchParams check_dispatch(const at::Tensor& token_selected_experts,
-                              at::TensorList input_payloads, const at::Tensor& workspace,
-                              int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
-                              int64_t runtime_max_tokens_per_rank, int64_t top_k,
-                              int64_t num_experts,
-                              const std::optional<at::Tensor>& eplb_local_stats,
-                              int64_t eplb_stats_num_experts, at::IntArrayRef active_rank_mask,
-                              double timeout_s, int64_t mailbox, bool enable_pdl) {
+DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::TensorList input_payloads,
+                              const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                              int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
+                              const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
+                              at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl) {
   DispatchParams p{};
   p.ws = check_workspace(workspace, ep_rank, ep_size);
   check_max_num_tokens(max_num_tokens);
   check_runtime_max(runtime_max_tokens_per_rank, max_num_tokens);
   check_top_k(top_k);
-  TORCH_CHECK_VALUE(num_experts >= ep_size, "num_experts must be >= ep_size=", ep_size, ", got ",
-                    num_experts);
+  TORCH_CHECK_VALUE(num_experts >= ep_size, "num_experts must be >= ep_size=", ep_size, ", got ", num_experts);
 
   const at::Tensor& ids = token_selected_experts;
   TORCH_CHECK_VALUE(ids.defined(), "token_selected_experts must be a tensor, got an undefined tensor");
@@ -278,11 +269,10 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts,
   TORCH_CHECK_VALUE(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong,
                     "token_selected_experts must be torch.int32 or torch.int64, got ", dtype_name(ids.scalar_type()));
   TORCH_CHECK_VALUE(ids.dim() == 2 && ids.size(1) == top_k,
-                    "token_selected_experts must be 2-D [local_num_tokens, top_k=", top_k,
-                    "], got shape ", ids.sizes());
+                    "token_selected_experts must be 2-D [local_num_tokens, top_k=", top_k, "], got shape ",
+                    ids.sizes());
   check_on_workspace_device(ids, workspace, "token_selected_experts");
-  TORCH_CHECK_VALUE(ids.is_contiguous(), "token_selected_experts must be contiguous, got strides ",
-                    ids.strides());
+  TORCH_CHECK_VALUE(ids.is_contiguous(), "token_selected_experts must be contiguous, got strides ", ids.strides());
   const int64_t n = ids.size(0);
   TORCH_CHECK_VALUE(n <= runtime_max_tokens_per_rank,
                     "token_selected_experts.shape[0] (local_num_tokens) must be <= "
@@ -290,23 +280,22 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts,
                     runtime_max_tokens_per_rank, ", got ", n);
 
   const int64_t num_payloads = static_cast<int64_t>(input_payloads.size());
-  TORCH_CHECK_VALUE(num_payloads >= 1 && num_payloads <= kMaxPayloads, "input_payloads must hold 1 to ",
-                    kMaxPayloads, " tensors, got ", num_payloads);
+  TORCH_CHECK_VALUE(num_payloads >= 1 && num_payloads <= kMaxPayloads, "input_payloads must hold 1 to ", kMaxPayloads,
+                    " tensors, got ", num_payloads);
   for (int64_t i = 0; i < num_payloads; ++i) {
     const at::Tensor& t = input_payloads[i];
     const std::string arg = "input_payloads[" + std::to_string(i) + "]";
     TORCH_CHECK_VALUE(t.defined(), arg, " must be a tensor, got an undefined tensor");
     check_on_workspace_device(t, workspace, arg);
-    TORCH_CHECK_VALUE(t.dim() >= 1 && t.size(0) == n, arg,
-                      " must be [local_num_tokens=", n, ", *], got shape ", t.sizes());
-    TORCH_CHECK_VALUE(t.is_contiguous(), arg, " must be contiguous, got strides ", t.strides(),
-                      " for shape ", t.sizes());
+    TORCH_CHECK_VALUE(t.dim() >= 1 && t.size(0) == n, arg, " must be [local_num_tokens=", n, ", *], got shape ",
+                      t.sizes());
+    TORCH_CHECK_VALUE(t.is_contiguous(), arg, " must be contiguous, got strides ", t.strides(), " for shape ",
+                      t.sizes());
     const int64_t row_bytes = row_bytes_of(t.sizes().slice(1), t.element_size());
     // A payload of 0 bytes per token ("any trailing shape", DESIGN section 3)
     // gets a plane of 0 bytes and no copy.
-    TORCH_CHECK_VALUE(row_bytes >= 0 && row_bytes <= kMaxRowBytes, arg,
-                      " must have at most ", kMaxRowBytes, " bytes per token, got shape ",
-                      t.sizes(), " of ", dtype_name(t.scalar_type()));
+    TORCH_CHECK_VALUE(row_bytes >= 0 && row_bytes <= kMaxRowBytes, arg, " must have at most ", kMaxRowBytes,
+                      " bytes per token, got shape ", t.sizes(), " of ", dtype_name(t.scalar_type()));
     check_no_grad(t, arg);
     p.payload[i] = static_cast<const uint8_t*>(t.data_ptr());
     p.payload_row_bytes[i] = row_bytes;
@@ -322,19 +311,18 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts,
     TORCH_CHECK_VALUE(s.scalar_type() == at::kInt, "eplb_local_stats must be torch.int32, got ",
                       dtype_name(s.scalar_type()));
     TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == eplb_stats_num_experts,
-                      "eplb_local_stats must be 1-D [eplb_stats_num_experts=", eplb_stats_num_experts,
-                      "], got shape ", s.sizes());
+                      "eplb_local_stats must be 1-D [eplb_stats_num_experts=", eplb_stats_num_experts, "], got shape ",
+                      s.sizes());
     check_on_workspace_device(s, workspace, "eplb_local_stats");
-    TORCH_CHECK_VALUE(s.is_contiguous(), "eplb_local_stats must be contiguous, got strides ",
-                      s.strides());
+    TORCH_CHECK_VALUE(s.is_contiguous(), "eplb_local_stats must be contiguous, got strides ", s.strides());
     p.eplb_local_stats = static_cast<const int32_t*>(s.data_ptr());
     p.eplb_n = eplb_stats_num_experts;
   }
 
   p.sync = check_sync(active_rank_mask, workspace, ep_rank, ep_size, timeout_s, mailbox, enable_pdl);
 
-  p.layout = call_layout(ep_size, runtime_max_tokens_per_rank, p.eplb_n,
-                         static_cast<int>(num_payloads), p.payload_row_bytes);
+  p.layout =
+      call_layout(ep_size, runtime_max_tokens_per_rank, p.eplb_n, static_cast<int>(num_payloads), p.payload_row_bytes);
   check_fits(p.layout.dispatch_end, p.ws.size_per_rank);
   p.payload_signature = payload_signature(p.layout, p.payload_row_bytes);
 
@@ -349,12 +337,10 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts,
 }
 
 CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
-                            const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
-                            int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
-                            int64_t top_k, int64_t combine_payload_offset,
-                            at::IntArrayRef row_shape, at::ScalarType payload_dtype,
-                            at::ScalarType output_dtype, at::IntArrayRef active_rank_mask,
-                            double timeout_s, int64_t mailbox, bool enable_pdl,
+                            const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                            int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t combine_payload_offset,
+                            at::IntArrayRef row_shape, at::ScalarType payload_dtype, at::ScalarType output_dtype,
+                            at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
                             const at::Tensor* output) {
   CombineParams p{};
   p.ws = check_workspace(workspace, ep_rank, ep_size);
@@ -363,8 +349,7 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
   check_runtime_max(T, max_num_tokens);
   check_top_k(top_k);
   TORCH_CHECK_VALUE(local_num_tokens >= 0 && local_num_tokens <= T,
-                    "local_num_tokens must be in [0, runtime_max_tokens_per_rank=", T, "], got ",
-                    local_num_tokens);
+                    "local_num_tokens must be in [0, runtime_max_tokens_per_rank=", T, "], got ", local_num_tokens);
 
   // The payload first: output_dtype defaults to it, so an fp8 payload must
   // not read as a request for a quantized output.
@@ -374,18 +359,17 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
                               "dtype or torch.bfloat16");
   p.output_dtype = to_dtype(output_dtype, "output_dtype");
   TORCH_CHECK_VALUE(output_dtype == payload_dtype || output_dtype == at::kBFloat16,
-                    "output_dtype must be the payload dtype (", dtype_name(payload_dtype),
-                    ") or torch.bfloat16, got ", dtype_name(output_dtype));
+                    "output_dtype must be the payload dtype (", dtype_name(payload_dtype), ") or torch.bfloat16, got ",
+                    dtype_name(output_dtype));
 
   const int64_t element_size = static_cast<int64_t>(c10::elementSize(payload_dtype));
   for (const int64_t d : row_shape) {
-    TORCH_CHECK_VALUE(d >= 0, "row_shape (the payload's trailing shape) must have sizes >= 0, got ",
-                      row_shape);
+    TORCH_CHECK_VALUE(d >= 0, "row_shape (the payload's trailing shape) must have sizes >= 0, got ", row_shape);
   }
   // A row of 0 bytes: the combine only synchronizes, its output has no elements.
   const int64_t row_bytes = row_bytes_of(row_shape, element_size);
-  TORCH_CHECK_VALUE(row_bytes >= 0 && row_bytes <= kMaxRowBytes, "a combine row must have at most ",
-                    kMaxRowBytes, " bytes, got row_shape ", row_shape, " of ", dtype_name(payload_dtype));
+  TORCH_CHECK_VALUE(row_bytes >= 0 && row_bytes <= kMaxRowBytes, "a combine row must have at most ", kMaxRowBytes,
+                    " bytes, got row_shape ", row_shape, " of ", dtype_name(payload_dtype));
   p.row_elems = row_bytes / element_size;
 
   if (payload.has_value() && payload->defined()) {
@@ -404,13 +388,12 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
   }
 
   const int64_t route_end = route_region_end(ep_size, T);
-  TORCH_CHECK_VALUE(combine_payload_offset >= route_end &&
-                        combine_payload_offset % kCombineOffsetAlign == 0,
-                    "combine_payload_offset must be a multiple of ", kCombineOffsetAlign,
-                    " and >= ", route_end, " (the end of the route region), got ",
+  TORCH_CHECK_VALUE(combine_payload_offset >= route_end && combine_payload_offset % kCombineOffsetAlign == 0,
+                    "combine_payload_offset must be a multiple of ", kCombineOffsetAlign, " and >= ", route_end,
+                    " (the end of the route region), got ", combine_payload_offset);
+  TORCH_CHECK_VALUE(combine_payload_offset <= p.ws.size_per_rank,
+                    "combine_payload_offset must be <= ", p.ws.size_per_rank, " (bytes per rank), got ",
                     combine_payload_offset);
-  TORCH_CHECK_VALUE(combine_payload_offset <= p.ws.size_per_rank, "combine_payload_offset must be <= ",
-                    p.ws.size_per_rank, " (bytes per rank), got ", combine_payload_offset);
   check_fits(combine_end(combine_payload_offset, ep_size, T, row_bytes), p.ws.size_per_rank);
 
   p.sync = check_sync(active_rank_mask, workspace, ep_rank, ep_size, timeout_s, mailbox, enable_pdl);
@@ -424,8 +407,8 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
     std::vector<int64_t> expected{local_num_tokens};
     expected.insert(expected.end(), row_shape.begin(), row_shape.end());
     TORCH_CHECK_VALUE(o.sizes() == at::IntArrayRef(expected),
-                      "output must be [local_num_tokens, *row_shape] = ", at::IntArrayRef(expected),
-                      ", got shape ", o.sizes());
+                      "output must be [local_num_tokens, *row_shape] = ", at::IntArrayRef(expected), ", got shape ",
+                      o.sizes());
     TORCH_CHECK_VALUE(o.is_contiguous(), "output must be contiguous, got strides ", o.strides());
     // combine writes into `output` and has no backward: autograd would keep
     // the tensor's old history (or, for a leaf, miss the write) and give
@@ -444,9 +427,9 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
   return p;
 }
 
-SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
-                              int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t offset,
-                              int64_t width, int64_t invalid_expert_id, int64_t id_bytes, bool enable_pdl) {
+SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                              int64_t runtime_max_tokens_per_rank, int64_t offset, int64_t width,
+                              int64_t invalid_expert_id, int64_t id_bytes, bool enable_pdl) {
   SanitizeParams p{};
   p.ws = check_workspace(workspace, ep_rank, ep_size);
   check_max_num_tokens(max_num_tokens);
@@ -457,15 +440,14 @@ SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int6
   // Any int32 or int64 payload is an expert-id payload to sanitize, whatever its width.
   TORCH_CHECK_VALUE(width >= 1 && width <= kMaxRowBytes / id_bytes, "width (ids per row) must be in [1, ",
                     kMaxRowBytes / id_bytes, "], got ", width);
-  TORCH_CHECK_VALUE(id_bytes == int64_t(sizeof(int64_t)) ||
-                        (invalid_expert_id >= std::numeric_limits<int32_t>::min() &&
-                         invalid_expert_id <= std::numeric_limits<int32_t>::max()),
+  TORCH_CHECK_VALUE(id_bytes == int64_t(sizeof(int64_t)) || (invalid_expert_id >= std::numeric_limits<int32_t>::min() &&
+                                                             invalid_expert_id <= std::numeric_limits<int32_t>::max()),
                     "invalid_expert_id must fit in int32, got ", invalid_expert_id);
   TORCH_CHECK_VALUE(offset >= kHeaderBytes && offset % id_bytes == 0,
-                    "offset (of the received expert-id plane) must be a multiple of ", id_bytes, " and >= ",
-                    kHeaderBytes, ", got ", offset);
-  TORCH_CHECK_VALUE(offset <= p.ws.size_per_rank, "offset must be <= ", p.ws.size_per_rank,
-                    " (bytes per rank), got ", offset);
+                    "offset (of the received expert-id plane) must be a multiple of ", id_bytes,
+                    " and >= ", kHeaderBytes, ", got ", offset);
+  TORCH_CHECK_VALUE(offset <= p.ws.size_per_rank, "offset must be <= ", p.ws.size_per_rank, " (bytes per rank), got ",
+                    offset);
   check_fits(offset + ep_size * T * width * id_bytes, p.ws.size_per_rank);
   p.runtime_max_tokens = T;
   p.offset = offset;
@@ -503,8 +485,8 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
   switch (code) {
     case kErrorDispatchTimeout:
     case kErrorCombineTimeout:
-      os << "peers " << rank_list(missing) << " did not arrive within " << seconds_text(detail)
-         << " s (" << (code == kErrorDispatchTimeout ? "dispatch" : "combine") << ")";
+      os << "peers " << rank_list(missing) << " did not arrive within " << seconds_text(detail) << " s ("
+         << (code == kErrorDispatchTimeout ? "dispatch" : "combine") << ")";
       break;
     case kErrorRuntimeMaxMismatch:
       os << "peers " << rank_list(missing) << " called dispatch with another runtime_max_tokens_per_rank than "
@@ -548,12 +530,11 @@ void raise_if_mailbox_error(int64_t mailbox, int64_t ep_rank) {
   if (code == kErrorNone) return;
   uint64_t missing[kRankMaskWords];
   for (int w = 0; w < kRankMaskWords; ++w) {
-    missing[w] = static_cast<uint64_t>(
-        __atomic_load_n(&words[kMetaMailboxMissing - kMetaMailboxCode + w], __ATOMIC_RELAXED));
+    missing[w] =
+        static_cast<uint64_t>(__atomic_load_n(&words[kMetaMailboxMissing - kMetaMailboxCode + w], __ATOMIC_RELAXED));
   }
   const int64_t detail = __atomic_load_n(&words[kMetaMailboxDetail - kMetaMailboxCode], __ATOMIC_RELAXED);
-  TORCH_CHECK(false, describe_error(ep_rank, static_cast<uint32_t>(code), missing,
-                                    static_cast<uint32_t>(detail)));
+  TORCH_CHECK(false, describe_error(ep_rank, static_cast<uint32_t>(code), missing, static_cast<uint32_t>(detail)));
 }
 
 void raise_if_wait_failed(const WaitResult& result, int64_t ep_rank) {
@@ -586,8 +567,7 @@ void raise_row_status(const cpu::RowStatus& status, int64_t ep_rank) {
     case cpu::RowStatus::kRuntimeError:
       TORCH_CHECK(false, status.message);
     case cpu::RowStatus::kFailed:
-      TORCH_CHECK(false, describe_error(ep_rank, status.record.code, status.record.missing,
-                                        status.record.detail));
+      TORCH_CHECK(false, describe_error(ep_rank, status.record.code, status.record.missing, status.record.detail));
   }
 }
 
@@ -595,24 +575,21 @@ int64_t alloc_mailbox_cpu(const at::Tensor&) {
   return 0;  // CPU workspaces raise at once and need no host mailbox
 }
 
-void initialize_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
-                    int64_t max_num_tokens, int64_t eplb_stats_num_experts, int64_t mailbox) {
+void initialize_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                    int64_t eplb_stats_num_experts, int64_t mailbox) {
   const InitParams p = check_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts);
-  TORCH_CHECK_VALUE(mailbox == 0,
-                    "mailbox must be 0 for a CPU workspace (alloc_mailbox returned 0), got ", mailbox);
+  TORCH_CHECK_VALUE(mailbox == 0, "mailbox must be 0 for a CPU workspace (alloc_mailbox returned 0), got ", mailbox);
   cpu::initialize(p);
 }
 
-void dispatch_cpu(const at::Tensor& token_selected_experts, at::TensorList input_payloads,
-                  const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
-                  int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k,
-                  int64_t num_experts, const std::optional<at::Tensor>& eplb_local_stats,
-                  int64_t eplb_stats_num_experts, at::IntArrayRef active_rank_mask,
-                  double timeout_s, int64_t mailbox, bool enable_pdl) {
+void dispatch_cpu(const at::Tensor& token_selected_experts, at::TensorList input_payloads, const at::Tensor& workspace,
+                  int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
+                  int64_t top_k, int64_t num_experts, const std::optional<at::Tensor>& eplb_local_stats,
+                  int64_t eplb_stats_num_experts, at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox,
+                  bool enable_pdl) {
   const DispatchParams p = check_dispatch(
-      token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
-      runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_stats_num_experts,
-      active_rank_mask, timeout_s, mailbox, enable_pdl);
+      token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
+      top_k, num_experts, eplb_local_stats, eplb_stats_num_experts, active_rank_mask, timeout_s, mailbox, enable_pdl);
   raise_if_mailbox_error(mailbox, ep_rank);
   raise_row_status(cpu::check_row_for_dispatch(p.ws, max_num_tokens, eplb_stats_num_experts), ep_rank);
   raise_if_wait_failed(cpu::dispatch(p), ep_rank);
@@ -624,17 +601,14 @@ void run_combine_cpu(const CombineParams& p, int64_t max_num_tokens, int64_t mai
   raise_if_wait_failed(cpu::combine(p), p.ws.ep_rank);
 }
 
-at::Tensor combine_cpu(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
-                       const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
-                       int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k,
-                       int64_t combine_payload_offset, at::IntArrayRef row_shape,
-                       at::ScalarType payload_dtype, at::ScalarType output_dtype,
-                       at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox,
-                       bool enable_pdl) {
-  CombineParams p = check_combine(payload, local_num_tokens, workspace, ep_rank, ep_size,
-                                  max_num_tokens, runtime_max_tokens_per_rank, top_k,
-                                  combine_payload_offset, row_shape, payload_dtype, output_dtype,
-                                  active_rank_mask, timeout_s, mailbox, enable_pdl, nullptr);
+at::Tensor combine_cpu(const std::optional<at::Tensor>& payload, int64_t local_num_tokens, const at::Tensor& workspace,
+                       int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
+                       int64_t top_k, int64_t combine_payload_offset, at::IntArrayRef row_shape,
+                       at::ScalarType payload_dtype, at::ScalarType output_dtype, at::IntArrayRef active_rank_mask,
+                       double timeout_s, int64_t mailbox, bool enable_pdl) {
+  CombineParams p = check_combine(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
+                                  runtime_max_tokens_per_rank, top_k, combine_payload_offset, row_shape, payload_dtype,
+                                  output_dtype, active_rank_mask, timeout_s, mailbox, enable_pdl, nullptr);
   std::vector<int64_t> shape{local_num_tokens};
   shape.insert(shape.end(), row_shape.begin(), row_shape.end());
   at::Tensor out = at::empty(shape, workspace.options().dtype(output_dtype));
@@ -643,27 +617,23 @@ at::Tensor combine_cpu(const std::optional<at::Tensor>& payload, int64_t local_n
   return out;
 }
 
-void combine_into_cpu(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
-                      const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
-                      int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k,
-                      int64_t combine_payload_offset, at::IntArrayRef row_shape,
-                      at::ScalarType payload_dtype, at::ScalarType output_dtype,
-                      at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox,
-                      bool enable_pdl, const at::Tensor& output) {
-  const CombineParams p = check_combine(payload, local_num_tokens, workspace, ep_rank, ep_size,
-                                        max_num_tokens, runtime_max_tokens_per_rank, top_k,
-                                        combine_payload_offset, row_shape, payload_dtype,
-                                        output_dtype, active_rank_mask, timeout_s, mailbox,
-                                        enable_pdl, &output);
+void combine_into_cpu(const std::optional<at::Tensor>& payload, int64_t local_num_tokens, const at::Tensor& workspace,
+                      int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
+                      int64_t top_k, int64_t combine_payload_offset, at::IntArrayRef row_shape,
+                      at::ScalarType payload_dtype, at::ScalarType output_dtype, at::IntArrayRef active_rank_mask,
+                      double timeout_s, int64_t mailbox, bool enable_pdl, const at::Tensor& output) {
+  const CombineParams p =
+      check_combine(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
+                    top_k, combine_payload_offset, row_shape, payload_dtype, output_dtype, active_rank_mask, timeout_s,
+                    mailbox, enable_pdl, &output);
   run_combine_cpu(p, max_num_tokens, mailbox);
 }
 
-void sanitize_expert_ids_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
-                             int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t offset,
-                             int64_t width, int64_t invalid_expert_id, int64_t id_bytes, bool enable_pdl) {
-  const SanitizeParams p = check_sanitize(workspace, ep_rank, ep_size, max_num_tokens,
-                                          runtime_max_tokens_per_rank, offset, width, invalid_expert_id,
-                                          id_bytes, enable_pdl);
+void sanitize_expert_ids_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                             int64_t runtime_max_tokens_per_rank, int64_t offset, int64_t width,
+                             int64_t invalid_expert_id, int64_t id_bytes, bool enable_pdl) {
+  const SanitizeParams p = check_sanitize(workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
+                                          offset, width, invalid_expert_id, id_bytes, enable_pdl);
   raise_row_status(cpu::check_row_for_sanitize(p.ws, max_num_tokens), ep_rank);
   cpu::sanitize_expert_ids(p);
 }
@@ -672,14 +642,13 @@ void sanitize_expert_ids_cpu(const at::Tensor& workspace, int64_t ep_rank, int64
 
 int64_t workspace_size_per_rank_op(int64_t ep_size, int64_t max_num_tokens,
                                    int64_t total_dispatch_payload_size_per_token,
-                                   int64_t combine_payload_size_per_token,
-                                   int64_t eplb_stats_num_experts) {
+                                   int64_t combine_payload_size_per_token, int64_t eplb_stats_num_experts) {
   check_ranks(/*ep_rank=*/0, ep_size);
   check_max_num_tokens(max_num_tokens);
   TORCH_CHECK_VALUE(total_dispatch_payload_size_per_token >= 0 &&
                         total_dispatch_payload_size_per_token <= kMaxPayloads * kMaxRowBytes,
-                    "total_dispatch_payload_size_per_token must be in [0, ", kMaxPayloads * kMaxRowBytes,
-                    "], got ", total_dispatch_payload_size_per_token);
+                    "total_dispatch_payload_size_per_token must be in [0, ", kMaxPayloads * kMaxRowBytes, "], got ",
+                    total_dispatch_payload_size_per_token);
   TORCH_CHECK_VALUE(combine_payload_size_per_token >= 0 && combine_payload_size_per_token <= kMaxRowBytes,
                     "combine_payload_size_per_token must be in [0, ", kMaxRowBytes, "], got ",
                     combine_payload_size_per_token);
@@ -689,8 +658,8 @@ int64_t workspace_size_per_rank_op(int64_t ep_size, int64_t max_num_tokens,
 }
 
 // [route_offset, eplb_offset, payload_offset_0, ..., combine_offset]
-std::vector<int64_t> call_layout_op(int64_t ep_size, int64_t runtime_max_tokens_per_rank,
-                                    int64_t eplb_n, at::IntArrayRef payload_row_bytes) {
+std::vector<int64_t> call_layout_op(int64_t ep_size, int64_t runtime_max_tokens_per_rank, int64_t eplb_n,
+                                    at::IntArrayRef payload_row_bytes) {
   check_ranks(/*ep_rank=*/0, ep_size);
   TORCH_CHECK_VALUE(runtime_max_tokens_per_rank >= 1 && runtime_max_tokens_per_rank <= kMaxNumTokens,
                     "runtime_max_tokens_per_rank must be in [1, ", kMaxNumTokens, "], got ",
@@ -699,8 +668,8 @@ std::vector<int64_t> call_layout_op(int64_t ep_size, int64_t runtime_max_tokens_
   TORCH_CHECK_VALUE(payload_row_bytes.size() <= size_t(kMaxPayloads), "payload_row_bytes must hold at most ",
                     kMaxPayloads, " sizes, got ", payload_row_bytes.size());
   for (const int64_t b : payload_row_bytes) {
-    TORCH_CHECK_VALUE(b >= 0 && b <= kMaxRowBytes, "payload_row_bytes must be in [0, ", kMaxRowBytes,
-                      "], got ", payload_row_bytes);
+    TORCH_CHECK_VALUE(b >= 0 && b <= kMaxRowBytes, "payload_row_bytes must be in [0, ", kMaxRowBytes, "], got ",
+                      payload_row_bytes);
   }
   const CallLayout l = call_layout(ep_size, runtime_max_tokens_per_rank, eplb_n,
                                    static_cast<int>(payload_row_bytes.size()), payload_row_bytes.data());

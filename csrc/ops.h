@@ -40,22 +40,19 @@ at::ScalarType to_scalar_type(DType d);
 // initialize: workspace [ep_size, size_per_rank] uint8 contiguous with
 // size_per_rank a multiple of kAlign and >= kHeaderBytes; ranks and
 // max_num_tokens within the limits; eplb_n >= 0.
-InitParams check_initialize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
-                            int64_t max_num_tokens, int64_t eplb_n);
+InitParams check_initialize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                            int64_t eplb_n);
 
 // dispatch: the arguments of kSchemaDispatch, in order. The returned
 // params.layout is the call's CallLayout (eplb region only when
 // eplb_local_stats is given) and is known to fit in size_per_rank.
 // timeout_s is resolved (resolve_timeout); `mailbox` (0 or the address
 // initialize returned) becomes params.sync.mailbox.
-DispatchParams check_dispatch(const at::Tensor& token_selected_experts,
-                              at::TensorList input_payloads, const at::Tensor& workspace,
-                              int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
-                              int64_t runtime_max_tokens_per_rank, int64_t top_k,
-                              int64_t num_experts,
-                              const std::optional<at::Tensor>& eplb_local_stats,
-                              int64_t eplb_stats_num_experts, at::IntArrayRef active_rank_mask,
-                              double timeout_s, int64_t mailbox, bool enable_pdl);
+DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::TensorList input_payloads,
+                              const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                              int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
+                              const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
+                              at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl);
 
 // combine / combine_into: the arguments of the combine schemas, in order;
 // `output` is nullptr for combine (the caller allocates the output after the
@@ -63,18 +60,16 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts,
 // `payload` absent means the payload already sits in the workspace at
 // combine_payload_offset (params.payload == nullptr).
 CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
-                            const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
-                            int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
-                            int64_t top_k, int64_t combine_payload_offset,
-                            at::IntArrayRef row_shape, at::ScalarType payload_dtype,
-                            at::ScalarType output_dtype, at::IntArrayRef active_rank_mask,
-                            double timeout_s, int64_t mailbox, bool enable_pdl,
+                            const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                            int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t combine_payload_offset,
+                            at::IntArrayRef row_shape, at::ScalarType payload_dtype, at::ScalarType output_dtype,
+                            at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
                             const at::Tensor* output);
 
 // sanitize_expert_ids: the arguments of kSchemaSanitize, in order.
-SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
-                              int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t offset,
-                              int64_t width, int64_t invalid_expert_id, int64_t id_bytes, bool enable_pdl);
+SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                              int64_t runtime_max_tokens_per_rank, int64_t offset, int64_t width,
+                              int64_t invalid_expert_id, int64_t id_bytes, bool enable_pdl);
 
 // ---- timeouts ---------------------------------------------------------------
 // timeout_s > 0 is used as given; <= 0 means "the default": the environment

@@ -29,14 +29,12 @@ struct WorkspaceView {
 // What every peer-synchronizing call shares.
 struct SyncParams {
   uint64_t active_mask[kRankMaskWords];  // bit p: rank p participates (own bit set)
-  double timeout_s;                       // > 0
-  int64_t* mailbox;  // metainfo data (pinned host memory) or nullptr: CUDA error record
+  double timeout_s;                      // > 0
+  int64_t* mailbox;                      // metainfo data (pinned host memory) or nullptr: CUDA error record
   bool enable_pdl;
 };
 
-MOE_A2A_HD bool rank_active(const SyncParams& s, int r) {
-  return (s.active_mask[r >> 6] >> (r & 63)) & 1u;
-}
+MOE_A2A_HD bool rank_active(const SyncParams& s, int r) { return (s.active_mask[r >> 6] >> (r & 63)) & 1u; }
 
 struct InitParams {
   WorkspaceView ws;
@@ -54,8 +52,8 @@ struct DispatchParams {
   // [local_num_tokens, top_k], contiguous: int32 ids, or int64 ids (torch.topk's) when ids_int64.
   const void* token_selected_experts;
   bool ids_int64;
-  int num_payloads;                       // 1..kMaxPayloads
-  const uint8_t* payload[kMaxPayloads];   // [local_num_tokens, row_bytes], contiguous rows
+  int num_payloads;                      // 1..kMaxPayloads
+  const uint8_t* payload[kMaxPayloads];  // [local_num_tokens, row_bytes], contiguous rows
   int64_t payload_row_bytes[kMaxPayloads];
   const int32_t* eplb_local_stats;  // [eplb_n] or nullptr
   int64_t eplb_n;                   // 0 when eplb_local_stats is nullptr
@@ -91,7 +89,7 @@ struct SanitizeParams {
   int64_t offset;              // byte offset of the [ep_size, T, width] int32 plane in the own row
   int64_t width;               // ids per row (any expert-id payload, not only top_k wide)
   bool ids_int64;              // the plane holds int64 ids (else int32)
-  int64_t invalid_expert_id;  // fits int32 for an int32 plane
+  int64_t invalid_expert_id;   // fits int32 for an int32 plane
   bool enable_pdl;
 };
 

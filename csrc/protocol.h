@@ -173,9 +173,7 @@ constexpr int kRouteRankShift = 24;
 constexpr int32_t kRouteSlotMask = (int32_t(1) << kRouteRankShift) - 1;
 constexpr int32_t kRouteEnd = -1;
 
-MOE_A2A_HD int32_t route_entry(int rank, int64_t slot) {
-  return (int32_t(rank) << kRouteRankShift) | int32_t(slot);
-}
+MOE_A2A_HD int32_t route_entry(int rank, int64_t slot) { return (int32_t(rank) << kRouteRankShift) | int32_t(slot); }
 MOE_A2A_HD int route_rank(int32_t e) { return int(uint32_t(e) >> kRouteRankShift); }
 MOE_A2A_HD int64_t route_slot(int32_t e) { return int64_t(e & kRouteSlotMask); }
 // Whether entry e (kRouteEnd: no) names a row of a call's planes. Routes are
@@ -199,10 +197,10 @@ enum MetaIndex : int {
   kMetaEplbN,
   kMetaSizePerRank,
   kMetaHeaderBytes,
-  kMetaMailboxCode,       // kError* (0: none)
-  kMetaMailboxMissing,    // kRankMaskWords words: as kHdrErrorMissing
+  kMetaMailboxCode,                                           // kError* (0: none)
+  kMetaMailboxMissing,                                        // kRankMaskWords words: as kHdrErrorMissing
   kMetaMailboxDetail = kMetaMailboxMissing + kRankMaskWords,  // as kHdrErrorDetail
-  kMetaMailboxAddr,       // address of the pinned host mailbox (CUDA), 0 on the CPU
+  kMetaMailboxAddr,                                           // address of the pinned host mailbox (CUDA), 0 on the CPU
   kMetaCount
 };
 constexpr int64_t kMagic = 0x4d6f65413241LL;  // "MoeA2A" (48 bits)
@@ -227,22 +225,22 @@ enum ErrorCode : uint32_t {
 };
 
 // ---- rank header: byte offsets inside each row -----------------------------
-constexpr int64_t kHdrMagic = 0;                 // uint64, the init word (init_word below) once initialized
-constexpr int64_t kHdrEpRank = 8;                // int32
-constexpr int64_t kHdrEpSize = 12;               // int32
-constexpr int64_t kHdrMaxNumTokens = 16;         // int32
-constexpr int64_t kHdrEplbN = 20;                // int32
-constexpr int64_t kHdrDispatchEpoch = 24;        // uint32, own
-constexpr int64_t kHdrCombineEpoch = 28;         // uint32, own
-constexpr int64_t kHdrErrorCode = 32;            // uint32, own
-constexpr int64_t kHdrErrorDetail = 36;          // uint32, own: the timeout (ms) of a timed-out wait;
-                                                 // this rank's T for kErrorRuntimeMaxMismatch;
-                                                 // the CombineMismatch bits for kErrorCombineMismatch
-constexpr int64_t kHdrErrorMissing = 40;         // uint64 [kRankMaskWords], own: the peers the error names
-constexpr int64_t kHdrInvalidExpertCount = 48;   // int64, own, cumulative since initialize
-constexpr int64_t kHdrLastLocalTokens = 56;      // int32, own: last dispatch's local_num_tokens
-constexpr int64_t kHdrLastRuntimeMax = 60;       // int32, own: last dispatch's T
-constexpr int64_t kHdrLastTopK = 64;             // int32, own: last dispatch's top_k
+constexpr int64_t kHdrMagic = 0;                // uint64, the init word (init_word below) once initialized
+constexpr int64_t kHdrEpRank = 8;               // int32
+constexpr int64_t kHdrEpSize = 12;              // int32
+constexpr int64_t kHdrMaxNumTokens = 16;        // int32
+constexpr int64_t kHdrEplbN = 20;               // int32
+constexpr int64_t kHdrDispatchEpoch = 24;       // uint32, own
+constexpr int64_t kHdrCombineEpoch = 28;        // uint32, own
+constexpr int64_t kHdrErrorCode = 32;           // uint32, own
+constexpr int64_t kHdrErrorDetail = 36;         // uint32, own: the timeout (ms) of a timed-out wait;
+                                                // this rank's T for kErrorRuntimeMaxMismatch;
+                                                // the CombineMismatch bits for kErrorCombineMismatch
+constexpr int64_t kHdrErrorMissing = 40;        // uint64 [kRankMaskWords], own: the peers the error names
+constexpr int64_t kHdrInvalidExpertCount = 48;  // int64, own, cumulative since initialize
+constexpr int64_t kHdrLastLocalTokens = 56;     // int32, own: last dispatch's local_num_tokens
+constexpr int64_t kHdrLastRuntimeMax = 60;      // int32, own: last dispatch's T
+constexpr int64_t kHdrLastTopK = 64;            // int32, own: last dispatch's top_k
 // CUDA scratch, own, zero between calls: how many CTAs of the running
 // dispatch / combine kernel have finished writing (the last one to arrive
 // resets it and raises the flags; see csrc/cuda/device.cuh).
@@ -254,11 +252,11 @@ constexpr int64_t kHdrLastDispatchEnd = 80;      // int64, own: CallLayout::disp
 // (below), the only one where a grid has few warps (ep 8 on an H200). In this
 // line it measured 0.5% faster than in a line of its own (ep 8 x 4096 tokens,
 // docs/performance.md, 'Design decisions and their measured effect').
-constexpr int64_t kHdrDispatchClaim0 = 88;       // uint32
+constexpr int64_t kHdrDispatchClaim0 = 88;  // uint32
 // CUDA scratch, own, zero between calls: the pull tasks a combine's warps
 // claimed beyond their first (csrc/cuda/combine.cu; small grids only).
-constexpr int64_t kHdrCombineClaim = 92;         // uint32
-constexpr int64_t kHdrDispatchFlags = 128;       // uint32 [kMaxRanks], [s] written by rank s
+constexpr int64_t kHdrCombineClaim = 92;                                 // uint32
+constexpr int64_t kHdrDispatchFlags = 128;                               // uint32 [kMaxRanks], [s] written by rank s
 constexpr int64_t kHdrCombineFlags = kHdrDispatchFlags + 4 * kMaxRanks;  // uint32 [kMaxRanks]
 constexpr int64_t kHdrRecvCounts = kHdrCombineFlags + 4 * kMaxRanks;     // int32 [kMaxRanks]
 // int32 [kMaxRanks], [s] written by rank s: the T of its latest dispatch
@@ -281,7 +279,8 @@ constexpr int64_t kHdrInitSeen = kHdrInitStale + 2 * kMaxRanks;
 //              (every CTA copies tokens of any chunk, after all are routed)
 constexpr int kMaxDispatchCtas = 1024;
 constexpr int64_t kHdrDispatchCounts = kHdrInitSeen + 2 * kMaxRanks;  // uint64 [kMaxDispatchCtas * kMaxRanks]
-constexpr int64_t kHdrDispatchRouted = kHdrDispatchCounts + 8 * kMaxDispatchCtas * kMaxRanks;  // uint32 [kMaxDispatchCtas]
+constexpr int64_t kHdrDispatchRouted =
+    kHdrDispatchCounts + 8 * kMaxDispatchCtas * kMaxRanks;  // uint32 [kMaxDispatchCtas]
 // CUDA scratch, own, zero between calls: copy tasks of the running large
 // dispatch claimed beyond each warp's first, from kClaimCounters counters
 // (the launch picks how many are used; see csrc/cuda/dispatch.cu, step 3):
@@ -289,7 +288,8 @@ constexpr int64_t kHdrDispatchRouted = kHdrDispatchCounts + 8 * kMaxDispatchCtas
 // line. The CTA that arrives last resets them.
 constexpr int kClaimCounters = 16;
 constexpr int64_t kClaimStride = 128;
-constexpr int64_t kHdrDispatchClaims = kHdrDispatchRouted + 4 * kMaxDispatchCtas;  // uint32, counter c at (c - 1) * kClaimStride
+constexpr int64_t kHdrDispatchClaims =
+    kHdrDispatchRouted + 4 * kMaxDispatchCtas;  // uint32, counter c at (c - 1) * kClaimStride
 constexpr int64_t kHeaderBytes = kHdrDispatchClaims + kClaimStride * (kClaimCounters - 1);  // 531968
 static_assert(kHdrDispatchCounts % 8 == 0 && kHeaderBytes % kAlign == 0, "header words aligned, regions too");
 
@@ -307,7 +307,9 @@ MOE_A2A_HD constexpr int64_t peer_runtime_max_offset(int64_t s) {
 }
 
 // Header offset of payloads[s] (uint32): the payload_signature of rank s's latest dispatch.
-MOE_A2A_HD constexpr int64_t peer_payloads_offset(int64_t s) { return kHdrPeerPayloads + int64_t(sizeof(uint32_t)) * s; }
+MOE_A2A_HD constexpr int64_t peer_payloads_offset(int64_t s) {
+  return kHdrPeerPayloads + int64_t(sizeof(uint32_t)) * s;
+}
 
 // Header offsets of init_stale[q] and init_seen[q] (uint16): peer q's init tags.
 MOE_A2A_HD constexpr int64_t init_stale_offset(int64_t q) { return kHdrInitStale + int64_t(sizeof(uint16_t)) * q; }
@@ -381,8 +383,8 @@ struct CallLayout {
   int64_t dispatch_end;    // == combine_offset
 };
 
-MOE_A2A_HD CallLayout call_layout(int64_t ep_size, int64_t runtime_max_tokens, int64_t eplb_n,
-                                  int num_payloads, const int64_t* payload_row_bytes) {
+MOE_A2A_HD CallLayout call_layout(int64_t ep_size, int64_t runtime_max_tokens, int64_t eplb_n, int num_payloads,
+                                  const int64_t* payload_row_bytes) {
   CallLayout l{};
   int64_t off = kHeaderBytes;
   l.route_offset = off;
@@ -455,9 +457,8 @@ MOE_A2A_HD int64_t combine_end(int64_t combine_offset, int64_t ep_size, int64_t 
 // any payload list whose rows add up to total_dispatch_bytes (the planes'
 // alignment pads included) and a combine row of combine_bytes; a multiple of
 // kPlaneAlign.
-MOE_A2A_HD int64_t workspace_size_per_rank(int64_t ep_size, int64_t max_num_tokens,
-                                           int64_t total_dispatch_bytes, int64_t combine_bytes,
-                                           int64_t eplb_n) {
+MOE_A2A_HD int64_t workspace_size_per_rank(int64_t ep_size, int64_t max_num_tokens, int64_t total_dispatch_bytes,
+                                           int64_t combine_bytes, int64_t eplb_n) {
   // Every term a multiple of kPlaneAlign, so that each region's bytes count whole.
   int64_t size = align_up(kHeaderBytes + max_num_tokens * kMaxTopK * 4, kPlaneAlign);
   if (eplb_n > 0) size += align_up(ep_size * eplb_n * 4, kPlaneAlign);

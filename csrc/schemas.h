@@ -40,15 +40,14 @@ constexpr const char* kSchemaDispatch =
     "int num_experts, Tensor? eplb_local_stats, int eplb_stats_num_experts, int[] active_rank_mask, "
     "float timeout_s, int mailbox, bool enable_pdl) -> ()";
 
-#define MOE_A2A_COMBINE_ARGS                                                                    \
-  "Tensor? payload, SymInt local_num_tokens, Tensor(a!) workspace, int ep_rank, int ep_size, "  \
-  "int max_num_tokens, int runtime_max_tokens_per_rank, int top_k, int combine_payload_offset, " \
+#define MOE_A2A_COMBINE_ARGS                                                                        \
+  "Tensor? payload, SymInt local_num_tokens, Tensor(a!) workspace, int ep_rank, int ep_size, "      \
+  "int max_num_tokens, int runtime_max_tokens_per_rank, int top_k, int combine_payload_offset, "    \
   "SymInt[] row_shape, ScalarType payload_dtype, ScalarType output_dtype, int[] active_rank_mask, " \
   "float timeout_s, int mailbox, bool enable_pdl"
 
 constexpr const char* kSchemaCombine = "combine(" MOE_A2A_COMBINE_ARGS ") -> Tensor";
-constexpr const char* kSchemaCombineInto =
-    "combine_into(" MOE_A2A_COMBINE_ARGS ", Tensor(b!) output) -> ()";
+constexpr const char* kSchemaCombineInto = "combine_into(" MOE_A2A_COMBINE_ARGS ", Tensor(b!) output) -> ()";
 
 #undef MOE_A2A_COMBINE_ARGS
 
@@ -67,13 +66,12 @@ constexpr const char* kSchemaSanitize =
 // callers in C++ redispatch or call typed (ops.cpp's ADInplaceOrView
 // kernels, module.cpp's eager entry points), argument for argument as above.
 using InitializeSignature = void(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t);
-using DispatchSignature = void(const at::Tensor&, at::TensorList, const at::Tensor&, int64_t, int64_t, int64_t,
-                               int64_t, int64_t, int64_t, const std::optional<at::Tensor>&, int64_t,
-                               at::IntArrayRef, double, int64_t, bool);
-#define MOE_A2A_COMBINE_TYPES                                                                              \
-  const std::optional<at::Tensor>&, c10::SymInt, const at::Tensor&, int64_t, int64_t, int64_t, int64_t, \
-      int64_t, int64_t, c10::SymIntArrayRef, at::ScalarType, at::ScalarType, at::IntArrayRef, double,    \
-      int64_t, bool
+using DispatchSignature = void(const at::Tensor&, at::TensorList, const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
+                               int64_t, int64_t, const std::optional<at::Tensor>&, int64_t, at::IntArrayRef, double,
+                               int64_t, bool);
+#define MOE_A2A_COMBINE_TYPES                                                                                    \
+  const std::optional<at::Tensor>&, c10::SymInt, const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, \
+      int64_t, c10::SymIntArrayRef, at::ScalarType, at::ScalarType, at::IntArrayRef, double, int64_t, bool
 using CombineSignature = at::Tensor(MOE_A2A_COMBINE_TYPES);
 using CombineIntoSignature = void(MOE_A2A_COMBINE_TYPES, const at::Tensor&);
 #undef MOE_A2A_COMBINE_TYPES

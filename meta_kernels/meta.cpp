@@ -33,10 +33,9 @@ int64_t alloc_mailbox_meta(const at::Tensor&) {
 
 void initialize_meta(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t) {}
 
-void dispatch_meta(const at::Tensor& token_selected_experts, at::TensorList input_payloads,
-                   const at::Tensor& workspace, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                   const std::optional<at::Tensor>& eplb_local_stats, int64_t, at::IntArrayRef, double, int64_t,
-                   bool) {
+void dispatch_meta(const at::Tensor& token_selected_experts, at::TensorList input_payloads, const at::Tensor& workspace,
+                   int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                   const std::optional<at::Tensor>& eplb_local_stats, int64_t, at::IntArrayRef, double, int64_t, bool) {
   check_meta("dispatch", "token_selected_experts", token_selected_experts);
   for (const at::Tensor& payload : input_payloads) check_meta("dispatch", "an input payload", payload);
   check_meta("dispatch", "workspace", workspace);
@@ -44,9 +43,9 @@ void dispatch_meta(const at::Tensor& token_selected_experts, at::TensorList inpu
 }
 
 at::Tensor combine_meta(const std::optional<at::Tensor>& payload, c10::SymInt local_num_tokens,
-                        const at::Tensor& workspace, int64_t, int64_t, int64_t, int64_t, int64_t,
-                        int64_t, c10::SymIntArrayRef row_shape, at::ScalarType,
-                        at::ScalarType output_dtype, at::IntArrayRef, double, int64_t, bool) {
+                        const at::Tensor& workspace, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        c10::SymIntArrayRef row_shape, at::ScalarType, at::ScalarType output_dtype, at::IntArrayRef,
+                        double, int64_t, bool) {
   check_meta("combine", "payload", payload);
   check_meta("combine", "workspace", workspace);
   std::vector<c10::SymInt> shape{std::move(local_num_tokens)};
@@ -55,16 +54,15 @@ at::Tensor combine_meta(const std::optional<at::Tensor>& payload, c10::SymInt lo
 }
 
 void combine_into_meta(const std::optional<at::Tensor>& payload, c10::SymInt, const at::Tensor& workspace, int64_t,
-                       int64_t, int64_t, int64_t, int64_t, int64_t, c10::SymIntArrayRef,
-                       at::ScalarType, at::ScalarType, at::IntArrayRef, double, int64_t, bool,
-                       const at::Tensor& output) {
+                       int64_t, int64_t, int64_t, int64_t, int64_t, c10::SymIntArrayRef, at::ScalarType, at::ScalarType,
+                       at::IntArrayRef, double, int64_t, bool, const at::Tensor& output) {
   check_meta("combine_into", "payload", payload);
   check_meta("combine_into", "workspace", workspace);
   check_meta("combine_into", "output", output);
 }
 
-void sanitize_expert_ids_meta(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                              int64_t, int64_t, bool) {}
+void sanitize_expert_ids_meta(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                              bool) {}
 
 // A traced check has no values to read: the real kernels do it when the graph runs.
 void check_expert_ids_meta(const at::Tensor&, int64_t) {}

@@ -64,8 +64,8 @@ RowStatus check_config(const WorkspaceView& ws, int64_t max_num_tokens, int64_t 
   const uint8_t* row = ws.row(ws.ep_rank);
   if (!row_initialized(load<uint64_t>(row, kHdrMagic))) {
     st.kind = RowStatus::kRuntimeError;
-    st.message = "rank " + std::to_string(ws.ep_rank) +
-                 "'s row is not initialized: call moe_a2a_initialize on every rank first";
+    st.message =
+        "rank " + std::to_string(ws.ep_rank) + "'s row is not initialized: call moe_a2a_initialize on every rank first";
     return st;
   }
   const int32_t hdr_rank = load<int32_t>(row, kHdrEpRank);
@@ -73,16 +73,13 @@ RowStatus check_config(const WorkspaceView& ws, int64_t max_num_tokens, int64_t 
   const int32_t hdr_max = load<int32_t>(row, kHdrMaxNumTokens);
   const int32_t hdr_eplb = load<int32_t>(row, kHdrEplbN);
   const bool same = hdr_rank == ws.ep_rank && hdr_size == ws.ep_size &&
-                    (max_num_tokens < 0 || hdr_max == max_num_tokens) &&
-                    (eplb_n < 0 || hdr_eplb == eplb_n);
+                    (max_num_tokens < 0 || hdr_max == max_num_tokens) && (eplb_n < 0 || hdr_eplb == eplb_n);
   if (!same) {
     std::ostringstream os;
-    os << "metainfo does not match the workspace: the call says (ep_rank=" << ws.ep_rank
-       << ", ep_size=" << ws.ep_size;
+    os << "metainfo does not match the workspace: the call says (ep_rank=" << ws.ep_rank << ", ep_size=" << ws.ep_size;
     if (max_num_tokens >= 0) os << ", max_num_tokens=" << max_num_tokens;
     if (eplb_n >= 0) os << ", eplb_stats_num_experts=" << eplb_n;
-    os << "), row " << ws.ep_rank << " was initialized with (ep_rank=" << hdr_rank
-       << ", ep_size=" << hdr_size;
+    os << "), row " << ws.ep_rank << " was initialized with (ep_rank=" << hdr_rank << ", ep_size=" << hdr_size;
     if (max_num_tokens >= 0) os << ", max_num_tokens=" << hdr_max;
     if (eplb_n >= 0) os << ", eplb_stats_num_experts=" << hdr_eplb;
     os << ")";
@@ -90,8 +87,7 @@ RowStatus check_config(const WorkspaceView& ws, int64_t max_num_tokens, int64_t 
     st.message = os.str();
     return st;
   }
-  const uint32_t code = __atomic_load_n(
-      reinterpret_cast<const uint32_t*>(row + kHdrErrorCode), __ATOMIC_ACQUIRE);
+  const uint32_t code = __atomic_load_n(reinterpret_cast<const uint32_t*>(row + kHdrErrorCode), __ATOMIC_ACQUIRE);
   if (code != kErrorNone) {
     st.kind = RowStatus::kFailed;
     st.record.code = code;
@@ -113,8 +109,7 @@ RowStatus runtime_error(const std::string& message) {
 // Sets the in-use bit of the own init word (protocol.h, dispatch step 0a).
 void mark_in_use(uint8_t* own) {
   const uint64_t word = load<uint64_t>(own, kHdrMagic);
-  __atomic_store_n(reinterpret_cast<uint64_t*>(own + kHdrMagic), word | kInitWordInUse,
-                   __ATOMIC_RELAXED);
+  __atomic_store_n(reinterpret_cast<uint64_t*>(own + kHdrMagic), word | kInitWordInUse, __ATOMIC_RELAXED);
 }
 
 // Records an error in the own header (code last, so a reader that sees the
@@ -181,11 +176,10 @@ WaitResult wait_for_words(const WorkspaceView& ws, const SyncParams& sync, WordO
 }
 
 // Waits for the flags[p] (at flags_offset) of the own header.
-WaitResult wait_for_own_flags(const WorkspaceView& ws, const SyncParams& sync, int64_t flags_offset,
-                              uint32_t epoch, ErrorCode code_on_timeout) {
+WaitResult wait_for_own_flags(const WorkspaceView& ws, const SyncParams& sync, int64_t flags_offset, uint32_t epoch,
+                              ErrorCode code_on_timeout) {
   uint8_t* own = ws.row(ws.ep_rank);
-  return wait_for_words(
-      ws, sync, [&](int p) { return flag_word(own, flags_offset, p); }, epoch, code_on_timeout);
+  return wait_for_words(ws, sync, [&](int p) { return flag_word(own, flags_offset, p); }, epoch, code_on_timeout);
 }
 
 // The equal-T and equal-payloads checks (protocol.h) after dispatch step 4:
@@ -213,8 +207,7 @@ WaitResult check_peer_calls(const WorkspaceView& ws, const SyncParams& sync, con
 }
 
 // Publishes `epoch` in flags[ep_rank] of every active rank's header.
-void release_to_peers(const WorkspaceView& ws, const SyncParams& sync, int64_t flags_offset,
-                      uint32_t epoch) {
+void release_to_peers(const WorkspaceView& ws, const SyncParams& sync, int64_t flags_offset, uint32_t epoch) {
   for (int d = 0; d < ws.ep_size; ++d) {
     if (!rank_active(sync, d)) continue;
     __atomic_store_n(flag_word(ws.row(d), flags_offset, ws.ep_rank), epoch, __ATOMIC_RELEASE);
@@ -249,8 +242,8 @@ void pull_reduce(const CombineParams& p) {
         const int dest = route_rank(route[k]);
         // A rank masked off since the dispatch was not waited for: its rows are not final.
         if (!rank_active(p.sync, dest)) continue;
-        const In* src = reinterpret_cast<const In*>(
-            ws.row(dest) + p.combine_offset + (source_row_offset + route_slot(route[k])) * row_bytes);
+        const In* src = reinterpret_cast<const In*>(ws.row(dest) + p.combine_offset +
+                                                    (source_row_offset + route_slot(route[k])) * row_bytes);
         for (int64_t e = 0; e < elems; ++e) acc[e] += static_cast<float>(src[e]);
       }
       Out* dst = out + t * elems;
@@ -331,8 +324,8 @@ RowStatus check_row_for_combine(const CombineParams& p, int64_t max_num_tokens) 
     // dispatch n puts it (protocol.h): staged anywhere else, they would sum
     // stale rows.
     st.kind = RowStatus::kValueError;
-    st.message = "combine_payload_offset must be the one the dispatch returned (" + std::to_string(region) +
-                 "), got " + std::to_string(p.combine_offset);
+    st.message = "combine_payload_offset must be the one the dispatch returned (" + std::to_string(region) + "), got " +
+                 std::to_string(p.combine_offset);
   }
   return st;
 }
@@ -350,9 +343,8 @@ void initialize(const InitParams& p) {
   const uint64_t old_word = load<uint64_t>(row, kHdrMagic);
   uint16_t seen[kMaxRanks] = {};
   if (row_initialized(old_word)) std::memcpy(seen, row + kHdrInitSeen, sizeof(seen));
-  at::parallel_for(0, p.ws.size_per_rank, kParallelGrainBytes, [&](int64_t begin, int64_t end) {
-    std::memset(row + begin, 0, static_cast<size_t>(end - begin));
-  });
+  at::parallel_for(0, p.ws.size_per_rank, kParallelGrainBytes,
+                   [&](int64_t begin, int64_t end) { std::memset(row + begin, 0, static_cast<size_t>(end - begin)); });
   std::memcpy(row + kHdrInitStale, seen, sizeof(seen));
   std::memcpy(row + kHdrInitSeen, seen, sizeof(seen));
   store<int32_t>(row, kHdrEpRank, p.ws.ep_rank);
@@ -392,9 +384,8 @@ WaitResult dispatch(const DispatchParams& p) {
   if (previous_call_overlap(p.layout.dispatch_end, load<int64_t>(own, kHdrLastDispatchEnd), p.runtime_max_tokens,
                             load<int32_t>(own, kHdrLastRuntimeMax))) {
     const WaitResult previous = wait_for_words(
-        ws, p.sync,
-        [&](int q) { return reinterpret_cast<const uint32_t*>(ws.row(q) + kHdrCombineEpoch); },
-        epoch - 1, kErrorDispatchTimeout);
+        ws, p.sync, [&](int q) { return reinterpret_cast<const uint32_t*>(ws.row(q) + kHdrCombineEpoch); }, epoch - 1,
+        kErrorDispatchTimeout);
     if (previous.code != kErrorNone) return previous;
   }
   store<int64_t>(own, kHdrLastDispatchEnd, p.layout.dispatch_end);

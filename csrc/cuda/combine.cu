@@ -72,11 +72,11 @@ struct CombineArgs {
   int64_t row_bytes;  // of a payload row
   bool stage;         // p.payload must be copied into the own combine region
   CopyPlan stage_plan;
-  int pull_elems;         // elements per vector access of the pull
-  int pull_lane_bits;     // log2 of the lanes that sum one row
-  int pull_segments;      // per row
-  bool claim_pull;        // warps claim their tasks after the first from kHdrCombineClaim
-  bool prefetch;          // step 3a
+  int pull_elems;      // elements per vector access of the pull
+  int pull_lane_bits;  // log2 of the lanes that sum one row
+  int pull_segments;   // per row
+  bool claim_pull;     // warps claim their tasks after the first from kHdrCombineClaim
+  bool prefetch;       // step 3a
 };
 
 // 1. Stage: the first rows[s] rows of payload[s] for every active source s
@@ -294,20 +294,19 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   // first), handed to the CTA by may_proceed's barrier.
   __shared__ int32_t recv_count[kMaxRanks];
   const bool loads_count = (a.stage || a.prefetch) && int(threadIdx.x) < ws.ep_size;
-  const int32_t count =
-      loads_count ? *header_word<int32_t>(own, recv_count_offset(threadIdx.x)) : 0;
+  const int32_t count = loads_count ? *header_word<int32_t>(own, recv_count_offset(threadIdx.x)) : 0;
   const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
   const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
   const uint32_t error_code = load_error_code(own);
   // Thread 0: whether this call matches its dispatch (the own header's
   // words of it, in the line of the epochs).
   const uint32_t mismatch =
-      threadIdx.x == 0 ? combine_mismatch(*header_word<int32_t>(own, kHdrLastLocalTokens),
-                                          *header_word<int32_t>(own, kHdrLastRuntimeMax),
-                                          *header_word<int32_t>(own, kHdrLastTopK),
-                                          *header_word<int64_t>(own, kHdrLastDispatchEnd), p.local_num_tokens,
-                                          p.runtime_max_tokens, p.top_k, p.combine_offset)
-                       : 0;
+      threadIdx.x == 0
+          ? combine_mismatch(*header_word<int32_t>(own, kHdrLastLocalTokens),
+                             *header_word<int32_t>(own, kHdrLastRuntimeMax), *header_word<int32_t>(own, kHdrLastTopK),
+                             *header_word<int64_t>(own, kHdrLastDispatchEnd), p.local_num_tokens, p.runtime_max_tokens,
+                             p.top_k, p.combine_offset)
+          : 0;
   // The T and the payload signature of every active peer's dispatch against
   // the own dispatch's (thread q: peer q), written before the dispatch flags
   // that the own dispatch acquired. Checked here rather than at the end of

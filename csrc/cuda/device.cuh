@@ -269,8 +269,7 @@ __device__ inline void mark_in_use(uint8_t* own) {
 // Records `code` as this rank's error unless one is already recorded (the row
 // is in use from then on). One thread calls it. See "Error records" at the
 // top for the ordering.
-__device__ inline void record_error(uint8_t* own, int64_t* mailbox, uint32_t code, uint64_t peers,
-                                    uint32_t detail) {
+__device__ inline void record_error(uint8_t* own, int64_t* mailbox, uint32_t code, uint64_t peers, uint32_t detail) {
   if (atomicCAS(header_word<unsigned>(own, kHdrErrorCode), 0u, code) != 0u) return;
   mark_in_use(own);
   *header_word<uint64_t>(own, kHdrErrorMissing) = peers;
@@ -307,8 +306,7 @@ __device__ inline bool may_proceed(uint8_t* own, int64_t* mailbox, uint32_t erro
       if (sequence_ok && mismatch == 0) {
         proceed = true;
       } else if (blockIdx.x == 0) {
-        record_error(own, mailbox, sequence_ok ? kErrorCombineMismatch : kErrorSequence, 0,
-                     sequence_ok ? mismatch : 0);
+        record_error(own, mailbox, sequence_ok ? kErrorCombineMismatch : kErrorSequence, 0, sequence_ok ? mismatch : 0);
       }
     }
   }
@@ -418,11 +416,11 @@ __device__ inline bool wait_for_peers(const WorkspaceView& ws, const SyncParams&
 
 // wait_for_peers until the word word_of(p) reached `epoch` for every active rank p.
 template <typename WordOf>
-__device__ inline bool wait_for_words(const WorkspaceView& ws, const SyncParams& sync, WordOf word_of,
-                                      uint32_t epoch, uint32_t code_on_timeout, const SyncSettings& settings) {
+__device__ inline bool wait_for_words(const WorkspaceView& ws, const SyncParams& sync, WordOf word_of, uint32_t epoch,
+                                      uint32_t code_on_timeout, const SyncSettings& settings) {
   return wait_for_peers(
-      ws, sync, [&](int p) { return epoch_reached(ld_acquire(word_of(p), settings.system), epoch); },
-      code_on_timeout, settings);
+      ws, sync, [&](int p) { return epoch_reached(ld_acquire(word_of(p), settings.system), epoch); }, code_on_timeout,
+      settings);
 }
 
 // wait_for_words on flags[p] of the own header.
@@ -490,8 +488,8 @@ __device__ __forceinline__ uint4 ld_global_l2_hint(const uint4* p, uint64_t poli
   return v;
 }
 __device__ __forceinline__ void st_global_l2_hint(uint4* p, const uint4& v, uint64_t policy) {
-  asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.u32 [%0], {%1,%2,%3,%4}, %5;" ::"l"(p), "r"(v.x),
-               "r"(v.y), "r"(v.z), "r"(v.w), "l"(policy)
+  asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.u32 [%0], {%1,%2,%3,%4}, %5;" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w), "l"(policy)
                : "memory");
 }
 
@@ -515,8 +513,8 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 // 0.887 of copy; docs/performance.md, 'Design decisions and their measured
 // effect'). Why the loads' priority helps as well is not separated.
 template <int kBytes, bool kL2Hints = false, typename Key, typename RowOf>
-__device__ __forceinline__ void copy_segment(const uint8_t* src, const CopyPlan& plan, int segment,
-                                             int lane_in_group, Key&& key, RowOf&& row_of) {
+__device__ __forceinline__ void copy_segment(const uint8_t* src, const CopyPlan& plan, int segment, int lane_in_group,
+                                             Key&& key, RowOf&& row_of) {
   using V = typename VecOf<kBytes>::T;
   constexpr bool kHinted = kL2Hints && kBytes == 16;
   const V* from = reinterpret_cast<const V*>(src);

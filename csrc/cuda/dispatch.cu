@@ -154,7 +154,9 @@ __device__ __noinline__ bool first_dispatch_wait(const DispatchArgs& a) {
   const WorkspaceView& ws = a.p.ws;
   uint8_t* own = ws.row(ws.ep_rank);
   const uint16_t own_count = init_count(*header_word<uint64_t>(own, kHdrMagic));
-  auto init_word_of = [&](int q) { return ld_acquire(header_word<uint64_t>(ws.row(q), kHdrMagic), a.sync_settings.system); };
+  auto init_word_of = [&](int q) {
+    return ld_acquire(header_word<uint64_t>(ws.row(q), kHdrMagic), a.sync_settings.system);
+  };
   const bool zeroed = wait_for_peers(
       ws, a.p.sync,
       [&](int q) { return fresh_peer(init_word_of(q), *header_word<uint16_t>(own, init_stale_offset(q)), own_count); },
@@ -173,7 +175,7 @@ __device__ __noinline__ bool first_dispatch_wait(const DispatchArgs& a) {
 // every active rank finished pulling combine n-1 (its combine_epoch,
 // released after its last pull).
 __device__ __forceinline__ bool wait_before_writing(const DispatchArgs& a, uint32_t epoch, int64_t last_dispatch_end,
-                                                 int32_t last_runtime_max) {
+                                                    int32_t last_runtime_max) {
   const WorkspaceView& ws = a.p.ws;
   if (epoch == 1 && !first_dispatch_wait(a)) return false;
   if (previous_call_overlap(a.p.layout.dispatch_end, last_dispatch_end, a.p.runtime_max_tokens, last_runtime_max)) {
@@ -275,8 +277,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
 
   wait_for_previous_grid();
   uint8_t* own = ws.row(ws.ep_rank);
-  const Router router{p.token_selected_experts, p.ids_int64, p.top_k, p.num_experts,
-                      ep_size, p.sync.active_mask[0], use_table ? rank_table : nullptr};
+  const Router router{
+      p.token_selected_experts,        p.ids_int64, p.top_k, p.num_experts, ep_size, p.sync.active_mask[0],
+      use_table ? rank_table : nullptr};
   const int64_t n = p.local_num_tokens;
   const int64_t begin = min(n, int64_t(blockIdx.x) * a.tokens_per_cta);
   const int64_t end = min(n, begin + a.tokens_per_cta);
@@ -435,8 +438,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   if (owns_last_chunk && threadIdx.x < ep_size) {
     const int d = threadIdx.x;
     if (rank_active(p.sync, d)) {
-      *header_word<int32_t>(ws.row(d), recv_count_offset(ws.ep_rank)) =
-          static_cast<int32_t>(next_slot[d]);
+      *header_word<int32_t>(ws.row(d), recv_count_offset(ws.ep_rank)) = static_cast<int32_t>(next_slot[d]);
       *header_word<int32_t>(ws.row(d), peer_runtime_max_offset(ws.ep_rank)) =
           static_cast<int32_t>(p.runtime_max_tokens);
       *header_word<uint32_t>(ws.row(d), peer_payloads_offset(ws.ep_rank)) = p.payload_signature;
@@ -475,7 +477,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   const int counter = kSpreadClaims ? warp & ((1 << a.claim_bits) - 1) : 0;
   {
     int i = 0;
-    int first_task = 0;  // of payload i
+    int first_task = 0;                                           // of payload i
     int tasks = p.num_payloads > 0 ? a.warp_tasks(0, count) : 0;  // of payload i
     for (;;) {
       while (i < p.num_payloads && task >= first_task + tasks) {
@@ -538,8 +540,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
     *header_word<int64_t>(own, kHdrLastDispatchEnd) = p.layout.dispatch_end;
   }
   raise_flags(ws, p.sync, kHdrDispatchFlags, epoch, system);
-  const bool arrived =
-      wait_for_flags(ws, p.sync, kHdrDispatchFlags, epoch, kErrorDispatchTimeout, a.sync_settings);
+  const bool arrived = wait_for_flags(ws, p.sync, kHdrDispatchFlags, epoch, kErrorDispatchTimeout, a.sync_settings);
   allow_dependent_launch();
   if (arrived && threadIdx.x == 0) {
     *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;

@@ -24,13 +24,13 @@ namespace gpu {
 
 // Device facts and per-call values every launch needs beside the params.
 struct LaunchConfig {
-  int num_sms;            // multiprocessors of the workspace's device
-  int ctas_per_sm;        // query_ctas_per_sm() for that device
+  int num_sms;      // multiprocessors of the workspace's device
+  int ctas_per_sm;  // query_ctas_per_sm() for that device
   // Ranks whose spinning kernels may run on this device at the same time: the
   // spinning grids of all of them must be resident together or they deadlock.
   // ep_size when the workspace is a plain tensor of one process.
   int co_resident_ranks;
-  bool pdl_supported;   // compute capability >= 9.0: programmatic dependent launch exists
+  bool pdl_supported;  // compute capability >= 9.0: programmatic dependent launch exists
   // Flags and fences at system scope: some peer runs on another device or in
   // another process. False only when every rank runs on this device in this
   // process (a plain workspace tensor: simulated ranks), where gpu scope is

@@ -127,20 +127,19 @@ void initialize_cuda(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_si
   C10_CUDA_CHECK(gpu::launch_initialize(p, c10::cuda::getCurrentCUDAStream()));
 }
 
-void dispatch_cuda(const at::Tensor& token_selected_experts, at::TensorList input_payloads,
-                   const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
-                   int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
-                   const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
-                   at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl) {
+void dispatch_cuda(const at::Tensor& token_selected_experts, at::TensorList input_payloads, const at::Tensor& workspace,
+                   int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
+                   int64_t top_k, int64_t num_experts, const std::optional<at::Tensor>& eplb_local_stats,
+                   int64_t eplb_stats_num_experts, at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox,
+                   bool enable_pdl) {
   // Arguments first, then the mailbox: the order of the CPU operators.
   const DispatchParams p = check_dispatch(
-      token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
-      runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_stats_num_experts,
-      active_rank_mask, timeout_s, mailbox, enable_pdl);
+      token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
+      top_k, num_experts, eplb_local_stats, eplb_stats_num_experts, active_rank_mask, timeout_s, mailbox, enable_pdl);
   raise_if_mailbox_error(mailbox, ep_rank);
   const c10::cuda::CUDAGuard guard(workspace.device());
-  C10_CUDA_CHECK(gpu::launch_dispatch(p, launch_config(workspace, ep_size, p.sync.timeout_s),
-                                      c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(
+      gpu::launch_dispatch(p, launch_config(workspace, ep_size, p.sync.timeout_s), c10::cuda::getCurrentCUDAStream()));
 }
 
 // Called with the workspace's device current and params.output set.
@@ -149,15 +148,14 @@ void enqueue_combine(const CombineParams& p, const at::Tensor& workspace) {
                                      c10::cuda::getCurrentCUDAStream()));
 }
 
-at::Tensor combine_cuda(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
-                        const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
-                        int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t combine_payload_offset,
-                        at::IntArrayRef row_shape, at::ScalarType payload_dtype, at::ScalarType output_dtype,
-                        at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl) {
+at::Tensor combine_cuda(const std::optional<at::Tensor>& payload, int64_t local_num_tokens, const at::Tensor& workspace,
+                        int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
+                        int64_t top_k, int64_t combine_payload_offset, at::IntArrayRef row_shape,
+                        at::ScalarType payload_dtype, at::ScalarType output_dtype, at::IntArrayRef active_rank_mask,
+                        double timeout_s, int64_t mailbox, bool enable_pdl) {
   CombineParams p = check_combine(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
-                                  runtime_max_tokens_per_rank, top_k, combine_payload_offset, row_shape,
-                                  payload_dtype, output_dtype, active_rank_mask, timeout_s, mailbox,
-                                  enable_pdl, nullptr);
+                                  runtime_max_tokens_per_rank, top_k, combine_payload_offset, row_shape, payload_dtype,
+                                  output_dtype, active_rank_mask, timeout_s, mailbox, enable_pdl, nullptr);
   raise_if_mailbox_error(mailbox, ep_rank);
   const c10::cuda::CUDAGuard guard(workspace.device());
   std::vector<int64_t> shape{local_num_tokens};
@@ -168,29 +166,28 @@ at::Tensor combine_cuda(const std::optional<at::Tensor>& payload, int64_t local_
   return out;
 }
 
-void combine_into_cuda(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
-                       const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
-                       int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t combine_payload_offset,
-                       at::IntArrayRef row_shape, at::ScalarType payload_dtype, at::ScalarType output_dtype,
-                       at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
-                       const at::Tensor& output) {
-  const CombineParams p = check_combine(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
-                                        runtime_max_tokens_per_rank, top_k, combine_payload_offset, row_shape,
-                                        payload_dtype, output_dtype, active_rank_mask, timeout_s, mailbox,
-                                        enable_pdl, &output);
+void combine_into_cuda(const std::optional<at::Tensor>& payload, int64_t local_num_tokens, const at::Tensor& workspace,
+                       int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
+                       int64_t top_k, int64_t combine_payload_offset, at::IntArrayRef row_shape,
+                       at::ScalarType payload_dtype, at::ScalarType output_dtype, at::IntArrayRef active_rank_mask,
+                       double timeout_s, int64_t mailbox, bool enable_pdl, const at::Tensor& output) {
+  const CombineParams p =
+      check_combine(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
+                    top_k, combine_payload_offset, row_shape, payload_dtype, output_dtype, active_rank_mask, timeout_s,
+                    mailbox, enable_pdl, &output);
   raise_if_mailbox_error(mailbox, ep_rank);
   const c10::cuda::CUDAGuard guard(workspace.device());
   enqueue_combine(p, workspace);
 }
 
-void sanitize_expert_ids_cuda(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
-                              int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t offset,
-                              int64_t width, int64_t invalid_expert_id, int64_t id_bytes, bool enable_pdl) {
+void sanitize_expert_ids_cuda(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                              int64_t runtime_max_tokens_per_rank, int64_t offset, int64_t width,
+                              int64_t invalid_expert_id, int64_t id_bytes, bool enable_pdl) {
   const SanitizeParams p = check_sanitize(workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
                                           offset, width, invalid_expert_id, id_bytes, enable_pdl);
   const c10::cuda::CUDAGuard guard(workspace.device());
-  C10_CUDA_CHECK(gpu::launch_sanitize(p, launch_config(workspace, ep_size, /*timeout_s=*/0),
-                                      c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(
+      gpu::launch_sanitize(p, launch_config(workspace, ep_size, /*timeout_s=*/0), c10::cuda::getCurrentCUDAStream()));
 }
 
 void check_expert_ids_cuda(const at::Tensor& token_selected_experts, int64_t num_experts) {

@@ -81,9 +81,8 @@ void load(Fn& fn, const char* symbol) {
 #endif
   if (err != cudaSuccess) (void)cudaGetLastError();  // not sticky, but keep later checks clean
   TORCH_CHECK(err == cudaSuccess && found == cudaDriverEntryPointSuccess && address != nullptr,
-              "moe_a2a: the CUDA driver has no usable ", symbol, " (", cudaGetErrorString(err),
-              ", query result ", static_cast<int>(found),
-              "); the multi-process CUDA workspace needs a driver for CUDA 12.0 or newer");
+              "moe_a2a: the CUDA driver has no usable ", symbol, " (", cudaGetErrorString(err), ", query result ",
+              static_cast<int>(found), "); the multi-process CUDA workspace needs a driver for CUDA 12.0 or newer");
   fn = reinterpret_cast<Fn>(address);
 }
 
@@ -129,8 +128,8 @@ CUmemAllocationHandleType handle_type(c10::string_view name) {
   if (name == kPosixFd) return CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
 #if MOE_A2A_HAS_FABRIC
   if (name == kFabric) return CU_MEM_HANDLE_TYPE_FABRIC;
-  C10_THROW_ERROR(ValueError, c10::str("unknown handle type '", std::string(name), "': expected '", kPosixFd,
-                                       "' or '", kFabric, "'"));
+  C10_THROW_ERROR(ValueError, c10::str("unknown handle type '", std::string(name), "': expected '", kPosixFd, "' or '",
+                                       kFabric, "'"));
 #else
   C10_THROW_ERROR(ValueError, c10::str("unknown or unsupported handle type '", std::string(name), "': this build's ",
                                        "CUDA headers (", CUDA_VERSION, ") know only '", kPosixFd,
@@ -161,8 +160,7 @@ CUmemAllocationProp allocation_prop(int device, CUmemAllocationHandleType type) 
 size_t granularity(int device, CUmemAllocationHandleType type) {
   const CUmemAllocationProp prop = allocation_prop(device, type);
   size_t bytes = 0;
-  check(driver().get_granularity(&bytes, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
-        "cuMemGetAllocationGranularity");
+  check(driver().get_granularity(&bytes, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity");
   return bytes;
 }
 
@@ -272,8 +270,7 @@ void Mapping::teardown() {
       (void)cudaGetLastError();
       if (err != cudaErrorCudartUnloading) {
         try {
-          TORCH_WARN("moe_a2a: freeing a CUDA workspace: cudaDeviceSynchronize failed: ",
-                     cudaGetErrorString(err));
+          TORCH_WARN("moe_a2a: freeing a CUDA workspace: cudaDeviceSynchronize failed: ", cudaGetErrorString(err));
         } catch (...) {
         }
       }
@@ -310,8 +307,8 @@ void Mapping::map_rows() {
   const Driver& d = driver();
   for (size_t r = 0; r < handles_.size(); ++r) {
     const CUresult result = d.map(base_ + r * row_bytes_, row_bytes_, 0, handles_[r], 0);
-    TORCH_CHECK(result == CUDA_SUCCESS, "cuMemMap of rank ", r, "'s row (", row_bytes_, " bytes) failed: ",
-                describe(result));
+    TORCH_CHECK(result == CUDA_SUCCESS, "cuMemMap of rank ", r, "'s row (", row_bytes_,
+                " bytes) failed: ", describe(result));
     ++mapped_rows_;
   }
   CUmemAccessDesc access{};
@@ -418,12 +415,12 @@ int64_t vmm_import_op(int64_t device, at::IntArrayRef shareable, c10::string_vie
   CUmemGenericAllocationHandle handle = 0;
 #if MOE_A2A_HAS_FABRIC
   if (t == CU_MEM_HANDLE_TYPE_FABRIC) {
-    TORCH_CHECK_VALUE(shareable.size() == kFabricHandleBytes, "a fabric handle is ", kFabricHandleBytes,
-                      " bytes, got ", shareable.size());
+    TORCH_CHECK_VALUE(shareable.size() == kFabricHandleBytes, "a fabric handle is ", kFabricHandleBytes, " bytes, got ",
+                      shareable.size());
     CUmemFabricHandle fabric{};
     for (size_t i = 0; i < kFabricHandleBytes; ++i) {
-      TORCH_CHECK_VALUE(shareable[i] >= 0 && shareable[i] <= 255, "fabric handle byte ", i, " out of range: ",
-                        shareable[i]);
+      TORCH_CHECK_VALUE(shareable[i] >= 0 && shareable[i] <= 255, "fabric handle byte ", i,
+                        " out of range: ", shareable[i]);
       fabric.data[i] = static_cast<unsigned char>(shareable[i]);
     }
     check(driver().import_handle(&handle, &fabric, t), "cuMemImportFromShareableHandle (fabric)");
@@ -443,8 +440,8 @@ void vmm_release_op(int64_t handle) { check(driver().release(to_handle(handle)),
 at::Tensor vmm_map_op(int64_t device, int64_t size_per_rank, at::IntArrayRef handles) {
   // Ownership first: from here on, whatever fails releases every handle.
   auto mapping = std::make_unique<Mapping>(device, std::max<int64_t>(size_per_rank, 0), handles);
-  TORCH_CHECK_VALUE(!handles.empty() && handles.size() <= static_cast<size_t>(kMaxRanks), "vmm_map: 1 to ",
-                    kMaxRanks, " row handles, got ", handles.size());
+  TORCH_CHECK_VALUE(!handles.empty() && handles.size() <= static_cast<size_t>(kMaxRanks), "vmm_map: 1 to ", kMaxRanks,
+                    " row handles, got ", handles.size());
   TORCH_CHECK_VALUE(size_per_rank > 0, "vmm_map: size_per_rank must be positive, got ", size_per_rank);
   const int d = checked_device(device);
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(d));
