@@ -6,19 +6,19 @@ import math
 
 import pytest
 import torch
-
-import torch_moe_a2a as a2a
-from torch_moe_a2a import layout
-
 from conftest import (
     Case,
     PayloadSpec,
     assert_bytes_equal,
+    ep_mapping,
     make_generator,
     make_inputs,
     make_sim,
     round_trip,
 )
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import layout
 
 P = inspect.Parameter
 POS, KW = P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY
@@ -260,7 +260,7 @@ def _instances(sim, case, **kwargs):
     """One MoeAlltoAll per simulated rank, all sharing sim's workspace (each
     initializes its own row; all are built before any rank dispatches)."""
     return [
-        a2a.MoeAlltoAll(a2a.Mapping(world_size=case.ep_size, rank=r, tp_size=case.ep_size, moe_ep_size=case.ep_size), case.max_tokens, case.top_k, case.num_experts,
+        a2a.MoeAlltoAll(ep_mapping(r, case.ep_size), case.max_tokens, case.top_k, case.num_experts,
                         workspace_size_per_rank=sim.workspace.shape[1], workspace=sim.workspace, **kwargs)
         for r in range(case.ep_size)
     ]
@@ -330,7 +330,7 @@ def test_moe_alltoall_round_trips(payload_in_workspace, device):
 
 def test_moe_alltoall_phase_errors(device):
     case = Case(1, (4,), 2, 4)
-    moe = a2a.MoeAlltoAll(a2a.Mapping(world_size=1, rank=0, tp_size=1, moe_ep_size=1), 8, 2, 4, hidden_size=64, device=device)
+    moe = a2a.MoeAlltoAll(ep_mapping(0, 1), 8, 2, 4, hidden_size=64, device=device)
     assert moe.workspace.device.type == device and moe.workspace.shape[0] == 1
     inputs = make_inputs(case, make_generator(0)).to(device)
     payload = torch.ones(1, 4, 64, dtype=torch.bfloat16, device=device)

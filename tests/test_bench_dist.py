@@ -11,11 +11,10 @@ import sys
 
 import pytest
 import torch
+from conftest import run_ranks
 
 from torch_moe_a2a import bench, bench_dist
 from torch_moe_a2a.reference import random_routing, reference_dispatch
-
-from conftest import run_ranks
 
 WORLD = 2
 PRESET = "mixtral"

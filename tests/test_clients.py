@@ -13,17 +13,17 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
-
-import torch_moe_a2a as a2a
-from torch_moe_a2a import layout, reference
-
 from conftest import (
     MnnvlConfig,
     TorchDistributedCommBackend,
     assert_bytes_equal,
+    ep_mapping,
     make_generator,
     run_ranks,
 )
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import layout, reference
 
 HIDDEN = 96
 TOP_K = 4
@@ -298,7 +298,7 @@ def test_mapping_must_match_the_communicator():
     comm = _FakeComm(0, 2)
     comm.Split = lambda color, key: comm
     with pytest.raises(ValueError, match=r"differ from the group's \(rank, size\) = \(0, 2\)"):
-        a2a.MoeAlltoAll(a2a.Mapping(world_size=4, rank=1, tp_size=4, moe_ep_size=4), 8, 2, 4, hidden_size=64,
+        a2a.MoeAlltoAll(ep_mapping(1, 4), 8, 2, 4, hidden_size=64,
                         mnnvl_config=MnnvlConfig(comm), device="cpu")
 
 

@@ -5,13 +5,11 @@ section 4)."""
 import re
 
 import pytest
-
 import torch
+from conftest import Case, PayloadSpec, assert_bytes_equal, ep_mapping, make_generator, make_inputs, make_sim
 from torch._inductor.utils import run_and_get_code
 
 import torch_moe_a2a as a2a
-
-from conftest import Case, PayloadSpec, assert_bytes_equal, make_generator, make_inputs, make_sim
 
 
 def moe_step(ids, payloads, workspace, metainfo, T, ep_rank, ep_size, top_k, num_experts, local_num_tokens):
@@ -95,7 +93,7 @@ def test_compiled_two_simulated_ranks_equal_eager(path, device):
                     case.num_experts, case.tokens[r])
     else:
         step = moe_alltoall_step
-        moes = [a2a.MoeAlltoAll(a2a.Mapping(world_size=2, rank=r, tp_size=2, moe_ep_size=2), case.max_tokens, case.top_k, case.num_experts,
+        moes = [a2a.MoeAlltoAll(ep_mapping(r, 2), case.max_tokens, case.top_k, case.num_experts,
                                 workspace=sim.workspace, timeout_s=10.0) for r in range(2)]
 
         def args(r):
@@ -137,7 +135,7 @@ def test_compiled_in_workspace_payload_copies_no_workspace(path, device):
         args = (inputs.ids[0], inputs.payloads[0], workspace, sim.metainfo[0], case.T, 0, 1, case.top_k,
                 case.num_experts, 13)
     else:
-        moe = a2a.MoeAlltoAll(a2a.Mapping(world_size=1, rank=0, tp_size=1, moe_ep_size=1), 16, case.top_k, case.num_experts, hidden_size=96, device=device,
+        moe = a2a.MoeAlltoAll(ep_mapping(0, 1), 16, case.top_k, case.num_experts, hidden_size=96, device=device,
                               workspace_size_per_rank=a2a.moe_a2a_get_workspace_size_per_rank(
                                   1, 16, case.dispatch_bytes, case.combine_bytes))
         step, workspace = moe_alltoall_step, moe.workspace

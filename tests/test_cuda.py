@@ -32,15 +32,12 @@ from typing import Optional
 
 import pytest
 import torch
-
-import torch_moe_a2a as a2a
-from torch_moe_a2a import layout, reference
-
 from conftest import (
     Case,
     PayloadSpec,
     assert_bytes_equal,
     combine_payload_in_workspace,
+    ep_mapping,
     header_i32,
     make_generator,
     make_inputs,
@@ -48,6 +45,9 @@ from conftest import (
     poison_padding,
     round_trip,
 )
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import layout, reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -615,7 +615,7 @@ def test_reduce_overhead_compile_equals_eager(api, record_property):
     torch._dynamo.reset()
     case, T = COMPILE_CASE, COMPILE_CASE.T
     if api == "MoeAlltoAll":
-        moe = a2a.MoeAlltoAll(a2a.Mapping(world_size=1, rank=0, tp_size=1, moe_ep_size=1), case.max_tokens, case.top_k, case.num_experts,
+        moe = a2a.MoeAlltoAll(ep_mapping(0, 1), case.max_tokens, case.top_k, case.num_experts,
                               hidden_size=case.hidden, device=CUDA, timeout_s=TIMEOUT_S)
 
         def step(ids, hidden, weights):
@@ -751,7 +751,7 @@ def test_two_dispatches_in_a_row_are_refused_on_the_device():
     with pytest.raises(RuntimeError, match=pattern):
         a2a.moe_a2a_combine(payload, case.tokens[0], sim.workspace, sim.metainfo[0], case.T, 0, 1, case.top_k, offset)
 
-    moe = a2a.MoeAlltoAll(a2a.Mapping(world_size=1, rank=0, tp_size=1, moe_ep_size=1), case.max_tokens, case.top_k, case.num_experts,
+    moe = a2a.MoeAlltoAll(ep_mapping(0, 1), case.max_tokens, case.top_k, case.num_experts,
                           hidden_size=case.hidden, device=CUDA, timeout_s=TIMEOUT_S)
     moe.dispatch(first.ids[0], first.payloads[0], case.T)
     with pytest.raises(RuntimeError, match=r"dispatch called twice"):

@@ -5,10 +5,6 @@ import random
 
 import pytest
 import torch
-
-import torch_moe_a2a as a2a
-from torch_moe_a2a import layout, reference
-
 from conftest import (
     Case,
     PayloadSpec,
@@ -19,6 +15,9 @@ from conftest import (
     make_sim,
     round_trip,
 )
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import layout, reference
 
 FP8 = torch.float8_e4m3fn
 EXTRA_POOL = [

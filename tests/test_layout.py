@@ -38,8 +38,8 @@ def test_public_constants():
     assert (layout.MAX_RANKS, layout.MAX_TOP_K, layout.MAX_PAYLOADS, layout.ALIGN) == (64, 22, 8, 128)
 
 
-def _as_list(l: layout.CallLayout) -> list[int]:
-    return [l.route_offset, l.eplb_offset, *l.payload_offsets, l.combine_offset]
+def _as_list(call: layout.CallLayout) -> list[int]:
+    return [call.route_offset, call.eplb_offset, *call.payload_offsets, call.combine_offset]
 
 
 @pytest.mark.parametrize("ep_size", [1, 2, 3, 8, 64])

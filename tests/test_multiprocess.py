@@ -3,19 +3,18 @@ shared-memory file into every process; round trips through the functional API
 and through MoeAlltoAll(group=...) match the reference computed here."""
 
 import datetime
-import re
 import os
+import re
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import Case, PayloadSpec, assert_bytes_equal, ep_mapping, make_generator, make_inputs
 
 import torch_moe_a2a as a2a
 from torch_moe_a2a import reference
-
-from conftest import Case, PayloadSpec, assert_bytes_equal, make_generator, make_inputs
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "torch_moe_a2a"
@@ -68,7 +67,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         results.append({"recv": recv, "counts": counts, "out": out})
 
         # Round 2: MoeAlltoAll with its own workspace over the group.
-        moe = a2a.MoeAlltoAll(a2a.Mapping(world_size=world, rank=rank, tp_size=world, moe_ep_size=world), case.max_tokens, case.top_k, case.num_experts,
+        moe = a2a.MoeAlltoAll(ep_mapping(rank, world), case.max_tokens, case.top_k, case.num_experts,
                               workspace_size_per_rank=size, group=dist.group.WORLD, device="cpu")
         x = inputs[1]
         recv = moe.dispatch(x.ids[rank], x.payloads[rank], case.T)

@@ -27,15 +27,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
-import torch_moe_a2a as a2a
-from torch_moe_a2a import layout, reference
-from torch_moe_a2a.workspace import FABRIC, HANDLE_TYPE_ENV, POSIX_FD
-
 from conftest import (
     Case,
     PayloadSpec,
     assert_bytes_equal,
+    ep_mapping,
     make_generator,
     make_inputs,
     open_fds,
@@ -44,6 +40,10 @@ from conftest import (
     random_tensor,
     run_ranks,
 )
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import layout, reference
+from torch_moe_a2a.workspace import FABRIC, HANDLE_TYPE_ENV, POSIX_FD
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -266,7 +266,7 @@ def _round_trip_worker(rank, world, init_file, out_dir, devices):
 
         # MoeAlltoAll allocates the size it is given and synchronizes its initialization; on
         # CUDA its rows lie the size rounded up to the granularity apart (padded rows).
-        moe = a2a.MoeAlltoAll(a2a.Mapping(world_size=world, rank=rank, tp_size=world, moe_ep_size=world), case.max_tokens, case.top_k, case.num_experts,
+        moe = a2a.MoeAlltoAll(ep_mapping(rank, world), case.max_tokens, case.top_k, case.num_experts,
                               workspace_size_per_rank=need, eplb_stats_num_experts=EPLB_N,
                               group=dist.group.WORLD, device=device)
         assert moe.workspace_size_per_rank == need and tuple(moe.workspace.shape) == (world, need)
@@ -324,7 +324,7 @@ def _rank_mask_worker(rank, world, init_file, out_dir, devices):
         _, size = _workspace_size(case, device)
         workspace = a2a.allocate_workspace(size, group=dist.group.WORLD, device=device)
         metainfo = a2a.moe_a2a_initialize(workspace, rank, world, case.max_tokens)
-        moe = a2a.MoeAlltoAll(a2a.Mapping(world_size=world, rank=rank, tp_size=world, moe_ep_size=world), case.max_tokens, case.top_k, case.num_experts,
+        moe = a2a.MoeAlltoAll(ep_mapping(rank, world), case.max_tokens, case.top_k, case.num_experts,
                               workspace_size_per_rank=size, enable_rank_mask=True, group=dist.group.WORLD,
                               device=device)
         for i in range(ROUNDS):
@@ -543,7 +543,7 @@ def _nccl_worker(rank, world, init_file, out_dir, devices):
         inputs = _Inputs(case, "nccl", eplb=True)
         gen = make_generator("nccl-poison")
         need, size = _workspace_size(case, device)
-        moe = a2a.MoeAlltoAll(a2a.Mapping(world_size=world, rank=rank, tp_size=world, moe_ep_size=world), case.max_tokens, case.top_k, case.num_experts,
+        moe = a2a.MoeAlltoAll(ep_mapping(rank, world), case.max_tokens, case.top_k, case.num_experts,
                               workspace_size_per_rank=need, eplb_stats_num_experts=EPLB_N,
                               group=dist.group.WORLD, device=device)
         assert int(torch.ops.moe_a2a.vmm_live_workspaces()) == 1, "not a VMM workspace"

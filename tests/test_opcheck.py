@@ -9,11 +9,10 @@ alternation holds on every copy.
 
 import pytest
 import torch
+from conftest import Case, PayloadSpec, make_generator, make_inputs
 
 import torch_moe_a2a as a2a
 from torch_moe_a2a import layout
-
-from conftest import Case, PayloadSpec, make_generator, make_inputs
 
 ops = torch.ops.moe_a2a
 

@@ -7,10 +7,6 @@ import time
 
 import pytest
 import torch
-
-import torch_moe_a2a as a2a
-from torch_moe_a2a import layout
-
 from conftest import (
     Case,
     PayloadSpec,
@@ -26,6 +22,9 @@ from conftest import (
     round_trip,
     ws_snapshot,
 )
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import layout
 
 CASE = Case(4, (9, 0, 14, 5), 3, 10, hidden=64, runtime_max=16,
             extras=(PayloadSpec(torch.float8_e4m3fn, (32,)), PayloadSpec(torch.uint8, (3,))))

@@ -7,14 +7,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
-import torch_moe_a2a as a2a
-from torch_moe_a2a import layout
-
 from conftest import (
     Case,
     PayloadSpec,
     assert_ws_unchanged,
+    ep_mapping,
     make_generator,
     make_inputs,
     make_sim,
@@ -22,6 +19,9 @@ from conftest import (
     round_trip,
     ws_snapshot,
 )
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import layout
 
 BAD = (ValueError, RuntimeError)
 
@@ -576,7 +576,7 @@ def test_getters_reject_a_rank_outside_the_workspace(device):
 def test_moe_alltoall_checks_sanitize_arguments_before_it_dispatches(device):
     """A refused sanitize request leaves no row written and the instance idle."""
     case = Case(1, (4,), 2, 4)
-    moe = a2a.MoeAlltoAll(a2a.Mapping(world_size=1, rank=0, tp_size=1, moe_ep_size=1), 8, 2, 4, hidden_size=64, device=device)
+    moe = a2a.MoeAlltoAll(ep_mapping(0, 1), 8, 2, 4, hidden_size=64, device=device)
     payloads = make_inputs(case, make_generator(0)).to(device).payloads[0]
     ids_index = next(i for i, p in enumerate(payloads) if p.dtype == torch.int32)
     other = next(i for i, p in enumerate(payloads) if p.dtype != torch.int32)
@@ -599,5 +599,5 @@ def test_moe_alltoall_constructor_checks_limits(top_k, num_experts, match, devic
     workspace = torch.zeros(2, size, dtype=torch.uint8, device=device)
     snap = ws_snapshot(workspace)
     with pytest.raises(ValueError, match=match):
-        a2a.MoeAlltoAll(a2a.Mapping(world_size=2, rank=0, tp_size=2, moe_ep_size=2), 8, top_k, num_experts, workspace=workspace)
+        a2a.MoeAlltoAll(ep_mapping(0, 2), 8, top_k, num_experts, workspace=workspace)
     assert_ws_unchanged(workspace, snap)

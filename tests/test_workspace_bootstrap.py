@@ -14,13 +14,12 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import TorchDistributedCommBackend, ep_mapping, open_fds, run_ranks
 
 import torch_moe_a2a as a2a
 from torch_moe_a2a import workspace as ws
 from torch_moe_a2a.collective import as_collective
 from torch_moe_a2a.workspace import FABRIC, HANDLE_TYPE_ENV, POSIX_FD, choose_handle_type
-
-from conftest import TorchDistributedCommBackend, open_fds, run_ranks
 
 # ---- choose_handle_type --------------------------------------------------------------
 
@@ -322,7 +321,7 @@ def test_cuda_group_workspace_needs_a_cuda_build(tmp_path):
         with pytest.raises(RuntimeError, match=r"group ranks \[0\].*need torch_moe_a2a built with CUDA"):
             a2a.allocate_workspace(1 << 21, group=dist.group.WORLD, device="cuda")
         with pytest.raises(RuntimeError, match=r"need torch_moe_a2a built with CUDA"):
-            a2a.MoeAlltoAll(a2a.Mapping(world_size=1, rank=0, tp_size=1, moe_ep_size=1), 8, 2, 4, hidden_size=64, group=dist.group.WORLD, device="cuda")
+            a2a.MoeAlltoAll(ep_mapping(0, 1), 8, 2, 4, hidden_size=64, group=dist.group.WORLD, device="cuda")
         with pytest.raises(RuntimeError, match=r"need torch_moe_a2a built with CUDA"):
             a2a.cuda_workspace_granularity()
     finally:
