@@ -308,43 +308,61 @@ def moe_a2a_dispatch(
 ) -> tuple[list[torch.Tensor], int, Optional[torch.Tensor]]:
     """Send each local token's payload rows to every rank that owns one of its experts.
 
-    token_selected_experts: int32 or int64 (``torch.topk``'s indices, read
-    as they are) ``[local_num_tokens, top_k]``; negative ids
-    are skipped, ids ``>= num_experts`` are skipped and counted
-    (:func:`moe_a2a_get_invalid_expert_count`). input_payloads: 1 to 8 tensors
-    ``[local_num_tokens, *]`` of any dtype, contiguous (rows packed one after
-    another), on the workspace's device. ``runtime_max_tokens_per_rank`` must
-    be the same on every rank, ``>= local_num_tokens`` and ``<= max_num_tokens``; so must the
-    payloads' number and row sizes, and whether ``eplb_local_stats`` is given.
-    Where they differ, the call fails on every rank with an error naming the
-    peers (CPU: this call raises; CUDA: the combine's kernel records it and
-    the next call raises).
+    Args:
+        token_selected_experts: int32 or int64 (``torch.topk``'s indices, read
+            as they are) ``[local_num_tokens, top_k]``, contiguous, on the
+            workspace's device. Negative ids are skipped; ids ``>= num_experts``
+            are skipped and counted (:func:`moe_a2a_get_invalid_expert_count`).
+        input_payloads: 1 to 8 contiguous tensors ``[local_num_tokens, *]`` of
+            any dtype on the workspace's device; none may require grad while
+            grad mode is on.
+        workspace, metainfo: the workspace and this rank's
+            :func:`moe_a2a_initialize` result.
+        runtime_max_tokens_per_rank: the same on every rank, ``>=
+            local_num_tokens`` and ``<= max_num_tokens``; so must the payloads'
+            number and row sizes be, and whether ``eplb_local_stats`` is given.
+        ep_rank, ep_size, top_k, num_experts: as at initialize; ``top_k`` 1..22.
+        enable_pdl: programmatic dependent launch (None: on for compute capability 9.0+).
+        eplb_local_stats: int32 ``[eplb_stats_num_experts]`` to all-gather, or None.
+        enable_rank_mask, active_rank_mask: FlashInfer's fault tolerance: with
+            ``enable_rank_mask=True`` a mask (:func:`moe_a2a_active_rank_mask`)
+            is required; tokens routed to a masked-off rank are dropped.
+        backend: ``"trtllm"``.
+        recv_view_cache: FlashInfer's opaque cache: pass a dict to reuse the
+            views across calls (it holds a reference to ``workspace`` and is
+            cleared when another workspace is passed). Not used under
+            ``torch.compile``, where views cost nothing at run time.
+        timeout_s: ours, keyword-only: the bound on this call's waits for its
+            peers; None reads ``MOE_A2A_TIMEOUT_S`` (default 30 s).
 
-    Returns ``(output_payloads, combine_payload_offset, eplb_gathered_stats)``:
+    Returns:
+        ``(output_payloads, combine_payload_offset, eplb_gathered_stats)``:
 
-    - ``output_payloads[i]``: view ``[ep_size, runtime_max_tokens_per_rank,
-      *input_payloads[i].shape[1:]]`` of this rank's workspace row, dtype of
-      ``input_payloads[i]``; row ``[s, j]`` is the j-th token received from
-      rank ``s`` in increasing source token order; rows ``j >=
-      recv_counts[s]`` (:func:`moe_a2a_get_recv_counts`) are padding with
-      unspecified contents.
-    - ``combine_payload_offset``: byte offset, relative to a rank's row, of
-      the combine region for the matching :func:`moe_a2a_combine`.
-    - ``eplb_gathered_stats``: int32 ``[ep_size, eplb_stats_num_experts]``
-      workspace view (row ``r`` = rank ``r``'s ``eplb_local_stats``) when
-      ``eplb_local_stats`` is given, else None.
+        - ``output_payloads[i]``: view ``[ep_size, runtime_max_tokens_per_rank,
+          *input_payloads[i].shape[1:]]`` of this rank's workspace row, dtype of
+          ``input_payloads[i]``; row ``[s, j]`` is the j-th token received from
+          rank ``s`` in increasing source token order; rows ``j >=
+          recv_counts[s]`` (:func:`moe_a2a_get_recv_counts`) are padding with
+          unspecified contents.
+        - ``combine_payload_offset``: byte offset, relative to a rank's row, of
+          the combine region for the matching :func:`moe_a2a_combine`.
+        - ``eplb_gathered_stats``: int32 ``[ep_size, eplb_stats_num_experts]``
+          workspace view (row ``r`` = rank ``r``'s ``eplb_local_stats``) when
+          ``eplb_local_stats`` is given, else None.
 
-    The views' contents are this call's until this rank's combine starts; then
-    peers' next dispatch may overwrite them: copy what must outlive the combine
-    before calling it.
+        The views are the workspace's memory (the caller owns neither): their
+        contents are this call's until this rank's combine starts, when a
+        peer's next dispatch may overwrite them. Copy what must outlive the
+        combine before calling it. No host sync on CUDA: the call is enqueued
+        on the current stream.
 
-    ``recv_view_cache``: FlashInfer's opaque cache; pass a dict to reuse the
-    views across calls (it holds a reference to ``workspace`` and is cleared
-    when another workspace is passed). Not used under ``torch.compile``,
-    where views cost nothing at run time.
-
-    ``timeout_s`` (ours, keyword-only): the bound on this call's waits for
-    its peers; None reads ``MOE_A2A_TIMEOUT_S`` (default 30 s).
+    Raises:
+        ValueError: an argument out of range or of the wrong type, before any
+            kernel runs (the workspace untouched).
+        RuntimeError: peers that did not arrive within the timeout, or passed
+            another ``runtime_max_tokens_per_rank`` or other payloads (CPU: this
+            call; CUDA: the kernel records it and the next call raises, as does
+            :func:`check_errors`).
     """
     timeout_s = _ENV_TIMEOUT if timeout_s is None else timeout_s
     if not (isinstance(token_selected_experts, torch.Tensor) and isinstance(workspace, torch.Tensor)):
@@ -428,31 +446,42 @@ def moe_a2a_combine(
 ) -> torch.Tensor:
     """Return every local token's sum of the expert outputs of its destination ranks.
 
-    payload: ``[ep_size, runtime_max_tokens_per_rank, *row_shape]`` bf16, fp16
-    or fp32; row ``[s, j]`` is this rank's output for the j-th token it
-    received from rank ``s`` (padding rows are ignored). With
-    ``payload_in_workspace=True`` it must be the view
-    ``MoeAlltoAll.get_combine_payload_tensor_in_workspace`` returns (this
-    rank's row at ``combine_payload_offset``) and is read in place; else it is
-    a contiguous tensor and the op copies its valid rows into the workspace.
-    ``local_num_tokens``, ``runtime_max_tokens_per_rank``, ``top_k`` and
-    ``combine_payload_offset`` must be those of this rank's preceding dispatch
-    (the offset it returned): the CPU backend raises ValueError at once; on
-    CUDA the kernel refuses the call and records an error that
-    :func:`check_errors` and the next call raise.
+    Args:
+        payload: ``[ep_size, runtime_max_tokens_per_rank, *row_shape]`` bf16,
+            fp16 or fp32; row ``[s, j]`` is this rank's output for the j-th
+            token it received from rank ``s`` (padding rows are ignored). With
+            ``payload_in_workspace=True`` it is the view
+            ``MoeAlltoAll.get_combine_payload_tensor_in_workspace`` returns,
+            read in place; else a contiguous tensor whose valid rows the op
+            copies into the workspace. It may not require grad while grad mode is on.
+        local_num_tokens, runtime_max_tokens_per_rank, top_k,
+            combine_payload_offset: those of this rank's preceding dispatch
+            (the offset it returned).
+        workspace, metainfo, ep_rank, ep_size: as for dispatch.
+        payload_in_workspace: whether ``payload`` is the combine region itself.
+        output_dtype: the payload dtype (default) or bf16.
+        output_scales, output_scalar_scale, sf_layout, use_low_precision:
+            FlashInfer's quantized outputs and low-precision transport: not
+            implemented (``output_scalar_scale`` only matters for them).
+        output: a contiguous ``[local_num_tokens, *row_shape]`` tensor of
+            ``output_dtype`` on the workspace's device to write into, or None.
+        enable_pdl, enable_rank_mask, active_rank_mask, backend, timeout_s: as for dispatch.
 
-    Returns ``[local_num_tokens, *row_shape]`` of ``output_dtype`` (default the
-    payload dtype; bf16 always accepted): for each token the fp32 sum, in
-    ascending rank order, of its rows from the distinct ranks it was sent to,
-    cast once; zeros for a token sent nowhere. A new tensor, or ``output``
-    (contiguous, that shape and dtype, on the workspace's device) when given.
+    Returns:
+        ``[local_num_tokens, *row_shape]`` of ``output_dtype``: for each token
+        the fp32 sum, in ascending rank order, of its rows from the distinct
+        ranks it was sent to, cast once; zeros for a token sent nowhere. A new
+        tensor the caller owns, or ``output``. Enqueued on the current stream
+        (no host sync on CUDA).
 
-    Not implemented (NotImplementedError): quantized outputs (``output_scales``,
-    a non-linear ``sf_layout``) and ``use_low_precision``;
-    ``output_scalar_scale`` only affects quantized outputs and is ignored.
-
-    ``timeout_s`` (ours, keyword-only): the bound on this call's waits for
-    its peers; None reads ``MOE_A2A_TIMEOUT_S`` (default 30 s).
+    Raises:
+        ValueError: arguments out of range, or sizes and offset that are not
+            those of the preceding dispatch (CPU: at once; CUDA: the kernel
+            refuses the call, records it, and the next call raises).
+        NotImplementedError: quantized outputs (``output_scales``, a
+            non-linear ``sf_layout``, an fp8/fp4 ``output_dtype``) and
+            ``use_low_precision``.
+        RuntimeError: peers that did not arrive within the timeout (as for dispatch).
     """
     timeout_s = _ENV_TIMEOUT if timeout_s is None else timeout_s
     if not (isinstance(payload, torch.Tensor) and isinstance(workspace, torch.Tensor)):
