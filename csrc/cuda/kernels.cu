@@ -107,7 +107,7 @@ cudaError_t launch_initialize(const InitParams& p, cudaStream_t stream) {
 }
 
 cudaError_t launch_sanitize(const SanitizeParams& p, const LaunchConfig& config, cudaStream_t stream) {
-  const int64_t total = int64_t(p.ws.ep_size) * p.runtime_max_tokens * p.top_k;
+  const int64_t total = int64_t(p.ws.ep_size) * p.runtime_max_tokens * p.width;
   const int64_t needed = (total + kSanitizeThreads - 1) / kSanitizeThreads;
   const int64_t most = int64_t(config.num_sms) * kSanitizeCtasPerSm;
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min(needed, most)));
