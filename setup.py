@@ -1,9 +1,9 @@
 """Builds torch_moe_a2a._C: the torch.ops.moe_a2a operator library.
 
 CPU and Meta kernels always; the CUDA kernels too when torch was built with
-CUDA and nvcc is available (CUDA_HOME). Install with
-``pip install --no-build-isolation -e .`` so the extension is compiled against
-the torch it runs with.
+CUDA and nvcc is available (CUDA_HOME). The extension is compiled against the
+torch of the environment it is installed into (build_backend/moe_a2a_build.py
+makes that torch importable under build isolation).
 """
 
 import glob
