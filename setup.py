@@ -66,7 +66,9 @@ def gencode_flags() -> list[str]:
 # at::parallel_for runs the copies on OpenMP threads: compile and link with it
 # (MOE_A2A_OPENMP=0 builds without, for diagnosing runtime conflicts).
 openmp = ["-fopenmp"] if os.environ.get("MOE_A2A_OPENMP", "1") != "0" else []
-cxx_flags = ["-O3", *openmp]
+# -g0 overrides the -g of Python's CFLAGS (they come first on the command line):
+# release builds carry no debug information, which is most of a -g build's size.
+cxx_flags = ["-O3", "-g0", *openmp]
 link_flags = list(openmp)
 ext_sources = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp") + sources("meta_kernels/*.cpp")
 include_dirs = [os.path.join(ROOT, "csrc")]
@@ -80,7 +82,7 @@ if with_cuda:
         define_macros=[("MOE_A2A_WITH_CUDA", None)],
         extra_compile_args={
             "cxx": cxx_flags,
-            "nvcc": ["-O3", "--expt-relaxed-constexpr", *gencode_flags()],
+            "nvcc": ["-O3", "-Xcompiler", "-g0", "--expt-relaxed-constexpr", *gencode_flags()],
         },
         extra_link_args=link_flags,
     )
