@@ -7,9 +7,12 @@ makes that torch importable under build isolation).
 """
 
 import glob
+import hashlib
 import os
+import platform
 import shutil
 import subprocess
+import sys
 
 import torch
 from setuptools import setup
@@ -38,8 +41,6 @@ def use_compiler_with_shared_libstdcxx() -> None:
 
 
 use_compiler_with_shared_libstdcxx()
-
-
 
 
 def sources(pattern: str) -> list[str]:
@@ -95,13 +96,23 @@ else:
         extra_link_args=link_flags,
     )
 
+
+def build_tag() -> str:
+    """Names this environment's object folder: objects compiled for one
+    interpreter, torch and CUDA must not be reused, or overwritten, by a build
+    in another environment sharing the source tree."""
+    key = "\n".join([sys.prefix, platform.python_version(), torch.__version__, str(torch.version.cuda)])
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
 class IncrementalBuildExtension(BuildExtension):
     """pip's editable builds compile in a fresh temporary folder; a fixed one
-    (build/temp, git-ignored) lets ninja skip objects that are up to date."""
+    per environment (build/temp-<tag>, git-ignored) lets ninja skip objects
+    that are up to date."""
 
     def finalize_options(self):
         super().finalize_options()
-        self.build_temp = os.path.join(ROOT, "build", "temp")
+        self.build_temp = os.path.join(ROOT, "build", f"temp-{build_tag()}")
 
 
 # Name, version and dependencies live in pyproject.toml.
