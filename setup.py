@@ -3,7 +3,8 @@
 CPU and Meta kernels always; the CUDA kernels too when torch was built with
 CUDA and nvcc is available (CUDA_HOME). The extension is compiled against the
 torch of the environment it is installed into (build_backend/moe_a2a_build.py
-makes that torch importable under build isolation).
+makes that torch importable under build isolation); torch_moe_a2a/_build_info.py,
+written next to it, records which torch that was.
 """
 
 import glob
@@ -48,10 +49,14 @@ def sources(pattern: str) -> list[str]:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
 
+def cuda_arch_list() -> str:
+    return os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0")
+
+
 def gencode_flags() -> list[str]:
     """nvcc -gencode flags for TORCH_CUDA_ARCH_LIST ("9.0", "8.0;9.0+PTX", ...)."""
     flags = []
-    for arch in os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0").replace(",", ";").replace(" ", ";").split(";"):
+    for arch in cuda_arch_list().replace(",", ";").replace(" ", ";").split(";"):
         if not arch:
             continue
         ptx = arch.endswith("+PTX")
@@ -113,6 +118,25 @@ class IncrementalBuildExtension(BuildExtension):
     def finalize_options(self):
         super().finalize_options()
         self.build_temp = os.path.join(ROOT, "build", f"temp-{build_tag()}")
+
+    def run(self):
+        super().run()
+        # Next to the built extension: in the source tree for in-place
+        # (editable) builds, in the build folder that becomes the wheel otherwise.
+        package_dir = os.path.dirname(os.path.abspath(self.get_ext_fullpath(extension.name)))
+        self.write_build_info(os.path.join(package_dir, "_build_info.py"))
+
+    def write_build_info(self, path: str) -> None:
+        fields = {
+            "version": self.distribution.get_version(),
+            "torch_version": str(torch.__version__),
+            "torch_cuda_version": torch.version.cuda,
+            "with_cuda": with_cuda,
+            "cuda_arch_list": cuda_arch_list() if with_cuda else None,
+        }
+        with open(path, "w") as f:
+            f.write("# Written by setup.py's build_ext: the build this extension comes from.\n")
+            f.writelines(f"{name} = {value!r}\n" for name, value in fields.items())
 
 
 # Name, version and dependencies live in pyproject.toml.
