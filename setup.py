@@ -14,6 +14,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 import torch
 from setuptools import setup
@@ -42,6 +43,20 @@ def use_compiler_with_shared_libstdcxx() -> None:
 
 
 use_compiler_with_shared_libstdcxx()
+
+
+def put_environment_scripts_on_path() -> None:
+    """torch compiles with ninja only when ninja is on PATH; otherwise it falls
+    back to a backend that recompiles every object on every build. pip runs
+    setup.py with the target environment's interpreter but leaves PATH alone,
+    so the ninja of an environment that is not activated (./dev's .venv) is
+    missed unless another ninja happens to be on PATH."""
+    scripts = sysconfig.get_path("scripts")
+    if shutil.which("ninja") is None and shutil.which("ninja", path=scripts) is not None:
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+
+
+put_environment_scripts_on_path()
 
 
 def sources(pattern: str) -> list[str]:
