@@ -29,7 +29,8 @@ INSTALL_TORCH_FIRST = (
     "Install torch first, e.g. `pip install torch==2.13.0` (or the CUDA build you "
     "run with), then `pip install .` again. A frontend that builds in an environment "
     "of its own (`python -m build`, uv, pip's venv-isolation feature) cannot show "
-    "this backend the target's torch: build with `--no-build-isolation` there."
+    "this backend the target's torch: build without isolation there "
+    "(`--no-build-isolation`; `python -m build --no-isolation`)."
 )
 
 
