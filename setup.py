@@ -1,15 +1,20 @@
 """Builds torch_moe_a2a._C: the torch.ops.moe_a2a operator library.
 
 CPU and Meta kernels always; the CUDA kernels too when torch was built with
-CUDA and nvcc is available (CUDA_HOME). Install with
-``pip install --no-build-isolation -e .`` so the extension is compiled against
-the torch it runs with.
+CUDA and nvcc is available (CUDA_HOME). The extension is compiled against the
+torch of the environment it is installed into (build_backend/moe_a2a_build.py
+makes that torch importable under build isolation); torch_moe_a2a/_build_info.py,
+written next to it, records which torch that was.
 """
 
 import glob
+import hashlib
 import os
+import platform
 import shutil
 import subprocess
+import sys
+import sysconfig
 
 import torch
 from setuptools import setup
@@ -40,6 +45,18 @@ def use_compiler_with_shared_libstdcxx() -> None:
 use_compiler_with_shared_libstdcxx()
 
 
+def put_environment_scripts_on_path() -> None:
+    """torch compiles with ninja only when ninja is on PATH; otherwise it falls
+    back to a backend that recompiles every object on every build. pip runs
+    setup.py with the target environment's interpreter but leaves PATH alone,
+    so the ninja of an environment that is not activated (./dev's .venv) is
+    missed unless another ninja happens to be on PATH."""
+    scripts = sysconfig.get_path("scripts")
+    if shutil.which("ninja") is None and shutil.which("ninja", path=scripts) is not None:
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+
+
+put_environment_scripts_on_path()
 
 
 def sources(pattern: str) -> list[str]:
@@ -47,10 +64,14 @@ def sources(pattern: str) -> list[str]:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
 
+def cuda_arch_list() -> str:
+    return os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0")
+
+
 def gencode_flags() -> list[str]:
     """nvcc -gencode flags for TORCH_CUDA_ARCH_LIST ("9.0", "8.0;9.0+PTX", ...)."""
     flags = []
-    for arch in os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0").replace(",", ";").replace(" ", ";").split(";"):
+    for arch in cuda_arch_list().replace(",", ";").replace(" ", ";").split(";"):
         if not arch:
             continue
         ptx = arch.endswith("+PTX")
@@ -66,7 +87,9 @@ def gencode_flags() -> list[str]:
 # at::parallel_for runs the copies on OpenMP threads: compile and link with it
 # (MOE_A2A_OPENMP=0 builds without, for diagnosing runtime conflicts).
 openmp = ["-fopenmp"] if os.environ.get("MOE_A2A_OPENMP", "1") != "0" else []
-cxx_flags = ["-O3", *openmp]
+# -g0 overrides the -g of Python's CFLAGS (they come first on the command line):
+# release builds carry no debug information, which is most of a -g build's size.
+cxx_flags = ["-O3", "-g0", *openmp]
 link_flags = list(openmp)
 ext_sources = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp") + sources("meta_kernels/*.cpp")
 include_dirs = [os.path.join(ROOT, "csrc")]
@@ -80,7 +103,7 @@ if with_cuda:
         define_macros=[("MOE_A2A_WITH_CUDA", None)],
         extra_compile_args={
             "cxx": cxx_flags,
-            "nvcc": ["-O3", "--expt-relaxed-constexpr", *gencode_flags()],
+            "nvcc": ["-O3", "-Xcompiler", "-g0", "--expt-relaxed-constexpr", *gencode_flags()],
         },
         extra_link_args=link_flags,
     )
@@ -93,13 +116,42 @@ else:
         extra_link_args=link_flags,
     )
 
+
+def build_tag() -> str:
+    """Names this environment's object folder: objects compiled for one
+    interpreter, torch and CUDA must not be reused, or overwritten, by a build
+    in another environment sharing the source tree."""
+    key = "\n".join([sys.prefix, platform.python_version(), torch.__version__, str(torch.version.cuda)])
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
 class IncrementalBuildExtension(BuildExtension):
     """pip's editable builds compile in a fresh temporary folder; a fixed one
-    (build/temp, git-ignored) lets ninja skip objects that are up to date."""
+    per environment (build/temp-<tag>, git-ignored) lets ninja skip objects
+    that are up to date."""
 
     def finalize_options(self):
         super().finalize_options()
-        self.build_temp = os.path.join(ROOT, "build", "temp")
+        self.build_temp = os.path.join(ROOT, "build", f"temp-{build_tag()}")
+
+    def run(self):
+        super().run()
+        # Next to the built extension: in the source tree for in-place
+        # (editable) builds, in the build folder that becomes the wheel otherwise.
+        package_dir = os.path.dirname(os.path.abspath(self.get_ext_fullpath(extension.name)))
+        self.write_build_info(os.path.join(package_dir, "_build_info.py"))
+
+    def write_build_info(self, path: str) -> None:
+        fields = {
+            "version": self.distribution.get_version(),
+            "torch_version": str(torch.__version__),
+            "torch_cuda_version": torch.version.cuda,
+            "with_cuda": with_cuda,
+            "cuda_arch_list": cuda_arch_list() if with_cuda else None,
+        }
+        with open(path, "w") as f:
+            f.write("# Written by setup.py's build_ext: the build this extension comes from.\n")
+            f.writelines(f"{name} = {value!r}\n" for name, value in fields.items())
 
 
 # Name, version and dependencies live in pyproject.toml.

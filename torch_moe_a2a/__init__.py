@@ -2,13 +2,28 @@
 
 Importing the package loads the extension ``torch_moe_a2a._C``, which registers
 ``torch.ops.moe_a2a.*``, and exports the FlashInfer-compatible API
-(DESIGN.md section 2).
+(DESIGN.md section 2). It first checks that the extension was built against the
+running torch (``_build_info``, written by the build), and raises ImportError
+saying how to rebuild when not.
 """
 
-import torch  # noqa: F401  (libtorch must be loaded before the extension)
+import importlib
 
-from . import _C  # noqa: F401  (registers torch.ops.moe_a2a)
-from .api import (
+import torch  # libtorch must be loaded before the extension
+
+from ._build_check import check_build_info
+
+try:
+    _build_info = importlib.import_module(f"{__name__}._build_info")
+except ModuleNotFoundError as e:
+    if e.name != f"{__name__}._build_info":
+        raise
+    _build_info = None
+check_build_info(_build_info, str(torch.__version__))
+__version__: str = _build_info.version
+
+from . import _C  # noqa: E402,F401  (registers torch.ops.moe_a2a)
+from .api import (  # noqa: E402
     SfLayout,
     check_errors,
     local_expert_range,
@@ -22,14 +37,15 @@ from .api import (
     moe_a2a_sanitize_expert_ids,
     moe_a2a_wrap_payload_tensor_in_workspace,
 )
-from .flashinfer_patch import patch_flashinfer, unpatch_flashinfer
-from .layout import MOE_A2A_RANK_MASK_WORDS
-from .mapping import Mapping
-from .moe_alltoall import MoeAlltoAll
-from .simulate import RankGraphs, SimulatedEP
-from .workspace import allocate_workspace, cuda_workspace_granularity
+from .flashinfer_patch import patch_flashinfer, unpatch_flashinfer  # noqa: E402
+from .layout import MOE_A2A_RANK_MASK_WORDS  # noqa: E402
+from .mapping import Mapping  # noqa: E402
+from .moe_alltoall import MoeAlltoAll  # noqa: E402
+from .simulate import RankGraphs, SimulatedEP  # noqa: E402
+from .workspace import allocate_workspace, cuda_workspace_granularity  # noqa: E402
 
 __all__ = [
+    "__version__",
     "MOE_A2A_RANK_MASK_WORDS",
     "Mapping",
     "MoeAlltoAll",
