@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from torch_moe_a2a import bench
+from torch_moe_a2a.bench import common, single, targets
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -14,7 +14,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("device", DEVICES)
 def test_bench_runs_and_reports_every_op(device, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    rc = bench.main(["--device", device, "--preset", "mixtral", "--ep", "1", "2", "--tokens", "1", "3",
+    rc = single.main(["--device", device, "--preset", "mixtral", "--ep", "1", "2", "--tokens", "1", "3",
                      "--iters", "2", "--warmup", "1", "--json", str(out)])
     assert rc == 0, capsys.readouterr().out
     data = json.loads(out.read_text())
@@ -26,13 +26,13 @@ def test_bench_runs_and_reports_every_op(device, tmp_path, capsys):
     assert all(0 < data["host_cost_us"][k] <= data["host_wall_us"][k] * 1.05 + 1.0 for k in data["host_wall_us"])
     points = data["points"]
     assert [(p["ep"], p["tokens_per_rank"]) for p in points] == [(1, 1), (1, 3), (2, 1), (2, 3)]
-    preset = bench.PRESETS["mixtral"]
+    preset = common.PRESETS["mixtral"]
     dispatch_row = preset.hidden * preset.dtype.itemsize + 2 * 4 * preset.top_k  # hidden + int32 ids + fp32 weights
     combine_row = preset.hidden * preset.dtype.itemsize
     for p in points:
         assert p["status"] == "ok", p["notes"]
         ops = p["ops"]
-        assert set(ops) == set(bench.OPS)
+        assert set(ops) == set(common.OPS)
         for op, m in ops.items():
             assert m["eager_us"] > 0 and m["GBps"] > 0, op
             assert (m["graph_us"] is not None) == (device == "cuda"), op
@@ -54,8 +54,8 @@ def test_bench_runs_and_reports_every_op(device, tmp_path, capsys):
 
 
 def test_op_graphs_and_time_ops_pair_every_op_with_its_partner():
-    """_OpGraphs captures each step of every input set once and replays the
-    matching capture; _time_ops times the ops in OPS order, dispatch with an
+    """OpGraphs captures each step of every input set once and replays the
+    matching capture; time_ops times the ops in OPS order, dispatch with an
     untimed combine after it, each combine with an untimed dispatch before it.
     CPU stand-ins for the CUDA graphs (the CUDA runs use the same calls)."""
     ran = []
@@ -84,7 +84,7 @@ def test_op_graphs_and_time_ops_pair_every_op_with_its_partner():
     def capture(step):
         return Graph(step), step()
 
-    graphs = bench._OpGraphs(Steps(), 2, capture)
+    graphs = common.OpGraphs(Steps(), 2, capture)
     assert ran == [("dispatch", 0), ("dispatch", 1), ("combine", 0), ("combine", 1), ("round_trip", 0),
                    ("round_trip", 1), ("combine_ws", 0), ("round_trip_ws", 0), ("round_trip_ws", 1)]
     ran.clear()
@@ -102,7 +102,7 @@ def test_op_graphs_and_time_ops_pair_every_op_with_its_partner():
         timed.append((parts, options))
         return float(len(timed))
 
-    assert bench._time_ops(measure, graphs, head_start=True) == {op: float(k + 1) for k, op in enumerate(bench.OPS)}
+    assert common.time_ops(measure, graphs, head_start=True) == {op: float(k + 1) for k, op in enumerate(common.OPS)}
     assert [t[0] for t in timed] == [
         [("timed", ("dispatch", 1)), ("after", ("combine", 1))],
         [("before", ("dispatch", 1)), ("timed", ("combine", 1))],
@@ -114,7 +114,7 @@ def test_op_graphs_and_time_ops_pair_every_op_with_its_partner():
 
 
 def _target_record(tokens: int, ops: dict) -> dict:
-    return {"preset": bench.TARGET_PRESET, "fp8": False, "ep": bench.TARGET_EP, "tokens_per_rank": tokens,
+    return {"preset": targets.TARGET_PRESET, "fp8": False, "ep": targets.TARGET_EP, "tokens_per_rank": tokens,
             "status": "ok", "notes": [], "ops": ops}
 
 
@@ -122,13 +122,13 @@ def test_targets_are_judged_from_the_measured_points():
     """The speed targets in the summary: the ratios at 4096 tokens, both round
     trip times, the host cost; ok or MISS each, n/a where a time is missing,
     nothing on the CPU or for points the run did not measure."""
-    big = _target_record(bench.TARGET_RATIO_TOKENS,
+    big = _target_record(targets.TARGET_RATIO_TOKENS,
                          {"dispatch": {"copy_ratio": 0.791}, "combine-ws": {"copy_ratio": 0.989}})
     small = _target_record(128, {"round-trip-ws": {"graph_step_us": 59.5, "graph_us": 66.0}})
     one = _target_record(1, {"round-trip-ws": {"graph_step_us": None, "graph_us": 14.0}})
     other = dict(_target_record(128, {}), ep=4)  # not the target's ep: ignored
     host = {"dispatch": 12.4, "combine-ws": 21.0}
-    lines = bench._targets([other, big, small, one], host, "cuda")
+    lines = targets.single_device([other, big, small, one], host, "cuda")
     assert lines[0].startswith("targets (deepseek-v3 at ep 8")
     body = [line.strip() for line in lines[1:]]
     assert body == [
@@ -138,5 +138,5 @@ def test_targets_are_judged_from_the_measured_points():
         "round-trip-ws <= 15 us at 1 tok: - us per step n/a, 14.0 us per replay ok",
         "host cost <= 20 us CPU time per eager call: at most 21.0 us MISS",
     ]
-    assert bench._targets([big, small, one], host, "cpu") == []
-    assert bench._targets([other], {}, "cuda") == []
+    assert targets.single_device([big, small, one], host, "cpu") == []
+    assert targets.single_device([other], {}, "cuda") == []

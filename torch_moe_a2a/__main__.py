@@ -6,10 +6,10 @@ process the ranks are simulated (``SimulatedEP``); launched by ``torchrun``
 (RANK and WORLD_SIZE set) every process is one rank of a ``MoeAlltoAll`` over
 the default group: on ``cuda:LOCAL_RANK`` (modulo the GPU count) with a CUDA
 virtual-memory workspace, or on the CPU with a shared-memory one.
-bench: hands its arguments to ``torch_moe_a2a.bench.main``.
+bench: hands its arguments to ``torch_moe_a2a.bench.single.main``.
 bench-dist: one rank per process under ``torchrun`` (``torchrun
 --nproc-per-node N -m torch_moe_a2a bench-dist``): hands its arguments to
-``torch_moe_a2a.bench_dist.main``.
+``torch_moe_a2a.bench.distributed.main``.
 """
 
 from __future__ import annotations
@@ -255,11 +255,11 @@ def _run_module(command: str, module_name: str, argv: list[str]) -> int:
 
 
 def bench(argv: list[str]) -> int:
-    return _run_module("bench", "torch_moe_a2a.bench", argv)
+    return _run_module("bench", "torch_moe_a2a.bench.single", argv)
 
 
 def bench_dist(argv: list[str]) -> int:
-    return _run_module("bench-dist", "torch_moe_a2a.bench_dist", argv)
+    return _run_module("bench-dist", "torch_moe_a2a.bench.distributed", argv)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
