@@ -446,19 +446,43 @@ def preset_names(chosen: Optional[list[str]], default: list[str]) -> list[str]:
     return list(PRESETS) if "all" in chosen else list(dict.fromkeys(chosen))
 
 
-def int_in_range(low: int, high: int, what: str) -> Callable[[str], int]:
-    """An argparse ``type`` that takes an int in ``low..high``; its error names
-    ``what`` and the range (argparse prints it after the option's name)."""
+# What --device cuda says where torch has no CUDA device (demo, bench, bench-dist alike).
+NO_CUDA = "CUDA was asked for but torch sees no CUDA device"
+
+
+def int_in_range(low: int, high: Optional[int], what: str) -> Callable[[str], int]:
+    """An argparse ``type`` that takes an int in ``low..high`` (no upper bound
+    if ``high`` is None); its error names ``what`` and the range, and argparse
+    prints it after the option's name, so a bad value never reaches the kernels'
+    own checks (whose errors are tracebacks)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{what} must be an integer, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{what} must be in {low}..{high}, got {value}")
+        if value < low or (high is not None and value > high):
+            bounds = f"in {low}..{high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"{what} must be {bounds}, got {value}")
         return value
 
-    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+def int_at_least(low: int, what: str) -> Callable[[str], int]:
+    return int_in_range(low, None, what)
+
+
+def positive_float(what: str) -> Callable[[str], float]:
+    """An argparse ``type`` for a float > 0."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{what} must be > 0, got {text}")
+        return value
+
     return parse
 
 

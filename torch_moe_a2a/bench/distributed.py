@@ -107,6 +107,7 @@ from .common import (
     DEFAULT_MAX_GIB,
     DEFAULT_WARMUP,
     GIB,
+    NO_CUDA,
     OPS,
     PRESETS,
     SEED,
@@ -123,11 +124,14 @@ from .common import (
     first_line,
     fmt,
     format_table,
+    int_at_least,
+    int_in_range,
     invalid_reason,
     l2_bytes,
     make_set,
     new_record,
     num_sets_for,
+    positive_float,
     preset_names,
     recv_mismatch,
     reference_payloads,
@@ -864,31 +868,32 @@ def summary(paths: list[str]) -> int:
 # ---------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="torchrun --nproc-per-node N -m torch_moe_a2a bench-dist",
-        description="Dispatch/combine with one rank per process (cuda:LOCAL_RANK, or CPU processes with gloo), "
-        "next to the same exchange with torch.distributed.all_to_all_single and NCCL's all-to-all on equal "
-        "bytes (the link ceiling). ep = the number of processes. Rank 0 prints the table.",
-    )
+PROG = "torchrun --nproc-per-node N -m torch_moe_a2a bench-dist"
+SUMMARY = "dispatch/combine speed, one rank per process (torchrun)"
+DESCRIPTION = ("Dispatch/combine with one rank per process (cuda:LOCAL_RANK, or CPU processes with gloo), next to "
+               "the same exchange with torch.distributed.all_to_all_single and NCCL's all-to-all on equal bytes "
+               "(the link ceiling). ep = the number of processes. Rank 0 prints the table.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``bench-dist`` (also used by ``python -m torch_moe_a2a``'s subcommand)."""
     add_preset_argument(p, default=DEFAULT_PRESET)
-    p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
-                   help=f"tokens per rank (default {' '.join(map(str, DEFAULT_TOKENS))})")
-    p.add_argument("--iters", type=int, default=DEFAULT_ITERS,
+    p.add_argument("--tokens", type=int_in_range(1, layout.MAX_NUM_TOKENS, "tokens"), nargs="+",
+                   default=list(DEFAULT_TOKENS), help=f"tokens per rank (default {' '.join(map(str, DEFAULT_TOKENS))})")
+    p.add_argument("--iters", type=int_at_least(1, "iters"), default=DEFAULT_ITERS,
                    help=f"timed iterations per measurement (default {DEFAULT_ITERS})")
-    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
+    p.add_argument("--warmup", type=int_at_least(0, "warmup"), default=DEFAULT_WARMUP,
                    help=f"untimed iterations first (default {DEFAULT_WARMUP})")
     p.add_argument("--fp8", action="store_true", help="hidden states as float8_e4m3fn plus fp32 scales")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes every number here")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda:LOCAL_RANK if there is a GPU, else CPU processes (gloo, shared memory)")
-    p.add_argument("--max-gib", type=float, default=None,
+    p.add_argument("--max-gib", type=positive_float("--max-gib"), default=None,
                    help="skip points needing more memory per rank than this (default 60 on CUDA, 4 on the CPU)")
     p.add_argument("--init-method", default="env://",
                    help="torch.distributed rendezvous (default env://: MASTER_ADDR/MASTER_PORT from torchrun)")
     p.add_argument("--summary", nargs="+", metavar="JSON",
                    help="no benchmark: print one short table over these --json files (no torchrun needed)")
-    return p
 
 
 def _probe_all_to_all(proc: Process) -> Optional[str]:
@@ -910,10 +915,16 @@ def _probe_all_to_all(proc: Process) -> Optional[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """``bench-dist`` on its own: parse ``argv`` (default sys.argv[1:]) and run."""
+    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser, parser.parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Run as one rank of a torchrun launch; returns 0, or 1 when a point
-    failed its check or errored (the same on every rank); 2 on bad usage."""
-    parser = _parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    failed its check or errored (the same on every rank); 2 on a launch
+    without torchrun. Argument errors go through ``parser.error`` (exit 2)."""
     if args.summary:
         return summary(args.summary)
     launch = _launch_env()
@@ -926,12 +937,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"bench-dist measures an exchange between processes: WORLD_SIZE is {world}, launch 2 or more "
               "(python -m torch_moe_a2a bench measures one process)", file=sys.stderr)
         return 2
-    if args.iters < 1 or args.warmup < 0:
-        print("--iters must be >= 1 and --warmup >= 0", file=sys.stderr)
-        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: no CUDA device available to this torch", file=sys.stderr)
-        return 2
+        parser.error(f"--device cuda: {NO_CUDA}")
 
     proc = _process(args.device, rank, world, local_rank, local_world)
     if proc.cuda:

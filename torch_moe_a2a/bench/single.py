@@ -94,6 +94,7 @@ from .common import (
     FP8_DTYPE,
     GIB,
     MIB,
+    NO_CUDA,
     OPS,
     PRESETS,
     SEED,
@@ -111,11 +112,14 @@ from .common import (
     fmt,
     format_table,
     geomean,
+    int_at_least,
+    int_in_range,
     invalid_reason,
     l2_bytes,
     make_set,
     new_record,
     num_sets_for,
+    positive_float,
     preset_names,
     recv_mismatch,
     reference_payloads,
@@ -841,19 +845,22 @@ def _plot(records: list[dict], path: str) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m torch_moe_a2a bench",
-        description="Dispatch/combine bandwidth and latency with simulated EP on one device (a stream per rank "
-        "on CUDA, a thread per rank on the CPU), next to a plain-PyTorch implementation of the same exchange.",
-    )
+PROG = "python -m torch_moe_a2a bench"
+SUMMARY = "dispatch/combine speed, simulated EP on one device"
+DESCRIPTION = ("Dispatch/combine bandwidth and latency with simulated EP on one device (a stream per rank on CUDA, "
+               "a thread per rank on the CPU), next to a plain-PyTorch implementation of the same exchange.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``bench`` (also used by ``python -m torch_moe_a2a``'s subcommand)."""
     add_preset_argument(p, default="all")
-    p.add_argument("--ep", type=int, nargs="+", default=list(DEFAULT_EP), help="simulated ranks (default 1 2 4 8)")
-    p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
-                   help="tokens per rank (default 1 16 128 512 2048 4096)")
-    p.add_argument("--iters", type=int, default=None,
+    p.add_argument("--ep", type=int_in_range(1, layout.MAX_RANKS, "ep"), nargs="+", default=list(DEFAULT_EP),
+                   help=f"simulated ranks, 1..{layout.MAX_RANKS} each (default 1 2 4 8)")
+    p.add_argument("--tokens", type=int_in_range(1, layout.MAX_NUM_TOKENS, "tokens"), nargs="+",
+                   default=list(DEFAULT_TOKENS), help="tokens per rank (default 1 16 128 512 2048 4096)")
+    p.add_argument("--iters", type=int_at_least(1, "iters"), default=None,
                    help=f"timed iterations per measurement (default {DEFAULT_ITERS}; --smoke {SMOKE_ITERS})")
-    p.add_argument("--warmup", type=int, default=None,
+    p.add_argument("--warmup", type=int_at_least(0, "warmup"), default=None,
                    help=f"untimed iterations first (default {DEFAULT_WARMUP}; --smoke {SMOKE_WARMUP})")
     p.add_argument("--fp8", action="store_true",
                    help=f"hidden states as float8_e4m3fn plus fp32 scales per {FP8_BLOCK} elements")
@@ -864,9 +871,8 @@ def _parser() -> argparse.ArgumentParser:
                    f"{' '.join(map(str, SMOKE_TOKENS))}, {SMOKE_ITERS} iterations")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if available, else cpu")
-    p.add_argument("--max-gib", type=float, default=None,
+    p.add_argument("--max-gib", type=positive_float("--max-gib"), default=None,
                    help="skip points needing more memory than this (default 60 on CUDA, 4 on the CPU)")
-    return p
 
 
 def _device_alive(device: torch.device) -> bool:
@@ -880,11 +886,17 @@ def _device_alive(device: torch.device) -> bool:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Run the benchmark; returns 0, or 1 when a point failed its correctness check or errored."""
-    parser = _parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    """``bench`` on its own: parse ``argv`` (default sys.argv[1:]) and run."""
+    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser, parser.parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run the benchmark; returns 0, or 1 when a point failed its correctness
+    check or errored. Argument errors go through ``parser.error`` (exit 2)."""
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device available to this torch")
+        parser.error(f"--device cuda: {NO_CUDA}")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -899,8 +911,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         eps, tokens = args.ep, args.tokens
         iters = DEFAULT_ITERS if args.iters is None else args.iters
         warmup = DEFAULT_WARMUP if args.warmup is None else args.warmup
-    if iters < 1 or warmup < 0:
-        parser.error("--iters must be >= 1 and --warmup >= 0")
     max_gib = DEFAULT_MAX_GIB[device.type] if args.max_gib is None else args.max_gib
     points = [Point(PRESETS[n], e, t, args.fp8) for n in names for e in eps for t in tokens]
 
