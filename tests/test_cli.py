@@ -99,6 +99,9 @@ def test_ep_out_of_range_is_a_usage_error(capsys):
     (["demo", "--ep", "two"], "ep_size must be an integer, got 'two'"),
     (["bench", "--iters", "0"], "iters must be >= 1, got 0"),
     (["bench-dist", "--warmup", "-1"], "warmup must be >= 0, got -1"),
+    # Reported by the command's parser (its usage), not the top-level one.
+    (["bench", "--preset", "mixtral", "deepseek-v3"], "python -m torch_moe_a2a bench: error: unrecognized arguments"),
+    (["--bogus"], "python -m torch_moe_a2a: error: unrecognized arguments: --bogus"),
 ])
 def test_bad_arguments_are_usage_errors(args, message, capsys):
     _assert_clean_usage_error(_main(capsys, *args), message)

@@ -324,10 +324,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         # argparse's own text ("invalid choice") names neither the problem nor the commands' jobs.
         print(f"{PROG}: unknown command '{argv[0]}'\n{_command_list()}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     if args.command is None:
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         parser.print_help(sys.stderr)
         return 2
+    if extra:
+        # Reported by the command's parser: its usage line is the one that helps.
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args.run(args.command_parser, args) or 0
 
 
