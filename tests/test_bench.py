@@ -1,7 +1,9 @@
 """The benchmark runs end to end (CPU here, CUDA when present), checks its own
 points against the reference, and reports every op with consistent bytes."""
 
+import io
 import json
+import re
 
 import pytest
 import torch
@@ -51,6 +53,22 @@ def test_bench_runs_and_reports_every_op(device, tmp_path, capsys):
             assert b["combine"] == 4 * tokens * combine_row
     table = capsys.readouterr().out
     assert "round-trip-ws" in table and "summary: 4 points ok, 0 FAIL/error" in table
+    # The estimate comes before the first row of the table.
+    assert table.index("sweep: 4 points, estimated") < table.index("round-trip-ws")
+    assert data["estimated_sweep_s"] > 0 and data["sweep_s"] > 0
+    assert all(p["wall_s"] > 0 for p in points)
+
+
+def test_default_cpu_sweep_is_sized_for_a_small_machine():
+    """The CPU defaults (every preset) are estimated at two minutes at most
+    on a machine of two cores' copy bandwidth and host cost."""
+    ctx = single._Context(torch.device("cpu"), None, single.DEFAULT_ITERS_FOR["cpu"],
+                          single.DEFAULT_WARMUP_FOR["cpu"], int(common.DEFAULT_MAX_GIB["cpu"] * common.GIB),
+                          common.L2_BYTES_DEFAULT, 8.0, None, graphs=False)
+    points = [common.Point(p, ep, t, False) for p in common.PRESETS.values()
+              for ep in single.DEFAULT_EP["cpu"] for t in single.DEFAULT_TOKENS["cpu"]]
+    _, seconds = single._estimate_line(points, ctx, {"dispatch": 20.0})
+    assert 20 < seconds < 120, seconds
 
 
 def test_op_graphs_and_time_ops_pair_every_op_with_its_partner():
@@ -140,3 +158,31 @@ def test_targets_are_judged_from_the_measured_points():
     ]
     assert targets.single_device([big, small, one], host, "cpu") == []
     assert targets.single_device([other], {}, "cuda") == []
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_is_plain_lines_unless_on_a_terminal():
+    """Redirected (a log, a pipe): one line per point, no carriage returns and
+    no time estimate; on a terminal: tqdm's bar with the time left."""
+    log = io.StringIO()
+    progress = common.Progress(2, stream=log)
+    progress.phase("mixtral ep 1 x 1 tok", "eager")
+    progress.step("mixtral ep 1 x 1 tok")
+    progress.step("mixtral ep 1 x 16 tok")
+    progress.close()
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue()
+    assert [line.split(" done")[0] for line in lines] == ["[1/2] mixtral ep 1 x 1 tok", "[2/2] mixtral ep 1 x 16 tok"]
+
+    tty = _Terminal()
+    progress = common.Progress(2, stream=tty)
+    progress.phase("mixtral ep 1 x 1 tok", "eager")
+    progress.step("mixtral ep 1 x 1 tok")
+    progress.close()
+    frames = tty.getvalue()
+    assert "\r" in frames and "1/2" in frames and "mixtral ep 1 x 1 tok: eager" in frames
+    assert re.search(r"\[\d\d:\d\d<", frames), frames  # elapsed < remaining

@@ -498,26 +498,44 @@ def device_name(device: torch.device) -> str:
 
 
 class Progress:
-    """A plain-text progress line on stderr, rewritten with ``\\r``."""
+    """Progress of a sweep on stderr.
 
-    WIDTH = 30
+    On a terminal: a tqdm bar with the points done, the phase of the current
+    point and an estimate of the time left. Otherwise (a log file, a pipe):
+    one plain line per finished point, no carriage-return frames and no time
+    estimate, so a log reads as a list of what was done.
+    """
 
-    def __init__(self, total: int):
-        self.total, self.done, self.last_len = total, 0, 0
+    def __init__(self, total: int, stream: Any = None):
+        self.total, self.done = total, 0
+        self.stream = sys.stderr if stream is None else stream
+        self._started = time.perf_counter()
+        self._bar = None
+        if _is_terminal(self.stream):
+            # Imported here: only an interactive run draws the bar.
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, file=self.stream, unit="point", dynamic_ncols=True,
+                             bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
 
     def phase(self, label: str, what: str) -> None:
-        filled = self.WIDTH * self.done // max(1, self.total)
-        text = f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {self.done}/{self.total} {label}: {what}"
-        sys.stderr.write("\r" + text.ljust(self.last_len))
-        sys.stderr.flush()
-        self.last_len = len(text)
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"{label}: {what}", refresh=True)
 
     def step(self, label: str) -> None:
+        """Point ``label`` is done (measured, skipped or failed)."""
         self.done += 1
+        if self._bar is not None:
+            self._bar.update(1)
+        else:
+            elapsed = time.perf_counter() - self._started
+            self.stream.write(f"[{self.done}/{self.total}] {label} done ({elapsed:.1f} s so far)\n")
+            self.stream.flush()
 
     def close(self) -> None:
-        sys.stderr.write("\r" + " " * self.last_len + "\r")
-        sys.stderr.flush()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 class QuietProgress:
@@ -531,6 +549,13 @@ class QuietProgress:
 
     def close(self) -> None:
         pass
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 def fmt(x: Optional[float], spec: str, suffix: str = "") -> str:

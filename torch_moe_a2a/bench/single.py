@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import statistics
 import sys
 import time
@@ -104,6 +105,7 @@ from .common import (
     Point,
     Preset,
     Progress,
+    QuietProgress,
     add_preset_argument,
     combine_mismatch,
     device_name,
@@ -134,8 +136,14 @@ from .common import (
 # configuration
 # ---------------------------------------------------------------------------
 
-DEFAULT_EP = (1, 2, 4, 8)
-DEFAULT_TOKENS = (1, 16, 128, 512, 2048, 4096)
+# The default sweep per device type (every preset). On the CPU it is sized to
+# take a minute or two on two cores: a thread per simulated rank, so ep 8
+# there measures mostly the threads' time-slicing, and 512 tokens or more
+# mostly the plain-PyTorch baseline's slow CPU gathers.
+DEFAULT_EP = {"cuda": (1, 2, 4, 8), "cpu": (1, 2, 4)}
+DEFAULT_TOKENS = {"cuda": (1, 16, 128, 512, 2048, 4096), "cpu": (1, 16, 128)}
+DEFAULT_ITERS_FOR = {"cuda": DEFAULT_ITERS, "cpu": 20}
+DEFAULT_WARMUP_FOR = {"cuda": DEFAULT_WARMUP, "cpu": 3}
 # --smoke: the short run of scripts/gpu_check.sh.
 SMOKE_PRESETS = ("deepseek-v3",)
 SMOKE_EP = (8,)
@@ -266,20 +274,22 @@ def _capture(step: Callable[[], Any]) -> tuple["torch.cuda.CUDAGraph", Any]:
     return graph, result
 
 
-def _op_bytes(point: Point, sets: list[InputSet]) -> dict[str, float]:
-    """Bytes each op moves (DESIGN.md section 8), summed over ranks, averaged over the sets."""
+def _op_bytes_for(point: Point, sends: float) -> dict[str, float]:
+    """Bytes each op moves (DESIGN.md section 8), summed over ranks, when the
+    ranks send ``sends`` (token, distinct destination) pairs in all."""
     drow, crow = point.dispatch_row_bytes, point.combine_row_bytes
     tokens = point.ep * point.tokens
-    totals = {op: 0.0 for op in OPS}
-    for s in sets:
-        sends = int(s.destinations.sum())  # (token, distinct destination) pairs = rows received
-        dispatch = drow * (tokens + sends)
-        combine_ws = crow * (sends + tokens)
-        combine = combine_ws + 2 * crow * sends  # staging: read + write of every received row
-        for op, b in (("dispatch", dispatch), ("combine", combine), ("combine-ws", combine_ws),
-                      ("round-trip", dispatch + combine), ("round-trip-ws", dispatch + combine_ws)):
-            totals[op] += b / len(sets)
-    return totals
+    dispatch = drow * (tokens + sends)  # every row read once, written once per destination
+    combine_ws = crow * (sends + tokens)  # every received row read once, every output row written once
+    combine = combine_ws + 2 * crow * sends  # staging: read + write of every received row
+    return {"dispatch": dispatch, "combine": combine, "combine-ws": combine_ws,
+            "round-trip": dispatch + combine, "round-trip-ws": dispatch + combine_ws}
+
+
+def _op_bytes(point: Point, sets: list[InputSet]) -> dict[str, float]:
+    """Bytes each op moves, counted exactly from each set's routing, averaged over the sets."""
+    per_set = [_op_bytes_for(point, int(s.destinations.sum())) for s in sets]
+    return {op: sum(b[op] for b in per_set) / len(sets) for op in OPS}
 
 
 # ---------------------------------------------------------------------------
@@ -743,6 +753,98 @@ def _host_cost(preset: Preset, fp8: bool, device: torch.device,
 
 
 # ---------------------------------------------------------------------------
+# the time a sweep will take
+# ---------------------------------------------------------------------------
+
+# The up-front estimate: a model of what each point runs (its steps, their
+# bytes at the copy bandwidth, the host's cost per call, the input sets),
+# with constants read off runs on a two-core CPU and the H200 numbers of
+# docs/perf.md. It aims at a factor of about two, enough to choose a sweep;
+# every point's own time lands in --json (wall_s) and the summary.
+EST_THREAD_US = 130.0  # CPU: one rank's thread started and joined, per step
+EST_BASELINE_RANK_STEP_US = {"cpu": 200.0, "cuda": 150.0}  # the baseline's ~15 torch calls per rank and step
+EST_BASELINE_EFFICIENCY = {"cpu": 0.25, "cuda": 0.5}  # its gathers and fp32 sums against a copy
+EST_OURS_EFFICIENCY = {"cpu": 1.0, "cuda": 0.8}  # our ops against a copy
+EST_KERNEL_US = 10.0  # CUDA: the shortest op on the device
+EST_SETUP_S = 0.2  # every point: workspace, reference, checks
+EST_SETUP_S_PER_RANK = {"cpu": 0.15, "cuda": 0.02}
+EST_SETUP_BYTES_PER_S = {"cpu": 4e7, "cuda": 2e9}  # seeded random inputs
+EST_CAPTURE_US_PER_CALL = 20.0  # CUDA: one rank's op call captured into a graph
+# Per iteration of _time_ops: the number of rank calls and of steps (SimulatedEP.run
+# calls), and how many times each op's bytes move (dispatch and each combine timed
+# with their partners, the two round trips).
+_OURS_CALLS, _OURS_STEPS = 10, 8
+_OURS_BYTES = {"dispatch": 5, "combine": 3, "combine-ws": 2}
+# The baseline's measurements per iteration: dispatch, combine, a round trip (two steps).
+_BASELINE_STEPS = 4
+
+
+def _expected_sends(point: Point) -> float:
+    """The expected (token, distinct destination) pairs of random routing
+    (top_k distinct experts, uniform): per token, the ranks whose contiguous
+    range holds at least one of its experts."""
+    p = point.preset
+    all_ways = math.comb(p.num_experts, p.top_k)
+    per_token = sum(1 - math.comb(p.num_experts - n, p.top_k) / all_ways
+                    for n in layout.experts_per_rank(p.num_experts, point.ep))
+    return point.ep * point.tokens * per_token
+
+
+def _estimate_point_s(point: Point, ctx: "_Context", host_us: float) -> float:
+    """Seconds that ``_run_point`` will take for ``point`` (0 for one it will skip
+    without measuring). ``host_us``: one eager call's host wall time (CUDA)."""
+    if invalid_reason(point) is not None:
+        return 0.0
+    dev, cuda = ctx.device.type, ctx.device.type == "cuda"
+    n_sets = _num_sets(point, ctx.l2_bytes)
+    if _memory_bytes(point, n_sets, cuda) > ctx.max_bytes:
+        return 0.0
+    ep, n = point.ep, ctx.iters + ctx.warmup
+    bw = ctx.copy_gbps * 1e9
+    op_bytes = _op_bytes_for(point, _expected_sends(point))
+    ours_bytes = sum(times * op_bytes[op] for op, times in _OURS_BYTES.items())
+    # The baseline gathers a row per (token, expert), not per destination, and sums in fp32.
+    base_bytes = 2 * ep * point.tokens * point.preset.top_k * (point.dispatch_row_bytes + 4 * point.combine_row_bytes)
+    ours_data = ours_bytes / (bw * EST_OURS_EFFICIENCY[dev])
+    base_data = base_bytes / (bw * EST_BASELINE_EFFICIENCY[dev])
+    base_host = _BASELINE_STEPS * ep * EST_BASELINE_RANK_STEP_US[dev] * 1e-6
+    setup = (EST_SETUP_S + EST_SETUP_S_PER_RANK[dev] * ep
+             + n_sets * set_bytes(point) / EST_SETUP_BYTES_PER_S[dev])
+    if not cuda:
+        # A thread per rank and step; the ranks' copies share the memory bandwidth.
+        ours_host = _OURS_STEPS * ep * EST_THREAD_US * 1e-6
+        return setup + n * (ours_host + ours_data + base_host + base_data)
+    # CUDA eager: the host launches every rank's calls, the device runs them meanwhile.
+    ours_device = max(_OURS_CALLS * EST_KERNEL_US * 1e-6, ours_data)
+    eager = n * (max(_OURS_CALLS * ep * host_us * 1e-6, ours_device) + max(base_host, base_data))
+    # Graphs: the same device time; the two multi-step graphs run STEPS_PER_GRAPH round trips a replay.
+    round_trips = sum(op_bytes[op] for op in ("round-trip", "round-trip-ws")) / (bw * EST_OURS_EFFICIENCY[dev])
+    graphs = n * (ours_device + STEPS_PER_GRAPH * max(2 * EST_KERNEL_US * 1e-6, round_trips) + base_data)
+    captures = n_sets * ep * (_OURS_CALLS + 4 * STEPS_PER_GRAPH) * EST_CAPTURE_US_PER_CALL * 1e-6
+    # Every graph measurement first spins the device while the host queues the replays.
+    head_starts = (len(OPS) + 2 + 3) * min(MAX_HEAD_START_S, ctx.iters * max(HOST_ENQUEUE_S, HEAD_START_MARGIN
+                                                                             * ep * host_us * 1e-6))
+    return setup + eager + graphs + captures + head_starts
+
+
+def _estimate_line(points: list[Point], ctx: "_Context", host_wall: dict[str, float]) -> tuple[str, float]:
+    """The up-front line (points, skips, seconds) and the estimated seconds."""
+    host_us = max(host_wall.values()) if host_wall else 20.0
+    seconds = [_estimate_point_s(p, ctx, host_us) for p in points]
+    skipped = sum(1 for t in seconds if t == 0.0)
+    total = sum(seconds)
+    skips = f", {skipped} to be skipped (invalid or over --max-gib)" if skipped else ""
+    return (f"sweep: {len(points)} points{skips}, estimated {_duration(total)} "
+            f"(rough: from the copy bandwidth and host cost above)"), total
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min"
+
+
+# ---------------------------------------------------------------------------
 # output
 # ---------------------------------------------------------------------------
 
@@ -851,17 +953,26 @@ DESCRIPTION = ("Dispatch/combine bandwidth and latency with simulated EP on one 
                "a thread per rank on the CPU), next to a plain-PyTorch implementation of the same exchange.")
 
 
+def _per_device(defaults: dict) -> str:
+    """'A on CUDA, B on the CPU' for a help text."""
+    def text(v: Any) -> str:
+        return " ".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+    return f"{text(defaults['cuda'])} on CUDA, {text(defaults['cpu'])} on the CPU"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``bench`` (also used by ``python -m torch_moe_a2a``'s subcommand)."""
     add_preset_argument(p, default="all")
-    p.add_argument("--ep", type=int_in_range(1, layout.MAX_RANKS, "ep"), nargs="+", default=list(DEFAULT_EP),
-                   help=f"simulated ranks, 1..{layout.MAX_RANKS} each (default 1 2 4 8)")
-    p.add_argument("--tokens", type=int_in_range(1, layout.MAX_NUM_TOKENS, "tokens"), nargs="+",
-                   default=list(DEFAULT_TOKENS), help="tokens per rank (default 1 16 128 512 2048 4096)")
+    p.add_argument("--ep", type=int_in_range(1, layout.MAX_RANKS, "ep"), nargs="+", default=None,
+                   help=f"simulated ranks, 1..{layout.MAX_RANKS} each (default {_per_device(DEFAULT_EP)})")
+    p.add_argument("--tokens", type=int_in_range(1, layout.MAX_NUM_TOKENS, "tokens"), nargs="+", default=None,
+                   help=f"tokens per rank (default {_per_device(DEFAULT_TOKENS)})")
     p.add_argument("--iters", type=int_at_least(1, "iters"), default=None,
-                   help=f"timed iterations per measurement (default {DEFAULT_ITERS}; --smoke {SMOKE_ITERS})")
+                   help=f"timed iterations per measurement (default {_per_device(DEFAULT_ITERS_FOR)}; "
+                   f"--smoke {SMOKE_ITERS})")
     p.add_argument("--warmup", type=int_at_least(0, "warmup"), default=None,
-                   help=f"untimed iterations first (default {DEFAULT_WARMUP}; --smoke {SMOKE_WARMUP})")
+                   help=f"untimed iterations first (default {_per_device(DEFAULT_WARMUP_FOR)}; --smoke {SMOKE_WARMUP})")
     p.add_argument("--fp8", action="store_true",
                    help=f"hidden states as float8_e4m3fn plus fp32 scales per {FP8_BLOCK} elements")
     p.add_argument("--json", metavar="PATH", help="write every number (and the copy bandwidth, device, torch) here")
@@ -908,9 +1019,10 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         warmup = SMOKE_WARMUP if args.warmup is None else args.warmup
     else:
         names = preset_names(args.preset, default=list(PRESETS))
-        eps, tokens = args.ep, args.tokens
-        iters = DEFAULT_ITERS if args.iters is None else args.iters
-        warmup = DEFAULT_WARMUP if args.warmup is None else args.warmup
+        eps = list(DEFAULT_EP[device.type]) if args.ep is None else args.ep
+        tokens = list(DEFAULT_TOKENS[device.type]) if args.tokens is None else args.tokens
+        iters = DEFAULT_ITERS_FOR[device.type] if args.iters is None else args.iters
+        warmup = DEFAULT_WARMUP_FOR[device.type] if args.warmup is None else args.warmup
     max_gib = DEFAULT_MAX_GIB[device.type] if args.max_gib is None else args.max_gib
     points = [Point(PRESETS[n], e, t, args.fp8) for n in names for e in eps for t in tokens]
 
@@ -924,25 +1036,33 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     print(f"copy ceiling: {copy_gbps:.1f} GB/s (copy_ of {copy_bytes / MIB:.0f} MiB, bytes read + written, "
           f"median of {COPY_REPEATS})", flush=True)
 
-    progress = Progress(len(points))
-    ctx = _Context(device, clock, iters, warmup, int(max_gib * GIB), l2, copy_gbps, progress,
+    # The progress display starts with the sweep; the host cost and the estimate come first.
+    ctx = _Context(device, clock, iters, warmup, int(max_gib * GIB), l2, copy_gbps, QuietProgress(),
                    graphs=device.type == "cuda")
     host: dict[str, float] = {}
     host_wall: dict[str, float] = {}
     records: list[dict] = []
     interrupted = False
+    progress: Optional[Progress] = None
+    estimate_s = 0.0
+    sweep_start = time.perf_counter()
     try:
-        progress.phase(f"host cost (ep {HOST_COST_EP}, {HOST_COST_TOKENS} tok)", "eager calls")
         try:
             host, host_wall = _host_cost(PRESETS[names[0]], args.fp8, device, clock)
         except Exception as e:  # noqa: BLE001 - reported; the sweep still runs
             print(f"host cost: {type(e).__name__}: {first_line(e)}", flush=True)
+        line, estimate_s = _estimate_line(points, ctx, host_wall)
+        print(line, flush=True)
+        ctx.progress = progress = Progress(len(points))
+        sweep_start = time.perf_counter()
         for point in points:
+            started = time.perf_counter()
             try:
                 record = _run_point(point, ctx)
             except Exception as e:  # noqa: BLE001 - one broken point must not hide the others
                 record = new_record(point)
                 record.update(status="error", notes=[f"{type(e).__name__}: {first_line(e)}"], ops={})
+            record["wall_s"] = time.perf_counter() - started  # what the next run's estimate can be checked against
             records.append(record)
             progress.step(point.label())
             _release_quietly(device)
@@ -952,10 +1072,14 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        progress.close()
+        if progress is not None:
+            progress.close()
+    sweep_s = time.perf_counter() - sweep_start
 
     table = _table(records)
     summary = _summary(records, copy_gbps, host, host_wall, interrupted, device.type)
+    summary += f"\n  time: {_duration(sweep_s)} for {len(records)} of {len(points)} points (estimated " \
+               f"{_duration(estimate_s)} for all)"
     if args.smoke:  # scripts/gpu_check.sh shows the tail: the table goes last
         print(summary)
         print()
@@ -971,7 +1095,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             "device": device_name(device), "device_type": device.type, "torch": torch.__version__,
             "copy_bandwidth_GBps": copy_gbps, "copy_bytes": copy_bytes, "l2_bytes": l2,
             "iters": iters, "warmup": warmup, "fp8": args.fp8, "max_gib": max_gib,
-            "host_cost_us": host, "host_wall_us": host_wall, "interrupted": interrupted, "points": records,
+            "host_cost_us": host, "host_wall_us": host_wall, "interrupted": interrupted,
+            "sweep_s": sweep_s, "estimated_sweep_s": estimate_s, "points": records,
             "targets": targets.single_device(records, host, device.type),
         })
     if args.plot:
