@@ -3,7 +3,11 @@ points against the reference, and reports every op with consistent bytes."""
 
 import io
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -186,3 +190,57 @@ def test_progress_is_plain_lines_unless_on_a_terminal():
     frames = tty.getvalue()
     assert "\r" in frames and "1/2" in frames and "mixtral ep 1 x 1 tok: eager" in frames
     assert re.search(r"\[\d\d:\d\d<", frames), frames  # elapsed < remaining
+
+
+def _bench_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch_moe_a2a", "bench", "--device", "cpu", *args]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_keeps_the_points_done(signum, tmp_path):
+    """A small CPU sweep stopped after its first point: the JSON holds the
+    points done so far, the table and the summary are printed, and the exit
+    code is the signal's (128 + its number)."""
+    out, js = tmp_path / "out.txt", tmp_path / "bench.json"
+    with open(out, "w") as stdout:
+        proc = subprocess.Popen(_bench_cmd("--preset", "mixtral", "--ep", "1", "2", "4", "--tokens", "1", "16", "128",
+                                           "--json", str(js)),
+                                stdout=stdout, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "MOE_A2A_TIMEOUT_S": "20"})
+        try:
+            progress = []
+            for line in proc.stderr:  # redirected: one line per finished point
+                progress.append(line)
+                if " done " in line:
+                    proc.send_signal(signum)
+                    break
+            rest = proc.stderr.read()
+            rc = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert progress and progress[-1].startswith("[1/9] mixtral ep 1 x 1 tok done"), progress
+    assert rc == 128 + signum, (rc, rest)
+    data = json.loads(js.read_text())
+    assert data["interrupted"] is True and data["stopped_by"] == signal.Signals(signum).name
+    assert data["points_planned"] == 9 and 1 <= len(data["points"]) < 9, len(data["points"])
+    assert all(p["status"] == "ok" and set(p["ops"]) == set(common.OPS) for p in data["points"])
+    printed = out.read_text()
+    assert printed.index("round-trip-ws") < printed.index("summary: ") < printed.index("stopped by ")
+    assert f"summary: {len(data['points'])} points ok" in printed and "(interrupted)" in printed
+
+
+def test_smoke_prints_the_table_then_the_summary(tmp_path):
+    """--smoke (scripts/gpu_check.sh's run) prints like every mode: table
+    first, summary last. Its points are skipped here (--max-gib), which is
+    enough for the order and keeps the test short."""
+    proc = subprocess.run(_bench_cmd("--smoke", "--max-gib", "0.01", "--json", str(tmp_path / "smoke.json")),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("preset "))
+    summary = next(i for i, line in enumerate(lines) if line.startswith("summary: "))
+    rows = [line for line in lines[header + 2:summary] if line.strip()]
+    assert header < summary and len(rows) == len(single.SMOKE_TOKENS), proc.stdout
+    assert all(line.startswith("deepseek-v3") and "skipped" in line for line in rows), rows
+    assert not any(line.startswith("deepseek-v3") for line in lines[summary:]), proc.stdout

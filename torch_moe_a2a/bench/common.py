@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -585,3 +586,67 @@ def write_json(path: str, data: dict) -> None:
     with open(partial, "w") as f:
         json.dump(data, f, indent=2)
     os.replace(partial, path)
+
+
+# ---------------------------------------------------------------------------
+# stop signals
+# ---------------------------------------------------------------------------
+
+
+class Interrupted(BaseException):
+    """A stop signal arrived; raised by ``StopSignals.check`` at a safe point.
+
+    A BaseException, as KeyboardInterrupt is: the benchmarks catch Exception
+    around a point or a phase to report its failure and go on, and a stop
+    must pass through those handlers.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class StopSignals:
+    """While active (a ``with`` block), SIGINT and SIGTERM only set a flag;
+    ``check()`` raises ``Interrupted`` once one arrived.
+
+    The sweep calls ``check()`` between steps, never inside one: a step
+    launches every simulated rank, and a rank left unlaunched would keep its
+    peers spinning until the kernels' timeout. A second signal while the
+    first is pending raises KeyboardInterrupt at once (a way out of a step
+    that hangs). Outside the main thread signal handlers cannot be set, and
+    nothing changes.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __enter__(self) -> "StopSignals":
+        try:
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        except ValueError:  # not the main thread
+            self.__exit__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise Interrupted(self.signum)
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's code for a death by the signal (128 + its number): non-zero, and says which."""
+        return 128 + self.signum if self.signum is not None else 0

@@ -70,8 +70,10 @@ router weights ``[n, top_k]``. Expert outputs (the combine payload) are bf16.
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import math
+import signal
 import statistics
 import sys
 import time
@@ -101,11 +103,13 @@ from .common import (
     SEED,
     Clock,
     InputSet,
+    Interrupted,
     OpGraphs,
     Point,
     Preset,
     Progress,
     QuietProgress,
+    StopSignals,
     add_preset_argument,
     combine_mismatch,
     device_name,
@@ -224,17 +228,22 @@ def _measure(
     before: Optional[Callable[[int], Any]] = None,
     after: Optional[Callable[[int], Any]] = None,
     head_start: bool = False,
+    stop: Optional[Callable[[], None]] = None,
 ) -> float:
     """Median microseconds of ``timed(i)`` over ``iters`` iterations after ``warmup``.
 
     Iteration ``it`` uses input set ``i = it % n_sets`` and runs ``before(i)``,
     ``timed(i)`` between two marks, ``after(i)``. No host sync until the end.
     ``head_start``: the device spins before the timed iterations while the
-    host queues them (module constants).
+    host queues them (module constants). ``stop`` is called before every
+    iteration (it raises to end the run): an iteration runs whole, so no
+    dispatch is left without its combine while the run still goes on.
     """
     marks = []
     warmup_start = time.perf_counter()
     for it in range(warmup + iters):
+        if stop is not None:
+            stop()
         i = it % n_sets
         if it == warmup and head_start:
             host_per_iter = (time.perf_counter() - warmup_start) / warmup if warmup else 0.0
@@ -548,8 +557,9 @@ class _Context:
     max_bytes: int
     l2_bytes: int
     copy_gbps: float
-    progress: Progress
+    progress: Any  # Progress, or QuietProgress before the sweep
     graphs: bool  # also time CUDA-graph replays (CUDA only)
+    stop: Callable[[], None] = lambda: None  # raises Interrupted once a stop signal arrived
 
 
 def _run_point(point: Point, ctx: _Context) -> dict:
@@ -605,7 +615,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
         base.plans[i] = base.dispatch(i)[0]
 
     def measure(timed, before=None, after=None, head_start=False) -> float:
-        return _measure(clock, n_sets, ctx.warmup, ctx.iters, timed, before, after, head_start)
+        return _measure(clock, n_sets, ctx.warmup, ctx.iters, timed, before, after, head_start, ctx.stop)
 
     graph_us, step_us, base_eager_us, base_graph_us = {}, {}, {}, {}
     ctx.progress.phase(label, "eager")
@@ -715,8 +725,8 @@ def _copy_bandwidth(clock: Clock, device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
-def _host_cost(preset: Preset, fp8: bool, device: torch.device,
-               clock: Clock) -> tuple[dict[str, float], dict[str, float]]:
+def _host_cost(preset: Preset, fp8: bool, device: torch.device, clock: Clock,
+               stop: Callable[[], None]) -> tuple[dict[str, float], dict[str, float]]:
     """Median host microseconds of one eager call per op (ep 1: nothing to wait
     for): (CPU time of this thread, wall time)."""
     point = Point(preset, HOST_COST_EP, HOST_COST_TOKENS, fp8)
@@ -738,6 +748,7 @@ def _host_cost(preset: Preset, fp8: bool, device: torch.device,
     cpu: dict[str, list[float]] = {name: [] for name in calls}
     wall: dict[str, list[float]] = {name: [] for name in calls}
     for it in range(HOST_COST_WARMUP + HOST_COST_CALLS):
+        stop()  # between rounds: each round ends with a combine
         for name, call in calls.items():  # dispatch, combine, dispatch, combine: the alternation holds
             start = time.perf_counter()  # outside: the CPU clock's reads cost a syscall each
             start_cpu = time.thread_time()
@@ -877,13 +888,13 @@ def _table(records: list[dict]) -> str:
     return format_table(header, rows, left={0, 3, len(header) - 1})  # text columns left-aligned
 
 
-def _summary(records: list[dict], copy_gbps: float, host: dict[str, float], host_wall: dict[str, float],
-             interrupted: bool, device_type: str) -> str:
+def _summary(records: list[dict], copy_gbps: Optional[float], host: dict[str, float],
+             host_wall: dict[str, float], interrupted: bool, device_type: str) -> str:
     measured = [r for r in records if r["ops"] and r["status"] == "ok"]
     failed = [r for r in records if r["status"] in ("FAIL", "error")]
     skipped = [r for r in records if r["status"] == "skipped"]
     lines = [f"summary: {len(measured)} points ok, {len(failed)} FAIL/error, {len(skipped)} skipped"
-             f"{' (interrupted)' if interrupted else ''}; copy ceiling {copy_gbps:.1f} GB/s"]
+             f"{' (interrupted)' if interrupted else ''}; copy ceiling {fmt(copy_gbps, '.1f')} GB/s"]
     for op in OPS:
         rows = [(r, r["ops"][op]) for r in measured]
         if not rows:
@@ -1025,6 +1036,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         warmup = DEFAULT_WARMUP_FOR[device.type] if args.warmup is None else args.warmup
     max_gib = DEFAULT_MAX_GIB[device.type] if args.max_gib is None else args.max_gib
     points = [Point(PRESETS[n], e, t, args.fp8) for n in names for e in eps for t in tokens]
+    started_at = datetime.datetime.now().astimezone()
 
     clock = Clock(device)
     l2 = l2_bytes(device)
@@ -1032,77 +1044,86 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     print(f"torch-moe-a2a bench: {device_name(device)}, torch {torch.__version__}; simulated EP ({steps}); "
           f"median of {iters} iterations after {warmup}", flush=True)
     copy_bytes = min(COPY_BYTES[device.type], int(max_gib * GIB) // 4)
-    copy_gbps = _copy_bandwidth(clock, device, copy_bytes)
-    print(f"copy ceiling: {copy_gbps:.1f} GB/s (copy_ of {copy_bytes / MIB:.0f} MiB, bytes read + written, "
-          f"median of {COPY_REPEATS})", flush=True)
-
-    # The progress display starts with the sweep; the host cost and the estimate come first.
-    ctx = _Context(device, clock, iters, warmup, int(max_gib * GIB), l2, copy_gbps, QuietProgress(),
-                   graphs=device.type == "cuda")
+    copy_gbps: Optional[float] = None
     host: dict[str, float] = {}
     host_wall: dict[str, float] = {}
     records: list[dict] = []
-    interrupted = False
     progress: Optional[Progress] = None
     estimate_s = 0.0
     sweep_start = time.perf_counter()
-    try:
+    # SIGINT and SIGTERM stop the run between two steps; what was measured by
+    # then is reported as usual (table, summary, --json, --plot), and the exit
+    # code says which signal stopped it.
+    with StopSignals() as stop:
         try:
-            host, host_wall = _host_cost(PRESETS[names[0]], args.fp8, device, clock)
-        except Exception as e:  # noqa: BLE001 - reported; the sweep still runs
-            print(f"host cost: {type(e).__name__}: {first_line(e)}", flush=True)
-        line, estimate_s = _estimate_line(points, ctx, host_wall)
-        print(line, flush=True)
-        ctx.progress = progress = Progress(len(points))
-        sweep_start = time.perf_counter()
-        for point in points:
-            started = time.perf_counter()
+            copy_gbps = _copy_bandwidth(clock, device, copy_bytes)
+            print(f"copy ceiling: {copy_gbps:.1f} GB/s (copy_ of {copy_bytes / MIB:.0f} MiB, bytes read + "
+                  f"written, median of {COPY_REPEATS})", flush=True)
+            stop.check()
+            # The progress display starts with the sweep; the host cost and the estimate come first.
+            ctx = _Context(device, clock, iters, warmup, int(max_gib * GIB), l2, copy_gbps, QuietProgress(),
+                           graphs=device.type == "cuda", stop=stop.check)
             try:
-                record = _run_point(point, ctx)
-            except Exception as e:  # noqa: BLE001 - one broken point must not hide the others
-                record = new_record(point)
-                record.update(status="error", notes=[f"{type(e).__name__}: {first_line(e)}"], ops={})
-            record["wall_s"] = time.perf_counter() - started  # what the next run's estimate can be checked against
-            records.append(record)
-            progress.step(point.label())
-            _release_quietly(device)
-            if not _device_alive(device):
-                record["notes"].append("the CUDA context is broken; the sweep stops here")
-                break
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        if progress is not None:
-            progress.close()
-    sweep_s = time.perf_counter() - sweep_start
+                host, host_wall = _host_cost(PRESETS[names[0]], args.fp8, device, clock, stop.check)
+            except Exception as e:  # noqa: BLE001 - reported; the sweep still runs
+                print(f"host cost: {type(e).__name__}: {first_line(e)}", flush=True)
+            line, estimate_s = _estimate_line(points, ctx, host_wall)
+            print(line, flush=True)
+            ctx.progress = progress = Progress(len(points))
+            sweep_start = time.perf_counter()
+            for point in points:
+                stop.check()
+                started = time.perf_counter()
+                try:
+                    record = _run_point(point, ctx)
+                except Exception as e:  # noqa: BLE001 - one broken point must not hide the others
+                    record = new_record(point)
+                    record.update(status="error", notes=[f"{type(e).__name__}: {first_line(e)}"], ops={})
+                record["wall_s"] = time.perf_counter() - started  # what the next run's estimate can be checked against
+                records.append(record)
+                progress.step(point.label())
+                _release_quietly(device)
+                if not _device_alive(device):
+                    record["notes"].append("the CUDA context is broken; the sweep stops here")
+                    break
+        except Interrupted:
+            pass  # the point in progress is dropped; the ones before it stand
+        except KeyboardInterrupt:  # a second signal, or Ctrl-C outside the main thread's handlers
+            stop.signum = stop.signum or signal.SIGINT
+        finally:
+            if progress is not None:
+                progress.close()
+        sweep_s = time.perf_counter() - sweep_start
+        interrupted = stop.signum is not None
 
-    table = _table(records)
-    summary = _summary(records, copy_gbps, host, host_wall, interrupted, device.type)
-    summary += f"\n  time: {_duration(sweep_s)} for {len(records)} of {len(points)} points (estimated " \
-               f"{_duration(estimate_s)} for all)"
-    if args.smoke:  # scripts/gpu_check.sh shows the tail: the table goes last
-        print(summary)
-        print()
-        print(table)
-    else:
-        print(table)
+        # Table, then summary, in every mode: the summary (and its targets) is the last thing on the screen.
+        summary = _summary(records, copy_gbps, host, host_wall, interrupted, device.type)
+        summary += f"\n  time: {_duration(sweep_s)} for {len(records)} of {len(points)} points (estimated " \
+                   f"{_duration(estimate_s)} for all)"
+        if interrupted:
+            summary += f"\n  stopped by {signal.Signals(stop.signum).name}: {len(points) - len(records)} points not run"
+        print(_table(records))
         print()
         print(summary)
-    sys.stdout.flush()
+        sys.stdout.flush()
 
-    if args.json:
-        write_json(args.json, {
-            "device": device_name(device), "device_type": device.type, "torch": torch.__version__,
-            "copy_bandwidth_GBps": copy_gbps, "copy_bytes": copy_bytes, "l2_bytes": l2,
-            "iters": iters, "warmup": warmup, "fp8": args.fp8, "max_gib": max_gib,
-            "host_cost_us": host, "host_wall_us": host_wall, "interrupted": interrupted,
-            "sweep_s": sweep_s, "estimated_sweep_s": estimate_s, "points": records,
-            "targets": targets.single_device(records, host, device.type),
-        })
-    if args.plot:
-        _plot(records, args.plot)
+        if args.json:
+            write_json(args.json, {
+                "device": device_name(device), "device_type": device.type, "torch": torch.__version__,
+                "date": started_at.isoformat(timespec="seconds"),
+                "copy_bandwidth_GBps": copy_gbps, "copy_bytes": copy_bytes, "l2_bytes": l2,
+                "iters": iters, "warmup": warmup, "fp8": args.fp8, "max_gib": max_gib,
+                "host_cost_us": host, "host_wall_us": host_wall, "interrupted": interrupted,
+                "stopped_by": signal.Signals(stop.signum).name if interrupted else None,
+                "points_planned": len(points), "sweep_s": sweep_s, "estimated_sweep_s": estimate_s,
+                "points": records, "targets": targets.single_device(records, host, device.type),
+            })
+        if args.plot:
+            _plot(records, args.plot)
+    if interrupted:
+        return stop.exit_code
     failed = any(r["status"] in ("FAIL", "error") for r in records)
-    return 1 if failed or interrupted else 0
+    return 1 if failed else 0
 
 
 def _release_quietly(device: torch.device) -> None:
