@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from torch_moe_a2a.bench import common, single, targets
+from torch_moe_a2a.bench import common, plot, single, targets
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -244,3 +244,36 @@ def test_smoke_prints_the_table_then_the_summary(tmp_path):
     assert header < summary and len(rows) == len(single.SMOKE_TOKENS), proc.stdout
     assert all(line.startswith("deepseek-v3") and "skipped" in line for line in rows), rows
     assert not any(line.startswith("deepseek-v3") for line in lines[summary:]), proc.stdout
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(plot, "available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        single.main(["--device", "cpu", "--plot", str(tmp_path / "bench.png")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "pip install 'torch-moe-a2a[plot]'" in err and "Traceback" not in err
+    assert not (tmp_path / "bench.png").exists()
+
+
+def _plot_record(ep: int, tokens: int, scale: float) -> dict:
+    ops = {op: {"bytes": 1e6 * tokens, "copy_ratio": 0.5 * scale, "eager_us": 100.0 * tokens, "graph_us": None,
+                "baseline_eager_us": 300.0 * tokens, "baseline_graph_us": None} for op in common.OPS}
+    return {"preset": "mixtral", "fp8": False, "ep": ep, "tokens_per_rank": tokens, "status": "ok", "ops": ops}
+
+
+@pytest.mark.skipif(not plot.available(), reason="matplotlib is not installed (the [plot] extra)")
+def test_plot_has_a_title_naming_device_and_date(tmp_path):
+    data = {"device": "cpu x86_64 (2 threads)", "date": "2026-12-01T10:00:00+00:00", "torch": torch.__version__,
+            "copy_bandwidth_GBps": 10.0,
+            "points": [_plot_record(ep, t, t / 16) for ep in (1, 2) for t in (1, 16)]}
+    title = plot.title(data)
+    assert "cpu x86_64 (2 threads)" in title and "2026-12-01 10:00:00" in title and "plain PyTorch" in title
+    fig = plot.figure(data)
+    assert fig._suptitle.get_text() == title
+    for ax in fig.axes:  # every panel: ours (solid) and the baseline (dashed) for each ep
+        styles = sorted(line.get_linestyle() for line in ax.get_lines())
+        assert styles == ["-", "-", "--", "--"], styles
+    path = tmp_path / "bench.png"
+    plot.plot(data, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import math
 import signal
 import statistics
@@ -87,7 +86,7 @@ from .. import layout
 from ..api import check_errors, moe_a2a_combine, moe_a2a_dispatch, moe_a2a_wrap_payload_tensor_in_workspace
 from ..reference import reference_combine, reference_dispatch
 from ..simulate import RankGraphs, SimulatedEP
-from . import targets
+from . import plot, targets
 from .common import (
     BASELINE_OF,
     DEFAULT_ITERS,
@@ -917,42 +916,6 @@ def _summary(records: list[dict], copy_gbps: Optional[float], host: dict[str, fl
     return "\n".join(lines)
 
 
-def _plot(records: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    measured = [r for r in records if r["ops"] and r["status"] == "ok"]
-    fig, axes = plt.subplots(2, len(OPS), figsize=(4.5 * len(OPS), 8), squeeze=False)
-    series: dict[tuple, list[dict]] = {}
-    for r in measured:
-        series.setdefault((r["preset"], r["fp8"], r["ep"]), []).append(r)
-    for col, op in enumerate(OPS):
-        ratio_ax, latency_ax = axes[0][col], axes[1][col]
-        for (preset, fp8, ep), recs in sorted(series.items()):
-            recs = sorted(recs, key=lambda r: r["tokens_per_rank"])
-            tokens = [r["tokens_per_rank"] for r in recs]
-            m = [r["ops"][op] for r in recs]
-            name = f"{preset}{' fp8' if fp8 else ''} ep{ep}"
-            ratio_ax.plot(tokens, [x["copy_ratio"] for x in m], marker="o", label=name)
-            latency_ax.plot(tokens, [x["graph_us"] if x["graph_us"] is not None else x["eager_us"] for x in m],
-                            marker="o", label=name)
-        ratio_ax.set_title(op)
-        ratio_ax.set_ylabel("bandwidth / copy bandwidth")
-        latency_ax.set_ylabel("latency, us (graph, else eager)")
-        for ax in (ratio_ax, latency_ax):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("tokens per rank")
-            ax.grid(True, alpha=0.3)
-        latency_ax.set_yscale("log")
-    if measured:
-        axes[0][0].legend(fontsize="x-small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 # ---------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------
@@ -987,7 +950,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8", action="store_true",
                    help=f"hidden states as float8_e4m3fn plus fp32 scales per {FP8_BLOCK} elements")
     p.add_argument("--json", metavar="PATH", help="write every number (and the copy bandwidth, device, torch) here")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG of bandwidth ratio and latency vs tokens (matplotlib)")
+    p.add_argument("--plot", metavar="PATH",
+                   help="write a PNG of bandwidth ratio and latency vs tokens, ours and the plain-PyTorch baseline "
+                   f"(needs matplotlib: {plot.INSTALL_HINT})")
     p.add_argument("--smoke", action="store_true",
                    help=f"short run: {', '.join(SMOKE_PRESETS)}, ep {' '.join(map(str, SMOKE_EP))}, tokens "
                    f"{' '.join(map(str, SMOKE_TOKENS))}, {SMOKE_ITERS} iterations")
@@ -1022,8 +987,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        parser.error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
+    if args.plot and not plot.available():
+        parser.error(plot.MISSING)  # before the run, not after it
     if args.smoke:
         names, eps, tokens = list(SMOKE_PRESETS), list(SMOKE_EP), list(SMOKE_TOKENS)
         iters = SMOKE_ITERS if args.iters is None else args.iters
@@ -1107,19 +1072,20 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(summary)
         sys.stdout.flush()
 
+        data = {
+            "device": device_name(device), "device_type": device.type, "torch": torch.__version__,
+            "date": started_at.isoformat(timespec="seconds"),
+            "copy_bandwidth_GBps": copy_gbps, "copy_bytes": copy_bytes, "l2_bytes": l2,
+            "iters": iters, "warmup": warmup, "fp8": args.fp8, "max_gib": max_gib,
+            "host_cost_us": host, "host_wall_us": host_wall, "interrupted": interrupted,
+            "stopped_by": signal.Signals(stop.signum).name if interrupted else None,
+            "points_planned": len(points), "sweep_s": sweep_s, "estimated_sweep_s": estimate_s,
+            "points": records, "targets": targets.single_device(records, host, device.type),
+        }
         if args.json:
-            write_json(args.json, {
-                "device": device_name(device), "device_type": device.type, "torch": torch.__version__,
-                "date": started_at.isoformat(timespec="seconds"),
-                "copy_bandwidth_GBps": copy_gbps, "copy_bytes": copy_bytes, "l2_bytes": l2,
-                "iters": iters, "warmup": warmup, "fp8": args.fp8, "max_gib": max_gib,
-                "host_cost_us": host, "host_wall_us": host_wall, "interrupted": interrupted,
-                "stopped_by": signal.Signals(stop.signum).name if interrupted else None,
-                "points_planned": len(points), "sweep_s": sweep_s, "estimated_sweep_s": estimate_s,
-                "points": records, "targets": targets.single_device(records, host, device.type),
-            })
+            write_json(args.json, data)
         if args.plot:
-            _plot(records, args.plot)
+            plot.plot(data, args.plot)
     if interrupted:
         return stop.exit_code
     failed = any(r["status"] in ("FAIL", "error") for r in records)
