@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from torch_moe_a2a.bench import common, plot, single, targets
+from torch_moe_a2a.reference import random_routing
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -277,3 +278,15 @@ def test_plot_has_a_title_naming_device_and_date(tmp_path):
     path = tmp_path / "bench.png"
     plot.plot(data, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name, ep", [("mixtral", 2), ("deepseek-v3", 8), ("gpt-oss-120b", 3)])
+def test_expected_sends_match_the_routing(name, ep):
+    """The estimate's expected (token, destination) pairs against a count over
+    the benchmark's own seeded routing."""
+    point = common.Point(common.PRESETS[name], ep, 2048, False)
+    p, gen = point.preset, torch.Generator().manual_seed(common.SEED)
+    owner = common.expert_owner(p.num_experts, ep)
+    counted = sum(int(common.distinct_destinations(random_routing(point.tokens, p.top_k, p.num_experts, gen),
+                                                   owner).sum()) for _ in range(ep))
+    assert common.expected_sends(point) == pytest.approx(counted, rel=0.03)

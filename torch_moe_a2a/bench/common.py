@@ -223,9 +223,9 @@ def time_ops(measure: Callable[..., float], steps: Any, **options: Any) -> dict[
     """The median of every op in OPS, timed by ``measure(timed, before=, after=,
     **options)`` in OPS order; ``steps`` has a method per op that runs one step
     of input set i (``single._Ours``, ``distributed._OursRank``, or their
-    ``OpGraphs``). Dispatch and combine must
-    alternate, so dispatch is timed with an untimed combine after it and each
-    combine with an untimed dispatch before it."""
+    ``OpGraphs``). Dispatch and combine must alternate, so dispatch is timed
+    with an untimed combine after it and each combine with an untimed
+    dispatch before it."""
     return {
         "dispatch": measure(steps.dispatch, after=steps.combine, **options),
         "combine": measure(steps.combine, before=steps.dispatch, **options),
@@ -371,6 +371,29 @@ def routes_by_destination(ids: Tensor, owner: Tensor, ep: int) -> tuple[Tensor, 
     order = torch.argsort(flat, stable=True)  # by destination, tokens ascending within one
     counts = torch.zeros(ep + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     return flat[order], order, counts
+
+
+def op_bytes_for(point: Point, sends: float) -> dict[str, float]:
+    """Bytes each op moves (DESIGN.md section 8), summed over ranks, when the
+    ranks send ``sends`` (token, distinct destination) pairs in all."""
+    drow, crow = point.dispatch_row_bytes, point.combine_row_bytes
+    tokens = point.ep * point.tokens
+    dispatch = drow * (tokens + sends)  # every row read once, written once per destination
+    combine_ws = crow * (sends + tokens)  # every received row read once, every output row written once
+    combine = combine_ws + 2 * crow * sends  # staging: read + write of every received row
+    return {"dispatch": dispatch, "combine": combine, "combine-ws": combine_ws,
+            "round-trip": dispatch + combine, "round-trip-ws": dispatch + combine_ws}
+
+
+def expected_sends(point: Point) -> float:
+    """The expected (token, distinct destination) pairs of random routing
+    (top_k distinct experts, uniform): per token, the ranks whose contiguous
+    range holds at least one of its experts."""
+    p = point.preset
+    all_ways = math.comb(p.num_experts, p.top_k)
+    per_token = sum(1 - math.comb(p.num_experts - n, p.top_k) / all_ways
+                    for n in layout.experts_per_rank(p.num_experts, point.ep))
+    return point.ep * point.tokens * per_token
 
 
 def reference_payloads(payloads: list[list[Tensor]]) -> list[list[Tensor]]:

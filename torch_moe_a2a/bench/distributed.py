@@ -534,8 +534,8 @@ class _Expected:
 
 
 def _reference(point: Point, s: InputSet, rank: int) -> _Expected:
-    ref = reference_dispatch(s.ids, reference_payloads(s.payloads), ep_size=point.ep, num_experts=point.preset.num_experts,
-                             runtime_max_tokens_per_rank=point.tokens)
+    ref = reference_dispatch(s.ids, reference_payloads(s.payloads), ep_size=point.ep,
+                             num_experts=point.preset.num_experts, runtime_max_tokens_per_rank=point.tokens)
     out = reference_combine(s.expert_out, ref, [point.tokens] * point.ep)
     return _Expected(ref.recv[rank], ref.recv_counts[rank], out[rank])
 

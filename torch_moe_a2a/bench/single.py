@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import signal
 import statistics
 import sys
@@ -112,6 +111,7 @@ from .common import (
     add_preset_argument,
     combine_mismatch,
     device_name,
+    expected_sends,
     expert_owner,
     first_line,
     fmt,
@@ -124,6 +124,7 @@ from .common import (
     make_set,
     new_record,
     num_sets_for,
+    op_bytes_for,
     positive_float,
     preset_names,
     recv_mismatch,
@@ -282,21 +283,9 @@ def _capture(step: Callable[[], Any]) -> tuple["torch.cuda.CUDAGraph", Any]:
     return graph, result
 
 
-def _op_bytes_for(point: Point, sends: float) -> dict[str, float]:
-    """Bytes each op moves (DESIGN.md section 8), summed over ranks, when the
-    ranks send ``sends`` (token, distinct destination) pairs in all."""
-    drow, crow = point.dispatch_row_bytes, point.combine_row_bytes
-    tokens = point.ep * point.tokens
-    dispatch = drow * (tokens + sends)  # every row read once, written once per destination
-    combine_ws = crow * (sends + tokens)  # every received row read once, every output row written once
-    combine = combine_ws + 2 * crow * sends  # staging: read + write of every received row
-    return {"dispatch": dispatch, "combine": combine, "combine-ws": combine_ws,
-            "round-trip": dispatch + combine, "round-trip-ws": dispatch + combine_ws}
-
-
 def _op_bytes(point: Point, sets: list[InputSet]) -> dict[str, float]:
     """Bytes each op moves, counted exactly from each set's routing, averaged over the sets."""
-    per_set = [_op_bytes_for(point, int(s.destinations.sum())) for s in sets]
+    per_set = [op_bytes_for(point, int(s.destinations.sum())) for s in sets]
     return {op: sum(b[op] for b in per_set) / len(sets) for op in OPS}
 
 
@@ -593,8 +582,8 @@ def _run_point(point: Point, ctx: _Context) -> dict:
 
     ctx.progress.phase(label, "check")
     names = [name for name, _, _ in point.payload_rows()]
-    ref = reference_dispatch(sets[0].ids, reference_payloads(sets[0].payloads), ep_size=point.ep, num_experts=point.preset.num_experts,
-                             runtime_max_tokens_per_rank=point.tokens)
+    ref = reference_dispatch(sets[0].ids, reference_payloads(sets[0].payloads), ep_size=point.ep,
+                             num_experts=point.preset.num_experts, runtime_max_tokens_per_rank=point.tokens)
     expected = reference_combine(sets[0].expert_out, ref, [point.tokens] * point.ep)
     ok, notes = _check_ours(ours, ref, expected, names)
     record["notes"] += notes
@@ -789,17 +778,6 @@ _OURS_BYTES = {"dispatch": 5, "combine": 3, "combine-ws": 2}
 _BASELINE_STEPS = 4
 
 
-def _expected_sends(point: Point) -> float:
-    """The expected (token, distinct destination) pairs of random routing
-    (top_k distinct experts, uniform): per token, the ranks whose contiguous
-    range holds at least one of its experts."""
-    p = point.preset
-    all_ways = math.comb(p.num_experts, p.top_k)
-    per_token = sum(1 - math.comb(p.num_experts - n, p.top_k) / all_ways
-                    for n in layout.experts_per_rank(p.num_experts, point.ep))
-    return point.ep * point.tokens * per_token
-
-
 def _estimate_point_s(point: Point, ctx: "_Context", host_us: float) -> float:
     """Seconds that ``_run_point`` will take for ``point`` (0 for one it will skip
     without measuring). ``host_us``: one eager call's host wall time (CUDA)."""
@@ -811,7 +789,7 @@ def _estimate_point_s(point: Point, ctx: "_Context", host_us: float) -> float:
         return 0.0
     ep, n = point.ep, ctx.iters + ctx.warmup
     bw = ctx.copy_gbps * 1e9
-    op_bytes = _op_bytes_for(point, _expected_sends(point))
+    op_bytes = op_bytes_for(point, expected_sends(point))
     ours_bytes = sum(times * op_bytes[op] for op, times in _OURS_BYTES.items())
     # The baseline gathers a row per (token, expert), not per destination, and sums in fp32.
     base_bytes = 2 * ep * point.tokens * point.preset.top_k * (point.dispatch_row_bytes + 4 * point.combine_row_bytes)
