@@ -102,6 +102,7 @@ def test_ep_out_of_range_is_a_usage_error(capsys):
     # Reported by the command's parser (its usage), not the top-level one.
     (["bench", "--preset", "mixtral", "deepseek-v3"], "python -m torch_moe_a2a bench: error: unrecognized arguments"),
     (["--bogus"], "python -m torch_moe_a2a: error: unrecognized arguments: --bogus"),
+    (["bench", "--json", "/no/such/folder/bench.json"], "--json /no/such/folder/bench.json: folder /no/such/folder"),
 ])
 def test_bad_arguments_are_usage_errors(args, message, capsys):
     _assert_clean_usage_error(_main(capsys, *args), message)

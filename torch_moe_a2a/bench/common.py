@@ -510,6 +510,21 @@ def positive_float(what: str) -> Callable[[str], float]:
     return parse
 
 
+def check_output_path(parser: argparse.ArgumentParser, option: str, path: Optional[str]) -> None:
+    """An argparse error now for an output file that could not be written at
+    the end of the run (a missing or read-only folder), rather than an
+    OSError after the sweep."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        parser.error(f"{option} {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        parser.error(f"{option} {path}: folder {folder} is not writable")
+    if os.path.isdir(path):
+        parser.error(f"{option} {path}: is a folder")
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

@@ -118,6 +118,7 @@ from .common import (
     Progress,
     QuietProgress,
     add_preset_argument,
+    check_output_path,
     combine_mismatch,
     device_name,
     expert_owner,
@@ -939,6 +940,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: {NO_CUDA}")
+    if rank == 0:  # the one that writes it (another host may not have the folder); torchrun ends the others
+        check_output_path(parser, "--json", args.json)
 
     proc = _process(args.device, rank, world, local_rank, local_world)
     if proc.cuda:

@@ -109,6 +109,7 @@ from .common import (
     QuietProgress,
     StopSignals,
     add_preset_argument,
+    check_output_path,
     combine_mismatch,
     device_name,
     expected_sends,
@@ -967,6 +968,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     if args.plot and not plot.available():
         parser.error(plot.MISSING)  # before the run, not after it
+    check_output_path(parser, "--json", args.json)
+    check_output_path(parser, "--plot", args.plot)
     if args.smoke:
         names, eps, tokens = list(SMOKE_PRESETS), list(SMOKE_EP), list(SMOKE_TOKENS)
         iters = SMOKE_ITERS if args.iters is None else args.iters
