@@ -757,10 +757,13 @@ def _host_cost(preset: Preset, fp8: bool, device: torch.device, clock: Clock,
 # ---------------------------------------------------------------------------
 
 # The up-front estimate: a model of what each point runs (its steps, their
-# bytes at the copy bandwidth, the host's cost per call, the input sets),
-# with constants read off runs on a two-core CPU and the H200 numbers of
-# docs/perf.md. It aims at a factor of about two, enough to choose a sweep;
-# every point's own time lands in --json (wall_s) and the summary.
+# bytes at the copy bandwidth, the host's cost per call, the input sets).
+# The CPU constants are fitted to runs on two cores (the default sweep's
+# total within 10%, single points within a factor of about two); the CUDA
+# ones come from the H200 figures of docs/perf.md (copy ratios, the shortest
+# round trips) and have not been compared with a GPU run's wall times yet.
+# Every point's own time lands in --json (wall_s), and the summary prints
+# the sweep's time beside the estimate.
 EST_THREAD_US = 130.0  # CPU: one rank's thread started and joined, per step
 EST_BASELINE_RANK_STEP_US = {"cpu": 200.0, "cuda": 150.0}  # the baseline's ~15 torch calls per rank and step
 EST_BASELINE_EFFICIENCY = {"cpu": 0.25, "cuda": 0.5}  # its gathers and fp32 sums against a copy
