@@ -156,7 +156,7 @@ class IncrementalBuildExtension(BuildExtension):
 
 # Name, version and dependencies live in pyproject.toml.
 setup(
-    packages=["torch_moe_a2a"],
+    packages=["torch_moe_a2a", "torch_moe_a2a.bench"],
     ext_modules=[extension],
     cmdclass={"build_ext": IncrementalBuildExtension},
 )

@@ -139,7 +139,9 @@ printf '%-28s %s\n' "CMake library (CUDA)" "$(status $rc_cmake)  $(grep -E '[0-9
 printf '%-28s %s\n' "hardware counters (ncu)" "$(status $rc_counters)"
 if has bench; then
   echo "-------------------------------------------"
-  tail -n 30 "$LOG/bench.txt"
+  # The smoke table, then its summary and targets (the benchmark prints them in that order).
+  tail -n 40 "$LOG/bench.txt"
+  # Redirected, the progress is one line per point: the last points it reached.
   tail -n 5 "$LOG/bench-progress.txt"
   echo "-------------------------------------------"
   cat "$LOG/fanout.txt"

@@ -1,12 +1,19 @@
 """The benchmark runs end to end (CPU here, CUDA when present), checks its own
 points against the reference, and reports every op with consistent bytes."""
 
+import io
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from torch_moe_a2a import bench
+from torch_moe_a2a.bench import common, plot, single, targets
+from torch_moe_a2a.reference import random_routing
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -14,7 +21,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("device", DEVICES)
 def test_bench_runs_and_reports_every_op(device, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    rc = bench.main(["--device", device, "--preset", "mixtral", "--ep", "1", "2", "--tokens", "1", "3",
+    rc = single.main(["--device", device, "--preset", "mixtral", "--ep", "1", "2", "--tokens", "1", "3",
                      "--iters", "2", "--warmup", "1", "--json", str(out)])
     assert rc == 0, capsys.readouterr().out
     data = json.loads(out.read_text())
@@ -26,13 +33,13 @@ def test_bench_runs_and_reports_every_op(device, tmp_path, capsys):
     assert all(0 < data["host_cost_us"][k] <= data["host_wall_us"][k] * 1.05 + 1.0 for k in data["host_wall_us"])
     points = data["points"]
     assert [(p["ep"], p["tokens_per_rank"]) for p in points] == [(1, 1), (1, 3), (2, 1), (2, 3)]
-    preset = bench.PRESETS["mixtral"]
+    preset = common.PRESETS["mixtral"]
     dispatch_row = preset.hidden * preset.dtype.itemsize + 2 * 4 * preset.top_k  # hidden + int32 ids + fp32 weights
     combine_row = preset.hidden * preset.dtype.itemsize
     for p in points:
         assert p["status"] == "ok", p["notes"]
         ops = p["ops"]
-        assert set(ops) == set(bench.OPS)
+        assert set(ops) == set(common.OPS)
         for op, m in ops.items():
             assert m["eager_us"] > 0 and m["GBps"] > 0, op
             assert (m["graph_us"] is not None) == (device == "cuda"), op
@@ -51,11 +58,27 @@ def test_bench_runs_and_reports_every_op(device, tmp_path, capsys):
             assert b["combine"] == 4 * tokens * combine_row
     table = capsys.readouterr().out
     assert "round-trip-ws" in table and "summary: 4 points ok, 0 FAIL/error" in table
+    # The estimate comes before the first row of the table.
+    assert table.index("sweep: 4 points, estimated") < table.index("round-trip-ws")
+    assert data["estimated_sweep_s"] > 0 and data["sweep_s"] > 0
+    assert all(p["wall_s"] > 0 for p in points)
+
+
+def test_default_cpu_sweep_is_sized_for_a_small_machine():
+    """The CPU defaults (every preset) are estimated at two minutes at most
+    on a machine of two cores' copy bandwidth and host cost."""
+    ctx = single._Context(torch.device("cpu"), None, single.DEFAULT_ITERS_FOR["cpu"],
+                          single.DEFAULT_WARMUP_FOR["cpu"], int(common.DEFAULT_MAX_GIB["cpu"] * common.GIB),
+                          common.L2_BYTES_DEFAULT, 8.0, None, graphs=False)
+    points = [common.Point(p, ep, t, False) for p in common.PRESETS.values()
+              for ep in single.DEFAULT_EP["cpu"] for t in single.DEFAULT_TOKENS["cpu"]]
+    _, seconds = single._estimate_line(points, ctx, {"dispatch": 20.0})
+    assert 20 < seconds < 120, seconds
 
 
 def test_op_graphs_and_time_ops_pair_every_op_with_its_partner():
-    """_OpGraphs captures each step of every input set once and replays the
-    matching capture; _time_ops times the ops in OPS order, dispatch with an
+    """OpGraphs captures each step of every input set once and replays the
+    matching capture; time_ops times the ops in OPS order, dispatch with an
     untimed combine after it, each combine with an untimed dispatch before it.
     CPU stand-ins for the CUDA graphs (the CUDA runs use the same calls)."""
     ran = []
@@ -84,7 +107,7 @@ def test_op_graphs_and_time_ops_pair_every_op_with_its_partner():
     def capture(step):
         return Graph(step), step()
 
-    graphs = bench._OpGraphs(Steps(), 2, capture)
+    graphs = common.OpGraphs(Steps(), 2, capture)
     assert ran == [("dispatch", 0), ("dispatch", 1), ("combine", 0), ("combine", 1), ("round_trip", 0),
                    ("round_trip", 1), ("combine_ws", 0), ("round_trip_ws", 0), ("round_trip_ws", 1)]
     ran.clear()
@@ -102,7 +125,7 @@ def test_op_graphs_and_time_ops_pair_every_op_with_its_partner():
         timed.append((parts, options))
         return float(len(timed))
 
-    assert bench._time_ops(measure, graphs, head_start=True) == {op: float(k + 1) for k, op in enumerate(bench.OPS)}
+    assert common.time_ops(measure, graphs, head_start=True) == {op: float(k + 1) for k, op in enumerate(common.OPS)}
     assert [t[0] for t in timed] == [
         [("timed", ("dispatch", 1)), ("after", ("combine", 1))],
         [("before", ("dispatch", 1)), ("timed", ("combine", 1))],
@@ -114,7 +137,7 @@ def test_op_graphs_and_time_ops_pair_every_op_with_its_partner():
 
 
 def _target_record(tokens: int, ops: dict) -> dict:
-    return {"preset": bench.TARGET_PRESET, "fp8": False, "ep": bench.TARGET_EP, "tokens_per_rank": tokens,
+    return {"preset": targets.TARGET_PRESET, "fp8": False, "ep": targets.TARGET_EP, "tokens_per_rank": tokens,
             "status": "ok", "notes": [], "ops": ops}
 
 
@@ -122,13 +145,13 @@ def test_targets_are_judged_from_the_measured_points():
     """The speed targets in the summary: the ratios at 4096 tokens, both round
     trip times, the host cost; ok or MISS each, n/a where a time is missing,
     nothing on the CPU or for points the run did not measure."""
-    big = _target_record(bench.TARGET_RATIO_TOKENS,
+    big = _target_record(targets.TARGET_RATIO_TOKENS,
                          {"dispatch": {"copy_ratio": 0.791}, "combine-ws": {"copy_ratio": 0.989}})
     small = _target_record(128, {"round-trip-ws": {"graph_step_us": 59.5, "graph_us": 66.0}})
     one = _target_record(1, {"round-trip-ws": {"graph_step_us": None, "graph_us": 14.0}})
     other = dict(_target_record(128, {}), ep=4)  # not the target's ep: ignored
     host = {"dispatch": 12.4, "combine-ws": 21.0}
-    lines = bench._targets([other, big, small, one], host, "cuda")
+    lines = targets.single_device([other, big, small, one], host, "cuda")
     assert lines[0].startswith("targets (deepseek-v3 at ep 8")
     body = [line.strip() for line in lines[1:]]
     assert body == [
@@ -138,5 +161,132 @@ def test_targets_are_judged_from_the_measured_points():
         "round-trip-ws <= 15 us at 1 tok: - us per step n/a, 14.0 us per replay ok",
         "host cost <= 20 us CPU time per eager call: at most 21.0 us MISS",
     ]
-    assert bench._targets([big, small, one], host, "cpu") == []
-    assert bench._targets([other], {}, "cuda") == []
+    assert targets.single_device([big, small, one], host, "cpu") == []
+    assert targets.single_device([other], {}, "cuda") == []
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_is_plain_lines_unless_on_a_terminal():
+    """Redirected (a log, a pipe): one line per point, no carriage returns and
+    no time estimate; on a terminal: tqdm's bar with the time left."""
+    log = io.StringIO()
+    progress = common.Progress(2, stream=log)
+    progress.phase("mixtral ep 1 x 1 tok", "eager")
+    progress.step("mixtral ep 1 x 1 tok")
+    progress.step("mixtral ep 1 x 16 tok")
+    progress.close()
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue()
+    assert [line.split(" done")[0] for line in lines] == ["[1/2] mixtral ep 1 x 1 tok", "[2/2] mixtral ep 1 x 16 tok"]
+
+    tty = _Terminal()
+    progress = common.Progress(2, stream=tty)
+    progress.phase("mixtral ep 1 x 1 tok", "eager")
+    progress.step("mixtral ep 1 x 1 tok")
+    progress.close()
+    frames = tty.getvalue()
+    assert "\r" in frames and "1/2" in frames and "mixtral ep 1 x 1 tok: eager" in frames
+    assert re.search(r"\[\d\d:\d\d<", frames), frames  # elapsed < remaining
+
+
+def _bench_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch_moe_a2a", "bench", "--device", "cpu", *args]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_keeps_the_points_done(signum, tmp_path):
+    """A small CPU sweep stopped after its first point: the JSON holds the
+    points done so far, the table and the summary are printed, and the exit
+    code is the signal's (128 + its number)."""
+    out, js = tmp_path / "out.txt", tmp_path / "bench.json"
+    with open(out, "w") as stdout:
+        proc = subprocess.Popen(_bench_cmd("--preset", "mixtral", "--ep", "1", "2", "4", "--tokens", "1", "16", "128",
+                                           "--json", str(js)),
+                                stdout=stdout, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "MOE_A2A_TIMEOUT_S": "20"})
+        try:
+            progress = []
+            for line in proc.stderr:  # redirected: one line per finished point
+                progress.append(line)
+                if " done " in line:
+                    proc.send_signal(signum)
+                    break
+            rest = proc.stderr.read()
+            rc = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert progress and progress[-1].startswith("[1/9] mixtral ep 1 x 1 tok done"), progress
+    assert rc == 128 + signum, (rc, rest)
+    data = json.loads(js.read_text())
+    assert data["interrupted"] is True and data["stopped_by"] == signal.Signals(signum).name
+    assert data["points_planned"] == 9 and 1 <= len(data["points"]) < 9, len(data["points"])
+    assert all(p["status"] == "ok" and set(p["ops"]) == set(common.OPS) for p in data["points"])
+    printed = out.read_text()
+    assert printed.index("round-trip-ws") < printed.index("summary: ") < printed.index("stopped by ")
+    assert f"summary: {len(data['points'])} points ok" in printed and "(interrupted)" in printed
+
+
+def test_smoke_prints_the_table_then_the_summary(tmp_path):
+    """--smoke (scripts/gpu_check.sh's run) prints like every mode: table
+    first, summary last. Its points are skipped here (--max-gib), which is
+    enough for the order and keeps the test short."""
+    proc = subprocess.run(_bench_cmd("--smoke", "--max-gib", "0.01", "--json", str(tmp_path / "smoke.json")),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("preset "))
+    summary = next(i for i, line in enumerate(lines) if line.startswith("summary: "))
+    rows = [line for line in lines[header + 2:summary] if line.strip()]
+    assert header < summary and len(rows) == len(single.SMOKE_TOKENS), proc.stdout
+    assert all(line.startswith("deepseek-v3") and "skipped" in line for line in rows), rows
+    assert not any(line.startswith("deepseek-v3") for line in lines[summary:]), proc.stdout
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(plot, "available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        single.main(["--device", "cpu", "--plot", str(tmp_path / "bench.png")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "pip install 'torch-moe-a2a[plot]'" in err and "Traceback" not in err
+    assert not (tmp_path / "bench.png").exists()
+
+
+def _plot_record(ep: int, tokens: int, scale: float) -> dict:
+    ops = {op: {"bytes": 1e6 * tokens, "copy_ratio": 0.5 * scale, "eager_us": 100.0 * tokens, "graph_us": None,
+                "baseline_eager_us": 300.0 * tokens, "baseline_graph_us": None} for op in common.OPS}
+    return {"preset": "mixtral", "fp8": False, "ep": ep, "tokens_per_rank": tokens, "status": "ok", "ops": ops}
+
+
+@pytest.mark.skipif(not plot.available(), reason="matplotlib is not installed (the [plot] extra)")
+def test_plot_has_a_title_naming_device_and_date(tmp_path):
+    data = {"device": "cpu x86_64 (2 threads)", "date": "2026-12-01T10:00:00+00:00", "torch": torch.__version__,
+            "copy_bandwidth_GBps": 10.0,
+            "points": [_plot_record(ep, t, t / 16) for ep in (1, 2) for t in (1, 16)]}
+    title = plot.title(data)
+    assert "cpu x86_64 (2 threads)" in title and "2026-12-01 10:00:00" in title and "plain PyTorch" in title
+    fig = plot.figure(data)
+    assert fig._suptitle.get_text() == title
+    for ax in fig.axes:  # every panel: ours (solid) and the baseline (dashed) for each ep
+        styles = sorted(line.get_linestyle() for line in ax.get_lines())
+        assert styles == ["-", "-", "--", "--"], styles
+    path = tmp_path / "bench.png"
+    plot.plot(data, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name, ep", [("mixtral", 2), ("deepseek-v3", 8), ("gpt-oss-120b", 3)])
+def test_expected_sends_match_the_routing(name, ep):
+    """The estimate's expected (token, destination) pairs against a count over
+    the benchmark's own seeded routing."""
+    point = common.Point(common.PRESETS[name], ep, 2048, False)
+    p, gen = point.preset, torch.Generator().manual_seed(common.SEED)
+    owner = common.expert_owner(p.num_experts, ep)
+    counted = sum(int(common.distinct_destinations(random_routing(point.tokens, p.top_k, p.num_experts, gen),
+                                                   owner).sum()) for _ in range(ep))
+    assert common.expected_sends(point) == pytest.approx(counted, rel=0.03)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import run_ranks
 
-from torch_moe_a2a import bench, bench_dist
+from torch_moe_a2a.bench import common, distributed
 from torch_moe_a2a.reference import random_routing, reference_dispatch
 
 WORLD = 2
@@ -40,11 +40,11 @@ def _bench_rank(rank, world, init_file, out_dir):
     pathlib.Path(out_dir, f"rank{rank}.out").write_text(f"{rc}\n{printed.getvalue()}")
 
 
-def _expected_send_bytes(preset: bench.Preset, world: int, tokens: int, n_sets: int) -> dict[str, list[float]]:
+def _expected_send_bytes(preset: common.Preset, world: int, tokens: int, n_sets: int) -> dict[str, list[float]]:
     """Per op, each rank's bytes to other ranks, mean over the input sets, from
     the reference's routes of the benchmark's routing (its seeded CPU
     generator draws every rank's routing, set after set)."""
-    gen = torch.Generator().manual_seed(bench.SEED)
+    gen = torch.Generator().manual_seed(common.SEED)
     dispatch_row = preset.hidden * preset.dtype.itemsize + 2 * 4 * preset.top_k  # hidden, int32 ids, fp32 weights
     combine_row = preset.hidden * preset.dtype.itemsize
     sent = [0] * world  # dispatch rows to other ranks, by source
@@ -80,11 +80,11 @@ def test_bench_dist_two_cpu_processes(tmp_path):
     assert data["all_to_all_single_unavailable"] is None  # gloo has it: baseline and ceiling run
     points = data["points"]
     assert [(p["ep"], p["tokens_per_rank"]) for p in points] == [(WORLD, t) for t in TOKENS]
-    preset = bench.PRESETS[PRESET]
+    preset = common.PRESETS[PRESET]
     for p in points:
         assert p["status"] == "ok" and p["notes"] == [], p  # ours matched the reference bitwise
         assert p["baseline_ok"] is True  # so did the all_to_all_single baseline
-        assert set(p["ops"]) == set(bench.OPS)
+        assert set(p["ops"]) == set(common.OPS)
         expected = _expected_send_bytes(preset, WORLD, p["tokens_per_rank"], p["input_sets"])
         for op, m in p["ops"].items():
             assert m["send_bytes_by_rank"] == pytest.approx(expected[op]), op
@@ -97,7 +97,7 @@ def test_bench_dist_two_cpu_processes(tmp_path):
             # The ceiling moved at least as many bytes per rank as we did (chunks rounded up).
             assert m["send_bytes"] <= m["ceiling_bytes_per_gpu"] < m["send_bytes"] + 16 * WORLD, op
             assert m["speedup_eager"] == pytest.approx(m["baseline_eager_us"] / m["eager_us"]), op
-    for op in bench.OPS:
+    for op in common.OPS:
         assert re.search(rf"^{PRESET}\s+{WORLD}\s+{TOKENS[-1]}\s+{op}\s+\d", table, re.M), table
 
     summary = subprocess.run([sys.executable, "-m", "torch_moe_a2a", "bench-dist", "--summary",
@@ -109,11 +109,11 @@ def test_bench_dist_two_cpu_processes(tmp_path):
 def test_bench_dist_outside_torchrun_says_how_to_launch(monkeypatch, capsys):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    assert bench_dist.main(["--device", "cpu"]) == 2
+    assert distributed.main(["--device", "cpu"]) == 2
     assert "torchrun --nproc-per-node N -m torch_moe_a2a bench-dist" in capsys.readouterr().err
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert bench_dist.main(["--device", "cpu"]) == 2
+    assert distributed.main(["--device", "cpu"]) == 2
     assert "WORLD_SIZE is 1" in capsys.readouterr().err
 
 
@@ -126,7 +126,7 @@ def test_launcher_help_and_bad_arguments():
 
 
 class _RecordingClock:
-    """A stand-in for bench._Clock that records what the timer asks of it."""
+    """A stand-in for common.Clock that records what the timer asks of it."""
 
     def __init__(self):
         self.calls = []
@@ -145,19 +145,19 @@ class _RecordingClock:
 def test_every_timed_iteration_starts_behind_a_head_start(tmp_path):
     """Eager calls and graph replays alike: each iteration queues the spin
     kernel before its start mark, so the host's work before the call (the
-    alignment collective) is not inside the time (bench_dist's docstring)."""
+    alignment collective) is not inside the time (the distributed module's docstring)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
-        proc = bench_dist._Process(0, 1, torch.device("cpu"), 0, 1, "gloo")
+        proc = distributed.Process(0, 1, torch.device("cpu"), 0, 1, "gloo")
         clock = _RecordingClock()
-        timer = bench_dist._Timer(proc, clock, iters=3, warmup=2)
+        timer = distributed.Timer(proc, clock, iters=3, warmup=2)
         timed = []
         median = timer.measure(2, lambda i: (timed.append(i), clock.calls.append(("timed", i))))
     finally:
         dist.destroy_process_group()
-    iteration = [("head_start", bench_dist.HEAD_START_S), ("mark",), "timed", ("mark",)]
+    iteration = [("head_start", distributed.HEAD_START_S), ("mark",), "timed", ("mark",)]
     assert len(clock.calls) == 5 * len(iteration)
     for it in range(5):
         calls = clock.calls[it * 4 : it * 4 + 4]

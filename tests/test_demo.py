@@ -22,7 +22,16 @@ def test_demo_cli(ep, device):
 
 def test_cli_without_command_fails():
     proc = subprocess.run([sys.executable, "-m", "torch_moe_a2a"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode != 0 and "demo" in proc.stderr
+    assert proc.returncode == 2 and "demo" in proc.stderr  # the help, commands listed, on stderr
+
+
+def test_demo_checks_its_arguments_before_any_work(capsys):
+    """Arguments the kernels would refuse are argparse errors (the full list: tests/test_cli.py)."""
+    from torch_moe_a2a.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--ep", "100", "--device", "cpu"])
+    assert e.value.code == 2 and "ep_size must be in 1..64, got 100" in capsys.readouterr().err
 
 
 # ---- one rank per process (torchrun) ------------------------------------------------

@@ -1,4 +1,4 @@
-"""``python -m torch_moe_a2a demo|bench|bench-dist``.
+"""``python -m torch_moe_a2a COMMAND [options]``: the command line.
 
 demo: EP round trips (dispatch -> toy MoE -> combine on every rank), checked
 bitwise against the plain-PyTorch reference; exits 1 on a mismatch. In one
@@ -6,51 +6,73 @@ process the ranks are simulated (``SimulatedEP``); launched by ``torchrun``
 (RANK and WORLD_SIZE set) every process is one rank of a ``MoeAlltoAll`` over
 the default group: on ``cuda:LOCAL_RANK`` (modulo the GPU count) with a CUDA
 virtual-memory workspace, or on the CPU with a shared-memory one.
-bench: hands its arguments to ``torch_moe_a2a.bench.main``.
+bench: ``torch_moe_a2a.bench.single``.
 bench-dist: one rank per process under ``torchrun`` (``torchrun
---nproc-per-node N -m torch_moe_a2a bench-dist``): hands its arguments to
-``torch_moe_a2a.bench_dist.main``.
+--nproc-per-node N -m torch_moe_a2a bench-dist``): ``torch_moe_a2a.bench.distributed``.
+
+Every command is an argparse subcommand; a bad argument ends in argparse's
+message and exit code 2, never in a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.metadata
 import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-USAGE = ("usage: python -m torch_moe_a2a {demo,bench} [options]\n"
-         "       torchrun --nproc-per-node N -m torch_moe_a2a {demo,bench-dist} [options]\n"
-         "(-h after a command for its options)")
+from . import layout
+from .bench import distributed as bench_distributed
+from .bench import single as bench_single
+from .bench.common import NO_CUDA, int_at_least, int_in_range
+
+PROG = "python -m torch_moe_a2a"
+DISTRIBUTION = "torch-moe-a2a"
 DEFAULT_SIMULATED_RANKS = 4
 
 
-def _demo_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m torch_moe_a2a demo",
-        description="EP round trips (dispatch -> toy MoE -> combine) on every rank, checked bitwise against the "
-        "plain-PyTorch reference: simulated ranks in one process, or one rank per process under torchrun "
-        "(torchrun --nproc-per-node N -m torch_moe_a2a demo).",
-    )
-    p.add_argument("--ep", type=int, default=None,
-                   help=f"simulated ranks (default {DEFAULT_SIMULATED_RANKS}); under torchrun the world size "
-                   "(must match if given)")
-    p.add_argument("--tokens", type=int, default=64, help="tokens per rank (default 64)")
-    p.add_argument("--hidden", type=int, default=256, help="hidden size, bf16 (default 256)")
-    p.add_argument("--top-k", type=int, default=4, help="experts per token (default 4)")
-    p.add_argument("--experts", type=int, default=16, help="number of experts (default 16)")
+def package_version() -> str:
+    """The installed distribution's version; 'unknown' (and why) when the package runs from a source tree."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return f"unknown ({DISTRIBUTION} is not installed)"
+
+
+def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ep", type=int_in_range(1, layout.MAX_RANKS, "ep_size"), default=None,
+                   help=f"simulated ranks, 1..{layout.MAX_RANKS} (default {DEFAULT_SIMULATED_RANKS}); under "
+                   "torchrun the world size (must match if given)")
+    p.add_argument("--tokens", type=int_in_range(1, layout.MAX_NUM_TOKENS, "tokens"), default=64,
+                   help="tokens per rank (default 64)")
+    p.add_argument("--hidden", type=int_at_least(1, "hidden"), default=256,
+                   help="hidden size, bf16 (default 256)")
+    p.add_argument("--top-k", type=int_in_range(1, layout.MAX_TOP_K, "top_k"), default=4,
+                   help=f"experts per token, 1..{layout.MAX_TOP_K} and at most --experts (default 4)")
+    p.add_argument("--experts", type=int_at_least(1, "num_experts"), default=16,
+                   help="number of experts, at least ep_size (default 16)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if available, else cpu")
-    p.add_argument("--rounds", type=int, default=3, help="round trips, each checked; time is the fastest")
+    p.add_argument("--rounds", type=int_at_least(1, "rounds"), default=3,
+                   help="round trips, each checked; time is the fastest (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-method", default="env://",
                    help="torch.distributed rendezvous under torchrun (default env://: MASTER_ADDR/MASTER_PORT)")
-    return p
+
+
+def _check_demo_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, ep: int) -> None:
+    """The checks that need more than one argument, or torch: argparse errors (exit 2), before any work."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda: {NO_CUDA}")
+    if args.top_k > args.experts:
+        parser.error(f"--top-k {args.top_k} > --experts {args.experts}: a token's experts are distinct")
+    if args.experts < ep:
+        parser.error(f"--experts {args.experts} < ep_size {ep}: every rank owns at least one expert")
 
 
 @dataclass
@@ -118,16 +140,16 @@ def _demo_device(choice: str) -> torch.device:
     return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if choice == "auto" else choice)
 
 
-def demo(argv: list[str]) -> int:
-    args = _demo_parser().parse_args(argv)
+def demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return demo_distributed(args)
+        return demo_distributed(parser, args)
 
     from . import SimulatedEP
     from .reference import toy_moe
 
-    device = _demo_device(args.device)
     ep = DEFAULT_SIMULATED_RANKS if args.ep is None else args.ep
+    _check_demo_arguments(parser, args, ep)
+    device = _demo_device(args.device)
     n, top_k, num_experts = args.tokens, args.top_k, args.experts
     problem = _demo_problem(args, ep)
 
@@ -160,7 +182,7 @@ def demo(argv: list[str]) -> int:
     return _print_report(title, problem, n, ok, [best_ms] * ep)
 
 
-def demo_distributed(args: argparse.Namespace) -> int:
+def demo_distributed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """One rank per process (RANK, WORLD_SIZE and LOCAL_RANK as torchrun sets
     them): a ``MoeAlltoAll`` over the default group; every process checks its
     own rank against the reference, and rank 0 prints every rank's line.
@@ -174,6 +196,7 @@ def demo_distributed(args: argparse.Namespace) -> int:
     if args.ep is not None and args.ep != world:
         print(f"--ep {args.ep} differs from WORLD_SIZE {world} (one rank per process)", file=sys.stderr)
         return 2
+    _check_demo_arguments(parser, args, world)
     device = _demo_device(args.device)
     if device.type == "cuda":
         # One GPU per process when there are enough; else processes share GPUs (time-sliced, slow).
@@ -185,8 +208,8 @@ def demo_distributed(args: argparse.Namespace) -> int:
     # gloo carries the bootstrap and the report: both are CPU tensors.
     dist.init_process_group("gloo", init_method=args.init_method, rank=rank, world_size=world)
     try:
-        moe = MoeAlltoAll(Mapping(world_size=world, rank=rank, tp_size=world, moe_ep_size=world), n, top_k, num_experts, hidden_size=args.hidden,
-                          group=dist.group.WORLD, device=device)
+        mapping = Mapping(world_size=world, rank=rank, tp_size=world, moe_ep_size=world)
+        moe = MoeAlltoAll(mapping, n, top_k, num_experts, hidden_size=args.hidden, group=dist.group.WORLD, device=device)
         ids = problem.ids[rank].to(device)
         payloads = [t.to(device) for t in problem.payloads[rank]]
         timer = _CudaTimer(device) if device.type == "cuda" else _CpuTimer()
@@ -247,33 +270,75 @@ class _CudaTimer:
         return self._start.elapsed_time(self._end)
 
 
-def _run_module(command: str, module_name: str, argv: list[str]) -> int:
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name:
-            raise
-        print(f"python -m torch_moe_a2a {command}: {module_name} is not available in this installation",
-              file=sys.stderr)
-        return 2
-    return module.main(argv)
+@dataclass(frozen=True)
+class _Command:
+    summary: str  # the line of the command list
+    description: str  # the head of the command's own --help
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.ArgumentParser, argparse.Namespace], int]
+    prog: Optional[str] = None  # how the command is launched, where that is not "python -m torch_moe_a2a NAME"
 
 
-def bench(argv: list[str]) -> int:
-    return _run_module("bench", "torch_moe_a2a.bench", argv)
+COMMANDS = {
+    "demo": _Command(
+        "EP round trips checked bitwise against the plain-PyTorch reference",
+        "EP round trips (dispatch -> toy MoE -> combine) on every rank, checked bitwise against the "
+        "plain-PyTorch reference: simulated ranks in one process, or one rank per process under torchrun "
+        "(torchrun --nproc-per-node N -m torch_moe_a2a demo).",
+        _add_demo_arguments, demo),
+    "bench": _Command(bench_single.SUMMARY, bench_single.DESCRIPTION, bench_single.add_arguments, bench_single.run),
+    "bench-dist": _Command(bench_distributed.SUMMARY, bench_distributed.DESCRIPTION,
+                           bench_distributed.add_arguments, bench_distributed.run, prog=bench_distributed.PROG),
+}
 
 
-def bench_dist(argv: list[str]) -> int:
-    return _run_module("bench-dist", "torch_moe_a2a.bench_dist", argv)
+def _command_list() -> str:
+    width = max(map(len, COMMANDS))
+    return "commands:\n" + "\n".join(f"  {name:<{width}}  {c.summary}" for name, c in COMMANDS.items())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one argparse subcommand per entry of COMMANDS."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        usage="%(prog)s [-h] [--version] COMMAND [options]",
+        description="torch-moe-a2a: MoE all-to-all dispatch and combine as PyTorch custom operators.\n\n"
+        + _command_list(),
+        epilog="'COMMAND -h' lists a command's options. Under torchrun (torchrun --nproc-per-node N\n"
+        "-m torch_moe_a2a COMMAND), demo and bench-dist run one rank per process.",
+        # The command list is laid out by _command_list (one line each), not rewrapped.
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"{DISTRIBUTION} {package_version()}")
+    # The list in the description replaces argparse's own, which wraps a long command name onto a line of its own.
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", help=argparse.SUPPRESS)
+    for name, command in COMMANDS.items():
+        # prog given: argparse would derive it from the custom usage line above.
+        p = commands.add_parser(name, help=command.summary, description=command.description,
+                                prog=command.prog or f"{PROG} {name}")
+        command.add_arguments(p)
+        p.set_defaults(run=command.run, command_parser=p)
+    return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """Run a command; its exit code. Bad arguments exit through argparse (SystemExit 2)."""
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"demo": demo, "bench": bench, "bench-dist": bench_dist}
-    if not argv or argv[0] not in commands:
-        print(USAGE, file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return commands[argv[0]](argv[1:]) or 0
+    parser = build_parser()
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        # argparse's own text ("invalid choice") names neither the problem nor the commands' jobs.
+        print(f"{PROG}: unknown command '{argv[0]}'\n{_command_list()}", file=sys.stderr)
+        return 2
+    args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.print_help(sys.stderr)
+        return 2
+    if extra:
+        # Reported by the command's parser: its usage line is the one that helps.
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args.run(args.command_parser, args) or 0
 
 
 if __name__ == "__main__":

@@ -70,11 +70,8 @@ router weights ``[n, top_k]``. Expert outputs (the combine payload) are bf16.
 from __future__ import annotations
 
 import argparse
-import gc
-import importlib.util
-import json
-import math
-import platform
+import datetime
+import signal
 import statistics
 import sys
 import time
@@ -84,77 +81,87 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from . import layout, reference
-from .api import (
-    check_errors,
-    moe_a2a_combine,
-    moe_a2a_dispatch,
-    moe_a2a_wrap_payload_tensor_in_workspace,
+from .. import layout
+from ..api import check_errors, moe_a2a_combine, moe_a2a_dispatch, moe_a2a_wrap_payload_tensor_in_workspace
+from ..reference import reference_combine, reference_dispatch
+from ..simulate import RankGraphs, SimulatedEP
+from . import plot, targets
+from .common import (
+    BASELINE_OF,
+    DEFAULT_ITERS,
+    DEFAULT_MAX_GIB,
+    DEFAULT_WARMUP,
+    FP8_BLOCK,
+    FP8_DTYPE,
+    GIB,
+    MIB,
+    NO_CUDA,
+    OPS,
+    PRESETS,
+    SEED,
+    Clock,
+    InputSet,
+    Interrupted,
+    OpGraphs,
+    Point,
+    Preset,
+    Progress,
+    QuietProgress,
+    StopSignals,
+    add_preset_argument,
+    check_output_path,
+    combine_mismatch,
+    device_name,
+    expected_sends,
+    expert_owner,
+    first_line,
+    fmt,
+    format_table,
+    geomean,
+    int_at_least,
+    int_in_range,
+    invalid_reason,
+    l2_bytes,
+    make_set,
+    new_record,
+    num_sets_for,
+    op_bytes_for,
+    positive_float,
+    preset_names,
+    recv_mismatch,
+    reference_payloads,
+    release,
+    routes_by_destination,
+    set_bytes,
+    time_ops,
+    write_json,
 )
-from .reference import random_routing, reference_combine, reference_dispatch
-from .simulate import RankGraphs, SimulatedEP
 
 # ---------------------------------------------------------------------------
 # configuration
 # ---------------------------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class Preset:
-    """The MoE layer shape that decides what dispatch and combine move."""
-
-    name: str
-    hidden: int
-    num_experts: int
-    top_k: int
-    dtype: torch.dtype = torch.bfloat16  # hidden states and expert outputs
-
-
-PRESETS = {
-    p.name: p
-    for p in (
-        Preset("deepseek-v3", 7168, 256, 8),
-        Preset("qwen3-235b", 4096, 128, 8),
-        Preset("gpt-oss-120b", 2880, 128, 4),
-        Preset("mixtral", 4096, 8, 2),
-    )
-}
-DEFAULT_EP = (1, 2, 4, 8)
-DEFAULT_TOKENS = (1, 16, 128, 512, 2048, 4096)
-DEFAULT_ITERS = 100
-DEFAULT_WARMUP = 10
+# The default sweep per device type (every preset). On the CPU it is sized to
+# take a minute or two on two cores: a thread per simulated rank, so ep 8
+# there measures mostly the threads' time-slicing, and 512 tokens or more
+# mostly the plain-PyTorch baseline's slow CPU gathers.
+DEFAULT_EP = {"cuda": (1, 2, 4, 8), "cpu": (1, 2, 4)}
+DEFAULT_TOKENS = {"cuda": (1, 16, 128, 512, 2048, 4096), "cpu": (1, 16, 128)}
+DEFAULT_ITERS_FOR = {"cuda": DEFAULT_ITERS, "cpu": 20}
+DEFAULT_WARMUP_FOR = {"cuda": DEFAULT_WARMUP, "cpu": 3}
 # --smoke: the short run of scripts/gpu_check.sh.
 SMOKE_PRESETS = ("deepseek-v3",)
 SMOKE_EP = (8,)
 SMOKE_TOKENS = (1, 128, 4096)
 SMOKE_ITERS = 20
 SMOKE_WARMUP = 5
-# --max-gib default per device type: the memory a point may need.
-DEFAULT_MAX_GIB = {"cuda": 60.0, "cpu": 4.0}
-GIB = 1 << 30
-MIB = 1 << 20
 
-OPS = ("dispatch", "combine", "combine-ws", "round-trip", "round-trip-ws")
 # Round trips per rank stream in the graph of the per-step timing (module
 # docstring): a captured forward pass of the presets' models holds 32 to 94 MoE
 # layers (Mixtral 32, GPT-OSS-120B 36, DeepSeek-V3 58, Qwen3-235B 94), and the
 # simulation's launch of a graph per rank, fork and join (about 14 us at ep 8
 # on the H200) add under half a microsecond to each of 32 steps.
 STEPS_PER_GRAPH = 32
-# The baseline has one combine; both of our combine variants are compared with it.
-BASELINE_OF = {"dispatch": "dispatch", "combine": "combine", "combine-ws": "combine", "round-trip": "round-trip",
-               "round-trip-ws": "round-trip"}
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_BLOCK = 128  # elements per fp32 scale of the fp8 hidden states
-
-SEED = 0
-# Input sets: together at least L2_ROTATE_FACTOR x the L2 cache, MIN..MAX sets
-# when one set is smaller than that (one set when it is larger on its own).
-L2_BYTES_DEFAULT = 60 * 10**6  # H200; used when the device does not report its L2 size, and on the CPU
-L2_ROTATE_FACTOR = 2
-MIN_SETS = 3
-MAX_SETS = 8
 
 # Device copy bandwidth: a copy_ of COPY_BYTES (read once, written once).
 COPY_BYTES = {"cuda": 2 * GIB, "cpu": 256 * MIB}
@@ -167,18 +174,6 @@ HOST_COST_TOKENS = 16
 HOST_COST_WARMUP = 20
 HOST_COST_CALLS = 200
 
-# The speed targets on the H200 (simulated ep 8, DeepSeek-V3, CUDA-graph
-# timings), checked by _targets in a CUDA run that measured their points:
-# copy-bandwidth ratios at TARGET_RATIO_TOKENS, round trips with the payload
-# in the workspace (per step of the multi-step graph and per replay), and the
-# host cost of every eager call.
-TARGET_PRESET = "deepseek-v3"
-TARGET_EP = 8
-TARGET_RATIO_TOKENS = 4096
-TARGET_MIN_COPY_RATIO = {"dispatch": 0.90, "combine-ws": 0.85}
-TARGET_ROUND_TRIP_US = {128: 60.0, 1: 15.0}
-TARGET_HOST_US = 20.0
-
 # Graph timing: spin the device before the timed replays so the host can queue
 # them ahead of it, for HEAD_START_MARGIN times the host time per iteration of
 # the warm-up (a replay of our ops launches one graph per rank), at least
@@ -186,89 +181,14 @@ TARGET_HOST_US = 20.0
 HOST_ENQUEUE_S = 50e-6
 HEAD_START_MARGIN = 2.0
 MAX_HEAD_START_S = 0.5
-SLEEP_CALIBRATION_CYCLES = 10**7
-
-# Combine results may differ from the reference by rounding only if the sum
-# order differs (ours should be bitwise equal; the baseline's index_add_ is
-# not ordered): torch.testing's bf16 tolerances.
-COMBINE_RTOL = 1.6e-2
-COMBINE_ATOL = 1e-5
 
 # Baseline plan: about six int64 tensors of n * top_k entries per rank (dest,
 # flat, order, sorted dest, slot, target/token) live at once.
 _PLAN_BYTES_PER_ENTRY = 6 * 8
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass(frozen=True)
-class Point:
-    """One measured configuration: ``ep`` ranks with ``tokens`` tokens each."""
-
-    preset: Preset
-    ep: int
-    tokens: int
-    fp8: bool
-
-    def payload_rows(self) -> list[tuple[str, torch.dtype, int]]:
-        """``(name, dtype, elements per row)`` of each dispatch payload, in dispatch order."""
-        p = self.preset
-        rows = [("hidden", FP8_DTYPE if self.fp8 else p.dtype, p.hidden)]
-        if self.fp8:
-            rows.append(("scales", torch.float32, _ceil_div(p.hidden, FP8_BLOCK)))
-        rows += [("expert_ids", torch.int32, p.top_k), ("weights", torch.float32, p.top_k)]
-        return rows
-
-    def row_bytes(self) -> list[int]:
-        return [dtype.itemsize * elems for _, dtype, elems in self.payload_rows()]
-
-    @property
-    def dispatch_row_bytes(self) -> int:
-        return sum(self.row_bytes())
-
-    @property
-    def combine_row_bytes(self) -> int:
-        return self.preset.hidden * self.preset.dtype.itemsize
-
-    @property
-    def expert_rows(self) -> int:
-        """Rows of the expert outputs of all ranks: ``[dest][src][T]``."""
-        return self.ep * self.ep * self.tokens
-
-    def label(self) -> str:
-        return f"{self.preset.name}{' fp8' if self.fp8 else ''} ep {self.ep} x {self.tokens} tok"
-
-
-def _invalid_reason(point: Point) -> Optional[str]:
-    p = point.preset
-    if not 1 <= point.ep <= layout.MAX_RANKS:
-        return f"ep {point.ep} outside [1, {layout.MAX_RANKS}]"
-    if p.num_experts < point.ep:
-        return f"{p.num_experts} experts < ep {point.ep}"
-    if not 1 <= point.tokens <= layout.MAX_NUM_TOKENS:
-        return f"tokens {point.tokens} outside [1, {layout.MAX_NUM_TOKENS}]"
-    if p.top_k > min(p.num_experts, layout.MAX_TOP_K):
-        return f"top_k {p.top_k} > min(num_experts, {layout.MAX_TOP_K})"
-    return None
-
-
-def _set_bytes(point: Point) -> int:
-    """Bytes of one input set: every rank's dispatch payloads and expert outputs."""
-    return point.ep * point.tokens * point.dispatch_row_bytes + (point.expert_rows + 1) * point.combine_row_bytes
-
-
 def _num_sets(point: Point, l2_bytes: int) -> int:
-    return _num_sets_for(_set_bytes(point), l2_bytes)
-
-
-def _num_sets_for(set_bytes: int, l2_bytes: int) -> int:
-    """Input sets of ``set_bytes`` each that together exceed L2_ROTATE_FACTOR x the L2 cache."""
-    target = L2_ROTATE_FACTOR * l2_bytes
-    if set_bytes >= target:
-        return 1
-    return min(MAX_SETS, max(MIN_SETS, _ceil_div(target, set_bytes)))
+    return num_sets_for(set_bytes(point), l2_bytes)
 
 
 def _memory_bytes(point: Point, n_sets: int, cuda: bool) -> int:
@@ -277,7 +197,7 @@ def _memory_bytes(point: Point, n_sets: int, cuda: bool) -> int:
     drow, crow = point.dispatch_row_bytes, point.combine_row_bytes
     outputs = ep * T * crow  # one combine output per rank
     workspace = ep * layout.workspace_size_per_rank(ep, T, drow, crow, 0)
-    sets = n_sets * _set_bytes(point)
+    sets = n_sets * set_bytes(point)
     baseline_recv = (point.expert_rows + 1) * drow
     # Per step of the baseline: gathered rows (+ the plan) for dispatch; bf16 and
     # fp32 gathered rows, the fp32 accumulator and the output for combine.
@@ -300,48 +220,8 @@ def _memory_bytes(point: Point, n_sets: int, cuda: bool) -> int:
 # ---------------------------------------------------------------------------
 
 
-class _Clock:
-    """Time marks on the current stream (CUDA events) or on the host (CPU)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self._cycles_per_s: Optional[float] = None
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def mark(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def elapsed_us(self, marks: list[tuple[Any, Any]]) -> list[float]:
-        """Microseconds between each pair of marks (waits for the device)."""
-        self.sync()
-        if self.cuda:
-            return [start.elapsed_time(end) * 1e3 for start, end in marks]
-        return [(end - start) * 1e6 for start, end in marks]
-
-    def head_start(self, seconds: float) -> None:
-        """CUDA: keep the current stream busy for about ``seconds`` (a spin kernel)."""
-        if not self.cuda or seconds <= 0:
-            return
-        if self._cycles_per_s is None:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.cuda._sleep(SLEEP_CALIBRATION_CYCLES)
-            end.record()
-            end.synchronize()
-            self._cycles_per_s = SLEEP_CALIBRATION_CYCLES / (start.elapsed_time(end) * 1e-3)
-        torch.cuda._sleep(int(seconds * self._cycles_per_s))
-
-
 def _measure(
-    clock: _Clock,
+    clock: Clock,
     n_sets: int,
     warmup: int,
     iters: int,
@@ -349,17 +229,22 @@ def _measure(
     before: Optional[Callable[[int], Any]] = None,
     after: Optional[Callable[[int], Any]] = None,
     head_start: bool = False,
+    stop: Optional[Callable[[], None]] = None,
 ) -> float:
     """Median microseconds of ``timed(i)`` over ``iters`` iterations after ``warmup``.
 
     Iteration ``it`` uses input set ``i = it % n_sets`` and runs ``before(i)``,
     ``timed(i)`` between two marks, ``after(i)``. No host sync until the end.
     ``head_start``: the device spins before the timed iterations while the
-    host queues them (module constants).
+    host queues them (module constants). ``stop`` is called before every
+    iteration (it raises to end the run): an iteration runs whole, so no
+    dispatch is left without its combine while the run still goes on.
     """
     marks = []
     warmup_start = time.perf_counter()
     for it in range(warmup + iters):
+        if stop is not None:
+            stop()
         i = it % n_sets
         if it == warmup and head_start:
             host_per_iter = (time.perf_counter() - warmup_start) / warmup if warmup else 0.0
@@ -373,22 +258,6 @@ def _measure(
         if after is not None:
             after(i)
     return statistics.median(clock.elapsed_us(marks))
-
-
-def _time_ops(measure: Callable[..., float], steps: Any, **options: Any) -> dict[str, float]:
-    """The median of every op in OPS, timed by ``measure(timed, before=, after=,
-    **options)`` in OPS order; ``steps`` has a method per op that runs one step
-    of input set i (``_Ours``, ``bench_dist``'s ``_OursRank``, or their
-    ``_OpGraphs``). Dispatch and combine must alternate, so dispatch is timed
-    with an untimed combine after it and each combine with an untimed dispatch
-    before it."""
-    return {
-        "dispatch": measure(steps.dispatch, after=steps.combine, **options),
-        "combine": measure(steps.combine, before=steps.dispatch, **options),
-        "combine-ws": measure(steps.combine_ws, before=steps.dispatch, **options),
-        "round-trip": measure(steps.round_trip, **options),
-        "round-trip-ws": measure(steps.round_trip_ws, **options),
-    }
 
 
 _graph_roots: dict[torch.device, Tensor] = {}
@@ -415,134 +284,10 @@ def _capture(step: Callable[[], Any]) -> tuple["torch.cuda.CUDAGraph", Any]:
     return graph, result
 
 
-class _OpGraphs:
-    """One CUDA graph per op kind and input set (combine-ws: one for all sets),
-    captured by ``capture`` from the steps of ``ours`` (the benchmark's
-    ``_Ours`` or ``bench_dist``'s ``_OursRank``, each with its own capture);
-    its methods replay them, with the names of the steps (for _time_ops)."""
-
-    def __init__(self, ours: Any, n_sets: int, capture: Callable[[Callable[[], Any]], tuple[Any, Any]]):
-        sets = range(n_sets)
-        self._dispatch = [capture(lambda i=i: ours.dispatch(i))[0] for i in sets]
-        self._combine = [capture(lambda i=i: ours.combine(i)) for i in sets]  # (graph, outputs it rewrites)
-        self._round_trip = [capture(lambda i=i: ours.round_trip(i))[0] for i in sets]
-        self._combine_ws = capture(ours.combine_ws)[0]
-        self._round_trip_ws = [capture(lambda i=i: ours.round_trip_ws(i))[0] for i in sets]
-
-    def dispatch(self, i: int) -> None:
-        self._dispatch[i].replay()
-
-    def combine(self, i: int) -> Any:
-        """Replays set i's combine; the outputs it rewrote."""
-        graph, outputs = self._combine[i]
-        graph.replay()
-        return outputs
-
-    def combine_ws(self, i: int = 0) -> None:
-        self._combine_ws.replay()
-
-    def round_trip(self, i: int) -> None:
-        self._round_trip[i].replay()
-
-    def round_trip_ws(self, i: int) -> None:
-        self._round_trip_ws[i].replay()
-
-
-def _release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
-# ---------------------------------------------------------------------------
-# inputs
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class InputSet:
-    """One set of every rank's inputs.
-
-    ids[r]: int32 ``[T, top_k]`` (routing, also sent as a payload).
-    payloads[r]: rank r's dispatch payloads (``Point.payload_rows`` order).
-    expert_flat: bf16 ``[ep * ep * T + 1, H]``, every rank's expert outputs;
-    the last row is zero (the baseline's "nowhere" row).
-    expert_out[d]: contiguous ``[ep, T, H]`` view of expert_flat, rank d's
-    combine payload (row ``[s, j]``: output for the j-th token from s).
-    destinations: CPU int64 ``[ep, T]``, distinct destination ranks per token.
-    """
-
-    ids: list[Tensor]
-    payloads: list[list[Tensor]]
-    expert_flat: Tensor
-    expert_out: list[Tensor]
-    destinations: Tensor
-
-
-def _expert_owner(num_experts: int, ep: int) -> Tensor:
-    """CPU int64 ``[num_experts]``: the rank owning each expert (the reference's table)."""
-    return reference._expert_owner(num_experts, ep, torch.device("cpu"))
-
-
-def _distinct_destinations(ids: Tensor, owner: Tensor) -> Tensor:
-    """int64 ``[n]``: distinct owner ranks of each token's (valid, distinct) experts."""
-    dest = owner[ids.long()].sort(dim=1).values
-    return 1 + (dest[:, 1:] != dest[:, :-1]).sum(dim=1)
-
-
-def _quantize_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``x [n, H]`` -> (float8_e4m3fn ``[n, H]``, fp32 scales ``[n, ceil(H / FP8_BLOCK)]``).
-
-    One scale per block of FP8_BLOCK elements (the last block may be partial:
-    gpt-oss-120b's 2880 is 22.5 blocks).
-    """
-    n, h = x.shape
-    blocks = _ceil_div(h, FP8_BLOCK)
-    padded = torch.nn.functional.pad(x.float(), (0, blocks * FP8_BLOCK - h)).view(n, blocks, FP8_BLOCK)
-    scales = padded.abs().amax(dim=-1).clamp_min(torch.finfo(torch.float32).tiny) / torch.finfo(FP8_DTYPE).max
-    q = (padded / scales.unsqueeze(-1)).view(n, blocks * FP8_BLOCK)[:, :h]
-    return q.to(FP8_DTYPE).contiguous(), scales
-
-
-def _make_set(point: Point, device: torch.device, gen_cpu: torch.Generator, gen_dev: torch.Generator,
-              owner: Tensor) -> InputSet:
-    p, ep, T = point.preset, point.ep, point.tokens
-    ids_cpu = [random_routing(T, p.top_k, p.num_experts, gen_cpu) for _ in range(ep)]
-    ids, payloads = [], []
-    for r in range(ep):
-        rank_ids = ids_cpu[r].to(device)
-        weights = torch.rand((T, p.top_k), generator=gen_dev, device=device).softmax(dim=-1)
-        hidden = torch.randn((T, p.hidden), generator=gen_dev, device=device, dtype=p.dtype)
-        if point.fp8:
-            q, scales = _quantize_fp8(hidden)
-            rank_payloads = [q, scales, rank_ids, weights]
-        else:
-            rank_payloads = [hidden, rank_ids, weights]
-        ids.append(rank_ids)
-        payloads.append(rank_payloads)
-    expert_flat = torch.randn((point.expert_rows + 1, p.hidden), generator=gen_dev, device=device, dtype=p.dtype)
-    expert_flat[-1].zero_()
-    per_dest = expert_flat[: point.expert_rows].view(ep, ep, T, p.hidden)
-    expert_out = [per_dest[d] for d in range(ep)]
-    destinations = torch.stack([_distinct_destinations(i, owner) for i in ids_cpu])
-    return InputSet(ids, payloads, expert_flat, expert_out, destinations)
-
-
 def _op_bytes(point: Point, sets: list[InputSet]) -> dict[str, float]:
-    """Bytes each op moves (DESIGN.md section 8), summed over ranks, averaged over the sets."""
-    drow, crow = point.dispatch_row_bytes, point.combine_row_bytes
-    tokens = point.ep * point.tokens
-    totals = {op: 0.0 for op in OPS}
-    for s in sets:
-        sends = int(s.destinations.sum())  # (token, distinct destination) pairs = rows received
-        dispatch = drow * (tokens + sends)
-        combine_ws = crow * (sends + tokens)
-        combine = combine_ws + 2 * crow * sends  # staging: read + write of every received row
-        for op, b in (("dispatch", dispatch), ("combine", combine), ("combine-ws", combine_ws),
-                      ("round-trip", dispatch + combine), ("round-trip-ws", dispatch + combine_ws)):
-            totals[op] += b / len(sets)
-    return totals
+    """Bytes each op moves, counted exactly from each set's routing, averaged over the sets."""
+    per_set = [op_bytes_for(point, int(s.destinations.sum())) for s in sets]
+    return {op: sum(b[op] for b in per_set) / len(sets) for op in OPS}
 
 
 # ---------------------------------------------------------------------------
@@ -651,26 +396,6 @@ class _Ours:
         return self._run(rank)
 
 
-def _routes_by_destination(ids: Tensor, owner: Tensor, ep: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The (token, distinct destination) pairs of ``ids`` (int ``[n, top_k]``,
-    valid ids) sorted by destination, as a plain-PyTorch exchange plans them.
-
-    Returns (sorted_dest, order, counts): int64 ``[n * top_k]`` destination of
-    each sorted entry (``ep`` = "nowhere": a token's repeated destination,
-    sorted last); int64 ``[n * top_k]`` flat ``[n, top_k]`` index of each
-    sorted entry (``order // top_k`` is its token; tokens ascend within a
-    destination); int64 ``[ep + 1]`` entries per destination (the last:
-    nowhere). On ``ids``' device, no host sync.
-    """
-    dest = owner[ids.long()].sort(dim=1).values
-    repeated = torch.zeros_like(dest, dtype=torch.bool)
-    repeated[:, 1:] = dest[:, 1:] == dest[:, :-1]
-    flat = dest.masked_fill(repeated, ep).reshape(-1)  # ep: "nowhere", sorts last
-    order = torch.argsort(flat, stable=True)  # by destination, tokens ascending within one
-    counts = torch.zeros(ep + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
-    return flat[order], order, counts
-
-
 def _indexable(t: Tensor) -> Tensor:
     """``t`` as a 2-D tensor for index ops: fp8 as uint8 (same bytes; index kernels may lack fp8)."""
     if t.dtype == FP8_DTYPE:
@@ -697,7 +422,7 @@ class _Baseline:
 
     def __init__(self, point: Point, sets: list[InputSet], sim: SimulatedEP, device: torch.device):
         self.point, self.sets, self.sim = point, sets, sim
-        self.owner = _expert_owner(point.preset.num_experts, point.ep).to(device)
+        self.owner = expert_owner(point.preset.num_experts, point.ep).to(device)
         self.nowhere = point.expert_rows  # index of the trailing row of every flat buffer
         self.recv_flat = [
             torch.zeros((point.expert_rows + 1, _indexable(pl).shape[1]), dtype=_indexable(pl).dtype, device=device)
@@ -714,7 +439,7 @@ class _Baseline:
         """(target row in the flat buffers, source token, int64 counts ``[ep]``), entries sorted by destination."""
         ep, T = self.point.ep, self.point.tokens
         n, k = ids.shape
-        sorted_dest, order, counts = _routes_by_destination(ids, self.owner, ep)
+        sorted_dest, order, counts = routes_by_destination(ids, self.owner, ep)
         segment_start = torch.cumsum(counts, 0) - counts
         slot = torch.arange(n * k, device=ids.device) - segment_start[sorted_dest]
         target = torch.where(sorted_dest < ep, sorted_dest * (ep * T) + s * T + slot, self.nowhere)
@@ -754,43 +479,6 @@ class _Baseline:
 # ---------------------------------------------------------------------------
 
 
-def _byte_rows(t: Tensor) -> Tensor:
-    """CPU uint8 ``[ep, T, row bytes]`` of a ``[ep, T, *]`` tensor."""
-    t = t.detach().cpu().contiguous()
-    return t.reshape(t.shape[0], t.shape[1], -1).view(torch.uint8)
-
-
-def _recv_mismatch(views: list[Tensor], ref_views: list[Tensor], counts: Tensor, names: list[str]) -> Optional[str]:
-    """First payload whose valid rows (``[s, j]``, ``j < counts[s]``) differ in any byte, or None."""
-    for name, ours, ref in zip(names, views, ref_views):
-        ours, ref = _byte_rows(ours), _byte_rows(ref)
-        for s, count in enumerate(counts.tolist()):
-            if not torch.equal(ours[s, :count], ref[s, :count]):
-                return name
-    return None
-
-
-def _combine_mismatch(outs: list[Tensor], expected: list[Tensor],
-                      ranks: Optional[list[int]] = None) -> tuple[Optional[str], bool]:
-    """(error or None, bitwise equal) of every rank's combine output against the reference.
-
-    ``ranks``: the rank of each entry, for the message (default 0, 1, ...).
-    """
-    bitwise = True
-    for r, out, exp in zip(range(len(outs)) if ranks is None else ranks, outs, expected):
-        out, exp = out.detach().cpu(), exp.cpu()  # the reference ran on the inputs' device
-        if out.shape != exp.shape or out.dtype != exp.dtype:
-            return f"rank {r}: combine output {out.dtype} {tuple(out.shape)}, expected {exp.dtype} " \
-                   f"{tuple(exp.shape)}", False
-        if torch.equal(out, exp):
-            continue
-        bitwise = False
-        if not torch.allclose(out.float(), exp.float(), rtol=COMBINE_RTOL, atol=COMBINE_ATOL):
-            diff = (out.float() - exp.float()).abs().nan_to_num(float("inf")).max().item()
-            return f"rank {r}: combine differs from the reference (max |diff| {diff:.3g})", False
-    return None, bitwise
-
-
 def _check_ours(ours: _Ours, ref, expected: list[Tensor], names: list[str]) -> tuple[bool, list[str]]:
     """One round trip of each combine kind on set 0 against the reference; (ok, notes)."""
     ep, s0, sim = ours.point.ep, ours.sets[0], ours.sim
@@ -814,12 +502,12 @@ def _check_ours(ours: _Ours, ref, expected: list[Tensor], names: list[str]) -> t
         elif not torch.equal(counts[d], ref.recv_counts[d].cpu()):
             errors.append(f"rank {d}: recv counts {counts[d].tolist()} != reference {ref.recv_counts[d].tolist()}")
         else:
-            bad = _recv_mismatch(recv[d], ref.recv[d], counts[d], names)
+            bad = recv_mismatch(recv[d], ref.recv[d], counts[d], names)
             if bad is not None:
                 errors.append(f"rank {d}: received {bad} differs from the reference")
     for what, got in (("combine", outs), ("combine-ws", outs_ws), ("round-trip", outs_rt),
                       ("round-trip-ws", outs_rt_ws)):
-        error, bitwise = _combine_mismatch(got, expected)
+        error, bitwise = combine_mismatch(got, expected)
         if error is not None:
             errors.append(f"{what}: {error}")
         elif not bitwise:
@@ -837,10 +525,10 @@ def _check_baseline(base: _Baseline, ref, expected: list[Tensor], names: list[st
     for d in range(ep):
         if not torch.equal(counts[:, d].to(torch.int32), ref.recv_counts[d].cpu()):
             return f"baseline rank {d}: recv counts differ from the reference"
-        bad = _recv_mismatch(base.recv_views(d), ref.recv[d], counts[:, d], names)
+        bad = recv_mismatch(base.recv_views(d), ref.recv[d], counts[:, d], names)
         if bad is not None:
             return f"baseline rank {d}: received {bad} differs from the reference"
-    error, _ = _combine_mismatch(outs, expected)
+    error, _ = combine_mismatch(outs, expected)
     return None if error is None else f"baseline {error}"
 
 
@@ -852,31 +540,23 @@ def _check_baseline(base: _Baseline, ref, expected: list[Tensor], names: list[st
 @dataclass
 class _Context:
     device: torch.device
-    clock: _Clock
+    clock: Clock
     iters: int
     warmup: int
     max_bytes: int
     l2_bytes: int
     copy_gbps: float
-    progress: "_Progress"
+    progress: Any  # Progress, or QuietProgress before the sweep
     graphs: bool  # also time CUDA-graph replays (CUDA only)
-
-
-def _new_record(point: Point) -> dict:
-    p = point.preset
-    return {
-        "preset": p.name, "ep": point.ep, "tokens_per_rank": point.tokens, "hidden": p.hidden,
-        "num_experts": p.num_experts, "top_k": p.top_k, "fp8": point.fp8, "status": "ok", "notes": [],
-        "ops": {},
-    }
+    stop: Callable[[], None] = lambda: None  # raises Interrupted once a stop signal arrived
 
 
 def _run_point(point: Point, ctx: _Context) -> dict:
-    record = _new_record(point)
+    record = new_record(point)
     device, clock, cuda = ctx.device, ctx.clock, ctx.device.type == "cuda"
     label = point.label()
 
-    reason = _invalid_reason(point)
+    reason = invalid_reason(point)
     if reason is not None:
         record.update(status="skipped", notes=[reason])
         return record
@@ -895,25 +575,23 @@ def _run_point(point: Point, ctx: _Context) -> dict:
     ctx.progress.phase(label, "inputs")
     gen_cpu = torch.Generator().manual_seed(SEED)
     gen_dev = torch.Generator(device=device).manual_seed(SEED)
-    owner = _expert_owner(point.preset.num_experts, point.ep)
-    sets = [_make_set(point, device, gen_cpu, gen_dev, owner) for _ in range(n_sets)]
+    owner = expert_owner(point.preset.num_experts, point.ep)
+    sets = [make_set(point, device, gen_cpu, gen_dev, owner) for _ in range(n_sets)]
     op_bytes = _op_bytes(point, sets)
     ours = _Ours(point, sets, device)
     base = _Baseline(point, sets, ours.sim, device)
 
     ctx.progress.phase(label, "check")
     names = [name for name, _, _ in point.payload_rows()]
-    # fp8 rows go to the reference as their bytes (compared bytewise anyway).
-    ref_payloads = [[pl.view(torch.uint8) if pl.dtype == FP8_DTYPE else pl for pl in rank] for rank in sets[0].payloads]
-    ref = reference_dispatch(sets[0].ids, ref_payloads, ep_size=point.ep, num_experts=point.preset.num_experts,
-                             runtime_max_tokens_per_rank=point.tokens)
+    ref = reference_dispatch(sets[0].ids, reference_payloads(sets[0].payloads), ep_size=point.ep,
+                             num_experts=point.preset.num_experts, runtime_max_tokens_per_rank=point.tokens)
     expected = reference_combine(sets[0].expert_out, ref, [point.tokens] * point.ep)
     ok, notes = _check_ours(ours, ref, expected, names)
     record["notes"] += notes
     try:
         base_error = _check_baseline(base, ref, expected, names)
     except Exception as e:  # noqa: BLE001 - a broken baseline must not hide our numbers
-        base_error = f"baseline: {type(e).__name__}: {_first_line(e)}"
+        base_error = f"baseline: {type(e).__name__}: {first_line(e)}"
     del ref, expected
     if not ok:
         record["status"] = "FAIL"
@@ -926,11 +604,11 @@ def _run_point(point: Point, ctx: _Context) -> dict:
         base.plans[i] = base.dispatch(i)[0]
 
     def measure(timed, before=None, after=None, head_start=False) -> float:
-        return _measure(clock, n_sets, ctx.warmup, ctx.iters, timed, before, after, head_start)
+        return _measure(clock, n_sets, ctx.warmup, ctx.iters, timed, before, after, head_start, ctx.stop)
 
     graph_us, step_us, base_eager_us, base_graph_us = {}, {}, {}, {}
     ctx.progress.phase(label, "eager")
-    eager_us = _time_ops(measure, ours)
+    eager_us = time_ops(measure, ours)
     if base_ok:
         ctx.progress.phase(label, "baseline eager")
         base_eager_us["dispatch"] = measure(base.dispatch)
@@ -938,11 +616,11 @@ def _run_point(point: Point, ctx: _Context) -> dict:
         base_eager_us["round-trip"] = measure(base.round_trip)
 
     if ctx.graphs:
-        _release(device)
+        release(device)
         ctx.progress.phase(label, "graph")
         try:
-            op_graphs = _OpGraphs(ours, n_sets, ours.capture)
-            graph_us = _time_ops(measure, op_graphs, head_start=True)
+            op_graphs = OpGraphs(ours, n_sets, ours.capture)
+            graph_us = time_ops(measure, op_graphs, head_start=True)
             # The replays must compute what the (reference-checked) eager calls compute.
             op_graphs.dispatch(0)
             replayed = op_graphs.combine(0)
@@ -950,7 +628,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
             eager_out = ours.combine(0)
             mismatch = [] if all(torch.equal(g, e) for g, e in zip(replayed, eager_out)) else ["combine"]
             op_graphs = replayed = eager_out = None
-            _release(device)
+            release(device)
             for op, ws in (("round-trip", False), ("round-trip-ws", True)):
                 g_steps = [ours.capture(lambda i=i: ours.round_trips(i, STEPS_PER_GRAPH, ws)) for i in range(n_sets)]
                 step_us[op] = measure(lambda i: g_steps[i][0].replay(), head_start=True) / STEPS_PER_GRAPH
@@ -970,9 +648,9 @@ def _run_point(point: Point, ctx: _Context) -> dict:
         except Exception as e:  # noqa: BLE001 - reported in the row; eager numbers stand
             graph_us.clear()
             step_us.clear()
-            record["notes"].append(f"graph: {type(e).__name__}: {_first_line(e)}")
+            record["notes"].append(f"graph: {type(e).__name__}: {first_line(e)}")
         op_graphs = replayed = eager_out = g_steps = None
-        _release(device)
+        release(device)
         if base_ok:
             ctx.progress.phase(label, "baseline graph")
             # One kind at a time: the baseline's graph pools hold its temporaries.
@@ -981,9 +659,9 @@ def _run_point(point: Point, ctx: _Context) -> dict:
                     graphs = [_capture(lambda i=i: step(i))[0] for i in range(n_sets)]
                     base_graph_us[op] = measure(lambda i: graphs[i].replay(), head_start=True)
                 except Exception as e:  # noqa: BLE001 - reported in the row
-                    record["notes"].append(f"baseline graph {op}: {type(e).__name__}: {_first_line(e)}")
+                    record["notes"].append(f"baseline graph {op}: {type(e).__name__}: {first_line(e)}")
                 graphs = None
-                _release(device)
+                release(device)
 
     # A timed-out wait leaves its record in the workspace: a kernel that gave up
     # early must not pass for a fast one (graph replays raise nothing themselves).
@@ -991,7 +669,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
         check_errors(ours.sim.workspace)
     except RuntimeError as e:
         record["status"] = "FAIL"
-        record["notes"].append(_first_line(e))
+        record["notes"].append(first_line(e))
         return record
 
     for op in OPS:
@@ -1014,17 +692,12 @@ def _run_point(point: Point, ctx: _Context) -> dict:
     return record
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""
-
-
 # ---------------------------------------------------------------------------
 # ceiling and host cost
 # ---------------------------------------------------------------------------
 
 
-def _copy_bandwidth(clock: _Clock, device: torch.device, nbytes: int) -> float:
+def _copy_bandwidth(clock: Clock, device: torch.device, nbytes: int) -> float:
     """GB/s of a ``copy_`` of ``nbytes``, counting bytes read + written; median of COPY_REPEATS."""
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -1037,18 +710,18 @@ def _copy_bandwidth(clock: _Clock, device: torch.device, nbytes: int) -> float:
         marks.append((start, clock.mark()))
     us = statistics.median(clock.elapsed_us(marks))
     del src, dst
-    _release(device)
+    release(device)
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
-def _host_cost(preset: Preset, fp8: bool, device: torch.device,
-               clock: _Clock) -> tuple[dict[str, float], dict[str, float]]:
+def _host_cost(preset: Preset, fp8: bool, device: torch.device, clock: Clock,
+               stop: Callable[[], None]) -> tuple[dict[str, float], dict[str, float]]:
     """Median host microseconds of one eager call per op (ep 1: nothing to wait
     for): (CPU time of this thread, wall time)."""
     point = Point(preset, HOST_COST_EP, HOST_COST_TOKENS, fp8)
     gen_cpu = torch.Generator().manual_seed(SEED)
     gen_dev = torch.Generator(device=device).manual_seed(SEED)
-    s = _make_set(point, device, gen_cpu, gen_dev, _expert_owner(preset.num_experts, point.ep))
+    s = make_set(point, device, gen_cpu, gen_dev, expert_owner(preset.num_experts, point.ep))
     ours = _Ours(point, [s], device)
     sim, T, k, E = ours.sim, point.tokens, preset.top_k, preset.num_experts
     ws, meta = sim.workspace, sim.metainfo[0]
@@ -1064,6 +737,7 @@ def _host_cost(preset: Preset, fp8: bool, device: torch.device,
     cpu: dict[str, list[float]] = {name: [] for name in calls}
     wall: dict[str, list[float]] = {name: [] for name in calls}
     for it in range(HOST_COST_WARMUP + HOST_COST_CALLS):
+        stop()  # between rounds: each round ends with a combine
         for name, call in calls.items():  # dispatch, combine, dispatch, combine: the alternation holds
             start = time.perf_counter()  # outside: the CPU clock's reads cost a syscall each
             start_cpu = time.thread_time()
@@ -1079,35 +753,92 @@ def _host_cost(preset: Preset, fp8: bool, device: torch.device,
 
 
 # ---------------------------------------------------------------------------
-# output
+# the time a sweep will take
 # ---------------------------------------------------------------------------
 
+# The up-front estimate: a model of what each point runs (its steps, their
+# bytes at the copy bandwidth, the host's cost per call, the input sets).
+# The CPU constants are fitted to runs on two cores (the default sweep's
+# total within 10%, single points within a factor of about two); the CUDA
+# ones come from the H200 figures of docs/perf.md (copy ratios, the shortest
+# round trips) and have not been compared with a GPU run's wall times yet.
+# Every point's own time lands in --json (wall_s), and the summary prints
+# the sweep's time beside the estimate.
+EST_THREAD_US = 130.0  # CPU: one rank's thread started and joined, per step
+EST_BASELINE_RANK_STEP_US = {"cpu": 200.0, "cuda": 150.0}  # the baseline's ~15 torch calls per rank and step
+EST_BASELINE_EFFICIENCY = {"cpu": 0.25, "cuda": 0.5}  # its gathers and fp32 sums against a copy
+EST_OURS_EFFICIENCY = {"cpu": 1.0, "cuda": 0.8}  # our ops against a copy
+EST_KERNEL_US = 10.0  # CUDA: the shortest op on the device
+EST_SETUP_S = 0.2  # every point: workspace, reference, checks
+EST_SETUP_S_PER_RANK = {"cpu": 0.15, "cuda": 0.02}
+EST_SETUP_BYTES_PER_S = {"cpu": 4e7, "cuda": 2e9}  # seeded random inputs
+EST_CAPTURE_US_PER_CALL = 20.0  # CUDA: one rank's op call captured into a graph
+# Per iteration of _time_ops: the number of rank calls and of steps (SimulatedEP.run
+# calls), and how many times each op's bytes move (dispatch and each combine timed
+# with their partners, the two round trips).
+_OURS_CALLS, _OURS_STEPS = 10, 8
+_OURS_BYTES = {"dispatch": 5, "combine": 3, "combine-ws": 2}
+# The baseline's measurements per iteration: dispatch, combine, a round trip (two steps).
+_BASELINE_STEPS = 4
 
-class _Progress:
-    """A plain-text progress line on stderr, rewritten with ``\\r``."""
 
-    WIDTH = 30
+def _estimate_point_s(point: Point, ctx: "_Context", host_us: float) -> float:
+    """Seconds that ``_run_point`` will take for ``point`` (0 for one it will skip
+    without measuring). ``host_us``: one eager call's host wall time (CUDA)."""
+    if invalid_reason(point) is not None:
+        return 0.0
+    dev, cuda = ctx.device.type, ctx.device.type == "cuda"
+    n_sets = _num_sets(point, ctx.l2_bytes)
+    if _memory_bytes(point, n_sets, cuda) > ctx.max_bytes:
+        return 0.0
+    ep, n = point.ep, ctx.iters + ctx.warmup
+    bw = ctx.copy_gbps * 1e9
+    op_bytes = op_bytes_for(point, expected_sends(point))
+    ours_bytes = sum(times * op_bytes[op] for op, times in _OURS_BYTES.items())
+    # The baseline gathers a row per (token, expert), not per destination, and sums in fp32.
+    base_bytes = 2 * ep * point.tokens * point.preset.top_k * (point.dispatch_row_bytes + 4 * point.combine_row_bytes)
+    ours_data = ours_bytes / (bw * EST_OURS_EFFICIENCY[dev])
+    base_data = base_bytes / (bw * EST_BASELINE_EFFICIENCY[dev])
+    base_host = _BASELINE_STEPS * ep * EST_BASELINE_RANK_STEP_US[dev] * 1e-6
+    setup = (EST_SETUP_S + EST_SETUP_S_PER_RANK[dev] * ep
+             + n_sets * set_bytes(point) / EST_SETUP_BYTES_PER_S[dev])
+    if not cuda:
+        # A thread per rank and step; the ranks' copies share the memory bandwidth.
+        ours_host = _OURS_STEPS * ep * EST_THREAD_US * 1e-6
+        return setup + n * (ours_host + ours_data + base_host + base_data)
+    # CUDA eager: the host launches every rank's calls, the device runs them meanwhile.
+    ours_device = max(_OURS_CALLS * EST_KERNEL_US * 1e-6, ours_data)
+    eager = n * (max(_OURS_CALLS * ep * host_us * 1e-6, ours_device) + max(base_host, base_data))
+    # Graphs: the same device time; the two multi-step graphs run STEPS_PER_GRAPH round trips a replay.
+    round_trips = sum(op_bytes[op] for op in ("round-trip", "round-trip-ws")) / (bw * EST_OURS_EFFICIENCY[dev])
+    graphs = n * (ours_device + STEPS_PER_GRAPH * max(2 * EST_KERNEL_US * 1e-6, round_trips) + base_data)
+    captures = n_sets * ep * (_OURS_CALLS + 4 * STEPS_PER_GRAPH) * EST_CAPTURE_US_PER_CALL * 1e-6
+    # Every graph measurement first spins the device while the host queues the replays.
+    head_starts = (len(OPS) + 2 + 3) * min(MAX_HEAD_START_S, ctx.iters * max(HOST_ENQUEUE_S, HEAD_START_MARGIN
+                                                                             * ep * host_us * 1e-6))
+    return setup + eager + graphs + captures + head_starts
 
-    def __init__(self, total: int):
-        self.total, self.done, self.last_len = total, 0, 0
 
-    def phase(self, label: str, what: str) -> None:
-        filled = self.WIDTH * self.done // max(1, self.total)
-        text = f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {self.done}/{self.total} {label}: {what}"
-        sys.stderr.write("\r" + text.ljust(self.last_len))
-        sys.stderr.flush()
-        self.last_len = len(text)
-
-    def step(self) -> None:
-        self.done += 1
-
-    def close(self) -> None:
-        sys.stderr.write("\r" + " " * self.last_len + "\r")
-        sys.stderr.flush()
+def _estimate_line(points: list[Point], ctx: "_Context", host_wall: dict[str, float]) -> tuple[str, float]:
+    """The up-front line (points, skips, seconds) and the estimated seconds."""
+    host_us = max(host_wall.values()) if host_wall else 20.0
+    seconds = [_estimate_point_s(p, ctx, host_us) for p in points]
+    skipped = sum(1 for t in seconds if t == 0.0)
+    total = sum(seconds)
+    skips = f", {skipped} to be skipped (invalid or over --max-gib)" if skipped else ""
+    return (f"sweep: {len(points)} points{skips}, estimated {_duration(total)} "
+            f"(rough: from the copy bandwidth and host cost above)"), total
 
 
-def _fmt(x: Optional[float], spec: str, suffix: str = "") -> str:
-    return "-" if x is None else f"{x:{spec}}{suffix}"
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min"
+
+
+# ---------------------------------------------------------------------------
+# output
+# ---------------------------------------------------------------------------
 
 
 def _table(records: list[dict]) -> str:
@@ -1129,90 +860,33 @@ def _table(records: list[dict]) -> str:
         for op, m in rec["ops"].items():
             rows.append([
                 name, str(rec["ep"]), str(rec["tokens_per_rank"]), op,
-                _fmt(m["eager_us"], ".1f"), _fmt(m["graph_us"], ".1f"), _fmt(m.get("graph_step_us"), ".1f"),
-                _fmt(m["GBps"], ".1f"),
-                _fmt(m["copy_ratio"], ".3f"), _fmt(m["baseline_eager_us"], ".1f"),
-                _fmt(m["baseline_graph_us"], ".1f"), _fmt(m["speedup_eager"], ".2f", "x"),
-                _fmt(m["speedup_graph"], ".2f", "x"), check,
+                fmt(m["eager_us"], ".1f"), fmt(m["graph_us"], ".1f"), fmt(m.get("graph_step_us"), ".1f"),
+                fmt(m["GBps"], ".1f"),
+                fmt(m["copy_ratio"], ".3f"), fmt(m["baseline_eager_us"], ".1f"),
+                fmt(m["baseline_graph_us"], ".1f"), fmt(m["speedup_eager"], ".2f", "x"),
+                fmt(m["speedup_graph"], ".2f", "x"), check,
             ])
-    return _format_table(header, rows, left={0, 3, len(header) - 1})  # text columns left-aligned
+    return format_table(header, rows, left={0, 3, len(header) - 1})  # text columns left-aligned
 
 
-def _format_table(header: list[str], rows: list[list[str]], left: set[int]) -> str:
-    """Columns padded to their widest cell, a rule under the header; columns in ``left`` left-aligned."""
-    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-    lines = []
-    for r in [header, *rows]:
-        cells = [r[c].ljust(widths[c]) if c in left else r[c].rjust(widths[c]) for c in range(len(header))]
-        lines.append("  ".join(cells).rstrip())
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
-
-
-def _geomean(values: list[float]) -> Optional[float]:
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
-
-
-def _targets(records: list[dict], host: dict[str, float], device_type: str) -> list[str]:
-    """One line per speed target whose point this CUDA run measured (none on
-    the CPU): the value and ok or MISS."""
-    if device_type != "cuda":
-        return []
-
-    def ops_at(tokens: int) -> Optional[dict]:
-        for r in records:
-            if (r["preset"], r["fp8"], r["ep"], r["tokens_per_rank"], r["status"]) == (
-                    TARGET_PRESET, False, TARGET_EP, tokens, "ok") and r["ops"]:
-                return r["ops"]
-        return None
-
-    def verdict(value: Optional[float], bound: float, at_least: bool) -> str:
-        if value is None:
-            return "n/a"
-        return "ok" if (value >= bound if at_least else value <= bound) else "MISS"
-
-    lines = []
-    ops = ops_at(TARGET_RATIO_TOKENS)
-    for op, ratio in TARGET_MIN_COPY_RATIO.items():
-        if ops is not None:
-            got = ops[op]["copy_ratio"]
-            lines.append(f"{op} >= {ratio:.2f} x copy at {TARGET_RATIO_TOKENS} tok: {_fmt(got, '.3f')} "
-                         f"{verdict(got, ratio, at_least=True)}")
-    for tokens, limit in TARGET_ROUND_TRIP_US.items():
-        ops = ops_at(tokens)
-        if ops is not None:
-            step, replay = ops["round-trip-ws"]["graph_step_us"], ops["round-trip-ws"]["graph_us"]
-            lines.append(f"round-trip-ws <= {limit:g} us at {tokens} tok: "
-                         f"{_fmt(step, '.1f')} us per step {verdict(step, limit, at_least=False)}, "
-                         f"{_fmt(replay, '.1f')} us per replay {verdict(replay, limit, at_least=False)}")
-    if host:
-        worst = max(host.values())
-        lines.append(f"host cost <= {TARGET_HOST_US:g} us CPU time per eager call: at most {worst:.1f} us "
-                     f"{verdict(worst, TARGET_HOST_US, at_least=False)}")
-    if not lines:
-        return []
-    return [f"targets ({TARGET_PRESET} at ep {TARGET_EP}, graph timings; host cost as above):",
-            *("  " + line for line in lines)]
-
-
-def _summary(records: list[dict], copy_gbps: float, host: dict[str, float], host_wall: dict[str, float],
-             interrupted: bool, device_type: str) -> str:
+def _summary(records: list[dict], copy_gbps: Optional[float], host: dict[str, float],
+             host_wall: dict[str, float], interrupted: bool, device_type: str) -> str:
     measured = [r for r in records if r["ops"] and r["status"] == "ok"]
     failed = [r for r in records if r["status"] in ("FAIL", "error")]
     skipped = [r for r in records if r["status"] == "skipped"]
     lines = [f"summary: {len(measured)} points ok, {len(failed)} FAIL/error, {len(skipped)} skipped"
-             f"{' (interrupted)' if interrupted else ''}; copy ceiling {copy_gbps:.1f} GB/s"]
+             f"{' (interrupted)' if interrupted else ''}; copy ceiling {fmt(copy_gbps, '.1f')} GB/s"]
     for op in OPS:
         rows = [(r, r["ops"][op]) for r in measured]
         if not rows:
             continue
         best_rec, best = max(rows, key=lambda rm: rm[1]["copy_ratio"])
-        se = _geomean([m["speedup_eager"] for _, m in rows if m["speedup_eager"]])
-        sg = _geomean([m["speedup_graph"] for _, m in rows if m["speedup_graph"]])
+        se = geomean([m["speedup_eager"] for _, m in rows if m["speedup_eager"]])
+        sg = geomean([m["speedup_graph"] for _, m in rows if m["speedup_graph"]])
         lines.append(
             f"  {op:<13} best {best['copy_ratio']:.3f} x copy ({best['GBps']:.1f} GB/s, {best_rec['preset']} "
             f"ep {best_rec['ep']} x {best_rec['tokens_per_rank']} tok); speedup over plain PyTorch (geomean) "
-            f"eager {_fmt(se, '.2f', 'x')}, graph {_fmt(sg, '.2f', 'x')}"
+            f"eager {fmt(se, '.2f', 'x')}, graph {fmt(sg, '.2f', 'x')}"
         )
     if host:
         lines.append("  host cost per eager call (CPU time; wall time in brackets): "
@@ -1220,44 +894,8 @@ def _summary(records: list[dict], copy_gbps: float, host: dict[str, float], host
     for r in failed:
         lines.append(f"  {r['status']}: {r['preset']} ep {r['ep']} x {r['tokens_per_rank']} tok: "
                      f"{'; '.join(r['notes'])}")
-    lines += _targets(records, host, device_type)
+    lines += targets.single_device(records, host, device_type)
     return "\n".join(lines)
-
-
-def _plot(records: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    measured = [r for r in records if r["ops"] and r["status"] == "ok"]
-    fig, axes = plt.subplots(2, len(OPS), figsize=(4.5 * len(OPS), 8), squeeze=False)
-    series: dict[tuple, list[dict]] = {}
-    for r in measured:
-        series.setdefault((r["preset"], r["fp8"], r["ep"]), []).append(r)
-    for col, op in enumerate(OPS):
-        ratio_ax, latency_ax = axes[0][col], axes[1][col]
-        for (preset, fp8, ep), recs in sorted(series.items()):
-            recs = sorted(recs, key=lambda r: r["tokens_per_rank"])
-            tokens = [r["tokens_per_rank"] for r in recs]
-            m = [r["ops"][op] for r in recs]
-            name = f"{preset}{' fp8' if fp8 else ''} ep{ep}"
-            ratio_ax.plot(tokens, [x["copy_ratio"] for x in m], marker="o", label=name)
-            latency_ax.plot(tokens, [x["graph_us"] if x["graph_us"] is not None else x["eager_us"] for x in m],
-                            marker="o", label=name)
-        ratio_ax.set_title(op)
-        ratio_ax.set_ylabel("bandwidth / copy bandwidth")
-        latency_ax.set_ylabel("latency, us (graph, else eager)")
-        for ax in (ratio_ax, latency_ax):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("tokens per rank")
-            ax.grid(True, alpha=0.3)
-        latency_ax.set_yscale("log")
-    if measured:
-        axes[0][0].legend(fontsize="x-small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------
@@ -1265,53 +903,45 @@ def _plot(records: list[dict], path: str) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _add_preset_argument(p: argparse.ArgumentParser, default: str) -> None:
-    """--preset, repeatable, 'all' for every preset; ``default`` names what is run without it."""
-    p.add_argument("--preset", action="append", choices=[*PRESETS, "all"],
-                   help=f"model shape (repeatable; 'all' = every preset; default {default}): "
-                   + ", ".join(f"{n} (hidden {x.hidden}, {x.num_experts} experts, top-{x.top_k})"
-                               for n, x in PRESETS.items()))
+PROG = "python -m torch_moe_a2a bench"
+SUMMARY = "dispatch/combine speed, simulated EP on one device"
+DESCRIPTION = ("Dispatch/combine bandwidth and latency with simulated EP on one device (a stream per rank on CUDA, "
+               "a thread per rank on the CPU), next to a plain-PyTorch implementation of the same exchange.")
 
 
-def _preset_names(chosen: Optional[list[str]], default: list[str]) -> list[str]:
-    """The presets a --preset list names, in order, without repeats; ``default`` without one."""
-    if not chosen:
-        return default
-    return list(PRESETS) if "all" in chosen else list(dict.fromkeys(chosen))
+def _per_device(defaults: dict) -> str:
+    """'A on CUDA, B on the CPU' for a help text."""
+    def text(v: Any) -> str:
+        return " ".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+    return f"{text(defaults['cuda'])} on CUDA, {text(defaults['cpu'])} on the CPU"
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m torch_moe_a2a bench",
-        description="Dispatch/combine bandwidth and latency with simulated EP on one device (a stream per rank "
-        "on CUDA, a thread per rank on the CPU), next to a plain-PyTorch implementation of the same exchange.",
-    )
-    _add_preset_argument(p, default="all")
-    p.add_argument("--ep", type=int, nargs="+", default=list(DEFAULT_EP), help="simulated ranks (default 1 2 4 8)")
-    p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
-                   help="tokens per rank (default 1 16 128 512 2048 4096)")
-    p.add_argument("--iters", type=int, default=None,
-                   help=f"timed iterations per measurement (default {DEFAULT_ITERS}; --smoke {SMOKE_ITERS})")
-    p.add_argument("--warmup", type=int, default=None,
-                   help=f"untimed iterations first (default {DEFAULT_WARMUP}; --smoke {SMOKE_WARMUP})")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``bench`` (also used by ``python -m torch_moe_a2a``'s subcommand)."""
+    add_preset_argument(p, default="all")
+    p.add_argument("--ep", type=int_in_range(1, layout.MAX_RANKS, "ep"), nargs="+", default=None,
+                   help=f"simulated ranks, 1..{layout.MAX_RANKS} each (default {_per_device(DEFAULT_EP)})")
+    p.add_argument("--tokens", type=int_in_range(1, layout.MAX_NUM_TOKENS, "tokens"), nargs="+", default=None,
+                   help=f"tokens per rank (default {_per_device(DEFAULT_TOKENS)})")
+    p.add_argument("--iters", type=int_at_least(1, "iters"), default=None,
+                   help=f"timed iterations per measurement (default {_per_device(DEFAULT_ITERS_FOR)}; "
+                   f"--smoke {SMOKE_ITERS})")
+    p.add_argument("--warmup", type=int_at_least(0, "warmup"), default=None,
+                   help=f"untimed iterations first (default {_per_device(DEFAULT_WARMUP_FOR)}; --smoke {SMOKE_WARMUP})")
     p.add_argument("--fp8", action="store_true",
                    help=f"hidden states as float8_e4m3fn plus fp32 scales per {FP8_BLOCK} elements")
     p.add_argument("--json", metavar="PATH", help="write every number (and the copy bandwidth, device, torch) here")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG of bandwidth ratio and latency vs tokens (matplotlib)")
+    p.add_argument("--plot", metavar="PATH",
+                   help="write a PNG of bandwidth ratio and latency vs tokens, ours and the plain-PyTorch baseline "
+                   f"(needs matplotlib: {plot.INSTALL_HINT})")
     p.add_argument("--smoke", action="store_true",
                    help=f"short run: {', '.join(SMOKE_PRESETS)}, ep {' '.join(map(str, SMOKE_EP))}, tokens "
                    f"{' '.join(map(str, SMOKE_TOKENS))}, {SMOKE_ITERS} iterations")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if available, else cpu")
-    p.add_argument("--max-gib", type=float, default=None,
+    p.add_argument("--max-gib", type=positive_float("--max-gib"), default=None,
                    help="skip points needing more memory than this (default 60 on CUDA, 4 on the CPU)")
-    return p
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
 def _device_alive(device: torch.device) -> bool:
@@ -1325,101 +955,129 @@ def _device_alive(device: torch.device) -> bool:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Run the benchmark; returns 0, or 1 when a point failed its correctness check or errored."""
-    parser = _parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    """``bench`` on its own: parse ``argv`` (default sys.argv[1:]) and run."""
+    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser, parser.parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run the benchmark; returns 0, or 1 when a point failed its correctness
+    check or errored. Argument errors go through ``parser.error`` (exit 2)."""
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device available to this torch")
+        parser.error(f"--device cuda: {NO_CUDA}")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        parser.error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
+    if args.plot and not plot.available():
+        parser.error(plot.MISSING)  # before the run, not after it
+    check_output_path(parser, "--json", args.json)
+    check_output_path(parser, "--plot", args.plot)
     if args.smoke:
         names, eps, tokens = list(SMOKE_PRESETS), list(SMOKE_EP), list(SMOKE_TOKENS)
         iters = SMOKE_ITERS if args.iters is None else args.iters
         warmup = SMOKE_WARMUP if args.warmup is None else args.warmup
     else:
-        names = _preset_names(args.preset, default=list(PRESETS))
-        eps, tokens = args.ep, args.tokens
-        iters = DEFAULT_ITERS if args.iters is None else args.iters
-        warmup = DEFAULT_WARMUP if args.warmup is None else args.warmup
-    if iters < 1 or warmup < 0:
-        parser.error("--iters must be >= 1 and --warmup >= 0")
+        names = preset_names(args.preset, default=list(PRESETS))
+        eps = list(DEFAULT_EP[device.type]) if args.ep is None else args.ep
+        tokens = list(DEFAULT_TOKENS[device.type]) if args.tokens is None else args.tokens
+        iters = DEFAULT_ITERS_FOR[device.type] if args.iters is None else args.iters
+        warmup = DEFAULT_WARMUP_FOR[device.type] if args.warmup is None else args.warmup
     max_gib = DEFAULT_MAX_GIB[device.type] if args.max_gib is None else args.max_gib
     points = [Point(PRESETS[n], e, t, args.fp8) for n in names for e in eps for t in tokens]
+    started_at = datetime.datetime.now().astimezone()
 
-    clock = _Clock(device)
-    l2 = L2_BYTES_DEFAULT
-    if device.type == "cuda":
-        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or L2_BYTES_DEFAULT
+    clock = Clock(device)
+    l2 = l2_bytes(device)
     steps = "a CUDA stream per rank" if device.type == "cuda" else "a thread per rank"
-    print(f"torch-moe-a2a bench: {_device_name(device)}, torch {torch.__version__}; simulated EP ({steps}); "
+    print(f"torch-moe-a2a bench: {device_name(device)}, torch {torch.__version__}; simulated EP ({steps}); "
           f"median of {iters} iterations after {warmup}", flush=True)
     copy_bytes = min(COPY_BYTES[device.type], int(max_gib * GIB) // 4)
-    copy_gbps = _copy_bandwidth(clock, device, copy_bytes)
-    print(f"copy ceiling: {copy_gbps:.1f} GB/s (copy_ of {copy_bytes / MIB:.0f} MiB, bytes read + written, "
-          f"median of {COPY_REPEATS})", flush=True)
-
-    progress = _Progress(len(points))
-    ctx = _Context(device, clock, iters, warmup, int(max_gib * GIB), l2, copy_gbps, progress,
-                   graphs=device.type == "cuda")
+    copy_gbps: Optional[float] = None
     host: dict[str, float] = {}
     host_wall: dict[str, float] = {}
     records: list[dict] = []
-    interrupted = False
-    try:
-        progress.phase(f"host cost (ep {HOST_COST_EP}, {HOST_COST_TOKENS} tok)", "eager calls")
+    progress: Optional[Progress] = None
+    estimate_s = 0.0
+    sweep_start = time.perf_counter()
+    # SIGINT and SIGTERM stop the run between two steps; what was measured by
+    # then is reported as usual (table, summary, --json, --plot), and the exit
+    # code says which signal stopped it.
+    with StopSignals() as stop:
         try:
-            host, host_wall = _host_cost(PRESETS[names[0]], args.fp8, device, clock)
-        except Exception as e:  # noqa: BLE001 - reported; the sweep still runs
-            print(f"host cost: {type(e).__name__}: {_first_line(e)}", flush=True)
-        for point in points:
+            copy_gbps = _copy_bandwidth(clock, device, copy_bytes)
+            print(f"copy ceiling: {copy_gbps:.1f} GB/s (copy_ of {copy_bytes / MIB:.0f} MiB, bytes read + "
+                  f"written, median of {COPY_REPEATS})", flush=True)
+            stop.check()
+            # The progress display starts with the sweep; the host cost and the estimate come first.
+            ctx = _Context(device, clock, iters, warmup, int(max_gib * GIB), l2, copy_gbps, QuietProgress(),
+                           graphs=device.type == "cuda", stop=stop.check)
             try:
-                record = _run_point(point, ctx)
-            except Exception as e:  # noqa: BLE001 - one broken point must not hide the others
-                record = _new_record(point)
-                record.update(status="error", notes=[f"{type(e).__name__}: {_first_line(e)}"], ops={})
-            records.append(record)
-            progress.step()
-            _release_quietly(device)
-            if not _device_alive(device):
-                record["notes"].append("the CUDA context is broken; the sweep stops here")
-                break
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        progress.close()
+                host, host_wall = _host_cost(PRESETS[names[0]], args.fp8, device, clock, stop.check)
+            except Exception as e:  # noqa: BLE001 - reported; the sweep still runs
+                print(f"host cost: {type(e).__name__}: {first_line(e)}", flush=True)
+            line, estimate_s = _estimate_line(points, ctx, host_wall)
+            print(line, flush=True)
+            ctx.progress = progress = Progress(len(points))
+            sweep_start = time.perf_counter()
+            for point in points:
+                stop.check()
+                started = time.perf_counter()
+                try:
+                    record = _run_point(point, ctx)
+                except Exception as e:  # noqa: BLE001 - one broken point must not hide the others
+                    record = new_record(point)
+                    record.update(status="error", notes=[f"{type(e).__name__}: {first_line(e)}"], ops={})
+                record["wall_s"] = time.perf_counter() - started  # what the next run's estimate can be checked against
+                records.append(record)
+                progress.step(point.label())
+                _release_quietly(device)
+                if not _device_alive(device):
+                    record["notes"].append("the CUDA context is broken; the sweep stops here")
+                    break
+        except Interrupted:
+            pass  # the point in progress is dropped; the ones before it stand
+        except KeyboardInterrupt:  # a second signal, or Ctrl-C outside the main thread's handlers
+            stop.signum = stop.signum or signal.SIGINT
+        finally:
+            if progress is not None:
+                progress.close()
+        sweep_s = time.perf_counter() - sweep_start
+        interrupted = stop.signum is not None
 
-    table = _table(records)
-    summary = _summary(records, copy_gbps, host, host_wall, interrupted, device.type)
-    if args.smoke:  # scripts/gpu_check.sh shows the tail: the table goes last
-        print(summary)
+        # Table, then summary, in every mode: the summary (and its targets) is the last thing on the screen.
+        summary = _summary(records, copy_gbps, host, host_wall, interrupted, device.type)
+        summary += f"\n  time: {_duration(sweep_s)} for {len(records)} of {len(points)} points (estimated " \
+                   f"{_duration(estimate_s)} for all)"
+        if interrupted:
+            summary += f"\n  stopped by {signal.Signals(stop.signum).name}: {len(points) - len(records)} points not run"
+        print(_table(records))
         print()
-        print(table)
-    else:
-        print(table)
-        print()
         print(summary)
-    sys.stdout.flush()
+        sys.stdout.flush()
 
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({
-                "device": _device_name(device), "device_type": device.type, "torch": torch.__version__,
-                "copy_bandwidth_GBps": copy_gbps, "copy_bytes": copy_bytes, "l2_bytes": l2,
-                "iters": iters, "warmup": warmup, "fp8": args.fp8, "max_gib": max_gib,
-                "host_cost_us": host, "host_wall_us": host_wall, "interrupted": interrupted, "points": records,
-                "targets": _targets(records, host, device.type),
-            }, f, indent=2)
-    if args.plot:
-        _plot(records, args.plot)
+        data = {
+            "device": device_name(device), "device_type": device.type, "torch": torch.__version__,
+            "date": started_at.isoformat(timespec="seconds"),
+            "copy_bandwidth_GBps": copy_gbps, "copy_bytes": copy_bytes, "l2_bytes": l2,
+            "iters": iters, "warmup": warmup, "fp8": args.fp8, "max_gib": max_gib,
+            "host_cost_us": host, "host_wall_us": host_wall, "interrupted": interrupted,
+            "stopped_by": signal.Signals(stop.signum).name if interrupted else None,
+            "points_planned": len(points), "sweep_s": sweep_s, "estimated_sweep_s": estimate_s,
+            "points": records, "targets": targets.single_device(records, host, device.type),
+        }
+        if args.json:
+            write_json(args.json, data)
+        if args.plot:
+            plot.plot(data, args.plot)
+    if interrupted:
+        return stop.exit_code
     failed = any(r["status"] in ("FAIL", "error") for r in records)
-    return 1 if failed or interrupted else 0
+    return 1 if failed else 0
 
 
 def _release_quietly(device: torch.device) -> None:
     try:
-        _release(device)
+        release(device)
     except Exception:  # noqa: BLE001 - _device_alive reports a broken context next
         pass

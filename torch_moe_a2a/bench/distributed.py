@@ -6,7 +6,7 @@ NCCL's own all-to-all on equal bytes (DESIGN.md section 8).
 What is measured, for every point (model preset, tokens per rank; ep is the
 world size of the launch):
 
-- ops (``bench.OPS``): ``dispatch``; ``combine`` (expert outputs in a tensor
+- ops (``common.OPS``): ``dispatch``; ``combine`` (expert outputs in a tensor
   of their own, staged by the op); ``combine-ws`` (payload already in the
   workspace); ``round-trip`` = dispatch + combine; ``round-trip-ws`` =
   dispatch + combine-ws. The functional API on ``allocate_workspace(group=
@@ -23,7 +23,7 @@ world size of the launch):
   before an exchange in a model: without it the timing also holds the host
   tail of NCCL's ``all_reduce`` call (on two H200s, 128 tokens: 77 to 123 us
   eager against 18 to 23 us graph for our ops). What the host spends per
-  call is ``bench``'s host-cost column; a call that synchronizes with the
+  call is the single-device ``bench``'s host-cost column; a call that synchronizes with the
   host (the baseline's split sizes) still waits for the GPU. The reported time
   is the max over ranks of each rank's median over ``--iters`` iterations
   after ``--warmup``: an exchange is done when its slowest rank is.
@@ -49,7 +49,7 @@ world size of the launch):
   the same bytes (each rank sends the op's mean send bytes, in equal chunks
   to every peer): over NCCL, the link's all-to-all bandwidth. x ceiling =
   our GB/s per GPU / the ceiling's. Op -> baseline and ceiling:
-  ``bench.BASELINE_OF`` (both combines against one).
+  ``common.BASELINE_OF`` (both combines against one).
 - correctness: before timing, one round trip of ours (dispatch, combine,
   dispatch, combine-ws) and of the baseline on input set 0 is compared with
   :mod:`torch_moe_a2a.reference` on every rank (each rank its own receive
@@ -57,10 +57,10 @@ world size of the launch):
   a graph replay must equal the eager result and no rank may have recorded a
   timed-out wait.
 
-Inputs: the single-device benchmark's (``bench._make_set``), seeded and built
+Inputs: the single-device benchmark's (``common.make_set``), seeded and built
 identically in every process (every process builds every rank's inputs for
 the reference, then keeps its own). Input sets rotate so that one GPU's
-inputs exceed its L2 cache twice where ``bench.MAX_SETS`` sets suffice.
+inputs exceed its L2 cache twice where ``common.MAX_SETS`` sets suffice.
 
 Processes sharing a GPU (more ranks on a host than GPUs, e.g. the one-GPU dry
 run of scripts/multi_gpu.sh): gloo carries everything (NCCL refuses two ranks
@@ -87,8 +87,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import layout
-from .api import (
+from .. import layout
+from ..api import (
     check_errors,
     moe_a2a_combine,
     moe_a2a_dispatch,
@@ -97,42 +97,51 @@ from .api import (
     moe_a2a_initialize,
     moe_a2a_wrap_payload_tensor_in_workspace,
 )
-from .bench import (
+from ..collective import TorchGroupCollective
+from ..reference import reference_combine, reference_dispatch
+from ..workspace import allocate_workspace, cuda_workspace_granularity
+from . import targets
+from .common import (
     BASELINE_OF,
     DEFAULT_ITERS,
     DEFAULT_MAX_GIB,
     DEFAULT_WARMUP,
-    FP8_DTYPE,
     GIB,
-    L2_BYTES_DEFAULT,
+    NO_CUDA,
     OPS,
     PRESETS,
     SEED,
+    Clock,
     InputSet,
+    OpGraphs,
     Point,
-    _add_preset_argument,
-    _Clock,
-    _combine_mismatch,
-    _device_name,
-    _expert_owner,
-    _first_line,
-    _fmt,
-    _format_table,
-    _invalid_reason,
-    _make_set,
-    _num_sets_for,
-    _OpGraphs,
-    _preset_names,
-    _Progress,
-    _recv_mismatch,
-    _release,
-    _routes_by_destination,
-    _set_bytes,
-    _time_ops,
+    Progress,
+    QuietProgress,
+    add_preset_argument,
+    check_output_path,
+    combine_mismatch,
+    device_name,
+    expert_owner,
+    first_line,
+    fmt,
+    format_table,
+    int_at_least,
+    int_in_range,
+    invalid_reason,
+    l2_bytes,
+    make_set,
+    new_record,
+    num_sets_for,
+    positive_float,
+    preset_names,
+    recv_mismatch,
+    reference_payloads,
+    release,
+    routes_by_destination,
+    set_bytes,
+    time_ops,
+    write_json,
 )
-from .collective import TorchGroupCollective
-from .reference import reference_combine, reference_dispatch
-from .workspace import allocate_workspace, cuda_workspace_granularity
 
 DEFAULT_PRESET = "deepseek-v3"
 DEFAULT_TOKENS = (128, 4096)
@@ -159,15 +168,6 @@ CEILING_CHUNK_ALIGN = 16
 # One rank's text (errors, notes) in a gather.
 TEXT_BYTES = 4096
 
-# The issue's targets: dispatch and combine at >= 0.85 x NCCL's all-to-all
-# bandwidth at 4096 tokens per rank, >= 3x faster than the all_to_all_single
-# baseline at 128 tokens per rank (eager against eager: both called from Python).
-TARGET_OPS = ("dispatch", "combine", "combine-ws")
-TARGET_CEILING_RATIO = 0.85
-TARGET_CEILING_TOKENS = 4096
-TARGET_SPEEDUP = 3.0
-TARGET_SPEEDUP_TOKENS = 128
-
 
 # ---------------------------------------------------------------------------
 # the process: rank, device, group
@@ -175,7 +175,7 @@ TARGET_SPEEDUP_TOKENS = 128
 
 
 @dataclass(frozen=True)
-class _Process:
+class Process:
     """This process's place in the launch."""
 
     rank: int
@@ -215,19 +215,19 @@ def _launch_env() -> Optional[tuple[int, int, int, int]]:
     return rank, world, local_rank, local_world
 
 
-def _process(choice: str, rank: int, world: int, local_rank: int, local_world: int) -> _Process:
+def _process(choice: str, rank: int, world: int, local_rank: int, local_world: int) -> Process:
     """The device (cuda:LOCAL_RANK, modulo the GPUs when there are fewer) and the backend."""
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cpu":
-        return _Process(rank, world, torch.device("cpu"), 0, 1, BACKEND_GLOO)
+        return Process(rank, world, torch.device("cpu"), 0, 1, BACKEND_GLOO)
     gpus = torch.cuda.device_count()
     ranks_per_gpu = -(-local_world // gpus)
     backend = BACKEND_GPU_PER_RANK if ranks_per_gpu == 1 else BACKEND_GLOO
-    return _Process(rank, world, torch.device("cuda", local_rank % gpus), gpus, ranks_per_gpu, backend)
+    return Process(rank, world, torch.device("cuda", local_rank % gpus), gpus, ranks_per_gpu, backend)
 
 
-def _meet(proc: _Process) -> None:
+def _meet(proc: Process) -> None:
     """Every rank here with an idle device (host barrier through gloo)."""
     if proc.cuda:
         torch.cuda.synchronize(proc.device)
@@ -296,7 +296,7 @@ def _rank_memory_bytes(point: Point, n_sets: int) -> int:
     """
     ep, T, k = point.ep, point.tokens, point.preset.top_k
     drow, crow = point.dispatch_row_bytes, point.combine_row_bytes
-    check = n_sets * _set_bytes(point) + point.expert_rows * drow + 2 * ep * T * crow
+    check = n_sets * set_bytes(point) + point.expert_rows * drow + 2 * ep * T * crow
     sent_rows = T * min(k, ep)  # a token goes to each destination rank once
     baseline = 2 * sent_rows * drow + ep * T * drow + 3 * sent_rows * crow + 3 * T * crow
     ceiling = 2 * ep * (sent_rows * (drow + crow) // (ep - 1) + 1)  # send + receive buffers
@@ -396,7 +396,7 @@ class _A2ABaseline:
     without this library would write it.
 
     dispatch: destinations from the expert ids (owner table, a token's
-    repeated destinations dropped) sorted by rank (``bench._routes_by_destination``),
+    repeated destinations dropped) sorted by rank (``common.routes_by_destination``),
     the per-destination counts exchanged with one all_to_all_single and
     brought to the host (the split sizes), the payload rows gathered in that
     order and packed into one byte row each, then one all_to_all_single with
@@ -415,7 +415,7 @@ class _A2ABaseline:
 
     def plan(self, ids: Tensor) -> _Plan:
         ep, k = self.point.ep, self.point.preset.top_k
-        _, order, counts = _routes_by_destination(ids, self.owner, ep)
+        _, order, counts = routes_by_destination(ids, self.owner, ep)
         send = counts[:ep].contiguous()
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send)  # the counts exchange
@@ -479,10 +479,10 @@ class _Ceiling:
 # ---------------------------------------------------------------------------
 
 
-class _Timer:
+class Timer:
     """Times one rank's part of a collective step (see the module docstring)."""
 
-    def __init__(self, proc: _Process, clock: _Clock, iters: int, warmup: int):
+    def __init__(self, proc: Process, clock: Clock, iters: int, warmup: int):
         self.proc, self.clock, self.iters, self.warmup = proc, clock, iters, warmup
         self._align = torch.zeros(1, device=proc.device) if proc.nccl else None
 
@@ -535,10 +535,8 @@ class _Expected:
 
 
 def _reference(point: Point, s: InputSet, rank: int) -> _Expected:
-    # fp8 rows go to the reference as their bytes (compared bytewise anyway).
-    payloads = [[pl.view(torch.uint8) if pl.dtype == FP8_DTYPE else pl for pl in rank_pl] for rank_pl in s.payloads]
-    ref = reference_dispatch(s.ids, payloads, ep_size=point.ep, num_experts=point.preset.num_experts,
-                             runtime_max_tokens_per_rank=point.tokens)
+    ref = reference_dispatch(s.ids, reference_payloads(s.payloads), ep_size=point.ep,
+                             num_experts=point.preset.num_experts, runtime_max_tokens_per_rank=point.tokens)
     out = reference_combine(s.expert_out, ref, [point.tokens] * point.ep)
     return _Expected(ref.recv[rank], ref.recv_counts[rank], out[rank])
 
@@ -561,11 +559,11 @@ def _check_ours(ours: _OursRank, expected: _Expected, names: list[str]) -> tuple
     elif not torch.equal(counts, expected.recv_counts.cpu()):
         errors.append(f"recv counts {counts.tolist()} != reference {expected.recv_counts.tolist()}")
     else:
-        bad = _recv_mismatch(recv, expected.recv, counts, names)
+        bad = recv_mismatch(recv, expected.recv, counts, names)
         if bad is not None:
             errors.append(f"received {bad} differs from the reference")
     for what, got in (("combine", out), ("combine-ws", out_ws)):
-        error, bitwise = _combine_mismatch([got], [expected.out], [rank])
+        error, bitwise = combine_mismatch([got], [expected.out], [rank])
         if error is not None:
             errors.append(f"{what}: {error}")
         elif not bitwise:
@@ -581,10 +579,10 @@ def _check_baseline(base: _A2ABaseline, expected: _Expected, names: list[str], r
     if plan.recv_counts != expected.recv_counts.tolist():
         return f"baseline recv counts {plan.recv_counts} != reference {expected.recv_counts.tolist()}"
     counts = torch.tensor(plan.recv_counts)
-    bad = _recv_mismatch(base.padded_views(received, plan.recv_counts), expected.recv, counts, names)
+    bad = recv_mismatch(base.padded_views(received, plan.recv_counts), expected.recv, counts, names)
     if bad is not None:
         return f"baseline: received {bad} differs from the reference"
-    error, _ = _combine_mismatch([out], [expected.out], [rank])
+    error, _ = combine_mismatch([out], [expected.out], [rank])
     return None if error is None else f"baseline {error}"
 
 
@@ -607,20 +605,12 @@ def _check_same_inputs(s: InputSet) -> None:
 
 @dataclass
 class _Context:
-    proc: _Process
-    timer: _Timer
+    proc: Process
+    timer: Timer
     max_bytes: int
     l2_bytes: int
     a2a_unavailable: Optional[str]  # why the baseline and the ceiling cannot run, or None
     progress: Any
-
-
-def _new_record(point: Point) -> dict:
-    p = point.preset
-    return {
-        "preset": p.name, "ep": point.ep, "tokens_per_rank": point.tokens, "hidden": p.hidden,
-        "num_experts": p.num_experts, "top_k": p.top_k, "fp8": point.fp8, "status": "ok", "notes": [], "ops": {},
-    }
 
 
 def _fits(point: Point, n_sets: int, ctx: _Context) -> Optional[str]:
@@ -641,13 +631,13 @@ def _run_point(point: Point, ctx: _Context) -> dict:
     """Every rank runs this in step; every rank returns the same record."""
     proc, timer = ctx.proc, ctx.timer
     device, rank, ep = proc.device, proc.rank, point.ep
-    record = _new_record(point)
+    record = new_record(point)
     label = point.label()
-    reason = _invalid_reason(point)
+    reason = invalid_reason(point)
     if reason is not None:
         record.update(status="skipped", notes=[reason])
         return record
-    n_sets = _num_sets_for(_rank_set_bytes(point), ctx.l2_bytes)
+    n_sets = num_sets_for(_rank_set_bytes(point), ctx.l2_bytes)
     record.update(input_sets=n_sets, memory_estimate_gib=_rank_memory_bytes(point, n_sets) / GIB)
     reason = _fits(point, n_sets, ctx)
     if reason is not None:
@@ -657,8 +647,8 @@ def _run_point(point: Point, ctx: _Context) -> dict:
     ctx.progress.phase(label, "inputs")
     gen_cpu = torch.Generator().manual_seed(SEED)
     gen_dev = torch.Generator(device=device).manual_seed(SEED)
-    owner = _expert_owner(point.preset.num_experts, ep)
-    sets = [_make_set(point, device, gen_cpu, gen_dev, owner) for _ in range(n_sets)]
+    owner = expert_owner(point.preset.num_experts, ep)
+    sets = [make_set(point, device, gen_cpu, gen_dev, owner) for _ in range(n_sets)]
     _check_same_inputs(sets[0])
     pair_counts = [_pair_counts(s.ids, owner) for s in sets]
     send = _send_bytes(point, pair_counts)
@@ -704,7 +694,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
 
     mine: dict[str, float] = {}  # this rank's medians, "kind/op"
     ctx.progress.phase(label, "eager")
-    mine.update({f"eager/{op}": us for op, us in _time_ops(measure, ours).items()})
+    mine.update({f"eager/{op}": us for op, us in time_ops(measure, ours).items()})
     if base_ok:
         ctx.progress.phase(label, "all_to_all_single baseline")
         mine["baseline/dispatch"] = measure(base.dispatch)
@@ -723,7 +713,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
 
     if proc.cuda:
         _meet(proc)
-        _release(device)
+        release(device)
         ctx.progress.phase(label, "graph")
         graph_us, graph_notes, replay_differs = _measure_graphs(ours, n_sets, measure, eager_out, proc)
         mine.update({f"graph/{op}": us for op, us in graph_us.items()})
@@ -738,7 +728,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
     try:
         check_errors(workspace)
     except RuntimeError as e:
-        timeout_error = _first_line(e)
+        timeout_error = first_line(e)
     timeouts = _by_rank(_gather_text(timeout_error))
     if timeouts:
         record.update(status="FAIL", notes=record["notes"] + timeouts)
@@ -752,7 +742,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
 
 
 def _measure_graphs(ours: _OursRank, n_sets: int, measure: Callable, eager_out: Tensor,
-                    proc: _Process) -> tuple[dict[str, float], list[str], bool]:
+                    proc: Process) -> tuple[dict[str, float], list[str], bool]:
     """(this rank's median graph replay time per op, notes, whether a replay
     differed from the eager call on some rank); the same notes and verdict
     on every rank.
@@ -761,13 +751,13 @@ def _measure_graphs(ours: _OursRank, n_sets: int, measure: Callable, eager_out: 
     any replay (a replay waits for the peers' replays)."""
     error = ""
     try:
-        graphs = _OpGraphs(ours, n_sets, _capture)
+        graphs = OpGraphs(ours, n_sets, _capture)
     except Exception as e:  # noqa: BLE001 - reported; the eager numbers stand
-        error = f"{type(e).__name__}: {_first_line(e)}"
+        error = f"{type(e).__name__}: {first_line(e)}"
     failures = _by_rank(_gather_text(error))
     if failures:
         return {}, ["graph capture failed, no graph timings: " + "; ".join(failures)], False
-    graph_us = _time_ops(measure, graphs)
+    graph_us = time_ops(measure, graphs)
     # The replays must compute what the (reference-checked) eager calls computed.
     _meet(proc)
     graphs.dispatch(0)
@@ -818,24 +808,6 @@ def _op_results(send: dict[str, list[float]], by_rank: dict[str, list[float]], c
 # ---------------------------------------------------------------------------
 
 
-def _target(record: dict, op: str, applies: bool) -> str:
-    """The issue's target for this row ('... ok', '... MISS'; '' where the row has none);
-    ``applies``: one GPU per process (else the verdict is marked as not applying)."""
-    if op not in TARGET_OPS or record["status"] != "ok" or op not in record["ops"]:
-        return ""
-    m = record["ops"][op]
-    if record["tokens_per_rank"] == TARGET_CEILING_TOKENS:
-        value, goal, what = m["ceiling_ratio"], TARGET_CEILING_RATIO, "x ceiling"
-    elif record["tokens_per_rank"] == TARGET_SPEEDUP_TOKENS:
-        value, goal, what = m["speedup_eager"], TARGET_SPEEDUP, "speedup"
-    else:
-        return ""
-    if value is None:
-        return f"{what} >= {goal:g}: not measured"
-    verdict = "ok" if value >= goal else "MISS"
-    return f"{what} >= {goal:g}: {verdict}" + ("" if applies else " (n/a: not a GPU per process)")
-
-
 def _table(records: list[dict], applies: bool) -> str:
     header = ["preset", "ep", "tok/rank", "op", "eager us", "graph us", "send MB/GPU", "GB/s/GPU", "ceiling GB/s",
               "x ceiling", "base us", "speedup eager", "speedup graph", "check", "target"]
@@ -849,30 +821,14 @@ def _table(records: list[dict], applies: bool) -> str:
             continue
         for op, m in rec["ops"].items():
             rows.append([
-                name, str(rec["ep"]), str(rec["tokens_per_rank"]), op, _fmt(m["eager_us"], ".1f"),
-                _fmt(m["graph_us"], ".1f"), _fmt(m["send_bytes"] / 1e6, ".3f"), _fmt(m["GBps_per_gpu"], ".1f"),
-                _fmt(m["ceiling_GBps_per_gpu"], ".1f"), _fmt(m["ceiling_ratio"], ".3f"),
-                _fmt(m["baseline_eager_us"], ".1f"), _fmt(m["speedup_eager"], ".2f", "x"),
-                _fmt(m["speedup_graph"], ".2f", "x"), check, _target(rec, op, applies),
+                name, str(rec["ep"]), str(rec["tokens_per_rank"]), op, fmt(m["eager_us"], ".1f"),
+                fmt(m["graph_us"], ".1f"), fmt(m["send_bytes"] / 1e6, ".3f"), fmt(m["GBps_per_gpu"], ".1f"),
+                fmt(m["ceiling_GBps_per_gpu"], ".1f"), fmt(m["ceiling_ratio"], ".3f"),
+                fmt(m["baseline_eager_us"], ".1f"), fmt(m["speedup_eager"], ".2f", "x"),
+                fmt(m["speedup_graph"], ".2f", "x"), check, targets.distributed_row(rec, op, applies),
             ])
             check = rec["status"]
-    return _format_table(header, rows, left={0, 3, 13, 14})
-
-
-def _targets_line(records: list[dict], applies: bool) -> str:
-    verdicts = []
-    for rec in records:
-        for op in TARGET_OPS:
-            verdict = _target(rec, op, applies)
-            if verdict:
-                verdicts.append(verdict)
-    missed = sum(": MISS" in v for v in verdicts)
-    if not verdicts:
-        return "targets: no point at 128 or 4096 tokens per rank measured"
-    note = "" if applies else " (n/a: the targets are for one GPU per process)"
-    return (f"targets (x ceiling >= {TARGET_CEILING_RATIO:g} at {TARGET_CEILING_TOKENS} tok/rank, speedup >= "
-            f"{TARGET_SPEEDUP:g} at {TARGET_SPEEDUP_TOKENS}; {', '.join(TARGET_OPS)}): "
-            f"{len(verdicts) - missed} ok, {missed} MISS{note}")
+    return format_table(header, rows, left={0, 3, 13, 14})
 
 
 def summary(paths: list[str]) -> int:
@@ -895,14 +851,14 @@ def summary(paths: list[str]) -> int:
             for op in ("dispatch", "combine", "combine-ws", "round-trip-ws"):
                 m = rec["ops"][op]
                 best = m["graph_us"] if m["graph_us"] is not None else m["eager_us"]
-                rows.append([name, str(rec["ep"]), str(rec["tokens_per_rank"]), op, _fmt(best, ".1f"),
-                             _fmt(m["GBps_per_gpu"], ".1f"), _fmt(m["ceiling_ratio"], ".3f"),
-                             _fmt(m["speedup_eager"], ".2f", "x"), _fmt(m["speedup_graph"], ".2f", "x"),
-                             _target(rec, op, applies)])
+                rows.append([name, str(rec["ep"]), str(rec["tokens_per_rank"]), op, fmt(best, ".1f"),
+                             fmt(m["GBps_per_gpu"], ".1f"), fmt(m["ceiling_ratio"], ".3f"),
+                             fmt(m["speedup_eager"], ".2f", "x"), fmt(m["speedup_graph"], ".2f", "x"),
+                             targets.distributed_row(rec, op, applies)])
     if not rows:
         print("bench-dist summary: no points", file=sys.stderr)
         return 1
-    print(_format_table(header, rows, left={0, 3, 9}))
+    print(format_table(header, rows, left={0, 3, 9}))
     for line in lines:
         print(line)
     return 0
@@ -913,34 +869,35 @@ def summary(paths: list[str]) -> int:
 # ---------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="torchrun --nproc-per-node N -m torch_moe_a2a bench-dist",
-        description="Dispatch/combine with one rank per process (cuda:LOCAL_RANK, or CPU processes with gloo), "
-        "next to the same exchange with torch.distributed.all_to_all_single and NCCL's all-to-all on equal "
-        "bytes (the link ceiling). ep = the number of processes. Rank 0 prints the table.",
-    )
-    _add_preset_argument(p, default=DEFAULT_PRESET)
-    p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
-                   help=f"tokens per rank (default {' '.join(map(str, DEFAULT_TOKENS))})")
-    p.add_argument("--iters", type=int, default=DEFAULT_ITERS,
+PROG = "torchrun --nproc-per-node N -m torch_moe_a2a bench-dist"
+SUMMARY = "dispatch/combine speed, one rank per process (torchrun)"
+DESCRIPTION = ("Dispatch/combine with one rank per process (cuda:LOCAL_RANK, or CPU processes with gloo), next to "
+               "the same exchange with torch.distributed.all_to_all_single and NCCL's all-to-all on equal bytes "
+               "(the link ceiling). ep = the number of processes. Rank 0 prints the table.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``bench-dist`` (also used by ``python -m torch_moe_a2a``'s subcommand)."""
+    add_preset_argument(p, default=DEFAULT_PRESET)
+    p.add_argument("--tokens", type=int_in_range(1, layout.MAX_NUM_TOKENS, "tokens"), nargs="+",
+                   default=list(DEFAULT_TOKENS), help=f"tokens per rank (default {' '.join(map(str, DEFAULT_TOKENS))})")
+    p.add_argument("--iters", type=int_at_least(1, "iters"), default=DEFAULT_ITERS,
                    help=f"timed iterations per measurement (default {DEFAULT_ITERS})")
-    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
+    p.add_argument("--warmup", type=int_at_least(0, "warmup"), default=DEFAULT_WARMUP,
                    help=f"untimed iterations first (default {DEFAULT_WARMUP})")
     p.add_argument("--fp8", action="store_true", help="hidden states as float8_e4m3fn plus fp32 scales")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes every number here")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda:LOCAL_RANK if there is a GPU, else CPU processes (gloo, shared memory)")
-    p.add_argument("--max-gib", type=float, default=None,
+    p.add_argument("--max-gib", type=positive_float("--max-gib"), default=None,
                    help="skip points needing more memory per rank than this (default 60 on CUDA, 4 on the CPU)")
     p.add_argument("--init-method", default="env://",
                    help="torch.distributed rendezvous (default env://: MASTER_ADDR/MASTER_PORT from torchrun)")
     p.add_argument("--summary", nargs="+", metavar="JSON",
                    help="no benchmark: print one short table over these --json files (no torchrun needed)")
-    return p
 
 
-def _probe_all_to_all(proc: _Process) -> Optional[str]:
+def _probe_all_to_all(proc: Process) -> Optional[str]:
     """None when all_to_all_single works on the default group for tensors on
     this device (uneven splits, checked), else why not (the same on every rank)."""
     rank, world = proc.rank, proc.world
@@ -953,29 +910,22 @@ def _probe_all_to_all(proc: _Process) -> Optional[str]:
         if not torch.equal(recv.cpu(), expected):
             error = "all_to_all_single returned wrong data"
     except (RuntimeError, NotImplementedError, ValueError) as e:
-        error = f"{type(e).__name__}: {_first_line(e)}"
+        error = f"{type(e).__name__}: {first_line(e)}"
     failures = _by_rank(_gather_text(error))
     return "; ".join(failures) if failures else None
 
 
-class _Quiet:
-    """The progress line of the ranks other than 0: nothing."""
-
-    def phase(self, label: str, what: str) -> None:
-        pass
-
-    def step(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def main(argv: Optional[list[str]] = None) -> int:
+    """``bench-dist`` on its own: parse ``argv`` (default sys.argv[1:]) and run."""
+    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser, parser.parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Run as one rank of a torchrun launch; returns 0, or 1 when a point
-    failed its check or errored (the same on every rank); 2 on bad usage."""
-    parser = _parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    failed its check or errored (the same on every rank); 2 on a launch
+    without torchrun. Argument errors go through ``parser.error`` (exit 2)."""
     if args.summary:
         return summary(args.summary)
     launch = _launch_env()
@@ -988,12 +938,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"bench-dist measures an exchange between processes: WORLD_SIZE is {world}, launch 2 or more "
               "(python -m torch_moe_a2a bench measures one process)", file=sys.stderr)
         return 2
-    if args.iters < 1 or args.warmup < 0:
-        print("--iters must be >= 1 and --warmup >= 0", file=sys.stderr)
-        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: no CUDA device available to this torch", file=sys.stderr)
-        return 2
+        parser.error(f"--device cuda: {NO_CUDA}")
+    if rank == 0:  # the one that writes it (another host may not have the folder); torchrun ends the others
+        check_output_path(parser, "--json", args.json)
 
     proc = _process(args.device, rank, world, local_rank, local_world)
     if proc.cuda:
@@ -1007,19 +955,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         dist.destroy_process_group()
 
 
-def _run(args: argparse.Namespace, proc: _Process) -> int:
+def _run(args: argparse.Namespace, proc: Process) -> int:
     device, world = proc.device, proc.world
-    names = _preset_names(args.preset, default=[DEFAULT_PRESET])
+    names = preset_names(args.preset, default=[DEFAULT_PRESET])
     points = [Point(PRESETS[n], world, t, args.fp8) for n in names for t in args.tokens]
     max_gib = DEFAULT_MAX_GIB[device.type] if args.max_gib is None else args.max_gib
-    l2 = L2_BYTES_DEFAULT
-    if proc.cuda:
-        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or L2_BYTES_DEFAULT
+    l2 = l2_bytes(device)
     leader = proc.rank == 0
-    clock = _Clock(device)
+    clock = Clock(device)
     a2a_unavailable = _probe_all_to_all(proc)
 
-    where = f"{_device_name(device)} (cuda:LOCAL_RANK)" if proc.cuda else _device_name(device)
+    where = f"{device_name(device)} (cuda:LOCAL_RANK)" if proc.cuda else device_name(device)
     lines = [f"torch-moe-a2a bench-dist: {world} processes (one rank each), {where}, backend {proc.backend}, "
              f"torch {torch.__version__}, {NVLS_ENV}={os.environ.get(NVLS_ENV)}; time = max over ranks of each "
              f"rank's median of {args.iters} iterations after {args.warmup}"]
@@ -1034,38 +980,35 @@ def _run(args: argparse.Namespace, proc: _Process) -> int:
     if leader:
         print("\n".join(lines), flush=True)
 
-    progress = _Progress(len(points)) if leader else _Quiet()
-    timer = _Timer(proc, clock, args.iters, args.warmup)
+    progress = Progress(len(points)) if leader else QuietProgress()
+    timer = Timer(proc, clock, args.iters, args.warmup)
     ctx = _Context(proc, timer, int(max_gib * GIB), l2, a2a_unavailable, progress)
     records = []
     try:
         for point in points:
             records.append(_run_point(point, ctx))
-            progress.step()
+            progress.step(point.label())
             _meet(proc)
-            _release(device)
+            release(device)
     finally:
         progress.close()
 
     if leader:
         print(_table(records, proc.targets_apply))
         print()
-        print(_targets_line(records, proc.targets_apply))
+        print(targets.distributed_line(records, proc.targets_apply))
         sys.stdout.flush()
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({
-                    "tool": "bench-dist", "world": world, "device": _device_name(device),
-                    "device_type": device.type, "backend": proc.backend, "torch": torch.__version__,
-                    "gpus_visible": proc.gpus_visible, "ranks_per_gpu": proc.ranks_per_gpu,
-                    "timings_meaningful": proc.timings_meaningful, "targets_apply": proc.targets_apply,
-                    NVLS_ENV: os.environ.get(NVLS_ENV),
-                    "iters": args.iters, "warmup": args.warmup, "fp8": args.fp8, "max_gib": max_gib,
-                    "l2_bytes": l2, "all_to_all_single_unavailable": a2a_unavailable, "notes": lines[1:],
-                    "targets": {"ops": list(TARGET_OPS), "ceiling_ratio": TARGET_CEILING_RATIO,
-                                "ceiling_tokens": TARGET_CEILING_TOKENS, "speedup_eager": TARGET_SPEEDUP,
-                                "speedup_tokens": TARGET_SPEEDUP_TOKENS},
-                    "points": records,
-                }, f, indent=2)
+            write_json(args.json, {
+                "tool": "bench-dist", "world": world, "device": device_name(device),
+                "device_type": device.type, "backend": proc.backend, "torch": torch.__version__,
+                "gpus_visible": proc.gpus_visible, "ranks_per_gpu": proc.ranks_per_gpu,
+                "timings_meaningful": proc.timings_meaningful, "targets_apply": proc.targets_apply,
+                NVLS_ENV: os.environ.get(NVLS_ENV),
+                "iters": args.iters, "warmup": args.warmup, "fp8": args.fp8, "max_gib": max_gib,
+                "l2_bytes": l2, "all_to_all_single_unavailable": a2a_unavailable, "notes": lines[1:],
+                "targets": targets.distributed_json(),
+                "points": records,
+            })
     failed = any(r["status"] in ("FAIL", "error") for r in records)
     return 1 if failed else 0

@@ -1,0 +1,108 @@
+"""`python -m torch_moe_a2a`'s command line: help, unknown commands, the
+version, and bad arguments ending in argparse's message and exit code 2,
+never in a traceback."""
+
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from torch_moe_a2a import __main__ as cli
+
+COMMANDS = ("demo", "bench", "bench-dist")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """The real entry point, in a process of its own."""
+    return subprocess.run([sys.executable, "-m", "torch_moe_a2a", *args], capture_output=True, text=True, timeout=120)
+
+
+def _main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``cli.main`` in this process (no interpreter start per case): the same
+    exit code, stdout and stderr as ``_cli``, where argparse's exit counts as the code."""
+    try:
+        code = cli.main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out.out, out.err)
+
+
+def _assert_clean_usage_error(proc: subprocess.CompletedProcess, message: str) -> None:
+    """Exit code 2, argparse's 'error:' line with ``message`` last on stderr, no traceback."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "error:" in last and message in last, proc.stderr
+
+
+def test_help_lists_every_command_on_stdout():
+    proc = _cli("--help")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    lines = proc.stdout.splitlines()
+    for name in COMMANDS:
+        # One line per command: its name, then its summary on the same line.
+        line = next((ln for ln in lines if ln.split()[:1] == [name]), None)
+        assert line is not None, proc.stdout
+        assert cli.COMMANDS[name].summary in line, line
+
+
+def test_unknown_command_names_it_and_lists_the_commands():
+    proc = _cli("frobnicate", "--ep", "2")
+    assert proc.returncode == 2, proc
+    assert "unknown command 'frobnicate'" in proc.stderr
+    assert all(name in proc.stderr for name in COMMANDS), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_no_command_fails_with_the_help(capsys):
+    proc = _main(capsys)
+    assert proc.returncode == 2 and all(name in proc.stderr for name in COMMANDS), proc
+
+
+def test_version_is_the_installed_distributions(capsys):
+    proc = _main(capsys, "--version")
+    assert proc.returncode == 0, proc.stderr
+    try:
+        expected = importlib.metadata.version("torch-moe-a2a")
+    except importlib.metadata.PackageNotFoundError:
+        expected = "unknown"
+    assert proc.stdout.startswith(f"torch-moe-a2a {expected}"), proc.stdout
+
+
+def test_version_without_an_installed_distribution_says_unknown(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert cli.package_version().startswith("unknown")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_device_cuda_without_cuda_is_a_usage_error(command):
+    # Its own process: the error must reach the user as argparse's text, nothing after it.
+    _assert_clean_usage_error(_cli(command, "--device", "cuda"), "CUDA was asked for but torch sees no CUDA device")
+
+
+def test_ep_out_of_range_is_a_usage_error(capsys):
+    _assert_clean_usage_error(_cli("demo", "--ep", "100"), "ep_size must be in 1..64, got 100")
+    _assert_clean_usage_error(_main(capsys, "bench", "--ep", "0"), "ep must be in 1..64, got 0")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["demo", "--top-k", "9", "--experts", "8"], "--top-k 9 > --experts 8"),
+    (["demo", "--ep", "8", "--experts", "4", "--top-k", "2"], "--experts 4 < ep_size 8"),
+    (["demo", "--tokens", "0"], "tokens must be in 1.."),
+    (["demo", "--ep", "two"], "ep_size must be an integer, got 'two'"),
+    (["bench", "--iters", "0"], "iters must be >= 1, got 0"),
+    (["bench-dist", "--warmup", "-1"], "warmup must be >= 0, got -1"),
+    # Reported by the command's parser (its usage), not the top-level one.
+    (["bench", "--preset", "mixtral", "deepseek-v3"], "python -m torch_moe_a2a bench: error: unrecognized arguments"),
+    (["--bogus"], "python -m torch_moe_a2a: error: unrecognized arguments: --bogus"),
+    (["bench", "--json", "/no/such/folder/bench.json"], "--json /no/such/folder/bench.json: folder /no/such/folder"),
+])
+def test_bad_arguments_are_usage_errors(args, message, capsys):
+    _assert_clean_usage_error(_main(capsys, *args), message)

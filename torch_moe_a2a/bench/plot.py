@@ -1,0 +1,96 @@
+"""``bench --plot``: bandwidth ratio and latency against tokens per rank, per
+op, for torch-moe-a2a and the plain-PyTorch baseline, from the same dict that
+``--json`` writes.
+
+matplotlib is an optional dependency (``pip install 'torch-moe-a2a[plot]'``):
+it is imported only when a plot is drawn.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+from .common import BASELINE_OF, OPS
+
+INSTALL_HINT = "pip install 'torch-moe-a2a[plot]'"
+MISSING = f"--plot needs matplotlib, which is not installed: {INSTALL_HINT}"
+
+
+def available() -> bool:
+    """Whether matplotlib can be imported (checked before a run, not after it)."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def title(data: dict) -> str:
+    """The figure's title: what ran where, and when."""
+    when = (data.get("date") or "date unknown").replace("T", " ")
+    return (f"torch-moe-a2a bench: {data.get('device', 'unknown device')}, {when} "
+            f"(torch {data.get('torch', '?')}; solid: torch-moe-a2a, dashed: plain PyTorch)")
+
+
+def _best_us(m: dict, prefix: str = "") -> Optional[float]:
+    """The graph time where there is one, else the eager time (``prefix`` 'baseline_' for the baseline)."""
+    graph = m.get(f"{prefix}graph_us")
+    return graph if graph is not None else m.get(f"{prefix}eager_us")
+
+
+def plot(data: dict, path: str) -> None:
+    """Write ``figure(data)`` to ``path`` as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(data)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def figure(data: dict):  # -> matplotlib.figure.Figure (matplotlib is imported only here)
+    """Per op, the ratio to the copy bandwidth (top) and the latency (bottom)
+    against tokens per rank, one colour per (preset, ep), ours solid and the
+    baseline dashed. The baseline's ratio is the op's bytes over the
+    baseline's time: the bandwidth it would have reached moving what our op
+    moves."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    copy_gbps = data.get("copy_bandwidth_GBps")
+    measured = [r for r in data["points"] if r["ops"] and r["status"] == "ok"]
+    series: dict[tuple, list[dict]] = {}
+    for r in measured:
+        series.setdefault((r["preset"], r["fp8"], r["ep"]), []).append(r)
+    fig, axes = plt.subplots(2, len(OPS), figsize=(4.5 * len(OPS), 8.5), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for col, op in enumerate(OPS):
+        ratio_ax, latency_ax = axes[0][col], axes[1][col]
+        for k, ((preset, fp8, ep), recs) in enumerate(sorted(series.items())):
+            colour = colours[k % len(colours)]
+            recs = sorted(recs, key=lambda r: r["tokens_per_rank"])
+            tokens = [r["tokens_per_rank"] for r in recs]
+            m = [r["ops"][op] for r in recs]
+            name = f"{preset}{' fp8' if fp8 else ''} ep{ep}"
+            ratio_ax.plot(tokens, [x["copy_ratio"] for x in m], marker="o", color=colour, label=name)
+            latency_ax.plot(tokens, [_best_us(x) for x in m], marker="o", color=colour, label=name)
+            base_us = [_best_us(x, "baseline_") for x in m]
+            if any(t is not None for t in base_us):
+                # A missing baseline time (its check failed) is a gap in the line, not a zero.
+                base_ratio = [None if t is None or not copy_gbps else x["bytes"] / (t * 1e-6) / 1e9 / copy_gbps
+                              for x, t in zip(m, base_us)]
+                ratio_ax.plot(tokens, [float("nan") if v is None else v for v in base_ratio], marker="x",
+                              linestyle="--", color=colour)
+                latency_ax.plot(tokens, [float("nan") if t is None else t for t in base_us], marker="x",
+                                linestyle="--", color=colour)
+        ratio_ax.set_title(op if BASELINE_OF[op] == op else f"{op} (baseline: {BASELINE_OF[op]})")
+        ratio_ax.set_ylabel("bandwidth / copy bandwidth")
+        latency_ax.set_ylabel("latency, us (graph, else eager)")
+        for ax in (ratio_ax, latency_ax):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tokens per rank")
+            ax.grid(True, alpha=0.3)
+        latency_ax.set_yscale("log")
+    if measured:
+        axes[0][0].legend(fontsize="x-small")
+    fig.suptitle(title(data))
+    fig.tight_layout()
+    return fig
