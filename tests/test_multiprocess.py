@@ -182,3 +182,37 @@ def test_bad_arguments_on_one_member_raise_on_every_member(case, tmp_path):
         assert float(seconds) < 20, f"rank {rank} waited {seconds} s"
         assert "the argument check failed on group ranks [1]" in message, message
         assert re.search(pattern, message), message
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MEMBER_ARGUMENTS))
+def test_a_refused_allocation_keeps_no_reference_cycle(case, tmp_path):
+    """The error of a failed collective step leaves no reference cycle behind
+    that holds the group: otherwise the group lives until some later garbage
+    collection, and a gloo group destroyed then (after destroy_process_group,
+    or at exit) aborts the process ("terminate called without an active
+    exception"), which made the bad-arguments test above fail now and then."""
+    import gc
+    import weakref
+
+    from conftest import TorchDistributedCommBackend
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        comm = TorchDistributedCommBackend(dist.group.WORLD)
+        alive = weakref.ref(comm)
+        kwargs = {"size_per_rank": 8192, **BAD_MEMBER_ARGUMENTS[case][0]}
+        gc.disable()
+        try:
+            # Not pytest.raises: its record of the exception would hold the frames.
+            try:
+                a2a.allocate_workspace(group=comm, **kwargs)
+                message = "returned"
+            except ValueError as e:
+                message = str(e)
+            assert "the argument check failed on group ranks [0]" in message, message
+            del comm
+            assert alive() is None, "a reference cycle keeps the group of a failed allocate_workspace alive"
+        finally:
+            gc.enable()
+    finally:
+        dist.destroy_process_group()

@@ -332,7 +332,15 @@ def _collective_step(step: str, coll: Collective) -> Iterator[None]:
         yield
     except Exception as e:  # reported to every member below
         error = e
-    _raise_failures(step, _gather_failures(error, coll), error)
+    failures = _gather_failures(error, coll)
+    # The exception must not stay in a local here: it was thrown into this
+    # frame, so its traceback holds the frame, which would hold it, a cycle
+    # that keeps the caller's frame (and the process group in it) alive until
+    # a garbage collection, at any later time: a gloo group destroyed then,
+    # after destroy_process_group or at exit, aborts the process.
+    cause = [error]
+    error = None
+    _raise_failures(step, failures, cause.pop())
 
 
 def _check_size(size_per_rank: Any) -> None:
