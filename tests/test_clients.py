@@ -426,3 +426,38 @@ def test_moe_alltoall_sizes_from_the_hidden_dtype(device):
     out = moe.combine(recv.clone(), 8)
     assert torch.equal(out, x)
     a2a.MoeAlltoAll.clear_workspace_cache()
+
+
+def test_reset_recovers_after_a_timeout():
+    """A rank times out waiting for a silent peer; after reset() on every rank
+    (no rank inside a call), the pair round-trips again with the same metainfo."""
+    import threading
+
+    size = a2a.MoeAlltoAll.get_moe_workspace_size_per_rank(2, TOP_K, 4, HIDDEN)
+    workspace = a2a.allocate_workspace(size, ep_size=2)
+    ranks = [a2a.MoeAlltoAll(a2a.Mapping(world_size=2, rank=r, tp_size=2, moe_ep_size=2), 4, TOP_K, NUM_EXPERTS,
+                             workspace=workspace, timeout_s=0.5) for r in range(2)]
+    ids = torch.tensor([[0, 5, 9, 2]], dtype=torch.int32)  # experts on both ranks
+    hidden = torch.randn((1, HIDDEN), generator=make_generator("reset")).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"rank 0: peers \[1\] did not arrive"):
+        ranks[0].dispatch(ids, [hidden, ids], 1)  # rank 1 never dispatches
+    with pytest.raises(RuntimeError, match="did not arrive"):
+        ranks[0].check()
+    metainfo = [moe.metainfo for moe in ranks]
+    for moe in ranks:
+        moe.reset()
+    ranks[0].check()  # the record is gone
+    outputs = [None, None]
+
+    def round_trip(r):
+        (recv_x, _) = ranks[r].dispatch(ids, [hidden, ids], 1)
+        outputs[r] = ranks[r].combine(recv_x.clone(), 1)
+
+    threads = [threading.Thread(target=round_trip, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = (hidden.float() * 2).to(torch.bfloat16)  # each token reaches both ranks, each returns it
+    assert all(torch.equal(out, expected) for out in outputs)
+    assert all(moe.metainfo is m for moe, m in zip(ranks, metainfo))
