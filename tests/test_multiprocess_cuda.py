@@ -50,7 +50,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 SHARED_DEVICE = "cuda:0"  # every rank's device when the ranks share one GPU
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 ONE_GPU_PER_RANK_ENV = "MOE_A2A_TEST_ONE_GPU_PER_RANK"
-# Worlds that run one process per GPU where enough GPUs exist (the issue's 2, 4 and 8).
+# Worlds that run one process per GPU where enough GPUs exist (2, 4 and 8, as scripts/multi_gpu.sh runs them).
 MULTI_GPU_WORLDS = (2, 4, 8)
 CASES = {
     1: Case(1, (7,), 2, 3, hidden=64, runtime_max=8),

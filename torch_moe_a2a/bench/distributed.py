@@ -201,7 +201,7 @@ class Process:
 
     @property
     def targets_apply(self) -> bool:
-        """The issue's targets are about GPUs, one per process."""
+        """The targets are about GPUs, one per process."""
         return self.cuda and self.timings_meaningful
 
 

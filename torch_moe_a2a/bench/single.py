@@ -50,8 +50,8 @@ What is measured, for every point (model preset, ep, tokens per rank):
   (:class:`_Baseline`), on the same rank streams, inputs and receive layout,
   timed the same way; speedup = its time / ours.
 - host cost: the CPU time of the calling thread (``time.thread_time``,
-  the issue's "microseconds of CPU time in the Python wrapper and op
-  dispatch") around one rank's eager call, ep 1 and 16 tokens so the device
+  the host-cost target's measure: microseconds of CPU time in the Python
+  wrapper and op dispatch) around one rank's eager call, ep 1 and 16 tokens so the device
   never makes the host wait; median of many calls. The wall time of the
   same calls (``time.perf_counter``) is reported beside it: it also holds
   the time the thread was not running, which a busy host adds.
@@ -760,7 +760,7 @@ def _host_cost(preset: Preset, fp8: bool, device: torch.device, clock: Clock,
 # bytes at the copy bandwidth, the host's cost per call, the input sets).
 # The CPU constants are fitted to runs on two cores (the default sweep's
 # total within 10%, single points within a factor of about two); the CUDA
-# ones come from the H200 figures of docs/perf.md (copy ratios, the shortest
+# ones come from the H200 figures of docs/performance.md (copy ratios, the shortest
 # round trips) and have not been compared with a GPU run's wall times yet.
 # Every point's own time lands in --json (wall_s), and the summary prints
 # the sweep's time beside the estimate.
