@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Union
@@ -58,6 +59,27 @@ class _SharedWorkspace:
 
     def active_instance(self) -> Optional["MoeAlltoAll"]:
         return None if self.active is None else self.active()
+
+    def __post_init__(self) -> None:
+        _LIVE_SHARED_WORKSPACES.add(self)
+
+
+# Every shared workspace alive, for the exit hook below.
+_LIVE_SHARED_WORKSPACES: "weakref.WeakSet[_SharedWorkspace]" = weakref.WeakSet()
+
+
+@atexit.register
+def _drop_groups_at_exit() -> None:
+    """Let go of the groups the shared workspaces were mapped over.
+
+    The cache and the instances would otherwise hold them until interpreter
+    finalization, and a gloo group destroyed then, after
+    ``destroy_process_group``, may abort the process ("terminate called
+    without an active exception"). Dropped here, while Python still runs
+    normally, the group goes at once.
+    """
+    for shared in list(_LIVE_SHARED_WORKSPACES):
+        shared.collective = None
 
 
 def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> int:
