@@ -235,6 +235,31 @@ def time_ops(measure: Callable[..., float], steps: Any, **options: Any) -> dict[
     }
 
 
+_graph_roots: dict[torch.device, Tensor] = {}
+
+
+def capture_graph(step: Callable[[], Any]) -> tuple["torch.cuda.CUDAGraph", Any]:
+    """One CUDA graph of ``step()`` and what ``step()`` returned (tensors the replays rewrite):
+    the plain-PyTorch baseline's graphs (its ranks never wait for each other) and
+    ``bench --graph all-ranks``'s graphs of every rank's call of one op.
+
+    The rank streams fork from and join into the capture stream (SimulatedEP.run).
+    The graph starts with one memset node that every rank's branch depends on:
+    a graph whose branches are roots has them launched by the driver one after
+    another, about 4.5 us apart on the H200 (ep 8: 32 us before the last rank
+    starts), while branches behind one root are released by the device within
+    about a microsecond. A single-GPU rank of a real deployment has one stream,
+    so the stagger is an artifact of the simulation that the timings must not carry.
+    """
+    device = torch.device("cuda", torch.cuda.current_device())
+    root = _graph_roots.setdefault(device, torch.empty(1, dtype=torch.int32, device=device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        root.zero_()
+        result = step()
+    return graph, result
+
+
 class OpGraphs:
     """One CUDA graph per op kind and input set (combine-ws: one for all sets),
     captured by ``capture`` from the steps of ``ours`` (``single._Ours`` or

@@ -85,7 +85,7 @@ from .. import layout
 from ..api import check_errors, moe_a2a_combine, moe_a2a_dispatch, moe_a2a_wrap_payload_tensor_in_workspace
 from ..reference import reference_combine, reference_dispatch
 from ..simulate import RankGraphs, SimulatedEP
-from . import plot, targets
+from . import plot, replay, targets
 from .common import (
     BASELINE_OF,
     DEFAULT_ITERS,
@@ -109,6 +109,7 @@ from .common import (
     QuietProgress,
     StopSignals,
     add_preset_argument,
+    capture_graph,
     check_output_path,
     combine_mismatch,
     device_name,
@@ -258,30 +259,6 @@ def _measure(
         if after is not None:
             after(i)
     return statistics.median(clock.elapsed_us(marks))
-
-
-_graph_roots: dict[torch.device, Tensor] = {}
-
-
-def _capture(step: Callable[[], Any]) -> tuple["torch.cuda.CUDAGraph", Any]:
-    """One CUDA graph of ``step()`` and what ``step()`` returned (tensors the replays rewrite):
-    the baseline's graphs, whose ranks never wait for each other (ours: _Ours.capture).
-
-    The rank streams fork from and join into the capture stream (SimulatedEP.run).
-    The graph starts with one memset node that every rank's branch depends on:
-    a graph whose branches are roots has them launched by the driver one after
-    another, about 4.5 us apart on the H200 (ep 8: 32 us before the last rank
-    starts), while branches behind one root are released by the device within
-    about a microsecond. A single-GPU rank of a real deployment has one stream,
-    so the stagger is an artifact of the simulation that the timings must not carry.
-    """
-    device = torch.device("cuda", torch.cuda.current_device())
-    root = _graph_roots.setdefault(device, torch.empty(1, dtype=torch.int32, device=device))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        root.zero_()
-        result = step()
-    return graph, result
 
 
 def _op_bytes(point: Point, sets: list[InputSet]) -> dict[str, float]:
@@ -656,7 +633,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
             # One kind at a time: the baseline's graph pools hold its temporaries.
             for op, step in (("dispatch", base.dispatch), ("combine", base.combine), ("round-trip", base.round_trip)):
                 try:
-                    graphs = [_capture(lambda i=i: step(i))[0] for i in range(n_sets)]
+                    graphs = [capture_graph(lambda i=i: step(i))[0] for i in range(n_sets)]
                     base_graph_us[op] = measure(lambda i: graphs[i].replay(), head_start=True)
                 except Exception as e:  # noqa: BLE001 - reported in the row
                     record["notes"].append(f"baseline graph {op}: {type(e).__name__}: {first_line(e)}")
@@ -942,6 +919,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: cuda if available, else cpu")
     p.add_argument("--max-gib", type=positive_float("--max-gib"), default=None,
                    help="skip points needing more memory than this (default 60 on CUDA, 4 on the CPU)")
+    p.add_argument("--graph", choices=("per-rank", "all-ranks"), default="per-rank",
+                   help="per-rank (default): the sweep above, one CUDA graph per rank; all-ranks (CUDA): the "
+                   "latency per replay of one graph holding every rank's call of one op, next to its launch "
+                   f"floor (default points: ep {' '.join(map(str, replay.GRID_EP))} x tokens "
+                   f"{' '.join(map(str, replay.GRID_TOKENS))}, and "
+                   f"{', '.join(f'ep {e} x {t}' for e, t in replay.LARGE_POINTS)}; "
+                   f"--iters default {replay.DEFAULT_REPLAYS}, --warmup {replay.DEFAULT_WARMUP_REPLAYS})")
+    p.add_argument("--peer", choices=replay.LIBRARIES[1:], default=None,
+                   help="with --graph all-ranks: also time this library's moe_a2a functions the same way in the "
+                   "same run, and print the ratio per op (skipped with a note when it is not importable)")
 
 
 def _device_alive(device: torch.device) -> bool:
@@ -971,6 +958,16 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     if args.plot and not plot.available():
         parser.error(plot.MISSING)  # before the run, not after it
+    if args.peer and args.graph != "all-ranks":
+        parser.error("--peer needs --graph all-ranks")
+    if args.graph == "all-ranks":
+        if device.type != "cuda":
+            parser.error("--graph all-ranks needs CUDA")
+        if args.plot or args.smoke or args.fp8:
+            parser.error("--graph all-ranks takes no --plot, --smoke or --fp8")
+        check_output_path(parser, "--json", args.json)
+        clock = Clock(device)
+        return replay.run(args, lambda: _copy_bandwidth(clock, device, COPY_BYTES["cuda"]))
     check_output_path(parser, "--json", args.json)
     check_output_path(parser, "--plot", args.plot)
     if args.smoke:
