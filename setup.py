@@ -103,7 +103,8 @@ if with_cuda:
         define_macros=[("MOE_A2A_WITH_CUDA", None)],
         extra_compile_args={
             "cxx": cxx_flags,
-            "nvcc": ["-O3", "-Xcompiler", "-g0", "--expt-relaxed-constexpr", *gencode_flags()],
+            # -lineinfo: profilers map samples to source lines; the machine code is the same.
+            "nvcc": ["-O3", "-Xcompiler", "-g0", "-lineinfo", "--expt-relaxed-constexpr", *gencode_flags()],
         },
         extra_link_args=link_flags,
     )

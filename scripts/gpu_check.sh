@@ -3,8 +3,11 @@
 # built the extension): CUDA tests, compute-sanitizer on a small round trip,
 # the smoke benchmark, the CMake library with its CUDA kernels (for C++
 # users), and a short table printed last. Stages: tests, sanitizer, bench,
-# cmake (default: all four), and counters (Nsight Compute's DRAM and L2
-# counters of the fan-out program; not by default: about a minute more).
+# cmake (default: all four), and, not by default: counters (Nsight
+# Compute's DRAM and L2 counters of the fan-out program, about a minute),
+# replay (`bench --graph all-ranks`, with `--peer flashinfer` where FlashInfer
+# imports; a few minutes) and profile (Nsight Compute's full report of the
+# ep 1 x 128-token kernels, benchmarks/profile_point.py).
 # Arguments after `--` go to pytest
 # instead of the default selection (the CUDA tests). Full logs go to $OUT
 # when it is set, else to build/gpu-logs.
@@ -38,7 +41,8 @@ build_fanout() {
 }
 
 status() { if [ "$1" -eq 0 ]; then echo PASS; elif [ "$1" -eq 255 ]; then echo "not run"; else echo "FAIL($1)"; fi; }
-rc_tests=255 rc_mem=255 rc_race=255 rc_bench=255 rc_cmake=255 rc_counters=255 tests_line=""
+rc_tests=255 rc_mem=255 rc_race=255 rc_bench=255 rc_cmake=255 rc_counters=255 rc_replay=255 rc_profile=255
+tests_line=""
 has() { for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 if has tests; then
@@ -103,6 +107,31 @@ if has counters; then
   fi
 fi
 
+if has replay; then
+  peer=()
+  "$PY" -c 'import flashinfer.comm.trtllm_moe_alltoall' >"$LOG/peer-import.txt" 2>&1 && peer=(--peer flashinfer)
+  timeout 540 "$PY" -m torch_moe_a2a bench --graph all-ranks "${peer[@]}" --json "$LOG/replay.json" \
+    >"$LOG/replay.txt" 2>&1
+  rc_replay=$?
+fi
+
+if has profile; then
+  # Nsight Compute's sections (duration, throughput, occupancy, warp stalls
+  # with their source lines: the build has -lineinfo) of the rounds' kernels
+  # after the first (module loads and the checks' launches skipped).
+  if command -v ncu >/dev/null 2>&1; then
+    for tokens in 1 128; do
+      timeout 240 ncu --clock-control none --set full --import-source yes -k 'regex:dispatch_kernel|combine_kernel' \
+        --launch-skip 12 --launch-count 4 --print-details all \
+        "$PY" benchmarks/profile_point.py --ep 1 --tokens "$tokens" --rounds 4 >"$LOG/profile-$tokens.txt" 2>&1 ||
+        rc_profile=1
+    done
+    [ "$rc_profile" -eq 255 ] && rc_profile=0
+  else
+    rc_profile=127
+  fi
+fi
+
 if has cmake; then
   # CMakeLists.txt's library with -DMOE_A2A_WITH_CUDA=ON, then its round trip
   # on cpu and cuda (tests/test_cmake_library.py, which must not skip here).
@@ -137,6 +166,8 @@ printf '%-28s %s\n' "compute-sanitizer racecheck" "$(status $rc_race)"
 printf '%-28s %s\n' "smoke benchmark" "$(status $rc_bench)"
 printf '%-28s %s\n' "CMake library (CUDA)" "$(status $rc_cmake)  $(grep -E '[0-9]+ (passed|failed)' "$LOG/cmake.txt" 2>/dev/null | tail -n 1)"
 printf '%-28s %s\n' "hardware counters (ncu)" "$(status $rc_counters)"
+printf '%-28s %s\n' "per-replay benchmark" "$(status $rc_replay)"
+printf '%-28s %s\n' "profile (ncu)" "$(status $rc_profile)"
 if has bench; then
   echo "-------------------------------------------"
   # The smoke table, then its summary and targets (the benchmark prints them in that order).
@@ -150,6 +181,17 @@ if has counters; then
   echo "-------------------------------------------"
   tail -n 8 "$LOG/counters.txt"
 fi
-for rc in $rc_tests $rc_mem $rc_race $rc_bench $rc_cmake $rc_counters; do
+if has profile; then
+  echo "-------------------------------------------"
+  for f in "$LOG"/profile-*.txt; do
+    echo "$f"
+    grep -E '^\s+(Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per Thread|Grid Size|Block Size)\b' "$f" | sort | uniq -c | head -n 16
+  done
+fi
+if has replay; then
+  echo "-------------------------------------------"
+  tail -n 130 "$LOG/replay.txt"
+fi
+for rc in $rc_tests $rc_mem $rc_race $rc_bench $rc_cmake $rc_counters $rc_replay $rc_profile; do
   [ "$rc" -eq 0 ] || [ "$rc" -eq 255 ] || exit 1
 done

@@ -33,13 +33,16 @@ def test_a_hung_point_is_reported_and_the_next_point_still_runs(importable_tests
     logged = []
     started = time.monotonic()
     run = replay.run_library(f"{__name__}:HangsAtTwoTokens", "deepseek-v3", [(1, 1), (1, 2), (2, 3)], 0, 1,
-                             point_timeout_s=5, log=logged.append)
+                             point_timeout_s=5, log=logged.append, retries=1)
     assert time.monotonic() - started < 120
     assert run.available and run.name == "fake"
-    assert run.results[(1, 2)]["status"] == "hung", run.results
-    for key in ((1, 1), (2, 3)):  # before the hang, and in the fresh worker after it
-        assert run.results[key]["status"] == "error" and FAKE_NOTE in run.results[key]["notes"][0], run.results
-    assert logged == ["  fake ep 1 T 2: hung, worker killed"]
+    hung = run.results[(1, 2)]
+    assert hung["status"] == "hung" and len(hung["earlier"]) == 1 and hung["earlier"][0].startswith("hung"), hung
+    for key in ((1, 1), (2, 3)):  # before the hang, and in the fresh worker after it; errors are not retried
+        result = run.results[key]
+        assert result["status"] == "error" and FAKE_NOTE in result["notes"][0] and "earlier" not in result, result
+    assert logged == ["  fake ep 1 T 2: hung, worker killed", "  fake: measuring again (1 of 1): ep 1 T 2",
+                      "  fake ep 1 T 2: hung, worker killed"]
 
 
 def test_a_missing_library_is_reported_not_raised():
