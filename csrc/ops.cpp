@@ -436,6 +436,10 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
     TORCH_CHECK_VALUE(staged <= row_bytes, "use_low_precision with block scales stages ", staged,
                       " bytes per row (e4m3 elements and their fp32 scales), more than the payload row's ", row_bytes,
                       " bytes it replaces (row_shape ", row_shape, " of ", dtype_name(payload_dtype), ")");
+    // The fp32 block scales are stored and loaded as words.
+    TORCH_CHECK_VALUE(p.low_precision != LowPrecision::kE4m3BlockScaled || row_bytes % 4 == 0,
+                      "use_low_precision with block scales needs payload rows of a multiple of 4 bytes, got ",
+                      row_bytes, " (row_shape ", row_shape, " of ", dtype_name(payload_dtype), ")");
   }
   int64_t scale_cols = 0;
   if (p.quant != QuantFormat::kNone) {

@@ -206,6 +206,7 @@ def test_bad_combinations_raise_before_any_kernel(kwargs, match, device):
     (48, torch.bfloat16, dict(output_dtype=FP8, output_scales=5), "multiple of 32"),
     (64, torch.float32, dict(output_dtype=FP8, output_scales=10), "bfloat16 or torch.float16 payload"),
     (8, torch.bfloat16, dict(use_low_precision=True, low_precision_block_scales=True), "more than the payload row"),
+    (129, torch.bfloat16, dict(use_low_precision=True, low_precision_block_scales=True), "multiple of 4 bytes"),
 ])
 def test_bad_rows_raise(hidden, hidden_dtype, kwargs, match, device):
     sim, offset, payload = _dispatched(device, hidden, hidden_dtype)
