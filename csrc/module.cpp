@@ -134,8 +134,8 @@ at::Tensor combine(const std::optional<at::Tensor>& payload, int64_t local_num_t
     static const auto op = dispatcher.findSchemaOrThrow("moe_a2a::combine", "").typed<CombineSignature>();
     return op.call(payload, c10::SymInt(local_num_tokens), workspace, ep_rank, ep_size, max_num_tokens,
                    runtime_max_tokens, top_k, combine_payload_offset, shape, payload_dtype, output_dtype,
-                   active_rank_mask, timeout_s, mailbox, enable_pdl, low_precision, output_scales,
-                   output_scalar_scale, sf_layout);
+                   active_rank_mask, timeout_s, mailbox, enable_pdl, low_precision, output_scales, output_scalar_scale,
+                   sf_layout);
   }
   static const auto op_into = dispatcher.findSchemaOrThrow("moe_a2a::combine_into", "").typed<CombineIntoSignature>();
   op_into.call(payload, c10::SymInt(local_num_tokens), workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens,

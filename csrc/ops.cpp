@@ -702,10 +702,10 @@ at::Tensor combine_cpu(const std::optional<at::Tensor>& payload, int64_t local_n
                        at::ScalarType payload_dtype, at::ScalarType output_dtype, at::IntArrayRef active_rank_mask,
                        double timeout_s, int64_t mailbox, bool enable_pdl, int64_t low_precision,
                        const std::optional<at::Tensor>& output_scales, double output_scalar_scale, int64_t sf_layout) {
-  CombineParams p = check_combine(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
-                                  runtime_max_tokens_per_rank, top_k, combine_payload_offset, row_shape, payload_dtype,
-                                  output_dtype, active_rank_mask, timeout_s, mailbox, enable_pdl, low_precision,
-                                  output_scales, output_scalar_scale, sf_layout, nullptr);
+  CombineParams p =
+      check_combine(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
+                    top_k, combine_payload_offset, row_shape, payload_dtype, output_dtype, active_rank_mask, timeout_s,
+                    mailbox, enable_pdl, low_precision, output_scales, output_scalar_scale, sf_layout, nullptr);
   at::Tensor out = at::empty(combine_output_shape(local_num_tokens, row_shape, output_dtype),
                              workspace.options().dtype(output_dtype));
   p.output = static_cast<uint8_t*>(out.data_ptr());

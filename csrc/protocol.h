@@ -475,8 +475,8 @@ MOE_A2A_HD int64_t low_precision_element_offset(LowPrecision mode, int64_t i) {
 }
 // Byte of the fp32 scale of block c of a staged row of row_elems elements (block-scaled).
 MOE_A2A_HD int64_t low_precision_scale_offset(int64_t row_elems, int64_t c) {
-  const int64_t elems = row_elems - c * kLowPrecisionBlock < kLowPrecisionBlock ? row_elems - c * kLowPrecisionBlock
-                                                                                 : kLowPrecisionBlock;
+  const int64_t elems =
+      row_elems - c * kLowPrecisionBlock < kLowPrecisionBlock ? row_elems - c * kLowPrecisionBlock : kLowPrecisionBlock;
   return c * kLowPrecisionBlockPitch + align_up(elems, 16);
 }
 // Bytes of a staged row; must fit in the payload row it replaces.

@@ -76,9 +76,9 @@ MOE_A2A_HD uint8_t e4m3_from_float(float x) {
   const uint32_t u = float_bits(x);
   const uint8_t sign = uint8_t((u >> 24) & 0x80);
   const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return 0x7f;                  // NaN
-  if (a >= 0x43e00000u) return uint8_t(0x7e | sign);  // |x| >= 448 (inf included): saturate
-  if (a < 0x3c800000u) {                              // |x| < 2^-6: subnormal steps of 2^-9
+  if (a > 0x7f800000u) return 0x7f;                                 // NaN
+  if (a >= 0x43e00000u) return uint8_t(0x7e | sign);                // |x| >= 448 (inf included): saturate
+  if (a < 0x3c800000u) {                                            // |x| < 2^-6: subnormal steps of 2^-9
     return uint8_t(uint8_t(rintf(bits_float(a) * 512.0f)) | sign);  // exact scaling; 8 is 2^-6
   }
   // Keep 3 of the 23 mantissa bits, ties to even; a carry moves into the exponent.
@@ -187,7 +187,9 @@ MOE_A2A_HD uint8_t quantize_element(QuantFormat f, float scaled) {
 MOE_A2A_HD int64_t sf_padded_rows(SfLayout l, int64_t rows) {
   return l == SfLayout::k128x4 ? align_up(rows, 128) : l == SfLayout::k8x4 ? align_up(rows, 8) : rows;
 }
-MOE_A2A_HD int64_t sf_padded_cols(SfLayout l, int64_t cols) { return l == SfLayout::kLinear ? cols : align_up(cols, 4); }
+MOE_A2A_HD int64_t sf_padded_cols(SfLayout l, int64_t cols) {
+  return l == SfLayout::kLinear ? cols : align_up(cols, 4);
+}
 MOE_A2A_HD int64_t sf_extent(SfLayout l, int64_t rows, int64_t cols) {
   return sf_padded_rows(l, rows) * sf_padded_cols(l, cols);
 }

@@ -4,11 +4,19 @@ layouts): bitwise against the plain-PyTorch reference (torch_moe_a2a/reference.p
 written from the formats' specifications), on every device; so CPU and CUDA
 are bitwise equal too."""
 
-import dataclasses
-
 import pytest
 import torch
-from conftest import Case, assert_bytes_equal, make_generator, make_inputs, make_sim, random_bytes, round_trip, ws_snapshot, assert_ws_unchanged
+from conftest import (
+    Case,
+    assert_bytes_equal,
+    assert_ws_unchanged,
+    make_generator,
+    make_inputs,
+    make_sim,
+    random_bytes,
+    round_trip,
+    ws_snapshot,
+)
 
 import torch_moe_a2a as a2a
 from torch_moe_a2a import reference

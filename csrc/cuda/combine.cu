@@ -380,13 +380,15 @@ cudaError_t launch_as(const CombineArgs& a, int grid, cudaStream_t stream, bool 
 
 template <typename Payload, bool kScaled>
 cudaError_t launch_low_precision(const CombineArgs& a, int grid, cudaStream_t stream, bool pdl) {
-  if (a.p.quant != QuantFormat::kNone) return launch_as<E4m3Rows<Payload, kScaled>, QuantizedOut<BF16>>(a, grid, stream, pdl);
+  if (a.p.quant != QuantFormat::kNone)
+    return launch_as<E4m3Rows<Payload, kScaled>, QuantizedOut<BF16>>(a, grid, stream, pdl);
   return launch_as<E4m3Rows<Payload, kScaled>, BF16>(a, grid, stream, pdl);
 }
 
 template <typename Payload>
 cudaError_t launch_low_precision(const CombineArgs& a, int grid, cudaStream_t stream, bool pdl) {
-  if (a.p.low_precision == LowPrecision::kE4m3BlockScaled) return launch_low_precision<Payload, true>(a, grid, stream, pdl);
+  if (a.p.low_precision == LowPrecision::kE4m3BlockScaled)
+    return launch_low_precision<Payload, true>(a, grid, stream, pdl);
   return launch_low_precision<Payload, false>(a, grid, stream, pdl);
 }
 
@@ -437,8 +439,9 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
     if (!quantized) return uint64_t(n * out_bytes);
     return uint64_t(p.quant == QuantFormat::kMxfp8 ? n : n / 2);
   };
-  while (elems > 1 && (p.row_elems % elems != 0 || (rows_bits | uint64_t(a.row_bytes)) % uint64_t(elems * pull_bytes) != 0 ||
-                       address_bits(p.output) % out_vector_bytes(elems) != 0)) {
+  while (elems > 1 &&
+         (p.row_elems % elems != 0 || (rows_bits | uint64_t(a.row_bytes)) % uint64_t(elems * pull_bytes) != 0 ||
+          address_bits(p.output) % out_vector_bytes(elems) != 0)) {
     elems /= 2;
   }
   // ops.cpp's checks (16-byte aligned output, rows of whole blocks) leave a
