@@ -125,19 +125,22 @@ at::Tensor combine(const std::optional<at::Tensor>& payload, int64_t local_num_t
                    int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens, int64_t top_k,
                    int64_t combine_payload_offset, const std::vector<int64_t>& row_shape, at::ScalarType payload_dtype,
                    at::ScalarType output_dtype, const std::vector<int64_t>& active_rank_mask, double timeout_s,
-                   int64_t mailbox, bool enable_pdl, const std::optional<at::Tensor>& output) {
+                   int64_t mailbox, bool enable_pdl, int64_t low_precision,
+                   const std::optional<at::Tensor>& output_scales, double output_scalar_scale, int64_t sf_layout,
+                   const std::optional<at::Tensor>& output) {
   auto& dispatcher = c10::Dispatcher::singleton();
   const c10::SymIntArrayRef shape = c10::fromIntArrayRefSlow(row_shape);
   if (!output.has_value()) {
     static const auto op = dispatcher.findSchemaOrThrow("moe_a2a::combine", "").typed<CombineSignature>();
     return op.call(payload, c10::SymInt(local_num_tokens), workspace, ep_rank, ep_size, max_num_tokens,
                    runtime_max_tokens, top_k, combine_payload_offset, shape, payload_dtype, output_dtype,
-                   active_rank_mask, timeout_s, mailbox, enable_pdl);
+                   active_rank_mask, timeout_s, mailbox, enable_pdl, low_precision, output_scales, output_scalar_scale,
+                   sf_layout);
   }
   static const auto op_into = dispatcher.findSchemaOrThrow("moe_a2a::combine_into", "").typed<CombineIntoSignature>();
   op_into.call(payload, c10::SymInt(local_num_tokens), workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens,
                top_k, combine_payload_offset, shape, payload_dtype, output_dtype, active_rank_mask, timeout_s, mailbox,
-               enable_pdl, *output);
+               enable_pdl, low_precision, output_scales, output_scalar_scale, sf_layout, *output);
   return *output;
 }
 

@@ -173,6 +173,37 @@ bool is_quantized_output(at::ScalarType t) {
   return at::isFloat8Type(t) || t == at::ScalarType::Float4_e2m1fn_x2 || t == at::kByte;
 }
 
+// The quantized format that output_dtype and output_scales' dtype ask for
+// (FlashInfer's pairs), kNone for an unquantized output.
+QuantFormat check_quantized_output(at::ScalarType output_dtype, at::ScalarType scales_dtype, bool has_scales) {
+  if (!is_quantized_output(output_dtype)) {
+    TORCH_CHECK_VALUE(!has_scales, "output_scales is given, but output_dtype ", dtype_name(output_dtype),
+                      " is not a quantized output (torch.float8_e4m3fn: MXFP8; torch.uint8: MXFP4 or NVFP4)");
+    return QuantFormat::kNone;
+  }
+  TORCH_CHECK_VALUE(output_dtype == at::ScalarType::Float8_e4m3fn || output_dtype == at::kByte,
+                    "a quantized output_dtype must be torch.float8_e4m3fn (MXFP8) or torch.uint8 (packed fp4: MXFP4, "
+                    "NVFP4), got ",
+                    dtype_name(output_dtype));
+  TORCH_CHECK_VALUE(has_scales, "output_dtype ", dtype_name(output_dtype),
+                    " is a quantized output and needs output_scales (torch.uint8 ue8m0 scales for MXFP8 and MXFP4, "
+                    "torch.float8_e4m3fn for NVFP4)");
+  if (output_dtype == at::ScalarType::Float8_e4m3fn) {
+    TORCH_CHECK_VALUE(scales_dtype == at::kByte, "an MXFP8 output (torch.float8_e4m3fn) needs torch.uint8 (ue8m0) ",
+                      "output_scales, got ", dtype_name(scales_dtype));
+    return QuantFormat::kMxfp8;
+  }
+  TORCH_CHECK_VALUE(scales_dtype == at::kByte || scales_dtype == at::ScalarType::Float8_e4m3fn,
+                    "a packed fp4 output (torch.uint8) needs torch.uint8 (ue8m0: MXFP4) or torch.float8_e4m3fn "
+                    "(NVFP4) output_scales, got ",
+                    dtype_name(scales_dtype));
+  return scales_dtype == at::kByte ? QuantFormat::kMxfp4 : QuantFormat::kNvfp4;
+}
+
+const char* sf_layout_name(SfLayout l) {
+  return l == SfLayout::k128x4 ? "layout_128x4" : l == SfLayout::k8x4 ? "layout_8x4" : "layout_linear";
+}
+
 std::string rank_list(const uint64_t* mask) {
   std::ostringstream os;
   os << "[";
@@ -228,6 +259,14 @@ at::ScalarType to_scalar_type(DType d) {
       return at::kBFloat16;
   }
   TORCH_CHECK(false, "unknown DType ", static_cast<int>(d));
+}
+
+std::vector<int64_t> combine_output_shape(int64_t local_num_tokens, at::IntArrayRef row_shape,
+                                          at::ScalarType output_dtype) {
+  std::vector<int64_t> shape{local_num_tokens};
+  shape.insert(shape.end(), row_shape.begin(), row_shape.end());
+  if (output_dtype == at::kByte && shape.size() == 2) shape[1] /= 2;  // two e2m1 elements per byte
+  return shape;
 }
 
 // ---- builders -------------------------------------------------------------------
@@ -341,7 +380,8 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
                             int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t combine_payload_offset,
                             at::IntArrayRef row_shape, at::ScalarType payload_dtype, at::ScalarType output_dtype,
                             at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
-                            const at::Tensor* output) {
+                            int64_t low_precision, const std::optional<at::Tensor>& output_scales,
+                            double output_scalar_scale, int64_t sf_layout, const at::Tensor* output) {
   CombineParams p{};
   p.ws = check_workspace(workspace, ep_rank, ep_size);
   check_max_num_tokens(max_num_tokens);
@@ -354,13 +394,33 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
   // The payload first: output_dtype defaults to it, so an fp8 payload must
   // not read as a request for a quantized output.
   p.payload_dtype = to_dtype(payload_dtype, "payload dtype");
-  TORCH_CHECK_NOT_IMPLEMENTED(!is_quantized_output(output_dtype), "output_dtype=", dtype_name(output_dtype),
-                              " (a quantized combine output) is not implemented; use the payload "
-                              "dtype or torch.bfloat16");
-  p.output_dtype = to_dtype(output_dtype, "output_dtype");
-  TORCH_CHECK_VALUE(output_dtype == payload_dtype || output_dtype == at::kBFloat16,
-                    "output_dtype must be the payload dtype (", dtype_name(payload_dtype), ") or torch.bfloat16, got ",
-                    dtype_name(output_dtype));
+  TORCH_CHECK_VALUE(low_precision >= 0 && low_precision <= int64_t(LowPrecision::kE4m3BlockScaled),
+                    "low_precision must be 0 (off), 1 (e4m3) or 2 (e4m3 with block scales), got ", low_precision);
+  p.low_precision = static_cast<LowPrecision>(low_precision);
+  const bool lp = p.low_precision != LowPrecision::kOff;
+  const bool has_scales = output_scales.has_value() && output_scales->defined();
+  TORCH_CHECK_VALUE(sf_layout >= int64_t(SfLayout::k128x4) && sf_layout <= int64_t(SfLayout::kLinear),
+                    "sf_layout must be 0 (layout_128x4), 1 (layout_8x4) or 2 (layout_linear), got ", sf_layout);
+  p.sf_layout = static_cast<SfLayout>(sf_layout);
+  p.quant = check_quantized_output(output_dtype, has_scales ? output_scales->scalar_type() : at::kByte, has_scales);
+  if (p.quant != QuantFormat::kNone) {
+    // The sum is rounded to the payload dtype (bf16 for e4m3 rows) and then
+    // quantized, as FlashInfer's quantized combine does.
+    TORCH_CHECK_VALUE(lp || payload_dtype == at::kBFloat16 || payload_dtype == at::kHalf,
+                      "a quantized output needs a torch.bfloat16 or torch.float16 payload (or use_low_precision), got ",
+                      dtype_name(payload_dtype));
+    p.output_dtype = lp ? DType::kBFloat16 : p.payload_dtype;
+  } else if (lp) {
+    TORCH_CHECK_VALUE(output_dtype == at::kBFloat16,
+                      "use_low_precision combines into torch.bfloat16 (or a quantized output), got output_dtype ",
+                      dtype_name(output_dtype));
+    p.output_dtype = DType::kBFloat16;
+  } else {
+    p.output_dtype = to_dtype(output_dtype, "output_dtype");
+    TORCH_CHECK_VALUE(output_dtype == payload_dtype || output_dtype == at::kBFloat16,
+                      "output_dtype must be the payload dtype (", dtype_name(payload_dtype),
+                      ") or torch.bfloat16, got ", dtype_name(output_dtype));
+  }
 
   const int64_t element_size = static_cast<int64_t>(c10::elementSize(payload_dtype));
   for (const int64_t d : row_shape) {
@@ -371,6 +431,40 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
   TORCH_CHECK_VALUE(row_bytes >= 0 && row_bytes <= kMaxRowBytes, "a combine row must have at most ", kMaxRowBytes,
                     " bytes, got row_shape ", row_shape, " of ", dtype_name(payload_dtype));
   p.row_elems = row_bytes / element_size;
+  if (lp) {
+    const int64_t staged = low_precision_row_bytes(p.low_precision, p.row_elems);
+    TORCH_CHECK_VALUE(staged <= row_bytes, "use_low_precision with block scales stages ", staged,
+                      " bytes per row (e4m3 elements and their fp32 scales), more than the payload row's ", row_bytes,
+                      " bytes it replaces (row_shape ", row_shape, " of ", dtype_name(payload_dtype), ")");
+    // The fp32 block scales are stored and loaded as words.
+    TORCH_CHECK_VALUE(p.low_precision != LowPrecision::kE4m3BlockScaled || row_bytes % 4 == 0,
+                      "use_low_precision with block scales needs payload rows of a multiple of 4 bytes, got ",
+                      row_bytes, " (row_shape ", row_shape, " of ", dtype_name(payload_dtype), ")");
+  }
+  int64_t scale_cols = 0;
+  if (p.quant != QuantFormat::kNone) {
+    const int64_t block = quant_block(p.quant);
+    TORCH_CHECK_VALUE(row_shape.size() == 1 && row_shape[0] % block == 0,
+                      "a quantized output needs 1-D rows of a multiple of ", block, " elements (its scale block), got ",
+                      "row_shape ", row_shape);
+    scale_cols = p.row_elems / block;
+    if (p.quant == QuantFormat::kNvfp4) {
+      TORCH_CHECK_VALUE(std::isfinite(output_scalar_scale) && output_scalar_scale > 0 &&
+                            std::isfinite(static_cast<float>(output_scalar_scale)),
+                        "output_scalar_scale (NVFP4's global scale) must be a positive finite float, got ",
+                        output_scalar_scale);
+    }
+    p.global_scale = static_cast<float>(output_scalar_scale);
+    const at::Tensor& sc = *output_scales;
+    check_on_workspace_device(sc, workspace, "output_scales");
+    TORCH_CHECK_VALUE(sc.is_contiguous(), "output_scales must be contiguous, got strides ", sc.strides());
+    check_no_grad(sc, "output_scales");
+    const int64_t extent = sf_extent(p.sf_layout, local_num_tokens, scale_cols);
+    TORCH_CHECK_VALUE(sc.numel() == extent, "output_scales must hold ", extent, " scales (", local_num_tokens,
+                      " rows x ", scale_cols, " blocks of ", block, " in ", sf_layout_name(p.sf_layout),
+                      ", padding included), got ", sc.numel(), " (shape ", sc.sizes(), ")");
+    p.output_scales = static_cast<uint8_t*>(sc.data_ptr());
+  }
 
   if (payload.has_value() && payload->defined()) {
     const at::Tensor& t = *payload;
@@ -404,12 +498,13 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
     TORCH_CHECK_VALUE(o.scalar_type() == output_dtype, "output must be ", dtype_name(output_dtype), ", got ",
                       dtype_name(o.scalar_type()));
     check_on_workspace_device(o, workspace, "output");
-    std::vector<int64_t> expected{local_num_tokens};
-    expected.insert(expected.end(), row_shape.begin(), row_shape.end());
+    const std::vector<int64_t> expected = combine_output_shape(local_num_tokens, row_shape, output_dtype);
     TORCH_CHECK_VALUE(o.sizes() == at::IntArrayRef(expected),
                       "output must be [local_num_tokens, *row_shape] = ", at::IntArrayRef(expected), ", got shape ",
                       o.sizes());
     TORCH_CHECK_VALUE(o.is_contiguous(), "output must be contiguous, got strides ", o.strides());
+    TORCH_CHECK_VALUE(p.quant == QuantFormat::kNone || reinterpret_cast<uintptr_t>(o.data_ptr()) % 16 == 0,
+                      "a quantized output must be 16-byte aligned");
     // combine writes into `output` and has no backward: autograd would keep
     // the tensor's old history (or, for a leaf, miss the write) and give
     // wrong gradients without a word.
@@ -605,13 +700,14 @@ at::Tensor combine_cpu(const std::optional<at::Tensor>& payload, int64_t local_n
                        int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
                        int64_t top_k, int64_t combine_payload_offset, at::IntArrayRef row_shape,
                        at::ScalarType payload_dtype, at::ScalarType output_dtype, at::IntArrayRef active_rank_mask,
-                       double timeout_s, int64_t mailbox, bool enable_pdl) {
-  CombineParams p = check_combine(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
-                                  runtime_max_tokens_per_rank, top_k, combine_payload_offset, row_shape, payload_dtype,
-                                  output_dtype, active_rank_mask, timeout_s, mailbox, enable_pdl, nullptr);
-  std::vector<int64_t> shape{local_num_tokens};
-  shape.insert(shape.end(), row_shape.begin(), row_shape.end());
-  at::Tensor out = at::empty(shape, workspace.options().dtype(output_dtype));
+                       double timeout_s, int64_t mailbox, bool enable_pdl, int64_t low_precision,
+                       const std::optional<at::Tensor>& output_scales, double output_scalar_scale, int64_t sf_layout) {
+  CombineParams p =
+      check_combine(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
+                    top_k, combine_payload_offset, row_shape, payload_dtype, output_dtype, active_rank_mask, timeout_s,
+                    mailbox, enable_pdl, low_precision, output_scales, output_scalar_scale, sf_layout, nullptr);
+  at::Tensor out = at::empty(combine_output_shape(local_num_tokens, row_shape, output_dtype),
+                             workspace.options().dtype(output_dtype));
   p.output = static_cast<uint8_t*>(out.data_ptr());
   run_combine_cpu(p, max_num_tokens, mailbox);
   return out;
@@ -621,11 +717,13 @@ void combine_into_cpu(const std::optional<at::Tensor>& payload, int64_t local_nu
                       int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
                       int64_t top_k, int64_t combine_payload_offset, at::IntArrayRef row_shape,
                       at::ScalarType payload_dtype, at::ScalarType output_dtype, at::IntArrayRef active_rank_mask,
-                      double timeout_s, int64_t mailbox, bool enable_pdl, const at::Tensor& output) {
+                      double timeout_s, int64_t mailbox, bool enable_pdl, int64_t low_precision,
+                      const std::optional<at::Tensor>& output_scales, double output_scalar_scale, int64_t sf_layout,
+                      const at::Tensor& output) {
   const CombineParams p =
       check_combine(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
                     top_k, combine_payload_offset, row_shape, payload_dtype, output_dtype, active_rank_mask, timeout_s,
-                    mailbox, enable_pdl, &output);
+                    mailbox, enable_pdl, low_precision, output_scales, output_scalar_scale, sf_layout, &output);
   run_combine_cpu(p, max_num_tokens, mailbox);
 }
 
@@ -720,6 +818,8 @@ std::vector<int64_t> constants_op() {
       kHdrDispatchClaim0,
       kHdrDispatchClaims,
       kHeaderBytes,
+      kLowPrecisionBlock,
+      kLowPrecisionBlockPitch,
   };
 }
 
@@ -732,6 +832,9 @@ std::vector<int64_t> constants_op() {
 // kernel cost every eager call about 2 us of host time.
 void bump_version(const at::Tensor& t) {
   if (!t.is_inference()) torch::autograd::impl::bump_version(t);
+}
+void bump_version(const std::optional<at::Tensor>& t) {
+  if (t.has_value() && t->defined()) bump_version(*t);
 }
 
 template <const char* kOp, typename Signature, size_t... kWritten>
@@ -789,10 +892,10 @@ TORCH_LIBRARY_IMPL(moe_a2a, CPU, m) {
 
 TORCH_LIBRARY_IMPL(moe_a2a, ADInplaceOrView, m) {
   using namespace moe_a2a;
-  // The indices: the written arguments (Tensor(a!) workspace, Tensor(b!) output).
+  // The indices: the written arguments (Tensor(a!) workspace, Tensor(b!) output, Tensor(c!)? output_scales).
   m.impl("initialize", TORCH_FN((BumpWrittenVersions<kOpInitialize, InitializeSignature, 0>::call)));
   m.impl("dispatch", TORCH_FN((BumpWrittenVersions<kOpDispatch, DispatchSignature, 2>::call)));
-  m.impl("combine", TORCH_FN((BumpWrittenVersions<kOpCombine, CombineSignature, 2>::call)));
-  m.impl("combine_into", TORCH_FN((BumpWrittenVersions<kOpCombineInto, CombineIntoSignature, 2, 16>::call)));
+  m.impl("combine", TORCH_FN((BumpWrittenVersions<kOpCombine, CombineSignature, 2, 17>::call)));
+  m.impl("combine_into", TORCH_FN((BumpWrittenVersions<kOpCombineInto, CombineIntoSignature, 2, 17, 20>::call)));
   m.impl("sanitize_expert_ids", TORCH_FN((BumpWrittenVersions<kOpSanitize, SanitizeSignature, 0>::call)));
 }

@@ -20,6 +20,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
@@ -64,7 +65,13 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
                             int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t combine_payload_offset,
                             at::IntArrayRef row_shape, at::ScalarType payload_dtype, at::ScalarType output_dtype,
                             at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
-                            const at::Tensor* output);
+                            int64_t low_precision, const std::optional<at::Tensor>& output_scales,
+                            double output_scalar_scale, int64_t sf_layout, const at::Tensor* output);
+
+// The shape of a combine's output: [local_num_tokens, *row_shape], with the
+// last size halved for a packed fp4 (torch.uint8) output.
+std::vector<int64_t> combine_output_shape(int64_t local_num_tokens, at::IntArrayRef row_shape,
+                                          at::ScalarType output_dtype);
 
 // sanitize_expert_ids: the arguments of kSchemaSanitize, in order.
 SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,

@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "protocol.h"
+#include "quantize.h"
 
 namespace moe_a2a {
 
@@ -78,9 +79,19 @@ struct CombineParams {
   int64_t combine_offset;      // combine_payload_offset
   int64_t row_elems;           // elements per combine row
   DType payload_dtype;
+  // The output's dtype; with a quantized output, the dtype the fp32 sum is
+  // rounded to before it is quantized (the payload's, bf16 with low_precision).
   DType output_dtype;
   const uint8_t* payload;  // [ep_size, T, row_elems] contiguous, or nullptr when in workspace
-  uint8_t* output;         // [local_num_tokens, row_elems] contiguous
+  // [local_num_tokens, row_elems] contiguous: of output_dtype; e4m3 bytes
+  // (MXFP8); or row_elems / 2 bytes of e2m1 pairs (MXFP4, NVFP4). 16-byte
+  // aligned when quantized.
+  uint8_t* output;
+  LowPrecision low_precision;  // rows staged as e4m3 (protocol.h) instead of the payload dtype
+  QuantFormat quant;
+  SfLayout sf_layout;      // of output_scales
+  uint8_t* output_scales;  // quantized: [sf_extent(sf_layout, local_num_tokens, row_elems / block)]
+  float global_scale;      // NVFP4's output_scalar_scale (> 0)
 };
 
 struct SanitizeParams {

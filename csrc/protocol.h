@@ -453,6 +453,39 @@ MOE_A2A_HD int64_t combine_end(int64_t combine_offset, int64_t ep_size, int64_t 
   return combine_offset + ep_size * runtime_max_tokens * combine_row_bytes;
 }
 
+// ---- Low-precision combine rows (combine's use_low_precision) ----
+// The combine stages every received row as e4m3 bytes into the combine region
+// at the payload's row stride (payload_in_workspace: in place, over the row
+// it converts), and the peers pull those. Plain (FlashInfer's): element i at
+// byte i. Block-scaled (ours): blocks of kLowPrecisionBlock elements, block c
+// at byte c * kLowPrecisionBlockPitch and its fp32 scale right after its
+// elements rounded up to 16 bytes. In place, a row is converted front to back
+// one block at a time: block c's bytes end at or before 144 (c + 1), and the
+// payload bytes read by then are those of 128 (c + 1) elements of >= 2 bytes,
+// so no write lands on payload bytes not read yet. Nothing beyond the
+// payload's rows is needed: workspace_size_per_rank covers them as it is.
+constexpr int64_t kLowPrecisionBlock = 128;
+constexpr int64_t kLowPrecisionBlockPitch = kLowPrecisionBlock + 16;
+enum class LowPrecision : int32_t { kOff = 0, kE4m3 = 1, kE4m3BlockScaled = 2 };
+
+// Byte of element i of a staged row.
+MOE_A2A_HD int64_t low_precision_element_offset(LowPrecision mode, int64_t i) {
+  if (mode != LowPrecision::kE4m3BlockScaled) return i;
+  return (i / kLowPrecisionBlock) * kLowPrecisionBlockPitch + i % kLowPrecisionBlock;
+}
+// Byte of the fp32 scale of block c of a staged row of row_elems elements (block-scaled).
+MOE_A2A_HD int64_t low_precision_scale_offset(int64_t row_elems, int64_t c) {
+  const int64_t elems =
+      row_elems - c * kLowPrecisionBlock < kLowPrecisionBlock ? row_elems - c * kLowPrecisionBlock : kLowPrecisionBlock;
+  return c * kLowPrecisionBlockPitch + align_up(elems, 16);
+}
+// Bytes of a staged row; must fit in the payload row it replaces.
+MOE_A2A_HD int64_t low_precision_row_bytes(LowPrecision mode, int64_t row_elems) {
+  if (mode != LowPrecision::kE4m3BlockScaled || row_elems == 0) return row_elems;
+  const int64_t blocks = (row_elems + kLowPrecisionBlock - 1) / kLowPrecisionBlock;
+  return low_precision_scale_offset(row_elems, blocks - 1) + int64_t(sizeof(float));
+}
+
 // Bytes per rank that hold any call with runtime_max_tokens <= max_num_tokens,
 // any payload list whose rows add up to total_dispatch_bytes (the planes'
 // alignment pads included) and a combine row of combine_bytes; a multiple of

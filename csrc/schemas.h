@@ -40,11 +40,17 @@ constexpr const char* kSchemaDispatch =
     "int num_experts, Tensor? eplb_local_stats, int eplb_stats_num_experts, int[] active_rank_mask, "
     "float timeout_s, int mailbox, bool enable_pdl) -> ()";
 
+// low_precision: 0 off, 1 e4m3 rows (FlashInfer's use_low_precision), 2 e4m3
+// rows with a power-of-two scale per 128 elements (protocol.h, LowPrecision).
+// output_scales (written) with output_dtype float8_e4m3fn or uint8: a
+// quantized output (quantize.h) whose scales go there in sf_layout
+// (SfLayout); output_scalar_scale: NVFP4's global scale.
 #define MOE_A2A_COMBINE_ARGS                                                                        \
   "Tensor? payload, SymInt local_num_tokens, Tensor(a!) workspace, int ep_rank, int ep_size, "      \
   "int max_num_tokens, int runtime_max_tokens_per_rank, int top_k, int combine_payload_offset, "    \
   "SymInt[] row_shape, ScalarType payload_dtype, ScalarType output_dtype, int[] active_rank_mask, " \
-  "float timeout_s, int mailbox, bool enable_pdl"
+  "float timeout_s, int mailbox, bool enable_pdl, int low_precision, Tensor(c!)? output_scales, "   \
+  "float output_scalar_scale, int sf_layout"
 
 constexpr const char* kSchemaCombine = "combine(" MOE_A2A_COMBINE_ARGS ") -> Tensor";
 constexpr const char* kSchemaCombineInto = "combine_into(" MOE_A2A_COMBINE_ARGS ", Tensor(b!) output) -> ()";
@@ -69,9 +75,10 @@ using InitializeSignature = void(const at::Tensor&, int64_t, int64_t, int64_t, i
 using DispatchSignature = void(const at::Tensor&, at::TensorList, const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
                                int64_t, int64_t, const std::optional<at::Tensor>&, int64_t, at::IntArrayRef, double,
                                int64_t, bool);
-#define MOE_A2A_COMBINE_TYPES                                                                                    \
-  const std::optional<at::Tensor>&, c10::SymInt, const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, \
-      int64_t, c10::SymIntArrayRef, at::ScalarType, at::ScalarType, at::IntArrayRef, double, int64_t, bool
+#define MOE_A2A_COMBINE_TYPES                                                                                        \
+  const std::optional<at::Tensor>&, c10::SymInt, const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t,     \
+      int64_t, c10::SymIntArrayRef, at::ScalarType, at::ScalarType, at::IntArrayRef, double, int64_t, bool, int64_t, \
+      const std::optional<at::Tensor>&, double, int64_t
 using CombineSignature = at::Tensor(MOE_A2A_COMBINE_TYPES);
 using CombineIntoSignature = void(MOE_A2A_COMBINE_TYPES, const at::Tensor&);
 #undef MOE_A2A_COMBINE_TYPES

@@ -45,19 +45,25 @@ void dispatch_meta(const at::Tensor& token_selected_experts, at::TensorList inpu
 at::Tensor combine_meta(const std::optional<at::Tensor>& payload, c10::SymInt local_num_tokens,
                         const at::Tensor& workspace, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                         c10::SymIntArrayRef row_shape, at::ScalarType, at::ScalarType output_dtype, at::IntArrayRef,
-                        double, int64_t, bool) {
+                        double, int64_t, bool, int64_t, const std::optional<at::Tensor>& output_scales, double,
+                        int64_t) {
   check_meta("combine", "payload", payload);
   check_meta("combine", "workspace", workspace);
+  check_meta("combine", "output_scales", output_scales);
   std::vector<c10::SymInt> shape{std::move(local_num_tokens)};
   shape.insert(shape.end(), row_shape.begin(), row_shape.end());
+  // A packed fp4 output (ops.h, combine_output_shape): two elements per byte.
+  if (output_dtype == at::kByte && shape.size() == 2) shape[1] = shape[1] / 2;
   return at::empty_symint(shape, workspace.options().dtype(output_dtype));
 }
 
 void combine_into_meta(const std::optional<at::Tensor>& payload, c10::SymInt, const at::Tensor& workspace, int64_t,
                        int64_t, int64_t, int64_t, int64_t, int64_t, c10::SymIntArrayRef, at::ScalarType, at::ScalarType,
-                       at::IntArrayRef, double, int64_t, bool, const at::Tensor& output) {
+                       at::IntArrayRef, double, int64_t, bool, int64_t, const std::optional<at::Tensor>& output_scales,
+                       double, int64_t, const at::Tensor& output) {
   check_meta("combine_into", "payload", payload);
   check_meta("combine_into", "workspace", workspace);
+  check_meta("combine_into", "output_scales", output_scales);
   check_meta("combine_into", "output", output);
 }
 

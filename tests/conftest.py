@@ -18,7 +18,7 @@ import time
 import traceback
 import zlib
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 # A broken protocol must fail the suite, not hang it. Tests that exercise the
 # timeout itself set a much shorter value.
@@ -298,10 +298,18 @@ def round_trip(
     eplb_stats: Optional[list[torch.Tensor]] = None,
     active_ranks: Optional[Sequence[int]] = None,
     poison: bool = True,
+    combine_kwargs: Optional[Callable[[int], dict]] = None,
+    low_precision: Optional[str] = None,
+    expected: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
+    transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> RoundTrip:
     """dispatch -> toy MoE -> combine on every (active) rank of ``sim``, checked
     against the reference at every step (counts, valid receive rows, outputs,
-    bitwise). Ranks outside ``active_ranks`` never call (a dead rank)."""
+    bitwise). Ranks outside ``active_ranks`` never call (a dead rank).
+    ``combine_kwargs(rank)``: more keyword arguments of rank's combine;
+    ``low_precision`` goes to reference_combine; ``expected(rank, ref_out)``
+    maps the reference's output to the one expected (a quantization);
+    ``transform`` is applied to every rank's expert outputs (special values)."""
     ep, device = case.ep_size, sim.workspace.device
     T = case.T if runtime_max is None else runtime_max
     tokens = [int(t.shape[0]) for t in inputs.ids]
@@ -351,9 +359,10 @@ def round_trip(
     check_dispatch(recv, counts, ref, case.payload_specs(), T, active)
 
     def moe(rank, views, cnt):
-        return reference.toy_moe(
+        out = reference.toy_moe(
             views[0], views[1], views[2], cnt, ep_rank=rank, ep_size=ep, num_experts=case.num_experts
         )
+        return out if transform is None else transform(out)
 
     ref_expert_out = [moe(r, ref.recv[r], ref.recv_counts[r]) for r in range(ep)]
     payloads = {}
@@ -388,14 +397,21 @@ def round_trip(
             ep,
             case.top_k,
             offsets[rank],
-            payload_in_workspace=payload_in_workspace,
-            output_dtype=output_dtype,
-            output=outs.get(rank),
-            **mask_kwargs,
+            **{
+                "payload_in_workspace": payload_in_workspace,
+                "output_dtype": output_dtype,
+                "output": outs.get(rank),
+                **mask_kwargs,
+                **({} if combine_kwargs is None else combine_kwargs(rank)),
+            },
         )
 
     combined = sim.run(combine)
-    ref_outputs = reference.reference_combine(ref_expert_out, ref, tokens, output_dtype=output_dtype)
+    ref_outputs = reference.reference_combine(ref_expert_out, ref, tokens,
+                                              output_dtype=None if expected else output_dtype,
+                                              low_precision=low_precision)
+    if expected is not None:
+        ref_outputs = [expected(r, o) for r, o in enumerate(ref_outputs)]
     outputs = []
     for r in range(ep):
         if r not in active:

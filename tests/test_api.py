@@ -64,7 +64,8 @@ SIGNATURES = {
 
 
 # Our keyword-only supersets after FlashInfer's parameters (a FlashInfer call never names them).
-SUPERSETS = {"moe_a2a_dispatch": [("timeout_s", KW, None)], "moe_a2a_combine": [("timeout_s", KW, None)]}
+SUPERSETS = {"moe_a2a_dispatch": [("timeout_s", KW, None)], "moe_a2a_combine": [("timeout_s", KW, None),
+                                                                                 ("low_precision_block_scales", KW, False)]}
 
 
 @pytest.mark.parametrize("name", list(SIGNATURES))

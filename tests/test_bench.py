@@ -290,3 +290,27 @@ def test_expected_sends_match_the_routing(name, ep):
     counted = sum(int(common.distinct_destinations(random_routing(point.tokens, p.top_k, p.num_experts, gen),
                                                    owner).sum()) for _ in range(ep))
     assert common.expected_sends(point) == pytest.approx(counted, rel=0.03)
+
+
+def test_combine_variants_report_every_variant(device, tmp_path, capsys):
+    """--combine-variants: a row per variant with its time, bytes and ratio to copy; the records in --json."""
+    path = tmp_path / "variants.json"
+    rc = single.main(["--device", device, "--combine-variants", "--ep", "2", "--tokens", "3", "--iters", "1",
+                      "--warmup", "0", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    from torch_moe_a2a.bench import low_precision
+    for name in low_precision.VARIANTS:
+        assert f" {name} " in out
+    import json
+    records = json.loads(path.read_text())["records"]
+    assert [r["variant"] for r in records] == list(low_precision.VARIANTS)
+    assert all(r["us"] > 0 and r["bytes"] > 0 for r in records)
+    bf16, e4m3 = records[0], records[1]
+    assert e4m3["bytes"] < bf16["bytes"]  # half the pulled bytes
+
+
+def test_low_precision_error_table(capsys):
+    assert single.main(["--low-precision-error"]) == 0
+    out = capsys.readouterr().out
+    assert "outliers" in out and "power-of-two scale per 128" in out

@@ -74,7 +74,8 @@ SCRIPT = textwrap.dedent(
 
     def combine(r):
         ops.combine_into(expert_out[r], tokens[r], workspace, r, EP, MAX_TOKENS, T, TOP_K, combine_offset,
-                         [HIDDEN], torch.bfloat16, torch.bfloat16, [], TIMEOUT_S, mailboxes[r], False, out[r])
+                         [HIDDEN], torch.bfloat16, torch.bfloat16, [], TIMEOUT_S, mailboxes[r], False, 0, None, 1.0,
+                         2, out[r])
 
     def every_rank(step):
         if device == "cpu":  # the CPU ops wait for their peers: one thread per rank

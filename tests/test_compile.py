@@ -208,3 +208,33 @@ def test_compiled_step_keeping_a_receive_view_copy(device):
     a2a.moe_a2a_combine(recv[0], 5, workspace, metainfo, T, 0, 1, k, offset)
     assert not torch.equal(recv[1][0, :valid].cpu(), kept_before[0, :valid].cpu()), "the second round must differ"
     assert torch.equal(kept, kept_before), "the kept rows changed with the workspace"
+
+
+def quantized_step(ids, payloads, workspace, metainfo, T, ep_rank, ep_size, top_k, num_experts, local_num_tokens,
+                   scales, low_precision_block_scales):
+    """moe_step with an e4m3 transport and an MXFP8 output in the 128x4 layout."""
+    recv, offset, _ = a2a.moe_a2a_dispatch(ids, payloads, workspace, metainfo, T, ep_rank, ep_size, top_k,
+                                           num_experts)
+    hidden, weights = recv[0], recv[2]
+    expert_out = (hidden.float() * weights[..., :1]).to(hidden.dtype)
+    return a2a.moe_a2a_combine(expert_out, local_num_tokens, workspace, metainfo, T, ep_rank, ep_size, top_k,
+                               offset, output_dtype=torch.float8_e4m3fn, output_scales=scales,
+                               sf_layout=a2a.SfLayout.layout_128x4, use_low_precision=True,
+                               low_precision_block_scales=low_precision_block_scales)
+
+
+@pytest.mark.parametrize("block_scales", [False, True])
+def test_compiled_low_precision_quantized_equals_eager(block_scales, device):
+    torch._dynamo.reset()
+    case = Case(1, (13,), 4, 9, hidden=96, runtime_max=16, max_num_tokens=16)
+    sim = make_sim(case, device)
+    inputs = make_inputs(case, make_generator(2)).to(device)
+    scales = [torch.full((128 * 4,), 7, dtype=torch.uint8, device=device) for _ in range(2)]
+    args = (inputs.ids[0], inputs.payloads[0], sim.workspace, sim.metainfo[0], case.T, 0, 1, case.top_k,
+            case.num_experts, 13)
+    eager = quantized_step(*args, scales[0], block_scales).cpu()
+    compiled = torch.compile(quantized_step, fullgraph=True)
+    out, codes = run_and_get_code(compiled, *args, scales[1], block_scales)
+    assert_bytes_equal(out, eager, "compiled vs eager")
+    assert_bytes_equal(scales[1], scales[0], "compiled vs eager scales")
+    _assert_no_workspace_copy(codes, sim.workspace)

@@ -462,7 +462,7 @@ def _opcheck_args(op_name: str):
     payload = payload.to(case.hidden_dtype).to(CUDA)
     combine_args = (payload, case.tokens[0], workspace, 0, 1, case.max_tokens, case.T, case.top_k,
                     call.combine_offset, [case.hidden], case.hidden_dtype, case.hidden_dtype, [], TIMEOUT_FROM_ENV,
-                    mailbox, True)
+                    mailbox, True, 0, None, 1.0, int(a2a.SfLayout.layout_linear))
     if op_name == "combine":
         return ops.combine.default, combine_args, metainfo
     assert op_name == "combine_into"

@@ -22,6 +22,7 @@ CASE = Case(1, (5,), 3, 6, hidden=64, runtime_max=8, max_num_tokens=8,
             extras=(PayloadSpec(torch.uint8, (16,)), PayloadSpec(torch.float16, (4, 0)),
                     PayloadSpec(torch.float32, (2, 3))))
 TIMEOUT_FROM_ENV = -1.0
+SWIZZLE_128X4, LINEAR = int(a2a.SfLayout.layout_128x4), int(a2a.SfLayout.layout_linear)
 
 
 class Env:
@@ -46,7 +47,15 @@ class Env:
 
     def combine_args(self, offset, payload):
         return (payload, CASE.tokens[0], self.workspace, 0, 1, CASE.max_tokens, CASE.T, CASE.top_k, offset,
-                [CASE.hidden], CASE.hidden_dtype, CASE.hidden_dtype, [], TIMEOUT_FROM_ENV, self.mailbox, False)
+                [CASE.hidden], CASE.hidden_dtype, CASE.hidden_dtype, [], TIMEOUT_FROM_ENV, self.mailbox, False,
+                0, None, 1.0, LINEAR)
+
+    def quantized_combine_args(self, offset, payload, low_precision, output_dtype, scales):
+        """combine_args with a quantized output: the 128x4 layout's padded scales are written too."""
+        args = list(self.combine_args(offset, payload))
+        args[11], args[16], args[17], args[19] = output_dtype, low_precision, scales, SWIZZLE_128X4
+        args[18] = 3.0
+        return tuple(args)
 
 
 def _opcheck(op, args):
@@ -106,3 +115,39 @@ def test_opcheck_sanitize_expert_ids(device):
 def test_opcheck_check_expert_ids(device):
     env = Env(device)
     _opcheck(ops.check_expert_ids.default, (env.ids, CASE.num_experts))
+
+
+@pytest.mark.parametrize("low_precision", [1, 2], ids=["e4m3", "e4m3_block_scaled"])
+def test_opcheck_combine_low_precision(low_precision, device):
+    env = Env(device)
+    lay = env.dispatched()
+    payload = torch.randn(1, CASE.T, CASE.hidden, generator=make_generator(3)).to(CASE.hidden_dtype).to(device)
+    args = list(env.combine_args(lay.combine_offset, payload))
+    args[11], args[16] = torch.bfloat16, low_precision
+    _opcheck(ops.combine.default, tuple(args))
+
+
+# NVFP4 (uint8 data, float8 scales) is left out, as fp8 payloads are above:
+# SchemaCheckMode compares the fp8 scales with ops that have no fp8 CPU kernel.
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8_in_ws"])
+def test_opcheck_combine_quantized(fmt, device):
+    env = Env(device)
+    lay = env.dispatched()
+    payload = torch.randn(1, CASE.T, CASE.hidden, generator=make_generator(4)).to(CASE.hidden_dtype).to(device)
+    out_dtype = torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn
+    scales = torch.zeros(128 * 4, dtype=torch.uint8, device=device)  # 5 rows x 2 blocks, padded to 128 x 4
+    if fmt == "mxfp8_in_ws":
+        view = layout.region_view(env.workspace[0], lay.combine_offset, tuple(payload.shape), payload.dtype)
+        view.copy_(payload)
+        payload = None
+    _opcheck(ops.combine.default, env.quantized_combine_args(lay.combine_offset, payload, 0, out_dtype, scales))
+
+
+def test_opcheck_combine_into_quantized(device):
+    env = Env(device)
+    lay = env.dispatched()
+    payload = torch.randn(1, CASE.T, CASE.hidden, generator=make_generator(5)).to(CASE.hidden_dtype).to(device)
+    scales = torch.zeros(128 * 4, dtype=torch.uint8, device=device)
+    output = torch.empty(CASE.tokens[0], CASE.hidden // 2, dtype=torch.uint8, device=device)
+    args = env.quantized_combine_args(lay.combine_offset, payload, 1, torch.uint8, scales)
+    _opcheck(ops.combine_into.default, (*args, output))

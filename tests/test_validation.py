@@ -271,15 +271,18 @@ COMBINE_BAD = [
     ("offset_past_end", lambda ce, args: args.update(combine_payload_offset=ce.env.workspace.shape[1]), BAD,
      r"(?i)offset|workspace"),
     ("ep_rank_1", _set(ep_rank=1), BAD, r"(?i)ep_rank"),
-    ("output_dtype_fp8", _set(output_dtype=torch.float8_e4m3fn), NotImplementedError, None),
+    ("output_dtype_fp8_without_scales", _set(output_dtype=torch.float8_e4m3fn), ValueError, r"needs output_scales"),
     ("local_tokens_float", _set(local_num_tokens=6.0), ValueError, r"local_num_tokens must be an int"),
     ("output_not_a_tensor", _set(output=[0.0] * 6), ValueError, r"output must be a tensor or None"),
     # An fp8 payload (output_dtype then defaults to it) is named as the payload's fault.
     ("payload_fp8", _payload(lambda ce: ce.payload.to(torch.float8_e4m3fn)), ValueError, r"payload dtype"),
-    ("output_dtype_int32", _set(output_dtype=torch.int32), (ValueError, NotImplementedError), r"(?i)output_dtype|dtype"),
-    ("low_precision", _set(use_low_precision=True), NotImplementedError, None),
-    ("output_scales", lambda ce, args: args.update(output_scales=torch.ones(6, 2, dtype=torch.uint8)),
-     (NotImplementedError, ValueError), None),
+    ("output_dtype_int32", _set(output_dtype=torch.int32), ValueError, r"(?i)output_dtype|dtype"),
+    ("low_precision_fp16_output", _set(use_low_precision=True, output_dtype=torch.float16), ValueError,
+     r"use_low_precision combines into torch.bfloat16"),
+    ("output_scales_unquantized", lambda ce, args: args.update(output_scales=torch.ones(
+        6, 2, dtype=torch.uint8, device=ce.env.device)), ValueError, r"not a quantized output"),
+    ("output_scales_extent", lambda ce, args: args.update(output_dtype=torch.float8_e4m3fn, output_scales=torch.ones(
+        6, 3, dtype=torch.uint8, device=ce.env.device)), ValueError, r"output_scales must hold 12 scales"),
     ("output_rows", lambda ce, args: args.update(output=torch.empty(7, 64, dtype=torch.bfloat16, device=ce.env.device)),
      BAD, r"(?i)output"),
     ("output_dtype_mismatch", lambda ce, args: args.update(output=torch.empty(6, 64, dtype=torch.float32,

@@ -58,6 +58,8 @@ _ops = torch.ops.moe_a2a
 _ENV_TIMEOUT = -1.0
 _U64 = 1 << 64
 _I64_SIGN = 1 << 63
+# The combine op's low_precision argument (csrc/protocol.h, LowPrecision).
+_LOW_PRECISION_OFF, _LOW_PRECISION_E4M3, _LOW_PRECISION_BLOCK_SCALED = 0, 1, 2
 # Expert-id dtypes dispatch reads and sanitize writes (int64: torch.topk's indices).
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -67,8 +69,10 @@ class SfLayout(enum.IntEnum):
     ``SfLayout`` (an ``IntEnum`` with the same values; FlashInfer's own members
     and plain ints are understood too).
 
-    Only ``layout_linear`` is accepted: quantized combine outputs are not
-    implemented, and the layout matters only for them.
+    Matters only for quantized outputs (``output_scales``): ``layout_linear``
+    is row-major ``[local_num_tokens, blocks]``; ``layout_128x4`` and
+    ``layout_8x4`` are the swizzled tile layouts of the FP8/FP4 GEMMs
+    (csrc/quantize.h states the offsets), their extents padded to whole tiles.
     """
 
     layout_128x4 = 0
@@ -443,6 +447,7 @@ def moe_a2a_combine(
     active_rank_mask: Optional[torch.Tensor] = None,
     backend: MoeAlltoAllBackend = "trtllm",
     timeout_s: Optional[float] = None,
+    low_precision_block_scales: bool = False,
 ) -> torch.Tensor:
     """Return every local token's sum of the expert outputs of its destination ranks.
 
@@ -459,28 +464,51 @@ def moe_a2a_combine(
             (the offset it returned).
         workspace, metainfo, ep_rank, ep_size: as for dispatch.
         payload_in_workspace: whether ``payload`` is the combine region itself.
-        output_dtype: the payload dtype (default) or bf16.
-        output_scales, output_scalar_scale, sf_layout, use_low_precision:
-            FlashInfer's quantized outputs and low-precision transport: not
-            implemented (``output_scalar_scale`` only matters for them).
+        output_dtype: the payload dtype (default; bf16 with
+            ``use_low_precision``) or bf16; or a quantized output, with
+            ``output_scales``: ``torch.float8_e4m3fn`` (MXFP8) or
+            ``torch.uint8`` (packed fp4, two elements a byte, the even one in
+            the low nibble: MXFP4 or NVFP4 by ``output_scales``' dtype).
+        output_scales: for a quantized output, the contiguous tensor the
+            block scales are written into: ``torch.uint8`` ue8m0 per 32
+            elements (MXFP8, MXFP4) or ``torch.float8_e4m3fn`` per 16 (NVFP4),
+            ``sf_layout``'s extent exactly (padding included; the combine
+            writes zeros into the padding). The quantized rows need 1-D rows
+            of a multiple of the block and a bf16 or fp16 payload (any payload
+            with ``use_low_precision``); the sum is rounded to the payload
+            dtype (bf16 with ``use_low_precision``) and then quantized
+            (csrc/quantize.h).
+        output_scalar_scale: NVFP4's global scale (> 0); ignored otherwise.
+        sf_layout: the layout of ``output_scales`` (:class:`SfLayout`).
         output: a contiguous ``[local_num_tokens, *row_shape]`` tensor of
-            ``output_dtype`` on the workspace's device to write into, or None.
+            ``output_dtype`` (``[local_num_tokens, hidden // 2]`` for packed
+            fp4, 16-byte aligned when quantized) on the workspace's device to
+            write into, or None.
+        use_low_precision: each rank converts its expert outputs to e4m3
+            (round to nearest even, saturating at +-448) in the workspace
+            before the peers pull them (half the bytes of bf16 on the link);
+            the sums are fp32 and the output bf16 (or quantized).
         enable_pdl, enable_rank_mask, active_rank_mask, backend, timeout_s: as for dispatch.
+        low_precision_block_scales: with ``use_low_precision``, every 128
+            elements of a row travel with a power-of-two scale (the smallest
+            that keeps the block within +-448), so that rows beyond e4m3's
+            range keep e4m3's relative precision (docs/internals.md, 'Low
+            precision and quantized outputs', has the measured error).
 
     Returns:
         ``[local_num_tokens, *row_shape]`` of ``output_dtype``: for each token
         the fp32 sum, in ascending rank order, of its rows from the distinct
-        ranks it was sent to, cast once; zeros for a token sent nowhere. A new
-        tensor the caller owns, or ``output``. Enqueued on the current stream
-        (no host sync on CUDA).
+        ranks it was sent to, cast once (or quantized); zeros for a token sent
+        nowhere. A new tensor the caller owns, or ``output``. Enqueued on the
+        current stream (no host sync on CUDA).
 
     Raises:
-        ValueError: arguments out of range, or sizes and offset that are not
-            those of the preceding dispatch (CPU: at once; CUDA: the kernel
-            refuses the call, records it, and the next call raises).
-        NotImplementedError: quantized outputs (``output_scales``, a
-            non-linear ``sf_layout``, an fp8/fp4 ``output_dtype``) and
-            ``use_low_precision``.
+        ValueError: arguments out of range, bad combinations (a quantized
+            ``output_dtype`` without ``output_scales`` or with scales of
+            another dtype or extent, rows the block does not divide), or
+            sizes and offset that are not those of the preceding dispatch
+            (CPU: at once; CUDA: the kernel refuses the call, records it, and
+            the next call raises).
         RuntimeError: peers that did not arrive within the timeout (as for dispatch).
     """
     timeout_s = _ENV_TIMEOUT if timeout_s is None else timeout_s
@@ -488,13 +516,11 @@ def moe_a2a_combine(
         expect_tensors("moe_a2a_combine", payload=payload, workspace=workspace)  # as in _dispatch
     check_backend(backend, workspace)
     # By value, so FlashInfer's own SfLayout (or a plain int) is understood too.
-    if output_scales is not None or getattr(sf_layout, "value", sf_layout) != SfLayout.layout_linear.value:
-        raise NotImplementedError(
-            "quantized combine outputs (output_scales, sf_layout other than layout_linear) are not "
-            "implemented; combine outputs bf16, fp16 or fp32"
-        )
-    if use_low_precision:
-        raise NotImplementedError("use_low_precision (FP8 combine transport) is not implemented")
+    sf_layout = int(getattr(sf_layout, "value", sf_layout))
+    if low_precision_block_scales and not use_low_precision:
+        raise ValueError("low_precision_block_scales=True requires use_low_precision=True")
+    low_precision = (_LOW_PRECISION_BLOCK_SCALED if low_precision_block_scales else
+                     _LOW_PRECISION_E4M3 if use_low_precision else _LOW_PRECISION_OFF)
     meta = metainfo_values(metainfo, id(metainfo))
     check_rank(meta, ep_rank, ep_size)
     _, _, max_num_tokens, _, _, mailbox = meta
@@ -516,7 +542,7 @@ def moe_a2a_combine(
     # the kernels skip the copy of a region onto itself.
     row_shape = payload.shape[2:]
     if output_dtype is None:
-        output_dtype = payload.dtype
+        output_dtype = torch.bfloat16 if use_low_precision else payload.dtype
     args = (
         staged,
         local_num_tokens,
@@ -534,8 +560,12 @@ def moe_a2a_combine(
         timeout_s,
         mailbox,
         enable_pdl,
+        low_precision,
+        output_scales,
+        float(output_scalar_scale),
+        sf_layout,
     )
-    if not compiling and direct_call_ok(workspace, payload, output):
+    if not compiling and direct_call_ok(workspace, payload, output, output_scales):
         try:
             return _C.combine(*args, output)
         except TypeError as e:
@@ -544,6 +574,7 @@ def moe_a2a_combine(
                               runtime_max_tokens_per_rank=(runtime_max_tokens_per_rank, INT),
                               ep_rank=(ep_rank, INT), ep_size=(ep_size, INT), top_k=(top_k, INT),
                               combine_payload_offset=(combine_payload_offset, INT), output=(output, OPT_TENSOR),
+                              output_scales=(output_scales, OPT_TENSOR),
                               timeout_s=(timeout_s, FLOAT), enable_pdl=(enable_pdl, BOOL)) from None
     if output is None:
         return _ops.combine.default(*args)

@@ -147,6 +147,8 @@ def reference_combine(
     ref: RefDispatch,
     local_num_tokens: list[int],
     output_dtype: Optional[torch.dtype] = None,
+    *,
+    low_precision: Optional[str] = None,
 ) -> list[Tensor]:
     """Combine of every rank at once.
 
@@ -158,11 +160,18 @@ def reference_combine(
     starting from fp32 zeros, the rows of its destinations added in
     ascending rank order in fp32, then cast once. IEEE fp32 adds in a fixed
     order, so the result is the same bits on every device.
+
+    ``low_precision``: ``"e4m3"`` or ``"e4m3_block_scaled"``: every row
+    contributes what :func:`low_precision_values` makes of it (the default
+    output dtype is then bf16).
     """
     ep_size = len(expert_outputs)
     device = expert_outputs[0].device
     outputs = [e.detach().to(device) for e in expert_outputs]
     dtype = outputs[0].dtype if output_dtype is None else output_dtype
+    if low_precision is not None:
+        outputs = [low_precision_values(o, block_scaled=low_precision == "e4m3_block_scaled") for o in outputs]
+        dtype = torch.bfloat16 if output_dtype is None else output_dtype
     trail = outputs[0].shape[2:]
     results = []
     for s in range(ep_size):
@@ -248,3 +257,185 @@ def random_routing(
     ids = torch.where(invalid, bad_ids, ids)
     ids = torch.where(negative, torch.full_like(ids, -1), ids)
     return ids.to(torch.int32)
+
+
+# ---------------------------------------------------------------------------
+# Number formats, from their specifications (OCP Microscaling Formats v1.0,
+# NVFP4): the oracle of the low-precision combine and the quantized outputs.
+# The scale recipes are the kernels' (csrc/quantize.h): FlashInfer's.
+# ---------------------------------------------------------------------------
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_QUANT_BLOCK = {"mxfp8": 32, "mxfp4": 32, "nvfp4": 16}
+
+
+def e4m3_codes(x: Tensor) -> Tensor:
+    """float8_e4m3fn of fp32 ``x``: round to nearest even, saturating at +-448; NaN -> 0x7F."""
+    x = x.float()
+    codes = x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return torch.where(x.isnan(), torch.full_like(codes.view(torch.uint8), 0x7F), codes.view(torch.uint8)).view(
+        torch.float8_e4m3fn)
+
+
+def e2m1_codes(x: Tensor) -> Tensor:
+    """uint8 e2m1 codes (sign << 3 | magnitude index) of fp32 ``x``: nearest of
+    0, 0.5, 1, 1.5, 2, 3, 4, 6, ties to the even index, saturating; NaN -> +-6."""
+    x = x.float()
+    table = torch.tensor(_E2M1_VALUES, dtype=torch.float64, device=x.device)
+    dist = (x.abs().double().unsqueeze(-1) - table).abs()
+    nearest = dist == dist.min(dim=-1, keepdim=True).values
+    even = torch.arange(8, device=x.device) % 2 == 0
+    # A tie has two nearest neighbours, one of them even: take it.
+    pick = torch.where((nearest & even).any(dim=-1), (nearest & even).int().argmax(dim=-1),
+                       nearest.int().argmax(dim=-1))
+    pick = torch.where(x.isnan() | x.isinf(), 7, pick)
+    sign = (torch.signbit(x)).to(torch.uint8) << 3
+    return pick.to(torch.uint8) | sign
+
+
+def e2m1_values(codes: Tensor) -> Tensor:
+    table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    v = table[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -v, v)
+
+
+def ue8m0_round_up(s: Tensor) -> Tensor:
+    """int64 ue8m0 codes: the smallest power of two 2^(code - 127) >= s (s >= 0),
+    saturating at 2^127; NaN -> 255."""
+    mantissa, exponent = torch.frexp(s.double())  # s = mantissa * 2^exponent, mantissa in [0.5, 1)
+    log2_up = torch.where(mantissa == 0.5, exponent - 1, exponent).long()
+    codes = (log2_up + 127).clamp(0, 254)
+    codes = torch.where(s == 0, 0, codes)
+    codes = torch.where(s.isinf(), 254, codes)
+    return torch.where(s.isnan(), 255, codes)
+
+
+def pow2(biased: Tensor) -> Tensor:
+    """fp32 2^(biased - 127) for biased in [0, 254] (bit patterns, so exact)."""
+    bits = torch.where(biased == 0, 0x00400000, biased.long() << 23).to(torch.int32)
+    return bits.view(torch.float32)
+
+
+def _block_amax(blocks: Tensor) -> Tensor:
+    # A NaN element does not count towards its block's maximum (as fmaxf).
+    a = blocks.abs()
+    return torch.where(a.isnan(), 0.0, a).amax(dim=-1)
+
+
+def low_precision_values(rows: Tensor, *, block_scaled: bool = False) -> Tensor:
+    """fp32 values a low-precision combine takes from ``rows`` (``[..., H]`` or
+    any trailing shape, flattened per row: ``[ep_size, T, *trail]``): each
+    element rounded to e4m3; block-scaled, each block of
+    ``layout.LOW_PRECISION_BLOCK`` elements of a row first multiplied by
+    2^(127 - code), code = ue8m0_round_up(amax * fp32(1/448)), and the e4m3
+    value multiplied back by 2^(code - 127)."""
+    x = rows.float()
+    if not block_scaled:
+        return e4m3_codes(x).float()
+    lead, n = x.shape[:2], x[0, 0].numel() if x.dim() > 2 else 1
+    flat = x.reshape(*lead, n)
+    block = layout.LOW_PRECISION_BLOCK
+    out = torch.empty_like(flat)
+    for first in range(0, n, block):
+        part = flat[..., first:first + block]
+        amax = _block_amax(part)
+        codes = ue8m0_round_up(amax * torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32))
+        inverse, scale = pow2(254 - codes).unsqueeze(-1), pow2(codes).unsqueeze(-1)
+        out[..., first:first + block] = e4m3_codes(part * inverse).float() * scale
+    return out.reshape(x.shape)
+
+
+def scale_layout_extent(sf_layout: int, rows: int, cols: int) -> int:
+    """Number of scales of ``sf_layout`` (0: 128x4, 1: 8x4, 2: linear) for rows x cols, padding included."""
+    if sf_layout == 2:
+        return rows * cols
+    tile = 128 if sf_layout == 0 else 8
+    return -(-rows // tile) * tile * (-(-cols // 4) * 4)
+
+
+def swizzle_scales(scales: Tensor, sf_layout: int) -> Tensor:
+    """``[rows, cols]`` scales laid out flat in ``sf_layout``, padding zero.
+    128x4: tiles of 128 rows x 4 columns in row-major tile order; a tile holds
+    its 32 x 4 x 4 entries as [row % 32][row // 32 % 4][column % 4]. 8x4:
+    tiles of 8 x 4 in row-major order, row-major inside."""
+    dtype = scales.dtype
+    if dtype == torch.float8_e4m3fn:
+        scales = scales.view(torch.uint8)
+    rows, cols = scales.shape
+    if sf_layout == 2:
+        return scales.reshape(-1).clone().view(dtype)
+    tile = 128 if sf_layout == 0 else 8
+    padded = torch.zeros((-(-rows // tile) * tile, -(-cols // 4) * 4), dtype=scales.dtype, device=scales.device)
+    padded[:rows, :cols] = scales
+    r, c = padded.shape
+    if sf_layout == 0:
+        tiles = padded.reshape(r // 128, 4, 32, c // 4, 4).permute(0, 3, 2, 1, 4)
+    else:
+        tiles = padded.reshape(r // 8, 8, c // 4, 4).permute(0, 2, 1, 3)
+    return tiles.reshape(-1).view(dtype)
+
+
+def reference_quantize(x: Tensor, fmt: str, sf_layout: int = 2, global_scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Quantize ``[rows, H]`` (already rounded to the payload dtype) as the
+    combine's quantized outputs: ``fmt`` "mxfp8" (float8_e4m3fn ``[rows, H]``,
+    uint8 ue8m0 scales per 32), "mxfp4" (uint8 ``[rows, H // 2]`` e2m1 pairs,
+    the even element in the low nibble; ue8m0 per 32) or "nvfp4" (likewise,
+    float8_e4m3fn scales per 16 and ``global_scale``). Returns (data, flat
+    scales in ``sf_layout``).
+
+    Scales: MX: ue8m0_round_up(amax * fp32(1/max)), max 448 (e4m3) or 6
+    (e2m1), elements multiplied by 2^(127 - code). NVFP4: s = e4m3(g * (amax
+    * fp32(1/6))), elements multiplied by 1 / (s * (1 / g)) (0 when amax or
+    s is 0). All in fp32 with IEEE rounding."""
+    block = _QUANT_BLOCK[fmt]
+    v = x.float()
+    rows, h = v.shape
+    blocks = v.reshape(rows, h // block, block)
+    amax = _block_amax(blocks)
+    if fmt == "nvfp4":
+        g = torch.tensor(global_scale, dtype=torch.float32)
+        codes = e4m3_codes(g * (amax * torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32)))
+        decoded = codes.float()
+        one = torch.tensor(1.0, dtype=torch.float32)
+        inverse = torch.where((amax != 0) & (decoded != 0), one / (decoded * (one / g)), 0.0)
+        scales = codes
+    else:
+        inv_max = torch.tensor(1.0 / (E4M3_MAX if fmt == "mxfp8" else E2M1_MAX), dtype=torch.float32)
+        ue8m0 = ue8m0_round_up(amax * inv_max)
+        inverse = torch.where(ue8m0 == 255, float("nan"), pow2((254 - ue8m0).clamp(0, 254)))
+        scales = ue8m0.to(torch.uint8)
+    scaled = (blocks * inverse.unsqueeze(-1)).reshape(rows, h)
+    if fmt == "mxfp8":
+        data = e4m3_codes(scaled)
+    else:
+        c = e2m1_codes(scaled)
+        data = c[:, 0::2] | (c[:, 1::2] << 4)
+    return data, swizzle_scales(scales, sf_layout)
+
+
+def dequantize(data: Tensor, scales: Tensor, fmt: str, h: int, sf_layout: int = 2,
+               global_scale: float = 1.0) -> Tensor:
+    """fp32 ``[rows, h]`` values of a quantized output (for error measurements)."""
+    block = _QUANT_BLOCK[fmt]
+    rows, cols = data.shape[0], h // block
+    # Where each (row, block)'s scale lies in the layout: 1 + its index, swizzled.
+    index = torch.arange(1, rows * cols + 1, dtype=torch.int64).reshape(rows, cols)
+    placed = swizzle_scales(index, sf_layout)
+    position = torch.empty(rows * cols, dtype=torch.int64)
+    where = placed.nonzero().squeeze(1)
+    position[placed[where] - 1] = where
+    flat = scales.reshape(-1).cpu()[position]
+    if fmt == "nvfp4":
+        s = flat.float() / global_scale
+    else:
+        s = pow2(flat.view(torch.uint8).long().clamp(0, 254))
+    s = s.reshape(rows, cols, 1)
+    data = data.cpu()
+    if fmt == "mxfp8":
+        values = data.float().reshape(rows, cols, block)
+    else:
+        codes = torch.stack([data & 15, data >> 4], dim=-1).reshape(rows, h)
+        values = e2m1_values(codes).reshape(rows, cols, block)
+    return (values * s).reshape(rows, h)

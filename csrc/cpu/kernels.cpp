@@ -224,46 +224,6 @@ Out from_float(float v) {
   return Out(v);
 }
 
-// out[t] = sum over route[t] of the peers' combine rows, in fp32, cast once.
-template <typename In, typename Out>
-void pull_reduce(const CombineParams& p) {
-  const WorkspaceView& ws = p.ws;
-  const uint8_t* own = ws.row(ws.ep_rank);
-  const int64_t elems = p.row_elems;
-  const int64_t row_bytes = elems * int64_t(sizeof(In));
-  const int64_t source_row_offset = int64_t(ws.ep_rank) * p.runtime_max_tokens;
-  Out* out = reinterpret_cast<Out*>(p.output);
-  at::parallel_for(0, p.local_num_tokens, grain_for(row_bytes * 2), [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(static_cast<size_t>(elems));
-    for (int64_t t = begin; t < end; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      const int32_t* route = route_of(own, p.route_offset, t);
-      for (int k = 0; k < kMaxTopK && route_in_call(route[k], ws.ep_size, p.runtime_max_tokens); ++k) {
-        const int dest = route_rank(route[k]);
-        // A rank masked off since the dispatch was not waited for: its rows are not final.
-        if (!rank_active(p.sync, dest)) continue;
-        const In* src = reinterpret_cast<const In*>(ws.row(dest) + p.combine_offset +
-                                                    (source_row_offset + route_slot(route[k])) * row_bytes);
-        for (int64_t e = 0; e < elems; ++e) acc[e] += static_cast<float>(src[e]);
-      }
-      Out* dst = out + t * elems;
-      for (int64_t e = 0; e < elems; ++e) dst[e] = from_float<Out>(acc[e]);
-    }
-  });
-}
-
-template <typename In>
-void pull_reduce_to(const CombineParams& p) {
-  switch (p.output_dtype) {
-    case DType::kFloat32:
-      return pull_reduce<In, float>(p);
-    case DType::kFloat16:
-      return pull_reduce<In, c10::Half>(p);
-    case DType::kBFloat16:
-      return pull_reduce<In, c10::BFloat16>(p);
-  }
-}
-
 int64_t dtype_bytes(DType d) {
   switch (d) {
     case DType::kFloat32:
@@ -273,6 +233,158 @@ int64_t dtype_bytes(DType d) {
       return 2;
   }
   return 0;
+}
+
+// Row readers of the pull: add a source row's elements to acc.
+template <typename In>
+struct PayloadRows {
+  static void add(const CombineParams& p, const uint8_t* row, float* acc) {
+    const In* src = reinterpret_cast<const In*>(row);
+    for (int64_t e = 0; e < p.row_elems; ++e) acc[e] += static_cast<float>(src[e]);
+  }
+};
+// e4m3 rows (protocol.h's low-precision rows): plain, or each block times its
+// power-of-two scale (an exact product).
+struct E4m3Rows {
+  static void add(const CombineParams& p, const uint8_t* row, float* acc) {
+    if (p.low_precision != LowPrecision::kE4m3BlockScaled) {
+      for (int64_t e = 0; e < p.row_elems; ++e) acc[e] += e4m3_to_float(row[e]);
+      return;
+    }
+    for (int64_t c = 0; c * kLowPrecisionBlock < p.row_elems; ++c) {
+      float scale;
+      std::memcpy(&scale, row + low_precision_scale_offset(p.row_elems, c), sizeof(scale));
+      const uint8_t* block = row + c * kLowPrecisionBlockPitch;
+      const int64_t first = c * kLowPrecisionBlock;
+      const int64_t n = std::min(kLowPrecisionBlock, p.row_elems - first);
+      for (int64_t e = 0; e < n; ++e) acc[first + e] += mul_rn(e4m3_to_float(block[e]), scale);
+    }
+  }
+};
+
+// Row writers of the pull: token t's output from its fp32 sums.
+template <typename Out>
+struct CastRows {
+  static void store(const CombineParams& p, int64_t t, const float* acc) {
+    Out* dst = reinterpret_cast<Out*>(p.output) + t * p.row_elems;
+    for (int64_t e = 0; e < p.row_elems; ++e) dst[e] = from_float<Out>(acc[e]);
+  }
+};
+// Quantized outputs (quantize.h): the sums rounded to Round (the payload
+// dtype), then per block its scale and the elements.
+template <typename Round>
+struct QuantRows {
+  static void store(const CombineParams& p, int64_t t, const float* acc) {
+    const int64_t block = quant_block(p.quant);
+    const int64_t cols = p.row_elems / block;
+    const bool fp8 = p.quant == QuantFormat::kMxfp8;
+    uint8_t* dst = p.output + t * (fp8 ? p.row_elems : p.row_elems / 2);
+    float v[kMxBlock];
+    for (int64_t c = 0; c < cols; ++c) {
+      float amax = 0.0f;
+      for (int64_t e = 0; e < block; ++e) {
+        v[e] = static_cast<float>(Round(acc[c * block + e]));
+        amax = abs_max(amax, v[e]);
+      }
+      const BlockScale s = block_scale(p.quant, amax, p.global_scale);
+      p.output_scales[sf_offset(p.sf_layout, t, c, cols)] = s.code;
+      for (int64_t e = 0; e < block; ++e) {
+        const uint8_t q = quantize_element(p.quant, mul_rn(v[e], s.inverse));
+        const int64_t i = c * block + e;
+        if (fp8) {
+          dst[i] = q;
+        } else if (i % 2 == 0) {
+          dst[i / 2] = q;
+        } else {
+          dst[i / 2] = uint8_t(dst[i / 2] | (q << 4));
+        }
+      }
+    }
+  }
+};
+
+// out[t] = sum over route[t] of the peers' combine rows, in fp32, then
+// written once by Writer.
+template <typename Reader, typename Writer>
+void pull_reduce(const CombineParams& p) {
+  const WorkspaceView& ws = p.ws;
+  const uint8_t* own = ws.row(ws.ep_rank);
+  const int64_t elems = p.row_elems;
+  const int64_t row_bytes = elems * dtype_bytes(p.payload_dtype);
+  const int64_t source_row_offset = int64_t(ws.ep_rank) * p.runtime_max_tokens;
+  at::parallel_for(0, p.local_num_tokens, grain_for(row_bytes * 2), [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(static_cast<size_t>(elems));
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      const int32_t* route = route_of(own, p.route_offset, t);
+      for (int k = 0; k < kMaxTopK && route_in_call(route[k], ws.ep_size, p.runtime_max_tokens); ++k) {
+        const int dest = route_rank(route[k]);
+        // A rank masked off since the dispatch was not waited for: its rows are not final.
+        if (!rank_active(p.sync, dest)) continue;
+        Reader::add(p, ws.row(dest) + p.combine_offset + (source_row_offset + route_slot(route[k])) * row_bytes,
+                    acc.data());
+      }
+      Writer::store(p, t, acc.data());
+    }
+  });
+}
+
+template <typename Reader>
+void pull_reduce_to(const CombineParams& p) {
+  if (p.quant != QuantFormat::kNone) {
+    if (p.output_dtype == DType::kFloat16) return pull_reduce<Reader, QuantRows<c10::Half>>(p);
+    return pull_reduce<Reader, QuantRows<c10::BFloat16>>(p);
+  }
+  switch (p.output_dtype) {
+    case DType::kFloat32:
+      return pull_reduce<Reader, CastRows<float>>(p);
+    case DType::kFloat16:
+      return pull_reduce<Reader, CastRows<c10::Half>>(p);
+    case DType::kBFloat16:
+      return pull_reduce<Reader, CastRows<c10::BFloat16>>(p);
+  }
+}
+
+// Low-precision staging of one received row: `src` (the payload row, or the
+// staged row itself when in place) read whole before `dst` is written.
+template <typename In>
+void stage_row_e4m3(const CombineParams& p, const uint8_t* src, uint8_t* dst, std::vector<float>& values) {
+  const In* row = reinterpret_cast<const In*>(src);
+  for (int64_t e = 0; e < p.row_elems; ++e) values[e] = static_cast<float>(row[e]);
+  if (p.low_precision != LowPrecision::kE4m3BlockScaled) {
+    for (int64_t e = 0; e < p.row_elems; ++e) dst[e] = e4m3_from_float(values[e]);
+    return;
+  }
+  for (int64_t c = 0; c * kLowPrecisionBlock < p.row_elems; ++c) {
+    const int64_t first = c * kLowPrecisionBlock;
+    const int64_t n = std::min(kLowPrecisionBlock, p.row_elems - first);
+    float amax = 0.0f;
+    for (int64_t e = 0; e < n; ++e) amax = abs_max(amax, values[first + e]);
+    const uint8_t code = low_precision_scale_code(amax);
+    const float inverse = ue8m0_inverse(code), scale = ue8m0_to_float(code);
+    uint8_t* block = dst + c * kLowPrecisionBlockPitch;
+    for (int64_t e = 0; e < n; ++e) block[e] = e4m3_from_float(mul_rn(values[first + e], inverse));
+    std::memcpy(dst + low_precision_scale_offset(p.row_elems, c), &scale, sizeof(scale));
+  }
+}
+
+template <typename In>
+void stage_e4m3(const CombineParams& p, const uint8_t* source, uint8_t* region, int64_t plane, int64_t count,
+                int64_t row_bytes) {
+  at::parallel_for(0, count, grain_for(row_bytes), [&](int64_t begin, int64_t end) {
+    std::vector<float> values(static_cast<size_t>(p.row_elems));
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t offset = plane + j * row_bytes;
+      stage_row_e4m3<In>(p, source + offset, region + offset, values);
+    }
+  });
+}
+
+// The padding entries of a swizzled scale layout (quantize.h) get zeros.
+void zero_scale_padding(const CombineParams& p) {
+  const int64_t cols = p.row_elems / quant_block(p.quant);
+  const int64_t n = sf_padding_count(p.sf_layout, p.local_num_tokens, cols);
+  for (int64_t i = 0; i < n; ++i) p.output_scales[sf_padding_offset(p.sf_layout, p.local_num_tokens, cols, i)] = 0;
 }
 
 }  // namespace
@@ -479,7 +591,26 @@ WaitResult combine(const CombineParams& p) {
   // 1. Stage the valid rows of every active source (a payload that already is
   // the own combine region needs no copy).
   uint8_t* region = own + p.combine_offset;
-  if (p.payload != nullptr && p.payload != region) {
+  if (p.low_precision != LowPrecision::kOff) {
+    // Staged as e4m3 rows (protocol.h), from the payload or in place.
+    const uint8_t* source = p.payload != nullptr ? p.payload : region;
+    for (int s = 0; s < ws.ep_size; ++s) {
+      if (!rank_active(p.sync, s)) continue;
+      const int64_t count = received_rows(load<int32_t>(own, recv_count_offset(s)), T);
+      const int64_t plane = int64_t(s) * T * row_bytes;
+      switch (p.payload_dtype) {
+        case DType::kFloat32:
+          stage_e4m3<float>(p, source, region, plane, count, row_bytes);
+          break;
+        case DType::kFloat16:
+          stage_e4m3<c10::Half>(p, source, region, plane, count, row_bytes);
+          break;
+        case DType::kBFloat16:
+          stage_e4m3<c10::BFloat16>(p, source, region, plane, count, row_bytes);
+          break;
+      }
+    }
+  } else if (p.payload != nullptr && p.payload != region) {
     for (int s = 0; s < ws.ep_size; ++s) {
       if (!rank_active(p.sync, s)) continue;
       const int64_t count = received_rows(load<int32_t>(own, recv_count_offset(s)), T);
@@ -497,16 +628,21 @@ WaitResult combine(const CombineParams& p) {
   if (result.code != kErrorNone) return result;
 
   // 4. Pull and reduce, 5. advance.
-  switch (p.payload_dtype) {
-    case DType::kFloat32:
-      pull_reduce_to<float>(p);
-      break;
-    case DType::kFloat16:
-      pull_reduce_to<c10::Half>(p);
-      break;
-    case DType::kBFloat16:
-      pull_reduce_to<c10::BFloat16>(p);
-      break;
+  if (p.quant != QuantFormat::kNone) zero_scale_padding(p);
+  if (p.low_precision != LowPrecision::kOff) {
+    pull_reduce_to<E4m3Rows>(p);
+  } else {
+    switch (p.payload_dtype) {
+      case DType::kFloat32:
+        pull_reduce_to<PayloadRows<float>>(p);
+        break;
+      case DType::kFloat16:
+        pull_reduce_to<PayloadRows<c10::Half>>(p);
+        break;
+      case DType::kBFloat16:
+        pull_reduce_to<PayloadRows<c10::BFloat16>>(p);
+        break;
+    }
   }
   // Release: peers' next dispatch waits on this word before overwriting
   // anything this pull may still read (dispatch step 0).

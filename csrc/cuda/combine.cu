@@ -10,11 +10,10 @@
 // in fp32 from 0.0f and rounds once to the output dtype with
 // round-to-nearest-even: the CPU's arithmetic, so the results are bitwise
 // identical.
+#include <algorithm>
 #include <limits>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
+#include "combine_formats.cuh"
 #include "device.cuh"
 
 namespace moe_a2a {
@@ -40,24 +39,6 @@ static_assert(kDestBatch % kPullRowsInFlight == 0, "a batch holds whole groups o
 constexpr int64_t kPrefetchRowsPerSource = 16;
 constexpr int64_t kPrefetchMinTokens = 128;
 constexpr int64_t kL2LineBytes = 128;
-
-// Element types: bit storage plus the exact conversions (no implicit half
-// conversions: torch builds with __CUDA_NO_HALF_CONVERSIONS__ and friends).
-struct F32 {
-  using Bits = float;
-  __device__ static float to_float(Bits b) { return b; }
-  __device__ static Bits from_float(float f) { return f; }
-};
-struct F16 {
-  using Bits = uint16_t;
-  __device__ static float to_float(Bits b) { return __half2float(__ushort_as_half(b)); }
-  __device__ static Bits from_float(float f) { return __half_as_ushort(__float2half_rn(f)); }
-};
-struct BF16 {
-  using Bits = uint16_t;
-  __device__ static float to_float(Bits b) { return __bfloat162float(__ushort_as_bfloat16(b)); }
-  __device__ static Bits from_float(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
-};
 
 // kElems elements moved as one vector access.
 template <typename Bits, int kElems>
@@ -152,11 +133,11 @@ __device__ void pull_rows(const CombineArgs& a) {
   // CPU). An entry outside this call's planes (route_in_call's case: a
   // combine whose sizes differ from its dispatch's never gets here) is
   // skipped rather than read out of bounds.
-  const auto row_of = [&](int32_t entry) -> const InRaw* {
+  const auto row_of = [&](int32_t entry) -> const uint8_t* {
     const int d = route_rank(entry);
     if (!route_in_call(entry, ws.ep_size, T) || !rank_active(p.sync, d)) return nullptr;
     const int64_t row = source_row + route_slot(entry);
-    return reinterpret_cast<const InRaw*>(ws.row(d) + p.combine_offset + row * a.row_bytes);
+    return ws.row(d) + p.combine_offset + row * a.row_bytes;
   };
   const auto pull_item = [&](int64_t item) {
     const int64_t t = segments == 1 ? item : item / segments;
@@ -180,19 +161,22 @@ __device__ void pull_rows(const CombineArgs& a) {
       for (int j = 0; j < kDestBatch; ++j) entries[j] = batch + j < kMaxTopK ? route[batch + j] : kRouteEnd;
 #pragma unroll
       for (int j = 0; j < kDestBatch; j += kPullRowsInFlight) {
-        const InRaw* src[kPullRowsInFlight];
+        const uint8_t* src[kPullRowsInFlight];
 #pragma unroll
         for (int g = 0; g < kPullRowsInFlight; ++g) {
           ended = ended || entries[j + g] == kRouteEnd;
           src[g] = ended ? nullptr : row_of(entries[j + g]);
         }
         InVec x[kPullRowsInFlight][kSumUnroll];
+        float scale[kPullRowsInFlight][kSumUnroll];  // block scales of e4m3 rows, else 1
 #pragma unroll
         for (int g = 0; g < kPullRowsInFlight; ++g) {
 #pragma unroll
           for (int u = 0; u < kSumUnroll; ++u) {
             const int v = first + u * lanes;
-            x[g][u].raw = src[g] != nullptr && v < vectors ? src[g][v] : InRaw{};
+            const bool loads = src[g] != nullptr && v < vectors;
+            x[g][u].raw = loads ? In::template load<InRaw>(src[g], v) : InRaw{};
+            scale[g][u] = loads ? In::scale(src[g], int64_t(v) * kElems, p.row_elems) : 0.0f;
           }
         }
 #pragma unroll
@@ -201,7 +185,7 @@ __device__ void pull_rows(const CombineArgs& a) {
 #pragma unroll
           for (int u = 0; u < kSumUnroll; ++u) {
 #pragma unroll
-            for (int e = 0; e < kElems; ++e) acc[u][e] += In::to_float(x[g][u].v[e]);
+            for (int e = 0; e < kElems; ++e) acc[u][e] += In::contribution(x[g][u].v[e], scale[g][u]);
           }
         }
         if (ended) break;
@@ -212,10 +196,16 @@ __device__ void pull_rows(const CombineArgs& a) {
     for (int u = 0; u < kSumUnroll; ++u) {
       const int v = first + u * lanes;
       if (v >= vectors) continue;
-      OutVec y;
+      if constexpr (IsQuantized<Out>::value) {
+        store_quantized<typename Out::Round, kElems>(p, t, v, acc[u]);
+        continue;
+      }
+      if constexpr (!IsQuantized<Out>::value) {
+        OutVec y;
 #pragma unroll
-      for (int e = 0; e < kElems; ++e) y.v[e] = Out::from_float(acc[u][e]);
-      dst[v] = y.raw;
+        for (int e = 0; e < kElems; ++e) y.v[e] = Out::from_float(acc[u][e]);
+        dst[v] = y.raw;
+      }
     }
   };
   const int64_t grid_warps = int64_t(gridDim.x) * kWarps;
@@ -249,10 +239,11 @@ __device__ __noinline__ void prefetch_own_rows(const CombineArgs& a, const int32
   }
 }
 
-// pull_rows with the vector width picked at run time, from the widest.
-template <typename In, typename Out, int kElems = 16 / int(sizeof(typename In::Bits))>
+// pull_rows with the vector width picked at run time, from the widest (a
+// quantized output always has the widest: launch_combine).
+template <typename In, typename Out, int kElems = In::kMaxElems>
 __device__ void pull_rows_any(const CombineArgs& a) {
-  if constexpr (kElems > 1) {
+  if constexpr (kElems > 1 && !IsQuantized<Out>::value) {
     if (a.pull_elems != kElems) return pull_rows_any<In, Out, kElems / 2>(a);
   }
   pull_rows<In, Out, kElems>(a);
@@ -337,10 +328,17 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   // that needs publishing, and it read nothing a peer will overwrite: CTA 0
   // raises the flags at once, without the arrival's fences and counter.
   const bool system = a.sync_settings.system;
-  if (a.stage) stage_rows(a, recv_count);
+  if (a.stage) {
+    if constexpr (In::kLowPrecision) {
+      stage_rows_e4m3<In>(p, a.row_bytes, recv_count);
+    } else {
+      stage_rows(a, recv_count);
+    }
+  }
   const bool raise = a.stage ? arrive_last(header_word<uint32_t>(own, kHdrCombineArrivals), system) : blockIdx.x == 0;
   if (raise) raise_flags(ws, p.sync, kHdrCombineFlags, epoch, system);
   if (a.prefetch) prefetch_own_rows(a, recv_count);
+  if constexpr (IsQuantized<Out>::value) zero_scale_padding(p);
 
   // 3. Acquire: every CTA, so that each one's pull loads follow its own
   // acquire of every flag (own rank's included).
@@ -362,40 +360,98 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
 
 int64_t dtype_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 
+// The low-precision instantiations: e4m3 rows staged from each payload dtype,
+// into bf16 or a quantized output.
+template <bool kScaled, typename F>
+cudaError_t for_each_low_precision(F&& f) {
+  cudaError_t err = f(combine_kernel<E4m3Rows<F32, kScaled>, BF16>);
+  if (err == cudaSuccess) err = f(combine_kernel<E4m3Rows<F16, kScaled>, BF16>);
+  if (err == cudaSuccess) err = f(combine_kernel<E4m3Rows<BF16, kScaled>, BF16>);
+  if (err == cudaSuccess) err = f(combine_kernel<E4m3Rows<F32, kScaled>, QuantizedOut<BF16>>);
+  if (err == cudaSuccess) err = f(combine_kernel<E4m3Rows<F16, kScaled>, QuantizedOut<BF16>>);
+  if (err == cudaSuccess) err = f(combine_kernel<E4m3Rows<BF16, kScaled>, QuantizedOut<BF16>>);
+  return err;
+}
+
+template <typename In, typename Out>
+cudaError_t launch_as(const CombineArgs& a, int grid, cudaStream_t stream, bool pdl) {
+  return launch_kernel(combine_kernel<In, Out>, grid, kThreads, stream, pdl, a);
+}
+
+template <typename Payload, bool kScaled>
+cudaError_t launch_low_precision(const CombineArgs& a, int grid, cudaStream_t stream, bool pdl) {
+  if (a.p.quant != QuantFormat::kNone)
+    return launch_as<E4m3Rows<Payload, kScaled>, QuantizedOut<BF16>>(a, grid, stream, pdl);
+  return launch_as<E4m3Rows<Payload, kScaled>, BF16>(a, grid, stream, pdl);
+}
+
+template <typename Payload>
+cudaError_t launch_low_precision(const CombineArgs& a, int grid, cudaStream_t stream, bool pdl) {
+  if (a.p.low_precision == LowPrecision::kE4m3BlockScaled)
+    return launch_low_precision<Payload, true>(a, grid, stream, pdl);
+  return launch_low_precision<Payload, false>(a, grid, stream, pdl);
+}
+
+// Every instantiation of combine_kernel that launch_combine may launch.
+template <typename F>
+cudaError_t for_each_combine_kernel(F&& f) {
+  cudaError_t err = f(combine_kernel<F32, F32>);
+  if (err == cudaSuccess) err = f(combine_kernel<F16, F16>);
+  if (err == cudaSuccess) err = f(combine_kernel<BF16, BF16>);
+  if (err == cudaSuccess) err = f(combine_kernel<F32, BF16>);
+  if (err == cudaSuccess) err = f(combine_kernel<F16, BF16>);
+  if (err == cudaSuccess) err = f(combine_kernel<F16, QuantizedOut<F16>>);
+  if (err == cudaSuccess) err = f(combine_kernel<BF16, QuantizedOut<BF16>>);
+  if (err == cudaSuccess) err = for_each_low_precision<false>(f);
+  if (err == cudaSuccess) err = for_each_low_precision<true>(f);
+  return err;
+}
+
 }  // namespace
 
 cudaError_t combine_ctas_per_sm(int* ctas_per_sm) {
   *ctas_per_sm = std::numeric_limits<int>::max();
-  cudaError_t err = lower_to_occupancy(combine_kernel<F32, F32>, ctas_per_sm);
-  if (err == cudaSuccess) err = lower_to_occupancy(combine_kernel<F16, F16>, ctas_per_sm);
-  if (err == cudaSuccess) err = lower_to_occupancy(combine_kernel<BF16, BF16>, ctas_per_sm);
-  if (err == cudaSuccess) err = lower_to_occupancy(combine_kernel<F32, BF16>, ctas_per_sm);
-  if (err == cudaSuccess) err = lower_to_occupancy(combine_kernel<F16, BF16>, ctas_per_sm);
-  return err;
+  return for_each_combine_kernel([&](auto kernel) { return lower_to_occupancy(kernel, ctas_per_sm); });
 }
 
 cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, cudaStream_t stream) {
   CombineArgs a{};
   a.p = p;
   a.sync_settings = make_sync_settings(p.sync.timeout_s, config);
+  const bool low_precision = p.low_precision != LowPrecision::kOff;
+  const bool quantized = p.quant != QuantFormat::kNone;
   const int64_t in_bytes = dtype_bytes(p.payload_dtype);
+  // Bytes of an element the pull reads (e4m3 rows: 1) and of one it writes.
+  const int64_t pull_bytes = low_precision ? 1 : in_bytes;
   const int64_t out_bytes = dtype_bytes(p.output_dtype);
   a.row_bytes = p.row_elems * in_bytes;
   if (a.row_bytes > kMaxKernelRowBytes) return cudaErrorInvalidValue;
   // Combine rows start at base + d * row_stride + combine_offset + row * row_bytes.
   const uint64_t rows_bits = address_bits(p.ws.base) | uint64_t(p.ws.row_stride) | uint64_t(p.combine_offset);
   const uint8_t* region = p.ws.row(p.ws.ep_rank) + p.combine_offset;
-  a.stage = p.payload != nullptr && p.payload != region;
-  if (a.stage) a.stage_plan = make_copy_plan(a.row_bytes, rows_bits | address_bits(p.payload));
+  // e4m3 rows are always staged: converted from the payload, or in place.
+  a.stage = low_precision || (p.payload != nullptr && p.payload != region);
+  if (a.stage && !low_precision) a.stage_plan = make_copy_plan(a.row_bytes, rows_bits | address_bits(p.payload));
   // The widest element count whose input and output vectors are aligned.
-  int elems = int(16 / in_bytes);
-  while (elems > 1 && (p.row_elems % elems != 0 || rows_bits % uint64_t(elems * in_bytes) != 0 ||
-                       address_bits(p.output) % uint64_t(elems * out_bytes) != 0)) {
+  const int widest = low_precision ? kE4m3PullElems : int(16 / in_bytes);
+  int elems = widest;
+  const auto out_vector_bytes = [&](int n) -> uint64_t {
+    if (!quantized) return uint64_t(n * out_bytes);
+    return uint64_t(p.quant == QuantFormat::kMxfp8 ? n : n / 2);
+  };
+  while (elems > 1 &&
+         (p.row_elems % elems != 0 || (rows_bits | uint64_t(a.row_bytes)) % uint64_t(elems * pull_bytes) != 0 ||
+          address_bits(p.output) % out_vector_bytes(elems) != 0)) {
     elems /= 2;
   }
+  // ops.cpp's checks (16-byte aligned output, rows of whole blocks) leave a
+  // quantized output the widest vectors, which its epilogue assumes.
+  if (quantized && elems != widest) return cudaErrorInvalidValue;
   a.pull_elems = elems;
   const int64_t vectors = p.row_elems / elems;
-  const int pull_lanes = lanes_per_row(vectors, kSumUnroll);
+  int pull_lanes = lanes_per_row(vectors, kSumUnroll);
+  // A quantized block's vectors lie in adjacent lanes of one row's group.
+  if (quantized) pull_lanes = std::max(pull_lanes, int(quant_block(p.quant) / elems));
   a.pull_lane_bits = log2_exact(pull_lanes);
   const int64_t per_segment = int64_t(pull_lanes) * kSumUnroll;
   a.pull_segments = static_cast<int>((vectors + per_segment - 1) / per_segment);
@@ -410,21 +466,21 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
   a.prefetch = !a.stage && p.runtime_max_tokens >= kPrefetchMinTokens;
   const bool pdl = p.sync.enable_pdl && config.pdl_supported;
   const DType in = p.payload_dtype, out = p.output_dtype;
-  if (in == DType::kFloat32 && out == DType::kFloat32) {
-    return launch_kernel(combine_kernel<F32, F32>, grid, kThreads, stream, pdl, a);
+  if (low_precision) {
+    if (in == DType::kFloat32) return launch_low_precision<F32>(a, grid, stream, pdl);
+    if (in == DType::kFloat16) return launch_low_precision<F16>(a, grid, stream, pdl);
+    return launch_low_precision<BF16>(a, grid, stream, pdl);
   }
-  if (in == DType::kFloat16 && out == DType::kFloat16) {
-    return launch_kernel(combine_kernel<F16, F16>, grid, kThreads, stream, pdl, a);
+  if (quantized) {
+    if (in == DType::kFloat16) return launch_as<F16, QuantizedOut<F16>>(a, grid, stream, pdl);
+    if (in == DType::kBFloat16) return launch_as<BF16, QuantizedOut<BF16>>(a, grid, stream, pdl);
+    return cudaErrorInvalidValue;  // ops.cpp admits bf16 and fp16 payloads only
   }
-  if (in == DType::kBFloat16 && out == DType::kBFloat16) {
-    return launch_kernel(combine_kernel<BF16, BF16>, grid, kThreads, stream, pdl, a);
-  }
-  if (in == DType::kFloat32 && out == DType::kBFloat16) {
-    return launch_kernel(combine_kernel<F32, BF16>, grid, kThreads, stream, pdl, a);
-  }
-  if (in == DType::kFloat16 && out == DType::kBFloat16) {
-    return launch_kernel(combine_kernel<F16, BF16>, grid, kThreads, stream, pdl, a);
-  }
+  if (in == DType::kFloat32 && out == DType::kFloat32) return launch_as<F32, F32>(a, grid, stream, pdl);
+  if (in == DType::kFloat16 && out == DType::kFloat16) return launch_as<F16, F16>(a, grid, stream, pdl);
+  if (in == DType::kBFloat16 && out == DType::kBFloat16) return launch_as<BF16, BF16>(a, grid, stream, pdl);
+  if (in == DType::kFloat32 && out == DType::kBFloat16) return launch_as<F32, BF16>(a, grid, stream, pdl);
+  if (in == DType::kFloat16 && out == DType::kBFloat16) return launch_as<F16, BF16>(a, grid, stream, pdl);
   return cudaErrorInvalidValue;  // ops.h admits only the pairs above
 }
 

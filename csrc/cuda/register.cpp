@@ -152,15 +152,16 @@ at::Tensor combine_cuda(const std::optional<at::Tensor>& payload, int64_t local_
                         int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
                         int64_t top_k, int64_t combine_payload_offset, at::IntArrayRef row_shape,
                         at::ScalarType payload_dtype, at::ScalarType output_dtype, at::IntArrayRef active_rank_mask,
-                        double timeout_s, int64_t mailbox, bool enable_pdl) {
-  CombineParams p = check_combine(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
-                                  runtime_max_tokens_per_rank, top_k, combine_payload_offset, row_shape, payload_dtype,
-                                  output_dtype, active_rank_mask, timeout_s, mailbox, enable_pdl, nullptr);
+                        double timeout_s, int64_t mailbox, bool enable_pdl, int64_t low_precision,
+                        const std::optional<at::Tensor>& output_scales, double output_scalar_scale, int64_t sf_layout) {
+  CombineParams p =
+      check_combine(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
+                    top_k, combine_payload_offset, row_shape, payload_dtype, output_dtype, active_rank_mask, timeout_s,
+                    mailbox, enable_pdl, low_precision, output_scales, output_scalar_scale, sf_layout, nullptr);
   raise_if_mailbox_error(mailbox, ep_rank);
   const c10::cuda::CUDAGuard guard(workspace.device());
-  std::vector<int64_t> shape{local_num_tokens};
-  shape.insert(shape.end(), row_shape.begin(), row_shape.end());
-  at::Tensor out = at::empty(shape, workspace.options().dtype(output_dtype));
+  at::Tensor out = at::empty(combine_output_shape(local_num_tokens, row_shape, output_dtype),
+                             workspace.options().dtype(output_dtype));
   p.output = static_cast<uint8_t*>(out.data_ptr());
   enqueue_combine(p, workspace);
   return out;
@@ -170,11 +171,13 @@ void combine_into_cuda(const std::optional<at::Tensor>& payload, int64_t local_n
                        int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
                        int64_t top_k, int64_t combine_payload_offset, at::IntArrayRef row_shape,
                        at::ScalarType payload_dtype, at::ScalarType output_dtype, at::IntArrayRef active_rank_mask,
-                       double timeout_s, int64_t mailbox, bool enable_pdl, const at::Tensor& output) {
+                       double timeout_s, int64_t mailbox, bool enable_pdl, int64_t low_precision,
+                       const std::optional<at::Tensor>& output_scales, double output_scalar_scale, int64_t sf_layout,
+                       const at::Tensor& output) {
   const CombineParams p =
       check_combine(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
                     top_k, combine_payload_offset, row_shape, payload_dtype, output_dtype, active_rank_mask, timeout_s,
-                    mailbox, enable_pdl, &output);
+                    mailbox, enable_pdl, low_precision, output_scales, output_scalar_scale, sf_layout, &output);
   raise_if_mailbox_error(mailbox, ep_rank);
   const c10::cuda::CUDAGuard guard(workspace.device());
   enqueue_combine(p, workspace);

@@ -85,7 +85,7 @@ from .. import layout
 from ..api import check_errors, moe_a2a_combine, moe_a2a_dispatch, moe_a2a_wrap_payload_tensor_in_workspace
 from ..reference import reference_combine, reference_dispatch
 from ..simulate import RankGraphs, SimulatedEP
-from . import plot, replay, targets
+from . import low_precision, plot, replay, targets
 from .common import (
     BASELINE_OF,
     DEFAULT_ITERS,
@@ -929,6 +929,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer", choices=replay.LIBRARIES[1:], default=None,
                    help="with --graph all-ranks: also time this library's moe_a2a functions the same way in the "
                    "same run, and print the ratio per op (skipped with a note when it is not importable)")
+    p.add_argument("--combine-variants", nargs="*", choices=list(low_precision.VARIANTS), default=None,
+                   metavar="VARIANT",
+                   help="instead: time the combine's variants (default all: "
+                   f"{', '.join(low_precision.VARIANTS)}) on {low_precision.DEFAULT_PRESET} at --ep (default 8) and "
+                   "--tokens (default 128 4096), as ratios to the copy bandwidth on the bytes they move")
+    p.add_argument("--low-precision-error", action="store_true",
+                   help="instead: print the error of the e4m3 combine transports against bf16 (CPU, no timing)")
 
 
 def _device_alive(device: torch.device) -> bool:
@@ -970,6 +977,18 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return replay.run(args, lambda: _copy_bandwidth(clock, device, COPY_BYTES["cuda"]))
     check_output_path(parser, "--json", args.json)
     check_output_path(parser, "--plot", args.plot)
+    if args.low_precision_error:
+        print(low_precision.error_table(), flush=True)
+        return 0
+    if args.combine_variants is not None:
+        records = low_precision.run_variants(
+            device, [8] if args.ep is None else args.ep, [128, 4096] if args.tokens is None else args.tokens,
+            DEFAULT_ITERS_FOR[device.type] if args.iters is None else args.iters,
+            DEFAULT_WARMUP_FOR[device.type] if args.warmup is None else args.warmup,
+            args.combine_variants or None)
+        if args.json:
+            write_json(args.json, {"device": device_name(device), "torch": torch.__version__, "records": records})
+        return 0
     if args.smoke:
         names, eps, tokens = list(SMOKE_PRESETS), list(SMOKE_EP), list(SMOKE_TOKENS)
         iters = SMOKE_ITERS if args.iters is None else args.iters

@@ -1,0 +1,269 @@
+"""Low-precision combine (e4m3 rows, plain and block-scaled) and quantized
+combine outputs (MXFP8, MXFP4, NVFP4 in the linear, 128x4 and 8x4 scale
+layouts): bitwise against the plain-PyTorch reference (torch_moe_a2a/reference.py,
+written from the formats' specifications), on every device; so CPU and CUDA
+are bitwise equal too."""
+
+import pytest
+import torch
+from conftest import (
+    Case,
+    assert_bytes_equal,
+    assert_ws_unchanged,
+    make_generator,
+    make_inputs,
+    make_sim,
+    random_bytes,
+    round_trip,
+    ws_snapshot,
+)
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import reference
+
+FP8 = torch.float8_e4m3fn
+BLOCK_SCALED = "e4m3_block_scaled"
+FORMATS = {  # name: (output_dtype, scales dtype, block)
+    "mxfp8": (FP8, torch.uint8, 32),
+    "mxfp4": (torch.uint8, torch.uint8, 32),
+    "nvfp4": (torch.uint8, FP8, 16),
+}
+LAYOUTS = {"128x4": a2a.SfLayout.layout_128x4, "8x4": a2a.SfLayout.layout_8x4, "linear": a2a.SfLayout.layout_linear}
+
+LP_CASES = [
+    Case(2, (5, 3), 2, 4, hidden=64, runtime_max=6),
+    Case(3, (7, 0, 11), 22, 37, hidden=200, runtime_max=16, max_num_tokens=20),  # a partial block of 72
+    Case(4, (16, 3, 0, 9), 5, 7, hidden=256, hidden_dtype=torch.float16),
+    Case(8, (4, 0, 6, 1, 0, 8, 2, 5), 3, 13, hidden=128, hidden_dtype=torch.float32, runtime_max=10),
+    Case(1, (6,), 1, 2, hidden=96),
+]
+
+
+def _lp_kwargs(mode):
+    return lambda rank: dict(use_low_precision=True, low_precision_block_scales=mode == BLOCK_SCALED)
+
+
+@pytest.mark.parametrize("payload_in_workspace", [False, True], ids=["staged", "in_ws"])
+@pytest.mark.parametrize("mode", ["e4m3", BLOCK_SCALED])
+@pytest.mark.parametrize("case", LP_CASES, ids=str)
+def test_low_precision_matches_reference(case, mode, payload_in_workspace, device):
+    gen = make_generator(case)
+    rt = round_trip(make_sim(case, device), case, make_inputs(case, gen), gen,
+                    payload_in_workspace=payload_in_workspace, combine_kwargs=_lp_kwargs(mode), low_precision=mode)
+    assert all(o.dtype == torch.bfloat16 for o in rt.outputs)
+
+
+def _outliers(scale):
+    """Expert outputs with e4m3's edges: beyond 448 or below its subnormals, and
+    inf. (No NaN: summed NaNs have no defined bits, a GPU's differ from a CPU's.)"""
+    def transform(out):
+        out = out.clone()
+        flat = out.view(-1)
+        n = flat.numel()
+        if n:
+            g = torch.Generator().manual_seed(n)
+            picks = torch.randint(0, n, (max(1, n // 50),), generator=g)
+            flat[picks] = (flat[picks].float() * scale).to(out.dtype)
+            flat[picks[:1]] = float("inf")
+        return out
+    return transform
+
+
+@pytest.mark.parametrize("mode", ["e4m3", BLOCK_SCALED])
+@pytest.mark.parametrize("scale", [1e3, 1e-4])
+def test_low_precision_edges(mode, scale, device):
+    """Saturation at +-448, subnormals and flushes, inf and NaN: the same bits as the reference."""
+    case = Case(3, (9, 4, 12), 3, 9, hidden=256, runtime_max=12)
+    gen = make_generator(11)
+    round_trip(make_sim(case, device), case, make_inputs(case, gen), gen, combine_kwargs=_lp_kwargs(mode),
+               low_precision=mode, transform=_outliers(scale))
+
+
+def _quant_kwargs(fmt, sf_layout, tokens, hidden, device, gen, scales_out, global_scale, low_precision):
+    out_dtype, sc_dtype, block = FORMATS[fmt]
+
+    def kwargs(rank):
+        extent = reference.scale_layout_extent(int(sf_layout), tokens[rank], hidden // block)
+        scales = random_bytes((extent,), gen).view(sc_dtype).to(device)  # poisoned: every entry must be written
+        scales_out[rank] = scales
+        kw = dict(output_dtype=out_dtype, output_scales=scales, sf_layout=sf_layout, output_scalar_scale=global_scale)
+        if low_precision:
+            kw.update(use_low_precision=True, low_precision_block_scales=low_precision == BLOCK_SCALED)
+        return kw
+    return kwargs
+
+
+def _check_quantized(case, fmt, sf_layout, device, *, payload_in_workspace=False, low_precision=None,
+                     global_scale=1.0, transform=None):
+    gen = make_generator((case, fmt, int(sf_layout)))
+    scales_out = {}
+    expected_scales = {}
+    tokens = case.tokens
+
+    def expected(rank, ref_out):
+        data, scales = reference.reference_quantize(ref_out, fmt, int(sf_layout), global_scale)
+        expected_scales[rank] = scales
+        return data
+
+    kw = _quant_kwargs(fmt, sf_layout, tokens, case.hidden, device, gen, scales_out, global_scale, low_precision)
+    rt = round_trip(make_sim(case, device), case, make_inputs(case, gen), gen,
+                    payload_in_workspace=payload_in_workspace, combine_kwargs=kw, low_precision=low_precision,
+                    expected=expected, transform=transform)
+    for r in range(case.ep_size):
+        assert_bytes_equal(scales_out[r].cpu(), expected_scales[r], f"rank {r} output_scales")
+    return rt
+
+
+QUANT_CASES = [
+    Case(2, (5, 3), 2, 4, hidden=64, runtime_max=6),
+    Case(3, (9, 0, 130), 4, 11, hidden=96, runtime_max=130),  # a second 128-row tile, a rank without tokens
+    Case(4, (16, 3, 1, 9), 22, 30, hidden=256, hidden_dtype=torch.float16),
+]
+
+
+@pytest.mark.parametrize("sf_layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("case", QUANT_CASES, ids=str)
+def test_quantized_output_matches_reference(case, fmt, sf_layout, device):
+    _check_quantized(case, fmt, sf_layout, device, global_scale=448.0 * 6 / 20.0 if fmt == "nvfp4" else 1.0)
+
+
+@pytest.mark.parametrize("low_precision", [None, "e4m3", BLOCK_SCALED])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_quantized_output_variants(fmt, low_precision, device):
+    """In the workspace or staged, after a low-precision transport, from fp16 and fp32 payloads."""
+    hidden_dtype = torch.float32 if low_precision else torch.bfloat16
+    case = Case(3, (7, 12, 2), 3, 9, hidden=128, hidden_dtype=hidden_dtype, runtime_max=12)
+    _check_quantized(case, fmt, a2a.SfLayout.layout_128x4, device, payload_in_workspace=True,
+                     low_precision=low_precision, global_scale=3.5)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_quantized_output_edges(fmt, device):
+    """Blocks with huge, tiny and inf values; zero blocks of tokens sent nowhere."""
+    case = Case(2, (9, 6), 2, 4, hidden=64, runtime_max=9)
+    _check_quantized(case, fmt, a2a.SfLayout.layout_8x4, device, transform=_outliers(1e6))
+    _check_quantized(case, fmt, a2a.SfLayout.layout_linear, device, transform=_outliers(1e-30), global_scale=0.01)
+
+
+# FlashInfer's test shapes for its FP8 combine and quantized outputs: world sizes
+# 2 to 8, hidden 2048 to 7168, the payload in the workspace or not (few tokens:
+# the shapes are what matters here, and the CPU runs them too).
+@pytest.mark.parametrize("payload_in_workspace", [False, True], ids=["staged", "in_ws"])
+@pytest.mark.parametrize("ep,hidden", [(2, 2048), (4, 4096), (8, 7168), (8, 2880)])
+def test_flashinfer_shapes(ep, hidden, payload_in_workspace, device):
+    tokens = tuple((3 * r + 2) % 7 + 1 for r in range(ep))
+    case = Case(ep, tokens, 8, 4 * ep, hidden=hidden, runtime_max=8)
+    gen = make_generator((ep, hidden))
+    round_trip(make_sim(case, device), case, make_inputs(case, gen), gen, payload_in_workspace=payload_in_workspace,
+               combine_kwargs=_lp_kwargs("e4m3"), low_precision="e4m3")
+    if hidden % 32 == 0:
+        for fmt in FORMATS:
+            _check_quantized(case, fmt, a2a.SfLayout.layout_128x4, device,
+                             payload_in_workspace=payload_in_workspace, global_scale=2.0)
+
+
+# ---- refusals: clear errors before any kernel runs, the workspace untouched ----
+
+def _dispatched(device, hidden=64, hidden_dtype=torch.bfloat16):
+    case = Case(1, (5,), 2, 4, hidden=hidden, hidden_dtype=hidden_dtype, runtime_max=8)
+    sim = make_sim(case, device)
+    inputs = make_inputs(case, make_generator(3)).to(device)
+    (_, offset, _), = sim.dispatch(inputs.ids, inputs.payloads, case.T, case.top_k, case.num_experts)
+    payload = torch.randn(1, case.T, hidden).to(hidden_dtype).to(device)
+    return sim, offset, payload
+
+
+def _combine(sim, offset, payload, **kwargs):
+    return a2a.moe_a2a_combine(payload, 5, sim.workspace, sim.metainfo[0], 8, 0, 1, 2, offset, **kwargs)
+
+
+def _scales(n, dtype=torch.uint8, device="cpu"):
+    return torch.zeros(n, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(output_dtype=FP8), "needs output_scales"),
+    (dict(output_dtype=torch.uint8), "needs output_scales"),
+    (dict(output_dtype=torch.float8_e5m2, output_scales=1), "float8_e4m3fn \\(MXFP8\\) or torch.uint8"),
+    (dict(output_scales=10), "is not a quantized output"),
+    (dict(output_dtype=FP8, output_scales=(10, FP8)), "needs torch.uint8 \\(ue8m0\\)"),
+    (dict(output_dtype=torch.uint8, output_scales=(10, torch.int8)), "torch.uint8 \\(ue8m0: MXFP4\\)"),
+    (dict(output_dtype=FP8, output_scales=9), "must hold 10 scales"),
+    (dict(output_dtype=FP8, output_scales=10, sf_layout=a2a.SfLayout.layout_128x4), "must hold 512 scales"),
+    (dict(output_dtype=torch.uint8, output_scales=(32, FP8), sf_layout=a2a.SfLayout.layout_8x4,
+          output_scalar_scale=0.0), "positive finite"),
+    (dict(output_dtype=FP8, output_scales=10, sf_layout=7), "sf_layout must be"),
+    (dict(use_low_precision=True, output_dtype=torch.float32), "combines into torch.bfloat16"),
+    (dict(low_precision_block_scales=True), "requires use_low_precision=True"),
+])
+def test_bad_combinations_raise_before_any_kernel(kwargs, match, device):
+    sim, offset, payload = _dispatched(device)
+    if "output_scales" in kwargs:
+        n = kwargs["output_scales"]
+        n, dtype = n if isinstance(n, tuple) else (n, torch.uint8)
+        kwargs = dict(kwargs, output_scales=_scales(n, dtype, device))
+    before = ws_snapshot(sim.workspace)
+    with pytest.raises(ValueError, match=match):
+        _combine(sim, offset, payload, **kwargs)
+    assert_ws_unchanged(sim.workspace, before)
+    _combine(sim, offset, payload)  # the workspace still works: the dispatch is still pending
+
+
+@pytest.mark.parametrize("hidden,hidden_dtype,kwargs,match", [
+    (48, torch.bfloat16, dict(output_dtype=FP8, output_scales=5), "multiple of 32"),
+    (64, torch.float32, dict(output_dtype=FP8, output_scales=10), "bfloat16 or torch.float16 payload"),
+    (8, torch.bfloat16, dict(use_low_precision=True, low_precision_block_scales=True), "more than the payload row"),
+    (129, torch.bfloat16, dict(use_low_precision=True, low_precision_block_scales=True), "multiple of 4 bytes"),
+])
+def test_bad_rows_raise(hidden, hidden_dtype, kwargs, match, device):
+    sim, offset, payload = _dispatched(device, hidden, hidden_dtype)
+    kwargs = dict(kwargs)
+    if "output_scales" in kwargs:
+        kwargs["output_scales"] = _scales(kwargs["output_scales"], device=device)
+    before = ws_snapshot(sim.workspace)
+    with pytest.raises(ValueError, match=match):
+        _combine(sim, offset, payload, **kwargs)
+    assert_ws_unchanged(sim.workspace, before)
+
+
+def test_quantized_output_tensor(device):
+    """output= of a quantized combine: the packed shape, written in place."""
+    sim, offset, payload = _dispatched(device)
+    out = torch.empty(5, 32, dtype=torch.uint8, device=device)
+    scales = _scales(10, device=device)
+    got = _combine(sim, offset, payload, output_dtype=torch.uint8, output_scales=scales, output=out)
+    assert got.data_ptr() == out.data_ptr()
+    with pytest.raises(ValueError, match="output must be"):
+        sim2, offset2, payload2 = _dispatched(device)
+        _combine(sim2, offset2, payload2, output_dtype=torch.uint8, output_scales=scales,
+                 output=torch.empty(5, 64, dtype=torch.uint8, device=device))
+
+
+def test_workspace_size_covers_low_precision():
+    """The sizing function needs nothing more: e4m3 rows (with their block
+    scales) fit in the payload rows they replace at every FlashInfer shape."""
+    from torch_moe_a2a import layout
+    for hidden in (2048, 2880, 4096, 7168):
+        blocks = -(-hidden // layout.LOW_PRECISION_BLOCK)
+        last = hidden - (blocks - 1) * layout.LOW_PRECISION_BLOCK
+        staged = (blocks - 1) * layout.LOW_PRECISION_BLOCK_PITCH + -(-last // 16) * 16 + 4
+        assert staged <= 2 * hidden
+
+
+def test_scaled_variant_error_against_bf16():
+    """The block-scaled transport keeps e4m3's relative error on activations
+    with outliers beyond e4m3's range, where the plain one saturates (the
+    measured figures: docs/internals.md, 'Low precision and quantized outputs')."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(1, 256, 7168, generator=g) * 0.05
+    outliers = torch.rand(rows.shape, generator=g) < 0.001
+    rows = torch.where(outliers, rows * 2e4, rows).bfloat16()
+    exact = rows.float()
+
+    def rel(values):
+        return ((values - exact).norm() / exact.norm()).item()
+
+    plain = rel(reference.low_precision_values(rows))
+    scaled = rel(reference.low_precision_values(rows, block_scaled=True))
+    assert scaled < 0.05 < plain

@@ -1,0 +1,185 @@
+"""``bench --combine-variants`` and ``bench --low-precision-error``: the
+low-precision combine and the quantized combine outputs.
+
+--combine-variants: simulated EP (DeepSeek-V3's layer by default: hidden
+7168, 256 experts, top-8) at each --ep and --tokens; per combine variant
+(bf16; e4m3 rows; e4m3 rows with block scales; MXFP8 / MXFP4 / NVFP4 outputs
+fused into the combine, and the bf16 combine followed by the plain-PyTorch
+quantizer of torch_moe_a2a.reference as the unfused baseline) the median time
+of the combine of all ranks, the bytes it moves (staging reads the payload
+rows and writes the staged rows; the pull reads one staged row per (token,
+destination) and writes the output and its scales) and their rate as a ratio
+to the device's copy bandwidth measured in the same run (bytes read + written
+by one large copy).
+
+--low-precision-error: the relative error of both e4m3 transports against the
+bf16 combine on activations with and without outliers (docs/internals.md
+holds the table of record).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Optional
+
+import torch
+
+from .. import reference
+from ..api import SfLayout, moe_a2a_combine, moe_a2a_dispatch
+from ..simulate import SimulatedEP
+from .common import PRESETS, Clock, device_name, format_table
+
+DEFAULT_PRESET = "deepseek-v3"
+COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
+# name: (combine keyword arguments, quantized format or None, whether fused)
+VARIANTS: dict[str, tuple[dict, Optional[str], bool]] = {
+    "bf16": ({}, None, True),
+    "e4m3": (dict(use_low_precision=True), None, True),
+    "e4m3-block-scaled": (dict(use_low_precision=True, low_precision_block_scales=True), None, True),
+    "mxfp8": ({}, "mxfp8", True),
+    "mxfp8-unfused": ({}, "mxfp8", False),
+    "mxfp4": ({}, "mxfp4", True),
+    "nvfp4": ({}, "nvfp4", True),
+    "nvfp4-unfused": ({}, "nvfp4", False),
+}
+_FORMATS = {"mxfp8": (torch.float8_e4m3fn, torch.uint8, 32), "mxfp4": (torch.uint8, torch.uint8, 32),
+            "nvfp4": (torch.uint8, torch.float8_e4m3fn, 16)}
+NVFP4_GLOBAL_SCALE = 448.0 * 6.0 / 8.0
+
+
+def copy_bandwidth(device: torch.device, clock: Clock, iters: int) -> float:
+    """Bytes per second (read + written) of one large device copy."""
+    n = COPY_BYTES[device.type]
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    marks = []
+    for _ in range(iters):
+        start = clock.mark()
+        dst.copy_(src)
+        marks.append((start, clock.mark()))
+    return 2 * n / (statistics.median(clock.elapsed_us(marks)) * 1e-6)
+
+
+def _moved_bytes(variant: str, recv_rows: int, tokens: int, hidden: int, ep: int) -> int:
+    kwargs, fmt, fused = VARIANTS[variant]
+    staged_elem = 1 if kwargs.get("use_low_precision") else 2
+    if kwargs.get("low_precision_block_scales"):
+        staged_elem += 4 / 128
+    payload = recv_rows * hidden * 2
+    staging = payload + int(recv_rows * hidden * staged_elem)
+    pull_in = int(recv_rows * hidden * staged_elem)
+    if fmt is None:
+        out = tokens * ep * hidden * 2
+    else:
+        out_dtype, _, block = _FORMATS[fmt]
+        data = hidden if out_dtype == torch.float8_e4m3fn else hidden // 2
+        out = tokens * ep * (data + hidden // block)
+        if not fused:  # the bf16 output written, read back by the quantizer, then the quantized one
+            out += 2 * tokens * ep * hidden * 2
+    return staging + pull_in + out
+
+
+def run_variants(device: torch.device, eps: list[int], tokens_list: list[int], iters: int, warmup: int,
+                 variants: Optional[list[str]] = None, preset: str = DEFAULT_PRESET,
+                 emit: Callable[[str], None] = print) -> list[dict]:
+    """Time each variant at each (ep, tokens); returns one record per row printed."""
+    clock = Clock(device)
+    shape = PRESETS[preset]
+    hidden, experts, top_k = shape.hidden, shape.num_experts, shape.top_k
+    copy_bps = copy_bandwidth(device, clock, max(3, iters // 4))
+    emit(f"combine variants: {device_name(device)}, torch {torch.__version__}; {preset} (hidden {hidden}, "
+         f"{experts} experts, top-{top_k}); copy bandwidth {copy_bps / 1e9:.1f} GB/s (read + written); "
+         f"median of {iters} after {warmup}")
+    records = []
+    rows = []
+    for ep in eps:
+        for tokens in tokens_list:
+            records += _run_point(device, clock, ep, tokens, hidden, experts, top_k, iters, warmup,
+                                  variants or list(VARIANTS), copy_bps, rows)
+    emit(format_table(["ep", "tokens", "variant", "us", "bytes moved", "ratio to copy", "vs bf16"], rows, {2}))
+    return records
+
+
+def _run_point(device, clock, ep, tokens, hidden, experts, top_k, iters, warmup, variants, copy_bps, rows):
+    gen = torch.Generator().manual_seed(ep * 100003 + tokens)
+    sim = SimulatedEP(ep, tokens, dispatch_bytes_per_token=hidden * 2 + top_k * 4,
+                      combine_bytes_per_token=hidden * 2, device=device)
+    ids = [reference.random_routing(tokens, top_k, experts, gen).to(device) for _ in range(ep)]
+    hid = [torch.randn(tokens, hidden, generator=gen).bfloat16().to(device) for _ in range(ep)]
+    state = {}
+
+    def dispatch(r):
+        recv, offset, _ = moe_a2a_dispatch(ids[r], [hid[r]], sim.workspace, sim.metainfo[r], tokens, r, ep, top_k,
+                                           experts)
+        state[r] = (recv[0], offset)
+
+    results = []
+    base_us = None
+    for name in variants:
+        kwargs, fmt, fused = VARIANTS[name]
+        scales = {}
+        if fmt is not None:
+            _, sc_dtype, block = _FORMATS[fmt]
+            extent = reference.scale_layout_extent(int(SfLayout.layout_128x4), tokens, hidden // block)
+            scales = {r: torch.zeros(extent, dtype=torch.uint8, device=device).view(sc_dtype) for r in range(ep)}
+
+        def combine(r):
+            recv, offset = state[r]
+            kw = dict(kwargs)
+            if fmt is not None and fused:
+                kw.update(output_dtype=_FORMATS[fmt][0], output_scales=scales[r], sf_layout=SfLayout.layout_128x4,
+                          output_scalar_scale=NVFP4_GLOBAL_SCALE if fmt == "nvfp4" else 1.0)
+            out = moe_a2a_combine(recv, tokens, sim.workspace, sim.metainfo[r], tokens, r, ep, top_k, offset, **kw)
+            if fmt is not None and not fused:
+                out = reference.reference_quantize(out, fmt, int(SfLayout.layout_128x4),
+                                                   NVFP4_GLOBAL_SCALE if fmt == "nvfp4" else 1.0)
+            return out
+
+        marks = []
+        for i in range(warmup + iters):
+            sim.run(dispatch)
+            start = clock.mark()
+            sim.run(combine)
+            end = clock.mark()
+            if i >= warmup:
+                marks.append((start, end))
+        us = statistics.median(clock.elapsed_us(marks))
+        recv_rows = sum(int(sim.recv_counts(r).sum()) for r in range(ep))
+        moved = _moved_bytes(name, recv_rows, tokens, hidden, ep)
+        ratio = moved / (us * 1e-6) / copy_bps
+        if name == "bf16":
+            base_us = us
+        rows.append([str(ep), str(tokens), name, f"{us:.1f}", f"{moved / 1e6:.1f} MB", f"{ratio:.2f}",
+                     "" if base_us is None else f"{base_us / us:.2f}x"])
+        results.append(dict(ep=ep, tokens=tokens, variant=name, us=us, bytes=moved, ratio_to_copy=ratio))
+    return results
+
+
+def error_table(seed: int = 0, tokens: int = 512, hidden: int = 7168, destinations: int = 4) -> str:
+    """The relative L2 error of the bf16 sum of ``destinations`` rows, each
+    through an e4m3 transport, against the bf16 combine of the same rows."""
+    g = torch.Generator().manual_seed(seed)
+    cases = {
+        "N(0, 1)": (1.0, 0.0, 1.0),
+        "N(0, 0.02)": (0.02, 0.0, 1.0),
+        "N(0, 0.002)": (0.002, 0.0, 1.0),
+        "N(0, 100)": (100.0, 0.0, 1.0),
+        "N(0, 1), 0.1% outliers x1000": (1.0, 1e-3, 1e3),
+        "N(0, 0.02), 0.1% outliers x1e4": (0.02, 1e-3, 1e4),
+    }
+    rows = []
+    for name, (sigma, fraction, factor) in cases.items():
+        x = torch.randn(destinations, tokens, hidden, generator=g) * sigma
+        if fraction:
+            x = torch.where(torch.rand(x.shape, generator=g) < fraction, x * factor, x)
+        x = x.bfloat16()
+        exact = x.float().sum(0).bfloat16().float()
+
+        def rel(values: torch.Tensor) -> str:
+            got = values.sum(0).bfloat16().float()
+            return f"{((got - exact).norm() / exact.norm()).item():.4f}"
+
+        rows.append([name, rel(reference.low_precision_values(x)),
+                     rel(reference.low_precision_values(x, block_scaled=True))])
+    return format_table(["activations", "e4m3 (FlashInfer)", "e4m3, power-of-two scale per 128"], rows, {0})
