@@ -145,14 +145,17 @@ def em_round(sim: a2a.SimulatedEP, case: EmCase, gen: torch.Generator, dropped_b
         mask_kwargs = dict(enable_rank_mask=True, active_rank_mask=a2a.moe_a2a_active_rank_mask(active, ep))
     ids, payloads, weights = em_inputs(case, gen)
     poison_call_regions(sim.workspace, gen)
+    # On the device before any rank runs: on CUDA no rank's step may make the host wait.
+    dev_ids = [t.to(device) for t in ids]
+    dev_payloads = [[p.to(device) for p in ps] for ps in payloads]
+    dev_weights = None if weights is None else [w.to(device) for w in weights]
 
     def dispatch(r):
         if r not in active:
             return None
         return a2a.moe_a2a_dispatch(
-            ids[r].to(device), [p.to(device) for p in payloads[r]], sim.workspace, sim.metainfo[r], case.T, r, ep,
-            case.top_k, case.num_experts, expert_major=True,
-            router_weights=None if weights is None else weights[r].to(device),
+            dev_ids[r], dev_payloads[r], sim.workspace, sim.metainfo[r], case.T, r, ep, case.top_k, case.num_experts,
+            expert_major=True, router_weights=None if dev_weights is None else dev_weights[r],
             max_tokens_per_expert=case.max_tokens_per_expert, **mask_kwargs)
 
     results = sim.run(dispatch)
@@ -300,16 +303,23 @@ def test_moe_layer_equals_dense(ep_size, tokens, num_experts, top_k, device):
     sim = a2a.SimulatedEP(ep_size, T, dispatch_bytes_per_token=0, combine_bytes_per_token=0, device=device,
                           workspace_size_per_rank=size)
 
-    def step(r):
-        x = xs[r].to(device)
-        ids, weights = moe.route(xs[r])
-        got = a2a.moe_a2a_dispatch(ids.to(device), [x], sim.workspace, sim.metainfo[r], T, r, ep_size, top_k,
-                                   num_experts, expert_major=True, router_weights=weights.to(device))
-        first = layout.expert_range(num_experts, ep_size, r)[0]
-        y = grouped_experts(moe, got.output_payloads[0].cpu(), got.expert_counts.cpu(), first)
-        return a2a.moe_a2a_combine_expert_major(y.to(device), got, sim.workspace, sim.metainfo[r], r, ep_size)
+    routed = [moe.route(x) for x in xs]
+    dev = [(x.to(device), ids.to(device), w.to(device)) for x, (ids, w) in zip(xs, routed)]
 
-    outs = sim.run(step)
+    def dispatch(r):
+        x, ids, weights = dev[r]
+        return a2a.moe_a2a_dispatch(ids, [x], sim.workspace, sim.metainfo[r], T, r, ep_size, top_k, num_experts,
+                                    expert_major=True, router_weights=weights)
+
+    # Phase by phase: on CUDA the host may wait for a rank only once every rank has launched.
+    got = sim.run(dispatch)
+    ys = []
+    for r in range(ep_size):
+        first = layout.expert_range(num_experts, ep_size, r)[0]
+        y = grouped_experts(moe, got[r].output_payloads[0].cpu(), got[r].expert_counts.cpu(), first)
+        ys.append(y.to(device))
+    outs = sim.run(lambda r: a2a.moe_a2a_combine_expert_major(ys[r], got[r], sim.workspace, sim.metainfo[r], r,
+                                                              ep_size))
     for r in range(ep_size):
         torch.testing.assert_close(outs[r].cpu(), moe.dense(xs[r]), rtol=1e-5, atol=1e-5)
 
@@ -344,7 +354,8 @@ def test_refusals_leave_workspace_untouched(device):
 
 def test_combine_needs_expert_major_dispatch(device):
     if device == "cuda":
-        pytest.skip("the CUDA kernel records the refusal for the next call (test_cuda.py)")
+        pytest.skip("the CUDA kernel records the refusal for the next call "
+                    "(test_cuda_combine_without_expert_major_build_is_recorded)")
     case, sim, ids, payloads, weights = _simple(device)
     got = a2a.moe_a2a_dispatch_expert_major(ids, payloads, sim.workspace, sim.metainfo[0], case.T, 0, 1, case.top_k,
                                             case.num_experts, router_weights=weights)
@@ -368,26 +379,101 @@ def test_moe_alltoall_expert_major(device):
     case = EmCase(2, (5, 3), 3, 5, hidden=16, extra=False)
     ws_size = a2a.MoeAlltoAll.get_moe_workspace_size_per_rank_expert_major(2, case.top_k, case.T, case.hidden,
                                                                             case.num_experts, dtype=torch.bfloat16)
-    workspace = torch.zeros(2, ws_size, dtype=torch.uint8, device=device)
-    moes = [a2a.MoeAlltoAll(ep_mapping(r, 2), case.T, case.top_k, case.num_experts,
-                            workspace=workspace, expert_major=True) for r in range(2)]
-    sim = a2a.SimulatedEP.__new__(a2a.SimulatedEP)  # run() only: the instances own the workspace rows
-    sim.ep_size, sim.streams = 2, ([torch.cuda.Stream() for _ in range(2)] if device == "cuda" else None)
-    sim.device = torch.device(device)
+    sized = a2a.MoeAlltoAll(ep_mapping(0, 1), case.T, case.top_k, case.num_experts, hidden_size=case.hidden,
+                            device=device, expert_major=True, max_tokens_per_expert=4)
+    assert sized.workspace_size_per_rank == a2a.MoeAlltoAll.get_moe_workspace_size_per_rank_expert_major(
+        1, case.top_k, case.T, case.hidden, case.num_experts, 4)
+    # The simulation's threads / streams; the instances initialize their own rows of its workspace.
+    sim = a2a.SimulatedEP(2, case.T, dispatch_bytes_per_token=0, combine_bytes_per_token=0, device=device,
+                          workspace_size_per_rank=ws_size)
+    moes = [a2a.MoeAlltoAll(ep_mapping(r, 2), case.T, case.top_k, case.num_experts, workspace=sim.workspace,
+                            expert_major=True) for r in range(2)]
     gen = make_generator(11)
     ids, payloads, weights = em_inputs(case, gen)
+    dev = [(ids[r].to(device), payloads[r][0].to(device), weights[r].to(device)) for r in range(2)]
+    got = sim.run(lambda r: moes[r].dispatch(dev[r][0], [dev[r][1]], case.T, router_weights=dev[r][2]))
 
-    def step(r):
-        got = moes[r].dispatch(ids[r].to(device), [payloads[r][0].to(device)], case.T,
-                               router_weights=weights[r].to(device))
+    def combine(r):
         buf = moes[r].get_combine_payload_tensor_in_workspace(case.T, case.hidden, torch.bfloat16)
-        assert tuple(buf.shape) == tuple(got.output_payloads[0].shape)
-        buf.copy_(got.output_payloads[0])
+        assert tuple(buf.shape) == tuple(got[r].output_payloads[0].shape)
+        buf.copy_(got[r].output_payloads[0])
         return moes[r].combine(buf, case.T, payload_in_workspace=True)
 
-    outs = sim.run(step)
+    outs = sim.run(combine)
     ref = reference.reference_dispatch_expert_major(ids, [[p[0]] for p in payloads], weights, ep_size=2,
                                                     num_experts=case.num_experts, max_tokens_per_expert=case.M)
     expected = reference.reference_combine_expert_major([p[0] for p in ref.planes], ref)
     for r in range(2):
         assert_bytes_equal(outs[r].cpu(), expected[r], f"rank {r}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_expert_major_cuda_graph_replays():
+    """Each simulated rank's expert-major step (dispatch, a stand-in expert on the
+    views, combine) captured into its own CUDA graph and replayed with fresh
+    inputs in the static buffers: every replay equal to the reference."""
+    case = EmCase(4, (9, 0, 14, 5), 4, 10, max_tokens_per_expert=12, extra=False)
+    ep, device = case.ep_size, "cuda"
+    sim = a2a.SimulatedEP(ep, case.T, dispatch_bytes_per_token=0, combine_bytes_per_token=0, device=device,
+                          workspace_size_per_rank=em_workspace_size(case), timeout_s=10.0)
+    static_ids = [torch.empty((n, case.top_k), dtype=torch.int32, device=device) for n in case.tokens]
+    static_x = [torch.empty((n, case.hidden), dtype=case.hidden_dtype, device=device) for n in case.tokens]
+    static_w = [torch.empty((n, case.top_k), dtype=torch.float32, device=device) for n in case.tokens]
+    gen = make_generator(99)
+
+    def fill():
+        ids, payloads, weights = em_inputs(case, gen)
+        for r in range(ep):
+            static_ids[r].copy_(ids[r])
+            static_x[r].copy_(payloads[r][0])
+            static_w[r].copy_(weights[r])
+        return ids, payloads, weights
+
+    def rank_step(r):
+        got = a2a.moe_a2a_dispatch(static_ids[r], [static_x[r]], sim.workspace, sim.metainfo[r], case.T, r, ep,
+                                   case.top_k, case.num_experts, expert_major=True, router_weights=static_w[r],
+                                   max_tokens_per_expert=case.M)
+        y = (got.output_payloads[0].float() * 3.0).to(case.hidden_dtype)
+        return a2a.moe_a2a_combine_expert_major(y, got, sim.workspace, sim.metainfo[r], r, ep)
+
+    def check(outs, inputs, what):
+        ids, payloads, weights = inputs
+        ref = reference.reference_dispatch_expert_major(ids, payloads, weights, ep_size=ep,
+                                                        num_experts=case.num_experts, max_tokens_per_expert=case.M)
+        ys = [(p[0].float() * 3.0).to(case.hidden_dtype) for p in ref.planes]
+        expected = reference.reference_combine_expert_major(ys, ref)
+        for r in range(ep):
+            assert_bytes_equal(outs[r].cpu(), expected[r], f"{what}: rank {r}")
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(2):
+            inputs = fill()
+            check(sim.run(rank_step), inputs, f"eager {i}")
+    torch.cuda.current_stream().wait_stream(side)
+    graphs, outs = sim.capture(rank_step)
+    for i in range(3):
+        inputs = fill()
+        graphs.replay()
+        check(outs, inputs, f"replay {i}")
+    torch.cuda.synchronize()
+    a2a.check_errors(sim.workspace)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_combine_without_expert_major_build_is_recorded():
+    """On CUDA the expert-major combine after a rank-major dispatch (no build of
+    its own round) is refused by the kernel, recorded as a combine mismatch
+    naming the expert-major layout, and raised by the next call."""
+    case, sim, ids, payloads, weights = _simple("cuda")
+    got = a2a.moe_a2a_dispatch_expert_major(ids, payloads, sim.workspace, sim.metainfo[0], case.T, 0, 1, case.top_k,
+                                            case.num_experts, router_weights=weights)
+    y = torch.zeros(got.output_payloads[0].shape, dtype=got.output_payloads[0].dtype, device="cuda")
+    a2a.moe_a2a_combine_expert_major(y, got, sim.workspace, sim.metainfo[0], 0, 1)
+    recv, offset, _ = a2a.moe_a2a_dispatch(ids, payloads, sim.workspace, sim.metainfo[0], case.T, 0, 1, case.top_k,
+                                           case.num_experts)
+    a2a.moe_a2a_combine_expert_major(y, got._replace(dispatch_end=offset), sim.workspace, sim.metainfo[0], 0, 1)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="expert-major layout"):
+        a2a.check_errors(sim.workspace)

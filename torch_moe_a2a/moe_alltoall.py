@@ -257,6 +257,7 @@ class MoeAlltoAll:
             needed = self.get_moe_workspace_size_per_rank(
                 self.ep_size, top_k, max_num_tokens, hidden_size, 0, eplb_stats_num_experts, backend=backend,
                 dtype=dtype)
+        if hidden_size is not None:
             if workspace_size_per_rank is None:
                 workspace_size_per_rank = needed
             elif workspace_size_per_rank < needed:
