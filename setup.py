@@ -89,7 +89,11 @@ def gencode_flags() -> list[str]:
 openmp = ["-fopenmp"] if os.environ.get("MOE_A2A_OPENMP", "1") != "0" else []
 # -g0 overrides the -g of Python's CFLAGS (they come first on the command line):
 # release builds carry no debug information, which is most of a -g build's size.
-cxx_flags = ["-O3", "-g0", *openmp]
+# -ffp-contract=off: the expert-major combine rounds each weight * row product
+# to fp32 before it adds it, as the reference and the CUDA kernel do; a fused
+# multiply-add (GCC contracts by default where the target has one) would
+# change the bits.
+cxx_flags = ["-O3", "-g0", "-ffp-contract=off", *openmp]
 link_flags = list(openmp)
 ext_sources = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp") + sources("meta_kernels/*.cpp")
 include_dirs = [os.path.join(ROOT, "csrc")]

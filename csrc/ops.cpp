@@ -553,6 +553,153 @@ SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int6
   return p;
 }
 
+namespace {
+
+// The expert-major arguments both expert-major ops share: num_experts (its
+// local experts within kMaxLocalExperts) and M = max_tokens_per_expert (the
+// planes' rows within kMaxExpertMajorRows).
+void check_expert_major_sizes(int64_t ep_size, int64_t num_experts, int64_t max_tokens_per_expert) {
+  TORCH_CHECK_VALUE(num_experts >= ep_size, "num_experts must be >= ep_size=", ep_size, ", got ", num_experts);
+  const int64_t local = max_local_experts(num_experts, ep_size);
+  TORCH_CHECK_VALUE(local <= kMaxLocalExperts, "the expert-major layout takes at most ", kMaxLocalExperts,
+                    " experts per rank, got num_experts=", num_experts, " over ep_size=", ep_size, " (", local,
+                    " per rank)");
+  TORCH_CHECK_VALUE(max_tokens_per_expert >= 1 && max_tokens_per_expert <= kMaxExpertMajorRows / local,
+                    "max_tokens_per_expert must be in [1, ", kMaxExpertMajorRows / local, "] for ", local,
+                    " experts per rank, got ", max_tokens_per_expert);
+}
+
+}  // namespace
+
+ExpertMajorBuildParams check_expert_major_build(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                                                int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
+                                                int64_t top_k, int64_t num_experts, int64_t max_tokens_per_expert,
+                                                int64_t eplb_n, at::IntArrayRef payload_row_bytes, int64_t id_bytes,
+                                                bool has_weights, int64_t mailbox, bool enable_pdl) {
+  ExpertMajorBuildParams p{};
+  p.ws = check_workspace(workspace, ep_rank, ep_size);
+  check_max_num_tokens(max_num_tokens);
+  const int64_t T = runtime_max_tokens_per_rank;
+  check_runtime_max(T, max_num_tokens);
+  check_top_k(top_k);
+  check_expert_major_sizes(ep_size, num_experts, max_tokens_per_expert);
+  check_eplb_n(eplb_n);
+  TORCH_CHECK_VALUE(id_bytes == int64_t(sizeof(int32_t)) || id_bytes == int64_t(sizeof(int64_t)),
+                    "id_bytes must be 4 (int32 ids) or 8 (int64 ids), got ", id_bytes);
+  const int64_t routed = 1 + (has_weights ? 1 : 0);  // the ids and the weights travel as payloads too
+  const int64_t n = static_cast<int64_t>(payload_row_bytes.size());
+  TORCH_CHECK_VALUE(n + routed <= kMaxPayloads, "an expert-major dispatch takes at most ", kMaxPayloads - routed,
+                    " payloads", has_weights ? " with router weights" : "", " (the expert ids",
+                    has_weights ? " and the weights" : "", " travel as payloads too), got ", n);
+  int64_t rows[kMaxPayloads] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_VALUE(payload_row_bytes[i] >= 0 && payload_row_bytes[i] <= kMaxRowBytes,
+                      "payload_row_bytes must be in [0, ", kMaxRowBytes, "], got ", payload_row_bytes);
+    rows[i] = payload_row_bytes[i];
+  }
+  rows[n] = top_k * id_bytes;
+  if (has_weights) rows[n + 1] = top_k * int64_t(sizeof(float));
+  TORCH_CHECK_VALUE(!workspace.is_cpu() || mailbox == 0,
+                    "mailbox must be 0 for a CPU workspace (initialize returned 0), got ", mailbox);
+  p.mailbox = reinterpret_cast<int64_t*>(mailbox);
+
+  const CallLayout call = call_layout(ep_size, T, eplb_n, static_cast<int>(n + routed), rows);
+  check_fits(call.dispatch_end, p.ws.size_per_rank);
+  p.layout = expert_major_layout(call.dispatch_end, ep_size, T, top_k, max_local_experts(num_experts, ep_size),
+                                 max_tokens_per_expert, static_cast<int>(n), rows);
+  check_fits(p.layout.combine_offset, p.ws.size_per_rank);
+  p.runtime_max_tokens = T;
+  p.top_k = top_k;
+  p.first_expert = first_expert_of(ep_rank, num_experts, ep_size);
+  p.num_local = local_experts_of(ep_rank, num_experts, ep_size);
+  p.dispatch_end = call.dispatch_end;
+  p.ids_offset = call.payload_offset[n];
+  p.ids_int64 = id_bytes == int64_t(sizeof(int64_t));
+  p.weights_offset = has_weights ? call.payload_offset[n + 1] : -1;
+  p.num_payloads = static_cast<int>(n);
+  for (int64_t i = 0; i < n; ++i) {
+    p.payload_offset[i] = call.payload_offset[i];
+    p.payload_row_bytes[i] = rows[i];
+  }
+  p.enable_pdl = enable_pdl;
+  return p;
+}
+
+ExpertMajorCombineParams check_combine_expert_major(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
+                                                    const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                                                    int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
+                                                    int64_t top_k, int64_t num_experts, int64_t max_tokens_per_expert,
+                                                    int64_t dispatch_end, int64_t combine_payload_offset,
+                                                    at::IntArrayRef row_shape, at::ScalarType payload_dtype,
+                                                    at::ScalarType output_dtype, at::IntArrayRef active_rank_mask,
+                                                    double timeout_s, int64_t mailbox, bool enable_pdl) {
+  ExpertMajorCombineParams p{};
+  CombineParams& c = p.c;
+  c.ws = check_workspace(workspace, ep_rank, ep_size);
+  check_max_num_tokens(max_num_tokens);
+  const int64_t T = runtime_max_tokens_per_rank;
+  check_runtime_max(T, max_num_tokens);
+  check_top_k(top_k);
+  check_expert_major_sizes(ep_size, num_experts, max_tokens_per_expert);
+  TORCH_CHECK_VALUE(local_num_tokens >= 0 && local_num_tokens <= T,
+                    "local_num_tokens must be in [0, runtime_max_tokens_per_rank=", T, "], got ", local_num_tokens);
+  c.payload_dtype = to_dtype(payload_dtype, "payload dtype");
+  c.output_dtype = to_dtype(output_dtype, "output_dtype");
+  // fp32 too: the weighted sum is fp32 before its one cast.
+  TORCH_CHECK_VALUE(output_dtype == payload_dtype || output_dtype == at::kBFloat16 || output_dtype == at::kFloat,
+                    "output_dtype must be the payload dtype (", dtype_name(payload_dtype),
+                    "), torch.bfloat16 or torch.float32, got ", dtype_name(output_dtype));
+  const int64_t element_size = static_cast<int64_t>(c10::elementSize(payload_dtype));
+  for (const int64_t d : row_shape) {
+    TORCH_CHECK_VALUE(d >= 0, "row_shape (the payload's trailing shape) must have sizes >= 0, got ", row_shape);
+  }
+  const int64_t row_bytes = row_bytes_of(row_shape, element_size);
+  TORCH_CHECK_VALUE(row_bytes >= 0 && row_bytes <= kMaxRowBytes, "a combine row must have at most ", kMaxRowBytes,
+                    " bytes, got row_shape ", row_shape, " of ", dtype_name(payload_dtype));
+  c.row_elems = row_bytes / element_size;
+  p.num_local = local_experts_of(ep_rank, num_experts, ep_size);
+
+  if (payload.has_value() && payload->defined()) {
+    const at::Tensor& t = *payload;
+    TORCH_CHECK_VALUE(t.scalar_type() == payload_dtype, "payload must be ", dtype_name(payload_dtype), ", got ",
+                      dtype_name(t.scalar_type()));
+    check_on_workspace_device(t, workspace, "payload");
+    std::vector<int64_t> expected{p.num_local, max_tokens_per_expert};
+    expected.insert(expected.end(), row_shape.begin(), row_shape.end());
+    TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected),
+                      "payload must be [num_local_experts, max_tokens_per_expert, *row_shape] = ",
+                      at::IntArrayRef(expected), ", got shape ", t.sizes());
+    TORCH_CHECK_VALUE(t.is_contiguous(), "payload must be contiguous, got strides ", t.strides());
+    check_no_grad(t, "payload");
+    c.payload = static_cast<const uint8_t*>(t.data_ptr());
+  }
+
+  // The regions the pulls read follow dispatch_end, and the combine region
+  // follows the expert-major planes: its offset is the build's (checked
+  // against the header by the kernels), at least past the weights.
+  const int64_t route_end = route_region_end(ep_size, T);
+  TORCH_CHECK_VALUE(dispatch_end >= route_end && dispatch_end % kPlaneAlign == 0 && dispatch_end <= c.ws.size_per_rank,
+                    "dispatch_end must be a multiple of ", kPlaneAlign, " in [", route_end, ", ", c.ws.size_per_rank,
+                    "], got ", dispatch_end);
+  p.layout = expert_major_layout(dispatch_end, ep_size, T, top_k, max_local_experts(num_experts, ep_size),
+                                 max_tokens_per_expert, 0, nullptr);
+  TORCH_CHECK_VALUE(combine_payload_offset >= p.layout.combine_offset && combine_payload_offset % kPlaneAlign == 0 &&
+                        combine_payload_offset <= c.ws.size_per_rank,
+                    "combine_payload_offset must be a multiple of ", kPlaneAlign, " in [", p.layout.combine_offset,
+                    ", ", c.ws.size_per_rank, "] (the expert-major dispatch's), got ", combine_payload_offset);
+  p.layout.combine_offset = combine_payload_offset;
+  check_fits(combine_payload_offset + p.layout.local_experts * max_tokens_per_expert * row_bytes, c.ws.size_per_rank);
+
+  c.sync = check_sync(active_rank_mask, workspace, ep_rank, ep_size, timeout_s, mailbox, enable_pdl);
+  c.local_num_tokens = local_num_tokens;
+  c.runtime_max_tokens = T;
+  c.top_k = top_k;
+  c.route_offset = call_layout(ep_size, T, 0, 0, nullptr).route_offset;
+  c.combine_offset = combine_payload_offset;
+  p.dispatch_end = dispatch_end;
+  return p;
+}
+
 // ---- timeouts and errors --------------------------------------------------------
 
 double resolve_timeout(double timeout_s) {
@@ -597,7 +744,9 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
       break;
     case kErrorCombineMismatch: {
       // In the order of the CombineMismatch bits.
-      const char* names[] = {"local_num_tokens", "runtime_max_tokens_per_rank", "top_k", "combine_payload_offset"};
+      const char* names[] = {"local_num_tokens", "runtime_max_tokens_per_rank", "top_k", "combine_payload_offset",
+                             "expert-major layout (max_tokens_per_expert or combine_payload_offset, or no "
+                             "expert-major dispatch)"};
       os << "combine was called with another";
       const char* sep = " ";
       for (int bit = 0; bit < int(sizeof(names) / sizeof(names[0])); ++bit) {
@@ -736,6 +885,39 @@ void sanitize_expert_ids_cpu(const at::Tensor& workspace, int64_t ep_rank, int64
   cpu::sanitize_expert_ids(p);
 }
 
+void expert_major_build_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                            int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
+                            int64_t max_tokens_per_expert, int64_t eplb_n, at::IntArrayRef payload_row_bytes,
+                            int64_t id_bytes, bool has_weights, int64_t mailbox, bool enable_pdl) {
+  const ExpertMajorBuildParams p = check_expert_major_build(
+      workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
+      max_tokens_per_expert, eplb_n, payload_row_bytes, id_bytes, has_weights, mailbox, enable_pdl);
+  raise_row_status(cpu::check_row_for_expert_major_build(p, max_num_tokens), ep_rank);
+  cpu::expert_major_build(p);
+}
+
+at::Tensor combine_expert_major_cpu(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
+                                    const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                                    int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k,
+                                    int64_t num_experts, int64_t max_tokens_per_expert, int64_t dispatch_end,
+                                    int64_t combine_payload_offset, at::IntArrayRef row_shape,
+                                    at::ScalarType payload_dtype, at::ScalarType output_dtype,
+                                    at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox,
+                                    bool enable_pdl) {
+  ExpertMajorCombineParams p = check_combine_expert_major(
+      payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k,
+      num_experts, max_tokens_per_expert, dispatch_end, combine_payload_offset, row_shape, payload_dtype, output_dtype,
+      active_rank_mask, timeout_s, mailbox, enable_pdl);
+  std::vector<int64_t> shape{local_num_tokens};
+  shape.insert(shape.end(), row_shape.begin(), row_shape.end());
+  at::Tensor out = at::empty(shape, workspace.options().dtype(output_dtype));
+  p.c.output = static_cast<uint8_t*>(out.data_ptr());
+  raise_if_mailbox_error(mailbox, ep_rank);
+  raise_row_status(cpu::check_row_for_combine_expert_major(p, max_num_tokens), ep_rank);
+  raise_if_wait_failed(cpu::combine_expert_major(p), ep_rank);
+  return out;
+}
+
 // ---- tensor-free layout operators (the C++ side of tests/test_layout.py) -----------
 
 int64_t workspace_size_per_rank_op(int64_t ep_size, int64_t max_num_tokens,
@@ -775,6 +957,51 @@ std::vector<int64_t> call_layout_op(int64_t ep_size, int64_t runtime_max_tokens_
   out.insert(out.end(), l.payload_offset, l.payload_offset + l.num_payloads);
   out.push_back(l.combine_offset);
   return out;
+}
+
+// [counts, pair_map, pair_src, ids, weights, payload_0, ..., combine] offsets.
+std::vector<int64_t> expert_major_layout_op(int64_t dispatch_end, int64_t ep_size, int64_t runtime_max_tokens_per_rank,
+                                            int64_t top_k, int64_t local_experts, int64_t max_tokens_per_expert,
+                                            at::IntArrayRef payload_row_bytes) {
+  check_ranks(/*ep_rank=*/0, ep_size);
+  check_top_k(top_k);
+  TORCH_CHECK_VALUE(runtime_max_tokens_per_rank >= 1 && runtime_max_tokens_per_rank <= kMaxNumTokens,
+                    "runtime_max_tokens_per_rank must be in [1, ", kMaxNumTokens, "], got ",
+                    runtime_max_tokens_per_rank);
+  TORCH_CHECK_VALUE(dispatch_end >= 0 && dispatch_end <= (int64_t(1) << 40),
+                    "dispatch_end out of range: ", dispatch_end);
+  TORCH_CHECK_VALUE(local_experts >= 1 && local_experts <= kMaxLocalExperts, "local_experts must be in [1, ",
+                    kMaxLocalExperts, "], got ", local_experts);
+  TORCH_CHECK_VALUE(max_tokens_per_expert >= 1 && max_tokens_per_expert <= kMaxExpertMajorRows / local_experts,
+                    "max_tokens_per_expert must be in [1, ", kMaxExpertMajorRows / local_experts, "], got ",
+                    max_tokens_per_expert);
+  TORCH_CHECK_VALUE(payload_row_bytes.size() <= size_t(kMaxPayloads), "payload_row_bytes must hold at most ",
+                    kMaxPayloads, " sizes, got ", payload_row_bytes.size());
+  for (const int64_t b : payload_row_bytes) {
+    TORCH_CHECK_VALUE(b >= 0 && b <= kMaxRowBytes, "payload_row_bytes must be in [0, ", kMaxRowBytes, "], got ",
+                      payload_row_bytes);
+  }
+  const ExpertMajorLayout l =
+      expert_major_layout(dispatch_end, ep_size, runtime_max_tokens_per_rank, top_k, local_experts,
+                          max_tokens_per_expert, static_cast<int>(payload_row_bytes.size()), payload_row_bytes.data());
+  std::vector<int64_t> out{l.counts_offset, l.pair_map_offset, l.pair_src_offset, l.ids_offset, l.weights_offset};
+  out.insert(out.end(), l.payload_offset, l.payload_offset + l.num_payloads);
+  out.push_back(l.combine_offset);
+  return out;
+}
+
+int64_t expert_major_workspace_size_op(int64_t ep_size, int64_t max_num_tokens,
+                                       int64_t total_dispatch_payload_size_per_token,
+                                       int64_t combine_payload_size_per_token, int64_t eplb_stats_num_experts,
+                                       int64_t num_experts, int64_t top_k, int64_t max_tokens_per_expert) {
+  // The rank-major part's checks, on the user payloads.
+  workspace_size_per_rank_op(ep_size, max_num_tokens, total_dispatch_payload_size_per_token,
+                             combine_payload_size_per_token, eplb_stats_num_experts);
+  check_top_k(top_k);
+  check_expert_major_sizes(ep_size, num_experts, max_tokens_per_expert);
+  return expert_major_workspace_size_per_rank(ep_size, max_num_tokens, total_dispatch_payload_size_per_token,
+                                              combine_payload_size_per_token, eplb_stats_num_experts, num_experts,
+                                              top_k, max_tokens_per_expert);
 }
 
 // The values of torch_moe_a2a.layout.CONSTANTS, in that dict's order.
@@ -820,6 +1047,12 @@ std::vector<int64_t> constants_op() {
       kHeaderBytes,
       kLowPrecisionBlock,
       kLowPrecisionBlockPitch,
+      kHdrDroppedPairCount,
+      kHdrExpertMajorEnd,
+      kHdrExpertMajorEpoch,
+      kHdrExpertMajorTokens,
+      kMaxLocalExperts,
+      kMaxExpertMajorRows,
   };
 }
 
@@ -861,6 +1094,8 @@ constexpr char kOpDispatch[] = "moe_a2a::dispatch";
 constexpr char kOpCombine[] = "moe_a2a::combine";
 constexpr char kOpCombineInto[] = "moe_a2a::combine_into";
 constexpr char kOpSanitize[] = "moe_a2a::sanitize_expert_ids";
+constexpr char kOpExpertMajorBuild[] = "moe_a2a::expert_major_build";
+constexpr char kOpCombineExpertMajor[] = "moe_a2a::combine_expert_major";
 
 }  // namespace
 }  // namespace moe_a2a
@@ -877,6 +1112,10 @@ TORCH_LIBRARY(moe_a2a, m) {
   m.def(kSchemaCombineInto, {at::Tag::pt2_compliant_tag});
   m.def(kSchemaSanitize, {at::Tag::pt2_compliant_tag});
   m.def(kSchemaCheckExpertIds, {at::Tag::pt2_compliant_tag});
+  m.def(kSchemaExpertMajorBuild, {at::Tag::pt2_compliant_tag});
+  m.def(kSchemaCombineExpertMajor, {at::Tag::pt2_compliant_tag});
+  m.def(kSchemaExpertMajorLayout, &expert_major_layout_op, {at::Tag::pt2_compliant_tag});
+  m.def(kSchemaExpertMajorWorkspaceSize, &expert_major_workspace_size_op, {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(moe_a2a, CPU, m) {
@@ -888,6 +1127,8 @@ TORCH_LIBRARY_IMPL(moe_a2a, CPU, m) {
   m.impl("combine_into", &combine_into_cpu);
   m.impl("sanitize_expert_ids", &sanitize_expert_ids_cpu);
   m.impl("check_expert_ids", &check_expert_ids_host);
+  m.impl("expert_major_build", &expert_major_build_cpu);
+  m.impl("combine_expert_major", &combine_expert_major_cpu);
 }
 
 TORCH_LIBRARY_IMPL(moe_a2a, ADInplaceOrView, m) {
@@ -898,4 +1139,8 @@ TORCH_LIBRARY_IMPL(moe_a2a, ADInplaceOrView, m) {
   m.impl("combine", TORCH_FN((BumpWrittenVersions<kOpCombine, CombineSignature, 2, 17>::call)));
   m.impl("combine_into", TORCH_FN((BumpWrittenVersions<kOpCombineInto, CombineIntoSignature, 2, 17, 20>::call)));
   m.impl("sanitize_expert_ids", TORCH_FN((BumpWrittenVersions<kOpSanitize, SanitizeSignature, 0>::call)));
+  m.impl("expert_major_build",
+         TORCH_FN((BumpWrittenVersions<kOpExpertMajorBuild, ExpertMajorBuildSignature, 0>::call)));
+  m.impl("combine_expert_major",
+         TORCH_FN((BumpWrittenVersions<kOpCombineExpertMajor, CombineExpertMajorSignature, 2>::call)));
 }

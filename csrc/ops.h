@@ -78,6 +78,26 @@ SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int6
                               int64_t runtime_max_tokens_per_rank, int64_t offset, int64_t width,
                               int64_t invalid_expert_id, int64_t id_bytes, bool enable_pdl);
 
+// expert_major_build: the arguments of kSchemaExpertMajorBuild, in order.
+// params.layout is the call's ExpertMajorLayout, known to fit the workspace
+// up to its combine region.
+ExpertMajorBuildParams check_expert_major_build(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                                                int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
+                                                int64_t top_k, int64_t num_experts, int64_t max_tokens_per_expert,
+                                                int64_t eplb_n, at::IntArrayRef payload_row_bytes, int64_t id_bytes,
+                                                bool has_weights, int64_t mailbox, bool enable_pdl);
+
+// combine_expert_major: the arguments of kSchemaCombineExpertMajor, in order;
+// params.c.output is set by the caller after the check.
+ExpertMajorCombineParams check_combine_expert_major(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
+                                                    const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                                                    int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
+                                                    int64_t top_k, int64_t num_experts, int64_t max_tokens_per_expert,
+                                                    int64_t dispatch_end, int64_t combine_payload_offset,
+                                                    at::IntArrayRef row_shape, at::ScalarType payload_dtype,
+                                                    at::ScalarType output_dtype, at::IntArrayRef active_rank_mask,
+                                                    double timeout_s, int64_t mailbox, bool enable_pdl);
+
 // ---- timeouts ---------------------------------------------------------------
 // timeout_s > 0 is used as given; <= 0 means "the default": the environment
 // variable MOE_A2A_TIMEOUT_S (read on every call, so a test or a job can change

@@ -104,6 +104,36 @@ struct SanitizeParams {
   bool enable_pdl;
 };
 
+// expert_major_build: the own row's received rows of the pending dispatch
+// regrouped by local expert (protocol.h, ExpertMajorLayout).
+struct ExpertMajorBuildParams {
+  WorkspaceView ws;
+  int64_t* mailbox;            // as SyncParams::mailbox
+  int64_t runtime_max_tokens;  // T of the dispatch
+  int64_t top_k;
+  int64_t first_expert;  // this rank's experts are [first_expert, first_expert + num_local)
+  int64_t num_local;     // this rank's local experts (<= layout.local_experts)
+  int64_t dispatch_end;  // the dispatch's CallLayout::dispatch_end
+  int64_t ids_offset;    // the received [ep_size, T, top_k] expert-id plane (rank-major)
+  bool ids_int64;
+  int64_t weights_offset;                // the received [ep_size, T, top_k] fp32 router weights, or -1 (weights 1)
+  int num_payloads;                      // user payloads: rank-major planes copied into expert-major planes
+  int64_t payload_offset[kMaxPayloads];  // rank-major plane of each
+  int64_t payload_row_bytes[kMaxPayloads];
+  ExpertMajorLayout layout;
+  bool enable_pdl;
+};
+
+// The expert-major combine: CombineParams (its payload [num_local, M,
+// row_elems], its combine_offset the expert-major one) and the layout the
+// pulls read in every rank's row.
+struct ExpertMajorCombineParams {
+  CombineParams c;
+  int64_t num_local;     // this rank's local experts: the payload's leading size
+  int64_t dispatch_end;  // checked against kHdrLastDispatchEnd like combine's offset
+  ExpertMajorLayout layout;
+};
+
 // Outcome of a CPU call that waits for peers.
 struct WaitResult {
   uint32_t code;  // ErrorCode

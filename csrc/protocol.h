@@ -255,7 +255,19 @@ constexpr int64_t kHdrLastDispatchEnd = 80;      // int64, own: CallLayout::disp
 constexpr int64_t kHdrDispatchClaim0 = 88;  // uint32
 // CUDA scratch, own, zero between calls: the pull tasks a combine's warps
 // claimed beyond their first (csrc/cuda/combine.cu; small grids only).
-constexpr int64_t kHdrCombineClaim = 92;                                 // uint32
+constexpr int64_t kHdrCombineClaim = 92;  // uint32
+// Expert-major receive layout (ExpertMajorLayout below), own: written by
+// expert_major_build, read by the expert-major combine.
+//   dropped  int64, cumulative since initialize: (token, local expert) pairs
+//            beyond max_tokens_per_expert, dropped (as ids >= num_experts are)
+//   end      int64: the ExpertMajorLayout::combine_offset of the last build
+//   epoch    uint32: the dispatch epoch of the last build (a combine of
+//            another round finds no build of its own)
+//   tokens   int32: the max_tokens_per_expert of the last build
+constexpr int64_t kHdrDroppedPairCount = 96;                             // int64
+constexpr int64_t kHdrExpertMajorEnd = 104;                              // int64
+constexpr int64_t kHdrExpertMajorEpoch = 112;                            // uint32
+constexpr int64_t kHdrExpertMajorTokens = 116;                           // int32
 constexpr int64_t kHdrDispatchFlags = 128;                               // uint32 [kMaxRanks], [s] written by rank s
 constexpr int64_t kHdrCombineFlags = kHdrDispatchFlags + 4 * kMaxRanks;  // uint32 [kMaxRanks]
 constexpr int64_t kHdrRecvCounts = kHdrCombineFlags + 4 * kMaxRanks;     // int32 [kMaxRanks]
@@ -438,7 +450,21 @@ enum CombineMismatch : uint32_t {
   kMismatchRuntimeMax = 2,
   kMismatchTopK = 4,
   kMismatchOffset = 8,  // combine_payload_offset != the dispatch's dispatch_end
+  // An expert-major combine (or build) whose expert-major layout is not its
+  // build's: no build since the dispatch, another max_tokens_per_expert, or a
+  // combine_payload_offset that is not the build's (kHdrExpertMajor*).
+  kMismatchExpertMajor = 16,
 };
+
+// kMismatchExpertMajor of an expert-major combine from the own header's words
+// of the last build (kHdrExpertMajorEpoch, kHdrExpertMajorTokens,
+// kHdrExpertMajorEnd) and the dispatch epoch pending.
+MOE_A2A_HD uint32_t expert_major_mismatch(uint32_t build_epoch, int64_t build_tokens, int64_t build_end,
+                                          uint32_t dispatch_epoch, int64_t tokens_per_expert, int64_t combine_offset) {
+  return build_epoch != dispatch_epoch || build_tokens != tokens_per_expert || build_end != combine_offset
+             ? uint32_t(kMismatchExpertMajor)
+             : 0u;
+}
 MOE_A2A_HD uint32_t combine_mismatch(int64_t dispatch_tokens, int64_t dispatch_runtime_max, int64_t dispatch_top_k,
                                      int64_t dispatch_end, int64_t local_num_tokens, int64_t runtime_max_tokens,
                                      int64_t top_k, int64_t combine_offset) {
@@ -498,6 +524,112 @@ MOE_A2A_HD int64_t workspace_size_per_rank(int64_t ep_size, int64_t max_num_toke
   // Each plane's start and the combine region's round up by less than kPlaneAlign.
   size += align_up(ep_size * max_num_tokens * total_dispatch_bytes, kPlaneAlign) + (kMaxPayloads + 1) * kPlaneAlign;
   size += align_up(ep_size * max_num_tokens * combine_bytes, kPlaneAlign);
+  return size;
+}
+
+// ---- expert-major receive layout -------------------------------------------
+// An option of dispatch (docs/DESIGN.md, 'Expert-major layout'): after the
+// rank-major dispatch n completed on rank r, expert_major_build n groups the
+// received rows by local expert into the regions below, which follow the
+// call's dispatch_end (so dispatch step 0b's overlap test covers them: they
+// lie beyond dispatch_end n, where a dispatch n+1 writes only when its
+// dispatch_end grew). The planes are [local_experts, M] for every rank, with
+// local_experts the most experts any rank owns, so that the offsets are the
+// same on every rank and a source rank pulls from rank r's regions with its
+// own layout. Pair (token, top-k slot k) of received row [s, j] whose expert
+// is local expert e is row i of expert e, where i counts the pairs of e
+// before it in (s, j, k) order; pairs with i >= M are dropped and counted
+// (kHdrDroppedPairCount).
+//   counts    int32 [local_experts]: min(pairs of e, M)
+//   pair_map  int32 [ep_size][T][top_k]: for received row [s, j], its pairs'
+//             rows e * M + i in ascending (e, k) order, -1 for a dropped pair
+//             and after the last pair (what the combine of source s pulls)
+//   pair_src  int32 [local_experts][M]: s * T + j of row [e, i] (the build's
+//             own scratch: which received row to copy)
+//   ids       int32 [local_experts][M]: e for i < counts[e], else -1
+//   weights   fp32 [local_experts][M]: the pair's router weight (1 when the
+//             dispatch sent none), 0 for i >= counts[e]
+//   plane p   [local_experts][M][row_bytes_p]: the user payloads' rows
+//   combine   [local_experts][M][combine_row_bytes]: the expert outputs,
+//             staged by the expert-major combine (or written in place)
+constexpr int64_t kMaxLocalExperts = 1024;
+// Pair rows e * M + i and received rows s * T + j are int32 entries.
+constexpr int64_t kMaxExpertMajorRows = (int64_t(1) << 31) - 1;
+constexpr int32_t kNoPair = -1;
+
+// The most experts one rank owns (contiguous ranges: the first E % R ranks own one more).
+MOE_A2A_HD constexpr int64_t max_local_experts(int64_t num_experts, int64_t ep_size) {
+  return (num_experts + ep_size - 1) / ep_size;
+}
+
+// [first, last) experts of `rank`.
+MOE_A2A_HD int64_t first_expert_of(int64_t rank, int64_t num_experts, int64_t ep_size) {
+  const int64_t base = num_experts / ep_size, extra = num_experts % ep_size;
+  return rank * base + (rank < extra ? rank : extra);
+}
+MOE_A2A_HD int64_t local_experts_of(int64_t rank, int64_t num_experts, int64_t ep_size) {
+  return num_experts / ep_size + (rank < num_experts % ep_size ? 1 : 0);
+}
+
+struct ExpertMajorLayout {
+  int64_t local_experts;      // leading size of every plane: max_local_experts
+  int64_t tokens_per_expert;  // M
+  int64_t counts_offset;
+  int64_t pair_map_offset;
+  int64_t pair_src_offset;
+  int64_t ids_offset;
+  int64_t weights_offset;
+  int num_payloads;
+  int64_t payload_offset[kMaxPayloads];
+  int64_t combine_offset;  // the expert-major combine_payload_offset
+};
+
+MOE_A2A_HD ExpertMajorLayout expert_major_layout(int64_t dispatch_end, int64_t ep_size, int64_t runtime_max_tokens,
+                                                 int64_t top_k, int64_t local_experts, int64_t tokens_per_expert,
+                                                 int num_payloads, const int64_t* payload_row_bytes) {
+  ExpertMajorLayout l{};
+  const int64_t rows = local_experts * tokens_per_expert;
+  l.local_experts = local_experts;
+  l.tokens_per_expert = tokens_per_expert;
+  int64_t off = dispatch_end;
+  l.counts_offset = off;
+  off = align_up(off + local_experts * 4);
+  l.pair_map_offset = off;
+  off = align_up(off + ep_size * runtime_max_tokens * top_k * 4);
+  l.pair_src_offset = off;
+  off = align_up(off + rows * 4);
+  l.ids_offset = off;
+  off = align_up(off + rows * 4);
+  l.weights_offset = off;
+  off = align_up(off + rows * 4);
+  l.num_payloads = num_payloads;
+  for (int i = 0; i < num_payloads; ++i) {
+    l.payload_offset[i] = align_up(off, kPlaneAlign);
+    off = l.payload_offset[i] + rows * payload_row_bytes[i];
+  }
+  l.combine_offset = align_up(off, kPlaneAlign);
+  return l;
+}
+
+// workspace_size_per_rank for expert-major calls: the rank-major call of the
+// user payloads (total_dispatch_bytes) plus int64 expert ids and fp32 router
+// weights (top_k each), no rank-major combine region, then the expert-major
+// regions for tokens_per_expert rows per expert (the combine rows included);
+// a rank-major call of the same payloads fits as well.
+MOE_A2A_HD int64_t expert_major_workspace_size_per_rank(int64_t ep_size, int64_t max_num_tokens,
+                                                        int64_t total_dispatch_bytes, int64_t combine_bytes,
+                                                        int64_t eplb_n, int64_t num_experts, int64_t top_k,
+                                                        int64_t tokens_per_expert) {
+  const int64_t routed_bytes = total_dispatch_bytes + top_k * (8 + 4);
+  int64_t size = workspace_size_per_rank(ep_size, max_num_tokens, routed_bytes, 0, eplb_n);
+  const int64_t rows = max_local_experts(num_experts, ep_size) * tokens_per_expert;
+  size += align_up(max_local_experts(num_experts, ep_size) * 4, kPlaneAlign);
+  size += align_up(ep_size * max_num_tokens * top_k * 4, kPlaneAlign);
+  size += 3 * align_up(rows * 4, kPlaneAlign);
+  size += align_up(rows * total_dispatch_bytes, kPlaneAlign) + (kMaxPayloads + 1) * kPlaneAlign;
+  // The combine region of either layout: a rank-major call of the same payloads fits too.
+  const int64_t combine_rows = rows > ep_size * max_num_tokens ? rows : ep_size * max_num_tokens;
+  size += align_up(combine_rows * combine_bytes, kPlaneAlign);
   return size;
 }
 

@@ -68,6 +68,39 @@ constexpr const char* kSchemaSanitize =
     "int runtime_max_tokens_per_rank, "
     "int offset, int width, int invalid_expert_id, int id_bytes, bool enable_pdl) -> ()";
 
+// Expert-major layout (protocol.h, ExpertMajorLayout). After a dispatch
+// whose payloads were the user payloads (row sizes payload_row_bytes), the
+// int32/int64 expert ids (id_bytes each, top_k wide) and, when has_weights,
+// fp32 router weights (top_k wide), in that order: regroups the own row's
+// received rows by local expert. Local: reads and writes the own row only.
+constexpr const char* kSchemaExpertMajorBuild =
+    "expert_major_build(Tensor(a!) workspace, int ep_rank, int ep_size, int max_num_tokens, "
+    "int runtime_max_tokens_per_rank, int top_k, int num_experts, int max_tokens_per_expert, int eplb_n, "
+    "int[] payload_row_bytes, int id_bytes, bool has_weights, int mailbox, bool enable_pdl) -> ()";
+
+// The expert-major combine: payload [num_local_experts, max_tokens_per_expert,
+// *row_shape] (or None: already at combine_payload_offset, the build's
+// ExpertMajorLayout::combine_offset); out[t] = the fp32 sum over the token's
+// pairs, ascending (destination rank, local expert, top-k slot), of
+// weight * row, cast once. dispatch_end: the dispatch's CallLayout::dispatch_end.
+constexpr const char* kSchemaCombineExpertMajor =
+    "combine_expert_major(Tensor? payload, SymInt local_num_tokens, Tensor(a!) workspace, int ep_rank, "
+    "int ep_size, int max_num_tokens, int runtime_max_tokens_per_rank, int top_k, int num_experts, "
+    "int max_tokens_per_expert, int dispatch_end, int combine_payload_offset, SymInt[] row_shape, "
+    "ScalarType payload_dtype, ScalarType output_dtype, int[] active_rank_mask, float timeout_s, int mailbox, "
+    "bool enable_pdl) -> Tensor";
+
+// The C++ side of tests/test_layout.py for the expert-major layout:
+// [counts, pair_map, pair_src, ids, weights, payload_0.., combine] offsets.
+constexpr const char* kSchemaExpertMajorLayout =
+    "expert_major_layout(int dispatch_end, int ep_size, int runtime_max_tokens_per_rank, int top_k, "
+    "int local_experts, int max_tokens_per_expert, int[] payload_row_bytes) -> int[]";
+
+constexpr const char* kSchemaExpertMajorWorkspaceSize =
+    "expert_major_workspace_size_per_rank(int ep_size, int max_num_tokens, "
+    "int total_dispatch_payload_size_per_token, int combine_payload_size_per_token, "
+    "int eplb_stats_num_experts, int num_experts, int top_k, int max_tokens_per_expert) -> int";
+
 // The C++ signatures the dispatcher gives the kernels of the ops that
 // callers in C++ redispatch or call typed (ops.cpp's ADInplaceOrView
 // kernels, module.cpp's eager entry points), argument for argument as above.
@@ -82,6 +115,12 @@ using DispatchSignature = void(const at::Tensor&, at::TensorList, const at::Tens
 using CombineSignature = at::Tensor(MOE_A2A_COMBINE_TYPES);
 using CombineIntoSignature = void(MOE_A2A_COMBINE_TYPES, const at::Tensor&);
 #undef MOE_A2A_COMBINE_TYPES
+using ExpertMajorBuildSignature = void(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                       int64_t, at::IntArrayRef, int64_t, bool, int64_t, bool);
+using CombineExpertMajorSignature = at::Tensor(const std::optional<at::Tensor>&, c10::SymInt, const at::Tensor&,
+                                               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                               int64_t, c10::SymIntArrayRef, at::ScalarType, at::ScalarType,
+                                               at::IntArrayRef, double, int64_t, bool);
 using SanitizeSignature = void(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                                int64_t, bool);
 

@@ -73,6 +73,22 @@ void sanitize_expert_ids_meta(const at::Tensor&, int64_t, int64_t, int64_t, int6
 // A traced check has no values to read: the real kernels do it when the graph runs.
 void check_expert_ids_meta(const at::Tensor&, int64_t) {}
 
+void expert_major_build_meta(const at::Tensor& workspace, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                             int64_t, at::IntArrayRef, int64_t, bool, int64_t, bool) {
+  check_meta("expert_major_build", "workspace", workspace);
+}
+
+at::Tensor combine_expert_major_meta(const std::optional<at::Tensor>& payload, c10::SymInt local_num_tokens,
+                                     const at::Tensor& workspace, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                     int64_t, int64_t, int64_t, c10::SymIntArrayRef row_shape, at::ScalarType,
+                                     at::ScalarType output_dtype, at::IntArrayRef, double, int64_t, bool) {
+  check_meta("combine_expert_major", "payload", payload);
+  check_meta("combine_expert_major", "workspace", workspace);
+  std::vector<c10::SymInt> shape{std::move(local_num_tokens)};
+  shape.insert(shape.end(), row_shape.begin(), row_shape.end());
+  return at::empty_symint(shape, workspace.options().dtype(output_dtype));
+}
+
 }  // namespace
 }  // namespace moe_a2a
 
@@ -85,4 +101,6 @@ TORCH_LIBRARY_IMPL(moe_a2a, Meta, m) {
   m.impl("combine_into", &combine_into_meta);
   m.impl("sanitize_expert_ids", &sanitize_expert_ids_meta);
   m.impl("check_expert_ids", &check_expert_ids_meta);
+  m.impl("expert_major_build", &expert_major_build_meta);
+  m.impl("combine_expert_major", &combine_expert_major_meta);
 }

@@ -187,3 +187,52 @@ def test_claim_counters_have_words_of_their_own():
     for bad in (-1, layout.CLAIM_COUNTERS):
         with pytest.raises(ValueError, match="claim counter"):
             layout.claim_counter_offset(bad)
+
+
+EM_GRID = [
+    # ep_size, max_tokens, user payload rows, combine bytes, num_experts, top_k, max_tokens_per_expert
+    (1, 7, (64,), 64, 3, 2, None),
+    (3, 33, (256, 7, 0), 128, 10, 8, None),
+    (8, 16, (14336,), 14336, 256, 8, 40),
+    (5, 1, (3, 5), 2, 5, 22, 1),
+    (64, 4, (96, 96, 96, 96, 96, 96), 96, 64 * 1024, 1, None),
+]
+
+
+@pytest.mark.parametrize("ep_size,max_tokens,rows,combine_bytes,num_experts,top_k,M", EM_GRID)
+def test_expert_major_layout_matches_cpp_and_fits(ep_size, max_tokens, rows, combine_bytes, num_experts, top_k, M):
+    size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(ep_size, max_tokens, sum(rows), combine_bytes,
+                                                                num_experts, top_k, M)
+    big_m = ep_size * max_tokens if M is None else M
+    assert size == int(ops.expert_major_workspace_size_per_rank(ep_size, max_tokens, sum(rows), combine_bytes, 0,
+                                                                num_experts, top_k, big_m))
+    assert size == layout.expert_major_workspace_size_per_rank(ep_size, max_tokens, sum(rows), combine_bytes, 0,
+                                                               num_experts, top_k, big_m)
+    assert size % layout.PLANE_ALIGN == 0
+    local = layout.max_local_experts(num_experts, ep_size)
+    rng = random.Random(f"em-{ep_size}-{max_tokens}")
+    for T in {max_tokens, rng.randint(1, max_tokens)}:
+        for k in {top_k, rng.randint(1, top_k)}:
+            for m in {big_m, rng.randint(1, big_m)}:
+                for id_bytes, weights in ((4, False), (8, True)):
+                    routed = list(rows) + [k * id_bytes] + ([k * 4] if weights else [])
+                    end = int(ops.call_layout(ep_size, T, 0, routed)[-1])
+                    py = layout.expert_major_layout(end, ep_size, T, k, local, m, rows)
+                    cpp = [int(v) for v in ops.expert_major_layout(end, ep_size, T, k, local, m, list(rows))]
+                    assert cpp == [py.counts_offset, py.pair_map_offset, py.pair_src_offset, py.ids_offset,
+                                   py.weights_offset, *py.payload_offsets, py.combine_offset]
+                    assert all(o % layout.PLANE_ALIGN == 0 for o in (*py.payload_offsets, py.combine_offset))
+                    combine = py.combine_offset + local * m * combine_bytes
+                    assert combine <= size, f"T={T} k={k} M={m}: the combine region ends at {combine} > {size}"
+                    # ... and a rank-major call of the same payloads fits too.
+                    plain = int(ops.call_layout(ep_size, T, 0, list(rows))[-1])
+                    assert layout.combine_end(plain, ep_size, T, combine_bytes) <= size
+
+
+def test_expert_major_sizing_refuses():
+    with pytest.raises(ValueError, match="experts per rank"):
+        a2a.moe_a2a_get_workspace_size_per_rank_expert_major(1, 4, 64, 64, layout.MAX_LOCAL_EXPERTS + 1, 2)
+    with pytest.raises(ValueError, match="max_tokens_per_expert"):
+        a2a.moe_a2a_get_workspace_size_per_rank_expert_major(2, 4, 64, 64, 4, 2, 0)
+    with pytest.raises(ValueError, match="top_k"):
+        a2a.moe_a2a_get_workspace_size_per_rank_expert_major(2, 4, 64, 64, 4, 23)

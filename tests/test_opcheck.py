@@ -151,3 +151,50 @@ def test_opcheck_combine_into_quantized(device):
     output = torch.empty(CASE.tokens[0], CASE.hidden // 2, dtype=torch.uint8, device=device)
     args = env.quantized_combine_args(lay.combine_offset, payload, 1, torch.uint8, scales)
     _opcheck(ops.combine_into.default, (*args, output))
+
+
+class ExpertMajorEnv:
+    """One rank sized for expert-major calls (CASE's hidden states and extras
+    as user payloads, its int32 ids and fp32 weights routed), dispatched."""
+
+    M = 6
+
+    def __init__(self, device):
+        self.device = device
+        user = [s.row_bytes for s in CASE.payload_specs()]
+        self.user_rows = [user[0], *user[3:]]
+        size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(
+            1, CASE.max_tokens, sum(self.user_rows), CASE.combine_bytes, CASE.num_experts, CASE.top_k, self.M)
+        self.workspace = torch.zeros(1, size, dtype=torch.uint8, device=device)
+        self.metainfo = a2a.moe_a2a_initialize(self.workspace, 0, 1, CASE.max_tokens)
+        self.mailbox = int(self.metainfo[layout.META_MAILBOX_ADDR])
+        inputs = make_inputs(CASE, make_generator(5)).to(device)
+        p = inputs.payloads[0]
+        self.ids = inputs.ids[0]
+        ops.dispatch.default(self.ids, [p[0], *p[3:], p[1], p[2]], self.workspace, 0, 1, CASE.max_tokens, CASE.T,
+                             CASE.top_k, CASE.num_experts, None, 0, [], TIMEOUT_FROM_ENV, self.mailbox, False)
+        self.dispatch_end = layout.call_layout(1, CASE.T, 0, [*self.user_rows, CASE.top_k * 4, CASE.top_k * 4])
+        self.dispatch_end = self.dispatch_end.combine_offset
+
+    def build_args(self):
+        return (self.workspace, 0, 1, CASE.max_tokens, CASE.T, CASE.top_k, CASE.num_experts, self.M, 0,
+                self.user_rows, 4, True, self.mailbox, False)
+
+    def combine_args(self, payload):
+        em = layout.expert_major_layout(self.dispatch_end, 1, CASE.T, CASE.top_k, CASE.num_experts, self.M,
+                                        self.user_rows)
+        return (payload, CASE.tokens[0], self.workspace, 0, 1, CASE.max_tokens, CASE.T, CASE.top_k, CASE.num_experts,
+                self.M, self.dispatch_end, em.combine_offset, [CASE.hidden], CASE.hidden_dtype, torch.float32, [],
+                TIMEOUT_FROM_ENV, self.mailbox, False)
+
+
+def test_opcheck_expert_major_build(device):
+    env = ExpertMajorEnv(device)
+    _opcheck(ops.expert_major_build.default, env.build_args())
+
+
+def test_opcheck_combine_expert_major(device):
+    env = ExpertMajorEnv(device)
+    ops.expert_major_build.default(*env.build_args())
+    payload = torch.randn(CASE.num_experts, env.M, CASE.hidden, generator=make_generator(6)).to(CASE.hidden_dtype)
+    _opcheck(ops.combine_expert_major.default, env.combine_args(payload.to(device)))

@@ -37,6 +37,13 @@ from .api import (  # noqa: E402
     moe_a2a_sanitize_expert_ids,
     moe_a2a_wrap_payload_tensor_in_workspace,
 )
+from .expert_major import (  # noqa: E402
+    ExpertMajorDispatch,
+    moe_a2a_combine_expert_major,
+    moe_a2a_dispatch_expert_major,
+    moe_a2a_get_dropped_pair_count,
+    moe_a2a_get_workspace_size_per_rank_expert_major,
+)
 from .flashinfer_patch import patch_flashinfer, unpatch_flashinfer  # noqa: E402
 from .layout import MOE_A2A_RANK_MASK_WORDS  # noqa: E402
 from .mapping import Mapping  # noqa: E402
@@ -46,6 +53,7 @@ from .workspace import allocate_workspace, cuda_workspace_granularity  # noqa: E
 
 __all__ = [
     "__version__",
+    "ExpertMajorDispatch",
     "MOE_A2A_RANK_MASK_WORDS",
     "Mapping",
     "MoeAlltoAll",
@@ -58,10 +66,14 @@ __all__ = [
     "local_expert_range",
     "moe_a2a_active_rank_mask",
     "moe_a2a_combine",
+    "moe_a2a_combine_expert_major",
     "moe_a2a_dispatch",
+    "moe_a2a_dispatch_expert_major",
+    "moe_a2a_get_dropped_pair_count",
     "moe_a2a_get_invalid_expert_count",
     "moe_a2a_get_recv_counts",
     "moe_a2a_get_workspace_size_per_rank",
+    "moe_a2a_get_workspace_size_per_rank_expert_major",
     "moe_a2a_initialize",
     "moe_a2a_sanitize_expert_ids",
     "moe_a2a_wrap_payload_tensor_in_workspace",

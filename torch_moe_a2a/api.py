@@ -309,7 +309,10 @@ def moe_a2a_dispatch(
     backend: MoeAlltoAllBackend = "trtllm",
     recv_view_cache: Optional[dict] = None,
     timeout_s: Optional[float] = None,
-) -> tuple[list[torch.Tensor], int, Optional[torch.Tensor]]:
+    expert_major: bool = False,
+    router_weights: Optional[torch.Tensor] = None,
+    max_tokens_per_expert: Optional[int] = None,
+):
     """Send each local token's payload rows to every rank that owns one of its experts.
 
     Args:
@@ -338,6 +341,12 @@ def moe_a2a_dispatch(
             ``torch.compile``, where views cost nothing at run time.
         timeout_s: ours, keyword-only: the bound on this call's waits for its
             peers; None reads ``MOE_A2A_TIMEOUT_S`` (default 30 s).
+        expert_major, router_weights, max_tokens_per_expert: ours,
+            keyword-only: ``expert_major=True`` receives the payloads grouped
+            by local expert and returns an
+            :class:`~torch_moe_a2a.ExpertMajorDispatch` instead of the tuple
+            below (:func:`~torch_moe_a2a.moe_a2a_dispatch_expert_major`, which
+            takes the other two; ``recv_view_cache`` is not used then).
 
     Returns:
         ``(output_payloads, combine_payload_offset, eplb_gathered_stats)``:
@@ -368,6 +377,13 @@ def moe_a2a_dispatch(
             call; CUDA: the kernel records it and the next call raises, as does
             :func:`check_errors`).
     """
+    if expert_major:
+        return _expert_major.moe_a2a_dispatch_expert_major(
+            token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank,
+            ep_size, top_k, num_experts, router_weights, max_tokens_per_expert, enable_pdl, eplb_local_stats,
+            enable_rank_mask, active_rank_mask, backend=backend, timeout_s=timeout_s)
+    if router_weights is not None or max_tokens_per_expert is not None:
+        raise ValueError("router_weights and max_tokens_per_expert are options of expert_major=True")
     timeout_s = _ENV_TIMEOUT if timeout_s is None else timeout_s
     if not (isinstance(token_selected_experts, torch.Tensor) and isinstance(workspace, torch.Tensor)):
         # Inline test first: the call costs the per-call path half a microsecond.
@@ -715,3 +731,7 @@ def moe_a2a_get_invalid_expert_count(workspace: torch.Tensor, metainfo: torch.Te
     expect_tensors("moe_a2a_get_invalid_expert_count", workspace=workspace)
     check_rank_index(metainfo_values(metainfo, id(metainfo)), ep_rank)
     return layout.region_view(workspace[ep_rank], layout.HDR_INVALID_EXPERT_COUNT, (), torch.int64)
+
+
+# The expert-major layout composes the dispatch above (and imports this module).
+from . import expert_major as _expert_major  # noqa: E402

@@ -57,7 +57,8 @@ ERROR_COMBINE_MISMATCH = 5
 ERROR_PAYLOAD_MISMATCH = 6
 # What differs for ERROR_COMBINE_MISMATCH: bit i of its detail names
 # COMBINE_MISMATCH_FIELDS[i] (protocol.h: CombineMismatch).
-COMBINE_MISMATCH_FIELDS = ("local_num_tokens", "runtime_max_tokens_per_rank", "top_k", "combine_payload_offset")
+COMBINE_MISMATCH_FIELDS = ("local_num_tokens", "runtime_max_tokens_per_rank", "top_k", "combine_payload_offset",
+                           "expert-major layout")
 
 # ---- rank header byte offsets ---------------------------------------------------
 HDR_MAGIC = 0
@@ -82,6 +83,11 @@ HDR_COMBINE_DONE_ARRIVALS = 76  # CUDA grid scratch
 HDR_LAST_DISPATCH_END = 80  # dispatch step 0 (protocol.h)
 HDR_DISPATCH_CLAIM0 = 88  # CUDA grid scratch: claim counter 0 of large dispatches
 HDR_COMBINE_CLAIM = 92  # CUDA grid scratch: pull tasks claimed by a small grid's combine
+# Expert-major layout (protocol.h, ExpertMajorLayout), own words written by expert_major_build:
+HDR_DROPPED_PAIR_COUNT = 96  # int64, cumulative: pairs beyond max_tokens_per_expert
+HDR_EXPERT_MAJOR_END = 104  # int64: the last build's expert-major combine offset
+HDR_EXPERT_MAJOR_EPOCH = 112  # uint32: the dispatch epoch of the last build
+HDR_EXPERT_MAJOR_TOKENS = 116  # int32: the last build's max_tokens_per_expert
 HDR_DISPATCH_FLAGS = 128
 HDR_COMBINE_FLAGS = HDR_DISPATCH_FLAGS + 4 * MAX_RANKS
 HDR_RECV_COUNTS = HDR_COMBINE_FLAGS + 4 * MAX_RANKS
@@ -99,6 +105,9 @@ CLAIM_COUNTERS = 16
 CLAIM_STRIDE = 128
 HDR_DISPATCH_CLAIMS = HDR_DISPATCH_ROUTED + 4 * MAX_DISPATCH_CTAS
 HEADER_BYTES = HDR_DISPATCH_CLAIMS + CLAIM_STRIDE * (CLAIM_COUNTERS - 1)
+MAX_LOCAL_EXPERTS = 1024  # experts per rank of an expert-major call
+MAX_EXPERT_MAJOR_ROWS = (1 << 31) - 1  # pair rows e * M + i are int32
+NO_PAIR = -1
 
 # Names and values that tests/test_layout.py compares with torch.ops.moe_a2a.constants().
 # The order is the order in which csrc/ops.cpp emits them.
@@ -143,6 +152,12 @@ CONSTANTS = {
     "HEADER_BYTES": HEADER_BYTES,
     "LOW_PRECISION_BLOCK": LOW_PRECISION_BLOCK,
     "LOW_PRECISION_BLOCK_PITCH": LOW_PRECISION_BLOCK_PITCH,
+    "HDR_DROPPED_PAIR_COUNT": HDR_DROPPED_PAIR_COUNT,
+    "HDR_EXPERT_MAJOR_END": HDR_EXPERT_MAJOR_END,
+    "HDR_EXPERT_MAJOR_EPOCH": HDR_EXPERT_MAJOR_EPOCH,
+    "HDR_EXPERT_MAJOR_TOKENS": HDR_EXPERT_MAJOR_TOKENS,
+    "MAX_LOCAL_EXPERTS": MAX_LOCAL_EXPERTS,
+    "MAX_EXPERT_MAJOR_ROWS": MAX_EXPERT_MAJOR_ROWS,
 }
 
 
@@ -196,6 +211,67 @@ def workspace_size_per_rank(
         size += align_up(ep_size * eplb_n * 4, PLANE_ALIGN)
     size += align_up(ep_size * max_num_tokens * total_dispatch_bytes, PLANE_ALIGN) + (MAX_PAYLOADS + 1) * PLANE_ALIGN
     size += align_up(ep_size * max_num_tokens * combine_bytes, PLANE_ALIGN)
+    return size
+
+
+def max_local_experts(num_experts: int, ep_size: int) -> int:
+    """The most experts one rank owns: the leading size of every expert-major plane."""
+    return -(-num_experts // ep_size)
+
+
+@dataclass(frozen=True)
+class ExpertMajorLayout:
+    """Byte offsets, relative to a rank's row, of one expert-major call's regions
+    (protocol.h, ExpertMajorLayout): they follow the rank-major call's
+    ``combine_offset`` (its dispatch_end)."""
+
+    local_experts: int  # planes' leading size (max_local_experts)
+    tokens_per_expert: int  # M
+    counts_offset: int  # int32 [local_experts]
+    pair_map_offset: int  # int32 [ep_size, T, top_k]
+    pair_src_offset: int  # int32 [local_experts, M]
+    ids_offset: int  # int32 [local_experts, M]
+    weights_offset: int  # fp32 [local_experts, M]
+    payload_offsets: tuple[int, ...]  # [local_experts, M, *] per user payload
+    combine_offset: int  # [local_experts, M, *]: the expert-major combine_payload_offset
+
+
+def expert_major_layout(dispatch_end: int, ep_size: int, runtime_max_tokens: int, top_k: int, local_experts: int,
+                        tokens_per_expert: int, payload_row_bytes) -> ExpertMajorLayout:
+    """Mirror of ``moe_a2a::expert_major_layout`` in csrc/protocol.h."""
+    rows = local_experts * tokens_per_expert
+    off = dispatch_end
+    counts = off
+    off = align_up(off + local_experts * 4)
+    pair_map = off
+    off = align_up(off + ep_size * runtime_max_tokens * top_k * 4)
+    pair_src = off
+    off = align_up(off + rows * 4)
+    ids = off
+    off = align_up(off + rows * 4)
+    weights = off
+    off = align_up(off + rows * 4)
+    offsets = []
+    for row_bytes in payload_row_bytes:
+        offsets.append(align_up(off, PLANE_ALIGN))
+        off = offsets[-1] + rows * row_bytes
+    return ExpertMajorLayout(local_experts, tokens_per_expert, counts, pair_map, pair_src, ids, weights,
+                             tuple(offsets), align_up(off, PLANE_ALIGN))
+
+
+def expert_major_workspace_size_per_rank(
+    ep_size: int, max_num_tokens: int, total_dispatch_bytes: int, combine_bytes: int, eplb_n: int, num_experts: int,
+    top_k: int, tokens_per_expert: int
+) -> int:
+    """Mirror of ``moe_a2a::expert_major_workspace_size_per_rank`` in csrc/protocol.h."""
+    size = workspace_size_per_rank(ep_size, max_num_tokens, total_dispatch_bytes + top_k * (8 + 4), 0, eplb_n)
+    local = max_local_experts(num_experts, ep_size)
+    rows = local * tokens_per_expert
+    size += align_up(local * 4, PLANE_ALIGN)
+    size += align_up(ep_size * max_num_tokens * top_k * 4, PLANE_ALIGN)
+    size += 3 * align_up(rows * 4, PLANE_ALIGN)
+    size += align_up(rows * total_dispatch_bytes, PLANE_ALIGN) + (MAX_PAYLOADS + 1) * PLANE_ALIGN
+    size += align_up(max(rows, ep_size * max_num_tokens) * combine_bytes, PLANE_ALIGN)
     return size
 
 

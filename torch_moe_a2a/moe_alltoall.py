@@ -24,6 +24,12 @@ from .api import (
 from .backend import MoeAlltoAllBackend, check_backend
 from .collective import Collective, as_collective, is_comm_backend
 from .errors import check_errors
+from .expert_major import (
+    ExpertMajorDispatch,
+    moe_a2a_combine_expert_major,
+    moe_a2a_dispatch_expert_major,
+    moe_a2a_get_workspace_size_per_rank_expert_major,
+)
 from .fastpath import tracing
 from .mapping import ep_group_color
 from .workspace import (
@@ -41,6 +47,7 @@ class _A2AState:
     local_num_tokens: Optional[int] = None
     combine_payload_offset: Optional[int] = None
     eplb_gathered_stats: Optional[torch.Tensor] = None
+    expert_major: Optional[ExpertMajorDispatch] = None  # an expert-major dispatch's result
 
 
 @dataclass(eq=False)
@@ -132,6 +139,15 @@ class MoeAlltoAll:
             ``workspace_size_per_rank`` both given, a size too small for
             ``hidden_size`` hidden states of ``dtype`` (plus int32 ids and
             fp32 weights) is refused here rather than at the first call.
+        expert_major: ours: :meth:`dispatch` receives grouped by local
+            expert and returns an :class:`~torch_moe_a2a.ExpertMajorDispatch`,
+            :meth:`combine` weights and sums from that layout
+            (:func:`~torch_moe_a2a.moe_a2a_dispatch_expert_major`); sizing
+            from ``hidden_size`` uses
+            :meth:`get_moe_workspace_size_per_rank_expert_major`.
+        max_tokens_per_expert: ours, with ``expert_major``: rows per local
+            expert (default the worst case, ``ep_size *
+            runtime_max_tokens_per_rank``; sizing: ``ep_size * max_num_tokens``).
 
     Workspace ownership. Without ``workspace=``, instances of one geometry
     (``workspace_size_per_rank``, ``ep_rank``, ``ep_size``,
@@ -181,6 +197,8 @@ class MoeAlltoAll:
         device: Union[torch.device, str, None] = None,
         timeout_s: Optional[float] = None,
         dtype: Optional[torch.dtype] = None,
+        expert_major: bool = False,
+        max_tokens_per_expert: Optional[int] = None,
     ):
         self.ep_rank = int(mapping.moe_ep_rank)
         self.ep_size = int(mapping.moe_ep_size)
@@ -229,10 +247,17 @@ class MoeAlltoAll:
 
         if workspace_size_per_rank is None and hidden_size is None:
             raise ValueError("hidden_size must be provided if workspace_size_per_rank is not provided")
-        if hidden_size is not None:
+        if max_tokens_per_expert is not None and not expert_major:
+            raise ValueError("MoeAlltoAll: max_tokens_per_expert is an option of expert_major=True")
+        if hidden_size is not None and expert_major:
+            needed = self.get_moe_workspace_size_per_rank_expert_major(
+                self.ep_size, top_k, max_num_tokens, hidden_size, num_experts, max_tokens_per_expert,
+                eplb_stats_num_experts=eplb_stats_num_experts, backend=backend, dtype=dtype)
+        elif hidden_size is not None:
             needed = self.get_moe_workspace_size_per_rank(
                 self.ep_size, top_k, max_num_tokens, hidden_size, 0, eplb_stats_num_experts, backend=backend,
                 dtype=dtype)
+        if hidden_size is not None:
             if workspace_size_per_rank is None:
                 workspace_size_per_rank = needed
             elif workspace_size_per_rank < needed:
@@ -247,6 +272,8 @@ class MoeAlltoAll:
         self.eplb_stats_num_experts = eplb_stats_num_experts
         self.enable_eplb = eplb_stats_num_experts > 0
         self.enable_rank_mask = enable_rank_mask
+        self.expert_major = bool(expert_major)
+        self.max_tokens_per_expert = max_tokens_per_expert
         self.timeout_s = None if timeout_s is None else float(timeout_s)
         self._backend = backend
 
@@ -335,6 +362,31 @@ class MoeAlltoAll:
             ep_size, max_num_tokens, dispatch_bytes, hidden_bytes, eplb_stats_num_experts, backend=backend
         )
 
+    @staticmethod
+    def get_moe_workspace_size_per_rank_expert_major(
+        ep_size: int,
+        top_k: int,
+        max_num_tokens: int,
+        hidden_size: int,
+        num_experts: int,
+        max_tokens_per_expert: Optional[int] = None,
+        extra_payload_bytes_per_token: int = 0,
+        eplb_stats_num_experts: int = 0,
+        *,
+        backend: MoeAlltoAllBackend = "trtllm",
+        dtype: Optional[torch.dtype] = None,
+    ) -> int:
+        """Sizing for ``expert_major=True`` instances: hidden states of ``dtype``
+        (default 16-bit) and ``extra_payload_bytes_per_token`` dispatched, hidden
+        states combined, ``max_tokens_per_expert`` rows per expert (default
+        ``ep_size * max_num_tokens``); the expert ids and router weights that
+        travel too are counted
+        (:func:`~torch_moe_a2a.moe_a2a_get_workspace_size_per_rank_expert_major`)."""
+        hidden_bytes = hidden_size * (2 if dtype is None else dtype.itemsize)
+        return moe_a2a_get_workspace_size_per_rank_expert_major(
+            ep_size, max_num_tokens, hidden_bytes + extra_payload_bytes_per_token, hidden_bytes, num_experts, top_k,
+            max_tokens_per_expert, eplb_stats_num_experts, backend=backend)
+
     @property
     def eplb_gathered_stats(self) -> Optional[torch.Tensor]:
         """int32 ``[ep_size, eplb_stats_num_experts]`` view from the last dispatch (None when it
@@ -371,7 +423,9 @@ class MoeAlltoAll:
         eplb_local_stats: Optional[torch.Tensor] = None,
         active_rank_mask: Optional[torch.Tensor] = None,
         enable_pdl: Optional[bool] = None,
-    ) -> list[torch.Tensor]:
+        *,
+        router_weights: Optional[torch.Tensor] = None,
+    ) -> Union[list[torch.Tensor], ExpertMajorDispatch]:
         """:func:`~torch_moe_a2a.moe_a2a_dispatch` on this instance's workspace.
 
         Args:
@@ -382,12 +436,17 @@ class MoeAlltoAll:
             invalid_token_expert_id: when given, the padding rows of the
                 received expert-id payload ``input_payloads[expert_id_payload_index]``
                 (an int32 payload of any width) are overwritten with it
-                (:func:`~torch_moe_a2a.moe_a2a_sanitize_expert_ids`).
+                (:func:`~torch_moe_a2a.moe_a2a_sanitize_expert_ids`). Not with
+                ``expert_major`` (its ``local_expert_ids`` have -1 padding).
+            router_weights: ours, ``expert_major`` instances only:
+                ``[local_num_tokens, top_k]`` router weights for the combine
+                to apply (None: unweighted).
 
         Returns:
             The receive views, one per payload: ``[ep_size,
             runtime_max_tokens_per_rank, *]`` views of the workspace, valid until
-            :meth:`combine`.
+            :meth:`combine`; for an ``expert_major`` instance the
+            :class:`~torch_moe_a2a.ExpertMajorDispatch`.
 
         Raises:
             RuntimeError: two dispatches without a combine, another instance
@@ -409,6 +468,21 @@ class MoeAlltoAll:
             raise ValueError("eplb_local_stats given but the instance was constructed with eplb_stats_num_experts=0")
         if active_rank_mask is not None and not self.enable_rank_mask:
             raise ValueError("active_rank_mask requires the instance to be constructed with enable_rank_mask=True")
+        if self.expert_major:
+            if invalid_token_expert_id is not None:
+                raise ValueError("invalid_token_expert_id sanitizes rank-major receive views; an expert_major "
+                                 "instance's local_expert_ids already hold -1 in padding rows")
+            got = moe_a2a_dispatch_expert_major(
+                token_selected_experts, input_payloads, self.workspace, self.metainfo, runtime_max_tokens_per_rank,
+                self.ep_rank, self.ep_size, self.top_k, self.num_experts, router_weights, self.max_tokens_per_expert,
+                enable_pdl, eplb_local_stats, self.enable_rank_mask, active_rank_mask, backend=self._backend,
+                timeout_s=self.timeout_s)
+            self._state = _A2AState("dispatched", got.local_num_tokens, got.combine_payload_offset,
+                                    got.eplb_gathered_stats, got)
+            self._shared.active = weakref.ref(self)
+            return got
+        if router_weights is not None:
+            raise ValueError("router_weights is an option of expert_major=True instances")
         recv, combine_payload_offset, eplb_gathered_stats = moe_a2a_dispatch(
             token_selected_experts,
             input_payloads,
@@ -476,6 +550,18 @@ class MoeAlltoAll:
             raise RuntimeError("MoeAlltoAll.combine called before dispatch (each combine needs its own dispatch)")
         if active_rank_mask is not None and not self.enable_rank_mask:
             raise ValueError("active_rank_mask requires the instance to be constructed with enable_rank_mask=True")
+        dispatched = self._state.expert_major
+        if dispatched is not None:
+            if output_scales is not None or use_low_precision or \
+                    getattr(sf_layout, "value", sf_layout) != SfLayout.layout_linear.value:
+                raise NotImplementedError("quantized combine outputs and use_low_precision are not implemented")
+            out = moe_a2a_combine_expert_major(
+                payload, dispatched, self.workspace, self.metainfo, self.ep_rank, self.ep_size, payload_in_workspace,
+                output_dtype, enable_pdl=enable_pdl, enable_rank_mask=self.enable_rank_mask,
+                active_rank_mask=active_rank_mask, backend=self._backend, timeout_s=self.timeout_s)
+            self._state = _A2AState()
+            self._shared.active = None
+            return out if output is None else output.copy_(out)
         out = moe_a2a_combine(
             payload,
             self._state.local_num_tokens,
@@ -509,7 +595,8 @@ class MoeAlltoAll:
         hidden_size: int,
         dtype: torch.dtype,
     ) -> torch.Tensor:
-        """``[ep_size, runtime_max_tokens_per_rank, hidden_size]`` view of this rank's combine region.
+        """``[ep_size, runtime_max_tokens_per_rank, hidden_size]`` view of this rank's combine region
+        (``[num_local_experts, max_tokens_per_expert, hidden_size]`` after an expert-major dispatch).
 
         Write the expert outputs into it and call :meth:`combine` with
         ``payload_in_workspace=True`` to skip the staging copy. Valid between
@@ -524,9 +611,12 @@ class MoeAlltoAll:
         if self._state.phase != "dispatched":
             raise RuntimeError("get_combine_payload_tensor_in_workspace called before dispatch")
         offset = self._state.combine_payload_offset
-        nbytes = self.ep_size * runtime_max_tokens_per_rank * hidden_size * dtype.itemsize
+        leading = [self.ep_size, runtime_max_tokens_per_rank]
+        if self._state.expert_major is not None:
+            leading = list(self._state.expert_major.local_expert_ids.shape)
+        nbytes = leading[0] * leading[1] * hidden_size * dtype.itemsize
         return moe_a2a_wrap_payload_tensor_in_workspace(
-            self.workspace[self.ep_rank], [self.ep_size, runtime_max_tokens_per_rank], offset, offset + nbytes, dtype
+            self.workspace[self.ep_rank], leading, offset, offset + nbytes, dtype
         )
 
     # ---- checkpointing (FlashInfer's checkpoint_prepare / checkpoint_restore) ----

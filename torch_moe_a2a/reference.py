@@ -188,6 +188,160 @@ def reference_combine(
     return results
 
 
+@dataclass
+class RefExpertMajor:
+    """What the expert-major dispatch of every rank produces, per the contract.
+
+    planes[d][i]: ``[L_d, M, *trail_i]`` payload ``i`` as rank ``d`` receives it
+    grouped by its local experts (``L_d`` of them); padding rows zero.
+    counts[d]: int32 ``[L_d]``. local_ids[d]: int32 ``[L_d, M]``, ``e`` in
+    valid rows, -1 in padding. weights[d]: fp32 ``[L_d, M]``, the pair's
+    router weight (1 when none was given), 0 in padding. dropped[d]: pairs
+    beyond ``M`` that rank ``d`` dropped. For the combine, per source rank
+    ``s``: pair_dest[s], pair_row[s] (int64) and pair_weight[s] (fp32), each
+    ``[N_s, top_k]``: the token's kept pairs in the combine's order (ascending
+    destination rank, local expert, top-k slot), as the destination and the
+    row ``e * M + i`` of its expert-major planes; -1 / 0 after the last.
+    """
+
+    planes: list[list[Tensor]]
+    counts: list[Tensor]
+    local_ids: list[Tensor]
+    weights: list[Tensor]
+    dropped: list[int]
+    pair_dest: list[Tensor]
+    pair_row: list[Tensor]
+    pair_weight: list[Tensor]
+    max_tokens_per_expert: int
+
+
+def reference_dispatch_expert_major(
+    token_selected_experts: list[Tensor],
+    input_payloads: list[list[Tensor]],
+    router_weights: Optional[list[Tensor]],
+    *,
+    ep_size: int,
+    num_experts: int,
+    max_tokens_per_expert: int,
+    active_ranks: Optional[Collection[int]] = None,
+) -> RefExpertMajor:
+    """Expert-major dispatch of every rank at once, from the sources' own inputs.
+
+    token_selected_experts[s] ``[N_s, top_k]``, input_payloads[s][i]
+    ``[N_s, *trail_i]`` (the user payloads), router_weights[s] ``[N_s, top_k]``
+    or None. A pair (token ``t`` of rank ``s``, slot ``k``) whose id is a valid
+    expert ``g`` of an active rank ``d`` (``s`` active too) is row ``i`` of
+    ``d``'s local expert ``e = g - first_d``, where ``i`` counts the pairs of
+    ``g`` before it in (source rank, token, slot) order; ``i >= M`` is dropped.
+    """
+    M = max_tokens_per_expert
+    device = token_selected_experts[0].device
+    active = set(range(ep_size)) if active_ranks is None else {int(r) for r in active_ranks}
+    owner = _expert_owner(num_experts, ep_size, device)
+    top_k = token_selected_experts[0].shape[1]
+    ids = [t.detach().to(device).long() for t in token_selected_experts]
+    weights = [(torch.ones(i.shape, dtype=torch.float32, device=device) if router_weights is None
+                else router_weights[s].detach().to(device).float()) for s, i in enumerate(ids)]
+    dest = []  # [s] int64 [N_s, top_k]: the pair's destination rank, -1 none
+    for s, i in enumerate(ids):
+        valid = (i >= 0) & (i < num_experts)
+        d = torch.where(valid, owner[i.clamp(0, num_experts - 1)], -1)
+        if s not in active:
+            d = torch.full_like(d, -1)
+        for r in range(ep_size):
+            if r not in active:
+                d = torch.where(d == r, -1, d)
+        dest.append(d)
+    position = [torch.full(i.shape, -1, dtype=torch.int64, device=device) for i in ids]
+    templates = input_payloads[0] if input_payloads else []
+    planes, counts, local_ids, plane_weights, dropped = [], [], [], [], []
+    for d in range(ep_size):
+        first, last = layout.expert_range(num_experts, ep_size, d)
+        L = last - first
+        # This rank's pairs in (s, t, k) order: row-major nonzero over each source in turn.
+        found = [(s, (dest[s] == d).nonzero()) for s in range(ep_size)]
+        experts = torch.cat([ids[s][tk[:, 0], tk[:, 1]] - first for s, tk in found]) if found else \
+            torch.empty(0, dtype=torch.int64, device=device)
+        order = torch.argsort(experts, stable=True)
+        per_expert = torch.bincount(experts, minlength=L)
+        starts = torch.cumsum(per_expert, 0) - per_expert
+        pos = torch.empty_like(experts)
+        pos[order] = torch.arange(experts.numel(), device=device) - starts[experts[order]]
+        byte_planes = [torch.zeros((L, M, _bytes_per_row(p)), dtype=torch.uint8, device=device) for p in templates]
+        rank_ids = torch.full((L, M), -1, dtype=torch.int32, device=device)
+        rank_weights = torch.zeros((L, M), dtype=torch.float32, device=device)
+        at = 0
+        for s, tk in found:
+            n = tk.shape[0]
+            p = pos[at:at + n]
+            e = experts[at:at + n]
+            at += n
+            position[s][tk[:, 0], tk[:, 1]] = p
+            kept = p < M
+            t, k, e, p = tk[kept, 0], tk[kept, 1], e[kept], p[kept]
+            rank_ids[e, p] = e.to(torch.int32)
+            rank_weights[e, p] = weights[s][t, k]
+            for plane, payload in zip(byte_planes, input_payloads[s]):
+                plane[e, p] = _row_bytes(payload.to(device))[t]
+        planes.append([_from_row_bytes(plane, tp.dtype, (L, M, *tp.shape[1:])) for plane, tp in
+                       zip(byte_planes, templates)])
+        counts.append(per_expert.clamp(max=M).to(torch.int32))
+        local_ids.append(rank_ids)
+        plane_weights.append(rank_weights)
+        dropped.append(int((per_expert - M).clamp(min=0).sum()))
+    pair_dest, pair_row, pair_weight = [], [], []
+    for s in range(ep_size):
+        kept = (dest[s] >= 0) & (position[s] >= 0) & (position[s] < M)
+        # Ascending (global expert, slot) is ascending (destination, local expert, slot): contiguous ranges.
+        key = torch.where(kept, ids[s] * top_k + torch.arange(top_k, device=device), torch.iinfo(torch.int64).max)
+        order = torch.argsort(key, dim=1, stable=True)
+        kept = kept.gather(1, order)
+        g = ids[s].gather(1, order)
+        firsts = torch.tensor([layout.expert_range(num_experts, ep_size, r)[0] for r in range(ep_size)],
+                              dtype=torch.int64, device=device)
+        d = dest[s].gather(1, order)
+        local = g - firsts[d.clamp(min=0)]
+        row = local * M + position[s].gather(1, order)
+        pair_dest.append(torch.where(kept, d, -1))
+        pair_row.append(torch.where(kept, row, -1))
+        pair_weight.append(torch.where(kept, weights[s].gather(1, order), 0.0))
+    return RefExpertMajor(planes, counts, local_ids, plane_weights, dropped, pair_dest, pair_row, pair_weight, M)
+
+
+def reference_combine_expert_major(
+    expert_outputs: list[Tensor],
+    ref: RefExpertMajor,
+    output_dtype: Optional[torch.dtype] = None,
+) -> list[Tensor]:
+    """Expert-major combine of every rank at once.
+
+    expert_outputs[d]: ``[L_d, M, *trail]`` rank ``d``'s expert outputs (only
+    the rows of kept pairs are read). Returns per source rank ``s`` a new
+    ``[N_s, *trail]`` tensor of ``output_dtype`` (default the outputs'): from
+    fp32 zeros, for each kept pair in the combine's order, ``acc = acc + w *
+    row`` in fp32 (the product rounded before the add), then cast once.
+    """
+    device = expert_outputs[0].device
+    outputs = [e.detach().to(device) for e in expert_outputs]
+    dtype = outputs[0].dtype if output_dtype is None else output_dtype
+    trail = tuple(outputs[0].shape[2:])
+    flat = [o.reshape(o.shape[0] * o.shape[1], *trail) for o in outputs]
+    results = []
+    for dest, row, weight in zip(ref.pair_dest, ref.pair_row, ref.pair_weight):
+        dest, row, weight = dest.to(device), row.to(device), weight.to(device)
+        acc = torch.zeros((dest.shape[0], *trail), dtype=torch.float32, device=device)
+        for q in range(dest.shape[1]):  # each token's q-th pair: the sum stays in order per token
+            for d in range(len(outputs)):
+                sel = (dest[:, q] == d).nonzero().squeeze(1)
+                if sel.numel() == 0:
+                    continue
+                x = flat[d][row[sel, q]].float()
+                w = weight[sel, q].view(-1, *([1] * len(trail)))
+                acc[sel] = acc[sel] + w * x
+        results.append(acc.to(dtype))
+    return results
+
+
 def toy_moe(
     recv_hidden: Tensor,
     recv_expert_ids: Tensor,

@@ -55,6 +55,7 @@ class SimulatedEP:
     ``workspace``: ``[ep_size, size_per_rank]`` uint8, sized by
     ``moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens,
     dispatch_bytes_per_token, combine_bytes_per_token, eplb_stats_num_experts)``
+    (or ``workspace_size_per_rank`` when given, e.g. an expert-major size)
     and owned by this object. ``metainfo[r]``: rank ``r``'s metainfo. Every
     row is initialized before any rank runs. ``timeout_s`` bounds every wait
     for a peer (None: MOE_A2A_TIMEOUT_S, else 30 s).
@@ -70,6 +71,7 @@ class SimulatedEP:
         eplb_stats_num_experts: int = 0,
         device: Any = "cpu",
         timeout_s: Optional[float] = None,
+        workspace_size_per_rank: Optional[int] = None,
     ):
         self.ep_size = ep_size
         self.max_num_tokens = max_num_tokens
@@ -80,9 +82,11 @@ class SimulatedEP:
                 f"concurrent hardware queues), got ep_size {ep_size}; simulate on the CPU or run one process per rank"
             )
         self.timeout_s = None if timeout_s is None else float(timeout_s)
-        size_per_rank = moe_a2a_get_workspace_size_per_rank(
-            ep_size, max_num_tokens, dispatch_bytes_per_token, combine_bytes_per_token, eplb_stats_num_experts
-        )
+        size_per_rank = workspace_size_per_rank
+        if size_per_rank is None:
+            size_per_rank = moe_a2a_get_workspace_size_per_rank(
+                ep_size, max_num_tokens, dispatch_bytes_per_token, combine_bytes_per_token, eplb_stats_num_experts
+            )
         self.workspace = allocate_workspace(size_per_rank, ep_size=ep_size, device=self.device)
         self.metainfo = [
             moe_a2a_initialize(self.workspace, rank, ep_size, max_num_tokens, eplb_stats_num_experts)

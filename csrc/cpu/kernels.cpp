@@ -666,5 +666,245 @@ void sanitize_expert_ids(const SanitizeParams& p) {
   }
 }
 
+// ---- expert-major layout ------------------------------------------------------------
+
+RowStatus check_row_for_expert_major_build(const ExpertMajorBuildParams& p, int64_t max_num_tokens) {
+  const WorkspaceView& ws = p.ws;
+  RowStatus st = check_config(ws, max_num_tokens, /*eplb_n=*/-1);
+  if (st.kind != RowStatus::kOk) return st;
+  const uint8_t* row = ws.row(ws.ep_rank);
+  if (load<uint32_t>(row, kHdrDispatchEpoch) != load<uint32_t>(row, kHdrCombineEpoch) + 1) {
+    return runtime_error("rank " + std::to_string(ws.ep_rank) +
+                         ": expert_major_build called without a preceding dispatch (it regroups the rows of the "
+                         "dispatch before the combine)");
+  }
+  const int32_t last_max = load<int32_t>(row, kHdrLastRuntimeMax);
+  const int32_t last_top_k = load<int32_t>(row, kHdrLastTopK);
+  const int64_t last_end = load<int64_t>(row, kHdrLastDispatchEnd);
+  if (last_max != p.runtime_max_tokens || last_top_k != p.top_k || last_end != p.dispatch_end) {
+    std::ostringstream os;
+    os << "expert_major_build must describe its dispatch: the dispatch had (runtime_max_tokens_per_rank=" << last_max
+       << ", top_k=" << last_top_k << ", payloads ending at " << last_end
+       << "), the build got (runtime_max_tokens_per_rank=" << p.runtime_max_tokens << ", top_k=" << p.top_k
+       << ", payloads ending at " << p.dispatch_end << ")";
+    st.kind = RowStatus::kValueError;
+    st.message = os.str();
+  }
+  return st;
+}
+
+RowStatus check_row_for_combine_expert_major(const ExpertMajorCombineParams& p, int64_t max_num_tokens) {
+  CombineParams c = p.c;
+  c.combine_offset = p.dispatch_end;  // what combine_mismatch compares with kHdrLastDispatchEnd
+  RowStatus st = check_row_for_combine(c, max_num_tokens);
+  if (st.kind != RowStatus::kOk) return st;
+  const uint8_t* row = p.c.ws.row(p.c.ws.ep_rank);
+  const uint32_t build_epoch = load<uint32_t>(row, kHdrExpertMajorEpoch);
+  const int32_t build_tokens = load<int32_t>(row, kHdrExpertMajorTokens);
+  const int64_t build_end = load<int64_t>(row, kHdrExpertMajorEnd);
+  if (expert_major_mismatch(build_epoch, build_tokens, build_end, load<uint32_t>(row, kHdrDispatchEpoch),
+                            p.layout.tokens_per_expert, p.c.combine_offset) != 0) {
+    std::ostringstream os;
+    if (build_epoch != load<uint32_t>(row, kHdrDispatchEpoch)) {
+      os << "the expert-major combine needs an expert-major dispatch before it (its expert_major_build)";
+    } else {
+      os << "the expert-major combine must use its dispatch's layout: the dispatch had (max_tokens_per_expert="
+         << build_tokens << ", combine_payload_offset=" << build_end
+         << "), the combine got (max_tokens_per_expert=" << p.layout.tokens_per_expert
+         << ", combine_payload_offset=" << p.c.combine_offset << ")";
+    }
+    st.kind = RowStatus::kValueError;
+    st.message = os.str();
+  }
+  return st;
+}
+
+void expert_major_build(const ExpertMajorBuildParams& p) {
+  const WorkspaceView& ws = p.ws;
+  uint8_t* own = ws.row(ws.ep_rank);
+  const ExpertMajorLayout& l = p.layout;
+  const int64_t T = p.runtime_max_tokens, K = p.top_k, M = l.tokens_per_expert;
+  int32_t* counts = reinterpret_cast<int32_t*>(own + l.counts_offset);
+  int32_t* pair_map = reinterpret_cast<int32_t*>(own + l.pair_map_offset);
+  int32_t* pair_src = reinterpret_cast<int32_t*>(own + l.pair_src_offset);
+  int32_t* ids = reinterpret_cast<int32_t*>(own + l.ids_offset);
+  float* weights = reinterpret_cast<float*>(own + l.weights_offset);
+  const uint8_t* id_plane = own + p.ids_offset;
+  const float* weight_plane = p.weights_offset >= 0 ? reinterpret_cast<const float*>(own + p.weights_offset) : nullptr;
+
+  // Pairs in (s, j, k) order: each expert's rows in the contract's order.
+  std::vector<int64_t> pairs(static_cast<size_t>(p.num_local), 0);
+  int64_t dropped = 0;
+  for (int s = 0; s < ws.ep_size; ++s) {
+    const int64_t rows = received_rows(load<int32_t>(own, recv_count_offset(s)), T);
+    for (int64_t j = 0; j < rows; ++j) {
+      const int64_t r = int64_t(s) * T + j;
+      // The row's local pairs, ascending (e, k): an insertion sort by e that
+      // keeps ascending k among equal e.
+      int64_t pe[kMaxTopK];
+      int64_t pk[kMaxTopK];
+      int n = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t id =
+            p.ids_int64 ? load<int64_t>(id_plane, (r * K + k) * 8) : load<int32_t>(id_plane, (r * K + k) * 4);
+        const int64_t e = id - p.first_expert;
+        if (e < 0 || e >= p.num_local) continue;
+        int at = n++;
+        for (; at > 0 && pe[at - 1] > e; --at) {
+          pe[at] = pe[at - 1];
+          pk[at] = pk[at - 1];
+        }
+        pe[at] = e;
+        pk[at] = k;
+      }
+      int32_t* entries = pair_map + r * K;
+      for (int q = 0; q < n; ++q) {
+        const int64_t i = pairs[pe[q]]++;
+        if (i >= M) {
+          entries[q] = kNoPair;
+          ++dropped;
+          continue;
+        }
+        const int64_t at = pe[q] * M + i;
+        pair_src[at] = static_cast<int32_t>(r);
+        ids[at] = static_cast<int32_t>(pe[q]);
+        weights[at] = weight_plane != nullptr ? weight_plane[r * K + pk[q]] : 1.0f;
+        entries[q] = static_cast<int32_t>(at);
+      }
+      for (int64_t q = n; q < K; ++q) entries[q] = kNoPair;
+    }
+  }
+  for (int64_t e = 0; e < p.num_local; ++e) {
+    const int64_t count = std::min(pairs[e], M);
+    counts[e] = static_cast<int32_t>(count);
+    std::fill(ids + e * M + count, ids + (e + 1) * M, kNoPair);
+    std::fill(weights + e * M + count, weights + (e + 1) * M, 0.0f);
+  }
+
+  // The payloads' rows, from the rank-major planes.
+  for (int i = 0; i < p.num_payloads; ++i) {
+    const int64_t bytes = p.payload_row_bytes[i];
+    if (bytes == 0) continue;
+    const uint8_t* from = own + p.payload_offset[i];
+    uint8_t* to = own + l.payload_offset[i];
+    for (int64_t e = 0; e < p.num_local; ++e) {
+      at::parallel_for(0, counts[e], grain_for(bytes), [&](int64_t begin, int64_t end) {
+        for (int64_t k = begin; k < end; ++k) {
+          const int64_t at = e * M + k;
+          std::memcpy(to + at * bytes, from + int64_t(pair_src[at]) * bytes, static_cast<size_t>(bytes));
+        }
+      });
+    }
+  }
+
+  store<int64_t>(own, kHdrDroppedPairCount, load<int64_t>(own, kHdrDroppedPairCount) + dropped);
+  store<int64_t>(own, kHdrExpertMajorEnd, l.combine_offset);
+  store<int32_t>(own, kHdrExpertMajorTokens, static_cast<int32_t>(M));
+  store<uint32_t>(own, kHdrExpertMajorEpoch, load<uint32_t>(own, kHdrDispatchEpoch));
+}
+
+namespace {
+
+// out[t] = sum over route[t] (ascending rank), then over the pair map's
+// entries of that rank's row for t, of weight * row, in fp32. The product is
+// rounded to fp32 before it is added (no fused multiply-add: the build
+// passes -ffp-contract=off), as in the reference and the CUDA kernel.
+template <typename In, typename Out>
+void pull_reduce_expert_major(const ExpertMajorCombineParams& ep) {
+  const CombineParams& p = ep.c;
+  const WorkspaceView& ws = p.ws;
+  const ExpertMajorLayout& l = ep.layout;
+  const uint8_t* own = ws.row(ws.ep_rank);
+  const int64_t elems = p.row_elems;
+  const int64_t K = p.top_k;
+  const int64_t rows = l.local_experts * l.tokens_per_expert;
+  const int64_t source_row_offset = int64_t(ws.ep_rank) * p.runtime_max_tokens;
+  Out* out = reinterpret_cast<Out*>(p.output);
+  at::parallel_for(0, p.local_num_tokens, grain_for(elems * int64_t(sizeof(In)) * 2), [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(static_cast<size_t>(elems));
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      const int32_t* route = route_of(own, p.route_offset, t);
+      for (int k = 0; k < kMaxTopK && route_in_call(route[k], ws.ep_size, p.runtime_max_tokens); ++k) {
+        const int dest = route_rank(route[k]);
+        if (!rank_active(p.sync, dest)) continue;
+        const uint8_t* peer = ws.row(dest);
+        const int32_t* entries =
+            reinterpret_cast<const int32_t*>(peer + l.pair_map_offset) + (source_row_offset + route_slot(route[k])) * K;
+        const float* weights = reinterpret_cast<const float*>(peer + l.weights_offset);
+        const In* x = reinterpret_cast<const In*>(peer + l.combine_offset);
+        for (int64_t q = 0; q < K; ++q) {
+          const int32_t at = entries[q];
+          if (at < 0 || at >= rows) continue;  // no pair there (dropped, or past the row's pairs)
+          const float w = weights[at];
+          const In* src = x + int64_t(at) * elems;
+          for (int64_t e = 0; e < elems; ++e) acc[e] += w * static_cast<float>(src[e]);
+        }
+      }
+      Out* dst = out + t * elems;
+      for (int64_t e = 0; e < elems; ++e) dst[e] = from_float<Out>(acc[e]);
+    }
+  });
+}
+
+template <typename In>
+void pull_reduce_expert_major_to(const ExpertMajorCombineParams& p) {
+  switch (p.c.output_dtype) {
+    case DType::kFloat32:
+      return pull_reduce_expert_major<In, float>(p);
+    case DType::kFloat16:
+      return pull_reduce_expert_major<In, c10::Half>(p);
+    case DType::kBFloat16:
+      return pull_reduce_expert_major<In, c10::BFloat16>(p);
+  }
+}
+
+}  // namespace
+
+WaitResult combine_expert_major(const ExpertMajorCombineParams& ep) {
+  const CombineParams& p = ep.c;
+  const WorkspaceView& ws = p.ws;
+  const ExpertMajorLayout& l = ep.layout;
+  uint8_t* own = ws.row(ws.ep_rank);
+  const uint32_t epoch = load<uint32_t>(own, kHdrCombineEpoch) + 1;
+  const int64_t row_bytes = p.row_elems * dtype_bytes(p.payload_dtype);
+  const int64_t M = l.tokens_per_expert;
+
+  // 1. Stage each local expert's valid rows (a payload that already is the
+  // own combine region needs no copy); rows [e, i] keep their index.
+  uint8_t* region = own + p.combine_offset;
+  if (p.payload != nullptr && p.payload != region) {
+    const int32_t* counts = reinterpret_cast<const int32_t*>(own + l.counts_offset);
+    for (int64_t e = 0; e < ep.num_local; ++e) {
+      const int64_t count = std::min<int64_t>(std::max<int32_t>(counts[e], 0), M);
+      const int64_t block = e * M * row_bytes;
+      at::parallel_for(0, count, grain_for(row_bytes), [&](int64_t begin, int64_t end) {
+        std::memcpy(region + block + begin * row_bytes, p.payload + block + begin * row_bytes,
+                    static_cast<size_t>((end - begin) * row_bytes));
+      });
+    }
+  }
+
+  // 2. Release, 3. acquire.
+  release_to_peers(ws, p.sync, kHdrCombineFlags, epoch);
+  const WaitResult result = wait_for_own_flags(ws, p.sync, kHdrCombineFlags, epoch, kErrorCombineTimeout);
+  if (result.code != kErrorNone) return result;
+
+  // 4. Pull, 5. advance (release: as in combine).
+  switch (p.payload_dtype) {
+    case DType::kFloat32:
+      pull_reduce_expert_major_to<float>(ep);
+      break;
+    case DType::kFloat16:
+      pull_reduce_expert_major_to<c10::Half>(ep);
+      break;
+    case DType::kBFloat16:
+      pull_reduce_expert_major_to<c10::BFloat16>(ep);
+      break;
+  }
+  __atomic_store_n(reinterpret_cast<uint32_t*>(own + kHdrCombineEpoch), epoch, __ATOMIC_RELEASE);
+  return result;
+}
+
 }  // namespace cpu
 }  // namespace moe_a2a

@@ -59,5 +59,25 @@ WaitResult combine(const CombineParams& p);
 // received [ep_size, T, top_k] int32 plane at p.offset of the own row.
 void sanitize_expert_ids(const SanitizeParams& p);
 
+// Before expert_major_build: as for sanitize, and a dispatch pending whose
+// T, top_k and dispatch_end are the build's (RuntimeError / ValueError).
+RowStatus check_row_for_expert_major_build(const ExpertMajorBuildParams& p, int64_t max_num_tokens);
+
+// Before combine_expert_major: check_row_for_combine with the dispatch's
+// dispatch_end for the offset, and the own row's last build matching the
+// call (protocol.h's expert_major_mismatch).
+RowStatus check_row_for_combine_expert_major(const ExpertMajorCombineParams& p, int64_t max_num_tokens);
+
+// Regroups the own row's received rows by local expert (protocol.h,
+// ExpertMajorLayout): counts, pair map, ids, weights, the payloads' rows;
+// adds the dropped pairs to kHdrDroppedPairCount and records the build in
+// kHdrExpertMajor*. Touches no other row.
+void expert_major_build(const ExpertMajorBuildParams& p);
+
+// combine's protocol with the expert-major pull: out[t] = sum, ascending
+// destination rank and then pair-map order, of weight * row in fp32 (the
+// product rounded to fp32, then added), cast once.
+WaitResult combine_expert_major(const ExpertMajorCombineParams& p);
+
 }  // namespace cpu
 }  // namespace moe_a2a

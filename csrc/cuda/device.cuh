@@ -654,6 +654,7 @@ cudaError_t lower_to_occupancy(void (*kernel)(KernelArgs...), int* ctas_per_sm) 
 // Occupancy of each spinning kernel (defined next to it), for query_ctas_per_sm.
 cudaError_t dispatch_ctas_per_sm(int* ctas_per_sm);
 cudaError_t combine_ctas_per_sm(int* ctas_per_sm);
+cudaError_t expert_major_combine_ctas_per_sm(int* ctas_per_sm);  // and the build's grids
 
 }  // namespace gpu
 }  // namespace moe_a2a

@@ -77,10 +77,11 @@ __global__ void sanitize_kernel(const __grid_constant__ SanitizeParams p) {
 }  // namespace
 
 cudaError_t query_ctas_per_sm(int* ctas_per_sm) {
-  int dispatch = 0, combine = 0;
+  int dispatch = 0, combine = 0, expert_major = 0;
   cudaError_t err = dispatch_ctas_per_sm(&dispatch);
   if (err == cudaSuccess) err = combine_ctas_per_sm(&combine);
-  if (err == cudaSuccess) *ctas_per_sm = std::min(dispatch, combine);
+  if (err == cudaSuccess) err = expert_major_combine_ctas_per_sm(&expert_major);
+  if (err == cudaSuccess) *ctas_per_sm = std::min({dispatch, combine, expert_major});
   return err;
 }
 

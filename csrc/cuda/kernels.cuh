@@ -70,6 +70,15 @@ cudaError_t launch_dispatch(const DispatchParams& p, const LaunchConfig& config,
 // p.output[t] = sum over the token's route of the destinations' rows.
 cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, cudaStream_t stream);
 
+// expert_major_build (protocol.h, ExpertMajorLayout): two grids on `stream`
+// that read and write the own row only.
+cudaError_t launch_expert_major_build(const ExpertMajorBuildParams& p, const LaunchConfig& config, cudaStream_t stream);
+
+// The expert-major combine: combine's protocol, staging p.c.payload's valid
+// rows and pulling every pair's weighted row through its rank's pair map.
+cudaError_t launch_combine_expert_major(const ExpertMajorCombineParams& p, const LaunchConfig& config,
+                                        cudaStream_t stream);
+
 // Writes p.invalid_expert_id into the padding rows of the received
 // [ep_size, T, top_k] int32 plane at p.offset of the own row.
 cudaError_t launch_sanitize(const SanitizeParams& p, const LaunchConfig& config, cudaStream_t stream);

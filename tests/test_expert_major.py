@@ -1,0 +1,479 @@
+"""The expert-major layout: dispatch grouped by local expert with per-expert
+counts, and the router-weighted combine from it (DESIGN.md, 'Expert-major
+layout'), against the plain-PyTorch reference over a random grid of cases
+(ep 1..8, uneven and zero token counts, experts not divisible by ranks, top_k
+1..22, overflow, dead ranks), bitwise; and an end-to-end MoE layer (router,
+real expert weights applied per expert on the expert-major views, combine)
+equal to the dense layer within fp32 rounding."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+from conftest import (
+    assert_bytes_equal,
+    assert_ws_unchanged,
+    ep_mapping,
+    make_generator,
+    poison_call_regions,
+    random_tensor,
+    random_values,
+    ws_snapshot,
+)
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import layout, reference
+
+
+@dataclass(frozen=True)
+class EmCase:
+    ep_size: int
+    tokens: tuple[int, ...]
+    top_k: int
+    num_experts: int
+    hidden: int = 32
+    hidden_dtype: torch.dtype = torch.bfloat16
+    max_tokens_per_expert: Optional[int] = None  # None: the default (worst case)
+    weights: bool = True
+    ids_int64: bool = False
+    extra: bool = True  # a second payload of random bytes (7 per token)
+    active: Optional[tuple[int, ...]] = None  # None: every rank
+    output_dtype: Optional[torch.dtype] = None
+    in_workspace: bool = False
+
+    @property
+    def T(self) -> int:
+        return max(1, max(self.tokens))
+
+    @property
+    def M(self) -> int:
+        if self.max_tokens_per_expert is not None:
+            return self.max_tokens_per_expert
+        return a2a.expert_major.default_max_tokens_per_expert(self.ep_size, self.T)
+
+    @property
+    def user_bytes(self) -> int:
+        return self.hidden * self.hidden_dtype.itemsize + (7 if self.extra else 0)
+
+    def __str__(self) -> str:
+        return (f"ep{self.ep_size}-tok{'_'.join(map(str, self.tokens))}-k{self.top_k}-E{self.num_experts}"
+                f"-M{self.max_tokens_per_expert}-w{int(self.weights)}-i64{int(self.ids_int64)}"
+                f"-act{self.active}-ws{int(self.in_workspace)}")
+
+
+def _grid(count: int, seed: int) -> list[EmCase]:
+    rnd = random.Random(seed)
+    cases = []
+    for n in range(count):
+        ep = rnd.choice([1, 2, 3, 4, 5, 8])
+        tokens = tuple(rnd.choice([0, 1, 3, 7, 16, 29]) for _ in range(ep))
+        top_k = rnd.choice([1, 2, 4, 6, 8, 13, 22])
+        num_experts = ep * rnd.choice([1, 2, 3]) + rnd.randrange(0, ep)  # often not divisible
+        num_experts = max(num_experts, ep)
+        T = max(1, max(tokens))
+        overflow = n % 3 == 1
+        M = max(1, (ep * T) // rnd.choice([4, 8, 16])) if overflow else None
+        active = None
+        if ep >= 3 and n % 5 == 4:
+            dead = rnd.randrange(ep)
+            active = tuple(r for r in range(ep) if r != dead)
+        cases.append(EmCase(ep, tokens, top_k, num_experts, max_tokens_per_expert=M, weights=n % 4 != 3,
+                            ids_int64=n % 6 == 5, active=active, output_dtype=torch.float32 if n % 7 == 6 else None,
+                            in_workspace=n % 2 == 1, hidden_dtype=torch.float16 if n % 8 == 7 else torch.bfloat16))
+    return cases
+
+
+GRID = [
+    EmCase(1, (5,), 2, 3),
+    EmCase(2, (0, 0), 3, 5),  # nobody sends anything
+    EmCase(3, (4, 0, 9), 22, 40, max_tokens_per_expert=2),  # top_k 22, heavy overflow
+    EmCase(8, (3, 1, 0, 7, 2, 5, 0, 4), 8, 20, active=(0, 1, 2, 4, 5, 6, 7)),
+    *_grid(18, 1234),
+]
+
+
+def expert_fn(planes_hidden: torch.Tensor, counts: torch.Tensor, first: int, num_experts: int,
+              gen: torch.Generator) -> torch.Tensor:
+    """A rank's stand-in experts on the expert-major view (CPU): row [e, i] ->
+    hidden * (1 + (first + e) / num_experts) in fp32, cast; padding rows get
+    random bytes (the combine must not read them)."""
+    L, M = planes_hidden.shape[:2]
+    scale = 1.0 + (first + torch.arange(L, dtype=torch.float32)) / num_experts
+    out = (planes_hidden.float() * scale.view(L, 1, 1)).to(planes_hidden.dtype)
+    pad = torch.arange(M)[None, :] >= counts.long()[:, None]
+    garbage = random_tensor(out.shape, out.dtype, gen)
+    out[pad] = garbage[pad]
+    return out
+
+
+def em_workspace_size(case: EmCase) -> int:
+    return a2a.moe_a2a_get_workspace_size_per_rank_expert_major(
+        case.ep_size, case.T, case.user_bytes, case.hidden * case.hidden_dtype.itemsize, case.num_experts,
+        case.top_k, case.M)
+
+
+def make_em_sim(case: EmCase, device) -> a2a.SimulatedEP:
+    return a2a.SimulatedEP(case.ep_size, case.T, dispatch_bytes_per_token=0, combine_bytes_per_token=0,
+                           device=device, workspace_size_per_rank=em_workspace_size(case))
+
+
+def em_inputs(case: EmCase, gen: torch.Generator):
+    ids, payloads, weights = [], [], []
+    for n in case.tokens:
+        routing = reference.random_routing(n, case.top_k, case.num_experts, gen, invalid_fraction=0.05,
+                                           negative_fraction=0.05)
+        ids.append(routing.long() if case.ids_int64 else routing)
+        p = [random_values((n, case.hidden), case.hidden_dtype, gen)]
+        if case.extra:
+            p.append(random_tensor((n, 7), torch.uint8, gen))
+        payloads.append(p)
+        weights.append(torch.rand((n, case.top_k), generator=gen) + 0.25)
+    return ids, payloads, (weights if case.weights else None)
+
+
+def em_round(sim: a2a.SimulatedEP, case: EmCase, gen: torch.Generator, dropped_before: list[int]) -> list[int]:
+    """One expert-major dispatch -> experts -> combine on every active rank,
+    checked against the reference (bitwise). Returns each rank's dropped count."""
+    ep, device = case.ep_size, sim.workspace.device
+    active = list(range(ep)) if case.active is None else list(case.active)
+    mask_kwargs = {}
+    if case.active is not None:
+        mask_kwargs = dict(enable_rank_mask=True, active_rank_mask=a2a.moe_a2a_active_rank_mask(active, ep))
+    ids, payloads, weights = em_inputs(case, gen)
+    poison_call_regions(sim.workspace, gen)
+    # On the device before any rank runs: on CUDA no rank's step may make the host wait.
+    dev_ids = [t.to(device) for t in ids]
+    dev_payloads = [[p.to(device) for p in ps] for ps in payloads]
+    dev_weights = None if weights is None else [w.to(device) for w in weights]
+
+    def dispatch(r):
+        if r not in active:
+            return None
+        return a2a.moe_a2a_dispatch(
+            dev_ids[r], dev_payloads[r], sim.workspace, sim.metainfo[r], case.T, r, ep, case.top_k, case.num_experts,
+            expert_major=True, router_weights=None if dev_weights is None else dev_weights[r],
+            max_tokens_per_expert=case.max_tokens_per_expert, **mask_kwargs)
+
+    results = sim.run(dispatch)
+    ref = reference.reference_dispatch_expert_major(
+        ids, payloads, weights, ep_size=ep, num_experts=case.num_experts, max_tokens_per_expert=case.M,
+        active_ranks=case.active)
+    dropped = []
+    outputs, ref_outputs = {}, []
+    for d in range(ep):
+        first, last = layout.expert_range(case.num_experts, ep, d)
+        L = last - first
+        ref_out = expert_fn(ref.planes[d][0], ref.counts[d], first, case.num_experts, make_generator(("pad", d)))
+        ref_outputs.append(ref_out)
+        if d not in active:
+            dropped.append(dropped_before[d])
+            continue
+        res = results[d]
+        assert isinstance(res, a2a.ExpertMajorDispatch)
+        counts = res.expert_counts.cpu()
+        assert torch.equal(counts, ref.counts[d]), f"rank {d}: counts {counts.tolist()} != {ref.counts[d].tolist()}"
+        assert tuple(res.local_expert_ids.shape) == (L, case.M)
+        assert torch.equal(res.local_expert_ids.cpu(), ref.local_ids[d]), f"rank {d}: local expert ids"
+        if weights is None:
+            assert res.router_weights is None
+        else:
+            assert_bytes_equal(res.router_weights, ref.weights[d], f"rank {d}: router weights")
+        for i, view in enumerate(res.output_payloads):
+            assert tuple(view.shape) == (L, case.M, *payloads[0][i].shape[1:]) and view.dtype == payloads[0][i].dtype
+            for e in range(L):
+                c = int(counts[e])
+                assert_bytes_equal(view[e, :c], ref.planes[d][i][e, :c], f"rank {d} payload {i} expert {e}")
+        count = int(a2a.moe_a2a_get_dropped_pair_count(sim.workspace, sim.metainfo[d], d))
+        assert count == dropped_before[d] + ref.dropped[d], f"rank {d}: dropped {count}"
+        dropped.append(count)
+        # The kernel path's experts run on its own views (equal to the reference's, checked above).
+        out = expert_fn(res.output_payloads[0].cpu(), counts, first, case.num_experts, make_generator(("pad", d)))
+        if case.in_workspace:
+            nbytes = out.numel() * out.element_size()
+            view = a2a.moe_a2a_wrap_payload_tensor_in_workspace(
+                sim.workspace[d], list(out.shape[:2]), res.combine_payload_offset,
+                res.combine_payload_offset + nbytes, out.dtype)
+            outputs[d] = view.copy_(out.to(device))
+        else:
+            outputs[d] = out.to(device)
+
+    def combine(r):
+        if r not in active:
+            return None
+        return a2a.moe_a2a_combine_expert_major(
+            outputs[r], results[r], sim.workspace, sim.metainfo[r], r, ep, payload_in_workspace=case.in_workspace,
+            output_dtype=case.output_dtype, **mask_kwargs)
+
+    combined = sim.run(combine)
+    expected = reference.reference_combine_expert_major(ref_outputs, ref, output_dtype=case.output_dtype)
+    for r in active:
+        assert_bytes_equal(combined[r].cpu(), expected[r], f"rank {r} combine output")
+    return dropped
+
+
+@pytest.mark.parametrize("case", GRID, ids=str)
+def test_expert_major_matches_reference(case, device):
+    if device == "cuda" and case.ep_size > 8:
+        pytest.skip("simulated ranks on one GPU")
+    sim = make_em_sim(case, device)
+    gen = make_generator(str(case))
+    dropped = [0] * case.ep_size
+    for _ in range(2):  # a second round on the same workspace: buffer reuse, cumulative drop counts
+        dropped = em_round(sim, case, gen, dropped)
+
+
+def test_expert_major_then_rank_major_rounds(device):
+    """Expert-major and rank-major round trips alternate on one workspace."""
+    case = EmCase(3, (6, 2, 5), 4, 7, max_tokens_per_expert=3)
+    sim = make_em_sim(case, device)
+    gen = make_generator(7)
+    dropped = em_round(sim, case, gen, [0] * 3)
+    ids, payloads, _ = em_inputs(case, gen)
+
+    def rank_major(r):
+        dev = sim.workspace.device
+        recv, offset, _ = a2a.moe_a2a_dispatch(ids[r].to(dev), [payloads[r][0].to(dev)], sim.workspace,
+                                               sim.metainfo[r], case.T, r, 3, case.top_k, case.num_experts)
+        return a2a.moe_a2a_combine(recv[0].clone(), ids[r].shape[0], sim.workspace, sim.metainfo[r], case.T, r, 3,
+                                   case.top_k, offset)
+
+    outs = sim.run(rank_major)
+    ref = reference.reference_dispatch(ids, [[p[0]] for p in payloads], ep_size=3, num_experts=case.num_experts,
+                                       runtime_max_tokens_per_rank=case.T)
+    expected = reference.reference_combine([r[0] for r in ref.recv], ref, list(case.tokens))
+    for r in range(3):
+        assert_bytes_equal(outs[r].cpu(), expected[r], f"rank {r} rank-major after expert-major")
+    em_round(sim, case, gen, dropped)
+
+
+# ---- an end-to-end MoE layer ---------------------------------------------------------
+
+
+class DenseMoE:
+    """A softmax-top-k router and SwiGLU-free two-matrix experts, fp32."""
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, gen: torch.Generator):
+        self.gate = torch.randn(hidden, num_experts, generator=gen) / hidden ** 0.5
+        self.w1 = torch.randn(num_experts, hidden, ffn, generator=gen) / hidden ** 0.5
+        self.w2 = torch.randn(num_experts, ffn, hidden, generator=gen) / ffn ** 0.5
+        self.top_k = top_k
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(x @ self.gate, dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        return ids, weights / weights.sum(dim=-1, keepdim=True)
+
+    def expert(self, g: int, rows: torch.Tensor) -> torch.Tensor:
+        return torch.relu(rows @ self.w1[g]) @ self.w2[g]
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for k in range(self.top_k):
+                out[t] += weights[t, k] * self.expert(int(ids[t, k]), x[t:t + 1])[0]
+        return out
+
+
+def grouped_experts(moe: DenseMoE, hidden: torch.Tensor, counts: torch.Tensor, first: int) -> torch.Tensor:
+    """The grouped matmul on the expert-major views: expert e's first counts[e] rows
+    through expert first + e (a loop over experts; padding rows stay 0)."""
+    out = torch.zeros_like(hidden)
+    for e in range(hidden.shape[0]):
+        c = int(counts[e])
+        if c:
+            out[e, :c] = moe.expert(first + e, hidden[e, :c])
+    return out
+
+
+@pytest.mark.parametrize("ep_size,tokens,num_experts,top_k", [(1, (9,), 4, 2), (4, (5, 0, 11, 3), 10, 3),
+                                                                (3, (8, 8, 1), 6, 6)])
+def test_moe_layer_equals_dense(ep_size, tokens, num_experts, top_k, device):
+    gen = make_generator(("moe", ep_size, tokens))
+    hidden, ffn = 24, 40
+    moe = DenseMoE(hidden, ffn, num_experts, top_k, gen)
+    xs = [torch.randn(n, hidden, generator=gen) for n in tokens]
+    T = max(1, max(tokens))
+    size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(ep_size, T, hidden * 4, hidden * 4, num_experts,
+                                                                 top_k)
+    sim = a2a.SimulatedEP(ep_size, T, dispatch_bytes_per_token=0, combine_bytes_per_token=0, device=device,
+                          workspace_size_per_rank=size)
+
+    routed = [moe.route(x) for x in xs]
+    dev = [(x.to(device), ids.to(device), w.to(device)) for x, (ids, w) in zip(xs, routed)]
+
+    def dispatch(r):
+        x, ids, weights = dev[r]
+        return a2a.moe_a2a_dispatch(ids, [x], sim.workspace, sim.metainfo[r], T, r, ep_size, top_k, num_experts,
+                                    expert_major=True, router_weights=weights)
+
+    # Phase by phase: on CUDA the host may wait for a rank only once every rank has launched.
+    got = sim.run(dispatch)
+    ys = []
+    for r in range(ep_size):
+        first = layout.expert_range(num_experts, ep_size, r)[0]
+        y = grouped_experts(moe, got[r].output_payloads[0].cpu(), got[r].expert_counts.cpu(), first)
+        ys.append(y.to(device))
+    outs = sim.run(lambda r: a2a.moe_a2a_combine_expert_major(ys[r], got[r], sim.workspace, sim.metainfo[r], r,
+                                                              ep_size))
+    for r in range(ep_size):
+        torch.testing.assert_close(outs[r].cpu(), moe.dense(xs[r]), rtol=1e-5, atol=1e-5)
+
+
+# ---- bad input ------------------------------------------------------------------------
+
+
+def _simple(device, M=None):
+    case = EmCase(1, (4,), 2, 3, max_tokens_per_expert=M)
+    sim = make_em_sim(case, device)
+    gen = make_generator(3)
+    ids, payloads, weights = em_inputs(case, gen)
+    return case, sim, ids[0].to(device), [p.to(device) for p in payloads[0]], weights[0].to(device)
+
+
+def test_refusals_leave_workspace_untouched(device):
+    case, sim, ids, payloads, weights = _simple(device)
+    snap = ws_snapshot(sim.workspace)
+    args = (ids, payloads, sim.workspace, sim.metainfo[0], case.T, 0, 1, case.top_k, case.num_experts)
+    with pytest.raises(ValueError, match="max_tokens_per_expert"):
+        a2a.moe_a2a_dispatch_expert_major(*args, max_tokens_per_expert=0)
+    with pytest.raises(ValueError, match="router_weights"):
+        a2a.moe_a2a_dispatch_expert_major(*args, router_weights=weights[:, :1])
+    with pytest.raises(ValueError, match="at most 6 payloads"):
+        a2a.moe_a2a_dispatch_expert_major(ids, payloads * 4, *args[2:], router_weights=weights)
+    with pytest.raises(ValueError, match="workspace too small"):
+        a2a.moe_a2a_dispatch_expert_major(*args, max_tokens_per_expert=case.M * 100)
+    with pytest.raises(ValueError, match="expert_major=True"):
+        a2a.moe_a2a_dispatch(*args, max_tokens_per_expert=4)
+    assert_ws_unchanged(sim.workspace, snap)
+
+
+def test_combine_needs_expert_major_dispatch(device):
+    if device == "cuda":
+        pytest.skip("the CUDA kernel records the refusal for the next call "
+                    "(test_cuda_combine_without_expert_major_build_is_recorded)")
+    case, sim, ids, payloads, weights = _simple(device)
+    got = a2a.moe_a2a_dispatch_expert_major(ids, payloads, sim.workspace, sim.metainfo[0], case.T, 0, 1, case.top_k,
+                                            case.num_experts, router_weights=weights)
+    y = torch.zeros(got.output_payloads[0].shape, dtype=got.output_payloads[0].dtype)
+    bad = got._replace(max_tokens_per_expert=got.max_tokens_per_expert - 1)
+    with pytest.raises(ValueError, match="payload must be"):
+        a2a.moe_a2a_combine_expert_major(y, bad, sim.workspace, sim.metainfo[0], 0, 1)
+    with pytest.raises(ValueError, match="max_tokens_per_expert"):
+        a2a.moe_a2a_combine_expert_major(y[:, :-1].contiguous(), bad, sim.workspace, sim.metainfo[0], 0, 1)
+    out = a2a.moe_a2a_combine_expert_major(y, got, sim.workspace, sim.metainfo[0], 0, 1)
+    assert out.shape == (4, case.hidden)
+    # A rank-major dispatch has no expert-major build: its combine from the layout is refused.
+    recv, offset, _ = a2a.moe_a2a_dispatch(ids, payloads, sim.workspace, sim.metainfo[0], case.T, 0, 1, case.top_k,
+                                           case.num_experts)
+    stale = got._replace(dispatch_end=offset)
+    with pytest.raises(ValueError, match="expert-major dispatch before it"):
+        a2a.moe_a2a_combine_expert_major(y, stale, sim.workspace, sim.metainfo[0], 0, 1)
+
+
+def test_moe_alltoall_expert_major(device):
+    case = EmCase(2, (5, 3), 3, 5, hidden=16, extra=False)
+    ws_size = a2a.MoeAlltoAll.get_moe_workspace_size_per_rank_expert_major(2, case.top_k, case.T, case.hidden,
+                                                                            case.num_experts, dtype=torch.bfloat16)
+    sized = a2a.MoeAlltoAll(ep_mapping(0, 1), case.T, case.top_k, case.num_experts, hidden_size=case.hidden,
+                            device=device, expert_major=True, max_tokens_per_expert=4)
+    assert sized.workspace_size_per_rank == a2a.MoeAlltoAll.get_moe_workspace_size_per_rank_expert_major(
+        1, case.top_k, case.T, case.hidden, case.num_experts, 4)
+    # The simulation's threads / streams; the instances initialize their own rows of its workspace.
+    sim = a2a.SimulatedEP(2, case.T, dispatch_bytes_per_token=0, combine_bytes_per_token=0, device=device,
+                          workspace_size_per_rank=ws_size)
+    moes = [a2a.MoeAlltoAll(ep_mapping(r, 2), case.T, case.top_k, case.num_experts, workspace=sim.workspace,
+                            expert_major=True) for r in range(2)]
+    gen = make_generator(11)
+    ids, payloads, weights = em_inputs(case, gen)
+    dev = [(ids[r].to(device), payloads[r][0].to(device), weights[r].to(device)) for r in range(2)]
+    got = sim.run(lambda r: moes[r].dispatch(dev[r][0], [dev[r][1]], case.T, router_weights=dev[r][2]))
+
+    def combine(r):
+        buf = moes[r].get_combine_payload_tensor_in_workspace(case.T, case.hidden, torch.bfloat16)
+        assert tuple(buf.shape) == tuple(got[r].output_payloads[0].shape)
+        buf.copy_(got[r].output_payloads[0])
+        return moes[r].combine(buf, case.T, payload_in_workspace=True)
+
+    outs = sim.run(combine)
+    ref = reference.reference_dispatch_expert_major(ids, [[p[0]] for p in payloads], weights, ep_size=2,
+                                                    num_experts=case.num_experts, max_tokens_per_expert=case.M)
+    expected = reference.reference_combine_expert_major([p[0] for p in ref.planes], ref)
+    for r in range(2):
+        assert_bytes_equal(outs[r].cpu(), expected[r], f"rank {r}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_expert_major_cuda_graph_replays():
+    """Each simulated rank's expert-major step (dispatch, a stand-in expert on the
+    views, combine) captured into its own CUDA graph and replayed with fresh
+    inputs in the static buffers: every replay equal to the reference."""
+    case = EmCase(4, (9, 0, 14, 5), 4, 10, max_tokens_per_expert=12, extra=False)
+    ep, device = case.ep_size, "cuda"
+    sim = a2a.SimulatedEP(ep, case.T, dispatch_bytes_per_token=0, combine_bytes_per_token=0, device=device,
+                          workspace_size_per_rank=em_workspace_size(case), timeout_s=10.0)
+    static_ids = [torch.empty((n, case.top_k), dtype=torch.int32, device=device) for n in case.tokens]
+    static_x = [torch.empty((n, case.hidden), dtype=case.hidden_dtype, device=device) for n in case.tokens]
+    static_w = [torch.empty((n, case.top_k), dtype=torch.float32, device=device) for n in case.tokens]
+    gen = make_generator(99)
+
+    def fill():
+        ids, payloads, weights = em_inputs(case, gen)
+        for r in range(ep):
+            static_ids[r].copy_(ids[r])
+            static_x[r].copy_(payloads[r][0])
+            static_w[r].copy_(weights[r])
+        return ids, payloads, weights
+
+    def rank_step(r):
+        got = a2a.moe_a2a_dispatch(static_ids[r], [static_x[r]], sim.workspace, sim.metainfo[r], case.T, r, ep,
+                                   case.top_k, case.num_experts, expert_major=True, router_weights=static_w[r],
+                                   max_tokens_per_expert=case.M)
+        y = (got.output_payloads[0].float() * 3.0).to(case.hidden_dtype)
+        return a2a.moe_a2a_combine_expert_major(y, got, sim.workspace, sim.metainfo[r], r, ep)
+
+    def check(outs, inputs, what):
+        ids, payloads, weights = inputs
+        ref = reference.reference_dispatch_expert_major(ids, payloads, weights, ep_size=ep,
+                                                        num_experts=case.num_experts, max_tokens_per_expert=case.M)
+        ys = [(p[0].float() * 3.0).to(case.hidden_dtype) for p in ref.planes]
+        expected = reference.reference_combine_expert_major(ys, ref)
+        for r in range(ep):
+            assert_bytes_equal(outs[r].cpu(), expected[r], f"{what}: rank {r}")
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(2):
+            inputs = fill()
+            check(sim.run(rank_step), inputs, f"eager {i}")
+    torch.cuda.current_stream().wait_stream(side)
+    graphs, outs = sim.capture(rank_step)
+    for i in range(3):
+        inputs = fill()
+        graphs.replay()
+        check(outs, inputs, f"replay {i}")
+    torch.cuda.synchronize()
+    a2a.check_errors(sim.workspace)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_combine_without_expert_major_build_is_recorded():
+    """On CUDA the expert-major combine after a rank-major dispatch (no build of
+    its own round) is refused by the kernel, recorded as a combine mismatch
+    naming the expert-major layout, and raised by the next call."""
+    case, sim, ids, payloads, weights = _simple("cuda")
+    got = a2a.moe_a2a_dispatch_expert_major(ids, payloads, sim.workspace, sim.metainfo[0], case.T, 0, 1, case.top_k,
+                                            case.num_experts, router_weights=weights)
+    y = torch.zeros(got.output_payloads[0].shape, dtype=got.output_payloads[0].dtype, device="cuda")
+    a2a.moe_a2a_combine_expert_major(y, got, sim.workspace, sim.metainfo[0], 0, 1)
+    recv, offset, _ = a2a.moe_a2a_dispatch(ids, payloads, sim.workspace, sim.metainfo[0], case.T, 0, 1, case.top_k,
+                                           case.num_experts)
+    a2a.moe_a2a_combine_expert_major(y, got._replace(dispatch_end=offset), sim.workspace, sim.metainfo[0], 0, 1)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="expert-major layout"):
+        a2a.check_errors(sim.workspace)

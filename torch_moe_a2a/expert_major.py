@@ -1,0 +1,350 @@
+"""The expert-major receive layout (docs/DESIGN.md, 'Expert-major layout'):
+dispatch into ``[num_local_experts, max_tokens_per_expert, *]`` workspace
+views with per-expert counts, ready for a grouped GEMM, and the weighted
+combine from that layout.
+
+Composed from three operators: the rank-major ``dispatch`` (the user payloads,
+the expert ids and the router weights as payloads), ``expert_major_build``
+(a local pass that regroups the received rows by local expert,
+deterministically, in the own row) and ``combine_expert_major`` (the combine
+protocol, pulling each (token, expert) pair's row through the pair map of the
+expert's rank). Everything runs on the device, on the current stream: no host
+sync, CUDA-graph capturable, traceable by ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import layout
+from .api import _rank_mask_words, moe_a2a_dispatch
+from .backend import MoeAlltoAllBackend, check_backend, pdl_default
+from .fastpath import expect_tensors
+from .metainfo import check_rank, check_rank_index, metainfo_values
+
+_ops = torch.ops.moe_a2a
+
+# timeout_s the ops read as "use MOE_A2A_TIMEOUT_S, else the default".
+_ENV_TIMEOUT = -1.0
+_ID_DTYPES = (torch.int32, torch.int64)
+
+
+class ExpertMajorDispatch(NamedTuple):
+    """What an expert-major dispatch returns; pass it whole to :func:`moe_a2a_combine_expert_major`.
+
+    Every tensor is a view of this rank's workspace row, valid until this
+    rank's combine starts (as the rank-major receive views).
+
+    Attributes:
+        output_payloads: per input payload, ``[num_local_experts,
+            max_tokens_per_expert, *payload.shape[1:]]`` of its dtype: row
+            ``[e, i]`` (``i < expert_counts[e]``) is the payload row of the
+            i-th (token, top-k slot) pair routed to local expert ``e``, pairs
+            ordered by source rank, then source token index, then top-k slot.
+            Rows ``i >= expert_counts[e]`` are padding (unspecified).
+        expert_counts: int32 ``[num_local_experts]``: valid rows per expert.
+        local_expert_ids: int32 ``[num_local_experts, max_tokens_per_expert]``:
+            ``e`` in every valid row of expert ``e``, -1 in padding rows.
+        router_weights: fp32 ``[num_local_experts, max_tokens_per_expert]``:
+            the pair's router weight (0 in padding rows), or None when the
+            dispatch was given none.
+        combine_payload_offset: byte offset (relative to a row) of the
+            expert-major combine region ``[num_local_experts,
+            max_tokens_per_expert, *]``.
+        eplb_gathered_stats: as for the rank-major dispatch.
+        local_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
+            max_tokens_per_expert, dispatch_end: the call's sizes, for the combine
+            (``dispatch_end``: the rank-major layout's end, where the
+            expert-major regions begin).
+    """
+
+    output_payloads: list[torch.Tensor]
+    expert_counts: torch.Tensor
+    local_expert_ids: torch.Tensor
+    router_weights: Optional[torch.Tensor]
+    combine_payload_offset: int
+    eplb_gathered_stats: Optional[torch.Tensor]
+    local_num_tokens: int
+    runtime_max_tokens_per_rank: int
+    top_k: int
+    num_experts: int
+    max_tokens_per_expert: int
+    dispatch_end: int
+
+
+def default_max_tokens_per_expert(ep_size: int, runtime_max_tokens_per_rank: int) -> int:
+    """The worst case of pairs per local expert with distinct experts per token:
+    every token of every rank (``ep_size * runtime_max_tokens_per_rank``)."""
+    return ep_size * runtime_max_tokens_per_rank
+
+
+def moe_a2a_get_workspace_size_per_rank_expert_major(
+    ep_size: int,
+    max_num_tokens: int,
+    total_dispatch_payload_size_per_token: int,
+    combine_payload_size_per_token: int,
+    num_experts: int,
+    top_k: int,
+    max_tokens_per_expert: Optional[int] = None,
+    eplb_stats_num_experts: int = 0,
+    *,
+    backend: MoeAlltoAllBackend = "trtllm",
+) -> int:
+    """Bytes per rank of a workspace for expert-major calls (a multiple of ``layout.PLANE_ALIGN``).
+
+    Args:
+        ep_size, max_num_tokens, eplb_stats_num_experts: as for
+            :func:`~torch_moe_a2a.moe_a2a_get_workspace_size_per_rank`.
+        total_dispatch_payload_size_per_token: bytes per token of the user
+            payloads (the expert ids, up to int64, and fp32 router weights
+            that the expert-major dispatch adds are counted here).
+        combine_payload_size_per_token: bytes of an expert-output row.
+        num_experts, top_k: of the calls.
+        max_tokens_per_expert: rows per local expert; default the worst case
+            ``ep_size * max_num_tokens``.
+
+    Returns:
+        Enough for any expert-major call with ``runtime_max_tokens_per_rank <=
+        max_num_tokens``, ``top_k`` or fewer experts per token and
+        ``max_tokens_per_expert`` or fewer rows per expert (its default
+        included), and for any rank-major call of the same payloads.
+
+    Raises:
+        ValueError: arguments out of range.
+    """
+    check_backend(backend, None)
+    if max_tokens_per_expert is None:
+        max_tokens_per_expert = default_max_tokens_per_expert(ep_size, max_num_tokens)
+    return _ops.expert_major_workspace_size_per_rank.default(
+        ep_size, max_num_tokens, total_dispatch_payload_size_per_token, combine_payload_size_per_token,
+        eplb_stats_num_experts, num_experts, top_k, max_tokens_per_expert)
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return t.element_size() * math.prod(t.shape[1:])
+
+
+def moe_a2a_dispatch_expert_major(
+    token_selected_experts: torch.Tensor,
+    input_payloads: list[torch.Tensor],
+    workspace: torch.Tensor,
+    metainfo: torch.Tensor,
+    runtime_max_tokens_per_rank: int,
+    ep_rank: int,
+    ep_size: int,
+    top_k: int,
+    num_experts: int,
+    router_weights: Optional[torch.Tensor] = None,
+    max_tokens_per_expert: Optional[int] = None,
+    enable_pdl: Optional[bool] = None,
+    eplb_local_stats: Optional[torch.Tensor] = None,
+    enable_rank_mask: bool = False,
+    active_rank_mask: Optional[torch.Tensor] = None,
+    *,
+    backend: MoeAlltoAllBackend = "trtllm",
+    timeout_s: Optional[float] = None,
+) -> ExpertMajorDispatch:
+    """Dispatch each local token to its experts, received grouped by local expert.
+
+    Args:
+        token_selected_experts: int32 or int64 ``[local_num_tokens, top_k]``
+            (as for :func:`~torch_moe_a2a.moe_a2a_dispatch`); it also travels
+            as a payload, which the receiving rank reads to group the rows.
+        input_payloads: 0 to 7 contiguous ``[local_num_tokens, *]`` tensors (6
+            with ``router_weights``: the ids and the weights are payloads too).
+        workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size,
+            top_k, num_experts, enable_pdl, eplb_local_stats, enable_rank_mask,
+            active_rank_mask, backend, timeout_s: as for the rank-major dispatch.
+            The workspace must be sized for expert-major calls
+            (:func:`moe_a2a_get_workspace_size_per_rank_expert_major`); at most
+            ``layout.MAX_LOCAL_EXPERTS`` experts per rank.
+        router_weights: ``[local_num_tokens, top_k]`` floating router weights
+            (converted to fp32), or None: the combine then sums the pairs
+            unweighted.
+        max_tokens_per_expert: rows per local expert, the same on every rank;
+            default ``ep_size * runtime_max_tokens_per_rank`` (no drops with
+            distinct experts per token). Pairs beyond it are dropped and
+            counted (:func:`moe_a2a_get_dropped_pair_count`).
+
+    Returns:
+        :class:`ExpertMajorDispatch` (views of the workspace; see there).
+
+    Raises:
+        ValueError: as the rank-major dispatch, and for more payloads than the
+            layout takes, weights of another shape, or a workspace too small
+            for the expert-major regions (before any kernel runs).
+        RuntimeError: as the rank-major dispatch.
+    """
+    expect_tensors("moe_a2a_dispatch_expert_major", token_selected_experts=token_selected_experts,
+                   workspace=workspace)
+    meta = metainfo_values(metainfo, id(metainfo))
+    check_rank(meta, ep_rank, ep_size)
+    _, _, max_num_tokens, eplb_n, _, mailbox = meta
+    if token_selected_experts.dtype not in _ID_DTYPES or token_selected_experts.dim() != 2:
+        raise ValueError("token_selected_experts must be a 2-D int32 or int64 [local_num_tokens, top_k] tensor, got "
+                         f"{token_selected_experts.dtype} {tuple(token_selected_experts.shape)}")
+    n = token_selected_experts.shape[0]
+    payloads = list(input_payloads) + [token_selected_experts]
+    if router_weights is not None:
+        if not isinstance(router_weights, torch.Tensor) or tuple(router_weights.shape) != (n, top_k) \
+                or not router_weights.dtype.is_floating_point:
+            raise ValueError(f"router_weights must be a floating [local_num_tokens={n}, top_k={top_k}] tensor, got "
+                             f"{getattr(router_weights, 'dtype', type(router_weights))} "
+                             f"{tuple(getattr(router_weights, 'shape', ()))}")
+        payloads.append(router_weights.to(torch.float32).contiguous())
+    if max_tokens_per_expert is None:
+        max_tokens_per_expert = default_max_tokens_per_expert(ep_size, runtime_max_tokens_per_rank)
+    if enable_pdl is None:
+        enable_pdl = pdl_default(workspace)
+    user_rows = [_row_bytes(p) for p in input_payloads]
+    # Refused before the dispatch runs: what the build would refuse after it.
+    _check_expert_major_fits(workspace, ep_size, runtime_max_tokens_per_rank, top_k, num_experts,
+                             max_tokens_per_expert, eplb_n if eplb_local_stats is not None else 0, user_rows,
+                             token_selected_experts.element_size(), router_weights is not None)
+    recv, dispatch_end, eplb = moe_a2a_dispatch(
+        token_selected_experts, payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size, top_k,
+        num_experts, enable_pdl, eplb_local_stats, enable_rank_mask, active_rank_mask, backend=backend,
+        timeout_s=timeout_s)
+    call_eplb_n = eplb_n if eplb_local_stats is not None else 0
+    _ops.expert_major_build.default(
+        workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
+        max_tokens_per_expert, call_eplb_n, user_rows, token_selected_experts.element_size(),
+        router_weights is not None, mailbox, enable_pdl)
+    em = layout.expert_major_layout(dispatch_end, ep_size, runtime_max_tokens_per_rank, top_k,
+                                    layout.max_local_experts(num_experts, ep_size), max_tokens_per_expert, user_rows)
+    local = layout.experts_per_rank(num_experts, ep_size)[ep_rank]
+    row = workspace.select(0, ep_rank)
+    M = max_tokens_per_expert
+    views = [layout.region_view(row, offset, (local, M, *p.shape[1:]), p.dtype)
+             for p, offset in zip(input_payloads, em.payload_offsets)]
+    counts = layout.region_view(row, em.counts_offset, (local,), torch.int32)
+    ids = layout.region_view(row, em.ids_offset, (local, M), torch.int32)
+    weights = None
+    if router_weights is not None:
+        weights = layout.region_view(row, em.weights_offset, (local, M), torch.float32)
+    return ExpertMajorDispatch(views, counts, ids, weights, em.combine_offset, eplb, n, runtime_max_tokens_per_rank,
+                               top_k, num_experts, M, dispatch_end)
+
+
+def _check_expert_major_fits(workspace, ep_size, T, top_k, num_experts, M, eplb_n, user_rows, id_bytes,
+                             has_weights) -> None:
+    """The expert-major layout's limits and fit, checked before the dispatch
+    writes anything (the build's op checks them again)."""
+    local = layout.max_local_experts(num_experts, ep_size) if num_experts >= ep_size >= 1 else 1
+    if local > layout.MAX_LOCAL_EXPERTS:
+        raise ValueError(f"the expert-major layout takes at most {layout.MAX_LOCAL_EXPERTS} experts per rank, got "
+                         f"num_experts={num_experts} over ep_size={ep_size}")
+    if not isinstance(M, int) or isinstance(M, bool) or not 1 <= M <= layout.MAX_EXPERT_MAJOR_ROWS // local:
+        raise ValueError(f"max_tokens_per_expert must be an int in [1, {layout.MAX_EXPERT_MAJOR_ROWS // local}], "
+                         f"got {M!r}")
+    routed = 1 + int(has_weights)
+    if len(user_rows) + routed > layout.MAX_PAYLOADS:
+        raise ValueError(f"an expert-major dispatch takes at most {layout.MAX_PAYLOADS - routed} payloads"
+                         f"{' with router_weights' if has_weights else ''}, got {len(user_rows)}")
+    rows = list(user_rows) + [top_k * id_bytes] + ([top_k * 4] if has_weights else [])
+    if not 1 <= T <= layout.MAX_NUM_TOKENS or not 1 <= top_k <= layout.MAX_TOP_K:
+        return  # the dispatch names these
+    call = layout.call_layout(ep_size, T, eplb_n, rows)
+    em = layout.expert_major_layout(call.combine_offset, ep_size, T, top_k, local, M, user_rows)
+    if em.combine_offset > workspace.shape[1]:
+        raise ValueError(f"workspace too small: this expert-major call needs {em.combine_offset} bytes per rank "
+                         f"before its combine region, the workspace has {workspace.shape[1]} "
+                         "(moe_a2a_get_workspace_size_per_rank_expert_major gives the size)")
+
+
+def moe_a2a_combine_expert_major(
+    expert_outputs: torch.Tensor,
+    dispatched: ExpertMajorDispatch,
+    workspace: torch.Tensor,
+    metainfo: torch.Tensor,
+    ep_rank: int,
+    ep_size: int,
+    payload_in_workspace: bool = False,
+    output_dtype: Optional[torch.dtype] = None,
+    *,
+    enable_pdl: Optional[bool] = None,
+    enable_rank_mask: bool = False,
+    active_rank_mask: Optional[torch.Tensor] = None,
+    backend: MoeAlltoAllBackend = "trtllm",
+    timeout_s: Optional[float] = None,
+) -> torch.Tensor:
+    """Return every local token's router-weighted sum of its experts' outputs.
+
+    Args:
+        expert_outputs: ``[num_local_experts, max_tokens_per_expert, *row_shape]``
+            bf16, fp16 or fp32: row ``[e, i]`` is local expert ``e``'s output for
+            its i-th row of ``dispatched`` (padding rows are ignored). With
+            ``payload_in_workspace=True`` it is the view of the expert-major
+            combine region (:meth:`MoeAlltoAll.get_combine_payload_tensor_in_workspace`,
+            or :func:`~torch_moe_a2a.moe_a2a_wrap_payload_tensor_in_workspace` at
+            ``dispatched.combine_payload_offset``), read in place; else a
+            contiguous tensor whose valid rows the op copies into the workspace.
+        dispatched: this rank's :func:`moe_a2a_dispatch_expert_major` result.
+        workspace, metainfo, ep_rank, ep_size, enable_pdl, enable_rank_mask,
+            active_rank_mask, backend, timeout_s: as for the dispatch.
+        payload_in_workspace: whether ``expert_outputs`` is the combine region itself.
+        output_dtype: the payload dtype (default), bf16 or fp32.
+
+    Returns:
+        A new ``[local_num_tokens, *row_shape]`` tensor of ``output_dtype``: for
+        each token, starting from fp32 zeros, ``w * row`` (the product rounded
+        to fp32) added for each of its pairs in ascending destination rank, then
+        local expert, then top-k slot order, cast once; zeros for a token with no
+        pair. Dropped pairs contribute nothing. Bitwise the same on every device.
+
+    Raises:
+        ValueError: arguments out of range or not those of the dispatch (CPU: at
+            once; CUDA: the kernel records it and the next call raises).
+        RuntimeError: peers that did not arrive within the timeout.
+    """
+    expect_tensors("moe_a2a_combine_expert_major", expert_outputs=expert_outputs, workspace=workspace)
+    if not isinstance(dispatched, ExpertMajorDispatch):
+        raise ValueError("dispatched must be the ExpertMajorDispatch that moe_a2a_dispatch_expert_major returned, "
+                         f"got {type(dispatched).__name__}")
+    check_backend(backend, workspace)
+    meta = metainfo_values(metainfo, id(metainfo))
+    check_rank(meta, ep_rank, ep_size)
+    _, _, max_num_tokens, _, _, mailbox = meta
+    mask = _rank_mask_words(enable_rank_mask, active_rank_mask)
+    if enable_pdl is None:
+        enable_pdl = pdl_default(workspace)
+    timeout_s = _ENV_TIMEOUT if timeout_s is None else timeout_s
+    if expert_outputs.dim() < 2:
+        raise ValueError("expert_outputs must be [num_local_experts, max_tokens_per_expert, *], got shape "
+                         f"{tuple(expert_outputs.shape)}")
+    staged = expert_outputs
+    if payload_in_workspace and not torch.compiler.is_compiling():
+        _check_in_workspace(expert_outputs, workspace, ep_rank, dispatched.combine_payload_offset)
+        staged = None
+    # Traced, the payload is always handed to the op, which stages it (a
+    # traced write into a workspace view makes Inductor copy the workspace;
+    # the kernels skip the copy of the region onto itself).
+    if output_dtype is None:
+        output_dtype = expert_outputs.dtype
+    return _ops.combine_expert_major.default(
+        staged, dispatched.local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
+        dispatched.runtime_max_tokens_per_rank, dispatched.top_k, dispatched.num_experts,
+        dispatched.max_tokens_per_expert, dispatched.dispatch_end, dispatched.combine_payload_offset,
+        expert_outputs.shape[2:], expert_outputs.dtype, output_dtype, mask, timeout_s, mailbox, enable_pdl)
+
+
+def _check_in_workspace(payload: torch.Tensor, workspace: torch.Tensor, ep_rank: int, offset: int) -> None:
+    expected = workspace.data_ptr() + ep_rank * workspace.stride(0) + offset
+    address = (payload.data_ptr() if payload.numel() else
+               payload.untyped_storage().data_ptr() + payload.storage_offset() * payload.element_size())
+    if address != expected or not payload.is_contiguous():
+        raise ValueError("payload_in_workspace=True requires expert_outputs to be the contiguous view of this "
+                         "rank's workspace row at the expert-major combine_payload_offset "
+                         "(MoeAlltoAll.get_combine_payload_tensor_in_workspace)")
+
+
+def moe_a2a_get_dropped_pair_count(workspace: torch.Tensor, metainfo: torch.Tensor, ep_rank: int) -> torch.Tensor:
+    """0-d int64 view of rank ``ep_rank``'s header: (token, local expert) pairs its
+    expert-major dispatches dropped beyond ``max_tokens_per_expert`` since
+    ``moe_a2a_initialize``."""
+    expect_tensors("moe_a2a_get_dropped_pair_count", workspace=workspace)
+    check_rank_index(metainfo_values(metainfo, id(metainfo)), ep_rank)
+    return layout.region_view(workspace[ep_rank], layout.HDR_DROPPED_PAIR_COUNT, (), torch.int64)
