@@ -429,19 +429,33 @@ def test_expert_major_cuda_graph_replays():
             static_w[r].copy_(weights[r])
         return ids, payloads, weights
 
-    def rank_step(r):
+    # The stand-in expert writes into buffers allocated here: under SimulatedEP.run
+    # on CUDA nothing may allocate while a peer's kernel spins (an allocation
+    # can wait for the device, and the peer for a launch the host has not made).
+    ys = [torch.empty((hi - lo, case.M, case.hidden), dtype=case.hidden_dtype, device=device)
+          for lo, hi in (layout.expert_range(case.num_experts, ep, r) for r in range(ep))]
+    dispatched = [None] * ep
+
+    def dispatch_step(r):
         got = a2a.moe_a2a_dispatch(static_ids[r], [static_x[r]], sim.workspace, sim.metainfo[r], case.T, r, ep,
                                    case.top_k, case.num_experts, expert_major=True, router_weights=static_w[r],
                                    max_tokens_per_expert=case.M)
-        y = (got.output_payloads[0].float() * 3.0).to(case.hidden_dtype)
-        return a2a.moe_a2a_combine_expert_major(y, got, sim.workspace, sim.metainfo[r], r, ep)
+        torch.mul(got.output_payloads[0], 3.0, out=ys[r])  # bf16 math in fp32, one rounding: as the reference's
+        dispatched[r] = got
+
+    def combine_step(r):
+        return a2a.moe_a2a_combine_expert_major(ys[r], dispatched[r], sim.workspace, sim.metainfo[r], r, ep)
+
+    def rank_step(r):
+        dispatch_step(r)
+        return combine_step(r)
 
     def check(outs, inputs, what):
         ids, payloads, weights = inputs
         ref = reference.reference_dispatch_expert_major(ids, payloads, weights, ep_size=ep,
                                                         num_experts=case.num_experts, max_tokens_per_expert=case.M)
-        ys = [(p[0].float() * 3.0).to(case.hidden_dtype) for p in ref.planes]
-        expected = reference.reference_combine_expert_major(ys, ref)
+        ref_ys = [(p[0].float() * 3.0).to(case.hidden_dtype) for p in ref.planes]
+        expected = reference.reference_combine_expert_major(ref_ys, ref)
         for r in range(ep):
             assert_bytes_equal(outs[r].cpu(), expected[r], f"{what}: rank {r}")
 
@@ -450,7 +464,8 @@ def test_expert_major_cuda_graph_replays():
     with torch.cuda.stream(side):
         for i in range(2):
             inputs = fill()
-            check(sim.run(rank_step), inputs, f"eager {i}")
+            sim.run(dispatch_step)
+            check(sim.run(combine_step), inputs, f"eager {i}")
     torch.cuda.current_stream().wait_stream(side)
     graphs, outs = sim.capture(rank_step)
     for i in range(3):
