@@ -65,6 +65,7 @@ from .common import (
     geomean,
     make_set,
     op_bytes_for,
+    preset_names,
     recv_mismatch,
     reference_payloads,
     write_json,
@@ -284,11 +285,11 @@ def _all_ranks_graph(lib: Any, per_rank: Callable[[int], None]) -> "torch.cuda.C
     return capture_graph(step)[0]
 
 
-def _empty_kernel() -> None:
+def empty_kernel() -> None:
     torch.cuda._sleep(0)  # torch's spin kernel for 0 cycles: a launch and nothing else
 
 
-def _time_replays(clock: Clock, graph: Any, warmup: int, iters: int, before: Optional[Any] = None,
+def time_replays(clock: Clock, graph: Any, warmup: int, iters: int, before: Optional[Any] = None,
                   after: Optional[Any] = None, check: Optional[Callable[[], Optional[str]]] = None) -> float:
     """Median microseconds of one replay of ``graph``, replaying ``before``/``after``
     untimed around every one. ``check`` runs after the warmup (a rank that
@@ -337,15 +338,15 @@ def measure_point(lib: Any, clock: Clock, warmup: int, iters: int, floors: dict)
 
     g_round_trip = _all_ranks_graph(lib, round_trip)
     if point.ep not in floors:
-        g_one = _all_ranks_graph(lib, lambda r: _empty_kernel())
-        g_two = _all_ranks_graph(lib, lambda r: (_empty_kernel(), _empty_kernel()))
-        floors[point.ep] = {"one": _time_replays(clock, g_one, warmup, iters),
-                            "two": _time_replays(clock, g_two, warmup, iters)}
+        g_one = _all_ranks_graph(lib, lambda r: empty_kernel())
+        g_two = _all_ranks_graph(lib, lambda r: (empty_kernel(), empty_kernel()))
+        floors[point.ep] = {"one": time_replays(clock, g_one, warmup, iters),
+                            "two": time_replays(clock, g_two, warmup, iters)}
     ops = result["ops"]
-    ops["dispatch"] = _time_replays(clock, g_dispatch, warmup, iters, after=g_combine, check=lib.errors)
-    ops["combine"] = _time_replays(clock, g_combine, warmup, iters, before=g_dispatch, check=lib.errors)
-    ops["combine-ws"] = _time_replays(clock, g_combine_ws, warmup, iters, before=g_dispatch, check=lib.errors)
-    ops["round-trip"] = _time_replays(clock, g_round_trip, warmup, iters, check=lib.errors)
+    ops["dispatch"] = time_replays(clock, g_dispatch, warmup, iters, after=g_combine, check=lib.errors)
+    ops["combine"] = time_replays(clock, g_combine, warmup, iters, before=g_dispatch, check=lib.errors)
+    ops["combine-ws"] = time_replays(clock, g_combine_ws, warmup, iters, before=g_dispatch, check=lib.errors)
+    ops["round-trip"] = time_replays(clock, g_round_trip, warmup, iters, check=lib.errors)
     result["floor"] = {op: floors[point.ep]["two" if op == "round-trip" else "one"] for op in REPLAY_OPS}
     # The state the replays left: no recorded timeout, and the last round trip's outputs right.
     clock.sync()
@@ -619,7 +620,7 @@ def default_points() -> list[tuple[int, int]]:
 
 def run(args: argparse.Namespace, copy_gbps: Callable[[], float]) -> int:
     """``bench --graph all-ranks``: ours (and ``--peer``) over the points; table, summary, ``--json``."""
-    preset = (args.preset or ["deepseek-v3"])[0]
+    preset = preset_names(args.preset, default=["deepseek-v3"])[0]
     if args.ep is None and args.tokens is None:
         points = default_points()
     else:

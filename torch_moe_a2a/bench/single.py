@@ -85,6 +85,7 @@ from .. import layout
 from ..api import check_errors, moe_a2a_combine, moe_a2a_dispatch, moe_a2a_wrap_payload_tensor_in_workspace
 from ..reference import reference_combine, reference_dispatch
 from ..simulate import RankGraphs, SimulatedEP
+from . import expert_major as bench_expert_major
 from . import low_precision, plot, replay, targets
 from .common import (
     BASELINE_OF,
@@ -934,6 +935,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead: time the combine's variants (default all: "
                    f"{', '.join(low_precision.VARIANTS)}) on {low_precision.DEFAULT_PRESET} at --ep (default 8) and "
                    "--tokens (default 128 4096), as ratios to the copy bandwidth on the bytes they move")
+    p.add_argument("--expert-major", action="store_true",
+                   help="instead: the expert-major round trip (dispatch(expert_major=True), combine_expert_major) "
+                   "against the rank-major one plus the plain-PyTorch permutation a user writes, at --ep and "
+                   "--tokens (default ep 1 4 8 x tokens 1 16 128 on CUDA), first --preset (default deepseek-v3)")
     p.add_argument("--low-precision-error", action="store_true",
                    help="instead: print the error of the e4m3 combine transports against bf16 (CPU, no timing)")
 
@@ -980,6 +985,12 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.low_precision_error:
         print(low_precision.error_table(), flush=True)
         return 0
+    if args.expert_major:
+        records = bench_expert_major.run(device, args.ep, args.tokens, args.iters, args.warmup,
+                                         preset_names(args.preset, default=["deepseek-v3"])[0])
+        if args.json:
+            write_json(args.json, {"device": device_name(device), "torch": torch.__version__, "records": records})
+        return 0 if all(r["status"] == "ok" for r in records) else 1
     if args.combine_variants is not None:
         records = low_precision.run_variants(
             device, [8] if args.ep is None else args.ep, [128, 4096] if args.tokens is None else args.tokens,
