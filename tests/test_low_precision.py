@@ -267,3 +267,30 @@ def test_scaled_variant_error_against_bf16():
     plain = rel(reference.low_precision_values(rows))
     scaled = rel(reference.low_precision_values(rows, block_scaled=True))
     assert scaled < 0.05 < plain
+
+
+@pytest.mark.parametrize("mode", ["e4m3", BLOCK_SCALED])
+def test_moe_alltoall_low_precision_equals_functional(mode, device):
+    """MoeAlltoAll.combine(use_low_precision=True[, low_precision_block_scales=True]),
+    vLLM's path with its low-precision switch, gives the functional API's bits."""
+    from conftest import ep_mapping
+
+    case = LP_CASES[0]
+    gen = make_generator(("moe", mode))
+    inputs = make_inputs(case, gen).to(device)
+    expert_out = [torch.randn((case.ep_size, case.T, case.hidden), generator=gen).to(case.hidden_dtype).to(device)
+                  for _ in range(case.ep_size)]
+    kwargs = _lp_kwargs(mode)(0)
+
+    sim = make_sim(case, device)
+    moes = [a2a.MoeAlltoAll(ep_mapping(r, case.ep_size), case.max_tokens, case.top_k, case.num_experts,
+                            workspace_size_per_rank=sim.workspace.shape[1], workspace=sim.workspace)
+            for r in range(case.ep_size)]
+    sim.run(lambda r: moes[r].dispatch(inputs.ids[r], inputs.payloads[r], case.T))
+    got = sim.run(lambda r: moes[r].combine(expert_out[r], case.T, **kwargs))
+
+    ref_sim = make_sim(case, device)
+    offsets = [o for _, o, _ in ref_sim.dispatch(inputs.ids, inputs.payloads, case.T, case.top_k, case.num_experts)]
+    expected = ref_sim.combine(expert_out, list(case.tokens), case.T, case.top_k, offsets, **kwargs)
+    for r in range(case.ep_size):
+        assert_bytes_equal(got[r], expected[r], f"rank {r}")

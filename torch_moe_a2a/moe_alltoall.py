@@ -534,8 +534,10 @@ class MoeAlltoAll:
         use_low_precision: bool = False,
         active_rank_mask: Optional[torch.Tensor] = None,
         enable_pdl: Optional[bool] = None,
+        low_precision_block_scales: bool = False,
     ) -> torch.Tensor:
-        """:func:`~torch_moe_a2a.moe_a2a_combine` for the tokens of the last :meth:`dispatch`.
+        """:func:`~torch_moe_a2a.moe_a2a_combine` for the tokens of the last :meth:`dispatch`
+        (``low_precision_block_scales``: ours, as there).
 
         Returns:
             ``[local_num_tokens, *payload.shape[2:]]``: a new tensor, or ``output``.
@@ -552,9 +554,11 @@ class MoeAlltoAll:
             raise ValueError("active_rank_mask requires the instance to be constructed with enable_rank_mask=True")
         dispatched = self._state.expert_major
         if dispatched is not None:
-            if output_scales is not None or use_low_precision or \
+            if output_scales is not None or use_low_precision or low_precision_block_scales or \
                     getattr(sf_layout, "value", sf_layout) != SfLayout.layout_linear.value:
-                raise NotImplementedError("quantized combine outputs and use_low_precision are not implemented")
+                raise NotImplementedError("MoeAlltoAll.combine after an expert-major dispatch: use_low_precision, "
+                                          "low_precision_block_scales and quantized outputs exist for the rank-major "
+                                          "combine only")
             out = moe_a2a_combine_expert_major(
                 payload, dispatched, self.workspace, self.metainfo, self.ep_rank, self.ep_size, payload_in_workspace,
                 output_dtype, enable_pdl=enable_pdl, enable_rank_mask=self.enable_rank_mask,
@@ -584,6 +588,7 @@ class MoeAlltoAll:
             active_rank_mask=active_rank_mask,
             backend=self._backend,
             timeout_s=self.timeout_s,
+            low_precision_block_scales=low_precision_block_scales,
         )
         self._state = _A2AState()
         self._shared.active = None
