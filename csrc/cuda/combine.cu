@@ -69,15 +69,7 @@ __device__ void stage_rows(const CombineArgs& a, const int32_t* rows) {
   uint8_t* own = ws.row(ws.ep_rank);
   const int64_t T = p.runtime_max_tokens;
   __shared__ int64_t first_row[kMaxRanks + 1];  // staged rows before source s
-  if (threadIdx.x == 0) {
-    int64_t total = 0;
-    for (int s = 0; s < ws.ep_size; ++s) {
-      first_row[s] = total;
-      if (rank_active(p.sync, s)) total += received_rows(rows[s], T);
-    }
-    first_row[ws.ep_size] = total;
-  }
-  __syncthreads();
+  staged_row_starts(p, rows, first_row);
   const CopyPlan& plan = a.stage_plan;
   uint8_t* region = own + p.combine_offset;
   const int groups_per_cta = kThreads >> plan.lane_bits;
@@ -247,29 +239,6 @@ __device__ void pull_rows_any(const CombineArgs& a) {
     if (a.pull_elems != kElems) return pull_rows_any<In, Out, kElems / 2>(a);
   }
   pull_rows<In, Out, kElems>(a);
-}
-
-// The equal-T and equal-payloads checks (protocol.h, "runtime_max[p]" and
-// "payloads[p]"), once a CTA found a peer whose dispatch had another T or
-// other payloads than this rank's: CTA 0 records the error of the first
-// check that fails, with the mask of the peers that fail it (thread q
-// compares peer q). Every thread of the CTA calls it.
-__device__ __noinline__ void record_peer_call_mismatch(const CombineParams& p, bool other_t, bool other_payloads,
-                                                       int32_t own_t) {
-  __shared__ unsigned long long peers_t, peers_payloads;
-  uint8_t* own = p.ws.row(p.ws.ep_rank);
-  if (threadIdx.x == 0) peers_t = peers_payloads = 0;
-  __syncthreads();
-  if (other_t) atomicOr(&peers_t, 1ull << threadIdx.x);
-  if (other_payloads) atomicOr(&peers_payloads, 1ull << threadIdx.x);
-  __syncthreads();
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    if (peers_t != 0) {
-      record_error(own, p.sync.mailbox, kErrorRuntimeMaxMismatch, peers_t, static_cast<uint32_t>(own_t));
-    } else {
-      record_error(own, p.sync.mailbox, kErrorPayloadMismatch, peers_payloads, 0);
-    }
-  }
 }
 
 template <typename In, typename Out>

@@ -103,15 +103,7 @@ __device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const
   const WorkspaceView& ws = p.ws;
   const int64_t T = p.runtime_max_tokens;
   __shared__ int64_t first_row[kMaxRanks + 1];  // staged rows before source s
-  if (threadIdx.x == 0) {
-    int64_t total = 0;
-    for (int s = 0; s < ws.ep_size; ++s) {
-      first_row[s] = total;
-      if (rank_active(p.sync, s)) total += received_rows(rows[s], T);
-    }
-    first_row[ws.ep_size] = total;
-  }
-  __syncthreads();
+  staged_row_starts(p, rows, first_row);
   uint8_t* region = ws.row(ws.ep_rank) + p.combine_offset;
   const uint8_t* source = p.payload != nullptr ? p.payload : region;
   const int lane = lane_id();

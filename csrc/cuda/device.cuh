@@ -431,6 +431,45 @@ __device__ inline bool wait_for_flags(const WorkspaceView& ws, const SyncParams&
       ws, sync, [&](int p) { return flag_of(own, flags_offset, p); }, epoch, code_on_timeout, settings);
 }
 
+// The equal-T and equal-payloads checks (protocol.h, "runtime_max[p]" and
+// "payloads[p]"), once a CTA found a peer whose dispatch had another T or
+// other payloads than this rank's: CTA 0 records the error of the first
+// check that fails, with the mask of the peers that fail it (thread q
+// compares peer q). Every thread of the CTA calls it; the rank-major and the
+// expert-major combine kernels share it.
+static __device__ __noinline__ void record_peer_call_mismatch(const CombineParams& p, bool other_t, bool other_payloads,
+                                                              int32_t own_t) {
+  __shared__ unsigned long long peers_t, peers_payloads;
+  uint8_t* own = p.ws.row(p.ws.ep_rank);
+  if (threadIdx.x == 0) peers_t = peers_payloads = 0;
+  __syncthreads();
+  if (other_t) atomicOr(&peers_t, 1ull << threadIdx.x);
+  if (other_payloads) atomicOr(&peers_payloads, 1ull << threadIdx.x);
+  __syncthreads();
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (peers_t != 0) {
+      record_error(own, p.sync.mailbox, kErrorRuntimeMaxMismatch, peers_t, static_cast<uint32_t>(own_t));
+    } else {
+      record_error(own, p.sync.mailbox, kErrorPayloadMismatch, peers_payloads, 0);
+    }
+  }
+}
+
+// first_row[s]: the rows a combine stages of the active sources before s
+// (rows[s]: recv_count[s]); first_row[ep_size]: all of them. Every thread
+// calls it; thread 0 writes, the barrier hands the array to the CTA.
+__device__ inline void staged_row_starts(const CombineParams& p, const int32_t* rows, int64_t* first_row) {
+  if (threadIdx.x == 0) {
+    int64_t total = 0;
+    for (int s = 0; s < p.ws.ep_size; ++s) {
+      first_row[s] = total;
+      if (rank_active(p.sync, s)) total += received_rows(rows[s], p.runtime_max_tokens);
+    }
+    first_row[p.ws.ep_size] = total;
+  }
+  __syncthreads();
+}
+
 // ---- vector copies ------------------------------------------------------------------------
 
 // The unsigned type of a kBytes-wide load or store.

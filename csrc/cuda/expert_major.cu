@@ -417,26 +417,6 @@ __device__ void pull_expert_rows_any(const EmCombineArgs& a) {
   pull_expert_rows<In, Out, kElems>(a);
 }
 
-// The equal-T and equal-payloads checks of combine.cu's kernel, recorded the
-// same way (CTA 0, the peers that fail the first check that fails).
-__device__ __noinline__ void record_em_peer_mismatch(const CombineParams& c, bool other_t, bool other_payloads,
-                                                     int32_t own_t) {
-  __shared__ unsigned long long peers_t, peers_payloads;
-  uint8_t* own = c.ws.row(c.ws.ep_rank);
-  if (threadIdx.x == 0) peers_t = peers_payloads = 0;
-  __syncthreads();
-  if (other_t) atomicOr(&peers_t, 1ull << threadIdx.x);
-  if (other_payloads) atomicOr(&peers_payloads, 1ull << threadIdx.x);
-  __syncthreads();
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    if (peers_t != 0) {
-      record_error(own, c.sync.mailbox, kErrorRuntimeMaxMismatch, peers_t, static_cast<uint32_t>(own_t));
-    } else {
-      record_error(own, c.sync.mailbox, kErrorPayloadMismatch, peers_payloads, 0);
-    }
-  }
-}
-
 template <typename In, typename Out>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) em_combine_kernel(const __grid_constant__ EmCombineArgs a) {
   wait_for_previous_grid();
@@ -468,7 +448,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) em_combine_kernel(con
     return;
   }
   if (other_call_seen) {
-    record_em_peer_mismatch(c, peer_t != own_t, peer_payloads != own_payloads, own_t);
+    record_peer_call_mismatch(c, peer_t != own_t, peer_payloads != own_payloads, own_t);
     return;
   }
   const uint32_t epoch = combine_epoch + 1;

@@ -270,19 +270,9 @@ class OursRanks(A2ARanks):
 
 def _all_ranks_graph(lib: Any, per_rank: Callable[[int], None]) -> "torch.cuda.CUDAGraph":
     """One CUDA graph of every rank's ``per_rank(r)``: each on the rank's stream,
-    forked from the capturing stream and joined back (common.capture_graph
-    gives the branches one root)."""
-
-    def step() -> None:
-        current = torch.cuda.current_stream()
-        for r, stream in enumerate(lib.streams):
-            stream.wait_stream(current)
-            with torch.cuda.stream(stream):
-                per_rank(r)
-        for stream in lib.streams:
-            current.wait_stream(stream)
-
-    return capture_graph(step)[0]
+    forked from the capturing stream and joined back (``lib.run``), the
+    branches behind one root (common.capture_graph)."""
+    return capture_graph(lambda: lib.run(per_rank))[0]
 
 
 def empty_kernel() -> None:
