@@ -58,6 +58,15 @@ int64_t grain_for(int64_t bytes_per_item) {
   return std::max<int64_t>(1, kParallelGrainBytes / std::max<int64_t>(1, bytes_per_item));
 }
 
+// The combines' staging: rows [0, count) of the block at byte `offset`, from
+// src to dst, `row_bytes` each.
+void copy_rows(uint8_t* dst, const uint8_t* src, int64_t offset, int64_t count, int64_t row_bytes) {
+  at::parallel_for(0, count, grain_for(row_bytes), [&](int64_t begin, int64_t end) {
+    std::memcpy(dst + offset + begin * row_bytes, src + offset + begin * row_bytes,
+                static_cast<size_t>((end - begin) * row_bytes));
+  });
+}
+
 // Rank config the header must hold for this call; `eplb_n` < 0: not checked.
 RowStatus check_config(const WorkspaceView& ws, int64_t max_num_tokens, int64_t eplb_n) {
   RowStatus st;
@@ -614,11 +623,7 @@ WaitResult combine(const CombineParams& p) {
     for (int s = 0; s < ws.ep_size; ++s) {
       if (!rank_active(p.sync, s)) continue;
       const int64_t count = received_rows(load<int32_t>(own, recv_count_offset(s)), T);
-      const int64_t plane = int64_t(s) * T * row_bytes;
-      at::parallel_for(0, count, grain_for(row_bytes), [&](int64_t begin, int64_t end) {
-        std::memcpy(region + plane + begin * row_bytes, p.payload + plane + begin * row_bytes,
-                    static_cast<size_t>((end - begin) * row_bytes));
-      });
+      copy_rows(region, p.payload, int64_t(s) * T * row_bytes, count, row_bytes);
     }
   }
 
@@ -877,11 +882,7 @@ WaitResult combine_expert_major(const ExpertMajorCombineParams& ep) {
     const int32_t* counts = reinterpret_cast<const int32_t*>(own + l.counts_offset);
     for (int64_t e = 0; e < ep.num_local; ++e) {
       const int64_t count = std::min<int64_t>(std::max<int32_t>(counts[e], 0), M);
-      const int64_t block = e * M * row_bytes;
-      at::parallel_for(0, count, grain_for(row_bytes), [&](int64_t begin, int64_t end) {
-        std::memcpy(region + block + begin * row_bytes, p.payload + block + begin * row_bytes,
-                    static_cast<size_t>((end - begin) * row_bytes));
-      });
+      copy_rows(region, p.payload, e * M * row_bytes, count, row_bytes);
     }
   }
 
