@@ -40,13 +40,6 @@ constexpr int64_t kPrefetchRowsPerSource = 16;
 constexpr int64_t kPrefetchMinTokens = 128;
 constexpr int64_t kL2LineBytes = 128;
 
-// kElems elements moved as one vector access.
-template <typename Bits, int kElems>
-union Packed {
-  typename VecOf<int(sizeof(Bits)) * kElems>::T raw;
-  Bits v[kElems];
-};
-
 struct CombineArgs {
   CombineParams p;
   SyncSettings sync_settings;

@@ -18,6 +18,13 @@ namespace gpu {
 // 64-register bound (ptxas: about 400 bytes of spill stores).
 constexpr int kE4m3PullElems = 8;
 
+// kElems elements moved as one vector access.
+template <typename Bits, int kElems>
+union Packed {
+  typename VecOf<int(sizeof(Bits)) * kElems>::T raw;
+  Bits v[kElems];
+};
+
 // Element types: bit storage plus the exact conversions (no implicit half
 // conversions: torch builds with __CUDA_NO_HALF_CONVERSIONS__ and friends).
 // The pull loads vector v of a row with load() and adds contribution() of

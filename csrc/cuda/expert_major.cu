@@ -26,34 +26,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "combine_formats.cuh"
 #include "device.cuh"
 
 namespace moe_a2a {
 namespace gpu {
 namespace {
-
-// Element conversions (as combine.cu's; torch builds with __CUDA_NO_HALF_CONVERSIONS__).
-struct EmF32 {
-  using Bits = float;
-  __device__ static float to_float(Bits b) { return b; }
-  __device__ static Bits from_float(float f) { return f; }
-};
-struct EmF16 {
-  using Bits = uint16_t;
-  __device__ static float to_float(Bits b) { return __half2float(__ushort_as_half(b)); }
-  __device__ static Bits from_float(float f) { return __half_as_ushort(__float2half_rn(f)); }
-};
-struct EmBF16 {
-  using Bits = uint16_t;
-  __device__ static float to_float(Bits b) { return __bfloat162float(__ushort_as_bfloat16(b)); }
-  __device__ static Bits from_float(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
-};
-
-template <typename Bits, int kElems>
-union EmPacked {
-  typename VecOf<int(sizeof(Bits)) * kElems>::T raw;
-  Bits v[kElems];
-};
 
 // Vectors of a pull in flight per lane.
 constexpr int kEmSumUnroll = 2;
@@ -333,8 +311,8 @@ __device__ void stage_expert_rows(const EmCombineArgs& a, const int32_t* prefix)
 // pairs, one per group of 1 << pull_lane_bits lanes, grid-strided.
 template <typename In, typename Out, int kElems>
 __device__ void pull_expert_rows(const EmCombineArgs& a) {
-  using InVec = EmPacked<typename In::Bits, kElems>;
-  using OutVec = EmPacked<typename Out::Bits, kElems>;
+  using InVec = Packed<typename In::Bits, kElems>;
+  using OutVec = Packed<typename Out::Bits, kElems>;
   using InRaw = decltype(InVec::raw);
   using OutRaw = decltype(OutVec::raw);
   const CombineParams& c = a.p.c;
@@ -480,13 +458,13 @@ int64_t em_dtype_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 
 cudaError_t expert_major_combine_ctas_per_sm(int* ctas_per_sm) {
   *ctas_per_sm = std::numeric_limits<int>::max();
-  cudaError_t err = lower_to_occupancy(em_combine_kernel<EmF32, EmF32>, ctas_per_sm);
-  if (err == cudaSuccess) err = lower_to_occupancy(em_combine_kernel<EmF16, EmF16>, ctas_per_sm);
-  if (err == cudaSuccess) err = lower_to_occupancy(em_combine_kernel<EmBF16, EmBF16>, ctas_per_sm);
-  if (err == cudaSuccess) err = lower_to_occupancy(em_combine_kernel<EmF32, EmBF16>, ctas_per_sm);
-  if (err == cudaSuccess) err = lower_to_occupancy(em_combine_kernel<EmF16, EmBF16>, ctas_per_sm);
-  if (err == cudaSuccess) err = lower_to_occupancy(em_combine_kernel<EmF16, EmF32>, ctas_per_sm);
-  if (err == cudaSuccess) err = lower_to_occupancy(em_combine_kernel<EmBF16, EmF32>, ctas_per_sm);
+  cudaError_t err = lower_to_occupancy(em_combine_kernel<F32, F32>, ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy(em_combine_kernel<F16, F16>, ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy(em_combine_kernel<BF16, BF16>, ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy(em_combine_kernel<F32, BF16>, ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy(em_combine_kernel<F16, BF16>, ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy(em_combine_kernel<F16, F32>, ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy(em_combine_kernel<BF16, F32>, ctas_per_sm);
   if (err == cudaSuccess) err = lower_to_occupancy(build_index_kernel, ctas_per_sm);
   if (err == cudaSuccess) err = lower_to_occupancy(build_copy_kernel, ctas_per_sm);
   return err;
@@ -543,25 +521,25 @@ cudaError_t launch_combine_expert_major(const ExpertMajorCombineParams& p, const
   const bool pdl = c.sync.enable_pdl && config.pdl_supported;
   const DType in = c.payload_dtype, out = c.output_dtype;
   if (in == DType::kFloat32 && out == DType::kFloat32) {
-    return launch_kernel(em_combine_kernel<EmF32, EmF32>, grid, kThreads, stream, pdl, a);
+    return launch_kernel(em_combine_kernel<F32, F32>, grid, kThreads, stream, pdl, a);
   }
   if (in == DType::kFloat16 && out == DType::kFloat16) {
-    return launch_kernel(em_combine_kernel<EmF16, EmF16>, grid, kThreads, stream, pdl, a);
+    return launch_kernel(em_combine_kernel<F16, F16>, grid, kThreads, stream, pdl, a);
   }
   if (in == DType::kBFloat16 && out == DType::kBFloat16) {
-    return launch_kernel(em_combine_kernel<EmBF16, EmBF16>, grid, kThreads, stream, pdl, a);
+    return launch_kernel(em_combine_kernel<BF16, BF16>, grid, kThreads, stream, pdl, a);
   }
   if (in == DType::kFloat32 && out == DType::kBFloat16) {
-    return launch_kernel(em_combine_kernel<EmF32, EmBF16>, grid, kThreads, stream, pdl, a);
+    return launch_kernel(em_combine_kernel<F32, BF16>, grid, kThreads, stream, pdl, a);
   }
   if (in == DType::kFloat16 && out == DType::kBFloat16) {
-    return launch_kernel(em_combine_kernel<EmF16, EmBF16>, grid, kThreads, stream, pdl, a);
+    return launch_kernel(em_combine_kernel<F16, BF16>, grid, kThreads, stream, pdl, a);
   }
   if (in == DType::kFloat16 && out == DType::kFloat32) {
-    return launch_kernel(em_combine_kernel<EmF16, EmF32>, grid, kThreads, stream, pdl, a);
+    return launch_kernel(em_combine_kernel<F16, F32>, grid, kThreads, stream, pdl, a);
   }
   if (in == DType::kBFloat16 && out == DType::kFloat32) {
-    return launch_kernel(em_combine_kernel<EmBF16, EmF32>, grid, kThreads, stream, pdl, a);
+    return launch_kernel(em_combine_kernel<BF16, F32>, grid, kThreads, stream, pdl, a);
   }
   return cudaErrorInvalidValue;  // ops.cpp admits only the pairs above
 }
