@@ -305,9 +305,26 @@ def test_combine_variants_report_every_variant(device, tmp_path, capsys):
     import json
     records = json.loads(path.read_text())["records"]
     assert [r["variant"] for r in records] == list(low_precision.VARIANTS)
-    assert all(r["us"] > 0 and r["bytes"] > 0 for r in records)
+    assert all(r["us"] > 0 and r["bytes"] > 0 and r["check"] == "ok" for r in records), records
     bf16, e4m3 = records[0], records[1]
     assert e4m3["bytes"] < bf16["bytes"]  # half the pulled bytes
+
+
+def test_combine_variants_check_their_outputs(monkeypatch, capsys):
+    """A variant whose output is wrong is reported FAIL and fails the run."""
+    from torch_moe_a2a.bench import low_precision
+
+    reference_quantize = low_precision.reference.reference_quantize
+
+    def off_by_one(x, fmt, *args):
+        data, scales = reference_quantize(x, fmt, *args)
+        return data, scales + 1  # what a kernel with a wrong scale would write
+
+    monkeypatch.setattr(low_precision.reference, "reference_quantize", off_by_one)
+    rc = single.main(["--device", "cpu", "--combine-variants", "mxfp4", "--ep", "1", "--tokens", "2",
+                      "--iters", "1", "--warmup", "0"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "FAIL: rank 0 differs from the reference quantizer" in out, out
 
 
 def test_low_precision_error_table(capsys):

@@ -10,7 +10,11 @@ of the combine of all ranks, the bytes it moves (staging reads the payload
 rows and writes the staged rows; the pull reads one staged row per (token,
 destination) and writes the output and its scales) and their rate as a ratio
 to the device's copy bandwidth measured in the same run (bytes read + written
-by one large copy).
+by one large copy). The bf16 combine runs first; every other variant's last
+outputs are checked against it (the fused formats bitwise against the
+reference quantizer of its output, the e4m3 transports within e4m3's error),
+and a FAIL fails the run. Outputs are allocated before the timed calls:
+nothing allocates while a simulated peer's kernel spins.
 
 --low-precision-error: the relative error of both e4m3 transports against the
 bf16 combine on activations with and without outliers (docs/internals.md
@@ -83,7 +87,10 @@ def _moved_bytes(variant: str, recv_rows: int, tokens: int, hidden: int, ep: int
 def run_variants(device: torch.device, eps: list[int], tokens_list: list[int], iters: int, warmup: int,
                  variants: Optional[list[str]] = None, preset: str = DEFAULT_PRESET,
                  emit: Callable[[str], None] = print) -> list[dict]:
-    """Time each variant at each (ep, tokens); returns one record per row printed."""
+    """Time each variant at each (ep, tokens); returns one record per row printed.
+    The bf16 combine runs first whether asked for or not: the others are
+    checked against its outputs and compared with its time."""
+    variants = ["bf16", *(v for v in (variants or list(VARIANTS)) if v != "bf16")]
     clock = Clock(device)
     shape = PRESETS[preset]
     hidden, experts, top_k = shape.hidden, shape.num_experts, shape.top_k
@@ -96,8 +103,9 @@ def run_variants(device: torch.device, eps: list[int], tokens_list: list[int], i
     for ep in eps:
         for tokens in tokens_list:
             records += _run_point(device, clock, ep, tokens, hidden, experts, top_k, iters, warmup,
-                                  variants or list(VARIANTS), copy_bps, rows)
-    emit(format_table(["ep", "tokens", "variant", "us", "bytes moved", "ratio to copy", "vs bf16"], rows, {2}))
+                                  variants, copy_bps, rows)
+    emit(format_table(["ep", "tokens", "variant", "us", "bytes moved", "ratio to copy", "vs bf16", "check"], rows,
+                      {2, 7}))
     return records
 
 
@@ -116,6 +124,7 @@ def _run_point(device, clock, ep, tokens, hidden, experts, top_k, iters, warmup,
 
     results = []
     base_us = None
+    bf16_out: Optional[list] = None  # the bf16 combine's outputs, what the other variants are checked against
     for name in variants:
         kwargs, fmt, fused = VARIANTS[name]
         scales = {}
@@ -124,36 +133,84 @@ def _run_point(device, clock, ep, tokens, hidden, experts, top_k, iters, warmup,
             extent = reference.scale_layout_extent(int(SfLayout.layout_128x4), tokens, hidden // block)
             scales = {r: torch.zeros(extent, dtype=torch.uint8, device=device).view(sc_dtype) for r in range(ep)}
 
+        # Every output allocated here: under SimulatedEP.run on CUDA nothing may
+        # allocate while a peer's kernel spins (an allocation can wait for the
+        # device, and the peer for a launch the host has not made yet).
+        if fmt is not None and fused:
+            out_dtype = _FORMATS[fmt][0]
+            out_elems = hidden if out_dtype == torch.float8_e4m3fn else hidden // 2
+            outputs = [torch.empty((tokens, out_elems), dtype=out_dtype, device=device) for _ in range(ep)]
+        else:
+            outputs = [torch.empty((tokens, hidden), dtype=torch.bfloat16, device=device) for _ in range(ep)]
+
         def combine(r):
             recv, offset = state[r]
             kw = dict(kwargs)
             if fmt is not None and fused:
                 kw.update(output_dtype=_FORMATS[fmt][0], output_scales=scales[r], sf_layout=SfLayout.layout_128x4,
                           output_scalar_scale=NVFP4_GLOBAL_SCALE if fmt == "nvfp4" else 1.0)
-            out = moe_a2a_combine(recv, tokens, sim.workspace, sim.metainfo[r], tokens, r, ep, top_k, offset, **kw)
-            if fmt is not None and not fused:
-                out = reference.reference_quantize(out, fmt, int(SfLayout.layout_128x4),
-                                                   NVFP4_GLOBAL_SCALE if fmt == "nvfp4" else 1.0)
-            return out
+            moe_a2a_combine(recv, tokens, sim.workspace, sim.metainfo[r], tokens, r, ep, top_k, offset,
+                            output=outputs[r], **kw)
+
+        def quantize(r):
+            # The unfused baseline: the bf16 combine's output through the plain-PyTorch quantizer.
+            reference.reference_quantize(outputs[r], fmt, int(SfLayout.layout_128x4),
+                                         NVFP4_GLOBAL_SCALE if fmt == "nvfp4" else 1.0)
 
         marks = []
         for i in range(warmup + iters):
             sim.run(dispatch)
             start = clock.mark()
             sim.run(combine)
+            if fmt is not None and not fused:
+                sim.run(quantize)  # after every rank's combine: no combine waits behind it
             end = clock.mark()
             if i >= warmup:
                 marks.append((start, end))
         us = statistics.median(clock.elapsed_us(marks))
+        if name == "bf16":
+            bf16_out = [o.clone() for o in outputs]
+        check = _check_variant(name, outputs, scales, bf16_out)
         recv_rows = sum(int(sim.recv_counts(r).sum()) for r in range(ep))
         moved = _moved_bytes(name, recv_rows, tokens, hidden, ep)
         ratio = moved / (us * 1e-6) / copy_bps
         if name == "bf16":
             base_us = us
         rows.append([str(ep), str(tokens), name, f"{us:.1f}", f"{moved / 1e6:.1f} MB", f"{ratio:.2f}",
-                     "" if base_us is None else f"{base_us / us:.2f}x"])
-        results.append(dict(ep=ep, tokens=tokens, variant=name, us=us, bytes=moved, ratio_to_copy=ratio))
+                     "" if base_us is None else f"{base_us / us:.2f}x", check])
+        results.append(dict(ep=ep, tokens=tokens, variant=name, us=us, bytes=moved, ratio_to_copy=ratio,
+                            check=check))
     return results
+
+
+# e4m3 rows carry 3 mantissa bits: relative L2 error about 0.03 on Gaussian
+# rows (docs/internals.md); a wrong kernel is far above this.
+E4M3_CHECK_REL_ERROR = 0.1
+
+
+def _check_variant(name: str, outputs: list, scales: dict, bf16_out: list) -> str:
+    """'ok', or what is wrong with a variant's last outputs: the fused formats
+    bitwise against the reference quantizer of the bf16 combine's output (the
+    kernels quantize that sum), the e4m3 transports within e4m3's error of it."""
+    if name == "bf16":
+        return "ok"
+    kwargs, fmt, fused = VARIANTS[name]
+    for r, (out, ref) in enumerate(zip(outputs, bf16_out)):
+        if fmt is None:
+            err = ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+            if not err <= E4M3_CHECK_REL_ERROR:
+                return f"FAIL: rank {r} relative error {err:.3g} against bf16"
+        elif not fused:
+            if not torch.equal(out.view(torch.uint8), ref.view(torch.uint8)):
+                return f"FAIL: rank {r} bf16 output differs from the bf16 variant's"
+        else:
+            data, sc = reference.reference_quantize(ref, fmt, int(SfLayout.layout_128x4),
+                                                    NVFP4_GLOBAL_SCALE if fmt == "nvfp4" else 1.0)
+            got_sc = scales[r].view(torch.uint8)[: sc.numel()]
+            if not torch.equal(out.view(torch.uint8), data.view(torch.uint8)) or \
+                    not torch.equal(got_sc, sc.view(torch.uint8)):
+                return f"FAIL: rank {r} differs from the reference quantizer"
+    return "ok"
 
 
 def error_table(seed: int = 0, tokens: int = 512, hidden: int = 7168, destinations: int = 4) -> str:

@@ -999,7 +999,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             args.combine_variants or None)
         if args.json:
             write_json(args.json, {"device": device_name(device), "torch": torch.__version__, "records": records})
-        return 0
+        return 0 if all(r["check"] == "ok" for r in records) else 1
     if args.smoke:
         names, eps, tokens = list(SMOKE_PRESETS), list(SMOKE_EP), list(SMOKE_TOKENS)
         iters = SMOKE_ITERS if args.iters is None else args.iters
