@@ -117,6 +117,23 @@ void check_on_workspace_device(const at::Tensor& t, const at::Tensor& workspace,
                     ", got ", t.device());
 }
 
+// A combine's payload (staged from it): `payload_dtype`, on the workspace's
+// device, contiguous, no grad, of shape [rows, per_row, *row_shape];
+// `dims` names the two leading dimensions for the message.
+const uint8_t* checked_combine_payload(const at::Tensor& t, at::ScalarType payload_dtype, const at::Tensor& workspace,
+                                       int64_t rows, int64_t per_row, at::IntArrayRef row_shape, const char* dims) {
+  TORCH_CHECK_VALUE(t.scalar_type() == payload_dtype, "payload must be ", dtype_name(payload_dtype), ", got ",
+                    dtype_name(t.scalar_type()));
+  check_on_workspace_device(t, workspace, "payload");
+  std::vector<int64_t> expected{rows, per_row};
+  expected.insert(expected.end(), row_shape.begin(), row_shape.end());
+  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected), "payload must be [", dims,
+                    ", *row_shape] = ", at::IntArrayRef(expected), ", got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.is_contiguous(), "payload must be contiguous, got strides ", t.strides());
+  check_no_grad(t, "payload");
+  return static_cast<const uint8_t*>(t.data_ptr());
+}
+
 // Bytes of one row of `t` (all dimensions but the first), or -1 when it
 // exceeds kMaxRowBytes (the product is stopped before it can overflow). A
 // trailing size of 0 makes a row of 0 bytes, whatever the other sizes.
@@ -467,18 +484,8 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
   }
 
   if (payload.has_value() && payload->defined()) {
-    const at::Tensor& t = *payload;
-    TORCH_CHECK_VALUE(t.scalar_type() == payload_dtype, "payload must be ", dtype_name(payload_dtype), ", got ",
-                      dtype_name(t.scalar_type()));
-    check_on_workspace_device(t, workspace, "payload");
-    std::vector<int64_t> expected{ep_size, T};
-    expected.insert(expected.end(), row_shape.begin(), row_shape.end());
-    TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected),
-                      "payload must be [ep_size, runtime_max_tokens_per_rank, *row_shape] = ",
-                      at::IntArrayRef(expected), ", got shape ", t.sizes());
-    TORCH_CHECK_VALUE(t.is_contiguous(), "payload must be contiguous, got strides ", t.strides());
-    check_no_grad(t, "payload");
-    p.payload = static_cast<const uint8_t*>(t.data_ptr());
+    p.payload = checked_combine_payload(*payload, payload_dtype, workspace, ep_size, T, row_shape,
+                                        "ep_size, runtime_max_tokens_per_rank");
   }
 
   const int64_t route_end = route_region_end(ep_size, T);
@@ -660,18 +667,8 @@ ExpertMajorCombineParams check_combine_expert_major(const std::optional<at::Tens
   p.num_local = local_experts_of(ep_rank, num_experts, ep_size);
 
   if (payload.has_value() && payload->defined()) {
-    const at::Tensor& t = *payload;
-    TORCH_CHECK_VALUE(t.scalar_type() == payload_dtype, "payload must be ", dtype_name(payload_dtype), ", got ",
-                      dtype_name(t.scalar_type()));
-    check_on_workspace_device(t, workspace, "payload");
-    std::vector<int64_t> expected{p.num_local, max_tokens_per_expert};
-    expected.insert(expected.end(), row_shape.begin(), row_shape.end());
-    TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected),
-                      "payload must be [num_local_experts, max_tokens_per_expert, *row_shape] = ",
-                      at::IntArrayRef(expected), ", got shape ", t.sizes());
-    TORCH_CHECK_VALUE(t.is_contiguous(), "payload must be contiguous, got strides ", t.strides());
-    check_no_grad(t, "payload");
-    c.payload = static_cast<const uint8_t*>(t.data_ptr());
+    c.payload = checked_combine_payload(*payload, payload_dtype, workspace, p.num_local, max_tokens_per_expert,
+                                        row_shape, "num_local_experts, max_tokens_per_expert");
   }
 
   // The regions the pulls read follow dispatch_end, and the combine region
