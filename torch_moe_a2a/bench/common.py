@@ -16,6 +16,7 @@ import math
 import os
 import platform
 import signal
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -80,6 +81,11 @@ MAX_SETS = 8
 # not ordered): torch.testing's bf16 tolerances.
 COMBINE_RTOL = 1.6e-2
 COMBINE_ATOL = 1e-5
+
+# Device copy bandwidth (the ceiling): a copy_ of COPY_BYTES (read once, written once).
+COPY_BYTES = {"cuda": 2 * GIB, "cpu": 256 * MIB}
+COPY_WARMUP = 2
+COPY_REPEATS = 10
 
 # Clock.head_start calibrates the spin kernel's clock rate on this many cycles.
 SLEEP_CALIBRATION_CYCLES = 10**7
@@ -299,6 +305,24 @@ def release(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+
+
+def copy_bandwidth(clock: Clock, device: torch.device, nbytes: int) -> float:
+    """GB/s of a ``copy_`` of ``nbytes`` (every benchmark's ceiling), counting bytes read + written;
+    median of COPY_REPEATS after COPY_WARMUP."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(COPY_WARMUP):
+        dst.copy_(src)
+    marks = []
+    for _ in range(COPY_REPEATS):
+        start = clock.mark()
+        dst.copy_(src)
+        marks.append((start, clock.mark()))
+    us = statistics.median(clock.elapsed_us(marks))
+    del src, dst
+    release(device)
+    return 2 * nbytes / (us * 1e-6) / 1e9
 
 
 # ---------------------------------------------------------------------------

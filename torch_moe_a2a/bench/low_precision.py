@@ -31,10 +31,9 @@ import torch
 from .. import reference
 from ..api import SfLayout, moe_a2a_combine, moe_a2a_dispatch
 from ..simulate import SimulatedEP
-from .common import PRESETS, Clock, device_name, format_table
+from .common import COPY_BYTES, PRESETS, Clock, copy_bandwidth, device_name, format_table
 
 DEFAULT_PRESET = "deepseek-v3"
-COPY_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
 # name: (combine keyword arguments, quantized format or None, whether fused)
 VARIANTS: dict[str, tuple[dict, Optional[str], bool]] = {
     "bf16": ({}, None, True),
@@ -49,20 +48,6 @@ VARIANTS: dict[str, tuple[dict, Optional[str], bool]] = {
 _FORMATS = {"mxfp8": (torch.float8_e4m3fn, torch.uint8, 32), "mxfp4": (torch.uint8, torch.uint8, 32),
             "nvfp4": (torch.uint8, torch.float8_e4m3fn, 16)}
 NVFP4_GLOBAL_SCALE = 448.0 * 6.0 / 8.0
-
-
-def copy_bandwidth(device: torch.device, clock: Clock, iters: int) -> float:
-    """Bytes per second (read + written) of one large device copy."""
-    n = COPY_BYTES[device.type]
-    src = torch.empty(n, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    marks = []
-    for _ in range(iters):
-        start = clock.mark()
-        dst.copy_(src)
-        marks.append((start, clock.mark()))
-    return 2 * n / (statistics.median(clock.elapsed_us(marks)) * 1e-6)
 
 
 def _moved_bytes(variant: str, recv_rows: int, tokens: int, hidden: int, ep: int) -> int:
@@ -94,7 +79,7 @@ def run_variants(device: torch.device, eps: list[int], tokens_list: list[int], i
     clock = Clock(device)
     shape = PRESETS[preset]
     hidden, experts, top_k = shape.hidden, shape.num_experts, shape.top_k
-    copy_bps = copy_bandwidth(device, clock, max(3, iters // 4))
+    copy_bps = copy_bandwidth(clock, device, COPY_BYTES[device.type]) * 1e9
     emit(f"combine variants: {device_name(device)}, torch {torch.__version__}; {preset} (hidden {hidden}, "
          f"{experts} experts, top-{top_k}); copy bandwidth {copy_bps / 1e9:.1f} GB/s (read + written); "
          f"median of {iters} after {warmup}")

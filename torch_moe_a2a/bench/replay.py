@@ -51,12 +51,14 @@ from typing import Any, Callable, Optional
 import torch
 
 from .common import (
+    COPY_BYTES,
     PRESETS,
     SEED,
     Clock,
     Point,
     capture_graph,
     combine_mismatch,
+    copy_bandwidth,
     device_name,
     expert_owner,
     first_line,
@@ -608,7 +610,7 @@ def default_points() -> list[tuple[int, int]]:
     return [(e, t) for e in GRID_EP for t in GRID_TOKENS] + list(LARGE_POINTS)
 
 
-def run(args: argparse.Namespace, copy_gbps: Callable[[], float]) -> int:
+def run(args: argparse.Namespace) -> int:
     """``bench --graph all-ranks``: ours (and ``--peer``) over the points; table, summary, ``--json``."""
     preset = preset_names(args.preset, default=["deepseek-v3"])[0]
     if args.ep is None and args.tokens is None:
@@ -620,7 +622,7 @@ def run(args: argparse.Namespace, copy_gbps: Callable[[], float]) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     print(f"torch-moe-a2a bench --graph all-ranks: {device_name(device)}, torch {torch.__version__}; {preset}; "
           f"one graph per op over all ranks; median of {iters} replays after {warmup}", flush=True)
-    ceiling = copy_gbps()
+    ceiling = copy_bandwidth(Clock(device), device, COPY_BYTES["cuda"])
     print(f"copy ceiling: {ceiling:.1f} GB/s", flush=True)
     ours = run_library("ours", preset, points, warmup, iters)
     peer = None

@@ -89,6 +89,8 @@ from . import expert_major as bench_expert_major
 from . import low_precision, plot, replay, targets
 from .common import (
     BASELINE_OF,
+    COPY_BYTES,
+    COPY_REPEATS,
     DEFAULT_ITERS,
     DEFAULT_MAX_GIB,
     DEFAULT_WARMUP,
@@ -113,6 +115,7 @@ from .common import (
     capture_graph,
     check_output_path,
     combine_mismatch,
+    copy_bandwidth,
     device_name,
     expected_sends,
     expert_owner,
@@ -165,10 +168,6 @@ SMOKE_WARMUP = 5
 # on the H200) add under half a microsecond to each of 32 steps.
 STEPS_PER_GRAPH = 32
 
-# Device copy bandwidth: a copy_ of COPY_BYTES (read once, written once).
-COPY_BYTES = {"cuda": 2 * GIB, "cpu": 256 * MIB}
-COPY_WARMUP = 2
-COPY_REPEATS = 10
 
 # Host cost of one eager call: a small point where the device never makes the host wait.
 HOST_COST_EP = 1
@@ -675,23 +674,6 @@ def _run_point(point: Point, ctx: _Context) -> dict:
 # ---------------------------------------------------------------------------
 
 
-def _copy_bandwidth(clock: Clock, device: torch.device, nbytes: int) -> float:
-    """GB/s of a ``copy_`` of ``nbytes``, counting bytes read + written; median of COPY_REPEATS."""
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(COPY_WARMUP):
-        dst.copy_(src)
-    marks = []
-    for _ in range(COPY_REPEATS):
-        start = clock.mark()
-        dst.copy_(src)
-        marks.append((start, clock.mark()))
-    us = statistics.median(clock.elapsed_us(marks))
-    del src, dst
-    release(device)
-    return 2 * nbytes / (us * 1e-6) / 1e9
-
-
 def _host_cost(preset: Preset, fp8: bool, device: torch.device, clock: Clock,
                stop: Callable[[], None]) -> tuple[dict[str, float], dict[str, float]]:
     """Median host microseconds of one eager call per op (ep 1: nothing to wait
@@ -978,8 +960,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.plot or args.smoke or args.fp8:
             parser.error("--graph all-ranks takes no --plot, --smoke or --fp8")
         check_output_path(parser, "--json", args.json)
-        clock = Clock(device)
-        return replay.run(args, lambda: _copy_bandwidth(clock, device, COPY_BYTES["cuda"]))
+        return replay.run(args)
     check_output_path(parser, "--json", args.json)
     check_output_path(parser, "--plot", args.plot)
     if args.low_precision_error:
@@ -1032,7 +1013,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     # code says which signal stopped it.
     with StopSignals() as stop:
         try:
-            copy_gbps = _copy_bandwidth(clock, device, copy_bytes)
+            copy_gbps = copy_bandwidth(clock, device, copy_bytes)
             print(f"copy ceiling: {copy_gbps:.1f} GB/s (copy_ of {copy_bytes / MIB:.0f} MiB, bytes read + "
                   f"written, median of {COPY_REPEATS})", flush=True)
             stop.check()
