@@ -200,15 +200,15 @@ def moe_a2a_dispatch_expert_major(
     if enable_pdl is None:
         enable_pdl = pdl_default(workspace)
     user_rows = [_row_bytes(p) for p in input_payloads]
+    call_eplb_n = eplb_n if eplb_local_stats is not None else 0
     # Refused before the dispatch runs: what the build would refuse after it.
     _check_expert_major_fits(workspace, ep_size, runtime_max_tokens_per_rank, top_k, num_experts,
-                             max_tokens_per_expert, eplb_n if eplb_local_stats is not None else 0, user_rows,
-                             token_selected_experts.element_size(), router_weights is not None)
+                             max_tokens_per_expert, call_eplb_n, user_rows, token_selected_experts.element_size(),
+                             router_weights is not None)
     recv, dispatch_end, eplb = moe_a2a_dispatch(
         token_selected_experts, payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size, top_k,
         num_experts, enable_pdl, eplb_local_stats, enable_rank_mask, active_rank_mask, backend=backend,
         timeout_s=timeout_s)
-    call_eplb_n = eplb_n if eplb_local_stats is not None else 0
     _ops.expert_major_build.default(
         workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
         max_tokens_per_expert, call_eplb_n, user_rows, token_selected_experts.element_size(),
