@@ -151,7 +151,7 @@ class ExpertMajorPoint:
     # ---- checks ----
     def check(self) -> Optional[str]:
         point, s = self.point, self.set
-        ref = reference_dispatch_expert_major(s.ids, [[self._hidden(r).cpu()] for r in range(point.ep)],
+        ref = reference_dispatch_expert_major([i.cpu() for i in s.ids], [[self._hidden(r).cpu()] for r in range(point.ep)],
                                               [s.payloads[r][2].cpu() for r in range(point.ep)], ep_size=point.ep,
                                               num_experts=point.preset.num_experts,
                                               max_tokens_per_expert=point.ep * point.tokens)
