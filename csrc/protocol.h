@@ -43,6 +43,15 @@
 // dispatch n and combine n of every rank carry epoch n = 1, 2, ... (uint32,
 // compared wrap-safe).
 //
+// Flags count shares: a flag word (dispatch_flag[s] and combine_flag[s] in a
+// rank's header, own pull_done) grows by kFlagShares for every call of its
+// writer, so call n is complete once the word reached flag_target(n) =
+// n * kFlagShares (uint32, compared wrap-safe). A writer that is one thread
+// (the CPU) adds the whole kFlagShares with one release store; a CUDA grid
+// of G CTAs adds it in shares, each CTA releasing its own (cta_share: CTA 0
+// kFlagShares - (G - 1), the others 1) once its part is written, so no CTA
+// waits for another before a peer may read, and the reader needs not know G.
+//
 // dispatch n on rank s (n = own dispatch_epoch + 1; requires own
 // dispatch_epoch == own combine_epoch, else "two dispatches in a row"):
 //   0. a. n == 1 (the first dispatch since initialize): acquire-wait until
@@ -52,9 +61,9 @@
 //      b. only when this call's regions may cover something a rank still
 //      reads of call n - 1 (previous_call_overlap below: dispatch_end >
 //      own kHdrLastDispatchEnd, or T < own kHdrLastRuntimeMax):
-//      acquire-wait until combine_epoch >= n - 1 in every active peer p's
-//      own header (p finished pulling combine n - 1) before writing
-//      anything; then own kHdrLastDispatchEnd := dispatch_end
+//      acquire-wait until pull_done >= flag_target(n - 1) in every active
+//      peer p's own header (p finished pulling combine n - 1) before
+//      writing anything; then own kHdrLastDispatchEnd := dispatch_end
 //   1. route every local token (skip ids < 0, count and skip ids >= num_experts,
 //      drop masked-off ranks), slots = per-destination running count in
 //      increasing token index (deterministic, no atomics order)
@@ -62,10 +71,14 @@
 //      d's eplb region, recv_count[s], runtime_max[s] := T and payloads[s] :=
 //      the call's payload_signature into d's header; own recv_count[q] := 0
 //      for every masked-off q (it writes nothing here this call)
-//   3. release: dispatch_flag[s] := n in every active dest d's header
-//   4. acquire: wait until own dispatch_flag[p] >= n for every active peer p
-//   5. own dispatch_epoch := n; n == 1: own init word marked in use (also
-//      by every recorded error)
+//   3. release: add this call's shares to dispatch_flag[s] in every active
+//      dest d's header (each CTA its own, after its rows of steps 2)
+//   4. acquire: wait until own dispatch_flag[p] >= flag_target(n) for every
+//      active peer p (the own rank's included: on CUDA one CTA waits, and the
+//      own flag tells it that every CTA of its grid has read what it reads
+//      of the own header and released)
+//   5. own kHdrLast* words and dispatch_epoch := n; n == 1: own init word
+//      marked in use (also by every recorded error)
 //   The equal-T check: own runtime_max[p] == own runtime_max[s] for every
 //   active peer p, else kErrorRuntimeMaxMismatch with the mask of those
 //   peers (the contract wants T equal on all ranks for one call: a peer with
@@ -86,11 +99,15 @@
 // from dispatch_end n):
 //   1. stage: copy the first recv_count[s] rows of payload[s] into own combine
 //      region (skipped when the payload already lives there)
-//   2. release: combine_flag[r] := n in every active peer p's header
-//   3. acquire: wait until own combine_flag[p] >= n for every active peer p
+//   2. release: add this call's shares to combine_flag[r] in every active
+//      peer p's header (each CTA its own, after its staged rows)
+//   3. acquire: wait until own combine_flag[p] >= flag_target(n) for every
+//      active peer p; own combine_epoch := n (on CUDA by CTA 0, once the own
+//      flag tells it that every CTA of its grid has read the epochs)
 //   4. pull: out[t] = sum over route[t] (ascending rank) of
 //      combine_region_of(rank)[r][slot], accumulated in fp32, zeros when empty
-//   5. own combine_epoch := n (release: dispatch step 0 of the peers reads it)
+//   5. release: add this call's shares to own pull_done (each CTA its own,
+//      after its pulls: dispatch step 0b of the peers reads it)
 //
 // Why no extra barrier is needed between calls (buffer reuse chain):
 //   * rank s's dispatch n+1 writes into peer d's planes only after s's combine
@@ -241,21 +258,21 @@ constexpr int64_t kHdrInvalidExpertCount = 48;  // int64, own, cumulative since 
 constexpr int64_t kHdrLastLocalTokens = 56;     // int32, own: last dispatch's local_num_tokens
 constexpr int64_t kHdrLastRuntimeMax = 60;      // int32, own: last dispatch's T
 constexpr int64_t kHdrLastTopK = 64;            // int32, own: last dispatch's top_k
-// CUDA scratch, own, zero between calls: how many CTAs of the running
-// dispatch / combine kernel have finished writing (the last one to arrive
-// resets it and raises the flags; see csrc/cuda/device.cuh).
-constexpr int64_t kHdrDispatchArrivals = 68;     // uint32
-constexpr int64_t kHdrCombineArrivals = 72;      // uint32: CTAs done staging
-constexpr int64_t kHdrCombineDoneArrivals = 76;  // uint32: CTAs done pulling
-constexpr int64_t kHdrLastDispatchEnd = 80;      // int64, own: CallLayout::dispatch_end of the last dispatch
+// uint32, own: flag_target(n) once combine n finished pulling (protocol
+// step 5 of combine; read by the peers' dispatch step 0b).
+constexpr int64_t kHdrPullDone = 68;
+// CUDA scratch, own: the pull tasks a combine's warps claimed beyond their
+// first (csrc/cuda/combine.cu; small grids only), word [n & 1] for combine
+// n. Combine n zeroes word [(n + 1) & 1], which combine n - 1 used and
+// combine n + 1 uses: the kernels of one rank run in stream order, so no CTA
+// of either is running, and no CTA needs to wait for the others to reset it.
+constexpr int64_t kHdrCombineClaims = 72;    // uint32 [2]
+constexpr int64_t kHdrLastDispatchEnd = 80;  // int64, own: CallLayout::dispatch_end of the last dispatch
 // CUDA scratch, own, zero between calls: claim counter 0 of a large dispatch
 // (below), the only one where a grid has few warps (ep 8 on an H200). In this
 // line it measured 0.5% faster than in a line of its own (ep 8 x 4096 tokens,
 // docs/performance.md, 'Design decisions and their measured effect').
 constexpr int64_t kHdrDispatchClaim0 = 88;  // uint32
-// CUDA scratch, own, zero between calls: the pull tasks a combine's warps
-// claimed beyond their first (csrc/cuda/combine.cu; small grids only).
-constexpr int64_t kHdrCombineClaim = 92;  // uint32
 // Expert-major receive layout (ExpertMajorLayout below), own: written by
 // expert_major_build, read by the expert-major combine.
 //   dropped  int64, cumulative since initialize: (token, local expert) pairs
@@ -297,7 +314,8 @@ constexpr int64_t kHdrDispatchRouted =
 // dispatch claimed beyond each warp's first, from kClaimCounters counters
 // (the launch picks how many are used; see csrc/cuda/dispatch.cu, step 3):
 // counter 0 at kHdrDispatchClaim0, counters 1.. each in its own 128-byte
-// line. The CTA that arrives last resets them.
+// line. The CTA that waits in step 4 resets them (every CTA has claimed its
+// last task before it released its share).
 constexpr int kClaimCounters = 16;
 constexpr int64_t kClaimStride = 128;
 constexpr int64_t kHdrDispatchClaims =
@@ -375,12 +393,29 @@ MOE_A2A_HD int64_t received_rows(int32_t recv_count, int64_t runtime_max_tokens)
 // Wrap-safe "epoch a has reached b".
 MOE_A2A_HD bool epoch_reached(uint32_t a, uint32_t b) { return int32_t(a - b) >= 0; }
 
+// ---- flags (the Protocol section's shares) ---------------------------------
+// A flag word grows by kFlagShares per call of its writer; more than any grid
+// has CTAs, so that every CTA's share is at least 1.
+constexpr uint32_t kFlagShares = uint32_t(1) << 16;
+// The value of a flag word once calls 1..n of its writer are complete.
+MOE_A2A_HD uint32_t flag_target(uint32_t epoch) { return epoch * kFlagShares; }
+// What CTA `cta` of a grid of `ctas` CTAs adds to a flag word per call.
+MOE_A2A_HD uint32_t cta_share(uint32_t cta, uint32_t ctas) { return cta == 0 ? kFlagShares - (ctas - 1) : 1u; }
+static_assert(kMaxDispatchCtas < kFlagShares, "every CTA of a grid has a share of at least 1");
+
 // ---- expert -> rank (contract: contiguous ranges, the first E % R ranks own
 // E / R + 1 experts, the rest E / R) -----------------------------------------
-MOE_A2A_HD int expert_to_rank(int64_t expert, int64_t num_experts, int64_t ep_size) {
-  const int64_t base = num_experts / ep_size, extra = num_experts % ep_size;
-  const int64_t boundary = extra * (base + 1);
+// In any integer type I that holds num_experts: the CUDA dispatch fills its
+// table of at most 4096 experts with 32-bit divisions, where a 64-bit one is
+// a subroutine call.
+template <typename I>
+MOE_A2A_HD int expert_to_rank_in(I expert, I num_experts, I ep_size) {
+  const I base = num_experts / ep_size, extra = num_experts % ep_size;
+  const I boundary = extra * (base + 1);
   return expert < boundary ? int(expert / (base + 1)) : int(extra + (expert - boundary) / base);
+}
+MOE_A2A_HD int expert_to_rank(int64_t expert, int64_t num_experts, int64_t ep_size) {
+  return expert_to_rank_in<int64_t>(expert, num_experts, ep_size);
 }
 
 // ---- per-call layout --------------------------------------------------------

@@ -149,7 +149,9 @@ def test_routing_contract(device):
 
 def test_consecutive_round_trips_reuse_workspace(device):
     """Several rounds on one workspace with a different runtime_max and payload
-    list each time; epochs advance by one per round on every rank."""
+    list each time (so grids of other sizes on CUDA); epochs advance by one per
+    round on every rank, and every flag word by exactly one call's shares
+    (protocol.h: flags count shares, whatever the grid that added them)."""
     base = Case(4, (16, 16, 16, 16), 4, 11, hidden=128, max_num_tokens=32,
                 extras=(PayloadSpec(FP8, (64,)), PayloadSpec(torch.int32, (3,))))
     sim = make_sim(base, device)
@@ -170,6 +172,10 @@ def test_consecutive_round_trips_reuse_workspace(device):
         for r in range(4):
             assert header_i32(sim.workspace, r, layout.HDR_DISPATCH_EPOCH) == i
             assert header_i32(sim.workspace, r, layout.HDR_COMBINE_EPOCH) == i
+            flags = [header_i32(sim.workspace, r, base + 4 * p) for base in (layout.HDR_DISPATCH_FLAGS,
+                                                                             layout.HDR_COMBINE_FLAGS) for p in range(4)]
+            flags.append(header_i32(sim.workspace, r, layout.HDR_PULL_DONE))
+            assert flags == [i * layout.FLAG_SHARES] * 9, (i, r, flags)
 
 
 def test_random_rounds_reuse_workspace(device):

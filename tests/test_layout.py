@@ -159,6 +159,14 @@ def test_every_header_offset_is_mirrored():
     assert not missing and not wrong, f"missing in layout.py: {missing}; different: {wrong}"
 
 
+def test_flag_shares_are_mirrored():
+    """protocol.h's kFlagShares, the growth of a flag word per call, has its twin."""
+    text = (pathlib.Path(__file__).parents[1] / "csrc" / "protocol.h").read_text()
+    shift = re.search(r"kFlagShares = uint32_t\(1\) << (\d+);", text)
+    assert shift is not None, "protocol.h parse found no kFlagShares"
+    assert layout.FLAG_SHARES == 1 << int(shift.group(1))
+
+
 def test_every_error_code_is_mirrored():
     """protocol.h's ErrorCode values and CombineMismatch bits have twins in layout.py
     (check_errors and describe_error read records with them)."""
@@ -173,13 +181,15 @@ def test_every_error_code_is_mirrored():
 
 
 def test_claim_counters_have_words_of_their_own():
-    """A large dispatch's claim counters and the combine's claim word (CUDA scratch,
-    reset by the last CTA) share no byte with another header word: counter 0 and the
-    combine's word in the free tail of the header's first line, the other counters
-    each in its own CLAIM_STRIDE line at the header's end."""
+    """A large dispatch's claim counters and the combine's two claim words (CUDA
+    scratch) share no byte with another header word: counter 0 and the combine's
+    words in the header's first line, the other counters each in its own
+    CLAIM_STRIDE line at the header's end."""
     offsets = [layout.claim_counter_offset(c) for c in range(layout.CLAIM_COUNTERS)]
-    assert offsets[0] >= layout.HDR_LAST_DISPATCH_END + 8 and offsets[0] + 4 <= layout.HDR_DISPATCH_FLAGS
-    assert offsets[0] + 4 <= layout.HDR_COMBINE_CLAIM and layout.HDR_COMBINE_CLAIM + 4 <= layout.HDR_DISPATCH_FLAGS
+    assert offsets[0] >= layout.HDR_LAST_DISPATCH_END + 8 and offsets[0] + 4 <= layout.HDR_DROPPED_PAIR_COUNT
+    assert layout.HDR_PULL_DONE + 4 <= layout.HDR_COMBINE_CLAIMS
+    assert layout.HDR_COMBINE_CLAIMS >= layout.HDR_LAST_TOP_K + 4
+    assert layout.HDR_COMBINE_CLAIMS + 8 <= layout.HDR_LAST_DISPATCH_END
     lines = [o // layout.CLAIM_STRIDE for o in offsets[1:]]
     assert len(set(lines)) == len(lines), "counters 1.. share a line"
     assert all(layout.HDR_DISPATCH_CLAIMS <= o and o + 4 <= layout.HEADER_BYTES and o % 4 == 0 for o in offsets[1:])

@@ -46,6 +46,10 @@ VERSION = 1
 # A row's init word (HDR_MAGIC) is MAGIC in its low INIT_TAG_SHIFT bits and a
 # tag above them (csrc/protocol.h: init_word).
 INIT_TAG_SHIFT = 48
+# A flag word (dispatch and combine flags, HDR_PULL_DONE) grows by FLAG_SHARES
+# per call of its writer: it reads n * FLAG_SHARES (mod 2**32) once calls 1..n
+# are complete (csrc/protocol.h: flag_target).
+FLAG_SHARES = 1 << 16
 
 # ---- error codes ----------------------------------------------------------------
 ERROR_NONE = 0
@@ -77,12 +81,10 @@ HDR_INVALID_EXPERT_COUNT = 48
 HDR_LAST_LOCAL_TOKENS = 56
 HDR_LAST_RUNTIME_MAX = 60
 HDR_LAST_TOP_K = 64
-HDR_DISPATCH_ARRIVALS = 68  # CUDA grid scratch
-HDR_COMBINE_ARRIVALS = 72  # CUDA grid scratch
-HDR_COMBINE_DONE_ARRIVALS = 76  # CUDA grid scratch
+HDR_PULL_DONE = 68  # uint32: flag_target(n) once combine n pulled (protocol.h, flags count shares)
+HDR_COMBINE_CLAIMS = 72  # CUDA grid scratch, uint32 [2]: [n & 1] the pull tasks claimed by combine n
 HDR_LAST_DISPATCH_END = 80  # dispatch step 0 (protocol.h)
 HDR_DISPATCH_CLAIM0 = 88  # CUDA grid scratch: claim counter 0 of large dispatches
-HDR_COMBINE_CLAIM = 92  # CUDA grid scratch: pull tasks claimed by a small grid's combine
 # Expert-major layout (protocol.h, ExpertMajorLayout), own words written by expert_major_build:
 HDR_DROPPED_PAIR_COUNT = 96  # int64, cumulative: pairs beyond max_tokens_per_expert
 HDR_EXPERT_MAJOR_END = 104  # int64: the last build's expert-major combine offset

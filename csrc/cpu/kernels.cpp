@@ -175,20 +175,21 @@ WaitResult wait_for_peers(const WorkspaceView& ws, const SyncParams& sync, Ready
   }
 }
 
-// Waits until the uint32 *word_of(p) reached `epoch` for every active rank p.
+// Waits until the uint32 *word_of(p) reached `target` (wrap-safe) for every active rank p.
 template <typename WordOf>
-WaitResult wait_for_words(const WorkspaceView& ws, const SyncParams& sync, WordOf word_of, uint32_t epoch,
+WaitResult wait_for_words(const WorkspaceView& ws, const SyncParams& sync, WordOf word_of, uint32_t target,
                           ErrorCode code_on_timeout) {
   return wait_for_peers(
-      ws, sync, [&](int p) { return epoch_reached(__atomic_load_n(word_of(p), __ATOMIC_ACQUIRE), epoch); },
+      ws, sync, [&](int p) { return epoch_reached(__atomic_load_n(word_of(p), __ATOMIC_ACQUIRE), target); },
       code_on_timeout);
 }
 
-// Waits for the flags[p] (at flags_offset) of the own header.
+// Waits for the flags[p] (at flags_offset) of the own header: call `epoch` of every peer complete.
 WaitResult wait_for_own_flags(const WorkspaceView& ws, const SyncParams& sync, int64_t flags_offset, uint32_t epoch,
                               ErrorCode code_on_timeout) {
   uint8_t* own = ws.row(ws.ep_rank);
-  return wait_for_words(ws, sync, [&](int p) { return flag_word(own, flags_offset, p); }, epoch, code_on_timeout);
+  return wait_for_words(
+      ws, sync, [&](int p) { return flag_word(own, flags_offset, p); }, flag_target(epoch), code_on_timeout);
 }
 
 // The equal-T and equal-payloads checks (protocol.h) after dispatch step 4:
@@ -215,12 +216,20 @@ WaitResult check_peer_calls(const WorkspaceView& ws, const SyncParams& sync, con
   return WaitResult{};
 }
 
-// Publishes `epoch` in flags[ep_rank] of every active rank's header.
+// Publishes call `epoch` in flags[ep_rank] of every active rank's header: the
+// whole call's shares at once (protocol.h: flags count shares), one writer.
 void release_to_peers(const WorkspaceView& ws, const SyncParams& sync, int64_t flags_offset, uint32_t epoch) {
   for (int d = 0; d < ws.ep_size; ++d) {
     if (!rank_active(sync, d)) continue;
-    __atomic_store_n(flag_word(ws.row(d), flags_offset, ws.ep_rank), epoch, __ATOMIC_RELEASE);
+    __atomic_store_n(flag_word(ws.row(d), flags_offset, ws.ep_rank), flag_target(epoch), __ATOMIC_RELEASE);
   }
+}
+
+// Combine step 5: own combine_epoch := n, and (release) pull_done: peers'
+// next dispatch waits on it before overwriting anything this pull read.
+void finish_combine(uint8_t* own, uint32_t epoch) {
+  store<uint32_t>(own, kHdrCombineEpoch, epoch);
+  __atomic_store_n(reinterpret_cast<uint32_t*>(own + kHdrPullDone), flag_target(epoch), __ATOMIC_RELEASE);
 }
 
 const int32_t* route_of(const uint8_t* own_row, int64_t route_offset, int64_t token) {
@@ -501,12 +510,12 @@ WaitResult dispatch(const DispatchParams& p) {
   // 0b. When this call's regions may cover what slower ranks still read of
   // call n-1 (their combine regions, or their own routes: protocol.h), write
   // nothing before every active rank finished combine n-1 (its own
-  // combine_epoch, advanced with a release store after its pull).
+  // pull_done, advanced with a release store after its pull).
   if (previous_call_overlap(p.layout.dispatch_end, load<int64_t>(own, kHdrLastDispatchEnd), p.runtime_max_tokens,
                             load<int32_t>(own, kHdrLastRuntimeMax))) {
     const WaitResult previous = wait_for_words(
-        ws, p.sync, [&](int q) { return reinterpret_cast<const uint32_t*>(ws.row(q) + kHdrCombineEpoch); }, epoch - 1,
-        kErrorDispatchTimeout);
+        ws, p.sync, [&](int q) { return reinterpret_cast<const uint32_t*>(ws.row(q) + kHdrPullDone); },
+        flag_target(epoch - 1), kErrorDispatchTimeout);
     if (previous.code != kErrorNone) return previous;
   }
   store<int64_t>(own, kHdrLastDispatchEnd, p.layout.dispatch_end);
@@ -649,9 +658,7 @@ WaitResult combine(const CombineParams& p) {
         break;
     }
   }
-  // Release: peers' next dispatch waits on this word before overwriting
-  // anything this pull may still read (dispatch step 0).
-  __atomic_store_n(reinterpret_cast<uint32_t*>(own + kHdrCombineEpoch), epoch, __ATOMIC_RELEASE);
+  finish_combine(own, epoch);
   return result;
 }
 
@@ -903,7 +910,7 @@ WaitResult combine_expert_major(const ExpertMajorCombineParams& ep) {
       pull_reduce_expert_major_to<c10::BFloat16>(ep);
       break;
   }
-  __atomic_store_n(reinterpret_cast<uint32_t*>(own + kHdrCombineEpoch), epoch, __ATOMIC_RELEASE);
+  finish_combine(own, epoch);
   return result;
 }
 

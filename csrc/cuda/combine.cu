@@ -49,9 +49,14 @@ struct CombineArgs {
   int pull_elems;      // elements per vector access of the pull
   int pull_lane_bits;  // log2 of the lanes that sum one row
   int pull_segments;   // per row
-  bool claim_pull;     // warps claim their tasks after the first from kHdrCombineClaim
+  bool claim_pull;     // warps claim their tasks after the first from kHdrCombineClaims
   bool prefetch;       // step 3a
 };
+
+// The own claim word of combine `epoch` (protocol.h, kHdrCombineClaims).
+__device__ __forceinline__ uint32_t* combine_claim_word(uint8_t* own, uint32_t epoch) {
+  return header_word<uint32_t>(own, kHdrCombineClaims + int64_t(sizeof(uint32_t)) * (epoch & 1u));
+}
 
 // 1. Stage: the first rows[s] rows of payload[s] for every active source s
 // (rows: recv_count[s], loaded with the epochs) into the own combine region.
@@ -86,7 +91,7 @@ __device__ void stage_rows(const CombineArgs& a, const int32_t* rows) {
 // Work items are (token, segment) pairs; a warp task is the items of the
 // kWarpSize / lanes groups of one warp. Warp w of CTA b takes task b * kWarps
 // + w first. Its later tasks: with claim_pull, the grid's warp count plus
-// what its claim on the own kHdrCombineClaim returned (the claim for the
+// what its claim on the own kHdrCombineClaims word of this call returned (the claim for the
 // next task issued before the current one is pulled), so that warps whose
 // rows come early take more; otherwise by the grid's warp count. Claims
 // serve only grids that one counter can serve (kWarpsPerClaimCounter): with
@@ -94,7 +99,7 @@ __device__ void stage_rows(const CombineArgs& a, const int32_t* rows) {
 // word made the pull 1.7x slower (docs/performance.md, 'Design decisions and
 // their measured effect'). The sums do not depend on which warp pulls an item.
 template <typename In, typename Out, int kElems>
-__device__ void pull_rows(const CombineArgs& a) {
+__device__ void pull_rows(const CombineArgs& a, uint32_t epoch) {
   using InVec = Packed<typename In::Bits, kElems>;
   using OutVec = Packed<typename Out::Bits, kElems>;
   using InRaw = decltype(InVec::raw);
@@ -194,9 +199,10 @@ __device__ void pull_rows(const CombineArgs& a) {
     }
   };
   const int64_t grid_warps = int64_t(gridDim.x) * kWarps;
+  uint32_t* claims = combine_claim_word(own, epoch);
   for (int64_t task = int64_t(blockIdx.x) * kWarps + warp_id(); (task << task_bits) < items;) {
     uint32_t claimed = 0;
-    if (a.claim_pull && lane == 0) claimed = atomicAdd(header_word<uint32_t>(own, kHdrCombineClaim), 1u);
+    if (a.claim_pull && lane == 0) claimed = atomicAdd(claims, 1u);
     const int64_t item = (task << task_bits) + (lane >> a.pull_lane_bits);
     if (item < items) pull_item(item);
     task = grid_warps + (a.claim_pull ? int64_t(__shfl_sync(kFullWarp, claimed, 0)) : task);
@@ -227,11 +233,11 @@ __device__ __noinline__ void prefetch_own_rows(const CombineArgs& a, const int32
 // pull_rows with the vector width picked at run time, from the widest (a
 // quantized output always has the widest: launch_combine).
 template <typename In, typename Out, int kElems = In::kMaxElems>
-__device__ void pull_rows_any(const CombineArgs& a) {
+__device__ void pull_rows_any(const CombineArgs& a, uint32_t epoch) {
   if constexpr (kElems > 1 && !IsQuantized<Out>::value) {
-    if (a.pull_elems != kElems) return pull_rows_any<In, Out, kElems / 2>(a);
+    if (a.pull_elems != kElems) return pull_rows_any<In, Out, kElems / 2>(a, epoch);
   }
-  pull_rows<In, Out, kElems>(a);
+  pull_rows<In, Out, kElems>(a, epoch);
 }
 
 template <typename In, typename Out>
@@ -283,12 +289,12 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   }
   const uint32_t epoch = combine_epoch + 1;
 
-  // 1. Stage, and 2. release: the last CTA publishes the whole grid's staging
-  // (device.cuh explains the chain) to the peers and to this grid's own CTAs.
-  // Without staging (the payload already in the combine region, written by
-  // earlier kernels, which the kernel boundary orders) this grid wrote nothing
-  // that needs publishing, and it read nothing a peer will overwrite: CTA 0
-  // raises the flags at once, without the arrival's fences and counter.
+  // 1. Stage, and 2. release: every CTA publishes its staged rows with its
+  // share of each peer's flag (device.cuh explains the chain), to the peers
+  // and to this grid's own CTAs. Without staging (the payload already in the
+  // combine region, written by earlier kernels, which the kernel boundary
+  // orders) a CTA's share publishes nothing but its reads of the own header,
+  // which may_proceed's barrier ordered before it.
   const bool system = a.sync_settings.system;
   if (a.stage) {
     if constexpr (In::kLowPrecision) {
@@ -296,28 +302,24 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
     } else {
       stage_rows(a, recv_count);
     }
+    __syncthreads();
   }
-  const bool raise = a.stage ? arrive_last(header_word<uint32_t>(own, kHdrCombineArrivals), system) : blockIdx.x == 0;
-  if (raise) raise_flags(ws, p.sync, kHdrCombineFlags, epoch, system);
+  release_share(ws, p.sync, kHdrCombineFlags, system);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *combine_claim_word(own, epoch + 1) = 0;
   if (a.prefetch) prefetch_own_rows(a, recv_count);
   if constexpr (IsQuantized<Out>::value) zero_scale_padding(p);
 
   // 3. Acquire: every CTA, so that each one's pull loads follow its own
-  // acquire of every flag (own rank's included).
+  // acquire of every flag (own rank's included). The own flag tells CTA 0
+  // that every CTA of this grid has read the epochs: it advances the own one.
   if (!wait_for_flags(ws, p.sync, kHdrCombineFlags, epoch, kErrorCombineTimeout, a.sync_settings)) return;
   allow_dependent_launch();
+  if (blockIdx.x == 0 && threadIdx.x == 0) *header_word<uint32_t>(own, kHdrCombineEpoch) = epoch;
 
-  // 4. Pull.
-  pull_rows_any<In, Out>(a);
-
-  // 5. Advance once every CTA finished pulling, with a release store: a
-  // peer's dispatch step 0 reads this word before it overwrites regions this
-  // pull read (arrive_last's fences carry every CTA's loads along). Every
-  // CTA read the epochs before it arrived; only the last one writes.
-  if (arrive_last(header_word<uint32_t>(own, kHdrCombineDoneArrivals), system) && threadIdx.x == 0) {
-    if (a.claim_pull) *header_word<uint32_t>(own, kHdrCombineClaim) = 0;  // every warp claimed its last task
-    st_release(header_word<uint32_t>(own, kHdrCombineEpoch), epoch, system);
-  }
+  // 4. Pull, 5. release this CTA's share of pull_done: a peer's dispatch
+  // step 0 reads it before it overwrites regions this pull read.
+  pull_rows_any<In, Out>(a, epoch);
+  release_pull_done(own, system);
 }
 
 int64_t dtype_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }

@@ -15,27 +15,27 @@
 // Payload rows, receive counts and EPLB rows are ordinary stores: the flag
 // that follows them is what publishes them.
 //
-// * Publishing the work of a whole grid (dispatch flags, and combine flags
-//   when the combine stages its payload; without staging the combine grid
-//   wrote nothing to publish, and CTA 0 raises its flags at once). The
-//   rows are written by every thread of every CTA, but one thread of the last
-//   CTA raises the flag. The chain, for a CTA X and the last CTA L:
-//     X's threads store rows -> __syncthreads (bar.sync orders them before
-//     thread 0's next operations) -> X.thread0: fence.acq_rel.sys, then
-//     atomicAdd on the arrival counter (a release pattern) -> L.thread0's
-//     atomicAdd reads a value that X's increment is part of (observation
-//     order runs through the chain of read-modify-writes) ->
-//     L.thread0: fence.acq_rel.sys (an acquire pattern) -> __syncthreads
-//     -> L.thread d: st.release.sys flag into rank d's header.
-//   Causality order is transitive across these steps, so a peer that
-//   acquire-loads the flag and sees the new epoch also sees every row of
-//   every CTA of the grid. The release store itself orders the storing
-//   thread's own earlier accesses; the fences are what carry the other
-//   threads' stores along.
-// * A release also orders earlier LOADS: when rank r raises its combine
-//   flag, r's own reads of the data a peer will overwrite next (recv_count
+// * Publishing the work of a grid (flags count shares, protocol.h): every
+//   CTA publishes its own part. The rows are written by every thread of the
+//   CTA; after a barrier, thread d adds the CTA's share to the flag word of
+//   rank d with red.release.sys. The chain, for a thread X of the CTA:
+//     X stores rows -> __syncthreads (bar.sync: X's stores are ordered
+//     before every later operation of the CTA's threads) -> thread d:
+//     red.release.sys (a release: cumulative, it carries what its thread has
+//     observed, X's stores included) -> the peer's ld.acquire.sys reads a
+//     value that this add is part of (the adds of one word form a chain of
+//     read-modify-writes, and a later add in it carries the earlier ones
+//     along) -> the peer reads the rows.
+//   A peer that sees flag_target(n) has seen every CTA's add, so it sees
+//   every row of every CTA of the grid. No CTA waits for another before it
+//   releases, and no counter is read back: each CTA's part is published as
+//   soon as it is written.
+// * A release also orders earlier LOADS: when rank r releases its combine
+//   shares, r's own reads of the data a peer will overwrite next (recv_count
 //   rows read by the staging, the receive planes read by r's MoE before this
-//   kernel) are complete. That is the buffer-reuse chain of protocol.h.
+//   kernel) are complete, and so, when it releases its pull_done shares, are
+//   its pull's reads of the peers' combine regions. That is the buffer-reuse
+//   chain of protocol.h.
 // * Consuming: one thread per peer acquire-loads the peer's flag in the own
 //   header, then __syncthreads hands what it observed to the whole CTA; loads
 //   after the barrier see the published rows. Data read by LATER kernels
@@ -44,9 +44,9 @@
 // * Own epochs and own scratch are read and written only by this rank's
 //   kernels, which its stream serializes (griddepcontrol.wait under PDL waits
 //   for the previous grid's completion and memory flush). Inside one kernel,
-//   every CTA reads the epochs before it arrives, and only the last CTA,
-//   which saw every arrival, writes them, so no CTA reads a half-advanced
-//   epoch.
+//   every CTA reads the epochs before it releases its share of the own
+//   rank's flag, and only CTA 0 writes them, after its acquire of that flag
+//   saw every CTA's share, so no CTA reads a half-advanced epoch.
 // * Error records: the first error of a rank claims kHdrErrorCode by CAS, so
 //   exactly one thread fills the record. Other CTAs poll the code with relaxed
 //   loads only to stop waiting; no data depends on it. The host mailbox gets
@@ -152,6 +152,15 @@ __device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* p) {
 
 __device__ __forceinline__ void st_release_gpu(uint32_t* p, uint32_t v) {
   asm volatile("st.release.gpu.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// A flag's share (no value returned: the adding thread does not wait for it).
+__device__ __forceinline__ void red_release_add(uint32_t* p, uint32_t v, bool system) {
+  if (system) {
+    asm volatile("red.release.sys.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  } else {
+    asm volatile("red.release.gpu.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  }
 }
 
 // The same at the scope of a launch (SyncSettings::system).
@@ -323,42 +332,17 @@ __device__ __forceinline__ uint32_t load_error_code(uint8_t* own) {
   return threadIdx.x == 0 ? ld_relaxed_gpu(header_word<uint32_t>(own, kHdrErrorCode)) : kErrorNone;
 }
 
-// ---- grid arrival -----------------------------------------------------------------------------
+// ---- releasing a share -------------------------------------------------------------------
 
-// Every CTA calls it once, after all of its writes that a flag must publish;
-// returns true in every thread of the last CTA to arrive, which also resets
-// the counter for the next call. The fences make this the first half of the
-// publishing chain described at the top.
-__device__ inline bool arrive_last(uint32_t* counter, bool system) {
-  __shared__ bool last;
-  __syncthreads();
-  if (gridDim.x == 1) {
-    // The only CTA is the last: the barrier and one fence carry its threads'
-    // writes, without two more round trips to the counter in memory.
-    if (threadIdx.x == 0) fence(system);
-    __syncthreads();
-    return true;
-  }
-  if (threadIdx.x == 0) {
-    fence(system);
-    last = atomicAdd(counter, 1u) == gridDim.x - 1;
-    if (last) {
-      // Every CTA has arrived: nobody else touches the counter in this grid.
-      atomicExch(counter, 0u);
-      fence(system);
-    }
-  }
-  __syncthreads();
-  return last;
-}
-
-// Publishes `epoch` in flags[own rank] of every active rank's header (thread d
-// writes rank d's). Call after arrive_last() returned true.
-__device__ inline void raise_flags(const WorkspaceView& ws, const SyncParams& sync, int64_t flags_offset,
-                                   uint32_t epoch, bool system) {
+// Adds this CTA's share (cta_share) of the running call to flags[own rank]
+// of every active rank's header (thread d adds to rank d's). Call it after
+// a barrier that follows every write and read of the CTA that the flag
+// publishes (the ordering is at the top of this file).
+__device__ inline void release_share(const WorkspaceView& ws, const SyncParams& sync, int64_t flags_offset,
+                                     bool system) {
   const int d = threadIdx.x;
   if (d < ws.ep_size && rank_active(sync, d)) {
-    st_release(flag_of(ws.row(d), flags_offset, ws.ep_rank), epoch, system);
+    red_release_add(flag_of(ws.row(d), flags_offset, ws.ep_rank), cta_share(blockIdx.x, gridDim.x), system);
   }
 }
 
@@ -414,21 +398,30 @@ __device__ inline bool wait_for_peers(const WorkspaceView& ws, const SyncParams&
   return missed == 0 && aborted == 0;
 }
 
-// wait_for_peers until the word word_of(p) reached `epoch` for every active rank p.
+// wait_for_peers until the word word_of(p) reached `target` (wrap-safe) for every active rank p.
 template <typename WordOf>
-__device__ inline bool wait_for_words(const WorkspaceView& ws, const SyncParams& sync, WordOf word_of, uint32_t epoch,
+__device__ inline bool wait_for_words(const WorkspaceView& ws, const SyncParams& sync, WordOf word_of, uint32_t target,
                                       uint32_t code_on_timeout, const SyncSettings& settings) {
   return wait_for_peers(
-      ws, sync, [&](int p) { return epoch_reached(ld_acquire(word_of(p), settings.system), epoch); }, code_on_timeout,
+      ws, sync, [&](int p) { return epoch_reached(ld_acquire(word_of(p), settings.system), target); }, code_on_timeout,
       settings);
 }
 
-// wait_for_words on flags[p] of the own header.
+// wait_for_words on flags[p] of the own header: every share of call `epoch`.
 __device__ inline bool wait_for_flags(const WorkspaceView& ws, const SyncParams& sync, int64_t flags_offset,
                                       uint32_t epoch, uint32_t code_on_timeout, const SyncSettings& settings) {
   uint8_t* own = ws.row(ws.ep_rank);
   return wait_for_words(
-      ws, sync, [&](int p) { return flag_of(own, flags_offset, p); }, epoch, code_on_timeout, settings);
+      ws, sync, [&](int p) { return flag_of(own, flags_offset, p); }, flag_target(epoch), code_on_timeout, settings);
+}
+
+// Combine step 5 (protocol.h): this CTA's share of own pull_done, once its
+// pulls are read (every thread calls it).
+__device__ inline void release_pull_done(uint8_t* own, bool system) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    red_release_add(header_word<uint32_t>(own, kHdrPullDone), cta_share(blockIdx.x, gridDim.x), system);
+  }
 }
 
 // The equal-T and equal-payloads checks (protocol.h, "runtime_max[p]" and

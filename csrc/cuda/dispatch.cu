@@ -19,10 +19,11 @@
 //     large grid would queue on one word): chunks of equal token counts do
 //     not get equal shares of the memory system, and the rank's concurrent
 //     writes stay near each other in every destination plane.
-//   * The last CTA of the grid (arrival counter in the own header) holds the
-//     per-destination totals only if it owns the last chunk, so the CTA that
-//     owns the last chunk writes the receive counts before it arrives. The
-//     last CTA to arrive raises the flags and is the only one that waits.
+//   * The CTA that owns the last chunk holds the per-destination totals and
+//     writes the receive counts. Every CTA publishes its part with its share
+//     of each destination's flag (protocol.h: flags count shares), so no CTA
+//     waits for another before a peer may read its rows; CTA 0 is the only
+//     one that waits for the peers.
 #include <algorithm>
 #include <limits>
 
@@ -172,15 +173,15 @@ __device__ __noinline__ bool first_dispatch_wait(const DispatchArgs& a) {
 // when a wait failed (recorded). 0a: first_dispatch_wait.
 // 0b: when this call's regions may cover what a rank still reads of call
 // n-1 (its combine region or its own routes), nothing is written before
-// every active rank finished pulling combine n-1 (its combine_epoch,
-// released after its last pull).
+// every active rank finished pulling combine n-1 (its pull_done, which
+// every CTA of its combine adds its share to after its last pull).
 __device__ __forceinline__ bool wait_before_writing(const DispatchArgs& a, uint32_t epoch, int64_t last_dispatch_end,
                                                     int32_t last_runtime_max) {
   const WorkspaceView& ws = a.p.ws;
   if (epoch == 1 && !first_dispatch_wait(a)) return false;
   if (previous_call_overlap(a.p.layout.dispatch_end, last_dispatch_end, a.p.runtime_max_tokens, last_runtime_max)) {
     return wait_for_words(
-        ws, a.p.sync, [&](int q) { return header_word<uint32_t>(ws.row(q), kHdrCombineEpoch); }, epoch - 1,
+        ws, a.p.sync, [&](int q) { return header_word<uint32_t>(ws.row(q), kHdrPullDone); }, flag_target(epoch - 1),
         kErrorDispatchTimeout, a.sync_settings);
   }
   return true;
@@ -262,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   const bool use_table = p.num_experts <= kRankTableExperts;
   if (use_table) {
     for (int e = threadIdx.x; e < p.num_experts; e += kThreads) {
-      rank_table[e] = static_cast<uint8_t>(expert_to_rank(e, p.num_experts, ep_size));
+      rank_table[e] = static_cast<uint8_t>(expert_to_rank_in<int32_t>(e, int32_t(p.num_experts), ep_size));
     }
   }
   if (threadIdx.x < kMaxRanks) {
@@ -310,7 +311,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   const uint32_t epoch = dispatch_epoch + 1;
 
   // 0. protocol.h dispatch step 0 (every CTA reads kHdrLastDispatchEnd and
-  // kHdrLastRuntimeMax before it arrives; the last one rewrites them).
+  // kHdrLastRuntimeMax before it releases its share; CTA 0 rewrites them
+  // once it saw every share, step 5).
   if (!(kWhole ? wait_before_writing_out_of_line(a, epoch, last_dispatch_end, last_runtime_max)
                : wait_before_writing(a, epoch, last_dispatch_end, last_runtime_max))) {
     return;
@@ -359,8 +361,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
     count_tokens(0, begin, before_token, before_set, next_slot);
   }
   __syncthreads();
-  // Without the counts the slots would be wrong: this CTA stops, so the grid
-  // never arrives and no flag publishes the call.
+  // Without the counts the slots would be wrong: this CTA stops, so its share
+  // is never released and no flag publishes the call.
   if (kWhole && grid_wait_failed) return;
 
   // 1b. The chunk, kThreads tokens per round in index order: a token's slot
@@ -528,21 +530,24 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
     }
   }
 
-  // 5. The last CTA to arrive publishes everything above (device.cuh explains
-  // the chain), then waits for the peers and advances the epoch.
+  // 5. Every CTA publishes its own part (steps 2 to 4: device.cuh explains
+  // the chain) with its share of each destination's flag; CTA 0 alone then
+  // waits for every active rank's shares. The own rank's tell it that every
+  // CTA of this grid has read the header words it reads, claimed its last
+  // task and released: only then does it write them for the next call.
   const bool system = a.sync_settings.system;
-  if (!arrive_last(header_word<uint32_t>(own, kHdrDispatchArrivals), system)) return;
-  if (kWhole && threadIdx.x < kClaimCounters) *claim_word(own, threadIdx.x) = 0;  // every warp claimed its last task
+  __syncthreads();
+  release_share(ws, p.sync, kHdrDispatchFlags, system);
+  if (blockIdx.x != 0) return;
+  const bool arrived = wait_for_flags(ws, p.sync, kHdrDispatchFlags, epoch, kErrorDispatchTimeout, a.sync_settings);
+  allow_dependent_launch();
+  if (!arrived) return;
+  if (kWhole && threadIdx.x < kClaimCounters) *claim_word(own, threadIdx.x) = 0;
   if (threadIdx.x == 0) {
     *header_word<int32_t>(own, kHdrLastLocalTokens) = static_cast<int32_t>(n);
     *header_word<int32_t>(own, kHdrLastRuntimeMax) = static_cast<int32_t>(p.runtime_max_tokens);
     *header_word<int32_t>(own, kHdrLastTopK) = static_cast<int32_t>(p.top_k);
     *header_word<int64_t>(own, kHdrLastDispatchEnd) = p.layout.dispatch_end;
-  }
-  raise_flags(ws, p.sync, kHdrDispatchFlags, epoch, system);
-  const bool arrived = wait_for_flags(ws, p.sync, kHdrDispatchFlags, epoch, kErrorDispatchTimeout, a.sync_settings);
-  allow_dependent_launch();
-  if (arrived && threadIdx.x == 0) {
     *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
     if (epoch == 1) mark_in_use(own);
   }

@@ -431,25 +431,24 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) em_combine_kernel(con
   }
   const uint32_t epoch = combine_epoch + 1;
 
-  // 1. Stage, 2. release (as combine.cu: without staging CTA 0 raises at once).
+  // 1. Stage, 2. release (as combine.cu: every CTA its share, after its staged rows).
   const bool system = a.sync_settings.system;
   if (a.stage) {
     __shared__ int32_t prefix[kMaxLocalExperts + 1];
     pair_starts(own, a.p.layout.counts_offset, a.p.num_local, a.p.layout.tokens_per_expert, prefix);
     stage_expert_rows(a, prefix);
+    __syncthreads();
   }
-  const bool raise = a.stage ? arrive_last(header_word<uint32_t>(own, kHdrCombineArrivals), system) : blockIdx.x == 0;
-  if (raise) raise_flags(ws, c.sync, kHdrCombineFlags, epoch, system);
+  release_share(ws, c.sync, kHdrCombineFlags, system);
 
-  // 3. Acquire.
+  // 3. Acquire; CTA 0 advances the own epoch (as combine.cu).
   if (!wait_for_flags(ws, c.sync, kHdrCombineFlags, epoch, kErrorCombineTimeout, a.sync_settings)) return;
   allow_dependent_launch();
+  if (blockIdx.x == 0 && threadIdx.x == 0) *header_word<uint32_t>(own, kHdrCombineEpoch) = epoch;
 
-  // 4. Pull, 5. advance once every CTA finished pulling (release, as combine.cu).
+  // 4. Pull, 5. this CTA's share of pull_done (as combine.cu).
   pull_expert_rows_any<In, Out>(a);
-  if (arrive_last(header_word<uint32_t>(own, kHdrCombineDoneArrivals), system) && threadIdx.x == 0) {
-    st_release(header_word<uint32_t>(own, kHdrCombineEpoch), epoch, system);
-  }
+  release_pull_done(own, system);
 }
 
 int64_t em_dtype_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
