@@ -6,8 +6,11 @@
 # cmake (default: all four), and, not by default: counters (Nsight
 # Compute's DRAM and L2 counters of the fan-out program, about a minute),
 # replay (`bench --graph all-ranks`, with `--peer flashinfer` where FlashInfer
-# imports; a few minutes) and profile (Nsight Compute's full report of the
-# ep 1 x 128-token kernels, benchmarks/profile_point.py).
+# imports; a few minutes), ab (the same benchmark on a short grid, once per
+# variant of $MOE_A2A_AB_VARIANTS, side by side: a same-run comparison of
+# code paths that environment variables select, or of another source tree
+# built in place; about a minute a variant) and profile (Nsight Compute's
+# full report of the ep 1 x 128-token kernels, benchmarks/profile_point.py).
 # Arguments after `--` go to pytest
 # instead of the default selection (the CUDA tests). Full logs go to $OUT
 # when it is set, else to build/gpu-logs.
@@ -41,7 +44,7 @@ build_fanout() {
 }
 
 status() { if [ "$1" -eq 0 ]; then echo PASS; elif [ "$1" -eq 255 ]; then echo "not run"; else echo "FAIL($1)"; fi; }
-rc_tests=255 rc_mem=255 rc_race=255 rc_bench=255 rc_cmake=255 rc_counters=255 rc_replay=255 rc_profile=255
+rc_tests=255 rc_mem=255 rc_race=255 rc_bench=255 rc_cmake=255 rc_counters=255 rc_replay=255 rc_profile=255 rc_ab=255
 tests_line=""
 has() { for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
@@ -115,6 +118,31 @@ if has replay; then
   rc_replay=$?
 fi
 
+if has ab; then
+  # Variants separated by ';', each a list of NAME=VALUE assignments for that
+  # run (MOE_A2A_AB_TREE=DIR: import the library from DIR, a tree built in
+  # place, run from there; MOE_A2A_AB_PEER=flashinfer: that run times the peer
+  # too); the grid from MOE_A2A_AB_EP and MOE_A2A_AB_TOKENS.
+  # The table prints the time above the launch floor of each op and variant.
+  IFS=';' read -r -a variants <<<"${MOE_A2A_AB_VARIANTS:-}"
+  [ ${#variants[@]} -eq 0 ] && variants=("")
+  rc_ab=0
+  i=0
+  for variant in "${variants[@]}"; do
+    (
+      # shellcheck disable=SC2086  # the variant is a list of assignments
+      [ -n "$variant" ] && export $variant
+      cd "${MOE_A2A_AB_TREE:-.}" &&
+        timeout 300 "$PY" -m torch_moe_a2a bench --graph all-ranks --iters 20 --ep ${MOE_A2A_AB_EP:-1 4 8} \
+          --tokens ${MOE_A2A_AB_TOKENS:-1 16 128} ${MOE_A2A_AB_PEER:+--peer "$MOE_A2A_AB_PEER"} \
+          --json "$LOG/ab-$i.json" >"$LOG/ab-$i.txt" 2>&1
+    ) || rc_ab=1
+    echo "$variant" >"$LOG/ab-$i.variant"
+    i=$((i + 1))
+  done
+  "$PY" benchmarks/ab_table.py "$LOG" >"$LOG/ab-table.txt" 2>&1 || rc_ab=1
+fi
+
 if has profile; then
   # Nsight Compute's sections (duration, throughput, occupancy, warp stalls
   # with their source lines: the build has -lineinfo) of the rounds' kernels
@@ -168,6 +196,7 @@ printf '%-28s %s\n' "CMake library (CUDA)" "$(status $rc_cmake)  $(grep -E '[0-9
 printf '%-28s %s\n' "hardware counters (ncu)" "$(status $rc_counters)"
 printf '%-28s %s\n' "per-replay benchmark" "$(status $rc_replay)"
 printf '%-28s %s\n' "profile (ncu)" "$(status $rc_profile)"
+printf '%-28s %s\n' "A/B of variants" "$(status $rc_ab)"
 if has bench; then
   echo "-------------------------------------------"
   # The smoke table, then its summary and targets (the benchmark prints them in that order).
@@ -192,6 +221,10 @@ if has replay; then
   echo "-------------------------------------------"
   tail -n 130 "$LOG/replay.txt"
 fi
-for rc in $rc_tests $rc_mem $rc_race $rc_bench $rc_cmake $rc_counters $rc_replay $rc_profile; do
+if has ab; then
+  echo "-------------------------------------------"
+  cat "$LOG/ab-table.txt"
+fi
+for rc in $rc_tests $rc_mem $rc_race $rc_bench $rc_cmake $rc_counters $rc_replay $rc_profile $rc_ab; do
   [ "$rc" -eq 0 ] || [ "$rc" -eq 255 ] || exit 1
 done

@@ -56,9 +56,31 @@ def test_the_peer_table_shows_ratios():
     peer = replay.LibraryRun("flashinfer", results={(2, 4): {
         "status": "ok", "ops": {op: 15.0 for op in replay.REPLAY_OPS}, "floor": {op: 7.0 for op in replay.REPLAY_OPS}}})
     table = replay._table(ours, peer, [(2, 4)])
-    assert "1.50x" in table and "4.0" in table and "8.0" in table, table
+    assert "1.50x" in table and "4.0" in table and "8.0" in table and "2.00x" in table, table
     summary = replay._summary(ours, peer, [(2, 4)], copy_gbps=4000.0)
-    assert "dispatch   decode grid: geomean 1.50x, min 1.50x over 1 points" in summary, summary
+    assert ("dispatch   decode grid: geomean 1.50x, min 1.50x over 1 points; above the floor: geomean 2.00x, "
+            "min 2.00x") in summary, summary
+    assert "dispatch >= 1x flashinfer at every point: min 2.00x (ep 2 T 4) ok" in summary, summary
+    assert "round-trip geomean >= 1.3x flashinfer: 2.00x over 1 points ok" in summary, summary
+
+
+def test_the_decode_targets_name_the_worst_point():
+    """Above the floor, ours 4 us everywhere; the peer 5 us, and 3 us at ep 8 T 16:
+    every ratio but one is 1.25x, so both decode targets miss, and the worst
+    point is named."""
+    points = [(1, 1), (8, 16)]
+
+    def run(name, above_us):
+        return replay.LibraryRun(name, results={key: {
+            "status": "ok", "ops": {op: 6.0 + above_us[key] for op in replay.REPLAY_OPS},
+            "floor": {op: 6.0 for op in replay.REPLAY_OPS}} for key in points})
+
+    ours = run("torch-moe-a2a", {(1, 1): 4.0, (8, 16): 4.0})
+    peer = run("flashinfer", {(1, 1): 5.0, (8, 16): 3.0})
+    summary = replay._summary(ours, peer, points, copy_gbps=4000.0)
+    assert "combine >= 1x flashinfer at every point: min 0.75x (ep 8 T 16) MISS" in summary, summary
+    assert "round-trip geomean >= 1.3x flashinfer: 0.97x over 2 points MISS" in summary, summary
+    assert "combine-ws >= 1x" not in summary, summary  # not a target op
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -68,3 +90,34 @@ def test_all_ranks_replays_of_ours_cuda():
         assert result["status"] == "ok", (key, result)
         for op in replay.REPLAY_OPS:
             assert result["ops"][op] > 0 and result["floor"][op] > 0
+
+
+def test_ab_table_sets_variants_side_by_side(tmp_path):
+    """benchmarks/ab_table.py (`./dev gpu ab`): every variant's time above the
+    floor per point and op, the peer's where a run timed it, each variant's
+    geometric mean against variant 0, and a failed point fails the table."""
+    import json
+    import pathlib
+    import subprocess
+
+    def result(above_us, status="ok"):
+        return {"status": status, "ops": {op: 5.0 + above_us for op in replay.REPLAY_OPS},
+                "floor": {op: 5.0 for op in replay.REPLAY_OPS}}
+
+    runs = [({"ep1_T1": result(4.0), "ep8_T16": result(8.0)}, None, "MOE_A2A_AB_TREE=/tmp/old"),
+            ({"ep1_T1": result(2.0), "ep8_T16": result(4.0)}, {"ep1_T1": result(3.0)}, "X=1")]
+    for i, (ours, peer, variant) in enumerate(runs):
+        data = {"ours": ours, "peer": None if peer is None else {"available": True, "results": peer}}
+        (tmp_path / f"ab-{i}.json").write_text(json.dumps(data))
+        (tmp_path / f"ab-{i}.variant").write_text(variant)
+    script = pathlib.Path(__file__).parents[1] / "benchmarks" / "ab_table.py"
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "v0: MOE_A2A_AB_TREE=/tmp/old" in out.stdout and "v1: X=1" in out.stdout, out.stdout
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:2] == ["ep1_T1", "dispatch"]]
+    assert rows == [["ep1_T1", "dispatch", "4.00", "2.00", "3.00"]], out.stdout
+    assert "v1 against v0, geomean of above-floor ratios: dispatch 2.000x" in out.stdout, out.stdout
+    runs[1][0]["ep8_T16"] = result(4.0, status="FAIL")
+    (tmp_path / "ab-1.json").write_text(json.dumps({"ours": runs[1][0], "peer": None}))
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 1 and "FAILED: X=1 at ep8_T16" in out.stdout, out.stdout

@@ -50,6 +50,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import targets
 from .common import (
     COPY_BYTES,
     PRESETS,
@@ -537,7 +538,7 @@ class _Lines:
 def _table(ours: LibraryRun, peer: Optional[LibraryRun], points: list[tuple[int, int]]) -> str:
     header = ["ep", "T", "op", "floor us", "ours us", "ours above"]
     if peer is not None:
-        header += [f"{peer.name} us", f"{peer.name} above", "ratio"]
+        header += [f"{peer.name} us", f"{peer.name} above", "ratio", "above ratio"]
     rows = []
     for key in points:
         mine = ours.results.get(key, {})
@@ -552,19 +553,38 @@ def _table(ours: LibraryRun, peer: Optional[LibraryRun], points: list[tuple[int,
                 p_floor = theirs.get("floor", {}).get(op)
                 row += [fmt(p_us, ".1f") if p_us is not None else theirs.get("status", "-"),
                         fmt(None if p_us is None or p_floor is None else p_us - p_floor, ".1f"),
-                        fmt(None if p_us is None or us is None else p_us / us, ".2f", "x")]
+                        fmt(None if p_us is None or us is None else p_us / us, ".2f", "x"),
+                        fmt(above_ratio(mine, theirs, op), ".2f", "x")]
             rows.append(row)
     return format_table(header, rows, left={2})
 
 
-def ratios(ours: LibraryRun, peer: LibraryRun, points: list[tuple[int, int]], op: str) -> list[float]:
-    """The peer's time over ours at every point both measured."""
-    out = []
+def above_ratio(mine: dict, theirs: dict, op: str) -> Optional[float]:
+    """The peer's time above its launch floor over ours at one point (None where
+    either lacks it, or ours is not above the floor)."""
+    times = []
+    for result in (mine, theirs):
+        us, floor = result.get("ops", {}).get(op), result.get("floor", {}).get(op)
+        if us is None or floor is None:
+            return None
+        times.append(us - floor)
+    return times[1] / times[0] if times[0] > 0 else None
+
+
+def ratios(ours: LibraryRun, peer: LibraryRun, points: list[tuple[int, int]], op: str,
+           above: bool = False) -> dict[tuple[int, int], float]:
+    """The peer's time over ours (``above``: their times above the launch floor)
+    at every point of ``points`` both measured."""
+    out = {}
     for key in points:
-        mine = ours.results.get(key, {}).get("ops", {}).get(op)
-        theirs = peer.results.get(key, {}).get("ops", {}).get(op)
-        if mine is not None and theirs is not None:
-            out.append(theirs / mine)
+        mine, theirs = ours.results.get(key, {}), peer.results.get(key, {})
+        if above:
+            ratio = above_ratio(mine, theirs, op)
+        else:
+            us, p_us = mine.get("ops", {}).get(op), theirs.get("ops", {}).get(op)
+            ratio = None if us is None or p_us is None else p_us / us
+        if ratio is not None:
+            out[key] = ratio
     return out
 
 
@@ -573,10 +593,12 @@ def _summary(ours: LibraryRun, peer: Optional[LibraryRun], points: list[tuple[in
     decode = [k for k in points if k[1] <= max(GRID_TOKENS)]
     if peer is not None and peer.available:
         for op in REPLAY_OPS:
-            r = ratios(ours, peer, decode, op)
-            if r:
-                lines.append(f"  {op:<10} decode grid: geomean {geomean(r):.2f}x, min {min(r):.2f}x "
-                             f"over {len(r)} points")
+            total = list(ratios(ours, peer, decode, op).values())
+            above = list(ratios(ours, peer, decode, op, above=True).values())
+            if total:
+                lines.append(f"  {op:<10} decode grid: geomean {geomean(total):.2f}x, min {min(total):.2f}x "
+                             f"over {len(total)} points; above the floor: geomean {fmt(geomean(above), '.2f', 'x')}, "
+                             f"min {fmt(min(above, default=None), '.2f', 'x')}")
         missing = [k for k in decode if peer.results.get(k, {}).get("status") not in (None, "ok")]
         if missing:
             lines.append("  peer failed or hung at: " + ", ".join(
@@ -599,6 +621,9 @@ def _summary(ours: LibraryRun, peer: Optional[LibraryRun], points: list[tuple[in
         if again:
             lines.append(f"  {lib.name} measured again (graph branches not run concurrently): " + ", ".join(
                 f"ep {e} T {t} x{len(lib.results[(e, t)]['earlier'])}" for e, t in again))
+    if peer is not None and peer.available:
+        lines += targets.decode_lines({op: ratios(ours, peer, decode, op, above=True) for op in REPLAY_OPS},
+                                      peer.name)
     failed = [k for k in points if ours.results.get(k, {}).get("status") != "ok"]
     if failed:
         lines.append("  ours failed at: " + ", ".join(f"ep {e} T {t} ({ours.results.get((e, t), {}).get('status')})"

@@ -6,6 +6,12 @@ the payload in the workspace (per step of the multi-step graph and per
 replay), and the host cost of every eager call. Checked only in a CUDA run
 that measured their points.
 
+Decode latency (``bench --graph all-ranks --peer flashinfer``, per replay,
+time above the launch floor of the same run): the peer's time over ours at
+least DECODE_MIN_RATIO at every point of the decode grid for
+DECODE_TARGET_OPS, and the geometric mean of the round trip's at least
+DECODE_ROUND_TRIP_GEOMEAN.
+
 Distributed (``bench-dist``, one GPU per process): dispatch and combine at
 DIST_CEILING_RATIO x NCCL's all-to-all bandwidth at DIST_CEILING_TOKENS
 tokens per rank, and DIST_SPEEDUP x faster than the all_to_all_single
@@ -16,7 +22,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .common import fmt
+from .common import fmt, geomean
 
 TARGET_PRESET = "deepseek-v3"
 TARGET_EP = 8
@@ -24,6 +30,10 @@ TARGET_RATIO_TOKENS = 4096
 TARGET_MIN_COPY_RATIO = {"dispatch": 0.90, "combine-ws": 0.85}
 TARGET_ROUND_TRIP_US = {128: 60.0, 1: 15.0}
 TARGET_HOST_US = 20.0
+
+DECODE_TARGET_OPS = ("dispatch", "combine", "round-trip")
+DECODE_MIN_RATIO = 1.0
+DECODE_ROUND_TRIP_GEOMEAN = 1.3
 
 DIST_TARGET_OPS = ("dispatch", "combine", "combine-ws")
 DIST_CEILING_RATIO = 0.85
@@ -73,6 +83,28 @@ def single_device(records: list[dict], host: dict[str, float], device_type: str)
         return []
     return [f"targets ({TARGET_PRESET} at ep {TARGET_EP}, graph timings; host cost as above):",
             *("  " + line for line in lines)]
+
+
+def decode_lines(above: dict[str, dict[tuple[int, int], float]], peer: str) -> list[str]:
+    """The decode-latency targets from ``above[op][(ep, T)]``, the peer's time
+    above the floor over ours at every point both measured: one line each,
+    ok or MISS, the worst point named."""
+    lines = []
+    for op in DECODE_TARGET_OPS:
+        ratios = above.get(op, {})
+        if not ratios:
+            continue
+        (ep, tokens), worst = min(ratios.items(), key=lambda kv: kv[1])
+        lines.append(f"{op} >= {DECODE_MIN_RATIO:g}x {peer} at every point: min {worst:.2f}x (ep {ep} T {tokens}) "
+                     f"{_verdict(worst, DECODE_MIN_RATIO, at_least=True)}")
+    round_trips = list(above.get("round-trip", {}).values())
+    if round_trips:
+        mean = geomean(round_trips)
+        lines.append(f"round-trip geomean >= {DECODE_ROUND_TRIP_GEOMEAN:g}x {peer}: {mean:.2f}x over "
+                     f"{len(round_trips)} points {_verdict(mean, DECODE_ROUND_TRIP_GEOMEAN, at_least=True)}")
+    if not lines:
+        return []
+    return [f"targets (per replay, time above the launch floor, {peer} / ours):", *("  " + line for line in lines)]
 
 
 def distributed_row(record: dict, op: str, applies: bool) -> str:
