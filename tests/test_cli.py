@@ -49,6 +49,19 @@ def test_help_lists_every_command_on_stdout():
         assert cli.COMMANDS[name].summary in line, line
 
 
+@pytest.mark.parametrize("args", [["--version"], ["--help"]])
+def test_import_and_cli_load_no_dynamo(args):
+    """`import torch_moe_a2a` (and so --version and --help) leaves torch._dynamo
+    unimported: it takes longer to import than the rest of the package
+    (benchmarks/import_time.py); torch.compile imports it when it is used."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "torch_moe_a2a", *args], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
+    assert "torch_moe_a2a.api" in imported, "-X importtime printed nothing recognizable"
+    assert not [name for name in imported if name.startswith("torch._dynamo")], "torch._dynamo imported"
+
+
 def test_unknown_command_names_it_and_lists_the_commands():
     proc = _cli("frobnicate", "--ep", "2")
     assert proc.returncode == 2, proc

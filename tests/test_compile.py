@@ -277,3 +277,21 @@ def test_compiled_expert_major_equals_eager(ep_size, device):
         outs = sim.run(lambda r: compiled(*args(r)))
         for r in range(ep_size):
             assert_bytes_equal(outs[r], eager[r], f"rank {r}")
+
+
+def test_constant_result_marks_as_torchs_decorator_does():
+    """torch_moe_a2a.constant.constant_result stands in for
+    torch.compiler.assume_constant_result (which imports torch._dynamo): it
+    must set exactly what torch's decorator sets, or the metainfo, capability
+    and rank-mask readers would be traced instead of baked in."""
+    from torch_moe_a2a.constant import constant_result
+
+    def ours():
+        return 0
+
+    def torchs():
+        return 0
+
+    assert constant_result(ours) is ours
+    torch.compiler.assume_constant_result(torchs)
+    assert vars(torchs) and vars(ours) == vars(torchs)

@@ -33,6 +33,7 @@ import torch
 
 from . import _C, layout
 from .backend import MoeAlltoAllBackend, check_backend, pdl_default
+from .constant import constant_result
 
 # check_errors and describe_error are part of this module's public names too.
 from .errors import check_errors, describe_error  # noqa: F401
@@ -110,7 +111,7 @@ def _signed_words(active_rank_mask: torch.Tensor) -> list[int]:
     return [w - _U64 if w >= _I64_SIGN else w for w in active_rank_mask.tolist()]
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _mask_words_at_trace_time(active_rank_mask: torch.Tensor, key: int) -> list[int]:
     """torch.compile: the mask's words, read once at trace time and baked into the
     graph; ``key`` (``id(active_rank_mask)``) makes dynamo guard on the tensor's
