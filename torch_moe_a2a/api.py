@@ -26,26 +26,26 @@ peer's next dispatch may overwrite them (DESIGN.md section 5).
 from __future__ import annotations
 
 import enum
-import os
 from typing import Optional, Sequence, Union
 
 import torch
 
 from . import _C, layout
+from .arguments import ENV_TIMEOUT, ID_DTYPES, U64, data_address, dispatch_args, rank_mask_words
 from .backend import MoeAlltoAllBackend, check_backend, pdl_default
-from .constant import constant_result
 
 # check_errors and describe_error are part of this module's public names too.
 from .errors import check_errors, describe_error  # noqa: F401
+from .expert_major import moe_a2a_dispatch_expert_major
 from .fastpath import (
     BOOL,
     FLOAT,
     INT,
     OPT_TENSOR,
     TENSOR,
-    TENSORS,
     direct_call_ok,
     expect_tensors,
+    run_dispatch,
     traced_receive_views,
     tracing,
     wrong_type,
@@ -55,14 +55,8 @@ from .metainfo import check_rank, check_rank_index, metainfo_values
 
 _ops = torch.ops.moe_a2a
 
-# timeout_s the ops read as "use MOE_A2A_TIMEOUT_S, else the default".
-_ENV_TIMEOUT = -1.0
-_U64 = 1 << 64
-_I64_SIGN = 1 << 63
 # The combine op's low_precision argument (csrc/protocol.h, LowPrecision).
 _LOW_PRECISION_OFF, _LOW_PRECISION_E4M3, _LOW_PRECISION_BLOCK_SCALED = 0, 1, 2
-# Expert-id dtypes dispatch reads and sanitize writes (int64: torch.topk's indices).
-_ID_DTYPES = (torch.int32, torch.int64)
 
 
 class SfLayout(enum.IntEnum):
@@ -79,71 +73,6 @@ class SfLayout(enum.IntEnum):
     layout_128x4 = 0
     layout_8x4 = 1
     layout_linear = 2
-
-
-def _rank_mask_words(enable_rank_mask: bool, active_rank_mask: Optional[torch.Tensor]) -> Sequence[int]:
-    """The op's ``active_rank_mask``: ``()`` for "every rank", else the words as signed int64."""
-    if active_rank_mask is None:
-        if enable_rank_mask:
-            # FlashInfer's contract: opting into the mask without saying which
-            # ranks are alive is a caller's bug, not "every rank".
-            raise ValueError("active_rank_mask must be given when enable_rank_mask=True "
-                             "(see moe_a2a_active_rank_mask)")
-        return ()
-    if not enable_rank_mask:
-        raise ValueError("active_rank_mask requires enable_rank_mask=True")
-    if not (
-        isinstance(active_rank_mask, torch.Tensor)
-        and active_rank_mask.dtype == torch.uint64
-        and active_rank_mask.device.type == "cpu"
-        and tuple(active_rank_mask.shape) == (MOE_A2A_RANK_MASK_WORDS,)
-    ):
-        raise ValueError(
-            f"active_rank_mask must be a CPU uint64 tensor of shape [{MOE_A2A_RANK_MASK_WORDS}] "
-            "(see moe_a2a_active_rank_mask)"
-        )
-    if torch.compiler.is_compiling():
-        return _mask_words_at_trace_time(active_rank_mask, id(active_rank_mask))
-    return _signed_words(active_rank_mask)
-
-
-def _signed_words(active_rank_mask: torch.Tensor) -> list[int]:
-    return [w - _U64 if w >= _I64_SIGN else w for w in active_rank_mask.tolist()]
-
-
-@constant_result
-def _mask_words_at_trace_time(active_rank_mask: torch.Tensor, key: int) -> list[int]:
-    """torch.compile: the mask's words, read once at trace time and baked into the
-    graph; ``key`` (``id(active_rank_mask)``) makes dynamo guard on the tensor's
-    identity, so a new mask tensor (``moe_a2a_active_rank_mask`` returns a new
-    one) recompiles. Changing a mask tensor in place is not seen by a compiled graph."""
-    return _signed_words(active_rank_mask)
-
-
-# MOE_A2A_DEBUG is read at every call (tests set it at run time), from
-# os.environ's underlying dict where it has one: os.environ.get costs about a
-# microsecond per call (key and value encoding), a twentieth of a dispatch
-# wrapper's whole host budget.
-_ENVIRON_DATA = getattr(os.environ, "_data", None)
-_DEBUG_KEY = "MOE_A2A_DEBUG"
-_DEBUG_RAW_KEY = os.environ.encodekey(_DEBUG_KEY) if hasattr(os.environ, "encodekey") else None
-
-
-def _debug_enabled() -> bool:
-    if isinstance(_ENVIRON_DATA, dict) and _DEBUG_RAW_KEY is not None:
-        raw = _ENVIRON_DATA.get(_DEBUG_RAW_KEY)
-        value = "0" if raw is None else os.environ.decodevalue(raw)
-    else:
-        value = os.environ.get(_DEBUG_KEY, "0")
-    return value not in ("", "0")
-
-
-# MOE_A2A_DEBUG=1: refuse expert ids >= num_experts on the host before each
-# dispatch, eager or traced (the op reads the ids when the graph runs; a
-# sync on CUDA, skipped inside a CUDA-graph capture). It returns nothing and
-# mutates nothing, so traced graphs would drop it without this mark.
-_check_expert_ids = _ops.check_expert_ids.default
-torch.fx.node.has_side_effect(_check_expert_ids)
 
 
 # ---------------------------------------------------------------------------
@@ -288,7 +217,7 @@ def moe_a2a_active_rank_mask(active_ranks: Union[Sequence[int], torch.Tensor], e
         if not 0 <= rank < ep_size:
             raise ValueError(f"active rank {rank} out of range [0, {ep_size})")
         mask |= 1 << rank
-    words = [(mask >> (64 * w)) & (_U64 - 1) for w in range(MOE_A2A_RANK_MASK_WORDS)]
+    words = [(mask >> (64 * w)) & (U64 - 1) for w in range(MOE_A2A_RANK_MASK_WORDS)]
     return torch.tensor(words, dtype=torch.uint64)
 
 
@@ -379,31 +308,18 @@ def moe_a2a_dispatch(
             :func:`check_errors`).
     """
     if expert_major:
-        return _expert_major.moe_a2a_dispatch_expert_major(
+        return moe_a2a_dispatch_expert_major(
             token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank,
             ep_size, top_k, num_experts, router_weights, max_tokens_per_expert, enable_pdl, eplb_local_stats,
             enable_rank_mask, active_rank_mask, backend=backend, timeout_s=timeout_s)
     if router_weights is not None or max_tokens_per_expert is not None:
         raise ValueError("router_weights and max_tokens_per_expert are options of expert_major=True")
-    timeout_s = _ENV_TIMEOUT if timeout_s is None else timeout_s
-    if not (isinstance(token_selected_experts, torch.Tensor) and isinstance(workspace, torch.Tensor)):
-        # Inline test first: the call costs the per-call path half a microsecond.
-        expect_tensors("moe_a2a_dispatch", token_selected_experts=token_selected_experts, workspace=workspace)
-    check_backend(backend, workspace)
-    meta = metainfo_values(metainfo, id(metainfo))
-    check_rank(meta, ep_rank, ep_size)
-    _, _, max_num_tokens, eplb_n, _, mailbox = meta
-    mask = _rank_mask_words(enable_rank_mask, active_rank_mask)
-    if enable_pdl is None:
-        enable_pdl = pdl_default(workspace)
-    args = (token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
-            runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_n, mask, timeout_s, mailbox,
-            enable_pdl)
-    call_eplb_n = eplb_n if eplb_local_stats is not None else 0
-    if _debug_enabled():  # under torch.compile: read when the call is traced
-        _check_expert_ids(token_selected_experts, num_experts)
+    args, call_eplb_n = dispatch_args(
+        "moe_a2a_dispatch", token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank,
+        ep_rank, ep_size, top_k, num_experts, enable_pdl, eplb_local_stats, enable_rank_mask, active_rank_mask,
+        backend, timeout_s)
     if tracing():
-        _ops.dispatch.default(*args)
+        run_dispatch("moe_a2a_dispatch", args, False)
         return traced_receive_views(workspace, ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n,
                                      input_payloads)
 
@@ -418,21 +334,7 @@ def moe_a2a_dispatch(
         key = (ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n,
                tuple([(p.shape[1:], p.dtype) for p in input_payloads]))
         hit = cache.get(key)
-    if direct_call_ok(token_selected_experts, workspace, eplb_local_stats, *input_payloads):
-        # One C++ call runs the op and builds every view (protocol.h's call_layout).
-        try:
-            views = _C.dispatch(*args, hit is None)
-        except TypeError as e:
-            raise wrong_type("moe_a2a_dispatch", e, token_selected_experts=(token_selected_experts, TENSOR),
-                              input_payloads=(input_payloads, TENSORS), workspace=(workspace, TENSOR),
-                              runtime_max_tokens_per_rank=(runtime_max_tokens_per_rank, INT),
-                              ep_rank=(ep_rank, INT), ep_size=(ep_size, INT), top_k=(top_k, INT),
-                              num_experts=(num_experts, INT), eplb_local_stats=(eplb_local_stats, OPT_TENSOR),
-                              timeout_s=(timeout_s, FLOAT), enable_pdl=(enable_pdl, BOOL)) from None
-    else:
-        _ops.dispatch.default(*args)
-        views = None if hit is not None else _C.receive_views(
-            workspace, ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n, input_payloads)
+    views = run_dispatch("moe_a2a_dispatch", args, hit is None)
     if hit is not None:
         return list(hit[0]), hit[1], hit[2]
     output_payloads, combine_offset, eplb_gathered_stats = views
@@ -528,9 +430,9 @@ def moe_a2a_combine(
             the next call raises).
         RuntimeError: peers that did not arrive within the timeout (as for dispatch).
     """
-    timeout_s = _ENV_TIMEOUT if timeout_s is None else timeout_s
+    timeout_s = ENV_TIMEOUT if timeout_s is None else timeout_s
     if not (isinstance(payload, torch.Tensor) and isinstance(workspace, torch.Tensor)):
-        expect_tensors("moe_a2a_combine", payload=payload, workspace=workspace)  # as in _dispatch
+        expect_tensors("moe_a2a_combine", payload=payload, workspace=workspace)  # as in dispatch_args
     check_backend(backend, workspace)
     # By value, so FlashInfer's own SfLayout (or a plain int) is understood too.
     sf_layout = int(getattr(sf_layout, "value", sf_layout))
@@ -541,7 +443,7 @@ def moe_a2a_combine(
     meta = metainfo_values(metainfo, id(metainfo))
     check_rank(meta, ep_rank, ep_size)
     _, _, max_num_tokens, _, _, mailbox = meta
-    mask = _rank_mask_words(enable_rank_mask, active_rank_mask)
+    mask = rank_mask_words(enable_rank_mask, active_rank_mask)
     if enable_pdl is None:
         enable_pdl = pdl_default(workspace)
     # `output` (shape, dtype, device, contiguity) is checked by the op (check_combine).
@@ -609,11 +511,8 @@ def _check_payload_in_workspace(
 ) -> None:
     """payload_in_workspace=True: ``payload`` must be the combine region view of this rank's row."""
     expected = workspace.data_ptr() + ep_rank * workspace.stride(0) + combine_payload_offset
-    # data_ptr() of a tensor without elements reads 0; its storage and offset still say where it is.
-    address = (payload.data_ptr() if payload.numel() else
-               payload.untyped_storage().data_ptr() + payload.storage_offset() * payload.element_size())
     if (
-        address != expected
+        data_address(payload) != expected
         or payload.dim() < 2
         or tuple(payload.shape[:2]) != (ep_size, runtime_max)
         or not payload.is_contiguous()
@@ -648,7 +547,7 @@ def moe_a2a_sanitize_expert_ids(
     meta = metainfo_values(metainfo, id(metainfo))
     if meta[0] != ep_rank:
         raise ValueError(f"ep_rank {ep_rank} does not match the metainfo's ep_rank {meta[0]}")
-    if expert_ids.dim() != 3 or expert_ids.dtype not in _ID_DTYPES or not expert_ids.is_contiguous():
+    if expert_ids.dim() != 3 or expert_ids.dtype not in ID_DTYPES or not expert_ids.is_contiguous():
         raise ValueError(
             "expert_ids must be the contiguous int32 or int64 [ep_size, runtime_max_tokens_per_rank, width] "
             f"view returned by moe_a2a_dispatch, got {expert_ids.dtype} {tuple(expert_ids.shape)}"
@@ -733,6 +632,3 @@ def moe_a2a_get_invalid_expert_count(workspace: torch.Tensor, metainfo: torch.Te
     check_rank_index(metainfo_values(metainfo, id(metainfo)), ep_rank)
     return layout.region_view(workspace[ep_rank], layout.HDR_INVALID_EXPERT_COUNT, (), torch.int64)
 
-
-# The expert-major layout composes the dispatch above (and imports this module).
-from . import expert_major as _expert_major  # noqa: E402

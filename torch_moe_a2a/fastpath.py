@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import layout
+from . import _C, layout
 
 # What an argument of the C++ fast path must be (wrong_type).
 TENSOR, OPT_TENSOR, TENSORS, INT, FLOAT, BOOL = (
@@ -69,6 +69,45 @@ def tracing() -> bool:
     dispatch mode (make_fx, FakeTensorMode, ...), which must see every view
     op and gets none of the views built outside it (cached, or made eagerly)."""
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
+def run_dispatch(fn: str, args: tuple, build_views: bool) -> Optional[tuple]:
+    """Run the dispatch op on ``args`` (:func:`~torch_moe_a2a.arguments.dispatch_args`):
+    through ``_C.dispatch`` when :func:`direct_call_ok`, else through ``torch.ops``.
+
+    Args:
+        fn: the public function's name, for the errors.
+        args: the op's arguments.
+        build_views: whether an eager call also builds the receive views.
+
+    Returns:
+        ``(output_payloads, combine_payload_offset, eplb_gathered_stats)`` of
+        an eager call with ``build_views``; None otherwise (traced calls build
+        theirs with :func:`traced_receive_views`).
+
+    Raises:
+        ValueError: an argument of the wrong type, named; what the op raises.
+    """
+    (ids, payloads, workspace, ep_rank, ep_size, _, runtime_max, top_k, num_experts, eplb_local_stats, eplb_n, _,
+     timeout_s, _, enable_pdl) = args
+    if tracing():
+        torch.ops.moe_a2a.dispatch.default(*args)
+        return None
+    if direct_call_ok(ids, workspace, eplb_local_stats, *payloads):
+        # One C++ call runs the op and builds every view (protocol.h's call_layout).
+        try:
+            return _C.dispatch(*args, build_views)
+        except TypeError as e:
+            raise wrong_type(fn, e, token_selected_experts=(ids, TENSOR), input_payloads=(payloads, TENSORS),
+                             workspace=(workspace, TENSOR), runtime_max_tokens_per_rank=(runtime_max, INT),
+                             ep_rank=(ep_rank, INT), ep_size=(ep_size, INT), top_k=(top_k, INT),
+                             num_experts=(num_experts, INT), eplb_local_stats=(eplb_local_stats, OPT_TENSOR),
+                             timeout_s=(timeout_s, FLOAT), enable_pdl=(enable_pdl, BOOL)) from None
+    torch.ops.moe_a2a.dispatch.default(*args)
+    if not build_views:
+        return None
+    call_eplb_n = eplb_n if eplb_local_stats is not None else 0
+    return _C.receive_views(workspace, ep_rank, ep_size, runtime_max, call_eplb_n, payloads)
 
 
 def traced_receive_views(
