@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 from .backend import check_backend, pdl_default
-from .constant import constant_result
+from .compile_marks import constant_result
 from .fastpath import expect_tensors
 from .layout import MOE_A2A_RANK_MASK_WORDS
 from .metainfo import check_rank, metainfo_values

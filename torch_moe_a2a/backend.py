@@ -9,7 +9,7 @@ from typing import Literal, Union
 
 import torch
 
-from .constant import constant_result
+from .compile_marks import constant_result
 
 MoeAlltoAllBackend = Literal["trtllm", "cake"]
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from . import layout
-from .constant import constant_result
+from .compile_marks import constant_result
 
 # (ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, size_per_rank, mailbox)
 MetaValues = tuple[int, int, int, int, int, int]

@@ -23,6 +23,7 @@ from .api import (
 )
 from .backend import MoeAlltoAllBackend, check_backend
 from .collective import Collective, as_collective, is_comm_backend
+from .compile_marks import mark_static_address
 from .errors import check_errors
 from .expert_major import (
     ExpertMajorDispatch,
@@ -165,7 +166,7 @@ class MoeAlltoAll:
     before its owner zeroed it. Without a group (``ep_size == 1``) it is a
     plain zeroed tensor.
 
-    The workspace is marked static (``torch._dynamo.mark_static_address``) so
+    The workspace is marked static (as ``torch._dynamo.mark_static_address`` does) so
     CUDA-graph trees (``mode="reduce-overhead"``) accept the in-place
     mutations of the ops (docs/DESIGN.md section 4).
 
@@ -284,7 +285,7 @@ class MoeAlltoAll:
             self._shared = _SharedWorkspace(workspace, metainfo, None)
         else:
             self._shared = self._cached_workspace(group, device)
-        torch._dynamo.mark_static_address(self.workspace)
+        mark_static_address(self.workspace)
         self._recv_counts = moe_a2a_get_recv_counts(self.workspace, self.metainfo, self.ep_rank)
         self._recv_view_cache: dict = {"_workspace": self.workspace}
         self._state = _A2AState()
