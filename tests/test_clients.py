@@ -35,12 +35,12 @@ STEPS = [(5, 0, 7), (12, 3, 1), (0, 0, 2), (1, 1, 1)]
 MASKED_RANK = 1  # taken out by the rank mask in the vLLM sequence's last step
 
 
-def _inputs(seed: str, tokens: list[int], extra_width: int = 0) -> tuple[list, list]:
+def _inputs(seed: str, tokens: list[int], extra_width: int = 0, num_experts: int = NUM_EXPERTS) -> tuple[list, list]:
     """Every rank's (ids, [hidden bf16, (scale uint8), ids, weights fp32]) for one step."""
     gen = make_generator(seed)
     ids, payloads = [], []
     for n in tokens:
-        routing = reference.random_routing(n, TOP_K, NUM_EXPERTS, gen, negative_fraction=0.1)
+        routing = reference.random_routing(n, TOP_K, num_experts, gen, negative_fraction=0.1)
         hidden = torch.randn((n, HIDDEN), generator=gen).to(torch.bfloat16)
         weights = torch.rand((n, TOP_K), generator=gen)
         extra = [torch.randint(0, 256, (n, extra_width), dtype=torch.uint8, generator=gen)] if extra_width else []
@@ -49,15 +49,16 @@ def _inputs(seed: str, tokens: list[int], extra_width: int = 0) -> tuple[list, l
     return ids, payloads
 
 
-def _expert_outputs(recv_hidden, recv_ids, recv_weights, counts, rank, world):
+def _expert_outputs(recv_hidden, recv_ids, recv_weights, counts, rank, world, num_experts=NUM_EXPERTS):
     """The rank's toy experts (reference.toy_moe), as the MoE would compute them."""
     return reference.toy_moe(recv_hidden, recv_ids, recv_weights, counts, ep_rank=rank, ep_size=world,
-                             num_experts=NUM_EXPERTS)
+                             num_experts=num_experts)
 
 
-def _check_step(what, rank, world, ids, payloads, runtime_max, recv, counts, out, *, id_index, active=None):
+def _check_step(what, rank, world, ids, payloads, runtime_max, recv, counts, out, *, id_index, active=None,
+                num_experts=NUM_EXPERTS):
     """recv (this rank's receive views), counts and out against the reference."""
-    ref = reference.reference_dispatch(ids, payloads, ep_size=world, num_experts=NUM_EXPERTS,
+    ref = reference.reference_dispatch(ids, payloads, ep_size=world, num_experts=num_experts,
                                        runtime_max_tokens_per_rank=runtime_max, active_ranks=active)
     assert torch.equal(counts.cpu(), ref.recv_counts[rank]), f"{what}: counts"
     for i, (view, expected) in enumerate(zip(recv, ref.recv[rank])):
@@ -68,7 +69,7 @@ def _check_step(what, rank, world, ids, payloads, runtime_max, recv, counts, out
     padding = torch.arange(runtime_max) >= ref.recv_counts[rank].long().unsqueeze(1)
     assert bool((recv[id_index].cpu()[padding] == INVALID_ID).all()), f"{what}: expert-id padding not sanitized"
     expert_out = [_expert_outputs(ref.recv[d][0], ref.recv[d][id_index], ref.recv[d][id_index + 1],
-                                  ref.recv_counts[d], d, world) for d in range(world)]
+                                  ref.recv_counts[d], d, world, num_experts) for d in range(world)]
     expected = reference.reference_combine(expert_out, ref, [x.shape[0] for x in ids])
     assert_bytes_equal(out.cpu(), expected[rank], f"{what}: combine output")
 
@@ -461,3 +462,82 @@ def test_reset_recovers_after_a_timeout():
     expected = (hidden.float() * 2).to(torch.bfloat16)  # each token reaches both ranks, each returns it
     assert all(torch.equal(out, expected) for out in outputs)
     assert all(moe.metainfo is m for moe, m in zip(ranks, metainfo))
+
+
+# ---- FlashInfer's names around the workspace --------------------------------------------------
+
+
+def test_workspace_sizes_as_flashinfers_test():
+    """FlashInfer's test_moe_workspace_size_per_rank (tests/comm/test_trtllm_moe_alltoall.py:1537-1586,
+    flashinfer-ai/flashinfer fb28d7242) on this package's names: the zero-payload
+    size is get_moe_alltoall_module()'s aux data size, the payload planes add
+    exactly their bytes, and MoeAlltoAll sizes as its static method does."""
+    ep_size, num_tokens, hidden_size, topk = 8, 10, 128, 2
+    raw = a2a.moe_a2a_get_workspace_size_per_rank(ep_size, num_tokens, hidden_size * 2 + topk * 4 + topk * 4,
+                                                  hidden_size * 2)
+    assert raw > 0 and raw == a2a.MoeAlltoAll.get_moe_workspace_size_per_rank(ep_size, topk, num_tokens, hidden_size)
+    empty = a2a.moe_a2a_get_workspace_size_per_rank(ep_size, num_tokens, 0, 0)
+    assert empty > 0 and empty == a2a.get_moe_alltoall_module().moe_a2a_get_aux_data_size(ep_size, num_tokens)
+    full = a2a.moe_a2a_get_workspace_size_per_rank(ep_size, num_tokens, hidden_size, hidden_size)
+    assert full - empty == hidden_size * ep_size * num_tokens * 2
+    assert (a2a.get_moe_alltoall_module().moe_a2a_get_aux_data_size(ep_size, num_tokens, 16)
+            == a2a.moe_a2a_get_workspace_size_per_rank(ep_size, num_tokens, 0, 0, 16))
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    mapping = a2a.Mapping(rank=0, world_size=1)
+    moe = a2a.MoeAlltoAll(mapping, num_tokens, topk, ep_size, hidden_size=hidden_size, device="cpu")
+    assert moe.workspace_size_per_rank == a2a.MoeAlltoAll.get_moe_workspace_size_per_rank(
+        mapping.moe_ep_size, topk, num_tokens, hidden_size)
+    a2a.MoeAlltoAll.clear_workspace_cache()
+
+
+@pytest.mark.parametrize("name", sorted(a2a.api.MoeAlltoAllModule.INSTEAD))
+def test_moe_alltoall_module_names_flashinfers_layout_entries(name):
+    module = a2a.get_moe_alltoall_module()
+    assert module is a2a.get_moe_alltoall_module("trtllm")
+    with pytest.raises(AttributeError, match=f"{name} is an entry of FlashInfer's JIT module.*use torch_moe_a2a"):
+        getattr(module, name)
+    assert not hasattr(module, name)
+
+
+@pytest.mark.parametrize("backend, error", [("cake", ValueError), ("nccl", ValueError)])
+def test_moe_alltoall_module_refuses_other_backends(backend, error):
+    with pytest.raises(error, match="backend"):
+        a2a.get_moe_alltoall_module(backend)
+
+
+def test_get_workspace_is_the_instances_workspace(device):
+    """MoeAlltoAll.get_workspace: FlashInfer's cache entry, the same workspace
+    and metainfo the instances of that geometry hold."""
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    moe = _ep1(device)
+    entry = a2a.MoeAlltoAll.get_workspace(moe.workspace_size_per_rank, 0, 1, 8, a2a.Mapping(), device=device)
+    assert entry["workspace"] is moe.workspace and entry["metainfo"] is moe.metainfo
+    assert {k: entry[k] for k in ("workspace_size_per_rank", "ep_rank", "ep_size", "max_num_tokens",
+                                  "eplb_stats_num_experts")} == {
+        "workspace_size_per_rank": moe.workspace_size_per_rank, "ep_rank": 0, "ep_size": 1, "max_num_tokens": 8,
+        "eplb_stats_num_experts": 0}
+    with pytest.raises(KeyError, match="mnnvl_mem is FlashInfer's MnnvlMemory"):
+        entry["mnnvl_mem"]
+    other = a2a.MoeAlltoAll.get_workspace(moe.workspace_size_per_rank, 0, 1, 4, a2a.Mapping(), device=device)
+    assert other["workspace"] is not moe.workspace  # another max_num_tokens, another workspace
+    with pytest.raises(ValueError, match=r"mapping's \(moe_ep_rank, moe_ep_size\) = \(0, 1\) differ from \(0, 2\)"):
+        a2a.MoeAlltoAll.get_workspace(moe.workspace_size_per_rank, 0, 2, 8, a2a.Mapping(), device=device)
+    a2a.MoeAlltoAll.clear_workspace_cache()
+
+
+@pytest.mark.parametrize("bad", ["device", "contiguity"])
+def test_combine_checks_output_before_metainfo(bad, device):
+    """FlashInfer's test_moe_a2a_combine_rejects_cpu_output_before_jit and
+    ..._noncontiguous_output_before_jit (tests/comm/test_trtllm_moe_alltoall.py:197-243,
+    fb28d7242): an empty workspace and metainfo, a bad output; the output's
+    error comes first. A CPU workspace has a CPU output: the bad device is
+    another one there (FlashInfer's message on CUDA)."""
+    workspace = torch.empty(0, device=device)
+    if bad == "device":
+        output, match = torch.empty((1, 1), device="meta" if device == "cpu" else "cpu"), \
+            f"output must be a {device.upper()} tensor"
+    else:
+        output, match = torch.empty((2, 2), device=device).T, "output must be contiguous"
+    payload = torch.empty((1, 1, output.shape[1]), device=device)
+    with pytest.raises(ValueError, match=match):
+        a2a.moe_a2a_combine(payload, 1, workspace, torch.empty(0), 1, 0, 1, 1, 0, output=output)

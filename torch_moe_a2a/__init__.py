@@ -26,6 +26,7 @@ from . import _C  # noqa: E402,F401  (registers torch.ops.moe_a2a)
 from .api import (  # noqa: E402
     SfLayout,
     check_errors,
+    get_moe_alltoall_module,
     local_expert_range,
     moe_a2a_active_rank_mask,
     moe_a2a_combine,
@@ -63,6 +64,7 @@ __all__ = [
     "allocate_workspace",
     "check_errors",
     "cuda_workspace_granularity",
+    "get_moe_alltoall_module",
     "local_expert_range",
     "moe_a2a_active_rank_mask",
     "moe_a2a_combine",

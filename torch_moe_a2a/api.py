@@ -80,6 +80,62 @@ class SfLayout(enum.IntEnum):
 # ---------------------------------------------------------------------------
 
 
+class MoeAlltoAllModule:
+    """What :func:`get_moe_alltoall_module` returns: FlashInfer's JIT module's
+    sizing entry; its other entries take and return FlashInfer's own metainfo
+    and workspace layout, and reading one raises an AttributeError naming
+    this package's function instead."""
+
+    # FlashInfer's module entries -> what a caller uses here instead.
+    INSTEAD = {
+        "moe_a2a_initialize": "torch_moe_a2a.moe_a2a_initialize",
+        "moe_a2a_dispatch": "torch_moe_a2a.moe_a2a_dispatch",
+        "moe_a2a_combine": "torch_moe_a2a.moe_a2a_combine",
+        "moe_a2a_combine_into": "torch_moe_a2a.moe_a2a_combine(..., output=)",
+        "moe_a2a_sanitize_expert_ids": "torch_moe_a2a.moe_a2a_sanitize_expert_ids",
+        "moe_a2a_get_metainfo_index_pairs": "torch_moe_a2a.layout.META_* (this package's metainfo indices)",
+    }
+
+    def moe_a2a_get_aux_data_size(self, ep_size: int, max_num_tokens: int, eplb_stats_num_experts: int = 0) -> int:
+        """Bytes per rank besides the payload planes: what
+        :func:`moe_a2a_get_workspace_size_per_rank` adds to the planes' bytes
+        (its value with no payload bytes), as FlashInfer's entry is.
+
+        Raises:
+            ValueError: arguments out of range.
+        """
+        return moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens, 0, 0, eplb_stats_num_experts)
+
+    def __getattr__(self, name: str):
+        if name in self.INSTEAD:
+            raise AttributeError(f"get_moe_alltoall_module().{name} is an entry of FlashInfer's JIT module, whose "
+                                 "arguments and results are FlashInfer's own metainfo and workspace layout; "
+                                 f"torch-moe-a2a has none: use {self.INSTEAD[name]}")
+        raise AttributeError(f"get_moe_alltoall_module() has no attribute {name!r}")
+
+
+_MODULE = MoeAlltoAllModule()
+
+
+def get_moe_alltoall_module(backend: MoeAlltoAllBackend = "trtllm") -> MoeAlltoAllModule:
+    """FlashInfer's ``get_moe_alltoall_module``, for its sizing entry
+    (``moe_a2a_get_aux_data_size``; FlashInfer's tests size workspaces with
+    it). Nothing is compiled or loaded: the operators are registered at import.
+
+    Args:
+        backend: ``"trtllm"``; ``"cake"`` is refused as everywhere (:func:`moe_a2a_initialize`).
+
+    Returns:
+        The one :class:`MoeAlltoAllModule`.
+
+    Raises:
+        ValueError: an unknown backend, or ``"cake"`` off Blackwell.
+        NotImplementedError: ``"cake"`` on Blackwell.
+    """
+    check_backend(backend, None)
+    return _MODULE
+
+
 def moe_a2a_get_workspace_size_per_rank(
     ep_size: int,
     max_num_tokens: int,
@@ -433,6 +489,8 @@ def moe_a2a_combine(
     timeout_s = ENV_TIMEOUT if timeout_s is None else timeout_s
     if not (isinstance(payload, torch.Tensor) and isinstance(workspace, torch.Tensor)):
         expect_tensors("moe_a2a_combine", payload=payload, workspace=workspace)  # as in dispatch_args
+    if output is not None:
+        _check_output_first(output, workspace)
     check_backend(backend, workspace)
     # By value, so FlashInfer's own SfLayout (or a plain int) is understood too.
     sf_layout = int(getattr(sf_layout, "value", sf_layout))
@@ -446,7 +504,7 @@ def moe_a2a_combine(
     mask = rank_mask_words(enable_rank_mask, active_rank_mask)
     if enable_pdl is None:
         enable_pdl = pdl_default(workspace)
-    # `output` (shape, dtype, device, contiguity) is checked by the op (check_combine).
+    # `output`'s shape and dtype are checked by the op (check_combine).
     compiling = torch.compiler.is_compiling()
     staged = payload
     if payload_in_workspace and not compiling:
@@ -499,6 +557,19 @@ def moe_a2a_combine(
         return _ops.combine.default(*args)
     _ops.combine_into.default(*args, output)
     return output
+
+
+def _check_output_first(output: torch.Tensor, workspace: torch.Tensor) -> None:
+    """``output``'s device and contiguity, checked before anything else as
+    FlashInfer does (its tests pass an invalid metainfo with a bad output and
+    expect the output's error); the op checks them again for direct callers."""
+    if not isinstance(output, torch.Tensor):
+        raise ValueError(f"moe_a2a_combine: output must be a tensor or None, got {type(output).__name__}")
+    if output.device != workspace.device:
+        raise ValueError(f"output must be a {workspace.device.type.upper()} tensor on the workspace's device "
+                         f"{workspace.device}, got device={output.device}")
+    if not output.is_contiguous():
+        raise ValueError(f"output must be contiguous, got stride={output.stride()}")
 
 
 def _check_payload_in_workspace(
