@@ -49,6 +49,7 @@ from .flashinfer_patch import patch_flashinfer, unpatch_flashinfer  # noqa: E402
 from .layout import MOE_A2A_RANK_MASK_WORDS  # noqa: E402
 from .mapping import Mapping  # noqa: E402
 from .moe_alltoall import MoeAlltoAll  # noqa: E402
+from .moe_ep import NVLinkOneSidedAlltoAll  # noqa: E402
 from .simulate import RankGraphs, SimulatedEP  # noqa: E402
 from .workspace import allocate_workspace, cuda_workspace_granularity  # noqa: E402
 
@@ -58,6 +59,7 @@ __all__ = [
     "MOE_A2A_RANK_MASK_WORDS",
     "Mapping",
     "MoeAlltoAll",
+    "NVLinkOneSidedAlltoAll",
     "SfLayout",
     "RankGraphs",
     "SimulatedEP",
