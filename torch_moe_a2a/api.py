@@ -375,7 +375,7 @@ def moe_a2a_dispatch(
         ep_rank, ep_size, top_k, num_experts, enable_pdl, eplb_local_stats, enable_rank_mask, active_rank_mask,
         backend, timeout_s)
     if tracing():
-        run_dispatch("moe_a2a_dispatch", args, False)
+        run_dispatch("moe_a2a_dispatch", args, False, True)
         return traced_receive_views(workspace, ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n,
                                      input_payloads)
 
@@ -390,7 +390,7 @@ def moe_a2a_dispatch(
         key = (ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n,
                tuple([(p.shape[1:], p.dtype) for p in input_payloads]))
         hit = cache.get(key)
-    views = run_dispatch("moe_a2a_dispatch", args, hit is None)
+    views = run_dispatch("moe_a2a_dispatch", args, hit is None, False)
     if hit is not None:
         return list(hit[0]), hit[1], hit[2]
     output_payloads, combine_offset, eplb_gathered_stats = views

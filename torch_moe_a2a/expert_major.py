@@ -22,7 +22,7 @@ import torch
 from . import layout
 from .arguments import ENV_TIMEOUT, ID_DTYPES, data_address, dispatch_args, rank_mask_words
 from .backend import MoeAlltoAllBackend, check_backend, pdl_default
-from .fastpath import expect_tensors, run_dispatch
+from .fastpath import expect_tensors, run_dispatch, tracing
 from .metainfo import check_rank, check_rank_index, metainfo_values
 
 _ops = torch.ops.moe_a2a
@@ -201,7 +201,7 @@ def moe_a2a_dispatch_expert_major(
     _check_expert_major_fits(workspace, ep_size, runtime_max_tokens_per_rank, top_k, num_experts,
                              max_tokens_per_expert, call_eplb_n, user_rows, token_selected_experts.element_size(),
                              router_weights is not None)
-    run_dispatch(fn, args, False)
+    run_dispatch(fn, args, False, tracing())
     call = layout.call_layout(ep_size, runtime_max_tokens_per_rank, call_eplb_n, [_row_bytes(p) for p in payloads])
     dispatch_end = call.combine_offset
     _ops.expert_major_build.default(
