@@ -89,24 +89,9 @@ _check_expert_ids = torch.ops.moe_a2a.check_expert_ids.default
 torch.fx.node.has_side_effect(_check_expert_ids)
 
 
-def dispatch_args(
-    fn: str,
-    token_selected_experts: torch.Tensor,
-    input_payloads: list[torch.Tensor],
-    workspace: torch.Tensor,
-    metainfo: torch.Tensor,
-    runtime_max_tokens_per_rank: int,
-    ep_rank: int,
-    ep_size: int,
-    top_k: int,
-    num_experts: int,
-    enable_pdl: Optional[bool],
-    eplb_local_stats: Optional[torch.Tensor],
-    enable_rank_mask: bool,
-    active_rank_mask: Optional[torch.Tensor],
-    backend: str,
-    timeout_s: Optional[float],
-) -> tuple[tuple, int]:
+def dispatch_args(fn, token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank,
+                  ep_rank, ep_size, top_k, num_experts, enable_pdl, eplb_local_stats, enable_rank_mask,
+                  active_rank_mask, backend, timeout_s) -> tuple[tuple, int]:
     """The dispatch op's arguments (csrc/schemas.h's order) from a functional
     call's, after the checks only the Python layer can make (the op checks the rest).
 
