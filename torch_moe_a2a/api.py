@@ -97,9 +97,15 @@ class MoeAlltoAllModule:
     }
 
     def moe_a2a_get_aux_data_size(self, ep_size: int, max_num_tokens: int, eplb_stats_num_experts: int = 0) -> int:
-        """Bytes per rank besides the payload planes: what
-        :func:`moe_a2a_get_workspace_size_per_rank` adds to the planes' bytes
-        (its value with no payload bytes), as FlashInfer's entry is.
+        """Bytes per rank besides the payload planes, as FlashInfer's entry.
+
+        Args:
+            ep_size, max_num_tokens, eplb_stats_num_experts: as for
+                :func:`moe_a2a_get_workspace_size_per_rank`.
+
+        Returns:
+            What :func:`moe_a2a_get_workspace_size_per_rank` adds to the
+            planes' bytes: its value with no payload bytes.
 
         Raises:
             ValueError: arguments out of range.
