@@ -257,27 +257,59 @@ def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path, c
     assert not (tmp_path / "bench.png").exists()
 
 
-def _plot_record(ep: int, tokens: int, scale: float) -> dict:
+def _plot_record(preset: str, fp8: bool, ep: int, tokens: int, scale: float) -> dict:
     ops = {op: {"bytes": 1e6 * tokens, "copy_ratio": 0.5 * scale, "eager_us": 100.0 * tokens, "graph_us": None,
                 "baseline_eager_us": 300.0 * tokens, "baseline_graph_us": None} for op in common.OPS}
-    return {"preset": "mixtral", "fp8": False, "ep": ep, "tokens_per_rank": tokens, "status": "ok", "ops": ops}
+    return {"preset": preset, "fp8": fp8, "ep": ep, "tokens_per_rank": tokens, "status": "ok", "ops": ops}
 
 
 @pytest.mark.skipif(not plot.available(), reason="matplotlib is not installed (the [plot] extra)")
-def test_plot_has_a_title_naming_device_and_date(tmp_path):
+def test_plot_colours_models_styles_eps_and_explains_both_in_one_legend(tmp_path):
+    """Five models x three eps (more series than the ten-colour cycle): one
+    colour per model, one line style per ep, the baseline marked apart from
+    ours, and one legend for the figure that names every model, ep and both
+    libraries."""
+    models = [("deepseek-v3", False), ("deepseek-v3", True), ("qwen3-235b", False), ("gpt-oss-120b", False),
+              ("mixtral", False)]
+    eps = (1, 2, 4)
     data = {"device": "cpu x86_64 (2 threads)", "date": "2026-12-01T10:00:00+00:00", "torch": torch.__version__,
             "copy_bandwidth_GBps": 10.0,
-            "points": [_plot_record(ep, t, t / 16) for ep in (1, 2) for t in (1, 16)]}
+            "points": [_plot_record(preset, fp8, ep, t, t / 16) for preset, fp8 in models for ep in eps
+                       for t in (1, 16)]}
     title = plot.title(data)
-    assert "cpu x86_64 (2 threads)" in title and "2026-12-01 10:00:00" in title and "plain PyTorch" in title
+    assert "cpu x86_64 (2 threads)" in title and "2026-12-01 10:00:00" in title
     fig = plot.figure(data)
     assert fig._suptitle.get_text() == title
-    for ax in fig.axes:  # every panel: ours (solid) and the baseline (dashed) for each ep
-        styles = sorted(line.get_linestyle() for line in ax.get_lines())
-        assert styles == ["-", "-", "--", "--"], styles
+    for ax in fig.axes:
+        lines = ax.get_lines()
+        assert len(lines) == 2 * len(models) * len(eps)  # ours and the baseline of every series
+        ours = [ln for ln in lines if ln.get_marker() == plot.OURS["marker"]]
+        baseline = [ln for ln in lines if ln.get_marker() == plot.BASELINE["marker"]]
+        assert len(ours) == len(baseline) == len(models) * len(eps)
+        assert all(ln.get_alpha() < 1 for ln in baseline) and all(ln.get_alpha() == 1 for ln in ours)
+        # In plot order (sorted models, then eps): a colour per model, a style per ep.
+        colours = [ln.get_color() for ln in ours]
+        styles = [ln.get_linestyle() for ln in ours]
+        per_model = [set(colours[i:i + len(eps)]) for i in range(0, len(colours), len(eps))]
+        assert all(len(c) == 1 for c in per_model) and len(set.union(*per_model)) == len(models)
+        assert len(set(styles[:len(eps)])) == len(eps) and styles == styles[:len(eps)] * len(models)
+    (legend,) = fig.legends
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert labels == (sorted(f"{p}{' fp8' if fp8 else ''}" for p, fp8 in models) + [f"ep {ep}" for ep in eps]
+                      + ["torch-moe-a2a", "plain PyTorch baseline"])
     path = tmp_path / "bench.png"
     plot.plot(data, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(not plot.available(), reason="matplotlib is not installed (the [plot] extra)")
+def test_bench_plot_says_where_it_wrote(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative path, printed absolute
+    rc = single.main(["--device", "cpu", "--preset", "mixtral", "--ep", "1", "--tokens", "1", "--iters", "1",
+                      "--warmup", "0", "--plot", "bench.png"])
+    assert rc == 0
+    assert f"plot: {tmp_path / 'bench.png'}" in capsys.readouterr().out.splitlines()
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("name, ep", [("mixtral", 2), ("deepseek-v3", 8), ("gpt-oss-120b", 3)])

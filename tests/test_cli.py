@@ -3,6 +3,7 @@ version, and bad arguments ending in argparse's message and exit code 2,
 never in a traceback."""
 
 import importlib.metadata
+import pathlib
 import subprocess
 import sys
 
@@ -49,6 +50,19 @@ def test_help_lists_every_command_on_stdout():
         assert cli.COMMANDS[name].summary in line, line
 
 
+@pytest.mark.parametrize("args", [["--version"], ["--help"]])
+def test_import_and_cli_load_no_dynamo(args):
+    """`import torch_moe_a2a` (and so --version and --help) leaves torch._dynamo
+    unimported: it takes longer to import than the rest of the package
+    (benchmarks/import_time.py); torch.compile imports it when it is used."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "torch_moe_a2a", *args], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
+    assert "torch_moe_a2a.api" in imported, "-X importtime printed nothing recognizable"
+    assert not [name for name in imported if name.startswith("torch._dynamo")], "torch._dynamo imported"
+
+
 def test_unknown_command_names_it_and_lists_the_commands():
     proc = _cli("frobnicate", "--ep", "2")
     assert proc.returncode == 2, proc
@@ -85,6 +99,15 @@ def test_version_without_an_installed_distribution_says_unknown(monkeypatch):
 def test_device_cuda_without_cuda_is_a_usage_error(command):
     # Its own process: the error must reach the user as argparse's text, nothing after it.
     _assert_clean_usage_error(_cli(command, "--device", "cuda"), "CUDA was asked for but torch sees no CUDA device")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_dev_gpu_without_cuda_fails_in_one_line():
+    """`./dev gpu` stops before building or testing anything: one line on stderr, exit 1."""
+    dev = pathlib.Path(__file__).parents[1] / "dev"
+    proc = subprocess.run([str(dev), "gpu"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == "", proc
+    assert proc.stderr.count("\n") == 1 and "sees no CUDA device" in proc.stderr, proc.stderr
 
 
 def test_ep_out_of_range_is_a_usage_error(capsys):

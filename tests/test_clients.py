@@ -24,10 +24,12 @@ from conftest import (
 
 import torch_moe_a2a as a2a
 from torch_moe_a2a import layout, reference
+from torch_moe_a2a.moe_ep import BootstrapConfig, MoEEpCommParams, NVLinkOneSidedConfig
 
 HIDDEN = 96
 TOP_K = 4
 NUM_EXPERTS = 10  # not divisible by 3 ranks
+ONE_SIDED_EXPERTS = 12  # NVLinkOneSidedAlltoAll needs num_experts divisible by the EP size
 MAX_TOKENS = 12
 INVALID_ID = -1
 # Decode steps: tokens per rank (uneven, zeros included), for up to 3 ranks.
@@ -35,12 +37,12 @@ STEPS = [(5, 0, 7), (12, 3, 1), (0, 0, 2), (1, 1, 1)]
 MASKED_RANK = 1  # taken out by the rank mask in the vLLM sequence's last step
 
 
-def _inputs(seed: str, tokens: list[int], extra_width: int = 0) -> tuple[list, list]:
+def _inputs(seed: str, tokens: list[int], extra_width: int = 0, num_experts: int = NUM_EXPERTS) -> tuple[list, list]:
     """Every rank's (ids, [hidden bf16, (scale uint8), ids, weights fp32]) for one step."""
     gen = make_generator(seed)
     ids, payloads = [], []
     for n in tokens:
-        routing = reference.random_routing(n, TOP_K, NUM_EXPERTS, gen, negative_fraction=0.1)
+        routing = reference.random_routing(n, TOP_K, num_experts, gen, negative_fraction=0.1)
         hidden = torch.randn((n, HIDDEN), generator=gen).to(torch.bfloat16)
         weights = torch.rand((n, TOP_K), generator=gen)
         extra = [torch.randint(0, 256, (n, extra_width), dtype=torch.uint8, generator=gen)] if extra_width else []
@@ -49,15 +51,16 @@ def _inputs(seed: str, tokens: list[int], extra_width: int = 0) -> tuple[list, l
     return ids, payloads
 
 
-def _expert_outputs(recv_hidden, recv_ids, recv_weights, counts, rank, world):
+def _expert_outputs(recv_hidden, recv_ids, recv_weights, counts, rank, world, num_experts=NUM_EXPERTS):
     """The rank's toy experts (reference.toy_moe), as the MoE would compute them."""
     return reference.toy_moe(recv_hidden, recv_ids, recv_weights, counts, ep_rank=rank, ep_size=world,
-                             num_experts=NUM_EXPERTS)
+                             num_experts=num_experts)
 
 
-def _check_step(what, rank, world, ids, payloads, runtime_max, recv, counts, out, *, id_index, active=None):
+def _check_step(what, rank, world, ids, payloads, runtime_max, recv, counts, out, *, id_index, active=None,
+                num_experts=NUM_EXPERTS):
     """recv (this rank's receive views), counts and out against the reference."""
-    ref = reference.reference_dispatch(ids, payloads, ep_size=world, num_experts=NUM_EXPERTS,
+    ref = reference.reference_dispatch(ids, payloads, ep_size=world, num_experts=num_experts,
                                        runtime_max_tokens_per_rank=runtime_max, active_ranks=active)
     assert torch.equal(counts.cpu(), ref.recv_counts[rank]), f"{what}: counts"
     for i, (view, expected) in enumerate(zip(recv, ref.recv[rank])):
@@ -68,7 +71,7 @@ def _check_step(what, rank, world, ids, payloads, runtime_max, recv, counts, out
     padding = torch.arange(runtime_max) >= ref.recv_counts[rank].long().unsqueeze(1)
     assert bool((recv[id_index].cpu()[padding] == INVALID_ID).all()), f"{what}: expert-id padding not sanitized"
     expert_out = [_expert_outputs(ref.recv[d][0], ref.recv[d][id_index], ref.recv[d][id_index + 1],
-                                  ref.recv_counts[d], d, world) for d in range(world)]
+                                  ref.recv_counts[d], d, world, num_experts) for d in range(world)]
     expected = reference.reference_combine(expert_out, ref, [x.shape[0] for x in ids])
     assert_bytes_equal(out.cpu(), expected[rank], f"{what}: combine output")
 
@@ -185,6 +188,51 @@ def _moe_ep_sequence(rank, world, device):
                     id_index=2, active=active)
 
 
+def _vllm_one_sided_sequence(rank, world, device):
+    """vLLM's FlashInferNVLinkOneSidedPrepareAndFinalize
+    (vllm/model_executor/layers/fused_moe/prepare_finalize/flashinfer_nvlink_one_sided.py,
+    vllm-project/vllm 055e47c) on torch_moe_a2a.NVLinkOneSidedAlltoAll. vLLM
+    makes these calls on FlashInfer's MoeAlltoAll through its all2all manager;
+    NVLinkOneSidedAlltoAll.dispatch and .combine take the same payloads, sizes
+    and output: prepare's runtime max over the ranks' token counts (lines
+    92-96), int32 ids (71-72), payloads [x, x_sf when quantized, ids, weights]
+    (112-117), dispatched with -1 as the invalid id (120-126), the receive
+    rows viewed [ep_size * T, *] (139-141); finalize's expert output viewed
+    [ep_size, T, hidden] (164-166) and combined into `output` (168-172). Odd
+    steps write the expert output into get_combine_input_buffer instead
+    (FlashInfer's zero-copy path)."""
+    num_experts = ONE_SIDED_EXPERTS
+    scale_width = HIDDEN // 32
+    params = MoEEpCommParams(num_experts=num_experts, top_k=TOP_K, max_tokens_per_rank=MAX_TOKENS,
+                             hidden_size=HIDDEN, invalid_expert_id=INVALID_ID)
+    comm = a2a.NVLinkOneSidedAlltoAll(BootstrapConfig(world_size=world, rank=rank, process_group=dist.group.WORLD),
+                                      params, NVLinkOneSidedConfig(extra_payload_bytes_per_token=scale_width),
+                                      device=device)
+    for step, tokens in enumerate(STEPS):
+        tokens = list(tokens[:world])
+        quantized = step % 2 == 0  # x_sf travels as the second payload
+        runtime_max = max(1, max(tokens))  # every rank at 0 tokens: vLLM runs no MoE step, FlashInfer needs T > 0
+        ids, payloads = _inputs(f"one-sided-{world}-{step}", tokens, scale_width if quantized else 0, num_experts)
+        mine = [p.to(device) for p in payloads[rank]]
+        x, x_sf, topk_ids, topk_weights = mine[0], mine[1] if quantized else None, mine[-2], mine[-1]
+        got = comm.dispatch(x, topk_ids, topk_weights, hidden_states_scale=x_sf, max_tokens_per_rank=runtime_max)
+        assert got.tokens_per_rank == runtime_max and (got.hidden_states_scale is not None) == quantized
+        recv_x = got.hidden_states.view(-1, got.hidden_states.shape[-1])
+        recv_ids = got.topk_ids.view(-1, got.topk_ids.shape[-1])
+        recv_w = got.topk_weights.view(-1, got.topk_weights.shape[-1])
+        recv = [recv_x] + ([got.hidden_states_scale] if quantized else []) + [recv_ids, recv_w]
+        recv_copy = [t.view(world, runtime_max, -1).clone() for t in recv]
+        counts = comm.alltoall.recv_counts.clone()
+        experts = _expert_outputs(recv_copy[0], recv_copy[-2], recv_copy[-1], counts, rank, world, num_experts)
+        fused = comm.get_combine_input_buffer(torch.bfloat16) if step % 2 else torch.empty_like(recv_x)
+        fused.copy_(experts.view(-1, HIDDEN))
+        output = torch.full((tokens[rank], HIDDEN), float("nan"), dtype=torch.bfloat16, device=device)
+        assert comm.combine(fused.view(world, runtime_max, HIDDEN), output=output) is output
+        _check_step(f"one-sided step {step}", rank, world, ids, payloads, runtime_max, recv_copy, counts, output,
+                    id_index=len(recv) - 2, num_experts=num_experts)
+    comm.destroy()
+
+
 def _clients_worker(rank, world, init_file, device):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -193,6 +241,7 @@ def _clients_worker(rank, world, init_file, device):
             torch.cuda.set_device(rank % torch.cuda.device_count())
         _sglang_sequence(rank, world, device)
         _moe_ep_sequence(rank, world, device)
+        _vllm_one_sided_sequence(rank, world, device)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -461,3 +510,152 @@ def test_reset_recovers_after_a_timeout():
     expected = (hidden.float() * 2).to(torch.bfloat16)  # each token reaches both ranks, each returns it
     assert all(torch.equal(out, expected) for out in outputs)
     assert all(moe.metainfo is m for moe, m in zip(ranks, metainfo))
+
+
+# ---- FlashInfer's names around the workspace --------------------------------------------------
+
+
+def test_workspace_sizes_as_flashinfers_test():
+    """FlashInfer's test_moe_workspace_size_per_rank (tests/comm/test_trtllm_moe_alltoall.py:1537-1586,
+    flashinfer-ai/flashinfer fb28d7242) on this package's names: the zero-payload
+    size is get_moe_alltoall_module()'s aux data size, the payload planes add
+    exactly their bytes, and MoeAlltoAll sizes as its static method does."""
+    ep_size, num_tokens, hidden_size, topk = 8, 10, 128, 2
+    raw = a2a.moe_a2a_get_workspace_size_per_rank(ep_size, num_tokens, hidden_size * 2 + topk * 4 + topk * 4,
+                                                  hidden_size * 2)
+    assert raw > 0 and raw == a2a.MoeAlltoAll.get_moe_workspace_size_per_rank(ep_size, topk, num_tokens, hidden_size)
+    empty = a2a.moe_a2a_get_workspace_size_per_rank(ep_size, num_tokens, 0, 0)
+    assert empty > 0 and empty == a2a.get_moe_alltoall_module().moe_a2a_get_aux_data_size(ep_size, num_tokens)
+    full = a2a.moe_a2a_get_workspace_size_per_rank(ep_size, num_tokens, hidden_size, hidden_size)
+    assert full - empty == hidden_size * ep_size * num_tokens * 2
+    assert (a2a.get_moe_alltoall_module().moe_a2a_get_aux_data_size(ep_size, num_tokens, 16)
+            == a2a.moe_a2a_get_workspace_size_per_rank(ep_size, num_tokens, 0, 0, 16))
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    mapping = a2a.Mapping(rank=0, world_size=1)
+    moe = a2a.MoeAlltoAll(mapping, num_tokens, topk, ep_size, hidden_size=hidden_size, device="cpu")
+    assert moe.workspace_size_per_rank == a2a.MoeAlltoAll.get_moe_workspace_size_per_rank(
+        mapping.moe_ep_size, topk, num_tokens, hidden_size)
+    a2a.MoeAlltoAll.clear_workspace_cache()
+
+
+@pytest.mark.parametrize("name", sorted(a2a.api.MoeAlltoAllModule.INSTEAD))
+def test_moe_alltoall_module_names_flashinfers_layout_entries(name):
+    module = a2a.get_moe_alltoall_module()
+    assert module is a2a.get_moe_alltoall_module("trtllm")
+    with pytest.raises(AttributeError, match=f"{name} is an entry of FlashInfer's JIT module.*use torch_moe_a2a"):
+        getattr(module, name)
+    assert not hasattr(module, name)
+
+
+@pytest.mark.parametrize("backend, error", [("cake", ValueError), ("nccl", ValueError)])
+def test_moe_alltoall_module_refuses_other_backends(backend, error):
+    with pytest.raises(error, match="backend"):
+        a2a.get_moe_alltoall_module(backend)
+
+
+def test_get_workspace_is_the_instances_workspace(device):
+    """MoeAlltoAll.get_workspace: FlashInfer's cache entry, the same workspace
+    and metainfo the instances of that geometry hold."""
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    moe = _ep1(device)
+    entry = a2a.MoeAlltoAll.get_workspace(moe.workspace_size_per_rank, 0, 1, 8, a2a.Mapping(), device=device)
+    assert entry["workspace"] is moe.workspace and entry["metainfo"] is moe.metainfo
+    assert {k: entry[k] for k in ("workspace_size_per_rank", "ep_rank", "ep_size", "max_num_tokens",
+                                  "eplb_stats_num_experts")} == {
+        "workspace_size_per_rank": moe.workspace_size_per_rank, "ep_rank": 0, "ep_size": 1, "max_num_tokens": 8,
+        "eplb_stats_num_experts": 0}
+    with pytest.raises(KeyError, match="mnnvl_mem is FlashInfer's MnnvlMemory"):
+        entry["mnnvl_mem"]
+    other = a2a.MoeAlltoAll.get_workspace(moe.workspace_size_per_rank, 0, 1, 4, a2a.Mapping(), device=device)
+    assert other["workspace"] is not moe.workspace  # another max_num_tokens, another workspace
+    with pytest.raises(ValueError, match=r"mapping's \(moe_ep_rank, moe_ep_size\) = \(0, 1\) differ from \(0, 2\)"):
+        a2a.MoeAlltoAll.get_workspace(moe.workspace_size_per_rank, 0, 2, 8, a2a.Mapping(), device=device)
+    a2a.MoeAlltoAll.clear_workspace_cache()
+
+
+@pytest.mark.parametrize("bad", ["device", "contiguity"])
+def test_combine_checks_output_before_metainfo(bad, device):
+    """FlashInfer's test_moe_a2a_combine_rejects_cpu_output_before_jit and
+    ..._noncontiguous_output_before_jit (tests/comm/test_trtllm_moe_alltoall.py:197-243,
+    fb28d7242): an empty workspace and metainfo, a bad output; the output's
+    error comes first. A CPU workspace has a CPU output: the bad device is
+    another one there (FlashInfer's message on CUDA)."""
+    workspace = torch.empty(0, device=device)
+    if bad == "device":
+        output, match = torch.empty((1, 1), device="meta" if device == "cpu" else "cpu"), \
+            f"output must be a {device.upper()} tensor"
+    else:
+        output, match = torch.empty((2, 2), device=device).T, "output must be contiguous"
+    payload = torch.empty((1, 1, output.shape[1]), device=device)
+    with pytest.raises(ValueError, match=match):
+        a2a.moe_a2a_combine(payload, 1, workspace, torch.empty(0), 1, 0, 1, 1, 0, output=output)
+
+
+# ---- NVLinkOneSidedAlltoAll in one process ---------------------------------------------------
+
+
+def _one_sided(device, num_experts=4, **config):
+    params = MoEEpCommParams(num_experts=num_experts, top_k=2, max_tokens_per_rank=8, hidden_size=64)
+    return a2a.NVLinkOneSidedAlltoAll(BootstrapConfig(world_size=1, rank=0), params,
+                                      NVLinkOneSidedConfig(**config), device=device)
+
+
+def test_one_sided_round_trip_and_misuse(device):
+    """One rank: every token's only destination is this rank, so the combine
+    returns the expert rows; then FlashInfer's refusals, in its words."""
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    comm = _one_sided(device, eplb_stats_num_experts=4)
+    assert comm.num_local_experts == 4 and comm.is_workload_feasible(8) and not comm.is_workload_feasible(9)
+    gen = make_generator("one-sided")
+    x = torch.randn((5, 64), generator=gen).to(torch.bfloat16).to(device)
+    ids = torch.randint(0, 4, (5, 2), generator=gen).to(device)  # int64: sent as int32
+    got = comm.dispatch(x, ids, None, max_tokens_per_rank=6, eplb_local_stats=torch.arange(4, dtype=torch.int32,
+                                                                                          device=device))
+    assert got.topk_weights is None and got.hidden_states_scale is None and got.tokens_per_rank == 6
+    assert got.hidden_states.shape == (6, 64) and got.topk_ids.dtype == torch.int32
+    assert torch.equal(got.topk_ids[:5].cpu(), ids.int().cpu()) and bool((got.topk_ids[5:] == -1).all())
+    assert torch.equal(got.eplb_gathered_stats.cpu(), torch.arange(4, dtype=torch.int32).view(1, 4))
+    with pytest.raises(RuntimeError, match="dispatch called twice without an intervening combine"):
+        comm.dispatch(x, ids, max_tokens_per_rank=6)
+    with pytest.raises(ValueError, match="expert_output must be 2D or 3D"):
+        comm.combine(got.hidden_states.view(-1))
+    out = comm.combine((got.hidden_states.float() * 3).to(torch.bfloat16))
+    assert torch.equal(out, (x.float() * 3).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="combine called before dispatch"):
+        comm.combine(got.hidden_states)
+    with pytest.raises(RuntimeError, match="get_combine_input_buffer called before dispatch"):
+        comm.get_combine_input_buffer(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"max_tokens_per_rank=9 must be in \(0, 8\]"):
+        comm.dispatch(x, ids, max_tokens_per_rank=9)
+    comm.destroy()
+    with pytest.raises(RuntimeError, match="NVLinkOneSidedAlltoAll has been destroyed"):
+        comm.dispatch(x, ids)
+    a2a.MoeAlltoAll.clear_workspace_cache()
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: _one_sided("cpu", extra_payload_bytes_per_token=-1), "extra_payload_bytes_per_token must be non-neg"),
+    (lambda: a2a.NVLinkOneSidedAlltoAll(BootstrapConfig(world_size=3, rank=0, process_group=_FakeComm(0, 3)),
+                                        MoEEpCommParams(num_experts=4, top_k=2, max_tokens_per_rank=8,
+                                                        hidden_size=64)), r"num_experts \(4\) divisible by the EP"),
+    (lambda: MoEEpCommParams(num_experts=4, top_k=5, max_tokens_per_rank=8, hidden_size=64), "exceeds num_experts"),
+    (lambda: MoEEpCommParams(num_experts=4, top_k=2, max_tokens_per_rank=8, hidden_size=64, invalid_expert_id=3),
+     "invalid_expert_id must lie outside"),
+    (lambda: MoEEpCommParams(num_experts=4, top_k=2, max_tokens_per_rank=0, hidden_size=64),
+     "max_tokens_per_rank must be a positive int"),
+    (lambda: MoEEpCommParams(num_experts=4, top_k=2, max_tokens_per_rank=8, hidden_size=64, dispatch_format="FP3"),
+     "dispatch_format must be one of"),
+    (lambda: BootstrapConfig(world_size=2, rank=2), r"rank 2 not in \[0, 2\)"),
+])
+def test_one_sided_refuses_what_flashinfer_refuses(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.parametrize("fmt, expected", [(None, 64 * 2), ("NVFP4", 32 + 4), ("MXFP8", 64 + 2),
+                                           ("DeepSeekFp8", 64 + 4)])
+def test_one_sided_dispatch_bytes_per_token(fmt, expected):
+    """MoEEpCommParams.dispatch_bytes_per_token: the values and their block
+    scales, by FlashInfer's format names (hidden 64)."""
+    params = MoEEpCommParams(num_experts=4, top_k=2, max_tokens_per_rank=8, hidden_size=64, dispatch_format=fmt)
+    assert params.dispatch_bytes_per_token == expected

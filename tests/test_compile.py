@@ -277,3 +277,26 @@ def test_compiled_expert_major_equals_eager(ep_size, device):
         outs = sim.run(lambda r: compiled(*args(r)))
         for r in range(ep_size):
             assert_bytes_equal(outs[r], eager[r], f"rank {r}")
+
+
+def test_compile_marks_are_torchs():
+    """torch_moe_a2a.compile_marks stands in for torch.compiler.assume_constant_result
+    and torch._dynamo.mark_static_address (which import torch._dynamo): each
+    must set exactly what torch's sets, or the metainfo, capability and
+    rank-mask readers would be traced instead of baked in, and CUDA-graph
+    trees would skip graphs that write into the workspace."""
+    from torch_moe_a2a.compile_marks import constant_result, mark_static_address
+
+    def ours():
+        return 0
+
+    def torchs():
+        return 0
+
+    assert constant_result(ours) is ours
+    torch.compiler.assume_constant_result(torchs)
+    assert vars(torchs) and vars(ours) == vars(torchs)
+    ours_t, torchs_t = torch.zeros(2), torch.zeros(2)
+    mark_static_address(ours_t)
+    torch._dynamo.mark_static_address(torchs_t)
+    assert vars(torchs_t) and vars(ours_t) == vars(torchs_t)

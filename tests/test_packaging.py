@@ -9,6 +9,7 @@ Runs against whichever torch_moe_a2a is imported: the editable install of
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import os
 import subprocess
@@ -24,6 +25,53 @@ from torch_moe_a2a import _build_info
 from torch_moe_a2a._build_check import check_build_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _module_imports(path: str, module: str, is_package: bool) -> set[str]:
+    """The package's modules that ``module`` imports when it is imported
+    (relative imports outside functions; ``from . import x`` names module x)."""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    found = set()
+    pending = list(ast.parse(open(path).read()).body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level:
+            parent = ".".join(base[:len(base) - node.level + 1])
+            if node.module:
+                found.add(f"{parent}.{node.module}")
+            else:
+                found.update(f"{parent}.{alias.name}" for alias in node.names)
+        pending.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def test_package_modules_import_no_cycle():
+    """No module of the package imports one that imports it back, directly or
+    through others: helpers two modules share live in a third."""
+    root = os.path.dirname(torch_moe_a2a.__file__)
+    graph = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                rel = os.path.relpath(os.path.join(folder, name), os.path.dirname(root))[:-3].replace(os.sep, ".")
+                module = rel.removesuffix(".__init__")
+                graph[module] = _module_imports(os.path.join(folder, name), module, name == "__init__.py")
+    assert "torch_moe_a2a.expert_major" in graph["torch_moe_a2a.api"], "the import scan found nothing"
+
+    def cycle_from(module, path):
+        if module in path:
+            return path[path.index(module):] + [module]
+        for target in sorted(graph.get(module, ())):
+            found = cycle_from(target, path + [module])
+            if found:
+                return found
+        return None
+
+    for module in sorted(graph):
+        cycle = cycle_from(module, [])
+        assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
 def test_build_info_matches_running_torch():

@@ -26,6 +26,7 @@ from . import _C  # noqa: E402,F401  (registers torch.ops.moe_a2a)
 from .api import (  # noqa: E402
     SfLayout,
     check_errors,
+    get_moe_alltoall_module,
     local_expert_range,
     moe_a2a_active_rank_mask,
     moe_a2a_combine,
@@ -48,6 +49,7 @@ from .flashinfer_patch import patch_flashinfer, unpatch_flashinfer  # noqa: E402
 from .layout import MOE_A2A_RANK_MASK_WORDS  # noqa: E402
 from .mapping import Mapping  # noqa: E402
 from .moe_alltoall import MoeAlltoAll  # noqa: E402
+from .moe_ep import NVLinkOneSidedAlltoAll  # noqa: E402
 from .simulate import RankGraphs, SimulatedEP  # noqa: E402
 from .workspace import allocate_workspace, cuda_workspace_granularity  # noqa: E402
 
@@ -57,12 +59,14 @@ __all__ = [
     "MOE_A2A_RANK_MASK_WORDS",
     "Mapping",
     "MoeAlltoAll",
+    "NVLinkOneSidedAlltoAll",
     "SfLayout",
     "RankGraphs",
     "SimulatedEP",
     "allocate_workspace",
     "check_errors",
     "cuda_workspace_granularity",
+    "get_moe_alltoall_module",
     "local_expert_range",
     "moe_a2a_active_rank_mask",
     "moe_a2a_combine",

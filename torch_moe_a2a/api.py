@@ -26,25 +26,26 @@ peer's next dispatch may overwrite them (DESIGN.md section 5).
 from __future__ import annotations
 
 import enum
-import os
 from typing import Optional, Sequence, Union
 
 import torch
 
 from . import _C, layout
+from .arguments import ENV_TIMEOUT, ID_DTYPES, U64, data_address, dispatch_args, rank_mask_words
 from .backend import MoeAlltoAllBackend, check_backend, pdl_default
 
 # check_errors and describe_error are part of this module's public names too.
 from .errors import check_errors, describe_error  # noqa: F401
+from .expert_major import moe_a2a_dispatch_expert_major
 from .fastpath import (
     BOOL,
     FLOAT,
     INT,
     OPT_TENSOR,
     TENSOR,
-    TENSORS,
     direct_call_ok,
     expect_tensors,
+    run_dispatch,
     traced_receive_views,
     tracing,
     wrong_type,
@@ -54,14 +55,8 @@ from .metainfo import check_rank, check_rank_index, metainfo_values
 
 _ops = torch.ops.moe_a2a
 
-# timeout_s the ops read as "use MOE_A2A_TIMEOUT_S, else the default".
-_ENV_TIMEOUT = -1.0
-_U64 = 1 << 64
-_I64_SIGN = 1 << 63
 # The combine op's low_precision argument (csrc/protocol.h, LowPrecision).
 _LOW_PRECISION_OFF, _LOW_PRECISION_E4M3, _LOW_PRECISION_BLOCK_SCALED = 0, 1, 2
-# Expert-id dtypes dispatch reads and sanitize writes (int64: torch.topk's indices).
-_ID_DTYPES = (torch.int32, torch.int64)
 
 
 class SfLayout(enum.IntEnum):
@@ -80,74 +75,71 @@ class SfLayout(enum.IntEnum):
     layout_linear = 2
 
 
-def _rank_mask_words(enable_rank_mask: bool, active_rank_mask: Optional[torch.Tensor]) -> Sequence[int]:
-    """The op's ``active_rank_mask``: ``()`` for "every rank", else the words as signed int64."""
-    if active_rank_mask is None:
-        if enable_rank_mask:
-            # FlashInfer's contract: opting into the mask without saying which
-            # ranks are alive is a caller's bug, not "every rank".
-            raise ValueError("active_rank_mask must be given when enable_rank_mask=True "
-                             "(see moe_a2a_active_rank_mask)")
-        return ()
-    if not enable_rank_mask:
-        raise ValueError("active_rank_mask requires enable_rank_mask=True")
-    if not (
-        isinstance(active_rank_mask, torch.Tensor)
-        and active_rank_mask.dtype == torch.uint64
-        and active_rank_mask.device.type == "cpu"
-        and tuple(active_rank_mask.shape) == (MOE_A2A_RANK_MASK_WORDS,)
-    ):
-        raise ValueError(
-            f"active_rank_mask must be a CPU uint64 tensor of shape [{MOE_A2A_RANK_MASK_WORDS}] "
-            "(see moe_a2a_active_rank_mask)"
-        )
-    if torch.compiler.is_compiling():
-        return _mask_words_at_trace_time(active_rank_mask, id(active_rank_mask))
-    return _signed_words(active_rank_mask)
-
-
-def _signed_words(active_rank_mask: torch.Tensor) -> list[int]:
-    return [w - _U64 if w >= _I64_SIGN else w for w in active_rank_mask.tolist()]
-
-
-@torch.compiler.assume_constant_result
-def _mask_words_at_trace_time(active_rank_mask: torch.Tensor, key: int) -> list[int]:
-    """torch.compile: the mask's words, read once at trace time and baked into the
-    graph; ``key`` (``id(active_rank_mask)``) makes dynamo guard on the tensor's
-    identity, so a new mask tensor (``moe_a2a_active_rank_mask`` returns a new
-    one) recompiles. Changing a mask tensor in place is not seen by a compiled graph."""
-    return _signed_words(active_rank_mask)
-
-
-# MOE_A2A_DEBUG is read at every call (tests set it at run time), from
-# os.environ's underlying dict where it has one: os.environ.get costs about a
-# microsecond per call (key and value encoding), a twentieth of a dispatch
-# wrapper's whole host budget.
-_ENVIRON_DATA = getattr(os.environ, "_data", None)
-_DEBUG_KEY = "MOE_A2A_DEBUG"
-_DEBUG_RAW_KEY = os.environ.encodekey(_DEBUG_KEY) if hasattr(os.environ, "encodekey") else None
-
-
-def _debug_enabled() -> bool:
-    if isinstance(_ENVIRON_DATA, dict) and _DEBUG_RAW_KEY is not None:
-        raw = _ENVIRON_DATA.get(_DEBUG_RAW_KEY)
-        value = "0" if raw is None else os.environ.decodevalue(raw)
-    else:
-        value = os.environ.get(_DEBUG_KEY, "0")
-    return value not in ("", "0")
-
-
-# MOE_A2A_DEBUG=1: refuse expert ids >= num_experts on the host before each
-# dispatch, eager or traced (the op reads the ids when the graph runs; a
-# sync on CUDA, skipped inside a CUDA-graph capture). It returns nothing and
-# mutates nothing, so traced graphs would drop it without this mark.
-_check_expert_ids = _ops.check_expert_ids.default
-torch.fx.node.has_side_effect(_check_expert_ids)
-
-
 # ---------------------------------------------------------------------------
 # functional API
 # ---------------------------------------------------------------------------
+
+
+class MoeAlltoAllModule:
+    """What :func:`get_moe_alltoall_module` returns: FlashInfer's JIT module's
+    sizing entry; its other entries take and return FlashInfer's own metainfo
+    and workspace layout, and reading one raises an AttributeError naming
+    this package's function instead."""
+
+    # FlashInfer's module entries -> what a caller uses here instead.
+    INSTEAD = {
+        "moe_a2a_initialize": "torch_moe_a2a.moe_a2a_initialize",
+        "moe_a2a_dispatch": "torch_moe_a2a.moe_a2a_dispatch",
+        "moe_a2a_combine": "torch_moe_a2a.moe_a2a_combine",
+        "moe_a2a_combine_into": "torch_moe_a2a.moe_a2a_combine(..., output=)",
+        "moe_a2a_sanitize_expert_ids": "torch_moe_a2a.moe_a2a_sanitize_expert_ids",
+        "moe_a2a_get_metainfo_index_pairs": "torch_moe_a2a.layout.META_* (this package's metainfo indices)",
+    }
+
+    def moe_a2a_get_aux_data_size(self, ep_size: int, max_num_tokens: int, eplb_stats_num_experts: int = 0) -> int:
+        """Bytes per rank besides the payload planes, as FlashInfer's entry.
+
+        Args:
+            ep_size, max_num_tokens, eplb_stats_num_experts: as for
+                :func:`moe_a2a_get_workspace_size_per_rank`.
+
+        Returns:
+            What :func:`moe_a2a_get_workspace_size_per_rank` adds to the
+            planes' bytes: its value with no payload bytes.
+
+        Raises:
+            ValueError: arguments out of range.
+        """
+        return moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens, 0, 0, eplb_stats_num_experts)
+
+    def __getattr__(self, name: str):
+        if name in self.INSTEAD:
+            raise AttributeError(f"get_moe_alltoall_module().{name} is an entry of FlashInfer's JIT module, whose "
+                                 "arguments and results are FlashInfer's own metainfo and workspace layout; "
+                                 f"torch-moe-a2a has none: use {self.INSTEAD[name]}")
+        raise AttributeError(f"get_moe_alltoall_module() has no attribute {name!r}")
+
+
+_MODULE = MoeAlltoAllModule()
+
+
+def get_moe_alltoall_module(backend: MoeAlltoAllBackend = "trtllm") -> MoeAlltoAllModule:
+    """FlashInfer's ``get_moe_alltoall_module``, for its sizing entry
+    (``moe_a2a_get_aux_data_size``; FlashInfer's tests size workspaces with
+    it). Nothing is compiled or loaded: the operators are registered at import.
+
+    Args:
+        backend: ``"trtllm"``; ``"cake"`` is refused as everywhere (:func:`moe_a2a_initialize`).
+
+    Returns:
+        The one :class:`MoeAlltoAllModule`.
+
+    Raises:
+        ValueError: an unknown backend, or ``"cake"`` off Blackwell.
+        NotImplementedError: ``"cake"`` on Blackwell.
+    """
+    check_backend(backend, None)
+    return _MODULE
 
 
 def moe_a2a_get_workspace_size_per_rank(
@@ -287,7 +279,7 @@ def moe_a2a_active_rank_mask(active_ranks: Union[Sequence[int], torch.Tensor], e
         if not 0 <= rank < ep_size:
             raise ValueError(f"active rank {rank} out of range [0, {ep_size})")
         mask |= 1 << rank
-    words = [(mask >> (64 * w)) & (_U64 - 1) for w in range(MOE_A2A_RANK_MASK_WORDS)]
+    words = [(mask >> (64 * w)) & (U64 - 1) for w in range(MOE_A2A_RANK_MASK_WORDS)]
     return torch.tensor(words, dtype=torch.uint64)
 
 
@@ -378,31 +370,18 @@ def moe_a2a_dispatch(
             :func:`check_errors`).
     """
     if expert_major:
-        return _expert_major.moe_a2a_dispatch_expert_major(
+        return moe_a2a_dispatch_expert_major(
             token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank,
             ep_size, top_k, num_experts, router_weights, max_tokens_per_expert, enable_pdl, eplb_local_stats,
             enable_rank_mask, active_rank_mask, backend=backend, timeout_s=timeout_s)
     if router_weights is not None or max_tokens_per_expert is not None:
         raise ValueError("router_weights and max_tokens_per_expert are options of expert_major=True")
-    timeout_s = _ENV_TIMEOUT if timeout_s is None else timeout_s
-    if not (isinstance(token_selected_experts, torch.Tensor) and isinstance(workspace, torch.Tensor)):
-        # Inline test first: the call costs the per-call path half a microsecond.
-        expect_tensors("moe_a2a_dispatch", token_selected_experts=token_selected_experts, workspace=workspace)
-    check_backend(backend, workspace)
-    meta = metainfo_values(metainfo, id(metainfo))
-    check_rank(meta, ep_rank, ep_size)
-    _, _, max_num_tokens, eplb_n, _, mailbox = meta
-    mask = _rank_mask_words(enable_rank_mask, active_rank_mask)
-    if enable_pdl is None:
-        enable_pdl = pdl_default(workspace)
-    args = (token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
-            runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_n, mask, timeout_s, mailbox,
-            enable_pdl)
-    call_eplb_n = eplb_n if eplb_local_stats is not None else 0
-    if _debug_enabled():  # under torch.compile: read when the call is traced
-        _check_expert_ids(token_selected_experts, num_experts)
+    args, call_eplb_n = dispatch_args(
+        "moe_a2a_dispatch", token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank,
+        ep_rank, ep_size, top_k, num_experts, enable_pdl, eplb_local_stats, enable_rank_mask, active_rank_mask,
+        backend, timeout_s)
     if tracing():
-        _ops.dispatch.default(*args)
+        run_dispatch("moe_a2a_dispatch", args, False, True)
         return traced_receive_views(workspace, ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n,
                                      input_payloads)
 
@@ -417,21 +396,7 @@ def moe_a2a_dispatch(
         key = (ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n,
                tuple([(p.shape[1:], p.dtype) for p in input_payloads]))
         hit = cache.get(key)
-    if direct_call_ok(token_selected_experts, workspace, eplb_local_stats, *input_payloads):
-        # One C++ call runs the op and builds every view (protocol.h's call_layout).
-        try:
-            views = _C.dispatch(*args, hit is None)
-        except TypeError as e:
-            raise wrong_type("moe_a2a_dispatch", e, token_selected_experts=(token_selected_experts, TENSOR),
-                              input_payloads=(input_payloads, TENSORS), workspace=(workspace, TENSOR),
-                              runtime_max_tokens_per_rank=(runtime_max_tokens_per_rank, INT),
-                              ep_rank=(ep_rank, INT), ep_size=(ep_size, INT), top_k=(top_k, INT),
-                              num_experts=(num_experts, INT), eplb_local_stats=(eplb_local_stats, OPT_TENSOR),
-                              timeout_s=(timeout_s, FLOAT), enable_pdl=(enable_pdl, BOOL)) from None
-    else:
-        _ops.dispatch.default(*args)
-        views = None if hit is not None else _C.receive_views(
-            workspace, ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n, input_payloads)
+    views = run_dispatch("moe_a2a_dispatch", args, hit is None, False)
     if hit is not None:
         return list(hit[0]), hit[1], hit[2]
     output_payloads, combine_offset, eplb_gathered_stats = views
@@ -527,9 +492,11 @@ def moe_a2a_combine(
             the next call raises).
         RuntimeError: peers that did not arrive within the timeout (as for dispatch).
     """
-    timeout_s = _ENV_TIMEOUT if timeout_s is None else timeout_s
+    timeout_s = ENV_TIMEOUT if timeout_s is None else timeout_s
     if not (isinstance(payload, torch.Tensor) and isinstance(workspace, torch.Tensor)):
-        expect_tensors("moe_a2a_combine", payload=payload, workspace=workspace)  # as in _dispatch
+        expect_tensors("moe_a2a_combine", payload=payload, workspace=workspace)  # as in dispatch_args
+    if output is not None:
+        _check_output_first(output, workspace)
     check_backend(backend, workspace)
     # By value, so FlashInfer's own SfLayout (or a plain int) is understood too.
     sf_layout = int(getattr(sf_layout, "value", sf_layout))
@@ -540,10 +507,10 @@ def moe_a2a_combine(
     meta = metainfo_values(metainfo, id(metainfo))
     check_rank(meta, ep_rank, ep_size)
     _, _, max_num_tokens, _, _, mailbox = meta
-    mask = _rank_mask_words(enable_rank_mask, active_rank_mask)
+    mask = rank_mask_words(enable_rank_mask, active_rank_mask)
     if enable_pdl is None:
         enable_pdl = pdl_default(workspace)
-    # `output` (shape, dtype, device, contiguity) is checked by the op (check_combine).
+    # `output`'s shape and dtype are checked by the op (check_combine).
     compiling = torch.compiler.is_compiling()
     staged = payload
     if payload_in_workspace and not compiling:
@@ -598,6 +565,19 @@ def moe_a2a_combine(
     return output
 
 
+def _check_output_first(output: torch.Tensor, workspace: torch.Tensor) -> None:
+    """``output``'s device and contiguity, checked before anything else as
+    FlashInfer does (its tests pass an invalid metainfo with a bad output and
+    expect the output's error); the op checks them again for direct callers."""
+    if not isinstance(output, torch.Tensor):
+        raise ValueError(f"moe_a2a_combine: output must be a tensor or None, got {type(output).__name__}")
+    if output.device != workspace.device:
+        raise ValueError(f"output must be a {workspace.device.type.upper()} tensor on the workspace's device "
+                         f"{workspace.device}, got device={output.device}")
+    if not output.is_contiguous():
+        raise ValueError(f"output must be contiguous, got stride={output.stride()}")
+
+
 def _check_payload_in_workspace(
     payload: torch.Tensor,
     workspace: torch.Tensor,
@@ -608,11 +588,8 @@ def _check_payload_in_workspace(
 ) -> None:
     """payload_in_workspace=True: ``payload`` must be the combine region view of this rank's row."""
     expected = workspace.data_ptr() + ep_rank * workspace.stride(0) + combine_payload_offset
-    # data_ptr() of a tensor without elements reads 0; its storage and offset still say where it is.
-    address = (payload.data_ptr() if payload.numel() else
-               payload.untyped_storage().data_ptr() + payload.storage_offset() * payload.element_size())
     if (
-        address != expected
+        data_address(payload) != expected
         or payload.dim() < 2
         or tuple(payload.shape[:2]) != (ep_size, runtime_max)
         or not payload.is_contiguous()
@@ -647,7 +624,7 @@ def moe_a2a_sanitize_expert_ids(
     meta = metainfo_values(metainfo, id(metainfo))
     if meta[0] != ep_rank:
         raise ValueError(f"ep_rank {ep_rank} does not match the metainfo's ep_rank {meta[0]}")
-    if expert_ids.dim() != 3 or expert_ids.dtype not in _ID_DTYPES or not expert_ids.is_contiguous():
+    if expert_ids.dim() != 3 or expert_ids.dtype not in ID_DTYPES or not expert_ids.is_contiguous():
         raise ValueError(
             "expert_ids must be the contiguous int32 or int64 [ep_size, runtime_max_tokens_per_rank, width] "
             f"view returned by moe_a2a_dispatch, got {expert_ids.dtype} {tuple(expert_ids.shape)}"
@@ -732,6 +709,3 @@ def moe_a2a_get_invalid_expert_count(workspace: torch.Tensor, metainfo: torch.Te
     check_rank_index(metainfo_values(metainfo, id(metainfo)), ep_rank)
     return layout.region_view(workspace[ep_rank], layout.HDR_INVALID_EXPERT_COUNT, (), torch.int64)
 
-
-# The expert-major layout composes the dispatch above (and imports this module).
-from . import expert_major as _expert_major  # noqa: E402

@@ -9,6 +9,8 @@ from typing import Literal, Union
 
 import torch
 
+from .compile_marks import constant_result
+
 MoeAlltoAllBackend = Literal["trtllm", "cake"]
 
 # FlashInfer's opt-in backend exists only for these compute capabilities.
@@ -19,7 +21,7 @@ _PDL_MIN_CAPABILITY = (9, 0)
 _CAPABILITIES: dict[int, tuple[int, int]] = {}
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _cuda_capability(device_index: int) -> tuple[int, int]:
     """Compute capability of a CUDA device, queried once per device."""
     cap = _CAPABILITIES.get(device_index)
@@ -62,7 +64,7 @@ def pdl_default(tensor: torch.Tensor) -> bool:
     return _pdl_capable(tensor.get_device())
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _pdl_capable(device_index: int) -> bool:
     # A bool, not the capability tuple: dynamo cannot compare baked tuples.
     return _cuda_capability(device_index) >= _PDL_MIN_CAPABILITY

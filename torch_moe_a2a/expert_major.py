@@ -20,16 +20,12 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import layout
-from .api import _rank_mask_words, moe_a2a_dispatch
+from .arguments import ENV_TIMEOUT, ID_DTYPES, data_address, dispatch_args, rank_mask_words
 from .backend import MoeAlltoAllBackend, check_backend, pdl_default
-from .fastpath import expect_tensors
+from .fastpath import expect_tensors, run_dispatch, tracing
 from .metainfo import check_rank, check_rank_index, metainfo_values
 
 _ops = torch.ops.moe_a2a
-
-# timeout_s the ops read as "use MOE_A2A_TIMEOUT_S, else the default".
-_ENV_TIMEOUT = -1.0
-_ID_DTYPES = (torch.int32, torch.int64)
 
 
 class ExpertMajorDispatch(NamedTuple):
@@ -178,12 +174,9 @@ def moe_a2a_dispatch_expert_major(
             for the expert-major regions (before any kernel runs).
         RuntimeError: as the rank-major dispatch.
     """
-    expect_tensors("moe_a2a_dispatch_expert_major", token_selected_experts=token_selected_experts,
-                   workspace=workspace)
-    meta = metainfo_values(metainfo, id(metainfo))
-    check_rank(meta, ep_rank, ep_size)
-    _, _, max_num_tokens, eplb_n, _, mailbox = meta
-    if token_selected_experts.dtype not in _ID_DTYPES or token_selected_experts.dim() != 2:
+    fn = "moe_a2a_dispatch_expert_major"
+    expect_tensors(fn, token_selected_experts=token_selected_experts, workspace=workspace)
+    if token_selected_experts.dtype not in ID_DTYPES or token_selected_experts.dim() != 2:
         raise ValueError("token_selected_experts must be a 2-D int32 or int64 [local_num_tokens, top_k] tensor, got "
                          f"{token_selected_experts.dtype} {tuple(token_selected_experts.shape)}")
     n = token_selected_experts.shape[0]
@@ -195,20 +188,22 @@ def moe_a2a_dispatch_expert_major(
                              f"{getattr(router_weights, 'dtype', type(router_weights))} "
                              f"{tuple(getattr(router_weights, 'shape', ()))}")
         payloads.append(router_weights.to(torch.float32).contiguous())
+    # The rank-major dispatch of the user payloads, the ids and the weights.
+    args, call_eplb_n = dispatch_args(
+        fn, token_selected_experts, payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size,
+        top_k, num_experts, enable_pdl, eplb_local_stats, enable_rank_mask, active_rank_mask, backend, timeout_s)
+    _, _, max_num_tokens, _, _, mailbox = metainfo_values(metainfo, id(metainfo))
+    enable_pdl = args[-1]  # resolved by dispatch_args
     if max_tokens_per_expert is None:
         max_tokens_per_expert = default_max_tokens_per_expert(ep_size, runtime_max_tokens_per_rank)
-    if enable_pdl is None:
-        enable_pdl = pdl_default(workspace)
     user_rows = [_row_bytes(p) for p in input_payloads]
-    call_eplb_n = eplb_n if eplb_local_stats is not None else 0
     # Refused before the dispatch runs: what the build would refuse after it.
     _check_expert_major_fits(workspace, ep_size, runtime_max_tokens_per_rank, top_k, num_experts,
                              max_tokens_per_expert, call_eplb_n, user_rows, token_selected_experts.element_size(),
                              router_weights is not None)
-    recv, dispatch_end, eplb = moe_a2a_dispatch(
-        token_selected_experts, payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size, top_k,
-        num_experts, enable_pdl, eplb_local_stats, enable_rank_mask, active_rank_mask, backend=backend,
-        timeout_s=timeout_s)
+    run_dispatch(fn, args, False, tracing())
+    call = layout.call_layout(ep_size, runtime_max_tokens_per_rank, call_eplb_n, [_row_bytes(p) for p in payloads])
+    dispatch_end = call.combine_offset
     _ops.expert_major_build.default(
         workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
         max_tokens_per_expert, call_eplb_n, user_rows, token_selected_experts.element_size(),
@@ -225,6 +220,9 @@ def moe_a2a_dispatch_expert_major(
     weights = None
     if router_weights is not None:
         weights = layout.region_view(row, em.weights_offset, (local, M), torch.float32)
+    eplb = None
+    if call.eplb_offset >= 0:
+        eplb = layout.region_view(row, call.eplb_offset, (ep_size, call_eplb_n), torch.int32)
     return ExpertMajorDispatch(views, counts, ids, weights, em.combine_offset, eplb, n, runtime_max_tokens_per_rank,
                                top_k, num_experts, M, dispatch_end)
 
@@ -308,10 +306,10 @@ def moe_a2a_combine_expert_major(
     meta = metainfo_values(metainfo, id(metainfo))
     check_rank(meta, ep_rank, ep_size)
     _, _, max_num_tokens, _, _, mailbox = meta
-    mask = _rank_mask_words(enable_rank_mask, active_rank_mask)
+    mask = rank_mask_words(enable_rank_mask, active_rank_mask)
     if enable_pdl is None:
         enable_pdl = pdl_default(workspace)
-    timeout_s = _ENV_TIMEOUT if timeout_s is None else timeout_s
+    timeout_s = ENV_TIMEOUT if timeout_s is None else timeout_s
     if expert_outputs.dim() < 2:
         raise ValueError("expert_outputs must be [num_local_experts, max_tokens_per_expert, *], got shape "
                          f"{tuple(expert_outputs.shape)}")
@@ -333,9 +331,7 @@ def moe_a2a_combine_expert_major(
 
 def _check_in_workspace(payload: torch.Tensor, workspace: torch.Tensor, ep_rank: int, offset: int) -> None:
     expected = workspace.data_ptr() + ep_rank * workspace.stride(0) + offset
-    address = (payload.data_ptr() if payload.numel() else
-               payload.untyped_storage().data_ptr() + payload.storage_offset() * payload.element_size())
-    if address != expected or not payload.is_contiguous():
+    if data_address(payload) != expected or not payload.is_contiguous():
         raise ValueError("payload_in_workspace=True requires expert_outputs to be the contiguous view of this "
                          "rank's workspace row at the expert-major combine_payload_offset "
                          "(MoeAlltoAll.get_combine_payload_tensor_in_workspace)")

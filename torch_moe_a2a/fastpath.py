@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import layout
+from . import _C, layout
 
 # What an argument of the C++ fast path must be (wrong_type).
 TENSOR, OPT_TENSOR, TENSORS, INT, FLOAT, BOOL = (
@@ -69,6 +69,46 @@ def tracing() -> bool:
     dispatch mode (make_fx, FakeTensorMode, ...), which must see every view
     op and gets none of the views built outside it (cached, or made eagerly)."""
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
+def run_dispatch(fn: str, args: tuple, build_views: bool, traced: bool) -> Optional[tuple]:
+    """Run the dispatch op on ``args`` (:func:`~torch_moe_a2a.arguments.dispatch_args`):
+    through ``_C.dispatch`` when :func:`direct_call_ok`, else through ``torch.ops``.
+
+    Args:
+        fn: the public function's name, for the errors.
+        args: the op's arguments.
+        build_views: whether an eager call also builds the receive views.
+        traced: :func:`tracing`'s answer for this call (the caller has it).
+
+    Returns:
+        ``(output_payloads, combine_payload_offset, eplb_gathered_stats)`` of
+        an eager call with ``build_views``; None otherwise (traced calls build
+        theirs with :func:`traced_receive_views`).
+
+    Raises:
+        ValueError: an argument of the wrong type, named; what the op raises.
+    """
+    # args: (ids, payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max, top_k, num_experts,
+    # eplb_local_stats, eplb_n, mask, timeout_s, mailbox, enable_pdl); indexed, not unpacked: a
+    # dispatch's host cost is counted in tenths of a microsecond.
+    if not traced and direct_call_ok(args[0], args[2], args[9], *args[1]):
+        # One C++ call runs the op and builds every view (protocol.h's call_layout).
+        try:
+            return _C.dispatch(*args, build_views)
+        except TypeError as e:
+            (ids, payloads, workspace, ep_rank, ep_size, _, runtime_max, top_k, num_experts, eplb_local_stats, _, _,
+             timeout_s, _, enable_pdl) = args
+            raise wrong_type(fn, e, token_selected_experts=(ids, TENSOR), input_payloads=(payloads, TENSORS),
+                             workspace=(workspace, TENSOR), runtime_max_tokens_per_rank=(runtime_max, INT),
+                             ep_rank=(ep_rank, INT), ep_size=(ep_size, INT), top_k=(top_k, INT),
+                             num_experts=(num_experts, INT), eplb_local_stats=(eplb_local_stats, OPT_TENSOR),
+                             timeout_s=(timeout_s, FLOAT), enable_pdl=(enable_pdl, BOOL)) from None
+    torch.ops.moe_a2a.dispatch.default(*args)
+    if traced or not build_views:
+        return None
+    call_eplb_n = args[10] if args[9] is not None else 0
+    return _C.receive_views(args[2], args[3], args[4], args[6], call_eplb_n, args[1])
 
 
 def traced_receive_views(

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from . import layout
+from .compile_marks import constant_result
 
 # (ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, size_per_rank, mailbox)
 MetaValues = tuple[int, int, int, int, int, int]
@@ -59,7 +60,7 @@ def _read_metainfo(metainfo: Any) -> MetaValues:
     )
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def metainfo_values(metainfo: torch.Tensor, key: int) -> MetaValues:
     """The metainfo values as Python ints; ``key`` must be ``id(metainfo)``.
 

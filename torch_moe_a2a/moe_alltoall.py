@@ -23,6 +23,7 @@ from .api import (
 )
 from .backend import MoeAlltoAllBackend, check_backend
 from .collective import Collective, as_collective, is_comm_backend
+from .compile_marks import mark_static_address
 from .errors import check_errors
 from .expert_major import (
     ExpertMajorDispatch,
@@ -87,6 +88,27 @@ def _drop_groups_at_exit() -> None:
     """
     for shared in list(_LIVE_SHARED_WORKSPACES):
         shared.collective = None
+
+
+class _WorkspaceEntry(dict):
+    """An entry of the workspace cache, as FlashInfer's (a dict); its one key
+    without a counterpart here says so."""
+
+    def __missing__(self, key: Any) -> Any:
+        if key == "mnnvl_mem":
+            raise KeyError("mnnvl_mem is FlashInfer's MnnvlMemory object; torch-moe-a2a maps the workspace itself "
+                           "(MoeAlltoAll.checkpoint_prepare / checkpoint_restore release and map it again)")
+        raise KeyError(key)
+
+
+def _resolve_device(device: Union[torch.device, str, None]) -> torch.device:
+    """The workspace's device: the current CUDA device if there is one, else the CPU; a bare 'cuda' the current one."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> int:
@@ -165,7 +187,7 @@ class MoeAlltoAll:
     before its owner zeroed it. Without a group (``ep_size == 1``) it is a
     plain zeroed tensor.
 
-    The workspace is marked static (``torch._dynamo.mark_static_address``) so
+    The workspace is marked static (as ``torch._dynamo.mark_static_address`` does) so
     CUDA-graph trees (``mode="reduce-overhead"``) accept the in-place
     mutations of the ops (docs/DESIGN.md section 4).
 
@@ -176,8 +198,8 @@ class MoeAlltoAll:
     """
 
     # (workspace_size_per_rank, ep_rank, ep_size, max_num_tokens,
-    # eplb_stats_num_experts, backend, device) -> the shared workspace.
-    _WORKSPACE_CACHE: ClassVar[dict[tuple, _SharedWorkspace]] = {}
+    # eplb_stats_num_experts, backend, device) -> get_workspace's entry.
+    _WORKSPACE_CACHE: ClassVar[dict[tuple, "_WorkspaceEntry"]] = {}
 
     def __init__(
         self,
@@ -238,11 +260,7 @@ class MoeAlltoAll:
                 )
             workspace_size_per_rank = workspace.shape[1]
             device = workspace.device
-        elif device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = _resolve_device(device)
         check_backend(backend, device)
 
         if workspace_size_per_rank is None and hidden_size is None:
@@ -283,42 +301,86 @@ class MoeAlltoAll:
             )
             self._shared = _SharedWorkspace(workspace, metainfo, None)
         else:
-            self._shared = self._cached_workspace(group, device)
-        torch._dynamo.mark_static_address(self.workspace)
+            self._shared = self.get_workspace(workspace_size_per_rank, self.ep_rank, self.ep_size, max_num_tokens,
+                                              mapping, eplb_stats_num_experts, backend=backend, group=group,
+                                              device=device)["shared"]
+        mark_static_address(self.workspace)
         self._recv_counts = moe_a2a_get_recv_counts(self.workspace, self.metainfo, self.ep_rank)
         self._recv_view_cache: dict = {"_workspace": self.workspace}
         self._state = _A2AState()
 
-    def _cached_workspace(self, group: Any, device: torch.device) -> _SharedWorkspace:
-        key = (self.workspace_size_per_rank, self.ep_rank, self.ep_size, self.max_num_tokens,
-               self.eplb_stats_num_experts, self._backend, device)
-        shared = self._WORKSPACE_CACHE.get(key)
-        if shared is not None:
-            return shared
-        if group is None and self.ep_size > 1 and torch.distributed.is_available() \
-                and torch.distributed.is_initialized():
+    @classmethod
+    def get_workspace(
+        cls,
+        workspace_size_per_rank: int,
+        ep_rank: int,
+        ep_size: int,
+        max_num_tokens: int,
+        mapping: Any,
+        eplb_stats_num_experts: int = 0,
+        *,
+        backend: MoeAlltoAllBackend = "trtllm",
+        group: Any = None,
+        device: Union[torch.device, str, None] = None,
+    ) -> dict:
+        """FlashInfer's workspace cache: the workspace of this geometry, allocated
+        and initialized by the first call (collectively over ``group``: every
+        rank calls it in the same order), the same one after.
+
+        Args:
+            workspace_size_per_rank, ep_rank, ep_size, max_num_tokens,
+                eplb_stats_num_experts, backend: the geometry, as for the constructor.
+            mapping: this rank's place (any object with ``moe_ep_rank`` and
+                ``moe_ep_size``), which must be ``ep_rank`` of ``ep_size``.
+            group: ours, keyword-only: a ``torch.distributed`` group or a
+                FlashInfer ``CommBackend`` to map the workspace over (default:
+                the default group when ``torch.distributed`` is initialized and
+                ``ep_size > 1``).
+            device: ours, keyword-only: where the workspace lives (default: the
+                current CUDA device if there is one, else the CPU).
+
+        Returns:
+            FlashInfer's dict: ``workspace``, ``metainfo`` (this rank's),
+            ``workspace_size_per_rank``, ``max_num_tokens``, ``ep_rank``,
+            ``ep_size``, ``eplb_stats_num_experts``; ``shared`` (ours) is what
+            the instances hold. FlashInfer's ``mnnvl_mem`` (its memory object)
+            has no counterpart: reading it raises a KeyError that says so.
+
+        Raises:
+            ValueError: ``mapping`` or the group of another rank or size; ``ep_size > 1`` without a group.
+        """
+        if (int(mapping.moe_ep_rank), int(mapping.moe_ep_size)) != (ep_rank, ep_size):
+            raise ValueError(f"MoeAlltoAll.get_workspace: the mapping's (moe_ep_rank, moe_ep_size) = "
+                             f"({mapping.moe_ep_rank}, {mapping.moe_ep_size}) differ from ({ep_rank}, {ep_size})")
+        device = _resolve_device(device)
+        key = (workspace_size_per_rank, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, backend, device)
+        entry = cls._WORKSPACE_CACHE.get(key)
+        if entry is not None:
+            return entry
+        if group is None and ep_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             group = torch.distributed.group.WORLD
-        if group is None and self.ep_size > 1:
+        if group is None and ep_size > 1:
             raise ValueError(
-                f"ep_size {self.ep_size} > 1 needs a shared workspace: pass workspace= (simulated "
+                f"ep_size {ep_size} > 1 needs a shared workspace: pass workspace= (simulated "
                 "ranks in this process), group= or mnnvl_config= (one rank per process)"
             )
         coll = None
         if group is not None:
             coll = as_collective(group, device)
-            if (coll.rank, coll.size) != (self.ep_rank, self.ep_size):
-                raise ValueError(f"MoeAlltoAll: the mapping's (moe_ep_rank, moe_ep_size) = ({self.ep_rank}, "
-                                 f"{self.ep_size}) differ from the group's (rank, size) = ({coll.rank}, {coll.size})")
-        workspace = allocate_workspace(self.workspace_size_per_rank, group=coll, ep_size=self.ep_size,
-                                       device=device)
-        metainfo = moe_a2a_initialize(workspace, self.ep_rank, self.ep_size, self.max_num_tokens,
-                                      self.eplb_stats_num_experts, backend=self._backend)
+            if (coll.rank, coll.size) != (ep_rank, ep_size):
+                raise ValueError(f"MoeAlltoAll: the mapping's (moe_ep_rank, moe_ep_size) = ({ep_rank}, "
+                                 f"{ep_size}) differ from the group's (rank, size) = ({coll.rank}, {coll.size})")
+        workspace = allocate_workspace(workspace_size_per_rank, group=coll, ep_size=ep_size, device=device)
+        metainfo = moe_a2a_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts,
+                                      backend=backend)
         if coll is not None:
             _synchronize(workspace)
             coll.barrier()
-        shared = _SharedWorkspace(workspace, metainfo, coll)
-        self._WORKSPACE_CACHE[key] = shared
-        return shared
+        entry = cls._WORKSPACE_CACHE[key] = _WorkspaceEntry(
+            workspace_size_per_rank=workspace_size_per_rank, max_num_tokens=max_num_tokens, ep_rank=ep_rank,
+            ep_size=ep_size, eplb_stats_num_experts=eplb_stats_num_experts, workspace=workspace, metainfo=metainfo,
+            shared=_SharedWorkspace(workspace, metainfo, coll))
+        return entry
 
     @classmethod
     def clear_workspace_cache(cls) -> None:

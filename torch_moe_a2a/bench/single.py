@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import signal
 import statistics
 import sys
@@ -1078,6 +1079,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             write_json(args.json, data)
         if args.plot:
             plot.plot(data, args.plot)
+            print(f"plot: {os.path.abspath(args.plot)}")
     if interrupted:
         return stop.exit_code
     failed = any(r["status"] in ("FAIL", "error") for r in records)

@@ -1,0 +1,135 @@
+"""The argument checks and conversions that the rank-major functions
+(:mod:`torch_moe_a2a.api`) and the expert-major ones
+(:mod:`torch_moe_a2a.expert_major`) share: the timeout, the rank mask, the
+``MOE_A2A_DEBUG`` id check and the dispatch op's arguments."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+
+from .backend import check_backend, pdl_default
+from .compile_marks import constant_result
+from .fastpath import expect_tensors
+from .layout import MOE_A2A_RANK_MASK_WORDS
+from .metainfo import check_rank, metainfo_values
+
+# timeout_s the ops read as "use MOE_A2A_TIMEOUT_S, else the default".
+ENV_TIMEOUT = -1.0
+U64 = 1 << 64
+_I64_SIGN = 1 << 63
+# Expert-id dtypes dispatch reads and sanitize writes (int64: torch.topk's indices).
+ID_DTYPES = (torch.int32, torch.int64)
+
+
+def rank_mask_words(enable_rank_mask: bool, active_rank_mask: Optional[torch.Tensor]) -> Sequence[int]:
+    """The op's ``active_rank_mask``: ``()`` for "every rank", else the words as signed int64."""
+    if active_rank_mask is None:
+        if enable_rank_mask:
+            # FlashInfer's contract: opting into the mask without saying which
+            # ranks are alive is a caller's bug, not "every rank".
+            raise ValueError("active_rank_mask must be given when enable_rank_mask=True "
+                             "(see moe_a2a_active_rank_mask)")
+        return ()
+    if not enable_rank_mask:
+        raise ValueError("active_rank_mask requires enable_rank_mask=True")
+    if not (
+        isinstance(active_rank_mask, torch.Tensor)
+        and active_rank_mask.dtype == torch.uint64
+        and active_rank_mask.device.type == "cpu"
+        and tuple(active_rank_mask.shape) == (MOE_A2A_RANK_MASK_WORDS,)
+    ):
+        raise ValueError(
+            f"active_rank_mask must be a CPU uint64 tensor of shape [{MOE_A2A_RANK_MASK_WORDS}] "
+            "(see moe_a2a_active_rank_mask)"
+        )
+    if torch.compiler.is_compiling():
+        return _mask_words_at_trace_time(active_rank_mask, id(active_rank_mask))
+    return _signed_words(active_rank_mask)
+
+
+def _signed_words(active_rank_mask: torch.Tensor) -> list[int]:
+    return [w - U64 if w >= _I64_SIGN else w for w in active_rank_mask.tolist()]
+
+
+@constant_result
+def _mask_words_at_trace_time(active_rank_mask: torch.Tensor, key: int) -> list[int]:
+    """torch.compile: the mask's words, read once at trace time and baked into the
+    graph; ``key`` (``id(active_rank_mask)``) makes dynamo guard on the tensor's
+    identity, so a new mask tensor (``moe_a2a_active_rank_mask`` returns a new
+    one) recompiles. Changing a mask tensor in place is not seen by a compiled graph."""
+    return _signed_words(active_rank_mask)
+
+
+# MOE_A2A_DEBUG is read at every call (tests set it at run time), from
+# os.environ's underlying dict where it has one: os.environ.get costs about a
+# microsecond per call (key and value encoding), a twentieth of a dispatch
+# wrapper's whole host budget.
+_ENVIRON_DATA = getattr(os.environ, "_data", None)
+_DEBUG_KEY = "MOE_A2A_DEBUG"
+_DEBUG_RAW_KEY = os.environ.encodekey(_DEBUG_KEY) if hasattr(os.environ, "encodekey") else None
+
+
+def _debug_enabled() -> bool:
+    if isinstance(_ENVIRON_DATA, dict) and _DEBUG_RAW_KEY is not None:
+        raw = _ENVIRON_DATA.get(_DEBUG_RAW_KEY)
+        value = "0" if raw is None else os.environ.decodevalue(raw)
+    else:
+        value = os.environ.get(_DEBUG_KEY, "0")
+    return value not in ("", "0")
+
+
+# MOE_A2A_DEBUG=1: refuse expert ids >= num_experts on the host before each
+# dispatch, eager or traced (the op reads the ids when the graph runs; a
+# sync on CUDA, skipped inside a CUDA-graph capture). It returns nothing and
+# mutates nothing, so traced graphs would drop it without this mark.
+_check_expert_ids = torch.ops.moe_a2a.check_expert_ids.default
+torch.fx.node.has_side_effect(_check_expert_ids)
+
+
+def dispatch_args(fn, token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank,
+                  ep_rank, ep_size, top_k, num_experts, enable_pdl, eplb_local_stats, enable_rank_mask,
+                  active_rank_mask, backend, timeout_s) -> tuple[tuple, int]:
+    """The dispatch op's arguments (csrc/schemas.h's order) from a functional
+    call's, after the checks only the Python layer can make (the op checks the rest).
+
+    Args:
+        fn: the public function's name, for the errors.
+        the rest: those of :func:`~torch_moe_a2a.moe_a2a_dispatch`.
+
+    Returns:
+        ``(args, eplb_n)``: the op's arguments and the EPLB length of this call
+        (0 without ``eplb_local_stats``).
+
+    Raises:
+        ValueError: a non-tensor where a tensor belongs, a metainfo of another
+            rank, a bad rank mask; with ``MOE_A2A_DEBUG=1`` an expert id
+            ``>= num_experts``.
+        NotImplementedError: ``backend="cake"`` on Blackwell.
+    """
+    if not (isinstance(token_selected_experts, torch.Tensor) and isinstance(workspace, torch.Tensor)):
+        # Inline test first: the call costs the per-call path half a microsecond.
+        expect_tensors(fn, token_selected_experts=token_selected_experts, workspace=workspace)
+    check_backend(backend, workspace)
+    meta = metainfo_values(metainfo, id(metainfo))
+    check_rank(meta, ep_rank, ep_size)
+    _, _, max_num_tokens, eplb_n, _, mailbox = meta
+    mask = rank_mask_words(enable_rank_mask, active_rank_mask)
+    if enable_pdl is None:
+        enable_pdl = pdl_default(workspace)
+    if _debug_enabled():  # under torch.compile: read when the call is traced
+        _check_expert_ids(token_selected_experts, num_experts)
+    args = (token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
+            runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_n, mask,
+            ENV_TIMEOUT if timeout_s is None else timeout_s, mailbox, enable_pdl)
+    return args, (eplb_n if eplb_local_stats is not None else 0)
+
+
+def data_address(t: torch.Tensor) -> int:
+    """Where ``t``'s first element lies: ``data_ptr()`` reads 0 for a tensor
+    without elements, whose storage and offset still say where it is."""
+    if t.numel():
+        return t.data_ptr()
+    return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
