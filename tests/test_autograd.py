@@ -1,0 +1,279 @@
+"""Gradients through dispatch and combine (docs/DESIGN.md, 'Gradients'), on
+simulated ranks: gradcheck of a whole exchange, an MoE model of nn.Linear
+experts whose gradients and training steps equal the dense model's, opcheck
+of the ops, torch.compile of a training step.
+
+The backward of every rank's exchange is a collective, so each rank runs its
+own forward and backward in its own thread (SimulatedEP.run)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import autograd as a2a_autograd
+from torch_moe_a2a import reference
+from torch_moe_a2a.autograd import moe_a2a_combine_differentiable, moe_a2a_dispatch_differentiable
+
+
+def make_sim(ep_size: int, max_tokens: int, hidden: int, top_k: int) -> a2a.SimulatedEP:
+    # Payloads: fp32 hidden, int32 ids, fp32 weights; the combine's rows fp32 hidden.
+    return a2a.SimulatedEP(ep_size, max_tokens, dispatch_bytes_per_token=4 * hidden + 8 * top_k + 256,
+                           combine_bytes_per_token=4 * hidden + 256, timeout_s=20)
+
+
+def exchange(sim, rank, ids, x, w, num_experts, runtime_max, expert, mask=None):
+    """Dispatch ``[x, ids, w]``, run ``expert(recv_x, recv_ids, recv_w, counts)`` on the received rows, combine."""
+    kwargs = dict(enable_rank_mask=mask is not None, active_rank_mask=mask)
+    top_k = ids.shape[1]
+    recv, offset, counts = moe_a2a_dispatch_differentiable(ids, [x, ids, w], sim.workspace, sim.metainfo[rank],
+                                                           runtime_max, rank, sim.ep_size, top_k, num_experts,
+                                                           **kwargs)
+    y = expert(*recv, counts)
+    return moe_a2a_combine_differentiable(y, ids, sim.workspace, sim.metainfo[rank], runtime_max, rank, sim.ep_size,
+                                          top_k, num_experts, offset, **kwargs)
+
+
+# ---- gradcheck -----------------------------------------------------------------------------------------
+
+
+def dyadic(shape, gen, denominator=8):
+    """fp32 values k / denominator with |k| <= 16: sums and products of a few
+    of them and of gradcheck's eps = 2**-8 are exact in fp32, so the finite
+    differences of an exchange are exact (the combine sums in fp32; fp64
+    payloads have no combine)."""
+    return torch.randint(-16, 17, shape, generator=gen).float() / denominator
+
+
+@pytest.mark.parametrize("ep_size,tokens,top_k,num_experts", [(1, 3, 2, 2), (2, 4, 2, 4), (3, 3, 3, 8)])
+def test_gradcheck_exchange(ep_size, tokens, top_k, num_experts):
+    """Every rank gradchecks its own dispatch -> toy experts -> combine with
+    respect to its hidden rows and router weights, all ranks at once (their
+    calls line up: same shapes, same sequence of evaluations; a rank's output
+    depends on its own inputs only, so the peers' perturbations do not leak in)."""
+    hidden, gen = 3, torch.Generator().manual_seed(ep_size * 100 + top_k)
+    sim = make_sim(ep_size, tokens, hidden, top_k)
+    ids = [reference.random_routing(tokens, top_k, num_experts, gen, negative_fraction=0.2) for _ in range(ep_size)]
+    xs = [dyadic((tokens, hidden), gen).requires_grad_() for _ in range(ep_size)]
+    ws = [dyadic((tokens, top_k), gen, 4).requires_grad_() for _ in range(ep_size)]
+
+    def check(rank):
+        def expert(recv_x, recv_ids, recv_w, counts):
+            return reference.toy_moe(recv_x, recv_ids, recv_w, counts, ep_rank=rank, ep_size=ep_size,
+                                     num_experts=num_experts)
+
+        def fn(x, w):
+            return exchange(sim, rank, ids[rank], x, w, num_experts, tokens, expert)
+
+        return torch.autograd.gradcheck(fn, (xs[rank], ws[rank]), eps=2.0**-8, atol=1e-6, rtol=1e-6)
+
+    assert sim.run(check) == [True] * ep_size
+
+
+# ---- an MoE model against the dense one ----------------------------------------------------------------
+
+
+class Dense(nn.Module):
+    """Router, top-k softmax weights, ``num_experts`` nn.Linear experts: the
+    whole layer on one rank, the oracle."""
+
+    def __init__(self, hidden, num_experts, top_k):
+        super().__init__()
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(num_experts))
+        self.top_k = top_k
+
+    def route(self, x):
+        weights, ids = self.router(x).softmax(dim=-1).topk(self.top_k, dim=-1)
+        return weights, ids.to(torch.int32)
+
+    def forward(self, x):
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            coef = (weights * (ids == e)).sum(dim=-1, keepdim=True)
+            out = out + coef * expert(x)
+        return out
+
+
+class ExpertParallel(nn.Module):
+    """One rank's share of a :class:`Dense` layer: the router replicated, the
+    experts this rank owns; tokens go to their experts' ranks and back."""
+
+    def __init__(self, dense, sim, rank, mask=None):
+        super().__init__()
+        self.router = dense.router
+        self.top_k = dense.top_k
+        self.num_experts = len(dense.experts)
+        self.owned = a2a.local_expert_range(self.num_experts, sim.ep_size, rank)
+        self.experts = nn.ModuleList(dense.experts[e] for e in self.owned)
+        self.route = dense.route
+        self.sim, self.rank, self.mask = sim, rank, mask
+
+    def local_experts(self, recv_x, recv_ids, recv_w, counts):
+        out = torch.zeros_like(recv_x)
+        for e, expert in zip(self.owned, self.experts):
+            coef = (recv_w * (recv_ids == e)).sum(dim=-1, keepdim=True)
+            out = out + coef * expert(recv_x)
+        return out
+
+    def forward(self, x, runtime_max):
+        weights, ids = self.route(x)
+        return exchange(self.sim, self.rank, ids, x, weights, self.num_experts, runtime_max, self.local_experts,
+                        self.mask)
+
+
+class Model(nn.Module):
+    """Two MoE layers sharing one workspace, with residuals: the second
+    layer's exchanges run while the first layer's experts still hold their
+    inputs for the backward."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x, *args):
+        for layer in self.layers:
+            x = x + layer(x, *args)
+        return x
+
+
+def dense_model(hidden, num_experts, top_k, seed):
+    torch.manual_seed(seed)
+    return Model([Dense(hidden, num_experts, top_k) for _ in range(2)])
+
+
+def rank_copies(dense, sim, mask=None):
+    """Each rank's expert-parallel model over a deep copy of ``dense`` (its own router and experts)."""
+    models = []
+    for rank in range(sim.ep_size):
+        mine = copy.deepcopy(dense)
+        models.append(Model([ExpertParallel(layer, sim, rank, mask) for layer in mine.layers]))
+    return models
+
+
+@pytest.mark.parametrize("ep_size,tokens,top_k,num_experts", [
+    (2, (5, 7), 2, 4),
+    (3, (4, 0, 6), 2, 6),  # a rank with no tokens
+    (4, (3, 3, 3, 3), 3, 4),
+])
+def test_moe_training_steps_equal_dense(ep_size, tokens, top_k, num_experts):
+    """Three SGD steps of the expert-parallel model (every rank its tokens)
+    give the dense model's loss and parameters: the router's gradients summed
+    over the ranks (a data-parallel all-reduce, here a plain sum), each
+    expert's from its owner."""
+    hidden, steps, lr = 8, 3, 0.1
+    gen = torch.Generator().manual_seed(sum(tokens))
+    dense = dense_model(hidden, num_experts, top_k, seed=ep_size)
+    sim = make_sim(ep_size, max(tokens), hidden, top_k)
+    models = rank_copies(dense, sim)
+    batches = [[torch.randn(n, hidden, generator=gen) for n in tokens] for _ in range(steps)]
+    targets = [[torch.randn(n, hidden, generator=gen) for n in tokens] for _ in range(steps)]
+    dense_opt = torch.optim.SGD(dense.parameters(), lr=lr)
+    for step in range(steps):
+        x = torch.cat(batches[step]).requires_grad_()
+        dense_opt.zero_grad()
+        dense_loss = ((dense(x) - torch.cat(targets[step])) ** 2).sum()
+        dense_loss.backward()
+
+        def rank_step(rank):
+            model = models[rank]
+            model.zero_grad()
+            xr = batches[step][rank].clone().requires_grad_()
+            loss = ((model(xr, max(tokens)) - targets[step][rank]) ** 2).sum()
+            loss.backward()
+            return loss.detach(), xr.grad
+
+        results = sim.run(rank_step)
+        torch.testing.assert_close(sum(loss for loss, _ in results), dense_loss.detach(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.cat([g for _, g in results]), x.grad, rtol=1e-4, atol=1e-4)
+        for layer, dense_layer in zip(zip(*[m.layers for m in models]), dense.layers):
+            router_grad = sum(rank_layer.router.weight.grad for rank_layer in layer)
+            torch.testing.assert_close(router_grad, dense_layer.router.weight.grad, rtol=1e-4, atol=1e-4)
+            for rank_layer in layer:
+                for e, expert in zip(rank_layer.owned, rank_layer.experts):
+                    for p, q in zip(expert.parameters(), dense_layer.experts[e].parameters()):
+                        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+        dense_opt.step()
+        with torch.no_grad():
+            for rank_layers, dense_layer in zip(zip(*[m.layers for m in models]), dense.layers):
+                for rank_layer in rank_layers:
+                    # The data-parallel router: every rank steps with the summed gradient.
+                    rank_layer.router.weight.copy_(dense_layer.router.weight)
+                    for e, expert in zip(rank_layer.owned, rank_layer.experts):
+                        for p, q in zip(expert.parameters(), dense_layer.experts[e].parameters()):
+                            p.sub_(lr * p.grad)
+                            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4)
+
+
+# ---- opcheck and torch.compile -------------------------------------------------------------------------
+
+
+def _one_rank_route(sim, ids, hidden_rows):
+    return a2a_autograd._route_args("test", ids, [hidden_rows], sim.workspace, sim.metainfo[0], ids.shape[0], 0, 1,
+                                    ids.shape[1], 4, None, False, None, None)
+
+
+@pytest.mark.parametrize("op", ["dispatch_round", "combine_round"])
+def test_opcheck_round_ops(op):
+    """opcheck's autograd, FakeTensor and AOTAutograd checks on a rank of
+    its own (each call a whole round). Not test_schema: the ops write into the
+    workspace where the dispatcher does not look (torch_moe_a2a/autograd.py
+    says why that is sound). dispatch_owned and combine_owned are half rounds,
+    which opcheck's repeated calls of one op would break; the gradchecks and
+    the compiled step below run them."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, top_k, hidden = 5, 2, 6
+    sim = make_sim(1, tokens, hidden, top_k)
+    ids = reference.random_routing(tokens, top_k, 4, gen, negative_fraction=0.3)
+    route = _one_rank_route(sim, ids, torch.empty(tokens, hidden))
+    shape = (tokens, hidden) if op == "dispatch_round" else (1, tokens, hidden)
+    rows = torch.randn(shape, generator=gen, requires_grad=True)
+    torch.library.opcheck(getattr(torch.ops.moe_a2a, op).default, (rows, ids, sim.workspace, *route),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def compiled_train_step(x, w, ids, workspace, metainfo, runtime_max, rank, ep_size, top_k, num_experts):
+    """An exchange whose stand-in expert is one multiply per element, exact in any evaluation order."""
+    recv, offset, _ = moe_a2a_dispatch_differentiable(ids, [x, ids, w], workspace, metainfo, runtime_max, rank,
+                                                      ep_size, top_k, num_experts)
+    y = recv[0] * recv[2][..., :1]
+    return moe_a2a_combine_differentiable(y, ids, workspace, metainfo, runtime_max, rank, ep_size, top_k,
+                                          num_experts, offset)
+
+
+def test_compiled_training_step_equals_eager():
+    """torch.compile(fullgraph=True) of the forward (AOTAutograd traces the
+    backward as calls of the round ops): outputs and the hidden rows'
+    gradients bitwise equal to eager, the router weights' (a sum over the row,
+    in Inductor's order) to rounding, every rank compiling its own graph in its
+    own thread."""
+    torch._dynamo.reset()
+    ep_size, tokens, top_k, num_experts, hidden = 2, (6, 3), 2, 4, 8
+    gen = torch.Generator().manual_seed(5)
+    sim = make_sim(ep_size, max(tokens), hidden, top_k)
+    ids = [reference.random_routing(n, top_k, num_experts, gen) for n in tokens]
+    xs = [torch.randn(n, hidden, generator=gen) for n in tokens]
+    ws = [torch.rand(n, top_k, generator=gen) for n in tokens]
+    targets = [torch.randn(n, hidden, generator=gen) for n in tokens]
+
+    def run(step):
+        def rank_step(rank):
+            x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+            out = step(x, w, ids[rank], sim.workspace, sim.metainfo[rank], max(tokens), rank, ep_size, top_k,
+                       num_experts)
+            (out * targets[rank]).sum().backward()
+            return out.detach(), x.grad, w.grad
+
+        return sim.run(rank_step)
+
+    eager = run(compiled_train_step)
+    compiled = torch.compile(compiled_train_step, fullgraph=True)
+    for _ in range(2):
+        for (out, x_grad, w_grad), (out_e, x_grad_e, w_grad_e) in zip(run(compiled), eager):
+            assert torch.equal(out, out_e) and torch.equal(x_grad, x_grad_e)
+            torch.testing.assert_close(w_grad, w_grad_e, rtol=1e-6, atol=1e-6)
