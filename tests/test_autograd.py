@@ -9,10 +9,12 @@ own forward and backward in its own thread (SimulatedEP.run)."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 from torch import nn
+from torch._inductor.utils import run_and_get_code
 
 import torch_moe_a2a as a2a
 from torch_moe_a2a import autograd as a2a_autograd
@@ -20,10 +22,10 @@ from torch_moe_a2a import reference
 from torch_moe_a2a.autograd import moe_a2a_combine_differentiable, moe_a2a_dispatch_differentiable
 
 
-def make_sim(ep_size: int, max_tokens: int, hidden: int, top_k: int) -> a2a.SimulatedEP:
+def make_sim(ep_size: int, max_tokens: int, hidden: int, top_k: int, timeout_s: float = 20) -> a2a.SimulatedEP:
     # Payloads: fp32 hidden, int32 ids, fp32 weights; the combine's rows fp32 hidden.
     return a2a.SimulatedEP(ep_size, max_tokens, dispatch_bytes_per_token=4 * hidden + 8 * top_k + 256,
-                           combine_bytes_per_token=4 * hidden + 256, timeout_s=20)
+                           combine_bytes_per_token=4 * hidden + 256, timeout_s=timeout_s)
 
 
 def exchange(sim, rank, ids, x, w, num_experts, runtime_max, expert, mask=None):
@@ -91,10 +93,13 @@ class Dense(nn.Module):
         weights, ids = self.router(x).softmax(dim=-1).topk(self.top_k, dim=-1)
         return weights, ids.to(torch.int32)
 
-    def forward(self, x):
+    def forward(self, x, dropped=range(0)):
+        """``dropped``: experts whose tokens are dropped (those of a masked-off rank)."""
         weights, ids = self.route(x)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
+            if e in dropped:
+                continue
             coef = (weights * (ids == e)).sum(dim=-1, keepdim=True)
             out = out + coef * expert(x)
         return out
@@ -156,12 +161,13 @@ def rank_copies(dense, sim, mask=None):
     return models
 
 
-@pytest.mark.parametrize("ep_size,tokens,top_k,num_experts", [
-    (2, (5, 7), 2, 4),
-    (3, (4, 0, 6), 2, 6),  # a rank with no tokens
-    (4, (3, 3, 3, 3), 3, 4),
+@pytest.mark.parametrize("ep_size,tokens,top_k,num_experts,masked", [
+    (2, (5, 7), 2, 4, None),
+    (3, (4, 0, 6), 2, 6, None),  # a rank with no tokens
+    (4, (3, 3, 3, 3), 3, 4, None),
+    (3, (4, 0, 5), 2, 6, 1),  # rank 1 masked off: its experts' shares are dropped
 ])
-def test_moe_training_steps_equal_dense(ep_size, tokens, top_k, num_experts):
+def test_moe_training_steps_equal_dense(ep_size, tokens, top_k, num_experts, masked):
     """Three SGD steps of the expert-parallel model (every rank its tokens)
     give the dense model's loss and parameters: the router's gradients summed
     over the ranks (a data-parallel all-reduce, here a plain sum), each
@@ -170,17 +176,22 @@ def test_moe_training_steps_equal_dense(ep_size, tokens, top_k, num_experts):
     gen = torch.Generator().manual_seed(sum(tokens))
     dense = dense_model(hidden, num_experts, top_k, seed=ep_size)
     sim = make_sim(ep_size, max(tokens), hidden, top_k)
-    models = rank_copies(dense, sim)
+    active = [r for r in range(ep_size) if r != masked]
+    mask = None if masked is None else a2a.moe_a2a_active_rank_mask(active, ep_size)
+    dropped = range(0) if masked is None else a2a.local_expert_range(num_experts, ep_size, masked)
+    models = rank_copies(dense, sim, mask)
     batches = [[torch.randn(n, hidden, generator=gen) for n in tokens] for _ in range(steps)]
     targets = [[torch.randn(n, hidden, generator=gen) for n in tokens] for _ in range(steps)]
     dense_opt = torch.optim.SGD(dense.parameters(), lr=lr)
     for step in range(steps):
         x = torch.cat(batches[step]).requires_grad_()
         dense_opt.zero_grad()
-        dense_loss = ((dense(x) - torch.cat(targets[step])) ** 2).sum()
+        dense_loss = ((dense(x, dropped) - torch.cat(targets[step])) ** 2).sum()
         dense_loss.backward()
 
         def rank_step(rank):
+            if rank == masked:
+                return torch.zeros(()), torch.zeros(0, hidden)
             model = models[rank]
             model.zero_grad()
             xr = batches[step][rank].clone().requires_grad_()
@@ -192,7 +203,7 @@ def test_moe_training_steps_equal_dense(ep_size, tokens, top_k, num_experts):
         torch.testing.assert_close(sum(loss for loss, _ in results), dense_loss.detach(), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(torch.cat([g for _, g in results]), x.grad, rtol=1e-4, atol=1e-4)
         for layer, dense_layer in zip(zip(*[m.layers for m in models]), dense.layers):
-            router_grad = sum(rank_layer.router.weight.grad for rank_layer in layer)
+            router_grad = sum(rank_layer.router.weight.grad for rank_layer in layer if rank_layer.rank != masked)
             torch.testing.assert_close(router_grad, dense_layer.router.weight.grad, rtol=1e-4, atol=1e-4)
             for rank_layer in layer:
                 for e, expert in zip(rank_layer.owned, rank_layer.experts):
@@ -202,6 +213,8 @@ def test_moe_training_steps_equal_dense(ep_size, tokens, top_k, num_experts):
         with torch.no_grad():
             for rank_layers, dense_layer in zip(zip(*[m.layers for m in models]), dense.layers):
                 for rank_layer in rank_layers:
+                    if rank_layer.rank == masked:
+                        continue
                     # The data-parallel router: every rank steps with the summed gradient.
                     rank_layer.router.weight.copy_(dense_layer.router.weight)
                     for e, expert in zip(rank_layer.owned, rank_layer.experts):
@@ -255,7 +268,9 @@ def test_compiled_training_step_equals_eager():
     torch._dynamo.reset()
     ep_size, tokens, top_k, num_experts, hidden = 2, (6, 3), 2, 4, 8
     gen = torch.Generator().manual_seed(5)
-    sim = make_sim(ep_size, max(tokens), hidden, top_k)
+    # A rank waits inside an exchange while its peer compiles (the backward
+    # too, at its first call): seconds on a loaded machine.
+    sim = make_sim(ep_size, max(tokens), hidden, top_k, timeout_s=120)
     ids = [reference.random_routing(n, top_k, num_experts, gen) for n in tokens]
     xs = [torch.randn(n, hidden, generator=gen) for n in tokens]
     ws = [torch.rand(n, top_k, generator=gen) for n in tokens]
@@ -277,3 +292,31 @@ def test_compiled_training_step_equals_eager():
         for (out, x_grad, w_grad), (out_e, x_grad_e, w_grad_e) in zip(run(compiled), eager):
             assert torch.equal(out, out_e) and torch.equal(x_grad, x_grad_e)
             torch.testing.assert_close(w_grad, w_grad_e, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_training_step_copies_no_workspace():
+    """The compiled forward and backward call the four ops on the caller's
+    workspace: no buffer of the workspace's size, no copy into it."""
+    torch._dynamo.reset()
+    tokens, top_k, num_experts, hidden = 5, 2, 4, 8
+    gen = torch.Generator().manual_seed(6)
+    sim = make_sim(1, tokens, hidden, top_k)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    x = torch.randn(tokens, hidden, generator=gen, requires_grad=True)
+    w = torch.rand(tokens, top_k, generator=gen, requires_grad=True)
+    compiled = torch.compile(compiled_train_step, fullgraph=True)
+
+    def forward_backward():
+        out = compiled(x, w, ids, sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k, num_experts)
+        out.sum().backward()
+        return out
+
+    _, codes = run_and_get_code(forward_backward)
+    text = "\n".join(codes)
+    for op in ("dispatch_owned", "combine_owned", "dispatch_round", "combine_round"):
+        assert f"moe_a2a.{op}" in text, f"{op} must be called from the compiled code"
+    rows, size = sim.workspace.shape
+    for line in text.splitlines():
+        if re.search(r"empty_strided|empty\(|\.clone\(|copy_\(", line):
+            assert not re.search(rf"\b({size}|{rows * size})\b", line), f"workspace-sized buffer: {line.strip()}"
+    assert x.grad is not None and w.grad is not None
