@@ -9,10 +9,15 @@ own forward and backward in its own thread (SimulatedEP.run)."""
 from __future__ import annotations
 
 import copy
+import datetime
+import os
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 
@@ -51,6 +56,8 @@ def dyadic(shape, gen, denominator=8):
     return torch.randint(-16, 17, shape, generator=gen).float() / denominator
 
 
+# gradcheck warns about fp32 inputs; dyadic() is why fp32 is exact here.
+@pytest.mark.filterwarnings("ignore:Input #.* is not a double precision")
 @pytest.mark.parametrize("ep_size,tokens,top_k,num_experts", [(1, 3, 2, 2), (2, 4, 2, 4), (3, 3, 3, 8)])
 def test_gradcheck_exchange(ep_size, tokens, top_k, num_experts):
     """Every rank gradchecks its own dispatch -> toy experts -> combine with
@@ -161,6 +168,13 @@ def rank_copies(dense, sim, mask=None):
     return models
 
 
+def training_data(tokens, hidden, steps, gen):
+    """Every step's inputs and targets, a list per rank."""
+    batches = [[torch.randn(n, hidden, generator=gen) for n in tokens] for _ in range(steps)]
+    targets = [[torch.randn(n, hidden, generator=gen) for n in tokens] for _ in range(steps)]
+    return batches, targets
+
+
 @pytest.mark.parametrize("ep_size,tokens,top_k,num_experts,masked", [
     (2, (5, 7), 2, 4, None),
     (3, (4, 0, 6), 2, 6, None),  # a rank with no tokens
@@ -180,8 +194,7 @@ def test_moe_training_steps_equal_dense(ep_size, tokens, top_k, num_experts, mas
     mask = None if masked is None else a2a.moe_a2a_active_rank_mask(active, ep_size)
     dropped = range(0) if masked is None else a2a.local_expert_range(num_experts, ep_size, masked)
     models = rank_copies(dense, sim, mask)
-    batches = [[torch.randn(n, hidden, generator=gen) for n in tokens] for _ in range(steps)]
-    targets = [[torch.randn(n, hidden, generator=gen) for n in tokens] for _ in range(steps)]
+    batches, targets = training_data(tokens, hidden, steps, gen)
     dense_opt = torch.optim.SGD(dense.parameters(), lr=lr)
     for step in range(steps):
         x = torch.cat(batches[step]).requires_grad_()
@@ -320,3 +333,134 @@ def test_compiled_training_step_copies_no_workspace():
         if re.search(r"empty_strided|empty\(|\.clone\(|copy_\(", line):
             assert not re.search(rf"\b({size}|{rows * size})\b", line), f"workspace-sized buffer: {line.strip()}"
     assert x.grad is not None and w.grad is not None
+
+
+# ---- determinism and the collective backward -----------------------------------------------------------
+
+
+def _layer_gradients(sim, ids, xs, ws, targets, num_experts, skip_backward=()):
+    """Every rank's (x.grad, w.grad) of one toy-expert exchange; ranks in ``skip_backward`` run the forward only."""
+    runtime_max = max(x.shape[0] for x in xs)
+
+    def rank_step(rank):
+        x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+
+        def expert(recv_x, recv_ids, recv_w, counts):
+            return reference.toy_moe(recv_x, recv_ids, recv_w, counts, ep_rank=rank, ep_size=sim.ep_size,
+                                     num_experts=num_experts)
+
+        out = exchange(sim, rank, ids[rank], x, w, num_experts, runtime_max, expert)
+        if rank not in skip_backward:
+            (out * targets[rank]).sum().backward()
+        return x.grad, w.grad
+
+    return sim.run(rank_step)
+
+
+def _random_layer(ep_size, tokens, top_k, num_experts, hidden, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    ids = [reference.random_routing(n, top_k, num_experts, gen, negative_fraction=0.1) for n in tokens]
+    xs = [torch.randn(n, hidden, generator=gen).to(dtype) for n in tokens]
+    ws = [torch.rand(n, top_k, generator=gen) for n in tokens]
+    targets = [torch.randn(n, hidden, generator=gen).to(dtype) for n in tokens]
+    return ids, xs, ws, targets
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_are_bitwise_deterministic(dtype):
+    """The same inputs twice (the second time after other traffic on the
+    workspace) give bitwise identical gradients; a bf16 payload's gradient is
+    bf16, the fp32 router weights' fp32 (packed with it into one fp32 combine)."""
+    ep_size, tokens, top_k, num_experts, hidden = 3, (7, 2, 5), 3, 6, 16
+    sim = make_sim(ep_size, max(tokens), hidden, top_k)
+    layer = _random_layer(ep_size, tokens, top_k, num_experts, hidden, dtype, seed=11)
+    first = _layer_gradients(sim, *layer, num_experts)
+    _layer_gradients(sim, *_random_layer(ep_size, tokens, top_k, num_experts, hidden, dtype, seed=12), num_experts)
+    second = _layer_gradients(sim, *layer, num_experts)
+    for (x_grad, w_grad), (x_grad2, w_grad2) in zip(first, second):
+        assert x_grad.dtype == dtype and w_grad.dtype == torch.float32
+        assert torch.equal(x_grad, x_grad2) and torch.equal(w_grad, w_grad2)
+
+
+def test_a_rank_that_skips_the_backward_times_out_its_peers():
+    """The backward is a collective: rank 1 runs the forward only, so rank
+    0's backward waits for it until the timeout and raises naming it."""
+    ep_size, tokens, top_k, num_experts, hidden = 2, (4, 4), 2, 4, 8
+    sim = make_sim(ep_size, max(tokens), hidden, top_k, timeout_s=0.5)
+    layer = _random_layer(ep_size, tokens, top_k, num_experts, hidden, torch.float32, seed=13)
+    with pytest.raises(RuntimeError, match=r"peers \[1\] did not arrive"):
+        _layer_gradients(sim, *layer, num_experts, skip_backward={1})
+
+
+# ---- one rank per process ------------------------------------------------------------------------------
+
+# tokens per rank, top_k, num_experts, hidden, steps, learning rate, model seed
+PROCESS_CASE = ((6, 3), 2, 4, 8, 3, 0.1, 21)
+
+
+def _train_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """A rank of PROCESS_CASE's model in its own process (gloo; the workspace
+    shared through allocate_workspace): SGD steps with the router's gradients
+    all-reduced (data parallel), the experts' from the exchanges."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        tokens, top_k, num_experts, hidden, steps, lr, seed = PROCESS_CASE
+        size = a2a.moe_a2a_get_workspace_size_per_rank(world, max(tokens), 4 * hidden + 8 * top_k + 256,
+                                                       4 * hidden + 256)
+        workspace = a2a.allocate_workspace(size, group=dist.group.WORLD)
+        metainfo = a2a.moe_a2a_initialize(workspace, rank, world, max(tokens))
+        # What ExpertParallel reads of a SimulatedEP.
+        ep = SimpleNamespace(workspace=workspace, metainfo={rank: metainfo}, ep_size=world)
+        dense = dense_model(hidden, num_experts, top_k, seed)
+        model = Model([ExpertParallel(layer, ep, rank) for layer in dense.layers])
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        batches, targets = training_data(tokens, hidden, steps, torch.Generator().manual_seed(seed))
+        for step in range(steps):
+            optimizer.zero_grad()
+            ((model(batches[step][rank], max(tokens)) - targets[step][rank]) ** 2).sum().backward()
+            for layer in model.layers:
+                dist.all_reduce(layer.router.weight.grad)
+            optimizer.step()
+        torch.save(dense.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_processes_train_as_one(tmp_path):
+    """Two processes train PROCESS_CASE's model; every rank's router and owned
+    experts end where the dense model's SGD steps on all tokens take them."""
+    world = 2
+    mp.spawn(_train_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    tokens, top_k, num_experts, hidden, steps, lr, seed = PROCESS_CASE
+    dense = dense_model(hidden, num_experts, top_k, seed)
+    optimizer = torch.optim.SGD(dense.parameters(), lr=lr)
+    batches, targets = training_data(tokens, hidden, steps, torch.Generator().manual_seed(seed))
+    for step in range(steps):
+        optimizer.zero_grad()
+        ((dense(torch.cat(batches[step])) - torch.cat(targets[step])) ** 2).sum().backward()
+        optimizer.step()
+    want = dense.state_dict()
+    for rank in range(world):
+        for layer in range(len(dense.layers)):
+            key = f"layers.{layer}.router.weight"
+            torch.testing.assert_close(got[rank][key], want[key], rtol=1e-4, atol=1e-4)
+            for e in a2a.local_expert_range(num_experts, world, rank):
+                for name in ("weight", "bias"):
+                    key = f"layers.{layer}.experts.{e}.{name}"
+                    torch.testing.assert_close(got[rank][key], want[key], rtol=1e-4, atol=1e-4)
+
+
+def test_a_payload_that_requires_grad_must_have_a_combine_dtype():
+    """fp64 has no combine, so no way back for its gradient: refused before any exchange."""
+    sim = make_sim(1, 2, 4, 1)
+    ids = torch.zeros(2, 1, dtype=torch.int32)
+    x = torch.zeros(2, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"input_payloads\[0\] requires grad but is torch.float64"):
+        moe_a2a_dispatch_differentiable(ids, [x], sim.workspace, sim.metainfo[0], 2, 0, 1, 1, 1)
+    # The workspace is untouched: a dispatch still opens the round.
+    recv, offset, counts = moe_a2a_dispatch_differentiable(ids, [x.detach().float()], sim.workspace,
+                                                           sim.metainfo[0], 2, 0, 1, 1, 1)
+    assert counts.tolist() == [2] and torch.equal(recv[0][0], torch.zeros(2, 4))

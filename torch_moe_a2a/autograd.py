@@ -47,9 +47,12 @@ from . import layout
 from .arguments import dispatch_args
 
 _ops = torch.ops.moe_a2a
+# The payload dtypes that get gradients: the combine's.
+GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# The route arguments every op here takes after (ids, workspace), in this order.
-# mask: the rank-mask words; timeout_s: the ops' ENV_TIMEOUT or seconds.
+# `route`: the arguments every op here takes after (..., ids, workspace), in
+# this order: ep_rank, ep_size, max_num_tokens, runtime_max, top_k,
+# num_experts, the rank-mask words, timeout_s, mailbox, enable_pdl.
 
 
 def _dispatch(ids: Tensor, payloads: list[Tensor], workspace: Tensor, route: tuple) -> None:
@@ -185,8 +188,6 @@ def _(payload, token_selected_experts, workspace, *route):
 # every exchange bumps its version counter, and the backward only needs its
 # memory, never its old contents.
 
-
-
 _ROUTE_GRADS = (None,) * 10  # the route arguments' gradients
 
 
@@ -209,7 +210,7 @@ def _backward_dispatch_owned(ctx, grads):
     (ids,) = ctx.saved_tensors
     route = ctx.route
     ep_size, runtime_max = route[1], route[3]
-    floating = [i for i, (dtype, _) in enumerate(ctx.payloads) if dtype.is_floating_point]
+    floating = [i for i, (dtype, _) in enumerate(ctx.payloads) if dtype in GRAD_DTYPES]
     result: list[Optional[Tensor]] = [None] * len(ctx.payloads)
     if floating:
         dtype = ctx.payloads[floating[0]][0]
@@ -302,7 +303,7 @@ def moe_a2a_dispatch_differentiable(
             enable_pdl, enable_rank_mask, active_rank_mask, timeout_s: as for
             :func:`~torch_moe_a2a.moe_a2a_dispatch` (no EPLB statistics).
             Payloads may require grad; bf16, fp16 and fp32 payloads get a
-            gradient, other dtypes none.
+            gradient, other dtypes none (and may not require grad).
 
     Returns:
         ``(received, combine_payload_offset, recv_counts)``: ``received[i]``
@@ -315,10 +316,14 @@ def moe_a2a_dispatch_differentiable(
         same routes (a collective: every rank runs it).
 
     Raises:
-        ValueError: as :func:`~torch_moe_a2a.moe_a2a_dispatch`; a floating
-            payload other than bf16, fp16, fp32 that requires grad, at the backward.
+        ValueError: as :func:`~torch_moe_a2a.moe_a2a_dispatch`; a payload
+            that requires grad and is not bf16, fp16 or fp32.
         RuntimeError: peers that did not arrive within the timeout.
     """
+    for i, p in enumerate(input_payloads):
+        if isinstance(p, Tensor) and p.requires_grad and p.dtype not in GRAD_DTYPES:
+            raise ValueError(f"moe_a2a_dispatch_differentiable: input_payloads[{i}] requires grad but is {p.dtype}; "
+                             "gradients flow back through a combine, whose dtypes are bf16, fp16 and fp32")
     route = _route_args("moe_a2a_dispatch_differentiable", token_selected_experts, input_payloads, workspace, metainfo,
                         runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts, enable_pdl,
                         enable_rank_mask, active_rank_mask, timeout_s)
