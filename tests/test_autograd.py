@@ -464,3 +464,39 @@ def test_a_payload_that_requires_grad_must_have_a_combine_dtype():
     recv, offset, counts = moe_a2a_dispatch_differentiable(ids, [x.detach().float()], sim.workspace,
                                                            sim.metainfo[0], 2, 0, 1, 1, 1)
     assert counts.tolist() == [2] and torch.equal(recv[0][0], torch.zeros(2, 4))
+
+
+def test_received_rows_are_new_tensors_with_zero_padding():
+    """After a dispatch that filled every receive row with NaN, the
+    differentiable dispatch's received planes equal the reference's whole
+    (valid rows, and zero padding), the counts too, and share no memory with
+    the workspace."""
+    ep_size, tokens, top_k, num_experts, hidden, runtime_max = 2, (3, 5), 2, 4, 8, 6
+    gen = torch.Generator().manual_seed(17)
+    sim = make_sim(ep_size, runtime_max, hidden, top_k)
+    full_ids = [reference.random_routing(runtime_max, top_k, num_experts, gen) for _ in range(ep_size)]
+    nan = torch.full((runtime_max, hidden), float("nan"))
+
+    def poison(rank):
+        recv, offset, _ = a2a.moe_a2a_dispatch(full_ids[rank], [nan, full_ids[rank]], sim.workspace,
+                                               sim.metainfo[rank], runtime_max, rank, ep_size, top_k, num_experts)
+        a2a.moe_a2a_combine(recv[0].clone(), runtime_max, sim.workspace, sim.metainfo[rank], runtime_max, rank,
+                            ep_size, top_k, offset)
+
+    sim.run(poison)
+    ids = [reference.random_routing(n, top_k, num_experts, gen) for n in tokens]
+    xs = [torch.randn(n, hidden, generator=gen) for n in tokens]
+
+    def dispatch(rank):
+        return moe_a2a_dispatch_differentiable(ids[rank], [xs[rank], ids[rank]], sim.workspace, sim.metainfo[rank],
+                                               runtime_max, rank, ep_size, top_k, num_experts)
+
+    got = sim.run(dispatch)
+    ref = reference.reference_dispatch(ids, [[x, i] for x, i in zip(xs, ids)], ep_size=ep_size,
+                                       num_experts=num_experts, runtime_max_tokens_per_rank=runtime_max)
+    workspace = sim.workspace.untyped_storage().data_ptr()
+    for rank, (received, _, counts) in enumerate(got):
+        assert torch.equal(counts, ref.recv_counts[rank])
+        for plane, want in zip(received, ref.recv[rank]):
+            assert torch.equal(plane, want)
+            assert plane.untyped_storage().data_ptr() != workspace
