@@ -13,7 +13,7 @@ the backward as calls of these ops) and opcheck see the same backward:
   for the combine.
 - ``combine_owned``: the combine that closes that round.
 - ``dispatch_round``: a whole round, a dispatch of one payload then a combine
-  of nothing: the backward of ``combine_owned`` (the output gradient goes to
+  of one fp32 zero per row (which closes the round): the backward of ``combine_owned`` (the output gradient goes to
   the rows that made each token's sum).
 - ``combine_round``: a whole round, a dispatch of the expert ids alone (which
   lays the routes again from the ids saved by the forward) then a combine of
@@ -22,14 +22,16 @@ the backward as calls of these ops) and opcheck see the same backward:
   the combine's fixed ascending rank order).
 
 ``dispatch_round`` and ``combine_round`` are each other's adjoint and each
-other's backward. A backward is a whole round of its own, so it is correct
+other's registered backward (which opcheck and AOTAutograd require; second
+order gradients are outside the contract). A backward is a whole round of its own, so it is correct
 whatever runs between two backward calls; it costs one more exchange per
 backward than a bare combine or dispatch would.
 
 The workspace stays an ordinary argument (no workspace copy under
 ``torch.compile``); the ops write into it where the dispatcher does not look,
-which is sound because nothing else reads the workspace between them: what a
-caller needs comes back as new tensors. They are marked as side effects so
+which is sound because no traced op reads the workspace between them: what a
+caller needs comes back as new tensors (a training graph holds no workspace
+view). They are marked as side effects so
 that a traced graph keeps every exchange. The ops are opaque to the compiler;
 their order is their data dependencies' (forward: dispatch, experts, combine;
 backward: the reverse), the same on every rank.
