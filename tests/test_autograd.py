@@ -60,10 +60,11 @@ def dyadic(shape, gen, denominator=8):
 @pytest.mark.filterwarnings("ignore:Input #.* is not a double precision")
 @pytest.mark.parametrize("ep_size,tokens,top_k,num_experts", [(1, 3, 2, 2), (2, 4, 2, 4), (3, 3, 3, 8)])
 def test_gradcheck_exchange(ep_size, tokens, top_k, num_experts):
-    """Every rank gradchecks its own dispatch -> toy experts -> combine with
-    respect to its hidden rows and router weights, all ranks at once (their
-    calls line up: same shapes, same sequence of evaluations; a rank's output
-    depends on its own inputs only, so the peers' perturbations do not leak in)."""
+    """Every rank gradchecks and gradgradchecks its own dispatch -> toy
+    experts -> combine with respect to its hidden rows and router weights, all
+    ranks at once (their calls line up: same shapes, same sequence of
+    evaluations; a rank's output depends on its own inputs only, so the peers'
+    perturbations do not leak in)."""
     hidden, gen = 3, torch.Generator().manual_seed(ep_size * 100 + top_k)
     sim = make_sim(ep_size, tokens, hidden, top_k)
     ids = [reference.random_routing(tokens, top_k, num_experts, gen, negative_fraction=0.2) for _ in range(ep_size)]
@@ -78,7 +79,12 @@ def test_gradcheck_exchange(ep_size, tokens, top_k, num_experts):
         def fn(x, w):
             return exchange(sim, rank, ids[rank], x, w, num_experts, tokens, expert)
 
-        return torch.autograd.gradcheck(fn, (xs[rank], ws[rank]), eps=2.0**-8, atol=1e-6, rtol=1e-6)
+        # Second order (the round ops' own backwards, each other), with dyadic
+        # output gradients so that it is exact too.
+        grad_out = dyadic((tokens, hidden), torch.Generator().manual_seed(rank))
+        return (torch.autograd.gradcheck(fn, (xs[rank], ws[rank]), eps=2.0**-8, atol=1e-6, rtol=1e-6)
+                and torch.autograd.gradgradcheck(fn, (xs[rank], ws[rank]), (grad_out,), eps=2.0**-8, atol=1e-6,
+                                                 rtol=1e-6))
 
     assert sim.run(check) == [True] * ep_size
 

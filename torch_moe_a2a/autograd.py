@@ -22,8 +22,7 @@ the backward as calls of these ops) and opcheck see the same backward:
   the combine's fixed ascending rank order).
 
 ``dispatch_round`` and ``combine_round`` are each other's adjoint and each
-other's registered backward (which opcheck and AOTAutograd require; second
-order gradients are outside the contract). A backward is a whole round of its own, so it is correct
+other's backward, which gives second-order gradients too. A backward is a whole round of its own, so it is correct
 whatever runs between two backward calls; it costs one more exchange per
 backward than a bare combine or dispatch would.
 
