@@ -38,6 +38,7 @@ backward: the reverse), the same on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -67,6 +68,19 @@ def _combine(payload: Tensor, local_num_tokens: int, workspace: Tensor, offset: 
     return _ops.combine.default(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens, runtime_max,
                                 top_k, offset, payload.shape[2:], payload.dtype, payload.dtype, mask, timeout_s,
                                 mailbox, pdl, 0, None, 1.0, 2)
+
+
+@contextlib.contextmanager
+def _unrecorded():
+    """Where the ops here call the workspace ops: without grad mode (those
+    refuse payloads that require grad under it) and below ADInplaceOrView, so
+    that the workspace's version counter stays put. To autograd the ops here
+    mutate nothing, and a compiled graph saves the workspace for its backward
+    with its version: an exchange between the forward and the backward (a
+    later layer's, or a simulated peer's on the shared tensor) must not make
+    that backward fail with "modified by an inplace operation"."""
+    with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+        yield
 
 
 def _row_bytes(t: Tensor) -> int:
@@ -103,8 +117,7 @@ def dispatch_owned(token_selected_experts: Tensor, input_payloads: list[Tensor],
     """The dispatch op; returns ``[*planes, recv_counts]`` (new tensors, see :func:`_owned_planes`)."""
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
-    # The workspace ops refuse payloads that require grad under grad mode.
-    with torch.no_grad():
+    with _unrecorded():
         _dispatch(token_selected_experts, input_payloads, workspace, route)
         planes, counts, _ = _owned_planes(workspace, input_payloads, route)
     return [*planes, counts]
@@ -118,7 +131,7 @@ def combine_owned(payload: Tensor, token_selected_experts: Tensor, workspace: Te
     """The combine op closing the round ``dispatch_owned`` opened; ``[local_num_tokens, *row]`` of payload's dtype."""
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
-    with torch.no_grad():
+    with _unrecorded():
         return _combine(payload, token_selected_experts.shape[0], workspace, combine_payload_offset, route)
 
 
@@ -131,7 +144,7 @@ def dispatch_round(rows: Tensor, token_selected_experts: Tensor, workspace: Tens
     ``[ep_size, runtime_max_tokens_per_rank, *row]``, padding rows zero."""
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
-    with torch.no_grad():
+    with _unrecorded():
         _dispatch(token_selected_experts, [rows], workspace, route)
         (plane,), _, offset = _owned_planes(workspace, [rows], route)
         nothing = torch.zeros((ep_size, runtime_max_tokens_per_rank, 1), dtype=torch.float32, device=rows.device)
@@ -150,7 +163,7 @@ def combine_round(payload: Tensor, token_selected_experts: Tensor, workspace: Te
              timeout_s, mailbox, enable_pdl)
     ids = token_selected_experts
     offset = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, (_row_bytes(ids),)).combine_offset
-    with torch.no_grad():
+    with _unrecorded():
         _dispatch(ids, [ids], workspace, route)
         return _combine(payload, ids.shape[0], workspace, offset, route)
 
@@ -186,8 +199,8 @@ def _(payload, token_selected_experts, workspace, *route):
 # ---- their autograd ------------------------------------------------------------------------------------
 # Saved: the expert ids (save_for_backward, so an in-place change of them is
 # caught) and the plain ints. The workspace is kept as an attribute, not saved:
-# every exchange bumps its version counter, and the backward only needs its
-# memory, never its old contents.
+# the backward needs its memory, never its old contents, so no version check
+# applies (the plain functions' exchanges move its version counter).
 
 _ROUTE_GRADS = (None,) * 10  # the route arguments' gradients
 
