@@ -104,12 +104,16 @@ WorkspaceView check_workspace(const at::Tensor& workspace, int64_t ep_rank, int6
   return view;
 }
 
-// The ops have no backward: a tensor that requires grad would lose its
-// gradient without a word (torch only warns once a backward reaches the op).
+// The workspace ops have no backward (the differentiable ops of
+// torch_moe_a2a/autograd.py call them under no_grad): a tensor that requires
+// grad would lose its gradient without a word (torch only warns once a
+// backward reaches the op).
 void check_no_grad(const at::Tensor& t, const std::string& arg) {
   TORCH_CHECK_VALUE(!(t.requires_grad() && at::GradMode::is_enabled()), arg,
-                    " requires grad, but dispatch and combine have no backward: call under torch.no_grad() "
-                    "(or torch.inference_mode()), or pass a tensor that does not require grad (.detach())");
+                    " requires grad, but dispatch and combine have no backward: for training use "
+                    "moe_a2a_dispatch_differentiable and moe_a2a_combine_differentiable; else call under "
+                    "torch.no_grad() (or torch.inference_mode()), or pass a tensor that does not require grad "
+                    "(.detach())");
 }
 
 void check_on_workspace_device(const at::Tensor& t, const at::Tensor& workspace, const std::string& arg) {

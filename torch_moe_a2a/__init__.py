@@ -38,6 +38,7 @@ from .api import (  # noqa: E402
     moe_a2a_sanitize_expert_ids,
     moe_a2a_wrap_payload_tensor_in_workspace,
 )
+from .autograd import moe_a2a_combine_differentiable, moe_a2a_dispatch_differentiable  # noqa: E402
 from .expert_major import (  # noqa: E402
     ExpertMajorDispatch,
     moe_a2a_combine_expert_major,
@@ -70,8 +71,10 @@ __all__ = [
     "local_expert_range",
     "moe_a2a_active_rank_mask",
     "moe_a2a_combine",
+    "moe_a2a_combine_differentiable",
     "moe_a2a_combine_expert_major",
     "moe_a2a_dispatch",
+    "moe_a2a_dispatch_differentiable",
     "moe_a2a_dispatch_expert_major",
     "moe_a2a_get_dropped_pair_count",
     "moe_a2a_get_invalid_expert_count",

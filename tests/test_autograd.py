@@ -1,0 +1,534 @@
+"""Gradients through dispatch and combine (docs/DESIGN.md, 'Gradients'), on
+simulated ranks: gradcheck of a whole exchange, an MoE model of nn.Linear
+experts whose gradients and training steps equal the dense model's, opcheck
+of the ops, torch.compile of a training step.
+
+The backward of every rank's exchange is a collective, so each rank runs its
+own forward and backward in its own thread (SimulatedEP.run)."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch._inductor.utils import run_and_get_code
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import autograd as a2a_autograd
+from torch_moe_a2a import reference
+from torch_moe_a2a.autograd import moe_a2a_combine_differentiable, moe_a2a_dispatch_differentiable
+
+
+def make_sim(ep_size: int, max_tokens: int, hidden: int, top_k: int, timeout_s: float = 20) -> a2a.SimulatedEP:
+    # Payloads: fp32 hidden, int32 ids, fp32 weights; the combine's rows fp32 hidden.
+    return a2a.SimulatedEP(ep_size, max_tokens, dispatch_bytes_per_token=4 * hidden + 8 * top_k + 256,
+                           combine_bytes_per_token=4 * hidden + 256, timeout_s=timeout_s)
+
+
+def exchange(sim, rank, ids, x, w, num_experts, runtime_max, expert, mask=None):
+    """Dispatch ``[x, ids, w]``, run ``expert(recv_x, recv_ids, recv_w, counts)`` on the received rows, combine."""
+    kwargs = dict(enable_rank_mask=mask is not None, active_rank_mask=mask)
+    top_k = ids.shape[1]
+    recv, offset, counts = moe_a2a_dispatch_differentiable(ids, [x, ids, w], sim.workspace, sim.metainfo[rank],
+                                                           runtime_max, rank, sim.ep_size, top_k, num_experts,
+                                                           **kwargs)
+    y = expert(*recv, counts)
+    return moe_a2a_combine_differentiable(y, ids, sim.workspace, sim.metainfo[rank], runtime_max, rank, sim.ep_size,
+                                          top_k, num_experts, offset, **kwargs)
+
+
+# ---- gradcheck -----------------------------------------------------------------------------------------
+
+
+def dyadic(shape, gen, denominator=8):
+    """fp32 values k / denominator with |k| <= 16: sums and products of a few
+    of them and of gradcheck's eps = 2**-8 are exact in fp32, so the finite
+    differences of an exchange are exact (the combine sums in fp32; fp64
+    payloads have no combine)."""
+    return torch.randint(-16, 17, shape, generator=gen).float() / denominator
+
+
+# gradcheck warns about fp32 inputs; dyadic() is why fp32 is exact here.
+@pytest.mark.filterwarnings("ignore:Input #.* is not a double precision")
+@pytest.mark.parametrize("ep_size,tokens,top_k,num_experts", [(1, 3, 2, 2), (2, 4, 2, 4), (3, 3, 3, 8)])
+def test_gradcheck_exchange(ep_size, tokens, top_k, num_experts):
+    """Every rank gradchecks and gradgradchecks its own dispatch -> toy
+    experts -> combine with respect to its hidden rows and router weights, all
+    ranks at once (their calls line up: same shapes, same sequence of
+    evaluations; a rank's output depends on its own inputs only, so the peers'
+    perturbations do not leak in)."""
+    hidden, gen = 3, torch.Generator().manual_seed(ep_size * 100 + top_k)
+    sim = make_sim(ep_size, tokens, hidden, top_k)
+    ids = [reference.random_routing(tokens, top_k, num_experts, gen, negative_fraction=0.2) for _ in range(ep_size)]
+    xs = [dyadic((tokens, hidden), gen).requires_grad_() for _ in range(ep_size)]
+    ws = [dyadic((tokens, top_k), gen, 4).requires_grad_() for _ in range(ep_size)]
+
+    def check(rank):
+        def expert(recv_x, recv_ids, recv_w, counts):
+            return reference.toy_moe(recv_x, recv_ids, recv_w, counts, ep_rank=rank, ep_size=ep_size,
+                                     num_experts=num_experts)
+
+        def fn(x, w):
+            return exchange(sim, rank, ids[rank], x, w, num_experts, tokens, expert)
+
+        # Second order (the round ops' own backwards, each other), with dyadic
+        # output gradients so that it is exact too.
+        grad_out = dyadic((tokens, hidden), torch.Generator().manual_seed(rank))
+        return (torch.autograd.gradcheck(fn, (xs[rank], ws[rank]), eps=2.0**-8, atol=1e-6, rtol=1e-6)
+                and torch.autograd.gradgradcheck(fn, (xs[rank], ws[rank]), (grad_out,), eps=2.0**-8, atol=1e-6,
+                                                 rtol=1e-6))
+
+    assert sim.run(check) == [True] * ep_size
+
+
+# ---- an MoE model against the dense one ----------------------------------------------------------------
+
+
+class Dense(nn.Module):
+    """Router, top-k softmax weights, ``num_experts`` nn.Linear experts: the
+    whole layer on one rank, the oracle."""
+
+    def __init__(self, hidden, num_experts, top_k):
+        super().__init__()
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(num_experts))
+        self.top_k = top_k
+
+    def route(self, x):
+        weights, ids = self.router(x).softmax(dim=-1).topk(self.top_k, dim=-1)
+        return weights, ids.to(torch.int32)
+
+    def forward(self, x, dropped=range(0)):
+        """``dropped``: experts whose tokens are dropped (those of a masked-off rank)."""
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            if e in dropped:
+                continue
+            coef = (weights * (ids == e)).sum(dim=-1, keepdim=True)
+            out = out + coef * expert(x)
+        return out
+
+
+class ExpertParallel(nn.Module):
+    """One rank's share of a :class:`Dense` layer: the router replicated, the
+    experts this rank owns; tokens go to their experts' ranks and back."""
+
+    def __init__(self, dense, sim, rank, mask=None):
+        super().__init__()
+        self.router = dense.router
+        self.top_k = dense.top_k
+        self.num_experts = len(dense.experts)
+        self.owned = a2a.local_expert_range(self.num_experts, sim.ep_size, rank)
+        self.experts = nn.ModuleList(dense.experts[e] for e in self.owned)
+        self.route = dense.route
+        self.sim, self.rank, self.mask = sim, rank, mask
+
+    def local_experts(self, recv_x, recv_ids, recv_w, counts):
+        out = torch.zeros_like(recv_x)
+        for e, expert in zip(self.owned, self.experts):
+            coef = (recv_w * (recv_ids == e)).sum(dim=-1, keepdim=True)
+            out = out + coef * expert(recv_x)
+        return out
+
+    def forward(self, x, runtime_max):
+        weights, ids = self.route(x)
+        return exchange(self.sim, self.rank, ids, x, weights, self.num_experts, runtime_max, self.local_experts,
+                        self.mask)
+
+
+class Model(nn.Module):
+    """Two MoE layers sharing one workspace, with residuals: the second
+    layer's exchanges run while the first layer's experts still hold their
+    inputs for the backward."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x, *args):
+        for layer in self.layers:
+            x = x + layer(x, *args)
+        return x
+
+
+def dense_model(hidden, num_experts, top_k, seed):
+    torch.manual_seed(seed)
+    return Model([Dense(hidden, num_experts, top_k) for _ in range(2)])
+
+
+def rank_copies(dense, sim, mask=None):
+    """Each rank's expert-parallel model over a deep copy of ``dense`` (its own router and experts)."""
+    models = []
+    for rank in range(sim.ep_size):
+        mine = copy.deepcopy(dense)
+        models.append(Model([ExpertParallel(layer, sim, rank, mask) for layer in mine.layers]))
+    return models
+
+
+def training_data(tokens, hidden, steps, gen):
+    """Every step's inputs and targets, a list per rank."""
+    batches = [[torch.randn(n, hidden, generator=gen) for n in tokens] for _ in range(steps)]
+    targets = [[torch.randn(n, hidden, generator=gen) for n in tokens] for _ in range(steps)]
+    return batches, targets
+
+
+@pytest.mark.parametrize("ep_size,tokens,top_k,num_experts,masked", [
+    (2, (5, 7), 2, 4, None),
+    (3, (4, 0, 6), 2, 6, None),  # a rank with no tokens
+    (4, (3, 3, 3, 3), 3, 4, None),
+    (3, (4, 0, 5), 2, 6, 1),  # rank 1 masked off: its experts' shares are dropped
+])
+def test_moe_training_steps_equal_dense(ep_size, tokens, top_k, num_experts, masked):
+    """Three SGD steps of the expert-parallel model (every rank its tokens)
+    give the dense model's loss and parameters: the router's gradients summed
+    over the ranks (a data-parallel all-reduce, here a plain sum), each
+    expert's from its owner."""
+    hidden, steps, lr = 8, 3, 0.1
+    gen = torch.Generator().manual_seed(sum(tokens))
+    dense = dense_model(hidden, num_experts, top_k, seed=ep_size)
+    sim = make_sim(ep_size, max(tokens), hidden, top_k)
+    active = [r for r in range(ep_size) if r != masked]
+    mask = None if masked is None else a2a.moe_a2a_active_rank_mask(active, ep_size)
+    dropped = range(0) if masked is None else a2a.local_expert_range(num_experts, ep_size, masked)
+    models = rank_copies(dense, sim, mask)
+    batches, targets = training_data(tokens, hidden, steps, gen)
+    dense_opt = torch.optim.SGD(dense.parameters(), lr=lr)
+    for step in range(steps):
+        x = torch.cat(batches[step]).requires_grad_()
+        dense_opt.zero_grad()
+        dense_loss = ((dense(x, dropped) - torch.cat(targets[step])) ** 2).sum()
+        dense_loss.backward()
+
+        def rank_step(rank):
+            if rank == masked:
+                return torch.zeros(()), torch.zeros(0, hidden)
+            model = models[rank]
+            model.zero_grad()
+            xr = batches[step][rank].clone().requires_grad_()
+            loss = ((model(xr, max(tokens)) - targets[step][rank]) ** 2).sum()
+            loss.backward()
+            return loss.detach(), xr.grad
+
+        results = sim.run(rank_step)
+        torch.testing.assert_close(sum(loss for loss, _ in results), dense_loss.detach(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.cat([g for _, g in results]), x.grad, rtol=1e-4, atol=1e-4)
+        for layer, dense_layer in zip(zip(*[m.layers for m in models]), dense.layers):
+            router_grad = sum(rank_layer.router.weight.grad for rank_layer in layer if rank_layer.rank != masked)
+            torch.testing.assert_close(router_grad, dense_layer.router.weight.grad, rtol=1e-4, atol=1e-4)
+            for rank_layer in layer:
+                for e, expert in zip(rank_layer.owned, rank_layer.experts):
+                    for p, q in zip(expert.parameters(), dense_layer.experts[e].parameters()):
+                        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+        dense_opt.step()
+        with torch.no_grad():
+            for rank_layers, dense_layer in zip(zip(*[m.layers for m in models]), dense.layers):
+                for rank_layer in rank_layers:
+                    if rank_layer.rank == masked:
+                        continue
+                    # The data-parallel router: every rank steps with the summed gradient.
+                    rank_layer.router.weight.copy_(dense_layer.router.weight)
+                    for e, expert in zip(rank_layer.owned, rank_layer.experts):
+                        for p, q in zip(expert.parameters(), dense_layer.experts[e].parameters()):
+                            p.sub_(lr * p.grad)
+                            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4)
+
+
+# ---- opcheck and torch.compile -------------------------------------------------------------------------
+
+
+def _one_rank_route(sim, ids, hidden_rows):
+    return a2a_autograd._route_args("test", ids, [hidden_rows], sim.workspace, sim.metainfo[0], ids.shape[0], 0, 1,
+                                    ids.shape[1], 4, None, False, None, None)
+
+
+@pytest.mark.parametrize("op", ["dispatch_round", "combine_round"])
+def test_opcheck_round_ops(op):
+    """opcheck's autograd, FakeTensor and AOTAutograd checks on a rank of
+    its own (each call a whole round). Not test_schema: the ops write into the
+    workspace where the dispatcher does not look (torch_moe_a2a/autograd.py
+    says why that is sound). dispatch_owned and combine_owned are half rounds,
+    which opcheck's repeated calls of one op would break; the gradchecks and
+    the compiled step below run them."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, top_k, hidden = 5, 2, 6
+    sim = make_sim(1, tokens, hidden, top_k)
+    ids = reference.random_routing(tokens, top_k, 4, gen, negative_fraction=0.3)
+    route = _one_rank_route(sim, ids, torch.empty(tokens, hidden))
+    shape = (tokens, hidden) if op == "dispatch_round" else (1, tokens, hidden)
+    rows = torch.randn(shape, generator=gen, requires_grad=True)
+    torch.library.opcheck(getattr(torch.ops.moe_a2a, op).default, (rows, ids, sim.workspace, *route),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def compiled_train_step(x, w, ids, workspace, metainfo, runtime_max, rank, ep_size, top_k, num_experts):
+    """An exchange whose stand-in expert is one multiply per element, exact in any evaluation order."""
+    recv, offset, _ = moe_a2a_dispatch_differentiable(ids, [x, ids, w], workspace, metainfo, runtime_max, rank,
+                                                      ep_size, top_k, num_experts)
+    y = recv[0] * recv[2][..., :1]
+    return moe_a2a_combine_differentiable(y, ids, workspace, metainfo, runtime_max, rank, ep_size, top_k,
+                                          num_experts, offset)
+
+
+def test_compiled_training_step_equals_eager():
+    """torch.compile(fullgraph=True) of the forward (AOTAutograd traces the
+    backward as calls of the round ops): outputs and the hidden rows'
+    gradients bitwise equal to eager, the router weights' (a sum over the row,
+    in Inductor's order) to rounding, every rank compiling its own graph in its
+    own thread."""
+    torch._dynamo.reset()
+    ep_size, tokens, top_k, num_experts, hidden = 2, (6, 3), 2, 4, 8
+    gen = torch.Generator().manual_seed(5)
+    # A rank waits inside an exchange while its peer compiles (the backward
+    # too, at its first call): seconds on a loaded machine.
+    sim = make_sim(ep_size, max(tokens), hidden, top_k, timeout_s=120)
+    ids = [reference.random_routing(n, top_k, num_experts, gen) for n in tokens]
+    xs = [torch.randn(n, hidden, generator=gen) for n in tokens]
+    ws = [torch.rand(n, top_k, generator=gen) for n in tokens]
+    targets = [torch.randn(n, hidden, generator=gen) for n in tokens]
+
+    def run(step):
+        def rank_step(rank):
+            x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+            out = step(x, w, ids[rank], sim.workspace, sim.metainfo[rank], max(tokens), rank, ep_size, top_k,
+                       num_experts)
+            (out * targets[rank]).sum().backward()
+            return out.detach(), x.grad, w.grad
+
+        return sim.run(rank_step)
+
+    eager = run(compiled_train_step)
+    compiled = torch.compile(compiled_train_step, fullgraph=True)
+    for _ in range(2):
+        for (out, x_grad, w_grad), (out_e, x_grad_e, w_grad_e) in zip(run(compiled), eager):
+            assert torch.equal(out, out_e) and torch.equal(x_grad, x_grad_e)
+            torch.testing.assert_close(w_grad, w_grad_e, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_training_step_copies_no_workspace():
+    """The compiled forward and backward call the four ops on the caller's
+    workspace: no buffer of the workspace's size, no copy into it."""
+    torch._dynamo.reset()
+    tokens, top_k, num_experts, hidden = 5, 2, 4, 8
+    gen = torch.Generator().manual_seed(6)
+    sim = make_sim(1, tokens, hidden, top_k)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    x = torch.randn(tokens, hidden, generator=gen, requires_grad=True)
+    w = torch.rand(tokens, top_k, generator=gen, requires_grad=True)
+    compiled = torch.compile(compiled_train_step, fullgraph=True)
+
+    def forward_backward():
+        out = compiled(x, w, ids, sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k, num_experts)
+        out.sum().backward()
+        return out
+
+    _, codes = run_and_get_code(forward_backward)
+    text = "\n".join(codes)
+    for op in ("dispatch_owned", "combine_owned", "dispatch_round", "combine_round"):
+        assert f"moe_a2a.{op}" in text, f"{op} must be called from the compiled code"
+    rows, size = sim.workspace.shape
+    for line in text.splitlines():
+        if re.search(r"empty_strided|empty\(|\.clone\(|copy_\(", line):
+            assert not re.search(rf"\b({size}|{rows * size})\b", line), f"workspace-sized buffer: {line.strip()}"
+    assert x.grad is not None and w.grad is not None
+
+
+# ---- determinism and the collective backward -----------------------------------------------------------
+
+
+def _layer_gradients(sim, ids, xs, ws, targets, num_experts, skip_backward=()):
+    """Every rank's (x.grad, w.grad) of one toy-expert exchange; ranks in ``skip_backward`` run the forward only."""
+    runtime_max = max(x.shape[0] for x in xs)
+
+    def rank_step(rank):
+        x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+
+        def expert(recv_x, recv_ids, recv_w, counts):
+            return reference.toy_moe(recv_x, recv_ids, recv_w, counts, ep_rank=rank, ep_size=sim.ep_size,
+                                     num_experts=num_experts)
+
+        out = exchange(sim, rank, ids[rank], x, w, num_experts, runtime_max, expert)
+        if rank not in skip_backward:
+            (out * targets[rank]).sum().backward()
+        return x.grad, w.grad
+
+    return sim.run(rank_step)
+
+
+def _random_layer(ep_size, tokens, top_k, num_experts, hidden, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    ids = [reference.random_routing(n, top_k, num_experts, gen, negative_fraction=0.1) for n in tokens]
+    xs = [torch.randn(n, hidden, generator=gen).to(dtype) for n in tokens]
+    ws = [torch.rand(n, top_k, generator=gen) for n in tokens]
+    targets = [torch.randn(n, hidden, generator=gen).to(dtype) for n in tokens]
+    return ids, xs, ws, targets
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_are_bitwise_deterministic(dtype):
+    """The same inputs twice (the second time after other traffic on the
+    workspace) give bitwise identical gradients; a bf16 payload's gradient is
+    bf16, the fp32 router weights' fp32 (packed with it into one fp32 combine)."""
+    ep_size, tokens, top_k, num_experts, hidden = 3, (7, 2, 5), 3, 6, 16
+    sim = make_sim(ep_size, max(tokens), hidden, top_k)
+    layer = _random_layer(ep_size, tokens, top_k, num_experts, hidden, dtype, seed=11)
+    first = _layer_gradients(sim, *layer, num_experts)
+    _layer_gradients(sim, *_random_layer(ep_size, tokens, top_k, num_experts, hidden, dtype, seed=12), num_experts)
+    second = _layer_gradients(sim, *layer, num_experts)
+    for (x_grad, w_grad), (x_grad2, w_grad2) in zip(first, second):
+        assert x_grad.dtype == dtype and w_grad.dtype == torch.float32
+        assert torch.equal(x_grad, x_grad2) and torch.equal(w_grad, w_grad2)
+
+
+def test_a_rank_that_skips_the_backward_times_out_its_peers():
+    """The backward is a collective: rank 1 runs the forward only, so rank
+    0's backward waits for it until the timeout and raises naming it."""
+    ep_size, tokens, top_k, num_experts, hidden = 2, (4, 4), 2, 4, 8
+    sim = make_sim(ep_size, max(tokens), hidden, top_k, timeout_s=0.5)
+    layer = _random_layer(ep_size, tokens, top_k, num_experts, hidden, torch.float32, seed=13)
+    with pytest.raises(RuntimeError, match=r"peers \[1\] did not arrive"):
+        _layer_gradients(sim, *layer, num_experts, skip_backward={1})
+
+
+# ---- one rank per process ------------------------------------------------------------------------------
+
+# tokens per rank, top_k, num_experts, hidden, steps, learning rate, model seed
+PROCESS_CASE = ((6, 3), 2, 4, 8, 3, 0.1, 21)
+
+
+def _train_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """A rank of PROCESS_CASE's model in its own process (gloo; the workspace
+    shared through allocate_workspace): SGD steps with the router's gradients
+    all-reduced (data parallel), the experts' from the exchanges."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        tokens, top_k, num_experts, hidden, steps, lr, seed = PROCESS_CASE
+        size = a2a.moe_a2a_get_workspace_size_per_rank(world, max(tokens), 4 * hidden + 8 * top_k + 256,
+                                                       4 * hidden + 256)
+        workspace = a2a.allocate_workspace(size, group=dist.group.WORLD)
+        metainfo = a2a.moe_a2a_initialize(workspace, rank, world, max(tokens))
+        # What ExpertParallel reads of a SimulatedEP.
+        ep = SimpleNamespace(workspace=workspace, metainfo={rank: metainfo}, ep_size=world)
+        dense = dense_model(hidden, num_experts, top_k, seed)
+        model = Model([ExpertParallel(layer, ep, rank) for layer in dense.layers])
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        batches, targets = training_data(tokens, hidden, steps, torch.Generator().manual_seed(seed))
+        for step in range(steps):
+            optimizer.zero_grad()
+            ((model(batches[step][rank], max(tokens)) - targets[step][rank]) ** 2).sum().backward()
+            for layer in model.layers:
+                dist.all_reduce(layer.router.weight.grad)
+            optimizer.step()
+        torch.save(dense.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_processes_train_as_one(tmp_path):
+    """Two processes train PROCESS_CASE's model; every rank's router and owned
+    experts end where the dense model's SGD steps on all tokens take them."""
+    world = 2
+    mp.spawn(_train_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    tokens, top_k, num_experts, hidden, steps, lr, seed = PROCESS_CASE
+    dense = dense_model(hidden, num_experts, top_k, seed)
+    optimizer = torch.optim.SGD(dense.parameters(), lr=lr)
+    batches, targets = training_data(tokens, hidden, steps, torch.Generator().manual_seed(seed))
+    for step in range(steps):
+        optimizer.zero_grad()
+        ((dense(torch.cat(batches[step])) - torch.cat(targets[step])) ** 2).sum().backward()
+        optimizer.step()
+    want = dense.state_dict()
+    for rank in range(world):
+        for layer in range(len(dense.layers)):
+            key = f"layers.{layer}.router.weight"
+            torch.testing.assert_close(got[rank][key], want[key], rtol=1e-4, atol=1e-4)
+            for e in a2a.local_expert_range(num_experts, world, rank):
+                for name in ("weight", "bias"):
+                    key = f"layers.{layer}.experts.{e}.{name}"
+                    torch.testing.assert_close(got[rank][key], want[key], rtol=1e-4, atol=1e-4)
+
+
+def test_a_payload_that_requires_grad_must_have_a_combine_dtype():
+    """fp64 has no combine, so no way back for its gradient: refused before any exchange."""
+    sim = make_sim(1, 2, 4, 1)
+    ids = torch.zeros(2, 1, dtype=torch.int32)
+    x = torch.zeros(2, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"input_payloads\[0\] requires grad but is torch.float64"):
+        moe_a2a_dispatch_differentiable(ids, [x], sim.workspace, sim.metainfo[0], 2, 0, 1, 1, 1)
+    # The workspace is untouched: a dispatch still opens the round.
+    recv, offset, counts = moe_a2a_dispatch_differentiable(ids, [x.detach().float()], sim.workspace,
+                                                           sim.metainfo[0], 2, 0, 1, 1, 1)
+    assert counts.tolist() == [2] and torch.equal(recv[0][0], torch.zeros(2, 4))
+
+
+def test_received_rows_are_new_tensors_with_zero_padding():
+    """After a dispatch that filled every receive row with NaN, the
+    differentiable dispatch's received planes equal the reference's whole
+    (valid rows, and zero padding), the counts too, and share no memory with
+    the workspace."""
+    ep_size, tokens, top_k, num_experts, hidden, runtime_max = 2, (3, 5), 2, 4, 8, 6
+    gen = torch.Generator().manual_seed(17)
+    sim = make_sim(ep_size, runtime_max, hidden, top_k)
+    full_ids = [reference.random_routing(runtime_max, top_k, num_experts, gen) for _ in range(ep_size)]
+    nan = torch.full((runtime_max, hidden), float("nan"))
+
+    def poison(rank):
+        recv, offset, _ = a2a.moe_a2a_dispatch(full_ids[rank], [nan, full_ids[rank]], sim.workspace,
+                                               sim.metainfo[rank], runtime_max, rank, ep_size, top_k, num_experts)
+        a2a.moe_a2a_combine(recv[0].clone(), runtime_max, sim.workspace, sim.metainfo[rank], runtime_max, rank,
+                            ep_size, top_k, offset)
+
+    sim.run(poison)
+    ids = [reference.random_routing(n, top_k, num_experts, gen) for n in tokens]
+    xs = [torch.randn(n, hidden, generator=gen) for n in tokens]
+
+    def dispatch(rank):
+        return moe_a2a_dispatch_differentiable(ids[rank], [xs[rank], ids[rank]], sim.workspace, sim.metainfo[rank],
+                                               runtime_max, rank, ep_size, top_k, num_experts)
+
+    got = sim.run(dispatch)
+    ref = reference.reference_dispatch(ids, [[x, i] for x, i in zip(xs, ids)], ep_size=ep_size,
+                                       num_experts=num_experts, runtime_max_tokens_per_rank=runtime_max)
+    workspace = sim.workspace.untyped_storage().data_ptr()
+    for rank, (received, _, counts) in enumerate(got):
+        assert torch.equal(counts, ref.recv_counts[rank])
+        for plane, want in zip(received, ref.recv[rank]):
+            assert torch.equal(plane, want)
+            assert plane.untyped_storage().data_ptr() != workspace
+
+
+def test_compiled_forwards_then_one_backward():
+    """Two compiled forwards on one workspace (two layers compiled apart),
+    then one backward: the first graph's saved workspace has not moved under
+    the second's exchanges, and the gradients are the eager ones."""
+    torch._dynamo.reset()
+    tokens, top_k, num_experts, hidden = 4, 2, 4, 8
+    gen = torch.Generator().manual_seed(8)
+    sim = make_sim(1, tokens, hidden, top_k)
+    ids = [reference.random_routing(tokens, top_k, num_experts, gen) for _ in range(2)]
+    xs = [torch.randn(tokens, hidden, generator=gen) for _ in range(2)]
+    ws = [torch.rand(tokens, top_k, generator=gen) for _ in range(2)]
+
+    def two_layers(step):
+        x = [t.clone().requires_grad_() for t in xs]
+        w = [t.clone().requires_grad_() for t in ws]
+        outs = [step(x[i], w[i], ids[i], sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k, num_experts)
+                for i in range(2)]
+        (outs[0].sum() + 2 * outs[1].sum()).backward()
+        return [t.grad for t in x + w]
+
+    want = two_layers(compiled_train_step)
+    got = two_layers(torch.compile(compiled_train_step, fullgraph=True))
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
