@@ -2,9 +2,9 @@
 // grid per rank, one instantiation per (payload dtype, output dtype) pair.
 //
 // Design: every CTA stages a share of the received rows into the own combine
-// region; the last CTA to arrive (arrival counter in the own header) raises
-// the combine flags of every active rank, including its own, which is what
-// tells this grid's other CTAs that the whole region is staged; every CTA then
+// region and adds its share to the combine flags of every active rank,
+// including its own (protocol.h: flags count shares), whose completion is
+// what tells this grid's CTAs that the whole region is staged; every CTA then
 // waits for all active ranks' flags and pulls. The pull sums, per token and
 // element, the destinations' rows in ascending rank order (the route order)
 // in fp32 from 0.0f and rounds once to the output dtype with
@@ -310,11 +310,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   if constexpr (IsQuantized<Out>::value) zero_scale_padding(p);
 
   // 3. Acquire: every CTA, so that each one's pull loads follow its own
-  // acquire of every flag (own rank's included). The own flag tells CTA 0
-  // that every CTA of this grid has read the epochs: it advances the own one.
-  if (!wait_for_flags(ws, p.sync, kHdrCombineFlags, epoch, kErrorCombineTimeout, a.sync_settings)) return;
-  allow_dependent_launch();
-  if (blockIdx.x == 0 && threadIdx.x == 0) *header_word<uint32_t>(own, kHdrCombineEpoch) = epoch;
+  // acquire of every flag (own rank's included).
+  if (!acquire_combine_flags(ws, p.sync, epoch, a.sync_settings)) return;
 
   // 4. Pull, 5. release this CTA's share of pull_done: a peer's dispatch
   // step 0 reads it before it overwrites regions this pull read.

@@ -1,6 +1,6 @@
 // Device-side building blocks shared by the CUDA kernels (internal header of
-// csrc/cuda: memory ordering, bounded waits, error records, grid arrival,
-// vector copies). No torch header.
+// csrc/cuda: memory ordering, bounded waits, error records, the release of a
+// CTA's share, vector copies). No torch header.
 //
 // ---------------------------------------------------------------------------
 // Memory ordering: why each flag is correct
@@ -130,10 +130,6 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
   return v;
 }
 
-__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
 __device__ __forceinline__ void st_release_sys(int64_t* p, int64_t v) {
   asm volatile("st.release.sys.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
@@ -172,16 +168,8 @@ __device__ __forceinline__ uint64_t ld_acquire(const uint64_t* p, bool system) {
   return system ? ld_acquire_sys(p) : ld_acquire_gpu(p);
 }
 
-__device__ __forceinline__ void st_release(uint32_t* p, uint32_t v, bool system) {
-  if (system) {
-    st_release_sys(p, v);
-  } else {
-    st_release_gpu(p, v);
-  }
-}
-
-// The arrival chain needs a release pattern on one side and an acquire pattern
-// on the other, which fence.acq_rel gives; __threadfence() would be fence.sc,
+// A release pattern on one side and an acquire pattern on the other (a large
+// dispatch's routed words) need fence.acq_rel; __threadfence() would be fence.sc,
 // which also orders every sc fence of the scope globally (not needed here) and
 // costs more.
 __device__ __forceinline__ void fence(bool system) {
@@ -413,6 +401,18 @@ __device__ inline bool wait_for_flags(const WorkspaceView& ws, const SyncParams&
   uint8_t* own = ws.row(ws.ep_rank);
   return wait_for_words(
       ws, sync, [&](int p) { return flag_of(own, flags_offset, p); }, flag_target(epoch), code_on_timeout, settings);
+}
+
+// Combine step 3 (protocol.h), by every CTA of a combine (rank-major and
+// expert-major): waits for every active rank's combine flag, then lets the
+// next kernel launch. The own rank's flag tells CTA 0 that every CTA of this
+// grid has read the epochs: it advances the own combine_epoch.
+__device__ inline bool acquire_combine_flags(const WorkspaceView& ws, const SyncParams& sync, uint32_t epoch,
+                                             const SyncSettings& settings) {
+  if (!wait_for_flags(ws, sync, kHdrCombineFlags, epoch, kErrorCombineTimeout, settings)) return false;
+  allow_dependent_launch();
+  if (blockIdx.x == 0 && threadIdx.x == 0) *header_word<uint32_t>(ws.row(ws.ep_rank), kHdrCombineEpoch) = epoch;
+  return true;
 }
 
 // Combine step 5 (protocol.h): this CTA's share of own pull_done, once its

@@ -15,8 +15,8 @@
 //      row's smallest local expert (CTA 0 for a row without one).
 //   B. copy: every (pair, segment) of every user payload, grid-strided,
 //      from the rank-major plane row pair_src names to the pair's row.
-// Combine: combine.cu's protocol step for step (the same flags, arrival
-// counters and epochs), staging the expert outputs' valid rows [e, i] to the
+// Combine: combine.cu's protocol step for step (the same flags and shares,
+// epochs and pull_done), staging the expert outputs' valid rows [e, i] to the
 // same index of the own combine region and pulling, per token and element,
 // acc = acc + w * x with the product rounded to fp32 (__fmul_rn, __fadd_rn:
 // no fused multiply-add), over the route's ranks ascending and each rank's
@@ -441,10 +441,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) em_combine_kernel(con
   }
   release_share(ws, c.sync, kHdrCombineFlags, system);
 
-  // 3. Acquire; CTA 0 advances the own epoch (as combine.cu).
-  if (!wait_for_flags(ws, c.sync, kHdrCombineFlags, epoch, kErrorCombineTimeout, a.sync_settings)) return;
-  allow_dependent_launch();
-  if (blockIdx.x == 0 && threadIdx.x == 0) *header_word<uint32_t>(own, kHdrCombineEpoch) = epoch;
+  // 3. Acquire (as combine.cu).
+  if (!acquire_combine_flags(ws, c.sync, epoch, a.sync_settings)) return;
 
   // 4. Pull, 5. this CTA's share of pull_done (as combine.cu).
   pull_expert_rows_any<In, Out>(a);

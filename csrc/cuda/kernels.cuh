@@ -46,7 +46,7 @@ cudaError_t query_ctas_per_sm(int* ctas_per_sm);
 
 // Bytes of payload rows a CTA of a spinning kernel is given at least: a
 // smaller call runs on fewer CTAs, because every CTA pays the grid's fixed
-// costs (launch, the arrival chain, polling) while a few tokens' rows take a
+// costs (launch, its prologue, the fence of its release, polling) while a few tokens' rows take a
 // CTA only a microsecond or two.
 constexpr int64_t kMinBytesPerCta = 16 * 1024;
 
