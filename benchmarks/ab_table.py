@@ -11,16 +11,12 @@ variant 0).
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 import sys
 
-OPS = ("dispatch", "combine", "combine-ws", "round-trip")
-
-
-def above(result: dict, op: str) -> float | None:
-    us, floor = result.get("ops", {}).get(op), result.get("floor", {}).get(op)
-    return None if us is None or floor is None else us - floor
+from torch_moe_a2a.bench.common import geomean
+from torch_moe_a2a.bench.replay import REPLAY_OPS as OPS
+from torch_moe_a2a.bench.replay import above_floor as above
 
 
 def main(log: str) -> int:
@@ -52,11 +48,7 @@ def main(log: str) -> int:
                 if values[0] and values[i]:
                     ratios[(i, op)].append(values[0] / values[i])
     for i in range(1, len(runs)):
-        line = ", ".join(
-            f"{op} {math.exp(sum(map(math.log, r)) / len(r)):.3f}x"
-            for op in OPS
-            if (r := ratios[(i, op)])
-        )
+        line = ", ".join(f"{op} {geomean(r):.3f}x" for op in OPS if (r := ratios[(i, op)]))
         print(f"v{i} against v0, geomean of above-floor ratios: {line}")
     failed = [(name, k) for name, r in runs for k, v in r["ours"].items() if v.get("status") != "ok"]
     for name, key in failed:

@@ -559,16 +559,17 @@ def _table(ours: LibraryRun, peer: Optional[LibraryRun], points: list[tuple[int,
     return format_table(header, rows, left={2})
 
 
+def above_floor(result: dict, op: str) -> Optional[float]:
+    """Microseconds of ``op`` above its launch floor in one point's result (None where it lacks either)."""
+    us, floor = result.get("ops", {}).get(op), result.get("floor", {}).get(op)
+    return None if us is None or floor is None else us - floor
+
+
 def above_ratio(mine: dict, theirs: dict, op: str) -> Optional[float]:
     """The peer's time above its launch floor over ours at one point (None where
     either lacks it, or ours is not above the floor)."""
-    times = []
-    for result in (mine, theirs):
-        us, floor = result.get("ops", {}).get(op), result.get("floor", {}).get(op)
-        if us is None or floor is None:
-            return None
-        times.append(us - floor)
-    return times[1] / times[0] if times[0] > 0 else None
+    ours, peer = above_floor(mine, op), above_floor(theirs, op)
+    return None if ours is None or peer is None or ours <= 0 else peer / ours
 
 
 def ratios(ours: LibraryRun, peer: LibraryRun, points: list[tuple[int, int]], op: str,
