@@ -2,11 +2,13 @@
 
 The ops of csrc/schemas.h mutate the workspace (``Tensor(a!)``), and
 ``torch.library.register_autograd`` refuses an op that mutates an argument.
-So training goes through four ops defined here with ``torch.library.custom_op``
+So training goes through ops defined here with ``torch.library.custom_op``
 that mutate no argument as far as the dispatcher knows: each runs the
 workspace ops inside its kernel and returns fresh tensors, and autograd is
 registered on them, so eager training, ``torch.compile`` (AOTAutograd traces
-the backward as calls of these ops) and opcheck see the same backward:
+the backward as calls of these ops) and opcheck see the same backward. Four
+for the rank-major layout (the expert-major four follow the same scheme; see
+their section below):
 
 - ``dispatch_owned``: a dispatch whose received planes come back as new
   tensors (padding rows zeroed) with the receive counts; the round stays open
@@ -206,6 +208,13 @@ def _(payload, token_selected_experts, workspace, *route):
 _ROUTE_GRADS = (None,) * 10  # the route arguments' gradients
 
 
+def _list_route_grads(route: tuple) -> tuple:
+    """The route arguments' gradients for an op with a tensor-list argument or
+    result: its gradients' structure must match the arguments' pytree, where an
+    empty rank mask is an empty list."""
+    return (*_ROUTE_GRADS[:6], None if route[6] else [], *_ROUTE_GRADS[7:])
+
+
 def _keep_route(ctx, ids: Tensor, workspace: Tensor, route: tuple) -> None:
     ctx.save_for_backward(ids)
     ctx.workspace = workspace
@@ -243,10 +252,7 @@ def _backward_dispatch_owned(ctx, grads):
             g = summed[:, start:start + width].reshape(ids.shape[0], *ctx.payloads[i][1])
             result[i] = g.to(ctx.payloads[i][0])
             start += width
-    # An op with a tensor-list argument matches its gradients' structure to
-    # the arguments' pytree, where an empty rank mask is an empty list.
-    route_grads = (*_ROUTE_GRADS[:6], None if route[6] else [], *_ROUTE_GRADS[7:])
-    return None, result, None, *route_grads
+    return None, result, None, *_list_route_grads(route)
 
 
 def _setup_combine_owned(ctx, inputs, output):
@@ -635,8 +641,7 @@ def _backward_dispatch_em_owned(ctx, grads):
         width = part.shape[2]
         result[i] = summed[:, start:start + width].reshape(ids.shape[0], *ctx.payloads[i][1]).to(ctx.payloads[i][0])
         start += width
-    route_grads = (*_ROUTE_GRADS[:6], None if ctx.route[7] else [], *_ROUTE_GRADS[7:])
-    return None, result, slot_grads, None, None, *route_grads
+    return None, result, slot_grads, None, None, *_list_route_grads(ctx.route[1:])
 
 
 def _setup_combine_em_owned(ctx, inputs, output):
@@ -670,7 +675,7 @@ def _backward_dispatch_em_round(ctx, grads):
     plane_grad, values_grad = grads
     rows, slots = combine_em_round(plane_grad.contiguous(), values_grad.float().contiguous(), ids, ctx.workspace,
                                    *ctx.route)
-    return rows, slots, None, None, None, *_ROUTE_GRADS
+    return rows, slots, None, None, None, *_list_route_grads(ctx.route[1:])
 
 
 def _backward_combine_em_round(ctx, grads):
@@ -678,7 +683,7 @@ def _backward_combine_em_round(ctx, grads):
     rows_grad, slots_grad = grads
     plane, values = dispatch_em_round(rows_grad.contiguous(), slots_grad.float().contiguous(), ids, ctx.workspace,
                                       *ctx.route)
-    return plane, values, None, None, None, *_ROUTE_GRADS
+    return plane, values, None, None, None, *_list_route_grads(ctx.route[1:])
 
 
 dispatch_em_owned.register_autograd(_backward_dispatch_em_owned, setup_context=_setup_dispatch_em_owned)
@@ -808,9 +813,14 @@ def moe_a2a_combine_expert_major_differentiable(
     route = _route_args(fn, token_selected_experts, [expert_outputs], workspace, metainfo,
                         d.runtime_max_tokens_per_rank, ep_rank, ep_size, d.top_k, d.num_experts, enable_pdl,
                         enable_rank_mask, active_rank_mask, timeout_s)
+    pairs = tuple(d.local_expert_ids.shape)
     weights = d.router_weights
     if weights is None:
-        weights = torch.ones(tuple(d.local_expert_ids.shape), dtype=torch.float32, device=workspace.device)
+        weights = torch.ones(pairs, dtype=torch.float32, device=workspace.device)
+    elif not isinstance(weights, Tensor) or tuple(weights.shape) != pairs or not weights.dtype.is_floating_point:
+        raise ValueError(f"dispatched.router_weights must be a floating [num_local_experts, max_tokens_per_expert]="
+                         f"{list(pairs)} tensor, got {getattr(weights, 'dtype', type(weights))} "
+                         f"{tuple(getattr(weights, 'shape', ()))}")
     user_rows = [p.element_size() * math.prod(p.shape[2:]) for p in d.output_payloads]
     em = layout.expert_major_layout(d.dispatch_end, ep_size, d.runtime_max_tokens_per_rank, d.top_k,
                                     layout.max_local_experts(d.num_experts, ep_size), d.max_tokens_per_expert,
