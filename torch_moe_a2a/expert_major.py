@@ -191,8 +191,8 @@ def moe_a2a_dispatch_expert_major(
     user_rows = [_row_bytes(p) for p in input_payloads]
     # Refused before the dispatch runs: what the build would refuse after it.
     check_expert_major_fits(workspace, ep_size, runtime_max_tokens_per_rank, top_k, num_experts,
-                             max_tokens_per_expert, call_eplb_n, user_rows, token_selected_experts.element_size(),
-                             router_weights is not None)
+                            max_tokens_per_expert, call_eplb_n, user_rows, token_selected_experts.element_size(),
+                            router_weights is not None)
     run_dispatch(fn, args, False, tracing())
     call = layout.call_layout(ep_size, runtime_max_tokens_per_rank, call_eplb_n, [_row_bytes(p) for p in payloads])
     dispatch_end = call.combine_offset
@@ -241,7 +241,7 @@ def check_ids_and_weights(fn: str, token_selected_experts: torch.Tensor, workspa
 
 
 def check_expert_major_fits(workspace, ep_size, T, top_k, num_experts, M, eplb_n, user_rows, id_bytes,
-                             has_weights) -> None:
+                            has_weights) -> None:
     """The expert-major layout's limits and fit, checked before the dispatch
     writes anything (the build's op checks them again)."""
     local = layout.max_local_experts(num_experts, ep_size) if num_experts >= ep_size >= 1 else 1
