@@ -1,7 +1,8 @@
-"""Gradients through dispatch and combine (docs/DESIGN.md, 'Gradients'), on
-simulated ranks: gradcheck of a whole exchange, an MoE model of nn.Linear
-experts whose gradients and training steps equal the dense model's, opcheck
-of the ops, torch.compile of a training step.
+"""Gradients through dispatch and combine, rank-major and expert-major
+(docs/DESIGN.md, 'Gradients'), on simulated ranks: gradcheck of a whole
+exchange, an MoE model of nn.Linear experts whose gradients and training
+steps equal the dense model's, opcheck of the ops, torch.compile of a
+training step.
 
 The backward of every rank's exchange is a collective, so each rank runs its
 own forward and backward in its own thread (SimulatedEP.run)."""
