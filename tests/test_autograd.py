@@ -1,7 +1,8 @@
-"""Gradients through dispatch and combine (docs/DESIGN.md, 'Gradients'), on
-simulated ranks: gradcheck of a whole exchange, an MoE model of nn.Linear
-experts whose gradients and training steps equal the dense model's, opcheck
-of the ops, torch.compile of a training step.
+"""Gradients through dispatch and combine, rank-major and expert-major
+(docs/DESIGN.md, 'Gradients'), on simulated ranks: gradcheck of a whole
+exchange, an MoE model of nn.Linear experts whose gradients and training
+steps equal the dense model's, opcheck of the ops, torch.compile of a
+training step.
 
 The backward of every rank's exchange is a collective, so each rank runs its
 own forward and backward in its own thread (SimulatedEP.run)."""
@@ -24,13 +25,29 @@ from torch._inductor.utils import run_and_get_code
 import torch_moe_a2a as a2a
 from torch_moe_a2a import autograd as a2a_autograd
 from torch_moe_a2a import reference
-from torch_moe_a2a.autograd import moe_a2a_combine_differentiable, moe_a2a_dispatch_differentiable
+from torch_moe_a2a.autograd import (
+    moe_a2a_combine_differentiable,
+    moe_a2a_combine_expert_major_differentiable,
+    moe_a2a_dispatch_differentiable,
+    moe_a2a_dispatch_expert_major_differentiable,
+)
 
 
 def make_sim(ep_size: int, max_tokens: int, hidden: int, top_k: int, timeout_s: float = 20) -> a2a.SimulatedEP:
     # Payloads: fp32 hidden, int32 ids, fp32 weights; the combine's rows fp32 hidden.
     return a2a.SimulatedEP(ep_size, max_tokens, dispatch_bytes_per_token=4 * hidden + 8 * top_k + 256,
                            combine_bytes_per_token=4 * hidden + 256, timeout_s=timeout_s)
+
+
+def make_em_sim(ep_size: int, max_tokens: int, hidden: int, top_k: int, num_experts: int,
+                max_tokens_per_expert=None, timeout_s: float = 20) -> a2a.SimulatedEP:
+    """A workspace for expert-major calls of an fp32 hidden payload: the
+    combine's rows hold the dispatch backward's fp32 row, the hidden
+    gradient beside a column per top-k slot (docs/DESIGN.md, 'Gradients')."""
+    size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(ep_size, max_tokens, 4 * hidden, 4 * (hidden + top_k),
+                                                                num_experts, top_k, max_tokens_per_expert)
+    return a2a.SimulatedEP(ep_size, max_tokens, dispatch_bytes_per_token=0, combine_bytes_per_token=0,
+                           workspace_size_per_rank=size, timeout_s=timeout_s)
 
 
 def exchange(sim, rank, ids, x, w, num_experts, runtime_max, expert, mask=None):
@@ -82,6 +99,81 @@ def test_gradcheck_exchange(ep_size, tokens, top_k, num_experts):
         # Second order (the round ops' own backwards, each other), with dyadic
         # output gradients so that it is exact too.
         grad_out = dyadic((tokens, hidden), torch.Generator().manual_seed(rank))
+        return (torch.autograd.gradcheck(fn, (xs[rank], ws[rank]), eps=2.0**-8, atol=1e-6, rtol=1e-6)
+                and torch.autograd.gradgradcheck(fn, (xs[rank], ws[rank]), (grad_out,), eps=2.0**-8, atol=1e-6,
+                                                 rtol=1e-6))
+
+    assert sim.run(check) == [True] * ep_size
+
+
+def expert_major_exchange(sim, rank, ids, x, w, num_experts, runtime_max, expert, mask=None,
+                          max_tokens_per_expert=None):
+    """Expert-major dispatch of ``[x]`` with router weights ``w``, ``expert(planes_x, counts)`` on the received
+    planes, weighted combine."""
+    kwargs = dict(enable_rank_mask=mask is not None, active_rank_mask=mask)
+    dispatched = moe_a2a_dispatch_expert_major_differentiable(
+        ids, [x], sim.workspace, sim.metainfo[rank], runtime_max, rank, sim.ep_size, ids.shape[1], num_experts,
+        router_weights=w, max_tokens_per_expert=max_tokens_per_expert, **kwargs)
+    y = expert(dispatched.output_payloads[0], dispatched.expert_counts)
+    return moe_a2a_combine_expert_major_differentiable(y, dispatched, ids, sim.workspace, sim.metainfo[rank], rank,
+                                                       sim.ep_size, **kwargs)
+
+
+def scaled_experts(rank, ep_size, num_experts):
+    """Stand-in experts on expert-major planes: local expert ``e``'s rows times
+    a dyadic factor of its global id (exact in fp32)."""
+    first = a2a.local_expert_range(num_experts, ep_size, rank)[0]
+
+    def expert(plane, counts):
+        scale = (1 + first + torch.arange(plane.shape[0], dtype=plane.dtype)) / 4
+        return plane * scale.view(-1, *([1] * (plane.dim() - 1)))
+
+    return expert
+
+
+# (ep_size, tokens per rank, top_k, num_experts, masked-off rank, max_tokens_per_expert, a repeated expert)
+EM_GRADCHECK_CASES = [
+    (1, (3,), 2, 2, None, None, False),
+    (2, (4, 0), 2, 4, None, None, False),  # a rank with no tokens
+    (3, (3, 2, 3), 3, 8, 1, None, False),  # rank 1 masked off
+    (2, (4, 3), 2, 3, None, 2, False),  # pairs beyond max_tokens_per_expert dropped
+    (2, (3, 3), 3, 4, None, None, True),  # a token with one expert in two slots: two pairs
+]
+
+
+# gradcheck warns about fp32 inputs; dyadic() is why fp32 is exact here.
+@pytest.mark.filterwarnings("ignore:Input #.* is not a double precision")
+@pytest.mark.parametrize("ep_size,tokens,top_k,num_experts,masked,max_tokens_per_expert,repeated",
+                         EM_GRADCHECK_CASES)
+def test_gradcheck_expert_major_exchange(ep_size, tokens, top_k, num_experts, masked, max_tokens_per_expert,
+                                         repeated):
+    """As test_gradcheck_exchange, through the expert-major dispatch and the
+    weighted combine, with respect to the hidden rows and the router weights.
+    Every rank's inputs have the same size (its tokens' rows, then rows that
+    bypass the exchange) so that all ranks evaluate in step."""
+    hidden, T = 3, max(tokens)
+    gen = torch.Generator().manual_seed(ep_size * 100 + top_k + sum(tokens))
+    sim = make_em_sim(ep_size, T, hidden, top_k, num_experts, max_tokens_per_expert)
+    ids = [reference.random_routing(n, top_k, num_experts, gen, negative_fraction=0.2) for n in tokens]
+    if repeated:
+        for i in ids:
+            i[0, 1] = i[0, 0] if i[0, 0] >= 0 else 0
+    xs = [dyadic((T, hidden), gen).requires_grad_() for _ in range(ep_size)]
+    ws = [dyadic((T, top_k), gen, 4).requires_grad_() for _ in range(ep_size)]
+    active = [r for r in range(ep_size) if r != masked]
+    mask = None if masked is None else a2a.moe_a2a_active_rank_mask(active, ep_size)
+
+    def check(rank):
+        if rank == masked:
+            return True
+        n, expert = tokens[rank], scaled_experts(rank, ep_size, num_experts)
+
+        def fn(x, w):
+            out = expert_major_exchange(sim, rank, ids[rank], x[:n], w[:n], num_experts, T, expert, mask,
+                                        max_tokens_per_expert)
+            return torch.cat([out, x[n:]])
+
+        grad_out = dyadic((T, hidden), torch.Generator().manual_seed(rank))
         return (torch.autograd.gradcheck(fn, (xs[rank], ws[rank]), eps=2.0**-8, atol=1e-6, rtol=1e-6)
                 and torch.autograd.gradgradcheck(fn, (xs[rank], ws[rank]), (grad_out,), eps=2.0**-8, atol=1e-6,
                                                  rtol=1e-6))
@@ -145,6 +237,21 @@ class ExpertParallel(nn.Module):
                         self.mask)
 
 
+class ExpertMajorParallel(ExpertParallel):
+    """:class:`ExpertParallel` through the expert-major layout: each local
+    expert's nn.Linear on its plane of received rows, the router weights
+    applied by the combine."""
+
+    def forward(self, x, runtime_max):
+        weights, ids = self.route(x)
+
+        def experts(plane, counts):
+            return torch.stack([expert(rows) for expert, rows in zip(self.experts, plane)])
+
+        return expert_major_exchange(self.sim, self.rank, ids, x, weights, self.num_experts, runtime_max, experts,
+                                     self.mask)
+
+
 class Model(nn.Module):
     """Two MoE layers sharing one workspace, with residuals: the second
     layer's exchanges run while the first layer's experts still hold their
@@ -165,12 +272,13 @@ def dense_model(hidden, num_experts, top_k, seed):
     return Model([Dense(hidden, num_experts, top_k) for _ in range(2)])
 
 
-def rank_copies(dense, sim, mask=None):
-    """Each rank's expert-parallel model over a deep copy of ``dense`` (its own router and experts)."""
+def rank_copies(dense, sim, mask=None, parallel=ExpertParallel):
+    """Each rank's expert-parallel model (layers of class ``parallel``) over a
+    deep copy of ``dense`` (its own router and experts)."""
     models = []
     for rank in range(sim.ep_size):
         mine = copy.deepcopy(dense)
-        models.append(Model([ExpertParallel(layer, sim, rank, mask) for layer in mine.layers]))
+        models.append(Model([parallel(layer, sim, rank, mask) for layer in mine.layers]))
     return models
 
 
@@ -181,13 +289,14 @@ def training_data(tokens, hidden, steps, gen):
     return batches, targets
 
 
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
 @pytest.mark.parametrize("ep_size,tokens,top_k,num_experts,masked", [
     (2, (5, 7), 2, 4, None),
     (3, (4, 0, 6), 2, 6, None),  # a rank with no tokens
     (4, (3, 3, 3, 3), 3, 4, None),
     (3, (4, 0, 5), 2, 6, 1),  # rank 1 masked off: its experts' shares are dropped
 ])
-def test_moe_training_steps_equal_dense(ep_size, tokens, top_k, num_experts, masked):
+def test_moe_training_steps_equal_dense(ep_size, tokens, top_k, num_experts, masked, layout):
     """Three SGD steps of the expert-parallel model (every rank its tokens)
     give the dense model's loss and parameters: the router's gradients summed
     over the ranks (a data-parallel all-reduce, here a plain sum), each
@@ -195,11 +304,14 @@ def test_moe_training_steps_equal_dense(ep_size, tokens, top_k, num_experts, mas
     hidden, steps, lr = 8, 3, 0.1
     gen = torch.Generator().manual_seed(sum(tokens))
     dense = dense_model(hidden, num_experts, top_k, seed=ep_size)
-    sim = make_sim(ep_size, max(tokens), hidden, top_k)
+    if layout == "rank-major":
+        sim, parallel = make_sim(ep_size, max(tokens), hidden, top_k), ExpertParallel
+    else:
+        sim, parallel = make_em_sim(ep_size, max(tokens), hidden, top_k, num_experts), ExpertMajorParallel
     active = [r for r in range(ep_size) if r != masked]
     mask = None if masked is None else a2a.moe_a2a_active_rank_mask(active, ep_size)
     dropped = range(0) if masked is None else a2a.local_expert_range(num_experts, ep_size, masked)
-    models = rank_copies(dense, sim, mask)
+    models = rank_copies(dense, sim, mask, parallel)
     batches, targets = training_data(tokens, hidden, steps, gen)
     dense_opt = torch.optim.SGD(dense.parameters(), lr=lr)
     for step in range(steps):
@@ -250,22 +362,31 @@ def _one_rank_route(sim, ids, hidden_rows):
                                     ids.shape[1], 4, None, False, None, None)
 
 
-@pytest.mark.parametrize("op", ["dispatch_round", "combine_round"])
+@pytest.mark.parametrize("op", ["dispatch_round", "combine_round", "dispatch_em_round", "combine_em_round"])
 def test_opcheck_round_ops(op):
     """opcheck's autograd, FakeTensor and AOTAutograd checks on a rank of
     its own (each call a whole round). Not test_schema: the ops write into the
     workspace where the dispatcher does not look (torch_moe_a2a/autograd.py
-    says why that is sound). dispatch_owned and combine_owned are half rounds,
-    which opcheck's repeated calls of one op would break; the gradchecks and
-    the compiled step below run them."""
+    says why that is sound). dispatch_owned, combine_owned and their
+    expert-major twins are half rounds, which opcheck's repeated calls of one
+    op would break; the gradchecks and the compiled steps below run them."""
     gen = torch.Generator().manual_seed(3)
-    tokens, top_k, hidden = 5, 2, 6
-    sim = make_sim(1, tokens, hidden, top_k)
-    ids = reference.random_routing(tokens, top_k, 4, gen, negative_fraction=0.3)
-    route = _one_rank_route(sim, ids, torch.empty(tokens, hidden))
-    shape = (tokens, hidden) if op == "dispatch_round" else (1, tokens, hidden)
-    rows = torch.randn(shape, generator=gen, requires_grad=True)
-    torch.library.opcheck(getattr(torch.ops.moe_a2a, op).default, (rows, ids, sim.workspace, *route),
+    tokens, top_k, hidden, num_experts = 5, 2, 6, 4
+    ids = reference.random_routing(tokens, top_k, num_experts, gen, negative_fraction=0.3)
+    if op in ("dispatch_round", "combine_round"):
+        sim = make_sim(1, tokens, hidden, top_k)
+        route = _one_rank_route(sim, ids, torch.empty(tokens, hidden))
+        shape = (tokens, hidden) if op == "dispatch_round" else (1, tokens, hidden)
+        args = (torch.randn(shape, generator=gen, requires_grad=True), ids, sim.workspace, *route)
+    else:
+        M = 3  # fewer rows than pairs for an expert: some dropped
+        sim = make_em_sim(1, tokens, hidden, top_k, num_experts, M)
+        route = _one_rank_route(sim, ids, torch.empty(tokens, hidden))
+        rows, values = ((tokens, hidden), (tokens, top_k)) if op == "dispatch_em_round" else \
+            ((num_experts, M, hidden), (num_experts, M))
+        args = (torch.randn(rows, generator=gen, requires_grad=True),
+                torch.randn(values, generator=gen, requires_grad=True), ids, sim.workspace, M, *route)
+    torch.library.opcheck(getattr(torch.ops.moe_a2a, op).default, args,
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
@@ -278,7 +399,18 @@ def compiled_train_step(x, w, ids, workspace, metainfo, runtime_max, rank, ep_si
                                           num_experts, offset)
 
 
-def test_compiled_training_step_equals_eager():
+def compiled_train_step_expert_major(x, w, ids, workspace, metainfo, runtime_max, rank, ep_size, top_k,
+                                     num_experts):
+    """The expert-major exchange with the router weights applied by the
+    combine; its stand-in expert one multiply per element."""
+    dispatched = moe_a2a_dispatch_expert_major_differentiable(ids, [x], workspace, metainfo, runtime_max, rank,
+                                                              ep_size, top_k, num_experts, router_weights=w)
+    y = dispatched.output_payloads[0] * 1.5
+    return moe_a2a_combine_expert_major_differentiable(y, dispatched, ids, workspace, metainfo, rank, ep_size)
+
+
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+def test_compiled_training_step_equals_eager(layout):
     """torch.compile(fullgraph=True) of the forward (AOTAutograd traces the
     backward as calls of the round ops): outputs and the hidden rows'
     gradients bitwise equal to eager, the router weights' (a sum over the row,
@@ -289,7 +421,11 @@ def test_compiled_training_step_equals_eager():
     gen = torch.Generator().manual_seed(5)
     # A rank waits inside an exchange while its peer compiles (the backward
     # too, at its first call): seconds on a loaded machine.
-    sim = make_sim(ep_size, max(tokens), hidden, top_k, timeout_s=120)
+    if layout == "rank-major":
+        sim, step = make_sim(ep_size, max(tokens), hidden, top_k, timeout_s=120), compiled_train_step
+    else:
+        sim = make_em_sim(ep_size, max(tokens), hidden, top_k, num_experts, timeout_s=120)
+        step = compiled_train_step_expert_major
     ids = [reference.random_routing(n, top_k, num_experts, gen) for n in tokens]
     xs = [torch.randn(n, hidden, generator=gen) for n in tokens]
     ws = [torch.rand(n, top_k, generator=gen) for n in tokens]
@@ -305,25 +441,31 @@ def test_compiled_training_step_equals_eager():
 
         return sim.run(rank_step)
 
-    eager = run(compiled_train_step)
-    compiled = torch.compile(compiled_train_step, fullgraph=True)
+    eager = run(step)
+    compiled = torch.compile(step, fullgraph=True)
     for _ in range(2):
         for (out, x_grad, w_grad), (out_e, x_grad_e, w_grad_e) in zip(run(compiled), eager):
             assert torch.equal(out, out_e) and torch.equal(x_grad, x_grad_e)
             torch.testing.assert_close(w_grad, w_grad_e, rtol=1e-6, atol=1e-6)
 
 
-def test_compiled_training_step_copies_no_workspace():
-    """The compiled forward and backward call the four ops on the caller's
-    workspace: no buffer of the workspace's size, no copy into it."""
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+def test_compiled_training_step_copies_no_workspace(layout):
+    """The compiled forward and backward call the layout's four ops on the
+    caller's workspace: no buffer of the workspace's size, no copy into it."""
     torch._dynamo.reset()
     tokens, top_k, num_experts, hidden = 5, 2, 4, 8
     gen = torch.Generator().manual_seed(6)
-    sim = make_sim(1, tokens, hidden, top_k)
+    if layout == "rank-major":
+        sim, step = make_sim(1, tokens, hidden, top_k), compiled_train_step
+        ops = ("dispatch_owned", "combine_owned", "dispatch_round", "combine_round")
+    else:
+        sim, step = make_em_sim(1, tokens, hidden, top_k, num_experts), compiled_train_step_expert_major
+        ops = ("dispatch_em_owned", "combine_em_owned", "dispatch_em_round", "combine_em_round")
     ids = reference.random_routing(tokens, top_k, num_experts, gen)
     x = torch.randn(tokens, hidden, generator=gen, requires_grad=True)
     w = torch.rand(tokens, top_k, generator=gen, requires_grad=True)
-    compiled = torch.compile(compiled_train_step, fullgraph=True)
+    compiled = torch.compile(step, fullgraph=True)
 
     def forward_backward():
         out = compiled(x, w, ids, sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k, num_experts)
@@ -332,7 +474,7 @@ def test_compiled_training_step_copies_no_workspace():
 
     _, codes = run_and_get_code(forward_backward)
     text = "\n".join(codes)
-    for op in ("dispatch_owned", "combine_owned", "dispatch_round", "combine_round"):
+    for op in ops:
         assert f"moe_a2a.{op}" in text, f"{op} must be called from the compiled code"
     rows, size = sim.workspace.shape
     for line in text.splitlines():
@@ -386,6 +528,85 @@ def test_gradients_are_bitwise_deterministic(dtype):
     for (x_grad, w_grad), (x_grad2, w_grad2) in zip(first, second):
         assert x_grad.dtype == dtype and w_grad.dtype == torch.float32
         assert torch.equal(x_grad, x_grad2) and torch.equal(w_grad, w_grad2)
+
+
+def _expert_major_layer(sim, ids, xs, ws, targets, num_experts, max_tokens_per_expert):
+    """Every rank's expert-major exchange of ``xs`` (scaled_experts) and its
+    backward with output gradient ``targets``: the gradients of the inputs and
+    of the dispatch's and the combine's tensors, and those tensors."""
+    runtime_max = max(x.shape[0] for x in xs)
+
+    def rank_step(rank):
+        x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+        got = moe_a2a_dispatch_expert_major_differentiable(
+            ids[rank], [x], sim.workspace, sim.metainfo[rank], runtime_max, rank, sim.ep_size, ids[rank].shape[1],
+            num_experts, router_weights=w, max_tokens_per_expert=max_tokens_per_expert)
+        plane, pair_weights = got.output_payloads[0], got.router_weights
+        y = scaled_experts(rank, sim.ep_size, num_experts)(plane, got.expert_counts)
+        for t in (plane, pair_weights, y):
+            t.retain_grad()
+        out = moe_a2a_combine_expert_major_differentiable(y, got, ids[rank], sim.workspace, sim.metainfo[rank], rank,
+                                                          sim.ep_size)
+        out.backward(targets[rank])
+        return SimpleNamespace(out=out.detach(), x_grad=x.grad, w_grad=w.grad, plane=plane.detach(),
+                               plane_grad=plane.grad, y=y.detach(), y_grad=y.grad, counts=got.expert_counts,
+                               pair_weights=pair_weights.detach(), pair_weights_grad=pair_weights.grad)
+
+    return sim.run(rank_step)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("max_tokens_per_expert", [None, 3])
+def test_expert_major_gradients_equal_the_reference(dtype, max_tokens_per_expert):
+    """The expert-major exchange's values and gradients against
+    torch_moe_a2a.reference (invalid and negative ids, a rank without tokens,
+    pairs dropped beyond max_tokens_per_expert): the received planes and the
+    output bitwise; the expert outputs' gradient w * grad bitwise; the pair
+    weights' the fp32 dot products; the hidden rows' gradient bitwise the
+    reference's unweighted expert-major combine of the planes' gradients (its
+    fixed order); each router weight's bitwise its pair's (found through the
+    reference's dispatch of (rank, token) rows with the slot index as weight).
+    The same inputs again, after other traffic, give bitwise the same."""
+    ep_size, tokens, top_k, num_experts, hidden = 3, (7, 0, 5), 3, 6, 16
+    M = max_tokens_per_expert or a2a.expert_major.default_max_tokens_per_expert(ep_size, max(tokens))
+    sim = make_em_sim(ep_size, max(tokens), hidden, top_k, num_experts, max_tokens_per_expert)
+    ids, xs, ws, targets = _random_layer(ep_size, tokens, top_k, num_experts, hidden, dtype, seed=31)
+    got = _expert_major_layer(sim, ids, xs, ws, targets, num_experts, max_tokens_per_expert)
+
+    def ref_dispatch(payloads, weights):
+        return reference.reference_dispatch_expert_major(ids, payloads, weights, ep_size=ep_size,
+                                                         num_experts=num_experts, max_tokens_per_expert=M)
+
+    ref = ref_dispatch([[x] for x in xs], ws)
+    outs = reference.reference_combine_expert_major([g.y for g in got], ref)
+    grads = ref_dispatch([[t] for t in targets], None)
+    x_grads = reference.reference_combine_expert_major([g.plane_grad for g in got], ref_dispatch([[x] for x in xs],
+                                                                                                  None))
+    sources = [torch.stack([torch.full((n,), s), torch.arange(n)], dim=1).int() for s, n in enumerate(tokens)]
+    slots = [torch.arange(top_k, dtype=torch.float32).expand(n, top_k) for n in tokens]
+    pairs = ref_dispatch([[s] for s in sources], slots)
+    w_grads = [torch.zeros(n, top_k) for n in tokens]
+    for r, g in enumerate(got):
+        valid = torch.arange(M) < g.counts.unsqueeze(1)
+        assert torch.equal(g.counts, ref.counts[r]) and torch.equal(g.plane, ref.planes[r][0])
+        assert g.plane.untyped_storage().data_ptr() != sim.workspace.untyped_storage().data_ptr()
+        assert torch.equal(g.pair_weights, ref.weights[r]) and torch.equal(g.out, outs[r])
+        G = grads.planes[r][0].float()
+        want_y_grad = torch.where(valid.unsqueeze(2), ref.weights[r].unsqueeze(2) * G, 0.0).to(dtype)
+        assert torch.equal(g.y_grad, want_y_grad)
+        dots = torch.where(valid, (G * torch.where(valid.unsqueeze(2), g.y, 0).float()).sum(dim=2), 0.0)
+        torch.testing.assert_close(g.pair_weights_grad, dots, rtol=1e-6, atol=1e-6)
+        assert torch.equal(g.x_grad, x_grads[r])
+        for (s, t), k, value in zip(pairs.planes[r][0][valid].tolist(), pairs.weights[r][valid].long().tolist(),
+                                    g.pair_weights_grad[valid]):
+            w_grads[s][t, k] = value
+    for g, want in zip(got, w_grads):
+        assert torch.equal(g.w_grad, want)
+    _expert_major_layer(sim, *_random_layer(ep_size, tokens, top_k, num_experts, hidden, dtype, seed=32),
+                        num_experts, max_tokens_per_expert)
+    again = _expert_major_layer(sim, ids, xs, ws, targets, num_experts, max_tokens_per_expert)
+    for g, h in zip(got, again):
+        assert torch.equal(g.x_grad, h.x_grad) and torch.equal(g.w_grad, h.w_grad)
 
 
 def test_a_rank_that_skips_the_backward_times_out_its_peers():
@@ -466,6 +687,9 @@ def test_a_payload_that_requires_grad_must_have_a_combine_dtype():
     x = torch.zeros(2, 4, dtype=torch.float64, requires_grad=True)
     with pytest.raises(ValueError, match=r"input_payloads\[0\] requires grad but is torch.float64"):
         moe_a2a_dispatch_differentiable(ids, [x], sim.workspace, sim.metainfo[0], 2, 0, 1, 1, 1)
+    em_sim = make_em_sim(1, 2, 4, 1, 1)
+    with pytest.raises(ValueError, match=r"input_payloads\[0\] requires grad but is torch.float64"):
+        moe_a2a_dispatch_expert_major_differentiable(ids, [x], em_sim.workspace, em_sim.metainfo[0], 2, 0, 1, 1, 1)
     # The workspace is untouched: a dispatch still opens the round.
     recv, offset, counts = moe_a2a_dispatch_differentiable(ids, [x.detach().float()], sim.workspace,
                                                            sim.metainfo[0], 2, 0, 1, 1, 1)

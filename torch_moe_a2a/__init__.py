@@ -38,7 +38,12 @@ from .api import (  # noqa: E402
     moe_a2a_sanitize_expert_ids,
     moe_a2a_wrap_payload_tensor_in_workspace,
 )
-from .autograd import moe_a2a_combine_differentiable, moe_a2a_dispatch_differentiable  # noqa: E402
+from .autograd import (  # noqa: E402
+    moe_a2a_combine_differentiable,
+    moe_a2a_combine_expert_major_differentiable,
+    moe_a2a_dispatch_differentiable,
+    moe_a2a_dispatch_expert_major_differentiable,
+)
 from .expert_major import (  # noqa: E402
     ExpertMajorDispatch,
     moe_a2a_combine_expert_major,
@@ -73,9 +78,11 @@ __all__ = [
     "moe_a2a_combine",
     "moe_a2a_combine_differentiable",
     "moe_a2a_combine_expert_major",
+    "moe_a2a_combine_expert_major_differentiable",
     "moe_a2a_dispatch",
     "moe_a2a_dispatch_differentiable",
     "moe_a2a_dispatch_expert_major",
+    "moe_a2a_dispatch_expert_major_differentiable",
     "moe_a2a_get_dropped_pair_count",
     "moe_a2a_get_invalid_expert_count",
     "moe_a2a_get_recv_counts",

@@ -2,11 +2,13 @@
 
 The ops of csrc/schemas.h mutate the workspace (``Tensor(a!)``), and
 ``torch.library.register_autograd`` refuses an op that mutates an argument.
-So training goes through four ops defined here with ``torch.library.custom_op``
+So training goes through ops defined here with ``torch.library.custom_op``
 that mutate no argument as far as the dispatcher knows: each runs the
 workspace ops inside its kernel and returns fresh tensors, and autograd is
 registered on them, so eager training, ``torch.compile`` (AOTAutograd traces
-the backward as calls of these ops) and opcheck see the same backward:
+the backward as calls of these ops) and opcheck see the same backward. Four
+for the rank-major layout (the expert-major four follow the same scheme; see
+their section below):
 
 - ``dispatch_owned``: a dispatch whose received planes come back as new
   tensors (padding rows zeroed) with the receive counts; the round stays open
@@ -45,8 +47,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import layout
+from . import expert_major, layout
 from .arguments import dispatch_args
+from .expert_major import ExpertMajorDispatch
 
 _ops = torch.ops.moe_a2a
 # The payload dtypes that get gradients: the combine's.
@@ -205,6 +208,13 @@ def _(payload, token_selected_experts, workspace, *route):
 _ROUTE_GRADS = (None,) * 10  # the route arguments' gradients
 
 
+def _list_route_grads(route: tuple) -> tuple:
+    """The route arguments' gradients for an op with a tensor-list argument or
+    result: its gradients' structure must match the arguments' pytree, where an
+    empty rank mask is an empty list."""
+    return (*_ROUTE_GRADS[:6], None if route[6] else [], *_ROUTE_GRADS[7:])
+
+
 def _keep_route(ctx, ids: Tensor, workspace: Tensor, route: tuple) -> None:
     ctx.save_for_backward(ids)
     ctx.workspace = workspace
@@ -242,10 +252,7 @@ def _backward_dispatch_owned(ctx, grads):
             g = summed[:, start:start + width].reshape(ids.shape[0], *ctx.payloads[i][1])
             result[i] = g.to(ctx.payloads[i][0])
             start += width
-    # An op with a tensor-list argument matches its gradients' structure to
-    # the arguments' pytree, where an empty rank mask is an empty list.
-    route_grads = (*_ROUTE_GRADS[:6], None if route[6] else [], *_ROUTE_GRADS[7:])
-    return None, result, None, *route_grads
+    return None, result, None, *_list_route_grads(route)
 
 
 def _setup_combine_owned(ctx, inputs, output):
@@ -292,6 +299,13 @@ def _route_args(fn, token_selected_experts, input_payloads, workspace, metainfo,
     return (*args[3:9], list(args[11]), *args[12:])
 
 
+def _check_grad_dtypes(fn: str, input_payloads: list[Tensor]) -> None:
+    for i, p in enumerate(input_payloads):
+        if isinstance(p, Tensor) and p.requires_grad and p.dtype not in GRAD_DTYPES:
+            raise ValueError(f"{fn}: input_payloads[{i}] requires grad but is {p.dtype}; "
+                             "gradients flow back through a combine, whose dtypes are bf16, fp16 and fp32")
+
+
 def moe_a2a_dispatch_differentiable(
     token_selected_experts: Tensor,
     input_payloads: list[Tensor],
@@ -334,10 +348,7 @@ def moe_a2a_dispatch_differentiable(
             that requires grad and is not bf16, fp16 or fp32.
         RuntimeError: peers that did not arrive within the timeout.
     """
-    for i, p in enumerate(input_payloads):
-        if isinstance(p, Tensor) and p.requires_grad and p.dtype not in GRAD_DTYPES:
-            raise ValueError(f"moe_a2a_dispatch_differentiable: input_payloads[{i}] requires grad but is {p.dtype}; "
-                             "gradients flow back through a combine, whose dtypes are bf16, fp16 and fp32")
+    _check_grad_dtypes("moe_a2a_dispatch_differentiable", input_payloads)
     route = _route_args("moe_a2a_dispatch_differentiable", token_selected_experts, input_payloads, workspace, metainfo,
                         runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts, enable_pdl,
                         enable_rank_mask, active_rank_mask, timeout_s)
@@ -386,3 +397,434 @@ def moe_a2a_combine_differentiable(
                         runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts, enable_pdl,
                         enable_rank_mask, active_rank_mask, timeout_s)
     return combine_owned(payload, token_selected_experts, workspace, combine_payload_offset, *route)
+
+
+# ---- expert-major ----------------------------------------------------------------------------------------
+# The same scheme over the expert-major layout (docs/DESIGN.md, 'Gradients'),
+# with four more ops:
+#
+# - ``dispatch_em_owned``: an expert-major dispatch whose planes, counts,
+#   local expert ids and per-pair router weights come back as new tensors; the
+#   round stays open for the combine.
+# - ``combine_em_owned``: the weighted combine closing that round, with the
+#   per-pair weights an input (written into the workspace's weights region
+#   before the combine reads it), so that they get a gradient.
+# - ``dispatch_em_round``: a whole round, an expert-major dispatch of one
+#   payload with per-slot values as its router weights, then a combine of one
+#   fp32 zero per pair: each pair gets its token's row and its slot's value.
+# - ``combine_em_round``: a whole round, the adjoint: each token gets the fp32
+#   sum of its pairs' rows (ascending destination rank, local expert, top-k
+#   slot) and, per top-k slot, the value of the pair of that slot.
+#
+# The round ops are each other's backward; the backward of ``combine_em_owned``
+# is a ``dispatch_em_round`` of the output gradient, that of
+# ``dispatch_em_owned`` a ``combine_em_round`` of the planes' gradients.
+#
+# Finding a pair's top-k slot: ``expert_major_build`` writes each pair's
+# router weight into the weights region, so a dispatch whose router weights are
+# the slot indices (exact in fp32) makes it write every pair's slot there.
+# ``combine_em_round`` reads them, then sets that region to 1.0 (an
+# unweighted combine), and places each pair's value in its slot's column of an
+# fp32 row: every other pair of the token adds an exact zero to that column.
+
+
+def _dispatch_em(ids: Tensor, payloads: list[Tensor], weights: Tensor, workspace: Tensor, max_tokens_per_expert: int,
+                 route: tuple) -> tuple[int, layout.ExpertMajorLayout]:
+    """The rank-major dispatch of ``[*payloads, ids, weights]`` (``weights``
+    fp32 ``[local_num_tokens, top_k]``), then the build of the expert-major
+    layout; returns the dispatch's end and the layout."""
+    ep_rank, ep_size, max_num_tokens, runtime_max, top_k, num_experts, _, _, mailbox, pdl = route
+    _dispatch(ids, [*payloads, ids, weights], workspace, route)
+    user_rows = [_row_bytes(p) for p in payloads]
+    dispatch_end = layout.call_layout(ep_size, runtime_max, 0, [*user_rows, _row_bytes(ids),
+                                                                 _row_bytes(weights)]).combine_offset
+    _ops.expert_major_build.default(workspace, ep_rank, ep_size, max_num_tokens, runtime_max, top_k, num_experts,
+                                    max_tokens_per_expert, 0, user_rows, ids.element_size(), True, mailbox, pdl)
+    em = layout.expert_major_layout(dispatch_end, ep_size, runtime_max, top_k,
+                                    layout.max_local_experts(num_experts, ep_size), max_tokens_per_expert, user_rows)
+    return dispatch_end, em
+
+
+def _combine_em(payload: Tensor, local_num_tokens: int, workspace: Tensor, max_tokens_per_expert: int,
+                dispatch_end: int, offset: int, route: tuple) -> Tensor:
+    ep_rank, ep_size, max_num_tokens, runtime_max, top_k, num_experts, mask, timeout_s, mailbox, pdl = route
+    return _ops.combine_expert_major.default(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
+                                             runtime_max, top_k, num_experts, max_tokens_per_expert, dispatch_end,
+                                             offset, payload.shape[2:], payload.dtype, payload.dtype, mask,
+                                             timeout_s, mailbox, pdl)
+
+
+def _local_experts(route: tuple) -> int:
+    ep_rank, ep_size, num_experts = route[0], route[1], route[5]
+    return layout.experts_per_rank(num_experts, ep_size)[ep_rank]
+
+
+def _valid_pairs(counts: Tensor, max_tokens_per_expert: int) -> Tensor:
+    """bool ``[num_local_experts, max_tokens_per_expert]``: the rows that hold a pair."""
+    return torch.arange(max_tokens_per_expert, device=counts.device) < counts.unsqueeze(1)
+
+
+def _owned_em(workspace: Tensor, payloads: list[Tensor], em: layout.ExpertMajorLayout, max_tokens_per_expert: int,
+              route: tuple) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+    """New tensors with this rank's expert-major planes of the dispatch that
+    just ran (padding rows zeroed, as in :func:`_owned_planes`), its counts,
+    local expert ids and per-pair weights (0 in padding rows)."""
+    local, M = _local_experts(route), max_tokens_per_expert
+    row = workspace.select(0, route[0])
+    counts = layout.region_view(row, em.counts_offset, (local,), torch.int32).clone()
+    valid = _valid_pairs(counts, M).unsqueeze(2)
+    planes = []
+    for payload, offset in zip(payloads, em.payload_offsets):
+        plane = layout.region_view(row, offset, (local, M, _row_bytes(payload)), torch.uint8)
+        plane = torch.where(valid, plane, 0).view(payload.dtype)
+        planes.append(plane.view(local, M, *payload.shape[1:]))
+    ids = layout.region_view(row, em.ids_offset, (local, M), torch.int32).clone()
+    weights = layout.region_view(row, em.weights_offset, (local, M), torch.float32).clone()
+    return planes, counts, ids, weights
+
+
+def _slot_indices(ids: Tensor) -> Tensor:
+    """fp32 ``[local_num_tokens, top_k]``: each slot's index, as router weights."""
+    return torch.arange(ids.shape[1], dtype=torch.float32, device=ids.device).expand(ids.shape).contiguous()
+
+
+@torch.library.custom_op("moe_a2a::dispatch_em_owned", mutates_args=())
+def dispatch_em_owned(token_selected_experts: Tensor, input_payloads: list[Tensor], router_weights: Tensor,
+                      workspace: Tensor, max_tokens_per_expert: int, ep_rank: int, ep_size: int, max_num_tokens: int,
+                      runtime_max_tokens_per_rank: int, top_k: int, num_experts: int, active_rank_mask: list[int],
+                      timeout_s: float, mailbox: int, enable_pdl: bool) -> list[Tensor]:
+    """The expert-major dispatch with fp32 ``router_weights``; returns
+    ``[*planes, expert_counts, local_expert_ids, pair_weights]`` (new tensors,
+    see :func:`_owned_em`)."""
+    route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
+             timeout_s, mailbox, enable_pdl)
+    with _unrecorded():
+        _, em = _dispatch_em(token_selected_experts, input_payloads, router_weights, workspace,
+                             max_tokens_per_expert, route)
+        planes, counts, ids, weights = _owned_em(workspace, input_payloads, em, max_tokens_per_expert, route)
+    return [*planes, counts, ids, weights]
+
+
+@torch.library.custom_op("moe_a2a::combine_em_owned", mutates_args=())
+def combine_em_owned(expert_outputs: Tensor, pair_weights: Tensor, expert_counts: Tensor,
+                     token_selected_experts: Tensor, workspace: Tensor, max_tokens_per_expert: int, dispatch_end: int,
+                     combine_payload_offset: int, weights_offset: int, ep_rank: int, ep_size: int,
+                     max_num_tokens: int, runtime_max_tokens_per_rank: int, top_k: int, num_experts: int,
+                     active_rank_mask: list[int], timeout_s: float, mailbox: int, enable_pdl: bool) -> Tensor:
+    """The weighted expert-major combine closing the round ``dispatch_em_owned``
+    opened, with ``pair_weights`` fp32 ``[num_local_experts, max_tokens_per_expert]``
+    as the pairs' weights; ``[local_num_tokens, *row]`` of the outputs' dtype."""
+    route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
+             timeout_s, mailbox, enable_pdl)
+    with _unrecorded():
+        # The combine reads each pair's weight from its expert's rank, in the region the build wrote.
+        region = layout.region_view(workspace.select(0, ep_rank), weights_offset, tuple(pair_weights.shape),
+                                    torch.float32)
+        region.copy_(pair_weights)
+        return _combine_em(expert_outputs.contiguous(), token_selected_experts.shape[0], workspace,
+                           max_tokens_per_expert, dispatch_end, combine_payload_offset, route)
+
+
+@torch.library.custom_op("moe_a2a::dispatch_em_round", mutates_args=())
+def dispatch_em_round(rows: Tensor, slot_values: Tensor, token_selected_experts: Tensor, workspace: Tensor,
+                      max_tokens_per_expert: int, ep_rank: int, ep_size: int, max_num_tokens: int,
+                      runtime_max_tokens_per_rank: int, top_k: int, num_experts: int, active_rank_mask: list[int],
+                      timeout_s: float, mailbox: int, enable_pdl: bool) -> list[Tensor]:
+    """An expert-major dispatch of ``rows`` ``[local_num_tokens, *row]`` with
+    ``slot_values`` (fp32 ``[local_num_tokens, top_k]``) as router weights,
+    then a combine of one fp32 zero per pair (closing the round); returns
+    ``[plane, pair_values]``: ``[num_local_experts, max_tokens_per_expert,
+    *row]`` (each pair's token row) and fp32 ``[num_local_experts,
+    max_tokens_per_expert]`` (each pair's slot value), padding rows zero."""
+    route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
+             timeout_s, mailbox, enable_pdl)
+    M = max_tokens_per_expert
+    with _unrecorded():
+        dispatch_end, em = _dispatch_em(token_selected_experts, [rows], slot_values, workspace, M, route)
+        (plane,), _, _, pair_values = _owned_em(workspace, [rows], em, M, route)
+        nothing = torch.zeros((_local_experts(route), M, 1), dtype=torch.float32, device=rows.device)
+        _combine_em(nothing, rows.shape[0], workspace, M, dispatch_end, em.combine_offset, route)
+    return [plane, pair_values]
+
+
+@torch.library.custom_op("moe_a2a::combine_em_round", mutates_args=())
+def combine_em_round(plane: Tensor, pair_values: Tensor, token_selected_experts: Tensor, workspace: Tensor,
+                     max_tokens_per_expert: int, ep_rank: int, ep_size: int, max_num_tokens: int,
+                     runtime_max_tokens_per_rank: int, top_k: int, num_experts: int, active_rank_mask: list[int],
+                     timeout_s: float, mailbox: int, enable_pdl: bool) -> list[Tensor]:
+    """An expert-major dispatch of the expert ids alone (the routes of these
+    ids, the slot indices as router weights), then an unweighted combine of
+    ``plane`` ``[num_local_experts, max_tokens_per_expert, *row]`` beside
+    ``pair_values`` (fp32 ``[num_local_experts, max_tokens_per_expert]``) in
+    one fp32 row; returns ``[rows, slot_values]``: each token's sum of its
+    pairs' rows (``[local_num_tokens, *row]``, summed in fp32, cast once to
+    the plane's dtype) and its pairs' values by top-k slot (fp32
+    ``[local_num_tokens, top_k]``, 0 for a slot without a kept pair)."""
+    route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
+             timeout_s, mailbox, enable_pdl)
+    ids, M = token_selected_experts, max_tokens_per_expert
+    local, n = _local_experts(route), ids.shape[0]
+    with _unrecorded():
+        dispatch_end, em = _dispatch_em(ids, [], _slot_indices(ids), workspace, M, route)
+        row = workspace.select(0, ep_rank)
+        counts = layout.region_view(row, em.counts_offset, (local,), torch.int32)
+        weights = layout.region_view(row, em.weights_offset, (local, M), torch.float32)
+        in_slot = (weights.long().unsqueeze(2) == torch.arange(top_k, device=weights.device)) \
+            & _valid_pairs(counts, M).unsqueeze(2)
+        columns = torch.where(in_slot, pair_values.unsqueeze(2), 0.0)
+        weights.fill_(1.0)
+        width = math.prod(plane.shape[2:])
+        packed = torch.cat([plane.reshape(local, M, width).float(), columns], dim=2)
+        summed = _combine_em(packed, n, workspace, M, dispatch_end, em.combine_offset, route)
+    return [summed[:, :width].reshape(n, *plane.shape[2:]).to(plane.dtype).clone(), summed[:, width:].clone()]
+
+
+for _op in (dispatch_em_owned, combine_em_owned, dispatch_em_round, combine_em_round):
+    torch.fx.node.has_side_effect(_op._opoverload)
+
+
+@dispatch_em_owned.register_fake
+def _(token_selected_experts, input_payloads, router_weights, workspace, max_tokens_per_expert, *route):
+    local, M = _local_experts(route), max_tokens_per_expert
+    planes = [p.new_empty((local, M, *p.shape[1:])) for p in input_payloads]
+    return [*planes, workspace.new_empty((local,), dtype=torch.int32), workspace.new_empty((local, M), dtype=torch.int32),
+            workspace.new_empty((local, M), dtype=torch.float32)]
+
+
+@combine_em_owned.register_fake
+def _(expert_outputs, pair_weights, expert_counts, token_selected_experts, *rest):
+    return expert_outputs.new_empty((token_selected_experts.shape[0], *expert_outputs.shape[2:]))
+
+
+@dispatch_em_round.register_fake
+def _(rows, slot_values, token_selected_experts, workspace, max_tokens_per_expert, *route):
+    local, M = _local_experts(route), max_tokens_per_expert
+    return [rows.new_empty((local, M, *rows.shape[1:])), rows.new_empty((local, M), dtype=torch.float32)]
+
+
+@combine_em_round.register_fake
+def _(plane, pair_values, token_selected_experts, *rest):
+    n, top_k = token_selected_experts.shape
+    return [plane.new_empty((n, *plane.shape[2:])), plane.new_empty((n, top_k), dtype=torch.float32)]
+
+
+# Saved as for the rank-major ops: the expert ids (and the combine's counts,
+# outputs and weights, the factors of its gradients), the ints, the workspace
+# as an attribute.
+
+def _setup_em(ctx, ids: Tensor, workspace: Tensor, max_tokens_per_expert: int, route: tuple, *saved: Tensor) -> None:
+    ctx.save_for_backward(ids, *saved)
+    ctx.workspace = workspace
+    ctx.route = (max_tokens_per_expert, *route)
+
+
+def _setup_dispatch_em_owned(ctx, inputs, output):
+    ids, payloads, _, workspace, M, *route = inputs
+    _setup_em(ctx, ids, workspace, M, tuple(route))
+    ctx.payloads = [(p.dtype, tuple(p.shape[1:])) for p in payloads]
+
+
+def _backward_dispatch_em_owned(ctx, grads):
+    """The floating planes' gradients (as fp32 columns of one plane) and the
+    pair weights' gradient in one ``combine_em_round``."""
+    (ids,) = ctx.saved_tensors
+    local, M = _local_experts(ctx.route[1:]), ctx.route[0]
+    floating = [i for i, (dtype, _) in enumerate(ctx.payloads) if dtype in GRAD_DTYPES]
+    parts = [ids.new_zeros((local, M, math.prod(ctx.payloads[i][1])), dtype=torch.float32) if grads[i] is None
+             else grads[i].reshape(local, M, -1).float() for i in floating]
+    plane = torch.cat(parts, dim=2) if parts else ids.new_zeros((local, M, 0), dtype=torch.float32)
+    pair_grad = ids.new_zeros((local, M), dtype=torch.float32) if grads[-1] is None else grads[-1]
+    summed, slot_grads = combine_em_round(plane, pair_grad.float().contiguous(), ids, ctx.workspace, *ctx.route)
+    result: list[Optional[Tensor]] = [None] * len(ctx.payloads)
+    start = 0
+    for i, part in zip(floating, parts):
+        width = part.shape[2]
+        result[i] = summed[:, start:start + width].reshape(ids.shape[0], *ctx.payloads[i][1]).to(ctx.payloads[i][0])
+        start += width
+    return None, result, slot_grads, None, None, *_list_route_grads(ctx.route[1:])
+
+
+def _setup_combine_em_owned(ctx, inputs, output):
+    outputs, pair_weights, counts, ids, workspace, M, _, _, _, *route = inputs
+    _setup_em(ctx, ids, workspace, M, tuple(route), outputs, pair_weights, counts)
+
+
+def _backward_combine_em_owned(ctx, grad):
+    """``w * grad`` for each pair's output row (the product in fp32, cast to
+    the outputs' dtype) and the fp32 dot product of the pair's output row with
+    its token's gradient for its weight; zeros in padding rows."""
+    ids, outputs, pair_weights, counts = ctx.saved_tensors
+    plane, _ = dispatch_em_round(grad.contiguous(), torch.zeros(ids.shape, dtype=torch.float32, device=grad.device),
+                                 ids, ctx.workspace, *ctx.route)
+    valid = _valid_pairs(counts, ctx.route[0])
+    rows = valid.view(*valid.shape, *([1] * (plane.dim() - 2)))
+    weight = pair_weights.view(rows.shape)
+    outputs_grad = torch.where(rows, weight * plane.float(), 0.0).to(outputs.dtype)
+    products = plane.float() * torch.where(rows, outputs, 0).float()
+    weights_grad = torch.where(valid, products.flatten(2).sum(dim=2), 0.0)
+    return outputs_grad, weights_grad, None, None, None, None, None, None, None, *_ROUTE_GRADS
+
+
+def _setup_em_round(ctx, inputs, output):
+    _, _, ids, workspace, M, *route = inputs
+    _setup_em(ctx, ids, workspace, M, tuple(route))
+
+
+def _backward_dispatch_em_round(ctx, grads):
+    (ids,) = ctx.saved_tensors
+    plane_grad, values_grad = grads
+    rows, slots = combine_em_round(plane_grad.contiguous(), values_grad.float().contiguous(), ids, ctx.workspace,
+                                   *ctx.route)
+    return rows, slots, None, None, None, *_list_route_grads(ctx.route[1:])
+
+
+def _backward_combine_em_round(ctx, grads):
+    (ids,) = ctx.saved_tensors
+    rows_grad, slots_grad = grads
+    plane, values = dispatch_em_round(rows_grad.contiguous(), slots_grad.float().contiguous(), ids, ctx.workspace,
+                                      *ctx.route)
+    return plane, values, None, None, None, *_list_route_grads(ctx.route[1:])
+
+
+dispatch_em_owned.register_autograd(_backward_dispatch_em_owned, setup_context=_setup_dispatch_em_owned)
+combine_em_owned.register_autograd(_backward_combine_em_owned, setup_context=_setup_combine_em_owned)
+dispatch_em_round.register_autograd(_backward_dispatch_em_round, setup_context=_setup_em_round)
+combine_em_round.register_autograd(_backward_combine_em_round, setup_context=_setup_em_round)
+
+
+def moe_a2a_dispatch_expert_major_differentiable(
+    token_selected_experts: Tensor,
+    input_payloads: list[Tensor],
+    workspace: Tensor,
+    metainfo: Tensor,
+    runtime_max_tokens_per_rank: int,
+    ep_rank: int,
+    ep_size: int,
+    top_k: int,
+    num_experts: int,
+    router_weights: Optional[Tensor] = None,
+    max_tokens_per_expert: Optional[int] = None,
+    enable_pdl: Optional[bool] = None,
+    enable_rank_mask: bool = False,
+    active_rank_mask: Optional[Tensor] = None,
+    *,
+    timeout_s: Optional[float] = None,
+) -> ExpertMajorDispatch:
+    """:func:`~torch_moe_a2a.moe_a2a_dispatch_expert_major` for training:
+    differentiable, with received rows the caller owns.
+
+    Args:
+        token_selected_experts, input_payloads, workspace, metainfo,
+            runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts,
+            max_tokens_per_expert, enable_pdl, enable_rank_mask,
+            active_rank_mask, timeout_s: as for
+            :func:`~torch_moe_a2a.moe_a2a_dispatch_expert_major` (no EPLB
+            statistics). Payloads may require grad; bf16, fp16 and fp32
+            payloads get a gradient, other dtypes none (and may not require grad).
+        router_weights: ``[local_num_tokens, top_k]`` floating router weights
+            (may require grad), or None: the combine then sums the pairs unweighted.
+
+    Returns:
+        :class:`~torch_moe_a2a.ExpertMajorDispatch` whose tensors are new
+        (no later exchange overwrites them, so an expert may save them for its
+        backward): ``output_payloads`` (padding rows zero), ``expert_counts``,
+        ``local_expert_ids``, and ``router_weights`` (fp32, differentiable:
+        the weights :func:`moe_a2a_combine_expert_major_differentiable`
+        applies) or None. The backward is a combine of the planes' and the
+        pair weights' gradients over the same routes (a collective: every
+        rank runs it).
+
+    Raises:
+        ValueError: as :func:`~torch_moe_a2a.moe_a2a_dispatch_expert_major`;
+            a payload that requires grad and is not bf16, fp16 or fp32.
+        RuntimeError: peers that did not arrive within the timeout.
+    """
+    fn = "moe_a2a_dispatch_expert_major_differentiable"
+    _check_grad_dtypes(fn, input_payloads)
+    expert_major.check_ids_and_weights(fn, token_selected_experts, workspace, router_weights, top_k)
+    n = token_selected_experts.shape[0]
+    # Without router weights, weights of 1: the build writes those anyway.
+    weights = (torch.ones((n, top_k), dtype=torch.float32, device=workspace.device) if router_weights is None
+               else router_weights.to(torch.float32).contiguous())
+    if max_tokens_per_expert is None:
+        max_tokens_per_expert = expert_major.default_max_tokens_per_expert(ep_size, runtime_max_tokens_per_rank)
+    payloads = list(input_payloads)
+    route = _route_args(fn, token_selected_experts, [*payloads, token_selected_experts, weights], workspace,
+                        metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts, enable_pdl,
+                        enable_rank_mask, active_rank_mask, timeout_s)
+    expert_major.check_expert_major_fits(workspace, ep_size, runtime_max_tokens_per_rank, top_k, num_experts,
+                                         max_tokens_per_expert, 0, [_row_bytes(p) for p in payloads],
+                                         token_selected_experts.element_size(), True)
+    *planes, counts, ids, pair_weights = dispatch_em_owned(token_selected_experts, payloads, weights, workspace,
+                                                           max_tokens_per_expert, *route)
+    row_bytes = [_row_bytes(p) for p in (*payloads, token_selected_experts, weights)]
+    dispatch_end = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, row_bytes).combine_offset
+    em = layout.expert_major_layout(dispatch_end, ep_size, runtime_max_tokens_per_rank, top_k,
+                                    layout.max_local_experts(num_experts, ep_size), max_tokens_per_expert,
+                                    row_bytes[:len(payloads)])
+    return ExpertMajorDispatch(planes, counts, ids, None if router_weights is None else pair_weights,
+                               em.combine_offset, None, n, runtime_max_tokens_per_rank, top_k, num_experts,
+                               max_tokens_per_expert, dispatch_end)
+
+
+def moe_a2a_combine_expert_major_differentiable(
+    expert_outputs: Tensor,
+    dispatched: ExpertMajorDispatch,
+    token_selected_experts: Tensor,
+    workspace: Tensor,
+    metainfo: Tensor,
+    ep_rank: int,
+    ep_size: int,
+    enable_pdl: Optional[bool] = None,
+    enable_rank_mask: bool = False,
+    active_rank_mask: Optional[Tensor] = None,
+    *,
+    timeout_s: Optional[float] = None,
+) -> Tensor:
+    """:func:`~torch_moe_a2a.moe_a2a_combine_expert_major` for training:
+    differentiable in the expert outputs and in the pairs' router weights.
+
+    Args:
+        expert_outputs: ``[num_local_experts, max_tokens_per_expert, *row_shape]``
+            bf16, fp16 or fp32 (padding rows are ignored and get a zero gradient).
+        dispatched: this rank's :func:`moe_a2a_dispatch_expert_major_differentiable`
+            result; its ``router_weights`` are the weights applied (a tensor
+            computed from them may stand in, of the same shape).
+        token_selected_experts: the ids of that dispatch (its routes; the
+            backward dispatches the output gradient along them).
+        workspace, metainfo, ep_rank, ep_size, enable_pdl, enable_rank_mask,
+            active_rank_mask, timeout_s: as for that dispatch.
+
+    Returns:
+        ``[local_num_tokens, *row_shape]`` of the outputs' dtype: as
+        :func:`~torch_moe_a2a.moe_a2a_combine_expert_major`. A new tensor.
+        The backward gives each pair's output row ``w * grad`` (in fp32, cast
+        to the outputs' dtype) and its weight the fp32 dot product of
+        ``grad`` with the row, ``grad`` being its token's output gradient.
+
+    Raises:
+        ValueError, RuntimeError: as :func:`~torch_moe_a2a.moe_a2a_combine_expert_major`.
+    """
+    fn = "moe_a2a_combine_expert_major_differentiable"
+    if not isinstance(dispatched, ExpertMajorDispatch):
+        raise ValueError(f"dispatched must be the ExpertMajorDispatch that moe_a2a_dispatch_expert_major_differentiable"
+                         f" returned, got {type(dispatched).__name__}")
+    d = dispatched
+    route = _route_args(fn, token_selected_experts, [expert_outputs], workspace, metainfo,
+                        d.runtime_max_tokens_per_rank, ep_rank, ep_size, d.top_k, d.num_experts, enable_pdl,
+                        enable_rank_mask, active_rank_mask, timeout_s)
+    pairs = tuple(d.local_expert_ids.shape)
+    weights = d.router_weights
+    if weights is None:
+        weights = torch.ones(pairs, dtype=torch.float32, device=workspace.device)
+    elif not isinstance(weights, Tensor) or tuple(weights.shape) != pairs or not weights.dtype.is_floating_point:
+        raise ValueError(f"dispatched.router_weights must be a floating [num_local_experts, max_tokens_per_expert]="
+                         f"{list(pairs)} tensor, got {getattr(weights, 'dtype', type(weights))} "
+                         f"{tuple(getattr(weights, 'shape', ()))}")
+    user_rows = [p.element_size() * math.prod(p.shape[2:]) for p in d.output_payloads]
+    em = layout.expert_major_layout(d.dispatch_end, ep_size, d.runtime_max_tokens_per_rank, d.top_k,
+                                    layout.max_local_experts(d.num_experts, ep_size), d.max_tokens_per_expert,
+                                    user_rows)
+    return combine_em_owned(expert_outputs, weights.to(torch.float32).contiguous(), d.expert_counts,
+                            token_selected_experts, workspace, d.max_tokens_per_expert, d.dispatch_end,
+                            d.combine_payload_offset, em.weights_offset, *route)

@@ -175,18 +175,10 @@ def moe_a2a_dispatch_expert_major(
         RuntimeError: as the rank-major dispatch.
     """
     fn = "moe_a2a_dispatch_expert_major"
-    expect_tensors(fn, token_selected_experts=token_selected_experts, workspace=workspace)
-    if token_selected_experts.dtype not in ID_DTYPES or token_selected_experts.dim() != 2:
-        raise ValueError("token_selected_experts must be a 2-D int32 or int64 [local_num_tokens, top_k] tensor, got "
-                         f"{token_selected_experts.dtype} {tuple(token_selected_experts.shape)}")
+    check_ids_and_weights(fn, token_selected_experts, workspace, router_weights, top_k)
     n = token_selected_experts.shape[0]
     payloads = list(input_payloads) + [token_selected_experts]
     if router_weights is not None:
-        if not isinstance(router_weights, torch.Tensor) or tuple(router_weights.shape) != (n, top_k) \
-                or not router_weights.dtype.is_floating_point:
-            raise ValueError(f"router_weights must be a floating [local_num_tokens={n}, top_k={top_k}] tensor, got "
-                             f"{getattr(router_weights, 'dtype', type(router_weights))} "
-                             f"{tuple(getattr(router_weights, 'shape', ()))}")
         payloads.append(router_weights.to(torch.float32).contiguous())
     # The rank-major dispatch of the user payloads, the ids and the weights.
     args, call_eplb_n = dispatch_args(
@@ -198,9 +190,9 @@ def moe_a2a_dispatch_expert_major(
         max_tokens_per_expert = default_max_tokens_per_expert(ep_size, runtime_max_tokens_per_rank)
     user_rows = [_row_bytes(p) for p in input_payloads]
     # Refused before the dispatch runs: what the build would refuse after it.
-    _check_expert_major_fits(workspace, ep_size, runtime_max_tokens_per_rank, top_k, num_experts,
-                             max_tokens_per_expert, call_eplb_n, user_rows, token_selected_experts.element_size(),
-                             router_weights is not None)
+    check_expert_major_fits(workspace, ep_size, runtime_max_tokens_per_rank, top_k, num_experts,
+                            max_tokens_per_expert, call_eplb_n, user_rows, token_selected_experts.element_size(),
+                            router_weights is not None)
     run_dispatch(fn, args, False, tracing())
     call = layout.call_layout(ep_size, runtime_max_tokens_per_rank, call_eplb_n, [_row_bytes(p) for p in payloads])
     dispatch_end = call.combine_offset
@@ -227,8 +219,29 @@ def moe_a2a_dispatch_expert_major(
                                top_k, num_experts, M, dispatch_end)
 
 
-def _check_expert_major_fits(workspace, ep_size, T, top_k, num_experts, M, eplb_n, user_rows, id_bytes,
-                             has_weights) -> None:
+def check_ids_and_weights(fn: str, token_selected_experts: torch.Tensor, workspace: torch.Tensor,
+                          router_weights: Optional[torch.Tensor], top_k: int) -> None:
+    """The expert ids and the router weights of an expert-major dispatch: ids
+    a 2-D int32 or int64 tensor, weights None or floating ``[local_num_tokens, top_k]``.
+
+    Raises:
+        ValueError: either of them of another type, dtype or shape.
+    """
+    expect_tensors(fn, token_selected_experts=token_selected_experts, workspace=workspace)
+    if token_selected_experts.dtype not in ID_DTYPES or token_selected_experts.dim() != 2:
+        raise ValueError("token_selected_experts must be a 2-D int32 or int64 [local_num_tokens, top_k] tensor, got "
+                         f"{token_selected_experts.dtype} {tuple(token_selected_experts.shape)}")
+    n = token_selected_experts.shape[0]
+    if router_weights is not None:
+        if not isinstance(router_weights, torch.Tensor) or tuple(router_weights.shape) != (n, top_k) \
+                or not router_weights.dtype.is_floating_point:
+            raise ValueError(f"router_weights must be a floating [local_num_tokens={n}, top_k={top_k}] tensor, got "
+                             f"{getattr(router_weights, 'dtype', type(router_weights))} "
+                             f"{tuple(getattr(router_weights, 'shape', ()))}")
+
+
+def check_expert_major_fits(workspace, ep_size, T, top_k, num_experts, M, eplb_n, user_rows, id_bytes,
+                            has_weights) -> None:
     """The expert-major layout's limits and fit, checked before the dispatch
     writes anything (the build's op checks them again)."""
     local = layout.max_local_experts(num_experts, ep_size) if num_experts >= ep_size >= 1 else 1
