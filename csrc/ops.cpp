@@ -63,6 +63,15 @@ void check_top_k(int64_t top_k) {
   TORCH_CHECK_VALUE(top_k >= 1 && top_k <= kMaxTopK, "top_k must be in [1, ", kMaxTopK, "], got ", top_k);
 }
 
+// Every rank owns at least one expert, and top-k routing picks top_k distinct
+// experts of num_experts (the CLI refuses --top-k > --experts for the same
+// reason): fewer experts than top_k is a caller's bug.
+void check_num_experts(int64_t num_experts, int64_t ep_size, int64_t top_k) {
+  TORCH_CHECK_VALUE(num_experts >= ep_size, "num_experts must be >= ep_size=", ep_size, ", got ", num_experts);
+  TORCH_CHECK_VALUE(num_experts >= top_k, "num_experts must be >= top_k=", top_k,
+                    " (a token's top_k experts are distinct experts), got ", num_experts);
+}
+
 void check_eplb_n(int64_t eplb_n) {
   TORCH_CHECK_VALUE(eplb_n >= 0 && eplb_n <= kMaxRowBytes / int64_t(sizeof(int32_t)),
                     "eplb_stats_num_experts must be in [0, ", kMaxRowBytes / int64_t(sizeof(int32_t)), "], got ",
@@ -321,7 +330,7 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
   check_max_num_tokens(max_num_tokens);
   check_runtime_max(runtime_max_tokens_per_rank, max_num_tokens);
   check_top_k(top_k);
-  TORCH_CHECK_VALUE(num_experts >= ep_size, "num_experts must be >= ep_size=", ep_size, ", got ", num_experts);
+  check_num_experts(num_experts, ep_size, top_k);
 
   const at::Tensor& ids = token_selected_experts;
   TORCH_CHECK_VALUE(ids.defined(), "token_selected_experts must be a tensor, got an undefined tensor");
@@ -569,8 +578,8 @@ namespace {
 // The expert-major arguments both expert-major ops share: num_experts (its
 // local experts within kMaxLocalExperts) and M = max_tokens_per_expert (the
 // planes' rows within kMaxExpertMajorRows).
-void check_expert_major_sizes(int64_t ep_size, int64_t num_experts, int64_t max_tokens_per_expert) {
-  TORCH_CHECK_VALUE(num_experts >= ep_size, "num_experts must be >= ep_size=", ep_size, ", got ", num_experts);
+void check_expert_major_sizes(int64_t ep_size, int64_t num_experts, int64_t top_k, int64_t max_tokens_per_expert) {
+  check_num_experts(num_experts, ep_size, top_k);
   const int64_t local = max_local_experts(num_experts, ep_size);
   TORCH_CHECK_VALUE(local <= kMaxLocalExperts, "the expert-major layout takes at most ", kMaxLocalExperts,
                     " experts per rank, got num_experts=", num_experts, " over ep_size=", ep_size, " (", local,
@@ -593,7 +602,7 @@ ExpertMajorBuildParams check_expert_major_build(const at::Tensor& workspace, int
   const int64_t T = runtime_max_tokens_per_rank;
   check_runtime_max(T, max_num_tokens);
   check_top_k(top_k);
-  check_expert_major_sizes(ep_size, num_experts, max_tokens_per_expert);
+  check_expert_major_sizes(ep_size, num_experts, top_k, max_tokens_per_expert);
   check_eplb_n(eplb_n);
   TORCH_CHECK_VALUE(id_bytes == int64_t(sizeof(int32_t)) || id_bytes == int64_t(sizeof(int64_t)),
                     "id_bytes must be 4 (int32 ids) or 8 (int64 ids), got ", id_bytes);
@@ -651,7 +660,7 @@ ExpertMajorCombineParams check_combine_expert_major(const std::optional<at::Tens
   const int64_t T = runtime_max_tokens_per_rank;
   check_runtime_max(T, max_num_tokens);
   check_top_k(top_k);
-  check_expert_major_sizes(ep_size, num_experts, max_tokens_per_expert);
+  check_expert_major_sizes(ep_size, num_experts, top_k, max_tokens_per_expert);
   TORCH_CHECK_VALUE(local_num_tokens >= 0 && local_num_tokens <= T,
                     "local_num_tokens must be in [0, runtime_max_tokens_per_rank=", T, "], got ", local_num_tokens);
   c.payload_dtype = to_dtype(payload_dtype, "payload dtype");
@@ -999,7 +1008,7 @@ int64_t expert_major_workspace_size_op(int64_t ep_size, int64_t max_num_tokens,
   workspace_size_per_rank_op(ep_size, max_num_tokens, total_dispatch_payload_size_per_token,
                              combine_payload_size_per_token, eplb_stats_num_experts);
   check_top_k(top_k);
-  check_expert_major_sizes(ep_size, num_experts, max_tokens_per_expert);
+  check_expert_major_sizes(ep_size, num_experts, top_k, max_tokens_per_expert);
   return expert_major_workspace_size_per_rank(ep_size, max_num_tokens, total_dispatch_payload_size_per_token,
                                               combine_payload_size_per_token, eplb_stats_num_experts, num_experts,
                                               top_k, max_tokens_per_expert);
