@@ -130,6 +130,21 @@ void check_on_workspace_device(const at::Tensor& t, const at::Tensor& workspace,
                     ", got ", t.device());
 }
 
+// A dispatch's inputs and a combine's output must lie outside the workspace:
+// peers write into this rank's row while the call reads the inputs or writes
+// the output, so a view of the workspace (a receive view of an earlier
+// dispatch, say) would be overwritten halfway. `t` is contiguous.
+void check_outside_workspace(const at::Tensor& t, const WorkspaceView& ws, const std::string& arg) {
+  if (t.numel() == 0) return;
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const auto end = begin + t.nbytes();
+  const auto ws_begin = reinterpret_cast<uintptr_t>(ws.base);
+  const auto ws_end = ws_begin + uintptr_t(ws.ep_size - 1) * uintptr_t(ws.row_stride) + uintptr_t(ws.size_per_rank);
+  TORCH_CHECK_VALUE(end <= ws_begin || begin >= ws_end, arg,
+                    " lies in the workspace (a view of it, such as a receive view of an earlier dispatch), which "
+                    "the peers write during the call: pass a copy (.clone())");
+}
+
 // A combine's payload (staged from it): `payload_dtype`, on the workspace's
 // device, contiguous, no grad, of shape [rows, per_row, *row_shape];
 // `dims` names the two leading dimensions for the message.
@@ -342,6 +357,7 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
                     ids.sizes());
   check_on_workspace_device(ids, workspace, "token_selected_experts");
   TORCH_CHECK_VALUE(ids.is_contiguous(), "token_selected_experts must be contiguous, got strides ", ids.strides());
+  check_outside_workspace(ids, p.ws, "token_selected_experts");
   const int64_t n = ids.size(0);
   TORCH_CHECK_VALUE(n <= runtime_max_tokens_per_rank,
                     "token_selected_experts.shape[0] (local_num_tokens) must be <= "
@@ -360,6 +376,7 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
                       t.sizes());
     TORCH_CHECK_VALUE(t.is_contiguous(), arg, " must be contiguous, got strides ", t.strides(), " for shape ",
                       t.sizes());
+    check_outside_workspace(t, p.ws, arg);
     const int64_t row_bytes = row_bytes_of(t.sizes().slice(1), t.element_size());
     // A payload of 0 bytes per token ("any trailing shape", DESIGN section 3)
     // gets a plane of 0 bytes and no copy.
@@ -523,6 +540,7 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
                       "output must be [local_num_tokens, *row_shape] = ", at::IntArrayRef(expected), ", got shape ",
                       o.sizes());
     TORCH_CHECK_VALUE(o.is_contiguous(), "output must be contiguous, got strides ", o.strides());
+    check_outside_workspace(o, p.ws, "output");
     TORCH_CHECK_VALUE(p.quant == QuantFormat::kNone || reinterpret_cast<uintptr_t>(o.data_ptr()) % 16 == 0,
                       "a quantized output must be 16-byte aligned");
     // combine writes into `output` and has no backward: autograd would keep
