@@ -63,6 +63,15 @@ void check_top_k(int64_t top_k) {
   TORCH_CHECK_VALUE(top_k >= 1 && top_k <= kMaxTopK, "top_k must be in [1, ", kMaxTopK, "], got ", top_k);
 }
 
+// Every rank owns at least one expert, and top-k routing picks top_k distinct
+// experts of num_experts (the CLI refuses --top-k > --experts for the same
+// reason): fewer experts than top_k is a caller's bug.
+void check_num_experts(int64_t num_experts, int64_t ep_size, int64_t top_k) {
+  TORCH_CHECK_VALUE(num_experts >= ep_size, "num_experts must be >= ep_size=", ep_size, ", got ", num_experts);
+  TORCH_CHECK_VALUE(num_experts >= top_k, "num_experts must be >= top_k=", top_k,
+                    " (a token's top_k experts are distinct experts), got ", num_experts);
+}
+
 void check_eplb_n(int64_t eplb_n) {
   TORCH_CHECK_VALUE(eplb_n >= 0 && eplb_n <= kMaxRowBytes / int64_t(sizeof(int32_t)),
                     "eplb_stats_num_experts must be in [0, ", kMaxRowBytes / int64_t(sizeof(int32_t)), "], got ",
@@ -119,6 +128,21 @@ void check_no_grad(const at::Tensor& t, const std::string& arg) {
 void check_on_workspace_device(const at::Tensor& t, const at::Tensor& workspace, const std::string& arg) {
   TORCH_CHECK_VALUE(t.device() == workspace.device(), arg, " must be on the workspace's device ", workspace.device(),
                     ", got ", t.device());
+}
+
+// A dispatch's inputs and a combine's output must lie outside the workspace:
+// peers write into this rank's row while the call reads the inputs or writes
+// the output, so a view of the workspace (a receive view of an earlier
+// dispatch, say) would be overwritten halfway. `t` is contiguous.
+void check_outside_workspace(const at::Tensor& t, const WorkspaceView& ws, const std::string& arg) {
+  if (t.numel() == 0) return;
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const auto end = begin + t.nbytes();
+  const auto ws_begin = reinterpret_cast<uintptr_t>(ws.base);
+  const auto ws_end = ws_begin + uintptr_t(ws.ep_size - 1) * uintptr_t(ws.row_stride) + uintptr_t(ws.size_per_rank);
+  TORCH_CHECK_VALUE(end <= ws_begin || begin >= ws_end, arg,
+                    " lies in the workspace (a view of it, such as a receive view of an earlier dispatch), which "
+                    "the peers write during the call: pass a copy (.clone())");
 }
 
 // A combine's payload (staged from it): `payload_dtype`, on the workspace's
@@ -321,7 +345,7 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
   check_max_num_tokens(max_num_tokens);
   check_runtime_max(runtime_max_tokens_per_rank, max_num_tokens);
   check_top_k(top_k);
-  TORCH_CHECK_VALUE(num_experts >= ep_size, "num_experts must be >= ep_size=", ep_size, ", got ", num_experts);
+  check_num_experts(num_experts, ep_size, top_k);
 
   const at::Tensor& ids = token_selected_experts;
   TORCH_CHECK_VALUE(ids.defined(), "token_selected_experts must be a tensor, got an undefined tensor");
@@ -333,6 +357,7 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
                     ids.sizes());
   check_on_workspace_device(ids, workspace, "token_selected_experts");
   TORCH_CHECK_VALUE(ids.is_contiguous(), "token_selected_experts must be contiguous, got strides ", ids.strides());
+  check_outside_workspace(ids, p.ws, "token_selected_experts");
   const int64_t n = ids.size(0);
   TORCH_CHECK_VALUE(n <= runtime_max_tokens_per_rank,
                     "token_selected_experts.shape[0] (local_num_tokens) must be <= "
@@ -351,6 +376,7 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
                       t.sizes());
     TORCH_CHECK_VALUE(t.is_contiguous(), arg, " must be contiguous, got strides ", t.strides(), " for shape ",
                       t.sizes());
+    check_outside_workspace(t, p.ws, arg);
     const int64_t row_bytes = row_bytes_of(t.sizes().slice(1), t.element_size());
     // A payload of 0 bytes per token ("any trailing shape", DESIGN section 3)
     // gets a plane of 0 bytes and no copy.
@@ -514,6 +540,7 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
                       "output must be [local_num_tokens, *row_shape] = ", at::IntArrayRef(expected), ", got shape ",
                       o.sizes());
     TORCH_CHECK_VALUE(o.is_contiguous(), "output must be contiguous, got strides ", o.strides());
+    check_outside_workspace(o, p.ws, "output");
     TORCH_CHECK_VALUE(p.quant == QuantFormat::kNone || reinterpret_cast<uintptr_t>(o.data_ptr()) % 16 == 0,
                       "a quantized output must be 16-byte aligned");
     // combine writes into `output` and has no backward: autograd would keep
@@ -569,8 +596,8 @@ namespace {
 // The expert-major arguments both expert-major ops share: num_experts (its
 // local experts within kMaxLocalExperts) and M = max_tokens_per_expert (the
 // planes' rows within kMaxExpertMajorRows).
-void check_expert_major_sizes(int64_t ep_size, int64_t num_experts, int64_t max_tokens_per_expert) {
-  TORCH_CHECK_VALUE(num_experts >= ep_size, "num_experts must be >= ep_size=", ep_size, ", got ", num_experts);
+void check_expert_major_sizes(int64_t ep_size, int64_t num_experts, int64_t top_k, int64_t max_tokens_per_expert) {
+  check_num_experts(num_experts, ep_size, top_k);
   const int64_t local = max_local_experts(num_experts, ep_size);
   TORCH_CHECK_VALUE(local <= kMaxLocalExperts, "the expert-major layout takes at most ", kMaxLocalExperts,
                     " experts per rank, got num_experts=", num_experts, " over ep_size=", ep_size, " (", local,
@@ -593,7 +620,7 @@ ExpertMajorBuildParams check_expert_major_build(const at::Tensor& workspace, int
   const int64_t T = runtime_max_tokens_per_rank;
   check_runtime_max(T, max_num_tokens);
   check_top_k(top_k);
-  check_expert_major_sizes(ep_size, num_experts, max_tokens_per_expert);
+  check_expert_major_sizes(ep_size, num_experts, top_k, max_tokens_per_expert);
   check_eplb_n(eplb_n);
   TORCH_CHECK_VALUE(id_bytes == int64_t(sizeof(int32_t)) || id_bytes == int64_t(sizeof(int64_t)),
                     "id_bytes must be 4 (int32 ids) or 8 (int64 ids), got ", id_bytes);
@@ -651,7 +678,7 @@ ExpertMajorCombineParams check_combine_expert_major(const std::optional<at::Tens
   const int64_t T = runtime_max_tokens_per_rank;
   check_runtime_max(T, max_num_tokens);
   check_top_k(top_k);
-  check_expert_major_sizes(ep_size, num_experts, max_tokens_per_expert);
+  check_expert_major_sizes(ep_size, num_experts, top_k, max_tokens_per_expert);
   TORCH_CHECK_VALUE(local_num_tokens >= 0 && local_num_tokens <= T,
                     "local_num_tokens must be in [0, runtime_max_tokens_per_rank=", T, "], got ", local_num_tokens);
   c.payload_dtype = to_dtype(payload_dtype, "payload dtype");
@@ -999,7 +1026,7 @@ int64_t expert_major_workspace_size_op(int64_t ep_size, int64_t max_num_tokens,
   workspace_size_per_rank_op(ep_size, max_num_tokens, total_dispatch_payload_size_per_token,
                              combine_payload_size_per_token, eplb_stats_num_experts);
   check_top_k(top_k);
-  check_expert_major_sizes(ep_size, num_experts, max_tokens_per_expert);
+  check_expert_major_sizes(ep_size, num_experts, top_k, max_tokens_per_expert);
   return expert_major_workspace_size_per_rank(ep_size, max_num_tokens, total_dispatch_payload_size_per_token,
                                               combine_payload_size_per_token, eplb_stats_num_experts, num_experts,
                                               top_k, max_tokens_per_expert);

@@ -218,6 +218,7 @@ enum MetaIndex : int {
   kMetaMailboxMissing,                                        // kRankMaskWords words: as kHdrErrorMissing
   kMetaMailboxDetail = kMetaMailboxMissing + kRankMaskWords,  // as kHdrErrorDetail
   kMetaMailboxAddr,                                           // address of the pinned host mailbox (CUDA), 0 on the CPU
+  kMetaTimeoutUs,  // initialize's timeout_s in microseconds (0: none); the Python layer passes it to the ops
   kMetaCount
 };
 constexpr int64_t kMagic = 0x4d6f65413241LL;  // "MoeA2A" (48 bits)

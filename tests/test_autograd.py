@@ -655,6 +655,7 @@ def _train_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_processes_train_as_one(tmp_path):
     """Two processes train PROCESS_CASE's model; every rank's router and owned
     experts end where the dense model's SGD steps on all tokens take them."""

@@ -197,6 +197,7 @@ def _bench_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch_moe_a2a", "bench", "--device", "cpu", *args]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_keeps_the_points_done(signum, tmp_path):
     """A small CPU sweep stopped after its first point: the JSON holds the
@@ -359,6 +360,7 @@ def test_combine_variants_check_their_outputs(monkeypatch, capsys):
     assert rc == 1 and "FAIL: rank 0 differs from the reference quantizer" in out, out
 
 
+@pytest.mark.slow
 def test_low_precision_error_table(capsys):
     assert single.main(["--low-precision-error"]) == 0
     out = capsys.readouterr().out

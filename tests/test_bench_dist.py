@@ -66,6 +66,7 @@ def _expected_send_bytes(preset: common.Preset, world: int, tokens: int, n_sets:
             "round-trip-ws": both}
 
 
+@pytest.mark.slow
 def test_bench_dist_two_cpu_processes(tmp_path):
     run_ranks(_bench_rank, WORLD, (str(tmp_path / "init"), str(tmp_path)), report_dir=tmp_path,
               timeout_s=RANK_TIMEOUT_S, env={"MOE_A2A_TIMEOUT_S": "20"})

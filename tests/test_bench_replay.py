@@ -29,6 +29,7 @@ def importable_tests(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", tests_dir + ":" + ":".join(p for p in sys.path if p))
 
 
+@pytest.mark.slow
 def test_a_hung_point_is_reported_and_the_next_point_still_runs(importable_tests):
     logged = []
     started = time.monotonic()
@@ -92,6 +93,7 @@ def test_all_ranks_replays_of_ours_cuda():
             assert result["ops"][op] > 0 and result["floor"][op] > 0
 
 
+@pytest.mark.slow
 def test_ab_table_sets_variants_side_by_side(tmp_path):
     """benchmarks/ab_table.py (`./dev gpu ab`): every variant's time above the
     floor per point and op, the peer's where a run timed it, each variant's

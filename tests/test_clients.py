@@ -247,7 +247,7 @@ def _clients_worker(rank, world, init_file, device):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_client_call_sequences(world, device, tmp_path):
     run_ranks(_clients_worker, world, (str(tmp_path / "init"), device), report_dir=tmp_path, timeout_s=300)
 

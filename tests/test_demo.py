@@ -53,6 +53,7 @@ def _demo_rank(rank, world, init_file, out_dir):
     pathlib.Path(out_dir, f"rank{rank}.out").write_text(f"{rc}\n{printed.getvalue()}")
 
 
+@pytest.mark.slow
 def test_demo_one_rank_per_process_cpu(tmp_path):
     """`torchrun --nproc-per-node 2 -m torch_moe_a2a demo` on the CPU: two
     processes, a shared-memory workspace; rank 0 reports both ranks."""

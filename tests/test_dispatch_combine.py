@@ -258,6 +258,7 @@ def test_routing_on_both_sides_of_the_one_warp_chunk(case, active_ranks, device)
 MULTI_ROUND_PULL = Case(4, (300, 200, 257, 264), 8, 16, hidden=4096)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("payload_in_workspace", [False, True], ids=["staged", "in_ws"])
 def test_pull_tasks_past_the_first_round(payload_in_workspace, device):
     gen = make_generator(MULTI_ROUND_PULL)
@@ -302,6 +303,7 @@ def _chunk_counts(ids: torch.Tensor, chunks: int, case: Case) -> torch.Tensor:
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(WHOLE_RANK))
 def test_large_dispatch_shares_counts_and_tasks(name, device):
     case = WHOLE_RANK[name]

@@ -73,7 +73,7 @@ def _grid(count: int, seed: int) -> list[EmCase]:
         tokens = tuple(rnd.choice([0, 1, 3, 7, 16, 29]) for _ in range(ep))
         top_k = rnd.choice([1, 2, 4, 6, 8, 13, 22])
         num_experts = ep * rnd.choice([1, 2, 3]) + rnd.randrange(0, ep)  # often not divisible
-        num_experts = max(num_experts, ep)
+        num_experts = max(num_experts, ep, top_k)  # the ops refuse fewer experts than top_k
         T = max(1, max(tokens))
         overflow = n % 3 == 1
         M = max(1, (ep * T) // rnd.choice([4, 8, 16])) if overflow else None

@@ -150,7 +150,8 @@ def test_quantized_output_edges(fmt, device):
 # 2 to 8, hidden 2048 to 7168, the payload in the workspace or not (few tokens:
 # the shapes are what matters here, and the CPU runs them too).
 @pytest.mark.parametrize("payload_in_workspace", [False, True], ids=["staged", "in_ws"])
-@pytest.mark.parametrize("ep,hidden", [(2, 2048), (4, 4096), (8, 7168), (8, 2880)])
+@pytest.mark.parametrize("ep,hidden", [(2, 2048), (4, 4096), pytest.param(8, 7168, marks=pytest.mark.slow),
+                                       pytest.param(8, 2880, marks=pytest.mark.slow)])
 def test_flashinfer_shapes(ep, hidden, payload_in_workspace, device):
     tokens = tuple((3 * r + 2) % 7 + 1 for r in range(ep))
     case = Case(ep, tokens, 8, 4 * ep, hidden=hidden, runtime_max=8)

@@ -84,7 +84,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", sorted(CASES))
+# More than two processes start as many interpreters: slow (CI runs this file 20 times besides).
+@pytest.mark.parametrize("world", [w if w <= 2 else pytest.param(w, marks=pytest.mark.slow) for w in sorted(CASES)])
 def test_multiprocess_round_trip(world, tmp_path):
     context = mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=False)
     pids = [p.pid for p in context.processes]

@@ -284,7 +284,7 @@ def _bootstrap_worker(rank, world, init_file, out_dir, row_dir, adapter):
 
 
 @pytest.mark.parametrize("adapter", ["torch", "comm_backend"])
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_exchanges_between_processes(world, adapter, tmp_path):
     rows = tmp_path / "rows"
     rows.mkdir()

@@ -26,12 +26,13 @@ peer's next dispatch may overwrite them (DESIGN.md section 5).
 from __future__ import annotations
 
 import enum
+import math
 from typing import Optional, Sequence, Union
 
 import torch
 
 from . import _C, layout
-from .arguments import ENV_TIMEOUT, ID_DTYPES, U64, data_address, dispatch_args, rank_mask_words
+from .arguments import ID_DTYPES, U64, data_address, dispatch_args, rank_mask_words
 from .backend import MoeAlltoAllBackend, check_backend, pdl_default
 
 # check_errors and describe_error are part of this module's public names too.
@@ -51,7 +52,7 @@ from .fastpath import (
     wrong_type,
 )
 from .layout import MOE_A2A_RANK_MASK_WORDS
-from .metainfo import check_rank, check_rank_index, metainfo_values
+from .metainfo import call_timeout, check_rank, check_rank_index, metainfo_values
 
 _ops = torch.ops.moe_a2a
 
@@ -177,6 +178,7 @@ def moe_a2a_initialize(
     eplb_stats_num_experts: int = 0,
     *,
     backend: MoeAlltoAllBackend = "trtllm",
+    timeout_s: Optional[float] = None,
 ) -> torch.Tensor:
     """Zero row ``ep_rank`` of ``workspace``, write its header; return the metainfo.
 
@@ -195,11 +197,26 @@ def moe_a2a_initialize(
     between every rank's initialize and the first dispatch
     (:class:`MoeAlltoAll` always does, across processes).
 
-    Returns a new CPU int64 ``[META_COUNT]`` tensor (layout.META_*), owned by
-    the caller and read-only by convention; pass it to every later call for
-    this rank. It holds the address of the rank's host error mailbox (CUDA).
+    Args:
+        workspace: ``[ep_size, size_per_rank]`` uint8, zeroed before first use.
+        ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts: as in FlashInfer.
+        backend: FlashInfer's backend name; only ``"trtllm"`` is implemented.
+        timeout_s: ours, keyword-only: the default bound on the waits of every
+            call that passes the returned metainfo (a call's own ``timeout_s``
+            overrides it); None: ``MOE_A2A_TIMEOUT_S``, else 30 s.
+
+    Returns:
+        A new CPU int64 ``[META_COUNT]`` tensor (layout.META_*), owned by the
+        caller and read-only by convention; pass it to every later call for
+        this rank. It holds the address of the rank's host error mailbox (CUDA).
+
+    Raises:
+        ValueError: bad arguments, a workspace too small, ``timeout_s`` not a
+            positive finite number.
     """
     expect_tensors("moe_a2a_initialize", workspace=workspace)
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf):
+        raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
     check_backend(backend, workspace)
     mailbox = _ops.alloc_mailbox.default(workspace)
     _ops.initialize.default(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, mailbox)
@@ -213,6 +230,8 @@ def moe_a2a_initialize(
     values[layout.META_SIZE_PER_RANK] = workspace.shape[1]
     values[layout.META_HEADER_BYTES] = layout.HEADER_BYTES
     values[layout.META_MAILBOX_ADDR] = mailbox
+    # At least 1 us: 0 means "none".
+    values[layout.META_TIMEOUT_US] = 0 if timeout_s is None else max(1, round(timeout_s * 1e6))
     metainfo = torch.tensor(values, dtype=torch.int64)
     metainfo_values(metainfo, id(metainfo))  # warm the cache
     return metainfo
@@ -492,7 +511,6 @@ def moe_a2a_combine(
             the next call raises).
         RuntimeError: peers that did not arrive within the timeout (as for dispatch).
     """
-    timeout_s = ENV_TIMEOUT if timeout_s is None else timeout_s
     if not (isinstance(payload, torch.Tensor) and isinstance(workspace, torch.Tensor)):
         expect_tensors("moe_a2a_combine", payload=payload, workspace=workspace)  # as in dispatch_args
     if output is not None:
@@ -505,8 +523,9 @@ def moe_a2a_combine(
     low_precision = (_LOW_PRECISION_BLOCK_SCALED if low_precision_block_scales else
                      _LOW_PRECISION_E4M3 if use_low_precision else _LOW_PRECISION_OFF)
     meta = metainfo_values(metainfo, id(metainfo))
-    check_rank(meta, ep_rank, ep_size)
-    _, _, max_num_tokens, _, _, mailbox = meta
+    check_rank(meta, ep_rank, ep_size, workspace)
+    _, _, max_num_tokens, _, _, mailbox, _ = meta
+    timeout_s = call_timeout(meta, timeout_s)
     mask = rank_mask_words(enable_rank_mask, active_rank_mask)
     if enable_pdl is None:
         enable_pdl = pdl_default(workspace)
@@ -629,7 +648,7 @@ def moe_a2a_sanitize_expert_ids(
             "expert_ids must be the contiguous int32 or int64 [ep_size, runtime_max_tokens_per_rank, width] "
             f"view returned by moe_a2a_dispatch, got {expert_ids.dtype} {tuple(expert_ids.shape)}"
         )
-    _, ep_size, max_num_tokens, _, _, _ = meta
+    _, ep_size, max_num_tokens, _, _, _, _ = meta
     if expert_ids.shape[0] != ep_size or not 1 <= expert_ids.shape[1] <= max_num_tokens:
         raise ValueError(
             f"expert_ids must be [ep_size ({ep_size}), runtime_max_tokens_per_rank (1..max_num_tokens = "

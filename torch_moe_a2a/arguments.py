@@ -14,10 +14,8 @@ from .backend import check_backend, pdl_default
 from .compile_marks import constant_result
 from .fastpath import expect_tensors
 from .layout import MOE_A2A_RANK_MASK_WORDS
-from .metainfo import check_rank, metainfo_values
+from .metainfo import call_timeout, check_rank, metainfo_values
 
-# timeout_s the ops read as "use MOE_A2A_TIMEOUT_S, else the default".
-ENV_TIMEOUT = -1.0
 U64 = 1 << 64
 _I64_SIGN = 1 << 63
 # Expert-id dtypes dispatch reads and sanitize writes (int64: torch.topk's indices).
@@ -114,8 +112,8 @@ def dispatch_args(fn, token_selected_experts, input_payloads, workspace, metainf
         expect_tensors(fn, token_selected_experts=token_selected_experts, workspace=workspace)
     check_backend(backend, workspace)
     meta = metainfo_values(metainfo, id(metainfo))
-    check_rank(meta, ep_rank, ep_size)
-    _, _, max_num_tokens, eplb_n, _, mailbox = meta
+    check_rank(meta, ep_rank, ep_size, workspace)
+    _, _, max_num_tokens, eplb_n, _, mailbox, _ = meta
     mask = rank_mask_words(enable_rank_mask, active_rank_mask)
     if enable_pdl is None:
         enable_pdl = pdl_default(workspace)
@@ -123,7 +121,7 @@ def dispatch_args(fn, token_selected_experts, input_payloads, workspace, metainf
         _check_expert_ids(token_selected_experts, num_experts)
     args = (token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
             runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_n, mask,
-            ENV_TIMEOUT if timeout_s is None else timeout_s, mailbox, enable_pdl)
+            call_timeout(meta, timeout_s), mailbox, enable_pdl)
     return args, (eplb_n if eplb_local_stats is not None else 0)
 
 

@@ -20,10 +20,10 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import layout
-from .arguments import ENV_TIMEOUT, ID_DTYPES, data_address, dispatch_args, rank_mask_words
+from .arguments import ID_DTYPES, data_address, dispatch_args, rank_mask_words
 from .backend import MoeAlltoAllBackend, check_backend, pdl_default
 from .fastpath import expect_tensors, run_dispatch, tracing
-from .metainfo import check_rank, check_rank_index, metainfo_values
+from .metainfo import call_timeout, check_rank, check_rank_index, metainfo_values
 
 _ops = torch.ops.moe_a2a
 
@@ -184,7 +184,7 @@ def moe_a2a_dispatch_expert_major(
     args, call_eplb_n = dispatch_args(
         fn, token_selected_experts, payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size,
         top_k, num_experts, enable_pdl, eplb_local_stats, enable_rank_mask, active_rank_mask, backend, timeout_s)
-    _, _, max_num_tokens, _, _, mailbox = metainfo_values(metainfo, id(metainfo))
+    _, _, max_num_tokens, _, _, mailbox, _ = metainfo_values(metainfo, id(metainfo))
     enable_pdl = args[-1]  # resolved by dispatch_args
     if max_tokens_per_expert is None:
         max_tokens_per_expert = default_max_tokens_per_expert(ep_size, runtime_max_tokens_per_rank)
@@ -317,12 +317,12 @@ def moe_a2a_combine_expert_major(
                          f"got {type(dispatched).__name__}")
     check_backend(backend, workspace)
     meta = metainfo_values(metainfo, id(metainfo))
-    check_rank(meta, ep_rank, ep_size)
-    _, _, max_num_tokens, _, _, mailbox = meta
+    check_rank(meta, ep_rank, ep_size, workspace)
+    _, _, max_num_tokens, _, _, mailbox, _ = meta
     mask = rank_mask_words(enable_rank_mask, active_rank_mask)
     if enable_pdl is None:
         enable_pdl = pdl_default(workspace)
-    timeout_s = ENV_TIMEOUT if timeout_s is None else timeout_s
+    timeout_s = call_timeout(meta, timeout_s)
     if expert_outputs.dim() < 2:
         raise ValueError("expert_outputs must be [num_local_experts, max_tokens_per_expert, *], got shape "
                          f"{tuple(expert_outputs.shape)}")

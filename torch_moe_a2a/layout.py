@@ -40,7 +40,10 @@ META_MAILBOX_CODE = 8
 META_MAILBOX_MISSING = 9
 META_MAILBOX_DETAIL = META_MAILBOX_MISSING + MOE_A2A_RANK_MASK_WORDS
 META_MAILBOX_ADDR = META_MAILBOX_DETAIL + 1  # the op's `mailbox` argument
-META_COUNT = META_MAILBOX_ADDR + 1
+# moe_a2a_initialize's timeout_s in microseconds (0: none), the calls' default
+# timeout: it reaches every call that passes the metainfo.
+META_TIMEOUT_US = META_MAILBOX_ADDR + 1
+META_COUNT = META_TIMEOUT_US + 1
 MAGIC = 0x4D6F65413241
 VERSION = 1
 # A row's init word (HDR_MAGIC) is MAGIC in its low INIT_TAG_SHIFT bits and a

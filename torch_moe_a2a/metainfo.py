@@ -12,8 +12,11 @@ import torch
 from . import layout
 from .compile_marks import constant_result
 
-# (ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, size_per_rank, mailbox)
-MetaValues = tuple[int, int, int, int, int, int]
+# (ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, size_per_rank, mailbox,
+#  timeout_s: initialize's, or ENV_TIMEOUT where it gave none)
+MetaValues = tuple[int, int, int, int, int, int, float]
+# The ops' timeout_s for "use MOE_A2A_TIMEOUT_S, else the default".
+ENV_TIMEOUT = -1.0
 # id(metainfo) -> (weak reference to it, its values). The weak reference both
 # detects a reused id and drops the entry when the tensor dies.
 _META_CACHE: dict[int, tuple[weakref.ref, MetaValues]] = {}
@@ -57,6 +60,7 @@ def _read_metainfo(metainfo: Any) -> MetaValues:
         v[layout.META_EPLB_N],
         v[layout.META_SIZE_PER_RANK],
         v[layout.META_MAILBOX_ADDR],
+        v[layout.META_TIMEOUT_US] / 1e6 if v[layout.META_TIMEOUT_US] > 0 else ENV_TIMEOUT,
     )
 
 
@@ -80,11 +84,30 @@ def metainfo_values(metainfo: torch.Tensor, key: int) -> MetaValues:
     return values
 
 
-def check_rank(meta: MetaValues, ep_rank: int, ep_size: int) -> None:
+def call_timeout(meta: MetaValues, timeout_s) -> float:
+    """The op's ``timeout_s`` for a call: the call's own, else the metainfo's
+    (``moe_a2a_initialize(timeout_s=)``), else ``ENV_TIMEOUT``."""
+    return meta[6] if timeout_s is None else timeout_s
+
+
+def check_rank(meta: MetaValues, ep_rank: int, ep_size: int, workspace: torch.Tensor) -> None:
+    """A call's ep_rank, ep_size and workspace against its metainfo.
+
+    Raises:
+        ValueError: ep_rank or ep_size other than the metainfo's, or a workspace
+            whose rows have another size than the one it was initialized with
+            (the metainfo of another workspace: the op would wait for peers that
+            never come, or read a layout that is not there).
+    """
     if meta[0] != ep_rank or meta[1] != ep_size:
         raise ValueError(
             f"ep_rank/ep_size ({ep_rank}, {ep_size}) do not match the metainfo "
             f"({meta[0]}, {meta[1]}) given by moe_a2a_initialize"
+        )
+    if workspace.dim() == 2 and workspace.shape[1] != meta[4]:
+        raise ValueError(
+            f"the metainfo belongs to a workspace of {meta[4]} bytes per rank, this workspace has "
+            f"{workspace.shape[1]}: pass the metainfo that moe_a2a_initialize returned for this workspace"
         )
 
 

@@ -519,7 +519,8 @@ class MoeAlltoAll:
         """
         self._check_mapped("dispatch")
         if self._state.phase != "idle":
-            raise RuntimeError("MoeAlltoAll.dispatch called twice without combine")
+            raise RuntimeError("MoeAlltoAll.dispatch called twice without combine; call combine to close the open round "
+                               "(a refused combine changed nothing)")
         other = self._shared.active_instance()
         if other is not None and other is not self:
             raise RuntimeError("MoeAlltoAll.dispatch: another MoeAlltoAll sharing this workspace is between its "
@@ -611,7 +612,8 @@ class MoeAlltoAll:
         """
         self._check_mapped("combine")
         if self._state.phase != "dispatched":
-            raise RuntimeError("MoeAlltoAll.combine called before dispatch (each combine needs its own dispatch)")
+            raise RuntimeError("MoeAlltoAll.combine called before dispatch (each combine needs its own dispatch); "
+                               "call dispatch first")
         if active_rank_mask is not None and not self.enable_rank_mask:
             raise ValueError("active_rank_mask requires the instance to be constructed with enable_rank_mask=True")
         dispatched = self._state.expert_major
@@ -676,7 +678,8 @@ class MoeAlltoAll:
         """
         self._check_mapped("get_combine_payload_tensor_in_workspace")
         if self._state.phase != "dispatched":
-            raise RuntimeError("get_combine_payload_tensor_in_workspace called before dispatch")
+            raise RuntimeError("get_combine_payload_tensor_in_workspace called before dispatch; call dispatch first "
+                               "(the payload lies where that dispatch puts it)")
         offset = self._state.combine_payload_offset
         leading = [self.ep_size, runtime_max_tokens_per_rank]
         if self._state.expert_major is not None:

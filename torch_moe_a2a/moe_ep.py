@@ -293,7 +293,8 @@ class NVLinkOneSidedAlltoAll:
         """
         alltoall = self.alltoall
         if self._tokens_per_rank is not None:
-            raise RuntimeError("dispatch called twice without an intervening combine")
+            raise RuntimeError("dispatch called twice without an intervening combine; call combine to close the open "
+                               "round (a refused combine changed nothing)")
         limit = self.params.max_tokens_per_rank
         tokens_per_rank = limit if max_tokens_per_rank is None else max_tokens_per_rank
         if not 0 < tokens_per_rank <= limit:
@@ -326,7 +327,8 @@ class NVLinkOneSidedAlltoAll:
             RuntimeError: before :meth:`dispatch`.
         """
         if self._tokens_per_rank is None:
-            raise RuntimeError("get_combine_input_buffer called before dispatch")
+            raise RuntimeError("get_combine_input_buffer called before dispatch; call dispatch first (the buffer lies "
+                               "where that dispatch puts it)")
         buffer = self.alltoall.get_combine_payload_tensor_in_workspace(
             self._tokens_per_rank, self.params.hidden_size, dtype).flatten(0, 1)
         self._combine_buffer = buffer
@@ -359,7 +361,8 @@ class NVLinkOneSidedAlltoAll:
         alltoall = self.alltoall
         tokens_per_rank = self._tokens_per_rank
         if tokens_per_rank is None:
-            raise RuntimeError("combine called before dispatch")
+            raise RuntimeError("combine called before dispatch; call dispatch first: each combine closes the round of one "
+                               "dispatch")
         if expert_output.dim() not in (2, 3):
             raise ValueError(f"expert_output must be 2D or 3D, got shape {tuple(expert_output.shape)}")
         payload = expert_output.view(self.ep_size, tokens_per_rank, -1) if expert_output.dim() == 2 else expert_output

@@ -58,7 +58,9 @@ class SimulatedEP:
     (or ``workspace_size_per_rank`` when given, e.g. an expert-major size)
     and owned by this object. ``metainfo[r]``: rank ``r``'s metainfo. Every
     row is initialized before any rank runs. ``timeout_s`` bounds every wait
-    for a peer (None: MOE_A2A_TIMEOUT_S, else 30 s).
+    for a peer (None: MOE_A2A_TIMEOUT_S, else 30 s): it is the metainfo's
+    (``moe_a2a_initialize(timeout_s=)``), so it bounds the calls that pass
+    ``metainfo[r]`` to the functional API directly too.
     """
 
     def __init__(
@@ -89,7 +91,8 @@ class SimulatedEP:
             )
         self.workspace = allocate_workspace(size_per_rank, ep_size=ep_size, device=self.device)
         self.metainfo = [
-            moe_a2a_initialize(self.workspace, rank, ep_size, max_num_tokens, eplb_stats_num_experts)
+            moe_a2a_initialize(self.workspace, rank, ep_size, max_num_tokens, eplb_stats_num_experts,
+                               timeout_s=self.timeout_s)
             for rank in range(ep_size)
         ]
         self.streams = (
@@ -176,7 +179,7 @@ class SimulatedEP:
     ) -> tuple[list[torch.Tensor], int, Optional[torch.Tensor]]:
         """Rank ``rank``'s ``moe_a2a_dispatch`` on the current stream (a
         function of :meth:`run` or :meth:`capture` calls it on the rank's
-        stream), with this object's workspace, metainfo and timeout; returns
+        stream), with this object's workspace and metainfo (and so its timeout); returns
         ``(output_payloads, combine_payload_offset, eplb_gathered_stats)``.
         ``kwargs`` go to ``moe_a2a_dispatch``."""
         return moe_a2a_dispatch(
@@ -189,7 +192,6 @@ class SimulatedEP:
             self.ep_size,
             top_k,
             num_experts,
-            timeout_s=self.timeout_s,
             **kwargs,
         )
 
@@ -218,7 +220,6 @@ class SimulatedEP:
             self.ep_size,
             top_k,
             combine_payload_offset,
-            timeout_s=self.timeout_s,
             **kwargs,
         )
 

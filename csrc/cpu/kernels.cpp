@@ -418,7 +418,9 @@ RowStatus check_row_for_dispatch(const WorkspaceView& ws, int64_t max_num_tokens
   if (dispatch_epoch != combine_epoch) {
     return runtime_error("rank " + std::to_string(ws.ep_rank) +
                          ": dispatch called twice without a combine in between (dispatch and "
-                         "combine must alternate on every rank)");
+                         "combine must alternate on every rank); call the combine that closes the open round "
+                         "(with its dispatch's sizes and combine_payload_offset; a refused combine changed "
+                         "nothing), or moe_a2a_initialize on every rank to start over");
   }
   return st;
 }
@@ -433,7 +435,8 @@ RowStatus check_row_for_combine(const CombineParams& p, int64_t max_num_tokens) 
   if (dispatch_epoch != combine_epoch + 1) {
     return runtime_error("rank " + std::to_string(ws.ep_rank) +
                          ": combine called without a preceding dispatch (dispatch and combine "
-                         "must alternate on every rank)");
+                         "must alternate on every rank); call moe_a2a_dispatch first: each combine closes "
+                         "the round of one dispatch");
   }
   const int32_t last_tokens = load<int32_t>(row, kHdrLastLocalTokens);
   const int32_t last_max = load<int32_t>(row, kHdrLastRuntimeMax);
@@ -688,7 +691,8 @@ RowStatus check_row_for_expert_major_build(const ExpertMajorBuildParams& p, int6
   if (load<uint32_t>(row, kHdrDispatchEpoch) != load<uint32_t>(row, kHdrCombineEpoch) + 1) {
     return runtime_error("rank " + std::to_string(ws.ep_rank) +
                          ": expert_major_build called without a preceding dispatch (it regroups the rows of the "
-                         "dispatch before the combine)");
+                         "dispatch before the combine); call moe_a2a_dispatch with expert_major=True, which "
+                         "builds the layout itself");
   }
   const int32_t last_max = load<int32_t>(row, kHdrLastRuntimeMax);
   const int32_t last_top_k = load<int32_t>(row, kHdrLastTopK);
@@ -718,7 +722,9 @@ RowStatus check_row_for_combine_expert_major(const ExpertMajorCombineParams& p, 
                             p.layout.tokens_per_expert, p.c.combine_offset) != 0) {
     std::ostringstream os;
     if (build_epoch != load<uint32_t>(row, kHdrDispatchEpoch)) {
-      os << "the expert-major combine needs an expert-major dispatch before it (its expert_major_build)";
+      os << "the expert-major combine needs an expert-major dispatch before it (its expert_major_build); "
+            "close this round with moe_a2a_combine, the rank-major combine of its dispatch, or dispatch "
+            "with expert_major=True next time";
     } else {
       os << "the expert-major combine must use its dispatch's layout: the dispatch had (max_tokens_per_expert="
          << build_tokens << ", combine_payload_offset=" << build_end

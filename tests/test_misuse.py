@@ -1,0 +1,456 @@
+"""Misuse across ranks and calls: every mistake gets a clear error (or, where
+nothing is wrong with the data, the correct result), the workspace is left as
+it was (or, for an error recorded in it, says how to recover), nothing hangs,
+and the correct calls that follow give the reference result."""
+
+import math
+import time
+
+import pytest
+import torch
+from conftest import (
+    Case,
+    PayloadSpec,
+    assert_bytes_equal,
+    assert_ws_unchanged,
+    check_dispatch,
+    make_generator,
+    make_inputs,
+    make_sim,
+    poison_padding,
+    random_tensor,
+    round_trip,
+    ws_snapshot,
+)
+
+import torch_moe_a2a as a2a
+from torch_moe_a2a import reference
+from torch_moe_a2a.metainfo import call_timeout, metainfo_values
+from torch_moe_a2a.moe_ep import BootstrapConfig, MoEEpCommParams, NVLinkOneSidedConfig
+
+CASE = Case(3, (5, 0, 7), 2, 5, hidden=32, runtime_max=8, extras=(PayloadSpec(torch.uint8, (3,)),))
+
+
+@pytest.fixture(autouse=True)
+def _bounded_waits(monkeypatch):
+    # A missing check must fail fast, not wait out the suite's 20 s.
+    monkeypatch.setenv("MOE_A2A_TIMEOUT_S", "5")
+
+
+def refused(workspace, fn, exc, *fragments):
+    """``fn()`` raises ``exc`` whose text holds every fragment; the workspace bytes are unchanged."""
+    snap = ws_snapshot(workspace)
+    with pytest.raises(exc) as info:
+        fn()
+    for fragment in fragments:
+        assert fragment in str(info.value), f"{fragment!r} not in {str(info.value)!r}"
+    assert_ws_unchanged(workspace, snap)
+    return str(info.value)
+
+
+def dispatch_all(sim, case, dev, T=None):
+    T = case.T if T is None else T
+    return sim.run(lambda r: a2a.moe_a2a_dispatch(dev.ids[r], dev.payloads[r], sim.workspace, sim.metainfo[r], T, r,
+                                                  case.ep_size, case.top_k, case.num_experts))
+
+
+def close_round(sim, case, inputs, results, gen):
+    """The combine of an open round on every rank, after the dispatch
+    ``results`` of ``inputs``: receive rows and counts checked against the
+    reference; rank r's experts return its received hidden states times r + 1
+    (padding poisoned); outputs bitwise equal to the reference's."""
+    ep, T, device = case.ep_size, case.T, sim.workspace.device
+    recv = [[v.cpu().clone() for v in res[0]] for res in results]
+    counts = [a2a.moe_a2a_get_recv_counts(sim.workspace, sim.metainfo[r], r).cpu().clone() for r in range(ep)]
+    ref = reference.reference_dispatch(inputs.ids, inputs.payloads, ep_size=ep, num_experts=case.num_experts,
+                                       runtime_max_tokens_per_rank=T)
+    specs = [PayloadSpec(p.dtype, tuple(p.shape[1:])) for p in inputs.payloads[0]]
+    check_dispatch(recv, counts, ref, specs, T, range(ep))
+
+    def moe(r, hidden):
+        return (hidden.float() * (r + 1)).to(hidden.dtype)
+
+    payloads = [poison_padding(moe(r, recv[r][0]), counts[r], gen).to(device) for r in range(ep)]
+    # poisoned output buffers: the combine must write every byte
+    outputs = [random_tensor((n, *recv[0][0].shape[2:]), recv[0][0].dtype, gen).to(device) for n in case.tokens]
+    outs = sim.run(lambda r: a2a.moe_a2a_combine(payloads[r], case.tokens[r], sim.workspace, sim.metainfo[r], T, r,
+                                                 ep, case.top_k, results[r][1], output=outputs[r]))
+    expected = reference.reference_combine([moe(r, ref.recv[r][0]) for r in range(ep)], ref, list(case.tokens))
+    for r in range(ep):
+        assert_bytes_equal(outs[r].cpu(), expected[r], f"rank {r} combine output")
+
+
+def reinitialize(sim, **kwargs):
+    for r in range(sim.ep_size):
+        sim.metainfo[r] = a2a.moe_a2a_initialize(sim.workspace, r, sim.ep_size, sim.max_num_tokens, **kwargs)
+
+
+# ---- num_experts < top_k -----------------------------------------------------------------------------
+
+
+def _fewer_experts_than_top_k(kind, sim, top_k, num_experts):
+    ids = torch.zeros(3, top_k, dtype=torch.int32, device=sim.device)
+    payload = torch.zeros(3, 4, device=ids.device)
+    if kind == "workspace_size_expert_major":
+        return a2a.moe_a2a_get_workspace_size_per_rank_expert_major(3, 8, 16, 16, num_experts, top_k)
+    fn = {
+        "dispatch": a2a.moe_a2a_dispatch,
+        "dispatch_expert_major": a2a.moe_a2a_dispatch_expert_major,
+        "dispatch_differentiable": a2a.moe_a2a_dispatch_differentiable,
+    }[kind]
+    return fn(ids, [payload], sim.workspace, sim.metainfo[0], 8, 0, 3, top_k, num_experts)
+
+
+@pytest.mark.parametrize("top_k,num_experts", [(4, 3), (22, 21)])
+@pytest.mark.parametrize("kind", ["dispatch", "dispatch_expert_major", "dispatch_differentiable",
+                                  "workspace_size_expert_major"])
+def test_fewer_experts_than_top_k_is_refused(kind, top_k, num_experts, device):
+    gen = make_generator(("top_k", kind, top_k))
+    # Room for an expert-major call of this top_k: the check refused is the one on the experts.
+    size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(CASE.ep_size, CASE.max_tokens, CASE.dispatch_bytes,
+                                                                CASE.combine_bytes, top_k, top_k)
+    sim = a2a.SimulatedEP(CASE.ep_size, CASE.max_tokens, dispatch_bytes_per_token=0, combine_bytes_per_token=0,
+                          device=device, workspace_size_per_rank=size)
+    refused(sim.workspace, lambda: _fewer_experts_than_top_k(kind, sim, top_k, num_experts), ValueError,
+            f"num_experts must be >= top_k={top_k}", f"got {num_experts}")
+    round_trip(sim, CASE, make_inputs(CASE, gen), gen)
+
+
+# ---- the dispatch/combine alternation ------------------------------------------------------------
+
+
+def _bad_combine(change):
+    def call(sim, case, results, device):
+        args = dict(payload=torch.zeros(case.ep_size, case.T, case.hidden, dtype=case.hidden_dtype, device=device),
+                    local_num_tokens=case.tokens[0], workspace=sim.workspace, metainfo=sim.metainfo[0],
+                    runtime_max_tokens_per_rank=case.T, ep_rank=0, ep_size=case.ep_size, top_k=case.top_k,
+                    combine_payload_offset=results[0][1])
+        args.update(change(args))
+        return a2a.moe_a2a_combine(**args)
+    return call
+
+
+BAD_COMBINES = {
+    "local_num_tokens": (_bad_combine(lambda a: dict(local_num_tokens=a["local_num_tokens"] - 1)),
+                         "combine must use the dispatch's sizes"),
+    "top_k": (_bad_combine(lambda a: dict(top_k=a["top_k"] + 1)), "combine must use the dispatch's sizes"),
+    "offset": (_bad_combine(lambda a: dict(combine_payload_offset=a["combine_payload_offset"] + 128)),
+               "combine_payload_offset must be the one the dispatch returned"),
+    "payload_shape": (_bad_combine(lambda a: dict(payload=a["payload"][:, 1:])), "payload must be ["),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_COMBINES))
+def test_refused_combine_then_dispatch_says_how_to_close_the_round(bad, device):
+    """A refused combine leaves the round open: a dispatch then is refused with
+    a text that says what to do, and the combine that closes the round, then a
+    new round, give the reference results."""
+    if device == "cuda":
+        pytest.skip("CUDA records sequence errors in the workspace (test_protocol); the CPU refuses at once")
+    gen = make_generator(("refused combine", bad))
+    sim = make_sim(CASE, device)
+    inputs = make_inputs(CASE, gen)
+    dev = inputs.to(device)
+    results = dispatch_all(sim, CASE, dev)
+    call, text = BAD_COMBINES[bad]
+    refused(sim.workspace, lambda: call(sim, CASE, results, device), ValueError, text)
+    refused(sim.workspace, lambda: a2a.moe_a2a_dispatch(dev.ids[0], dev.payloads[0], sim.workspace, sim.metainfo[0],
+                                                        CASE.T, 0, CASE.ep_size, CASE.top_k, CASE.num_experts),
+            RuntimeError, "dispatch called twice without a combine in between",
+            "call the combine that closes the open round", "or moe_a2a_initialize on every rank to start over")
+    close_round(sim, CASE, inputs, results, gen)
+    round_trip(sim, CASE, make_inputs(CASE, gen), gen)
+
+
+def test_combine_without_dispatch_says_to_dispatch_first(device):
+    if device == "cuda":
+        pytest.skip("CUDA records sequence errors in the workspace (test_protocol); the CPU refuses at once")
+    gen = make_generator("combine first")
+    sim = make_sim(CASE, device)
+    first = round_trip(sim, CASE, make_inputs(CASE, gen), gen)
+    payload = torch.zeros(CASE.ep_size, CASE.T, CASE.hidden, dtype=CASE.hidden_dtype, device=device)
+    refused(sim.workspace, lambda: a2a.moe_a2a_combine(payload, CASE.tokens[0], sim.workspace, sim.metainfo[0], CASE.T,
+                                                       0, CASE.ep_size, CASE.top_k, first.offsets[0]),
+            RuntimeError, "combine called without a preceding dispatch", "call moe_a2a_dispatch first")
+    round_trip(sim, CASE, make_inputs(CASE, gen), gen)
+
+
+def test_expert_major_combine_after_rank_major_dispatch_says_how_to_close_the_round(device):
+    if device == "cuda":
+        pytest.skip("CUDA records sequence errors in the workspace (test_protocol); the CPU refuses at once")
+    gen = make_generator("expert-major combine")
+    case = CASE
+    em_size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(case.ep_size, case.max_tokens, case.dispatch_bytes,
+                                                                   case.combine_bytes, case.num_experts, case.top_k)
+    sim = a2a.SimulatedEP(case.ep_size, case.max_tokens, dispatch_bytes_per_token=0, combine_bytes_per_token=0,
+                          device=device, workspace_size_per_rank=em_size)
+    inputs = make_inputs(case, gen)
+    # The payloads an expert-major dispatch of the hidden states sends (it
+    # appends the ids), so that the two layouts end at the same offset.
+    inputs.payloads = [[ps[0], ps[1]] for ps in inputs.payloads]
+    dev = inputs.to(device)
+    results = dispatch_all(sim, case, dev)
+    # The same dispatch, expert-major, on a twin workspace: its combine's arguments.
+    other = a2a.SimulatedEP(case.ep_size, case.max_tokens, dispatch_bytes_per_token=0, combine_bytes_per_token=0,
+                            device=device, workspace_size_per_rank=em_size)
+    em = other.run(lambda r: a2a.moe_a2a_dispatch_expert_major(dev.ids[r], [dev.payloads[r][0]], other.workspace,
+                                                               other.metainfo[r], case.T, r, case.ep_size,
+                                                               case.top_k, case.num_experts))
+    experts = torch.zeros_like(em[0].output_payloads[0])
+    refused(sim.workspace, lambda: a2a.moe_a2a_combine_expert_major(experts, em[0], sim.workspace, sim.metainfo[0], 0,
+                                                                    case.ep_size),
+            ValueError, "needs an expert-major dispatch before it",
+            "close this round with moe_a2a_combine")
+    close_round(sim, case, inputs, results, gen)
+
+
+def test_wrappers_say_how_to_recover():
+    """MoeAlltoAll and NVLinkOneSidedAlltoAll keep their own alternation: their
+    refusals say what to do too, and a refused combine leaves the round open
+    for the correct one."""
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    gen = make_generator("wrappers")
+    x = torch.randn((5, 64), generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, 4, (5, 2), generator=gen, dtype=torch.int32)
+    moe = a2a.MoeAlltoAll(a2a.Mapping(), 8, 2, 4, hidden_size=64, device="cpu")
+    with pytest.raises(RuntimeError, match="called before dispatch .*; call dispatch first"):
+        moe.combine(torch.zeros(1, 8, 64, dtype=torch.bfloat16), 8)
+    (recv,) = moe.dispatch(ids, [x], 8)
+    with pytest.raises(RuntimeError, match="called twice without combine; call combine to close the open round"):
+        moe.dispatch(ids, [x], 8)
+    with pytest.raises(ValueError, match="combine must use the dispatch's sizes"):
+        moe.combine(recv[:, :7].clone(), 7)  # another runtime_max_tokens_per_rank than the dispatch's
+    out = moe.combine((recv.float() * 3).to(torch.bfloat16), 8)  # one rank: the only destination is this rank
+    assert torch.equal(out, (x.float() * 3).to(torch.bfloat16))
+
+    params = MoEEpCommParams(num_experts=4, top_k=2, max_tokens_per_rank=8, hidden_size=64)
+    comm = a2a.NVLinkOneSidedAlltoAll(BootstrapConfig(world_size=1, rank=0), params, NVLinkOneSidedConfig(),
+                                      device="cpu")
+    with pytest.raises(RuntimeError, match="combine called before dispatch; call dispatch first"):
+        comm.combine(torch.zeros(8, 64, dtype=torch.bfloat16))
+    got = comm.dispatch(x, ids, None, max_tokens_per_rank=6)
+    with pytest.raises(RuntimeError, match="called twice without an intervening combine; call combine"):
+        comm.dispatch(x, ids, max_tokens_per_rank=6)
+    out = comm.combine((got.hidden_states.float() * 3).to(torch.bfloat16))
+    assert torch.equal(out, (x.float() * 3).to(torch.bfloat16))
+    comm.destroy()
+
+
+# ---- timeouts of SimulatedEP and initialize --------------------------------------------------------
+
+
+@pytest.mark.parametrize("phase", ["dispatch", "combine"])
+@pytest.mark.parametrize("where", ["simulated_ep", "call"])
+def test_timeout_bounds_direct_calls(where, phase, monkeypatch, device):
+    """SimulatedEP(timeout_s=) bounds the functional calls on sim.workspace
+    with sim.metainfo (the README's pattern), and a call's own timeout_s
+    overrides it; the environment says 60 s. Rank 0 calls alone and times
+    out; the error says to re-initialize, after which the ranks work again."""
+    monkeypatch.setenv("MOE_A2A_TIMEOUT_S", "60")
+    gen = make_generator(("timeout", where, phase))
+    sim = make_sim(CASE, device, timeout_s=0.3 if where == "simulated_ep" else 60)
+    call_timeout = {"timeout_s": 0.3} if where == "call" else {}
+    dev = make_inputs(CASE, gen).to(device)
+    offset = dispatch_all(sim, CASE, dev)[0][1] if phase == "combine" else None
+
+    def rank0():
+        if phase == "dispatch":
+            return a2a.moe_a2a_dispatch(dev.ids[0], dev.payloads[0], sim.workspace, sim.metainfo[0], CASE.T, 0,
+                                        CASE.ep_size, CASE.top_k, CASE.num_experts, **call_timeout)
+        payload = torch.zeros(CASE.ep_size, CASE.T, CASE.hidden, dtype=CASE.hidden_dtype, device=device)
+        return a2a.moe_a2a_combine(payload, CASE.tokens[0], sim.workspace, sim.metainfo[0], CASE.T, 0, CASE.ep_size,
+                                   CASE.top_k, offset, **call_timeout)
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        rank0()
+        if device == "cuda":  # the kernel records the timeout; the next look raises it
+            torch.cuda.synchronize()
+            a2a.check_errors(sim.workspace)
+    elapsed = time.monotonic() - start
+    assert 0.25 <= elapsed < 5, f"the wait took {elapsed:.2f} s"
+    text = str(info.value)
+    assert "rank 0: peers [1, 2] did not arrive within 0.3 s" in text, text
+    assert "until every rank calls moe_a2a_initialize again" in text, text
+    reinitialize(sim, timeout_s=sim.timeout_s)
+    round_trip(sim, CASE, make_inputs(CASE, gen), gen)
+
+
+def test_initialize_timeout_is_the_calls_default(device):
+    sim = make_sim(CASE, device, timeout_s=2.5)
+    meta = metainfo_values(sim.metainfo[1], id(sim.metainfo[1]))
+    assert call_timeout(meta, None) == 2.5 and call_timeout(meta, 7.0) == 7.0
+    plain = a2a.moe_a2a_initialize(sim.workspace, 1, CASE.ep_size, CASE.max_tokens)
+    assert call_timeout(metainfo_values(plain, id(plain)), None) < 0  # the environment's, read by the op
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, "1"])
+def test_initialize_refuses_a_bad_timeout(bad, device):
+    workspace = torch.zeros(1, a2a.moe_a2a_get_workspace_size_per_rank(1, 4, 16, 16), dtype=torch.uint8,
+                            device=device)
+    refused(workspace, lambda: a2a.moe_a2a_initialize(workspace, 0, 1, 4, timeout_s=bad), ValueError,
+            "timeout_s must be a positive number of seconds")
+
+
+# ---- metainfo of another workspace, rank or size ------------------------------------------------------
+
+
+def _other_metainfo(sim, *, ep_size=CASE.ep_size, max_num_tokens=CASE.max_tokens, extra_bytes=0):
+    """Rank 0's metainfo of another workspace with rows of sim's size plus ``extra_bytes``."""
+    other = a2a.SimulatedEP(ep_size, max_num_tokens, dispatch_bytes_per_token=0, combine_bytes_per_token=0,
+                            device=sim.device, workspace_size_per_rank=sim.workspace.shape[1] + extra_bytes)
+    return other.metainfo[0]
+
+
+METAINFO_BAD = {
+    # (metainfo, the call's ep_rank, the call's ep_size), what the error says
+    "rows_of_another_size": (lambda sim: (_other_metainfo(sim, extra_bytes=256), 0, CASE.ep_size),
+                             "the metainfo belongs to a workspace of"),
+    "another_max_num_tokens": (lambda sim: (_other_metainfo(sim, max_num_tokens=CASE.max_tokens + 1), 0,
+                                            CASE.ep_size),
+                               "metainfo does not match the workspace"),
+    "another_ep_size": (lambda sim: (_other_metainfo(sim, ep_size=4), 0, 4), "workspace.shape[0] must equal ep_size=4"),
+    "another_ep_size_call_says_the_workspaces": (lambda sim: (_other_metainfo(sim, ep_size=2), 0, CASE.ep_size),
+                                                 "do not match the metainfo"),
+    # another rank's
+    "another_rank": (lambda sim: (sim.metainfo[1], 0, CASE.ep_size), "do not match the metainfo"),
+}
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+@pytest.mark.parametrize("bad", list(METAINFO_BAD))
+def test_metainfo_of_another_workspace_is_refused(bad, op, device):
+    gen = make_generator(("metainfo", bad, op))
+    sim = make_sim(CASE, device)
+    inputs = make_inputs(CASE, gen)
+    dev = inputs.to(device)
+    make, text = METAINFO_BAD[bad]
+    metainfo, rank, ep_size = make(sim)
+    results = dispatch_all(sim, CASE, dev) if op == "combine" else None
+
+    def call():
+        if op == "dispatch":
+            return a2a.moe_a2a_dispatch(dev.ids[0], dev.payloads[0], sim.workspace, metainfo, CASE.T, rank, ep_size,
+                                        CASE.top_k, CASE.num_experts)
+        payload = torch.zeros(ep_size, CASE.T, CASE.hidden, dtype=CASE.hidden_dtype, device=device)
+        return a2a.moe_a2a_combine(payload, CASE.tokens[0], sim.workspace, metainfo, CASE.T, rank, ep_size,
+                                   CASE.top_k, results[0][1])
+
+    refused(sim.workspace, call, ValueError, text)
+    if op == "combine":
+        close_round(sim, CASE, inputs, results, gen)
+    round_trip(sim, CASE, make_inputs(CASE, gen), gen)
+
+
+def test_metainfo_of_a_workspace_of_the_same_geometry_works(device):
+    """The metainfo holds sizes and a rank, no address on the CPU: one of
+    another workspace of the same geometry is as good as the own one."""
+    gen = make_generator("same geometry")
+    sim, twin = make_sim(CASE, device), make_sim(CASE, device)
+    sim.metainfo = twin.metainfo
+    round_trip(sim, CASE, make_inputs(CASE, gen), gen)
+
+
+# ---- payload layouts --------------------------------------------------------------------------------
+
+
+def _with_payload(i, make):
+    def change(sim, dev, results):
+        payloads = list(dev.payloads[0])
+        payloads[i] = make(payloads[i], sim, results)
+        return dict(input_payloads=payloads)
+    return change
+
+
+def _strided(t, sim, results):
+    wide = torch.stack([t, t], dim=-1)
+    return wide[..., 0]
+
+
+def _expanded(t, sim, results):
+    return t[:1].expand(t.shape)
+
+
+def _transposed_ids(sim, dev, results):
+    return dict(token_selected_experts=dev.ids[0].t().contiguous().t())
+
+
+def _in_workspace(t, sim, results):
+    # a receive view of the previous dispatch, this rank's rows from itself
+    return results[0][0][0][0, : t.shape[0]]
+
+
+DISPATCH_LAYOUT_BAD = {
+    "strided": (_with_payload(0, _strided), "input_payloads[0] must be contiguous"),
+    "expanded": (_with_payload(0, _expanded), "input_payloads[0] must be contiguous"),
+    "ids_transposed": (_transposed_ids, "token_selected_experts must be contiguous"),
+    "payload_in_workspace": (_with_payload(0, _in_workspace), "input_payloads[0] lies in the workspace"),
+    "ids_in_workspace": (lambda sim, dev, results: dict(
+        token_selected_experts=results[0][0][1][0, : dev.ids[0].shape[0]]),
+        "token_selected_experts lies in the workspace"),
+    "meta_device": (_with_payload(0, lambda t, sim, results: torch.empty_like(t, device="meta")),
+                    "tensors on different devices"),
+}
+
+
+@pytest.mark.parametrize("bad", list(DISPATCH_LAYOUT_BAD))
+def test_dispatch_refuses_payload_layouts(bad, device):
+    """After a first round (whose receive views the workspace cases pass back),
+    a dispatch with a bad layout is refused on one rank before it writes;
+    then every rank's correct dispatch and combine give the reference."""
+    gen = make_generator(("layout", bad))
+    sim = make_sim(CASE, device)
+    inputs = make_inputs(CASE, gen)
+    dev = inputs.to(device)
+    results = dispatch_all(sim, CASE, dev)
+    close_round(sim, CASE, inputs, results, gen)
+    change, text = DISPATCH_LAYOUT_BAD[bad]
+    args = dict(token_selected_experts=dev.ids[0], input_payloads=dev.payloads[0], workspace=sim.workspace,
+                metainfo=sim.metainfo[0], runtime_max_tokens_per_rank=CASE.T, ep_rank=0, ep_size=CASE.ep_size,
+                top_k=CASE.top_k, num_experts=CASE.num_experts)
+    args.update(change(sim, dev, results))
+    refused(sim.workspace, lambda: a2a.moe_a2a_dispatch(**args), ValueError, text)
+    round_trip(sim, CASE, make_inputs(CASE, gen), gen)
+
+
+def test_combine_output_in_the_workspace_is_refused(device):
+    gen = make_generator("output in workspace")
+    sim = make_sim(CASE, device)
+    inputs = make_inputs(CASE, gen)
+    dev = inputs.to(device)
+    results = dispatch_all(sim, CASE, dev)
+    output = results[0][0][0][0, : CASE.tokens[0]]  # a receive view of this round
+    payload = torch.zeros(CASE.ep_size, CASE.T, CASE.hidden, dtype=CASE.hidden_dtype, device=device)
+    refused(sim.workspace, lambda: a2a.moe_a2a_combine(payload, CASE.tokens[0], sim.workspace, sim.metainfo[0], CASE.T,
+                                                       0, CASE.ep_size, CASE.top_k, results[0][1], output=output),
+            ValueError, "output lies in the workspace")
+    close_round(sim, CASE, inputs, results, gen)
+
+
+def _unaligned(t, gen):
+    """``t``'s values in a contiguous tensor that starts 1 element past an aligned allocation."""
+    flat = random_tensor((t.numel() + 1,), t.dtype, gen)
+    view = flat[1:].view(t.shape)
+    return view.copy_(t)
+
+
+@pytest.mark.parametrize("layout", ["unaligned", "overlapping", "same_tensor_twice"])
+def test_dispatch_payload_layouts_that_are_fine(layout, device):
+    """Contiguous payloads at any address, payloads that overlap each other or
+    are the same tensor twice: read only, so the result is the reference's."""
+    gen = make_generator(("fine layout", layout))
+    case = Case(3, (5, 0, 7), 2, 5, hidden=32, runtime_max=8,
+                extras=(PayloadSpec(torch.uint8, (3,)), PayloadSpec(torch.uint8, (3,))))
+    sim = make_sim(case, device)
+    inputs = make_inputs(case, gen)
+    for ps in inputs.payloads:
+        if layout == "unaligned":
+            ps[:] = [_unaligned(p, gen) for p in ps]
+        elif layout == "overlapping":
+            # extras 3 and 4: two contiguous windows of one buffer, one byte apart
+            n = ps[3].shape[0]
+            flat = random_tensor((3 * n + 1,), torch.uint8, gen)
+            ps[3], ps[4] = flat[: 3 * n].view(n, 3), flat[1:].view(n, 3)
+        else:
+            ps[4] = ps[3]
+    round_trip(sim, case, inputs, gen)
