@@ -266,7 +266,8 @@ __device__ inline void mark_in_use(uint8_t* own) {
 // Records `code` as this rank's error unless one is already recorded (the row
 // is in use from then on). One thread calls it. See "Error records" at the
 // top for the ordering.
-__device__ inline void record_error(uint8_t* own, int64_t* mailbox, uint32_t code, uint64_t peers, uint32_t detail) {
+static __device__ __noinline__ void record_error(uint8_t* own, int64_t* mailbox, uint32_t code, uint64_t peers,
+                                                 uint32_t detail) {
   if (atomicCAS(header_word<unsigned>(own, kHdrErrorCode), 0u, code) != 0u) return;
   mark_in_use(own);
   *header_word<uint64_t>(own, kHdrErrorMissing) = peers;

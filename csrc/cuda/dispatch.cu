@@ -1,5 +1,6 @@
-// The dispatch kernel: protocol.h's dispatch n on rank s, in one persistent
-// grid per rank.
+// The dispatch kernels: protocol.h's dispatch n on rank s, in one persistent
+// grid per rank; a small call (chunks of at most a warp's tokens) runs
+// dispatch_small_kernel, every other call dispatch_kernel.
 //
 // Design (why it is deterministic and why few CTAs spin):
 //   * CTA b owns the contiguous token chunk [b * c, (b + 1) * c). A token's
@@ -7,18 +8,18 @@
 //     d, so CTA b first counts, per destination, the tokens before its chunk
 //     (a sum: the order in which warps add does not matter; in a large call
 //     the sum of the counts that CTAs 0 .. b-1 publish of their chunks), then
-//     ranks its own tokens in index order with warp ballots and a scan over
-//     warps. The slots are exactly the CPU's running counts; no atomic
-//     decides an order.
+//     ranks its own tokens in index order with warp ballots (and a scan over
+//     warps in a long chunk). The slots are exactly the CPU's running counts;
+//     no atomic decides an order.
 //   * Each CTA writes its tokens' route entries to the own route region. A
 //     small call's CTA then copies its own tokens' payload rows to their
 //     destinations (a segment of a row is loaded once, then stored to every
-//     destination). In a large call (kWhole) every CTA waits until all
-//     chunks are routed, then the copy tasks of all of the rank's tokens
-//     are claimed in token order (from one counter, or from a few where a
-//     large grid would queue on one word): chunks of equal token counts do
-//     not get equal shares of the memory system, and the rank's concurrent
-//     writes stay near each other in every destination plane.
+//     destination). In a large call every CTA waits until all chunks are
+//     routed, then the copy tasks of all of the rank's tokens are claimed in
+//     token order (from one counter, or from a few where a large grid would
+//     queue on one word): chunks of equal token counts do not get equal
+//     shares of the memory system, and the rank's concurrent writes stay
+//     near each other in every destination plane.
 //   * The CTA that owns the last chunk holds the per-destination totals and
 //     writes the receive counts. Every CTA publishes its part with its share
 //     of each destination's flag (protocol.h: flags count shares), so no CTA
@@ -33,9 +34,9 @@ namespace moe_a2a {
 namespace gpu {
 namespace {
 
-// Up to this many experts, each CTA maps expert -> rank through a shared-memory
-// table filled with expert_to_rank (protocol.h: the one definition of the map)
-// instead of a 64-bit division per id.
+// Up to this many experts, each CTA of a large call maps expert -> rank
+// through a shared-memory table filled with expert_to_rank (protocol.h: the
+// one definition of the map) instead of a 64-bit division per id.
 constexpr int kRankTableExperts = 4096;
 static_assert(kMaxRanks <= 256, "the rank table stores ranks as uint8_t");
 
@@ -48,12 +49,11 @@ __device__ __noinline__ int expert_to_rank_slow(int64_t expert, int64_t num_expe
 // Expert ids of a token loaded together (top_k <= 8, the common case, is one batch).
 constexpr int kIdsPerBatch = 8;
 
-// Copy items (token, segment) of all payloads that one copy loop covers at
-// most (a chunk, or with kWhole all of the rank's tokens): the loop's task
-// indices are 32-bit ints (fewer registers under the 64-register cap), and
-// with kWhole a claimed task is grid * kWarps + counter + claim * counters,
-// where every warp overshoots its counter once. A call beyond it would hold
-// terabytes.
+// Copy items (token, segment) of all payloads that a large call's copy loop
+// covers at most (all of the rank's tokens): the loop's task indices are
+// 32-bit ints (fewer registers under the 64-register cap), and a claimed task
+// is grid * kWarps + counter + claim * counters, where every warp overshoots
+// its counter once. A call beyond it would hold terabytes.
 constexpr int64_t kMaxLoopItems = int64_t(1) << 30;
 static_assert(kMaxLoopItems + 2 * int64_t(kMaxDispatchCtas) * kWarps <= int64_t(INT32_MAX),
               "claimed task indices fit an int");
@@ -64,11 +64,37 @@ static_assert(kMaxLoopItems + 2 * int64_t(kMaxDispatchCtas) * kWarps <= int64_t(
 // counters at 4096 tokens).
 static_assert(kWarps % kClaimCounters == 0, "counter c serves the warps w = c mod counters of every CTA");
 
+// expert -> rank (protocol.h's expert_to_rank_in) by two multiplications
+// instead of divisions, for calls of at most kRankMapExperts experts: with
+// magic(d) = ceil(2^32 / d), (n * magic(d)) >> 32 == n / d whenever n * d <
+// 2^32 (n = qd + r: n * magic(d) / 2^32 = q + r/d + e with 0 <= e < n/2^32 <
+// 1/d, so below q + 1).
+constexpr int64_t kRankMapExperts = 65535;
+
+struct RankMap {
+  uint32_t boundary;  // experts below it: extra ranks of base + 1 experts each
+  uint32_t extra;
+  uint64_t wide_magic;    // magic(base + 1)
+  uint64_t narrow_magic;  // magic(base)
+
+  __device__ __forceinline__ int rank(uint32_t e) const {
+    return e < boundary ? int((uint64_t(e) * wide_magic) >> 32)
+                        : int(extra + ((uint64_t(e - boundary) * narrow_magic) >> 32));
+  }
+};
+
+inline RankMap make_rank_map(int64_t num_experts, int64_t ep_size) {
+  const int64_t base = num_experts / ep_size, extra = num_experts % ep_size;  // base >= 1: ops.cpp checks
+  const auto magic = [](int64_t d) { return ((uint64_t(1) << 32) + uint64_t(d) - 1) / uint64_t(d); };
+  return RankMap{uint32_t(extra * (base + 1)), uint32_t(extra), magic(base + 1), magic(base)};
+}
+
 struct DispatchArgs {
   DispatchParams p;
+  RankMap rank_map;  // dispatch_small_kernel's
   SyncSettings sync_settings;
   int64_t tokens_per_cta;
-  int claim_bits;  // kWhole: log2 of the claim counters used
+  int claim_bits;  // dispatch_kernel: log2 of the claim counters used
   CopyPlan plan[kMaxPayloads];
 
   // Warp tasks of payload i for `count` tokens (step 3): a task is
@@ -169,30 +195,45 @@ __device__ __noinline__ bool first_dispatch_wait(const DispatchArgs& a) {
   return zeroed;
 }
 
+// Step 0b's wait (wait_before_writing), out of line: it runs only where
+// regions overlap, and its polling loop would otherwise sit in the kernels'
+// code.
+__device__ __noinline__ bool wait_for_pulls(const DispatchArgs& a, uint32_t epoch) {
+  const WorkspaceView& ws = a.p.ws;
+  return wait_for_words(
+      ws, a.p.sync, [&](int q) { return header_word<uint32_t>(ws.row(q), kHdrPullDone); }, flag_target(epoch - 1),
+      kErrorDispatchTimeout, a.sync_settings);
+}
+
 // Step 0 of the call with epoch `epoch` (protocol.h), by every thread: false
 // when a wait failed (recorded). 0a: first_dispatch_wait.
 // 0b: when this call's regions may cover what a rank still reads of call
 // n-1 (its combine region or its own routes), nothing is written before
 // every active rank finished pulling combine n-1 (its pull_done, which
-// every CTA of its combine adds its share to after its last pull).
+// every CTA of its combine adds its share to after its last pull). A call of
+// the previous call's sizes waits for neither: the check is all it costs.
 __device__ __forceinline__ bool wait_before_writing(const DispatchArgs& a, uint32_t epoch, int64_t last_dispatch_end,
                                                     int32_t last_runtime_max) {
-  const WorkspaceView& ws = a.p.ws;
   if (epoch == 1 && !first_dispatch_wait(a)) return false;
   if (previous_call_overlap(a.p.layout.dispatch_end, last_dispatch_end, a.p.runtime_max_tokens, last_runtime_max)) {
-    return wait_for_words(
-        ws, a.p.sync, [&](int q) { return header_word<uint32_t>(ws.row(q), kHdrPullDone); }, flag_target(epoch - 1),
-        kErrorDispatchTimeout, a.sync_settings);
+    return wait_for_pulls(a, epoch);
   }
   return true;
 }
 
-// The same out of line, for the large calls' kernel: inlined there, it costs
-// that kernel registers in its copy loop (ptxas: more spilled bytes), while
-// the small calls' kernel spills when it calls out.
-__device__ __noinline__ bool wait_before_writing_out_of_line(const DispatchArgs& a, uint32_t epoch,
-                                                             int64_t last_dispatch_end, int32_t last_runtime_max) {
-  return wait_before_writing(a, epoch, last_dispatch_end, last_runtime_max);
+// Dispatch step 4, by every thread of the grid: the own EPLB row into every
+// active rank's EPLB region. Out of line: the calls that gather EPLB stats are
+// few, and its divisions would otherwise sit in the copy kernels' code.
+__device__ __noinline__ void write_eplb_rows(const DispatchParams& p) {
+  const WorkspaceView& ws = p.ws;
+  const int64_t total = int64_t(ws.ep_size) * p.eplb_n;
+  for (int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x; idx < total; idx += int64_t(gridDim.x) * kThreads) {
+    const int d = static_cast<int>(idx / p.eplb_n);
+    const int64_t e = idx % p.eplb_n;
+    if (!rank_active(p.sync, d)) continue;
+    int32_t* gathered = reinterpret_cast<int32_t*>(ws.row(d) + p.layout.eplb_offset);
+    gathered[int64_t(ws.ep_rank) * p.eplb_n + e] = p.eplb_local_stats[e];
+  }
 }
 
 // The destination set of a token: bit r is set when an active rank r owns one
@@ -238,21 +279,20 @@ struct Router {
   }
 };
 
-// kWhole: a large call, whose CTAs count and route their chunks through the
-// words they publish to each other and copy the tasks of all of the rank's
-// tokens (a template argument, so that the small calls' kernel carries none
-// of it). kSpreadClaims: a large call's claims spread over several counters;
-// a grid with one counter runs the simpler claim loop (same-call A/B, ep 8 x
-// 4096 tokens on an H200: 863 against 871 us; docs/performance.md, 'Design
-// decisions and their measured effect').
-template <bool kWhole, bool kSpreadClaims>
+// A large call (every call that dispatch_small_kernel does not take): CTAs
+// count and route their chunks through the words they publish to each other
+// and copy the tasks of all of the rank's tokens. kSpreadClaims: the claims
+// spread over several counters; a grid with one counter runs the simpler
+// claim loop (same-call A/B, ep 8 x 4096 tokens on an H200: 863 against 871
+// us; docs/performance.md, 'Design decisions and their measured effect').
+template <bool kSpreadClaims>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const __grid_constant__ DispatchArgs a) {
   const DispatchParams& p = a.p;
   const WorkspaceView& ws = p.ws;
   __shared__ uint8_t rank_table[kRankTableExperts];
   __shared__ uint32_t next_slot[kMaxRanks];                // per destination: first slot not yet given
   __shared__ uint32_t warp_first_slot[kWarps][kMaxRanks];  // per round: a warp's first slot per destination
-  __shared__ uint32_t chunk_count[kMaxRanks];              // kWhole: the own chunk's tokens per destination
+  __shared__ uint32_t chunk_count[kMaxRanks];              // the own chunk's tokens per destination
   __shared__ unsigned long long invalid_in_cta;
   __shared__ int grid_wait_failed;
 
@@ -286,25 +326,19 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   const int64_t end = min(n, begin + a.tokens_per_cta);
   // The CTA of the last chunk ends up holding the per-destination totals.
   const bool owns_last_chunk = blockIdx.x == gridDim.x - 1;
-  // Step 1a counts the tokens before the chunk itself (small calls) or sums
-  // the other CTAs' counts of their chunks (kWhole).
-  const bool counts = !kWhole && (begin < end || owns_last_chunk);
 
   // Everything the first steps decide on is loaded before any of it is
   // used, so that its loads share one memory latency: the own header words,
-  // then the expert ids of this thread's first token of step 1a and of step
-  // 1b (a small call has no other round). Reading the ids before step 0 is
-  // fine: step 0 only keeps this call from writing.
+  // then the expert ids of this thread's first token of the chunk. Reading
+  // the ids before step 0 is fine: step 0 only keeps this call from writing.
   const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
   const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
   const int64_t last_dispatch_end = *header_word<int64_t>(own, kHdrLastDispatchEnd);
   const int32_t last_runtime_max = *header_word<int32_t>(own, kHdrLastRuntimeMax);
   const uint32_t error_code = load_error_code(own);
-  uint32_t not_counted_here = 0;  // invalid ids are counted by the CTA that owns the token
+  uint32_t not_counted_here = 0;  // invalid ids are counted where step 1b routes them
   uint32_t invalid = 0;
-  const int64_t before_token = int64_t(warp) * kWarpSize + lane;  // step 1a's first round
-  const uint64_t before_set = counts && before_token < begin ? router.dests(before_token, not_counted_here) : 0;
-  const int64_t own_token = begin + threadIdx.x;  // step 1b's first round
+  const int64_t own_token = begin + threadIdx.x;  // the first round of steps 1a and 1b
   const uint64_t own_set = own_token < end ? router.dests(own_token, invalid) : 0;
 
   if (!may_proceed(own, p.sync.mailbox, error_code, dispatch_epoch == combine_epoch)) return;
@@ -313,20 +347,20 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   // 0. protocol.h dispatch step 0 (every CTA reads kHdrLastDispatchEnd and
   // kHdrLastRuntimeMax before it releases its share; CTA 0 rewrites them
   // once it saw every share, step 5).
-  if (!(kWhole ? wait_before_writing_out_of_line(a, epoch, last_dispatch_end, last_runtime_max)
-               : wait_before_writing(a, epoch, last_dispatch_end, last_runtime_max))) {
-    return;
-  }
+  if (!wait_before_writing(a, epoch, last_dispatch_end, last_runtime_max)) return;
 
-  // Adds to counts[d] the tokens of [from, to) that go to destination d, in
-  // rounds of kThreads tokens; `preloaded` is the first round's token of this
-  // thread, whose set is known. Lane l keeps the counts of destinations l and
-  // l + 32 for its warp. Invalid ids are counted where step 1b routes them.
-  auto count_tokens = [&](int64_t from, int64_t to, int64_t preloaded, uint64_t preloaded_set, uint32_t* counts) {
+  // 1a. The first slot per destination. CTA b counts only its own chunk,
+  // publishes the counts, and sums those of the chunks before it (every CTA
+  // publishes before it waits, and all of them are resident): counting b
+  // long chunks itself, each round would wait long for its loads while the
+  // other CTAs copy. Rounds of kThreads tokens, the first one's sets loaded
+  // already; lane l keeps the counts of destinations l and l + 32 for its
+  // warp. Invalid ids are counted where step 1b routes them.
+  {
     uint32_t count_low = 0, count_high = 0;
-    for (int64_t first = from + int64_t(warp) * kWarpSize; first < to; first += kThreads) {
+    for (int64_t first = begin + int64_t(warp) * kWarpSize; first < end; first += kThreads) {
       const int64_t t = first + lane;
-      const uint64_t set = t == preloaded ? preloaded_set : t < to ? router.dests(t, not_counted_here) : 0;
+      const uint64_t set = t == own_token ? own_set : t < end ? router.dests(t, not_counted_here) : 0;
       for (uint64_t present = warp_or(set); present != 0; present &= present - 1) {
         const int d = lowest_rank(present);
         const uint32_t count = __popc(__ballot_sync(kFullWarp, (set >> d) & 1));
@@ -339,37 +373,21 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
         }
       }
     }
-    if (lane < ep_size) atomicAdd(&counts[lane], count_low);
-    if (lane + kWarpSize < ep_size) atomicAdd(&counts[lane + kWarpSize], count_high);
-  };
-
-  // 1a. The first slot per destination: the tokens before the chunk. A small
-  // call's CTA counts them here: its chunks are at most a warp's tokens, so
-  // CTA b reads at most b * 32 tokens' ids, in rounds of kThreads tokens. (The
-  // large path below for such chunks: slower with 263 CTAs, 1.5-3% faster with
-  // 32 CTAs of 16-32 tokens; docs/performance.md, 'Design decisions and their
-  // measured effect'.) A large call's CTA b would need b rounds of long
-  // chunks, and while the other CTAs copy, each round waits long for its
-  // loads: CTA b counts only its own chunk, publishes the counts, and sums
-  // those of the chunks before it (every CTA publishes before it waits, and
-  // all of them are resident).
-  if (kWhole) {
-    count_tokens(begin, end, own_token, own_set, chunk_count);
-    __syncthreads();
-    publish_and_sum_counts(own, a, epoch, chunk_count, next_slot, &grid_wait_failed);
-  } else if (counts) {
-    count_tokens(0, begin, before_token, before_set, next_slot);
+    if (lane < ep_size) atomicAdd(&chunk_count[lane], count_low);
+    if (lane + kWarpSize < ep_size) atomicAdd(&chunk_count[lane + kWarpSize], count_high);
   }
+  __syncthreads();
+  publish_and_sum_counts(own, a, epoch, chunk_count, next_slot, &grid_wait_failed);
   __syncthreads();
   // Without the counts the slots would be wrong: this CTA stops, so its share
   // is never released and no flag publishes the call.
-  if (kWhole && grid_wait_failed) return;
+  if (grid_wait_failed) return;
 
   // 1b. The chunk, kThreads tokens per round in index order: a token's slot
   // is next_slot + the tokens of earlier warps of the round + the earlier
   // lanes of its warp that go to the same destination. A chunk of at most
-  // kWarpSize tokens (every small call) is warp 0's alone: its ballots give
-  // the slots without the scan over warps and its barriers.
+  // kWarpSize tokens is warp 0's alone: its ballots give the slots without
+  // the scan over warps and its barriers.
   int32_t* routes = reinterpret_cast<int32_t*>(own + p.layout.route_offset);
   if (end - begin <= kWarpSize) {
     if (warp == 0) {
@@ -429,7 +447,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
     atomicAdd(header_word<unsigned long long>(own, kHdrInvalidExpertCount), invalid_in_cta);
   }
   // The route entries of the chunk, for the CTAs that copy some of its tokens (step 3).
-  if (kWhole && threadIdx.x == 0) {
+  if (threadIdx.x == 0) {
     fence(/*system=*/false);
     st_release_gpu(routed_word(own, blockIdx.x), epoch);
   }
@@ -452,28 +470,21 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   // 3. Payload rows. Work items are (token, segment of its row) of every
   // payload, handed out by warp: a warp task is the kWarpSize / lanes items
   // the groups of one warp copy together, and the tasks of all payloads of
-  // the tokens copied form one sequence, so a small call copies its payloads
-  // at the same time instead of one after the other. A warp's tasks only
-  // increase, so its payload index only moves forward.
-  // A small call's CTA copies its own chunk: each warp takes its first task
-  // by index and its later ones by stride. With kWhole the tokens are all of
-  // the rank's: each warp of the grid takes its first task by index and
-  // claims later ones from one of the rank's counters (claim_counter_offset, the
-  // claim for the next task issued before the current copy), once every chunk's
-  // route entries are visible: thread c acquires CTA c's routed word, and
-  // the barrier hands what it saw to the CTA. The rows land where the routes
-  // say whoever copies them: the result is the same bytes whatever the order
-  // of claims.
+  // the rank's tokens form one sequence. A warp's tasks only increase, so its
+  // payload index only moves forward. Each warp of the grid takes its first
+  // task by index and claims later ones from one of the rank's counters
+  // (claim_counter_offset, the claim for the next task issued before the
+  // current copy), once every chunk's route entries are visible: thread c
+  // acquires CTA c's routed word, and the barrier hands what it saw to the
+  // CTA. The rows land where the routes say whoever copies them: the result
+  // is the same bytes whatever the order of claims.
   const int64_t source_row = int64_t(ws.ep_rank) * p.runtime_max_tokens;
-  if (kWhole) {
-    wait_all_routed(own, a, epoch, &grid_wait_failed);
-    __syncthreads();
-    if (grid_wait_failed) return;
-  }
-  const int64_t first_token = kWhole ? 0 : begin;
-  const int count = int(kWhole ? n : end - begin);
-  int task = kWhole ? int(blockIdx.x) * kWarps + warp : warp;
-  // kWhole: the tasks after the first round, grid * kWarps + i, go in turn to
+  wait_all_routed(own, a, epoch, &grid_wait_failed);
+  __syncthreads();
+  if (grid_wait_failed) return;
+  const int count = int(n);
+  int task = int(blockIdx.x) * kWarps + warp;
+  // The tasks after the first round, grid * kWarps + i, go in turn to
   // the claims of counter i mod counters; warp w claims from counter w mod
   // counters (counters divide kWarps, so its first task is of that residue too).
   const int counter = kSpreadClaims ? warp & ((1 << a.claim_bits) - 1) : 0;
@@ -489,17 +500,17 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
       }
       if (i == p.num_payloads) break;
       uint32_t claimed = 0;
-      if (kWhole && lane == 0) claimed = atomicAdd(claim_word(own, counter), 1u);
+      if (lane == 0) claimed = atomicAdd(claim_word(own, counter), 1u);
       const CopyPlan& plan = a.plan[i];
       const int item = ((task - first_task) << (kLog2WarpSize - plan.lane_bits)) + (lane >> plan.lane_bits);
       if (item < count * plan.segments) {  // else past the end of payload i's last task
-        const int64_t t = first_token + (plan.segments == 1 ? item : item / plan.segments);
+        const int64_t t = plan.segments == 1 ? item : item / plan.segments;
         const int segment = plan.segments == 1 ? 0 : static_cast<int>(item % plan.segments);
         const int32_t* route = routes + t * kMaxTopK;
         const int64_t row_bytes = p.payload_row_bytes[i];
         const int64_t plane_offset = p.layout.payload_offset[i];
         // A token with no destination finds kRouteEnd first (its segment's loads are wasted).
-        copy_segment_any<kWhole>(
+        copy_segment_any</*kL2Hints=*/true>(
             p.payload[i] + t * row_bytes, plan, segment, lane & (plan.lanes - 1),
             [&](int k) {
               const int32_t entry = route[k];
@@ -509,26 +520,16 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
               return ws.row(route_rank(entry)) + plane_offset + (source_row + route_slot(entry)) * row_bytes;
             });
       }
-      if (kWhole && kSpreadClaims) {
+      if (kSpreadClaims) {
         task = int(gridDim.x) * kWarps + counter + (int(__shfl_sync(kFullWarp, claimed, 0)) << a.claim_bits);
       } else {
-        task = kWhole ? int(gridDim.x) * kWarps + int(__shfl_sync(kFullWarp, claimed, 0)) : task + kWarps;
+        task = int(gridDim.x) * kWarps + int(__shfl_sync(kFullWarp, claimed, 0));
       }
     }
   }
 
   // 4. EPLB row s into every active destination, spread over the grid.
-  if (p.eplb_local_stats != nullptr) {
-    const int64_t total = int64_t(ep_size) * p.eplb_n;
-    for (int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x; idx < total;
-         idx += int64_t(gridDim.x) * kThreads) {
-      const int d = static_cast<int>(idx / p.eplb_n);
-      const int64_t e = idx % p.eplb_n;
-      if (!rank_active(p.sync, d)) continue;
-      int32_t* gathered = reinterpret_cast<int32_t*>(ws.row(d) + p.layout.eplb_offset);
-      gathered[int64_t(ws.ep_rank) * p.eplb_n + e] = p.eplb_local_stats[e];
-    }
-  }
+  if (p.eplb_local_stats != nullptr) write_eplb_rows(p);
 
   // 5. Every CTA publishes its own part (steps 2 to 4: device.cuh explains
   // the chain) with its share of each destination's flag; CTA 0 alone then
@@ -542,7 +543,325 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   const bool arrived = wait_for_flags(ws, p.sync, kHdrDispatchFlags, epoch, kErrorDispatchTimeout, a.sync_settings);
   allow_dependent_launch();
   if (!arrived) return;
-  if (kWhole && threadIdx.x < kClaimCounters) *claim_word(own, threadIdx.x) = 0;
+  if (threadIdx.x < kClaimCounters) *claim_word(own, threadIdx.x) = 0;
+  if (threadIdx.x == 0) {
+    *header_word<int32_t>(own, kHdrLastLocalTokens) = static_cast<int32_t>(n);
+    *header_word<int32_t>(own, kHdrLastRuntimeMax) = static_cast<int32_t>(p.runtime_max_tokens);
+    *header_word<int32_t>(own, kHdrLastTopK) = static_cast<int32_t>(p.top_k);
+    *header_word<int64_t>(own, kHdrLastDispatchEnd) = p.layout.dispatch_end;
+    *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
+    if (epoch == 1) mark_in_use(own);
+  }
+}
+
+// ---- small calls ---------------------------------------------------------------
+
+// Loads / stores the `kCopyUnroll` vectors of one lane's part of a segment
+// (copy_segment's pattern), held in uint4 registers whatever the width.
+template <int kBytes>
+__device__ __forceinline__ void load_vectors(const uint8_t* src, const CopyPlan& plan, int first,
+                                             uint4 (&buf)[kCopyUnroll]) {
+  using V = typename VecOf<kBytes>::T;
+  const V* from = reinterpret_cast<const V*>(src);
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    const int v = first + u * plan.lanes;
+    if (v >= plan.vectors) continue;
+    if constexpr (kBytes == 16) {
+      buf[u] = from[v];
+    } else if constexpr (kBytes == 8) {
+      const uint2 x = from[v];
+      buf[u].x = x.x;
+      buf[u].y = x.y;
+    } else {
+      buf[u].x = from[v];  // 4, 2 or 1 bytes, zero-extended
+    }
+  }
+}
+
+template <int kBytes>
+__device__ __forceinline__ void store_vectors(uint8_t* dst, const CopyPlan& plan, int first,
+                                              const uint4 (&buf)[kCopyUnroll]) {
+  using V = typename VecOf<kBytes>::T;
+  V* to = reinterpret_cast<V*>(dst);
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    const int v = first + u * plan.lanes;
+    if (v >= plan.vectors) continue;
+    if constexpr (kBytes == 16) {
+      to[v] = buf[u];
+    } else if constexpr (kBytes == 8) {
+      to[v] = make_uint2(buf[u].x, buf[u].y);
+    } else {
+      to[v] = static_cast<V>(buf[u].x);
+    }
+  }
+}
+
+// One warp task of a small call's copy (step 3): its payload, its token's
+// index in the chunk and the first vector of its lane (valid: the lane has
+// an item in the task).
+struct SmallTask {
+  int payload;
+  int token;
+  int first;
+  bool valid;
+};
+
+__device__ __forceinline__ SmallTask locate_task(const DispatchArgs& a, int task, int count, int lane) {
+  SmallTask s{a.p.num_payloads, 0, 0, false};
+  int first_task = 0;
+  for (int i = 0; i < a.p.num_payloads; ++i) {
+    const int tasks = a.warp_tasks(i, count);
+    if (task < first_task + tasks) {
+      const CopyPlan& plan = a.plan[i];
+      const int item = ((task - first_task) << (kLog2WarpSize - plan.lane_bits)) + (lane >> plan.lane_bits);
+      s.payload = i;
+      s.valid = item < count * plan.segments;
+      s.token = plan.segments == 1 ? item : item / plan.segments;
+      const int segment = plan.segments == 1 ? 0 : item % plan.segments;
+      s.first = segment * plan.lanes * kCopyUnroll + (lane & (plan.lanes - 1));
+      return s;
+    }
+    first_task += tasks;
+  }
+  return s;
+}
+
+// Loads a task's vectors when its payload moves in 16-byte vectors (the
+// common case, whose code the kernel keeps inline); store_task copies the
+// other widths itself, out of line.
+__device__ __forceinline__ void load_task(const DispatchArgs& a, const SmallTask& s, int64_t begin,
+                                          uint4 (&buf)[kCopyUnroll]) {
+  if (!s.valid || a.plan[s.payload].vec_bytes != 16) return;
+  const uint8_t* src = a.p.payload[s.payload] + (begin + s.token) * a.p.payload_row_bytes[s.payload];
+  load_vectors<16>(src, a.plan[s.payload], s.first, buf);
+}
+
+// The destination row of a route entry in payload i's plane.
+__device__ __forceinline__ uint8_t* small_row(const DispatchArgs& a, int i, int64_t source_row, int32_t entry) {
+  return a.p.ws.row(route_rank(entry)) + a.p.layout.payload_offset[i] +
+         (source_row + route_slot(entry)) * a.p.payload_row_bytes[i];
+}
+
+// A task of a payload narrower than 16-byte vectors, loaded and stored.
+template <int kBytes>
+__device__ __forceinline__ void copy_narrow(const DispatchArgs& a, const SmallTask& s, int64_t begin,
+                                            const int32_t* route, int64_t source_row) {
+  const CopyPlan& plan = a.plan[s.payload];
+  uint4 buf[kCopyUnroll];
+  load_vectors<kBytes>(a.p.payload[s.payload] + (begin + s.token) * a.p.payload_row_bytes[s.payload], plan, s.first,
+                       buf);
+#pragma unroll 1
+  for (int k = 0; k < kMaxTopK && route[k] != kRouteEnd; ++k) {
+    store_vectors<kBytes>(small_row(a, s.payload, source_row, route[k]), plan, s.first, buf);
+  }
+}
+
+__device__ __noinline__ void copy_narrow_task(const DispatchArgs& a, const SmallTask& s, int64_t begin,
+                                              const int32_t* route, int64_t source_row) {
+  switch (a.plan[s.payload].vec_bytes) {
+    case 8:
+      return copy_narrow<8>(a, s, begin, route, source_row);
+    case 4:
+      return copy_narrow<4>(a, s, begin, route, source_row);
+    case 2:
+      return copy_narrow<2>(a, s, begin, route, source_row);
+    default:
+      return copy_narrow<1>(a, s, begin, route, source_row);
+  }
+}
+
+// Stores a task's vectors to every destination row of its token (`route`:
+// the token's entries in shared memory, kRouteEnd-terminated).
+__device__ __forceinline__ void store_task(const DispatchArgs& a, const SmallTask& s, int64_t begin,
+                                           const int32_t* route, int64_t source_row, const uint4 (&buf)[kCopyUnroll]) {
+  if (!s.valid) return;
+  if (a.plan[s.payload].vec_bytes != 16) return copy_narrow_task(a, s, begin, route, source_row);
+#pragma unroll 1
+  for (int k = 0; k < kMaxTopK && route[k] != kRouteEnd; ++k) {
+    store_vectors<16>(small_row(a, s.payload, source_row, route[k]), a.plan[s.payload], s.first, buf);
+  }
+}
+
+// The destination set of a small call's token (Router::dests without the
+// shared table: RankMap divides by multiplication).
+template <typename Id>
+__device__ __forceinline__ uint64_t small_dests(const DispatchArgs& a, int64_t t, uint32_t& invalid) {
+  const Id* row = static_cast<const Id*>(a.p.token_selected_experts) + t * a.p.top_k;
+  const int top_k = int(a.p.top_k);
+  uint64_t set = 0;
+#pragma unroll 1
+  for (int first = 0; first < top_k; first += kIdsPerBatch) {
+    Id expert[kIdsPerBatch];
+#pragma unroll
+    for (int k = 0; k < kIdsPerBatch; ++k) expert[k] = first + k < top_k ? row[first + k] : Id(-1);
+#pragma unroll
+    for (int k = 0; k < kIdsPerBatch; ++k) {
+      const Id e = expert[k];
+      if (e < 0) continue;
+      if (e >= a.p.num_experts) {
+        ++invalid;
+        continue;
+      }
+      set |= uint64_t(1) << a.rank_map.rank(uint32_t(e));
+    }
+  }
+  return set & a.p.sync.active_mask[0];
+}
+
+// A small call: chunks of at most kWarpSize tokens, one CTA each
+// (launch_dispatch decides). Its fixed cost is the point, so:
+//   * every load the first steps need is issued before the first barrier,
+//     this warp's first copy task's payload vectors included (they do not
+//     depend on the routing, only their destinations do);
+//   * one pass over the ids of tokens [0, end) in rounds of kThreads, each
+//     thread one token: a token before the chunk is counted per warp with
+//     ballots (no atomics, no zeroing), a token of the chunk keeps its
+//     destination set in shared memory; may_proceed's barrier publishes both;
+//   * warp 0 routes the chunk: lane d sums the warps' counts of destination
+//     d, then the ballots give each token its slots, handed to the copies in
+//     shared memory (and to the combine in the route region);
+//   * one id-to-rank path (RankMap), ids of one width per instance, the rare
+//     paths (first dispatch, overlap wait, errors, EPLB) out of line: the
+//     code a CTA runs cold on its multiprocessor stays short.
+template <typename Id>
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
+    dispatch_small_kernel(const __grid_constant__ DispatchArgs a) {
+  const DispatchParams& p = a.p;
+  const WorkspaceView& ws = p.ws;
+  __shared__ uint32_t warp_count[kWarps][kMaxRanks];  // tokens before the chunk per (warp, destination)
+  __shared__ uint64_t chunk_set[kWarpSize];           // destination set of each token of the chunk
+  __shared__ int32_t chunk_routes[kWarpSize][kMaxTopK];
+  const int ep_size = ws.ep_size;
+  const int lane = lane_id();
+  const int warp = warp_id();
+
+  wait_for_previous_grid();
+  uint8_t* own = ws.row(ws.ep_rank);
+  const int64_t n = p.local_num_tokens;
+  const int64_t begin = min(n, int64_t(blockIdx.x) * a.tokens_per_cta);
+  const int64_t end = min(n, begin + a.tokens_per_cta);
+  const int count = int(end - begin);
+  const bool owns_last_chunk = blockIdx.x == gridDim.x - 1;
+
+  const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
+  const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
+  const int64_t last_dispatch_end = *header_word<int64_t>(own, kHdrLastDispatchEnd);
+  const int32_t last_runtime_max = *header_word<int32_t>(own, kHdrLastRuntimeMax);
+  const uint32_t error_code = load_error_code(own);
+  uint4 buf[kCopyUnroll];
+  SmallTask task = locate_task(a, warp, count, lane);
+  load_task(a, task, begin, buf);
+
+  // 1a. Counts of the tokens before the chunk, per warp; the chunk's sets.
+  uint32_t count_low = 0, count_high = 0;  // lane l: destinations l and l + 32
+  uint32_t invalid = 0;                    // of the chunk's tokens (the CTA that owns a token counts it)
+  for (int64_t first = 0; first < end; first += kThreads) {
+    const int64_t t = first + threadIdx.x;
+    uint32_t invalid_here = 0;
+    const uint64_t set = t < end ? small_dests<Id>(a, t, invalid_here) : 0;
+    if (t >= begin && t < end) {
+      chunk_set[t - begin] = set;
+      invalid += invalid_here;
+    }
+    const uint64_t before = t < begin ? set : 0;
+    for (uint64_t present = warp_or(before); present != 0; present &= present - 1) {
+      const int d = lowest_rank(present);
+      const uint32_t going = __popc(__ballot_sync(kFullWarp, (before >> d) & 1));
+      if (lane == d % kWarpSize) {
+        if (d < kWarpSize) {
+          count_low += going;
+        } else {
+          count_high += going;
+        }
+      }
+    }
+  }
+  if (lane < ep_size) warp_count[warp][lane] = count_low;
+  if (lane + kWarpSize < ep_size) warp_count[warp][lane + kWarpSize] = count_high;
+
+  if (!may_proceed(own, p.sync.mailbox, error_code, dispatch_epoch == combine_epoch)) return;
+  const uint32_t epoch = dispatch_epoch + 1;
+  if (!wait_before_writing(a, epoch, last_dispatch_end, last_runtime_max)) return;
+  if (invalid != 0) {
+    atomicAdd(header_word<unsigned long long>(own, kHdrInvalidExpertCount), static_cast<unsigned long long>(invalid));
+  }
+
+  // 1b. Warp 0 routes the chunk: lane d's next slot of destination d (and
+  // d + 32) in registers, handed to the lanes by a shuffle per destination.
+  if (warp == 0) {
+    uint32_t next_low = 0, next_high = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      if (lane < ep_size) next_low += warp_count[w][lane];
+      if (lane + kWarpSize < ep_size) next_high += warp_count[w][lane + kWarpSize];
+    }
+    const int64_t t = begin + lane;
+    const uint64_t own_set = lane < count ? chunk_set[lane] : 0;
+    int32_t* route = reinterpret_cast<int32_t*>(own + p.layout.route_offset) + t * kMaxTopK;
+    int entries = 0;
+    for (uint64_t rest = warp_or(own_set); rest != 0; rest &= rest - 1) {
+      const int d = lowest_rank(rest);
+      const uint32_t going = __ballot_sync(kFullWarp, (own_set >> d) & 1);
+      const uint32_t next = __shfl_sync(kFullWarp, d < kWarpSize ? next_low : next_high, d % kWarpSize);
+      if ((own_set >> d) & 1) {
+        const int32_t entry = route_entry(d, next + __popc(going & lanes_below()));
+        route[entries] = entry;
+        chunk_routes[lane][entries] = entry;
+        ++entries;
+      }
+      if (lane == d % kWarpSize) {
+        if (d < kWarpSize) {
+          next_low += __popc(going);
+        } else {
+          next_high += __popc(going);
+        }
+      }
+    }
+    if (entries < kMaxTopK) {
+      chunk_routes[lane][entries] = kRouteEnd;
+      if (lane < count) route[entries] = kRouteEnd;
+    }
+    // 2. Receive counts: the last chunk's next slots are the totals
+    // (dispatch_kernel, step 2).
+    if (owns_last_chunk) {
+      for (int d = lane; d < ep_size; d += kWarpSize) {
+        const uint32_t total = d < kWarpSize ? next_low : next_high;
+        if (rank_active(p.sync, d)) {
+          *header_word<int32_t>(ws.row(d), recv_count_offset(ws.ep_rank)) = static_cast<int32_t>(total);
+          *header_word<int32_t>(ws.row(d), peer_runtime_max_offset(ws.ep_rank)) =
+              static_cast<int32_t>(p.runtime_max_tokens);
+          *header_word<uint32_t>(ws.row(d), peer_payloads_offset(ws.ep_rank)) = p.payload_signature;
+        } else {
+          *header_word<int32_t>(own, recv_count_offset(d)) = 0;
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // 3. Payload rows: the preloaded task, then the warp's later ones.
+  const int64_t source_row = int64_t(ws.ep_rank) * p.runtime_max_tokens;
+  for (int t = warp;;) {
+    store_task(a, task, begin, chunk_routes[task.valid ? task.token : 0], source_row, buf);
+    t += kWarps;
+    task = locate_task(a, t, count, lane);
+    if (task.payload == p.num_payloads) break;
+    load_task(a, task, begin, buf);
+  }
+
+  // 4. EPLB row s into every active destination, spread over the grid.
+  if (p.eplb_local_stats != nullptr) write_eplb_rows(p);
+
+  // 5. Release this CTA's shares; CTA 0 waits and writes the header words
+  // (dispatch_kernel, step 5).
+  const bool system = a.sync_settings.system;
+  __syncthreads();
+  release_share(ws, p.sync, kHdrDispatchFlags, system);
+  if (blockIdx.x != 0) return;
+  const bool arrived = wait_for_flags(ws, p.sync, kHdrDispatchFlags, epoch, kErrorDispatchTimeout, a.sync_settings);
+  allow_dependent_launch();
+  if (!arrived) return;
   if (threadIdx.x == 0) {
     *header_word<int32_t>(own, kHdrLastLocalTokens) = static_cast<int32_t>(n);
     *header_word<int32_t>(own, kHdrLastRuntimeMax) = static_cast<int32_t>(p.runtime_max_tokens);
@@ -557,9 +876,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
 
 cudaError_t dispatch_ctas_per_sm(int* ctas_per_sm) {
   *ctas_per_sm = std::numeric_limits<int>::max();
-  cudaError_t err = lower_to_occupancy(dispatch_kernel<false, false>, ctas_per_sm);
-  if (err == cudaSuccess) err = lower_to_occupancy(dispatch_kernel<true, false>, ctas_per_sm);
-  if (err == cudaSuccess) err = lower_to_occupancy(dispatch_kernel<true, true>, ctas_per_sm);
+  cudaError_t err = lower_to_occupancy(dispatch_small_kernel<int32_t>, ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy(dispatch_small_kernel<int64_t>, ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy(dispatch_kernel<false>, ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy(dispatch_kernel<true>, ctas_per_sm);
   return err;
 }
 
@@ -572,30 +892,40 @@ cudaError_t launch_dispatch(const DispatchParams& p, const LaunchConfig& config,
   }
   int64_t token_bytes = 0;
   for (int i = 0; i < p.num_payloads; ++i) token_bytes += p.payload_row_bytes[i];
-  const int grid = std::min(spinning_grid_size(config, p.local_num_tokens * token_bytes), kMaxDispatchCtas);
-  a.tokens_per_cta = (p.local_num_tokens + grid - 1) / grid;
   // A destination row starts at base + d * row_stride + plane offset + row * row_bytes.
   const uint64_t rows_bits = address_bits(p.ws.base) | uint64_t(p.ws.row_stride);
   for (int i = 0; i < p.num_payloads; ++i) {
     a.plan[i] = make_copy_plan(p.payload_row_bytes[i],
                                rows_bits | uint64_t(p.layout.payload_offset[i]) | address_bits(p.payload[i]));
   }
+  const int64_t n = p.local_num_tokens;
+  const bool pdl = p.sync.enable_pdl && config.pdl_supported;
+
+  // A small call: one CTA per chunk of at most a warp's tokens, a CTA per
+  // kMinBytesPerCta of rows as far as the residency allows. The grid-wide
+  // waits of the large calls' kernel would only add their latency.
+  const int64_t warp_chunks = (n + kWarpSize - 1) / kWarpSize;
+  const int small_grid =
+      std::min(spinning_grid_size(config, std::max(n * token_bytes, warp_chunks * kMinBytesPerCta)), kMaxDispatchCtas);
+  const int64_t small_chunk = (n + small_grid - 1) / small_grid;
+  if (small_chunk <= kWarpSize && p.num_experts <= kRankMapExperts) {
+    a.tokens_per_cta = small_chunk;
+    a.rank_map = make_rank_map(p.num_experts, p.ws.ep_size);
+    const int grid = n > 0 ? static_cast<int>((n + small_chunk - 1) / small_chunk) : 1;  // no CTA without tokens
+    return p.ids_int64 ? launch_kernel(dispatch_small_kernel<int64_t>, grid, kThreads, stream, pdl, a)
+                       : launch_kernel(dispatch_small_kernel<int32_t>, grid, kThreads, stream, pdl, a);
+  }
+
+  const int grid = std::min(spinning_grid_size(config, n * token_bytes), kMaxDispatchCtas);
+  a.tokens_per_cta = (n + grid - 1) / grid;
   int64_t token_segments = 0;  // copy items of a token, all payloads
   for (int i = 0; i < p.num_payloads; ++i) token_segments += a.plan[i].segments;
-  if (a.tokens_per_cta * token_segments > kMaxLoopItems) return cudaErrorInvalidValue;
-  const bool whole_fits = p.local_num_tokens * token_segments <= kMaxLoopItems;
-  // The large calls' path (kWhole) pays where chunks are long. A small
-  // call's chunks of at most a warp's tokens are counted in one round and end
-  // their copies within microseconds of each other; the grid-wide waits would
-  // only add their latency.
-  const bool whole = grid > 1 && a.tokens_per_cta > kWarpSize && whole_fits;
-  const bool pdl = p.sync.enable_pdl && config.pdl_supported;
-  if (!whole) return launch_kernel(dispatch_kernel<false, false>, grid, kThreads, stream, pdl, a);
+  if (n * token_segments > kMaxLoopItems) return cudaErrorInvalidValue;
   while ((1 << a.claim_bits) < kClaimCounters && (kWarpsPerClaimCounter << a.claim_bits) < int64_t(grid) * kWarps) {
     ++a.claim_bits;
   }
-  return a.claim_bits > 0 ? launch_kernel(dispatch_kernel<true, true>, grid, kThreads, stream, pdl, a)
-                          : launch_kernel(dispatch_kernel<true, false>, grid, kThreads, stream, pdl, a);
+  return a.claim_bits > 0 ? launch_kernel(dispatch_kernel<true>, grid, kThreads, stream, pdl, a)
+                          : launch_kernel(dispatch_kernel<false>, grid, kThreads, stream, pdl, a);
 }
 
 }  // namespace gpu
