@@ -378,15 +378,15 @@ MOE_A2A_HD constexpr uint64_t next_init_word(uint64_t old) {
 // this rank saw at its previous first dispatch) or, when this rank saw none,
 // its count equals `own_count`, this rank's own (every rank initializes
 // once per collective initialization).
+MOE_A2A_HD constexpr bool fresh_peer(uint64_t word, uint16_t stale, uint16_t own_count) {
+  return row_initialized(word) && (word & kInitWordInUse) == 0 &&
+         (stale != 0 ? init_tag(word) != stale : init_count(word) == own_count);
+}
 // Whether a dispatch on the row whose own init word is `own_word` is the
 // first since its initialize (dispatch step 0a): no dispatch finished and no
 // error was recorded since. Not "n == 1": the uint32 epoch comes back to 1
 // after 2^32 calls, when the peers' rows are long in use.
 MOE_A2A_HD constexpr bool first_dispatch(uint64_t own_word) { return (own_word & kInitWordInUse) == 0; }
-MOE_A2A_HD constexpr bool fresh_peer(uint64_t word, uint16_t stale, uint16_t own_count) {
-  return row_initialized(word) && (word & kInitWordInUse) == 0 &&
-         (stale != 0 ? init_tag(word) != stale : init_count(word) == own_count);
-}
 
 MOE_A2A_HD constexpr int64_t align_up(int64_t x, int64_t a = kAlign) { return (x + a - 1) / a * a; }
 

@@ -129,8 +129,8 @@ def test_multiprocess_round_trip(world, tmp_path):
 def test_shared_workspace_file_mode(tmp_path, monkeypatch):
     """The shared-memory file is created 0600 and without a name in any
     directory (observed where it is created, in a single-process group), and
-    once allocate_workspace returned, its descriptor number in this process
-    leads to it no more: nothing is left to open by guessing."""
+    once allocate_workspace returned, the descriptor number the peers
+    learned leads to it no more (only the mapping's own descriptor is left)."""
     created = []
     real_create = ws_module._create_shared_file
 
