@@ -54,7 +54,9 @@
 //
 // dispatch n on rank s (n = own dispatch_epoch + 1; requires own
 // dispatch_epoch == own combine_epoch, else "two dispatches in a row"):
-//   0. a. n == 1 (the first dispatch since initialize): acquire-wait until
+//   0. a. the first dispatch since initialize (first_dispatch: the own init
+//      word not yet in use; the CUDA kernels test n == 1, which is the same
+//      until the uint32 epoch wraps after 2^32 dispatches): acquire-wait until
 //      every active peer p's init word is fresh_peer (p zeroed its row
 //      since its last use) before writing anything into it; then
 //      own init_seen[p] := p's tag (kept by the next initialize as stale)
@@ -77,8 +79,8 @@
 //      active peer p (the own rank's included: on CUDA one CTA waits, and the
 //      own flag tells it that every CTA of its grid has read what it reads
 //      of the own header and released)
-//   5. own kHdrLast* words and dispatch_epoch := n; n == 1: own init word
-//      marked in use (also by every recorded error)
+//   5. own kHdrLast* words and dispatch_epoch := n; the first dispatch: own
+//      init word marked in use (also by every recorded error)
 //   The equal-T check: own runtime_max[p] == own runtime_max[s] for every
 //   active peer p, else kErrorRuntimeMaxMismatch with the mask of those
 //   peers (the contract wants T equal on all ranks for one call: a peer with
@@ -380,6 +382,11 @@ MOE_A2A_HD constexpr bool fresh_peer(uint64_t word, uint16_t stale, uint16_t own
   return row_initialized(word) && (word & kInitWordInUse) == 0 &&
          (stale != 0 ? init_tag(word) != stale : init_count(word) == own_count);
 }
+// Whether a dispatch on the row whose own init word is `own_word` is the
+// first since its initialize (dispatch step 0a): no dispatch finished and no
+// error was recorded since. Not "n == 1": the uint32 epoch comes back to 1
+// after 2^32 calls, when the peers' rows are long in use.
+MOE_A2A_HD constexpr bool first_dispatch(uint64_t own_word) { return (own_word & kInitWordInUse) == 0; }
 
 MOE_A2A_HD constexpr int64_t align_up(int64_t x, int64_t a = kAlign) { return (x + a - 1) / a * a; }
 

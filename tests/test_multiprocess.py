@@ -5,19 +5,24 @@ and through MoeAlltoAll(group=...) match the reference computed here."""
 import datetime
 import os
 import re
+import stat
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import Case, PayloadSpec, assert_bytes_equal, ep_mapping, make_generator, make_inputs
+from conftest import Case, PayloadSpec, assert_bytes_equal, ep_mapping, make_generator, make_inputs, open_fds
 
 import torch_moe_a2a as a2a
 from torch_moe_a2a import reference
+from torch_moe_a2a import workspace as ws_module
+from torch_moe_a2a.workspace import SHARED_FILE_PREFIX
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "torch_moe_a2a"
+# How the workspace's anonymous file shows in /proc/<pid>/maps and /proc/<pid>/fd.
+MEMFD_PREFIX = "/memfd:" + SHARED_FILE_PREFIX
 
 CASES = {
     2: Case(2, (9, 4), 3, 6, hidden=64, runtime_max=12, extras=(PayloadSpec(torch.float8_e4m3fn, (32,)),)),
@@ -45,10 +50,14 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         # Round 1: functional API on allocate_workspace(group=...).
         workspace = a2a.allocate_workspace(size, group=dist.group.WORLD)
         assert tuple(workspace.shape) == (world, size) and workspace.dtype == torch.uint8
-        # Mapped, and already unlinked on every member (nothing left behind if a process dies now).
+        # Mapped, with one descriptor of the file on every member, the one
+        # Python's mmap keeps (rank 0's creation descriptor is closed before
+        # allocate_workspace returns anywhere).
         with open("/proc/self/maps") as maps:
-            mapped = [line.strip() for line in maps if f"{SHM_DIR}/{SHM_PREFIX}" in line]
-        assert mapped and all(line.endswith("(deleted)") for line in mapped), mapped
+            mapped = [line.strip() for line in maps if MEMFD_PREFIX in line]
+        assert mapped, "the workspace file is not mapped"
+        held = [v for v in open_fds().values() if MEMFD_PREFIX in v]
+        assert len(held) == 1, held
         # No barrier after the local initialize (DESIGN section 5: no peer writes
         # into a row before its owner zeroed it): the last rank initializes
         # late, after its peers' first dispatches started.
@@ -118,18 +127,21 @@ def test_multiprocess_round_trip(world, tmp_path):
 
 
 def test_shared_workspace_file_mode(tmp_path, monkeypatch):
-    """The shared-memory file is created 0600 (observed through os.open in a
-    single-process group) and unlinked before allocate_workspace returns."""
+    """The shared-memory file is created 0600 and without a name in any
+    directory (observed where it is created, in a single-process group), and
+    once allocate_workspace returned, the descriptor number the peers
+    learned leads to it no more (only the mapping's own descriptor is left)."""
     created = []
-    real_open = os.open
+    real_create = ws_module._create_shared_file
 
-    def spy(path, flags, mode=0o777, *args, **kwargs):
-        fd = real_open(path, flags, mode, *args, **kwargs)
-        if str(path).startswith(os.path.join(SHM_DIR, SHM_PREFIX)) and flags & os.O_CREAT:
-            created.append((str(path), os.stat(fd).st_mode & 0o777))
+    def spy(nbytes):
+        fd = real_create(nbytes)
+        st = os.fstat(fd)
+        created.append((fd, stat.S_IMODE(st.st_mode), st.st_nlink, os.readlink(f"/proc/self/fd/{fd}")))
         return fd
 
-    monkeypatch.setattr(os, "open", spy)
+    monkeypatch.setattr(ws_module, "_create_shared_file", spy)
+    shm_before = _shm_entries()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
         ws = a2a.allocate_workspace(4096, group=dist.group.WORLD)
@@ -138,9 +150,15 @@ def test_shared_workspace_file_mode(tmp_path, monkeypatch):
     finally:
         dist.destroy_process_group()
     assert len(created) == 1, created
-    path, mode = created[0]
+    fd, mode, links, target = created[0]
     assert mode == 0o600, oct(mode)
-    assert not os.path.exists(path)
+    assert links == 0 and target.startswith(MEMFD_PREFIX), (links, target)
+    assert _shm_entries() == shm_before
+    try:
+        still = os.readlink(f"/proc/self/fd/{fd}")
+    except FileNotFoundError:
+        still = None
+    assert still is None or MEMFD_PREFIX not in still, still
 
 
 # (what rank 1 passes, what every member's error names) where rank 0's arguments are good.

@@ -4,8 +4,8 @@ The workspace is a ``[ep_size, size_per_rank]`` uint8 tensor whose row ``r`` is
 rank ``r``'s memory, readable and writable by every rank:
 
 - simulated ranks in one process: a plain zeroed tensor on one device;
-- one rank per process on the CPU: one POSIX shared-memory file mapped by every
-  process of a ``torch.distributed`` group;
+- one rank per process on the CPU: one anonymous shared-memory file (memfd)
+  mapped by every process of a ``torch.distributed`` group;
 - one rank per process on CUDA: CUDA virtual memory. Each process creates its
   own row, exports it (a POSIX file descriptor passed over a Unix socket, or a
   fabric handle gathered through the group), imports its peers' rows and maps
@@ -38,8 +38,6 @@ from . import layout
 from .collective import Collective, allgather_ints, as_collective
 
 _log = logging.getLogger(__name__)
-
-_SHM_DIR = "/dev/shm"
 
 # Handle types of a multi-process CUDA workspace (the names csrc/cuda/vmm.cpp takes).
 POSIX_FD = "posix_fd"
@@ -113,8 +111,13 @@ def allocate_workspace(
     RuntimeError otherwise), naming the failed ranks.
 
     - ``device`` CPU (default): every member maps the same shared-memory
-      file; the file is unlinked before this returns, so nothing is left
-      behind even if a process dies later.
+      file, an anonymous one (memfd, mode 0600) that group rank 0 creates
+      and the peers open through rank 0's ``/proc/<pid>/fd`` entry, so the
+      members must be processes of one user on one host that see each
+      other's /proc. It never has a name in a directory: nothing is left
+      behind when a process dies, during this call or later. Each member's
+      mapping keeps a descriptor of it (Python's mmap does), which /proc
+      lets only processes of the same user open.
     - ``device`` CUDA (one rank per process; several processes may share a
       GPU): each member creates its row on its device with ``cuMemCreate``,
       the members trade the rows (fabric handles through the group where
@@ -388,47 +391,91 @@ def _multiprocess_kind(workspace: Any) -> str:
 
 
 def _shared_cpu_workspace(coll: Collective, size_per_rank: int) -> torch.Tensor:
-    """Group rank 0 creates a /dev/shm file, everyone maps it, rank 0 unlinks it after a barrier."""
+    """Group rank 0 creates an anonymous shared-memory file, every member maps
+    it, rank 0 closes its descriptor after every member reported its mapping.
+
+    The file is a memfd: it has no name in any directory, so nothing is left
+    behind whichever process dies at whichever point (its memory goes with
+    the last descriptor or mapping), and no other process can find it by a
+    name. The peers reach it through ``/proc/<pid>/fd/<fd>`` of rank 0's
+    creation descriptor, which the kernel lets only a process of the same
+    user open (the file is 0600 besides); they check that they opened the
+    file rank 0 created (device and inode, which rank 0 sends along).
+    """
     total = coll.size * size_per_rank
-    path = ""
-    failure = None
-    if coll.rank == 0:
-        # O_EXCL with a random name: never reuse (or clobber) somebody else's file.
-        path = os.path.join(_SHM_DIR, f"torch_moe_a2a_{os.getpid()}_{secrets.token_hex(8)}")
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        except OSError as e:
-            failure = e
-        else:
-            try:
-                os.ftruncate(fd, total)  # a new file reads as zeros
-            except OSError as e:
-                os.unlink(path)
-                path = ""
-                failure = e
-            finally:
-                os.close(fd)
-    # An empty name tells the peers that rank 0 failed, so they raise instead of waiting.
-    path = coll.allgather(path.encode())[0].decode()
-    if failure is not None:
-        raise failure
-    if not path:
-        raise RuntimeError("group rank 0 could not create the shared-memory workspace file")
+    fd = -1
+    address = b""
     try:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            mapping = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        # frombuffer keeps `mapping` alive for as long as the tensor (and its views) live.
-        workspace = torch.frombuffer(mapping, dtype=torch.uint8).view(coll.size, size_per_rank)
-        base = workspace.untyped_storage().data_ptr()
-        _CPU_MAPPINGS[base] = weakref.ref(mapping, lambda _, base=base: _CPU_MAPPINGS.pop(base, None))
-        coll.barrier()  # everyone has mapped the file
+        with _collective_step("creating the shared-memory file", coll):
+            if coll.rank == 0:
+                fd = _create_shared_file(total)
+                st = os.fstat(fd)
+                address = _SHARED_FILE_ADDRESS.pack(os.getpid(), fd, st.st_dev, st.st_ino)
+        address = coll.allgather(address)[0]
+        workspace = None
+        with _collective_step("mapping the shared-memory file", coll):
+            workspace = _map_shared_file(coll, address, total, fd, size_per_rank)
     finally:
-        if coll.rank == 0:
-            os.unlink(path)
-    coll.barrier()  # and it is gone from the file system when this returns on any member
+        if fd >= 0:
+            os.close(fd)
+    # Once this returns on any member, rank 0's creation descriptor, the
+    # one whose number the peers learned, is closed.
+    coll.barrier()
+    return workspace
+
+
+# Rank 0 -> peers: its process id, the descriptor number, and the file's device and inode.
+_SHARED_FILE_ADDRESS = struct.Struct("<qqQQ")
+# memfd names show in /proc/<pid>/maps as "/memfd:<name> (deleted)".
+SHARED_FILE_PREFIX = "torch_moe_a2a_"
+
+
+def _create_shared_file(nbytes: int) -> int:
+    """A new anonymous shared-memory file of ``nbytes`` zero bytes, mode 0600; its descriptor.
+
+    Raises:
+        OSError: the kernel refused the file or its size.
+    """
+    fd = os.memfd_create(f"{SHARED_FILE_PREFIX}{os.getpid()}_{secrets.token_hex(8)}", os.MFD_CLOEXEC)
+    try:
+        # memfd_create gives mode 0777: only the owner may open it through /proc.
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, nbytes)  # a new file reads as zeros
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _map_shared_file(coll: Collective, address: bytes, total: int, own_fd: int, size_per_rank: int) -> torch.Tensor:
+    """Map rank 0's shared file (``own_fd`` on rank 0; on a peer, opened
+    through rank 0's /proc entry named by ``address``) as the
+    ``[coll.size, size_per_rank]`` workspace."""
+    if coll.rank == 0:
+        fd = os.dup(own_fd)
+    else:
+        pid, number, dev, ino = _SHARED_FILE_ADDRESS.unpack(address)
+        path = f"/proc/{pid}/fd/{number}"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:
+            raise RuntimeError(
+                f"cannot open group rank 0's shared-memory file {path}: {e}. A CPU workspace needs every "
+                "member on one host, run by one user, in one PID namespace (each opens the file through "
+                "rank 0's /proc entry)"
+            ) from e
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino, st.st_size) != (dev, ino, total):
+            os.close(fd)
+            raise RuntimeError(f"{path} is not group rank 0's shared-memory file (another file under that number)")
+    try:
+        mapping = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    # frombuffer keeps `mapping` alive for as long as the tensor (and its views) live.
+    workspace = torch.frombuffer(mapping, dtype=torch.uint8).view(coll.size, size_per_rank)
+    base = workspace.untyped_storage().data_ptr()
+    _CPU_MAPPINGS[base] = weakref.ref(mapping, lambda _, base=base: _CPU_MAPPINGS.pop(base, None))
     return workspace
 
 

@@ -492,11 +492,12 @@ WaitResult dispatch(const DispatchParams& p) {
   const WorkspaceView& ws = p.ws;
   uint8_t* own = ws.row(ws.ep_rank);
   const uint32_t epoch = load<uint32_t>(own, kHdrDispatchEpoch) + 1;
+  const bool first = first_dispatch(load<uint64_t>(own, kHdrMagic));
 
   // 0a. The first dispatch since initialize writes into no row before its
   // owner has zeroed it since its last use (the init word, stored last with
   // release by initialize), then notes which initialization it saw.
-  if (epoch == 1) {
+  if (first) {
     auto init_word_of = [&](int q) {
       return __atomic_load_n(reinterpret_cast<const uint64_t*>(ws.row(q) + kHdrMagic), __ATOMIC_ACQUIRE);
     };
@@ -598,7 +599,7 @@ WaitResult dispatch(const DispatchParams& p) {
   const WaitResult agreed = check_peer_calls(ws, p.sync, p);
   if (agreed.code != kErrorNone) return agreed;
   store<uint32_t>(own, kHdrDispatchEpoch, epoch);
-  if (epoch == 1) mark_in_use(own);
+  if (first) mark_in_use(own);
   return result;
 }
 

@@ -1,0 +1,137 @@
+"""Long runs on one CPU workspace: many round trips (dispatch -> expert
+stand-in -> combine) by simulated ranks, a thread each, with the results
+checked against the reference at intervals, across the wrap-around of the
+flag words (every 2^16 calls) and of the uint32 epochs (every 2^32 calls).
+
+Counting 2^32 calls takes days, so the runs start from an initialized, idle
+workspace whose epoch words and the words coupled to them (the flags and
+pull_done, protocol.h: 'Flags count shares') are set to where they stand
+after that many calls; the run crosses the wrap halfway.
+
+MOE_A2A_LONG_ROUND_TRIPS=N sets the round trips of each run (default: a few
+seconds' worth on two cores).
+"""
+
+import os
+import struct
+
+import pytest
+import torch
+from conftest import Case, assert_bytes_equal, make_generator, make_inputs, make_sim
+
+from torch_moe_a2a import layout, reference
+
+ROUND_TRIPS = int(os.environ.get("MOE_A2A_LONG_ROUND_TRIPS", "5000"))
+# A check of every result every this many round trips (and after the last).
+CHECK_EVERY = 97
+EP = 2
+# The input sets the runs cycle through: their T differ, so dispatches in
+# turn grow the regions beyond the previous call's and wait for the peers'
+# pull_done (protocol.h, dispatch step 0b), across the wrap too.
+CASES = [
+    Case(EP, (5, 3), 2, 6, hidden=32, runtime_max=5, max_num_tokens=12),
+    Case(EP, (12, 9), 2, 6, hidden=32, runtime_max=12, max_num_tokens=12),
+    Case(EP, (0, 7), 2, 6, hidden=32, runtime_max=7, max_num_tokens=12),
+]
+EPOCH_WRAP = 1 << 32
+# The flag words (epoch * FLAG_SHARES, uint32) wrap every this many calls.
+FLAG_WRAP = EPOCH_WRAP // layout.FLAG_SHARES
+# The epoch the runs start from: idle after that many calls.
+STARTS = {"fresh": 0, "flag wrap": FLAG_WRAP - ROUND_TRIPS // 2, "epoch wrap": EPOCH_WRAP - ROUND_TRIPS // 2}
+
+
+def _put_u32(workspace: torch.Tensor, rank: int, offset: int, value: int) -> None:
+    workspace[rank, offset : offset + 4] = torch.tensor(list(struct.pack("<I", value % EPOCH_WRAP)), dtype=torch.uint8)
+
+
+def _get_u32(workspace: torch.Tensor, rank: int, offset: int) -> int:
+    return struct.unpack("<I", bytes(workspace[rank, offset : offset + 4].tolist()))[0]
+
+
+def _set_epochs(workspace: torch.Tensor, epoch: int) -> None:
+    """Every row as after ``epoch`` completed round trips of every rank: own
+    dispatch and combine epochs, the dispatch and combine flags every rank
+    wrote into it, and its pull_done."""
+    target = epoch * layout.FLAG_SHARES
+    for r in range(EP):
+        _put_u32(workspace, r, layout.HDR_DISPATCH_EPOCH, epoch)
+        _put_u32(workspace, r, layout.HDR_COMBINE_EPOCH, epoch)
+        _put_u32(workspace, r, layout.HDR_PULL_DONE, target)
+        for s in range(EP):
+            _put_u32(workspace, r, layout.HDR_DISPATCH_FLAGS + 4 * s, target)
+            _put_u32(workspace, r, layout.HDR_COMBINE_FLAGS + 4 * s, target)
+
+
+def _expected(case, inputs):
+    ref = reference.reference_dispatch(inputs.ids, inputs.payloads, ep_size=EP, num_experts=case.num_experts,
+                                       runtime_max_tokens_per_rank=case.T)
+    # The expert stand-in returns the hidden rows it received.
+    out = reference.reference_combine([ref.recv[r][0] for r in range(EP)], ref, list(case.tokens))
+    return ref, out
+
+
+def _round_trips(sim, variants, start: int, count: int) -> list:
+    """``count`` round trips on every rank (a thread each), the input sets in
+    turn; returns per rank the round trips whose results it checked. Raises
+    AssertionError naming the first round trip whose results differ from
+    the reference."""
+
+    def rank_loop(rank: int) -> list:
+        checked = []
+        for i in range(count):
+            case, inputs, ref, out_ref = variants[i % len(variants)]
+            recv, offset, _ = sim.dispatch_rank(rank, inputs.ids[rank], inputs.payloads[rank], case.T, case.top_k,
+                                                case.num_experts)
+            check = i % CHECK_EVERY == 0 or i == count - 1
+            if check:
+                counts = sim.recv_counts(rank)
+                assert torch.equal(counts, ref.recv_counts[rank]), f"round trip {start + i + 1} rank {rank} counts"
+                for v, rv in zip(recv, ref.recv[rank]):
+                    for s in range(EP):
+                        n = int(counts[s])
+                        assert_bytes_equal(v[s, :n], rv[s, :n], f"round trip {start + i + 1} rank {rank} from {s}")
+            out = sim.combine_rank(rank, recv[0].clone(), case.tokens[rank], case.T, case.top_k, offset)
+            if check:
+                assert_bytes_equal(out, out_ref[rank], f"round trip {start + i + 1} rank {rank} output")
+                checked.append(i)
+        return checked
+
+    return sim.run(rank_loop)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start", sorted(STARTS))
+def test_long_run(start):
+    """ROUND_TRIPS round trips on one workspace, starting idle at epoch
+    STARTS[start]: every checked result equals the reference, and the epochs
+    and flags end where that many calls after the start put them (wrapped
+    for the wrap runs)."""
+    gen = make_generator(ROUND_TRIPS)
+    variants = []
+    for case in CASES:
+        inputs = make_inputs(case, gen)
+        variants.append((case, inputs, *_expected(case, inputs)))
+    sim = make_sim(CASES[1], "cpu", timeout_s=60.0)
+    # One round trip first, so that the workspace is as after calls: the
+    # rows in use, the peers' init tags seen, the last call's sizes noted.
+    _round_trips(sim, variants[1:2], 0, 1)
+    first = STARTS[start]
+    if first:
+        _set_epochs(sim.workspace, first)
+    else:
+        first = 1
+    checked = _round_trips(sim, variants, first, ROUND_TRIPS)
+    assert all(c == checked[0] for c in checked) and checked[0][-1] == ROUND_TRIPS - 1, checked
+
+    end = first + ROUND_TRIPS
+    if start != "fresh":
+        wrap = FLAG_WRAP if start == "flag wrap" else EPOCH_WRAP
+        assert first < wrap < end, (first, end)  # the run crossed the wrap
+    for r in range(EP):
+        assert _get_u32(sim.workspace, r, layout.HDR_DISPATCH_EPOCH) == end % EPOCH_WRAP
+        assert _get_u32(sim.workspace, r, layout.HDR_COMBINE_EPOCH) == end % EPOCH_WRAP
+        target = end * layout.FLAG_SHARES % EPOCH_WRAP
+        assert _get_u32(sim.workspace, r, layout.HDR_PULL_DONE) == target
+        for s in range(EP):
+            assert _get_u32(sim.workspace, r, layout.HDR_DISPATCH_FLAGS + 4 * s) == target
+            assert _get_u32(sim.workspace, r, layout.HDR_COMBINE_FLAGS + 4 * s) == target
