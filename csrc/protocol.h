@@ -55,8 +55,8 @@
 // dispatch n on rank s (n = own dispatch_epoch + 1; requires own
 // dispatch_epoch == own combine_epoch, else "two dispatches in a row"):
 //   0. a. the first dispatch since initialize (first_dispatch: the own init
-//      word not yet in use; the CUDA kernels test n == 1, which is the same
-//      until the uint32 epoch wraps after 2^32 dispatches): acquire-wait until
+//      word not yet in use, which n == 1 is not once the uint32 epoch has
+//      wrapped after 2^32 dispatches): acquire-wait until
 //      every active peer p's init word is fresh_peer (p zeroed its row
 //      since its last use) before writing anything into it; then
 //      own init_seen[p] := p's tag (kept by the next initialize as stale)

@@ -177,10 +177,10 @@ __device__ __noinline__ void wait_all_routed(uint8_t* own, const DispatchArgs& a
 // use (the init word, stored last); CTA 0 then notes the tags it saw, for the
 // next initialize. Out of line: it runs once per initialize, and inlined it
 // would cost the copy loops registers.
-__device__ __noinline__ bool first_dispatch_wait(const DispatchArgs& a) {
+__device__ __noinline__ bool first_dispatch_wait(const DispatchArgs& a, uint64_t own_init) {
   const WorkspaceView& ws = a.p.ws;
   uint8_t* own = ws.row(ws.ep_rank);
-  const uint16_t own_count = init_count(*header_word<uint64_t>(own, kHdrMagic));
+  const uint16_t own_count = init_count(own_init);
   auto init_word_of = [&](int q) {
     return ld_acquire(header_word<uint64_t>(ws.row(q), kHdrMagic), a.sync_settings.system);
   };
@@ -206,15 +206,16 @@ __device__ __noinline__ bool wait_for_pulls(const DispatchArgs& a, uint32_t epoc
 }
 
 // Step 0 of the call with epoch `epoch` (protocol.h), by every thread: false
-// when a wait failed (recorded). 0a: first_dispatch_wait.
+// when a wait failed (recorded). 0a: first_dispatch_wait, when the own init
+// word (`own_init`, loaded with the other header words) is not yet in use.
 // 0b: when this call's regions may cover what a rank still reads of call
 // n-1 (its combine region or its own routes), nothing is written before
 // every active rank finished pulling combine n-1 (its pull_done, which
 // every CTA of its combine adds its share to after its last pull). A call of
 // the previous call's sizes waits for neither: the check is all it costs.
-__device__ __forceinline__ bool wait_before_writing(const DispatchArgs& a, uint32_t epoch, int64_t last_dispatch_end,
-                                                    int32_t last_runtime_max) {
-  if (epoch == 1 && !first_dispatch_wait(a)) return false;
+__device__ __forceinline__ bool wait_before_writing(const DispatchArgs& a, uint32_t epoch, uint64_t own_init,
+                                                    int64_t last_dispatch_end, int32_t last_runtime_max) {
+  if (first_dispatch(own_init) && !first_dispatch_wait(a, own_init)) return false;
   if (previous_call_overlap(a.p.layout.dispatch_end, last_dispatch_end, a.p.runtime_max_tokens, last_runtime_max)) {
     return wait_for_pulls(a, epoch);
   }
@@ -335,6 +336,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
   const int64_t last_dispatch_end = *header_word<int64_t>(own, kHdrLastDispatchEnd);
   const int32_t last_runtime_max = *header_word<int32_t>(own, kHdrLastRuntimeMax);
+  const uint64_t own_init = *header_word<uint64_t>(own, kHdrMagic);
   const uint32_t error_code = load_error_code(own);
   uint32_t not_counted_here = 0;  // invalid ids are counted where step 1b routes them
   uint32_t invalid = 0;
@@ -347,7 +349,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   // 0. protocol.h dispatch step 0 (every CTA reads kHdrLastDispatchEnd and
   // kHdrLastRuntimeMax before it releases its share; CTA 0 rewrites them
   // once it saw every share, step 5).
-  if (!wait_before_writing(a, epoch, last_dispatch_end, last_runtime_max)) return;
+  if (!wait_before_writing(a, epoch, own_init, last_dispatch_end, last_runtime_max)) return;
 
   // 1a. The first slot per destination. CTA b counts only its own chunk,
   // publishes the counts, and sums those of the chunks before it (every CTA
@@ -550,7 +552,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
     *header_word<int32_t>(own, kHdrLastTopK) = static_cast<int32_t>(p.top_k);
     *header_word<int64_t>(own, kHdrLastDispatchEnd) = p.layout.dispatch_end;
     *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
-    if (epoch == 1) mark_in_use(own);
+    if (first_dispatch(own_init)) mark_in_use(own);
   }
 }
 
@@ -749,6 +751,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
   const int64_t last_dispatch_end = *header_word<int64_t>(own, kHdrLastDispatchEnd);
   const int32_t last_runtime_max = *header_word<int32_t>(own, kHdrLastRuntimeMax);
+  const uint64_t own_init = *header_word<uint64_t>(own, kHdrMagic);
   const uint32_t error_code = load_error_code(own);
   uint4 buf[kCopyUnroll];
   SmallTask task = locate_task(a, warp, count, lane);
@@ -783,7 +786,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
 
   if (!may_proceed(own, p.sync.mailbox, error_code, dispatch_epoch == combine_epoch)) return;
   const uint32_t epoch = dispatch_epoch + 1;
-  if (!wait_before_writing(a, epoch, last_dispatch_end, last_runtime_max)) return;
+  if (!wait_before_writing(a, epoch, own_init, last_dispatch_end, last_runtime_max)) return;
   if (invalid != 0) {
     atomicAdd(header_word<unsigned long long>(own, kHdrInvalidExpertCount), static_cast<unsigned long long>(invalid));
   }
@@ -868,7 +871,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     *header_word<int32_t>(own, kHdrLastTopK) = static_cast<int32_t>(p.top_k);
     *header_word<int64_t>(own, kHdrLastDispatchEnd) = p.layout.dispatch_end;
     *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
-    if (epoch == 1) mark_in_use(own);
+    if (first_dispatch(own_init)) mark_in_use(own);
   }
 }
 
