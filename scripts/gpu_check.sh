@@ -34,14 +34,15 @@ print(f"torch {torch.__version__} cuda {torch.version.cuda} | {p.name} sm_{p.maj
 print("cuda kernels registered:", torch._C._dispatch_has_kernel_for_dispatch_key("moe_a2a::dispatch", "CUDA"))
 EOF
 
-# benchmarks/fanout_ceiling.cu for this device, into build/fanout_ceiling.
-build_fanout() {
+# benchmarks/NAME.cu for this device, into build/NAME.
+build_program() {
   local arch nvcc
   arch=$("$PY" -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"{p.major}{p.minor}")')
   nvcc=$("$PY" -c 'from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME or "/usr/local/cuda")')/bin/nvcc
   mkdir -p build
-  "$nvcc" -O3 -std=c++17 -gencode=arch=compute_$arch,code=sm_$arch benchmarks/fanout_ceiling.cu -o build/fanout_ceiling
+  "$nvcc" -O3 -std=c++17 -gencode=arch=compute_$arch,code=sm_$arch "benchmarks/$1.cu" -o "build/$1"
 }
+build_fanout() { build_program fanout_ceiling; }
 
 status() { if [ "$1" -eq 0 ]; then echo PASS; elif [ "$1" -eq 255 ]; then echo "not run"; else echo "FAIL($1)"; fi; }
 rc_tests=255 rc_mem=255 rc_race=255 rc_bench=255 rc_cmake=255 rc_counters=255 rc_replay=255 rc_profile=255 rc_ab=255
@@ -89,6 +90,13 @@ if has bench; then
   # ceiling'), same device, same run.
   if build_fanout >"$LOG/fanout.txt" 2>&1; then
     timeout 120 build/fanout_ceiling >>"$LOG/fanout.txt" 2>&1 || rc_bench=1
+  else
+    rc_bench=1
+  fi
+  # The flag exchange's own latency (docs/performance.md, 'What limits the
+  # decode latency'), same device, same run.
+  if build_program latency_floor >"$LOG/latency-floor.txt" 2>&1; then
+    timeout 120 build/latency_floor >>"$LOG/latency-floor.txt" 2>&1 || rc_bench=1
   else
     rc_bench=1
   fi
@@ -205,6 +213,8 @@ if has bench; then
   tail -n 5 "$LOG/bench-progress.txt"
   echo "-------------------------------------------"
   cat "$LOG/fanout.txt"
+  echo "-------------------------------------------"
+  cat "$LOG/latency-floor.txt"
 fi
 if has counters; then
   echo "-------------------------------------------"
