@@ -33,21 +33,22 @@ from torch_moe_a2a.autograd import (
 )
 
 
-def make_sim(ep_size: int, max_tokens: int, hidden: int, top_k: int, timeout_s: float = 20) -> a2a.SimulatedEP:
+def make_sim(ep_size: int, max_tokens: int, hidden: int, top_k: int, timeout_s: float = 20,
+             device="cpu") -> a2a.SimulatedEP:
     # Payloads: fp32 hidden, int32 ids, fp32 weights; the combine's rows fp32 hidden.
     return a2a.SimulatedEP(ep_size, max_tokens, dispatch_bytes_per_token=4 * hidden + 8 * top_k + 256,
-                           combine_bytes_per_token=4 * hidden + 256, timeout_s=timeout_s)
+                           combine_bytes_per_token=4 * hidden + 256, timeout_s=timeout_s, device=device)
 
 
 def make_em_sim(ep_size: int, max_tokens: int, hidden: int, top_k: int, num_experts: int,
-                max_tokens_per_expert=None, timeout_s: float = 20) -> a2a.SimulatedEP:
+                max_tokens_per_expert=None, timeout_s: float = 20, device="cpu") -> a2a.SimulatedEP:
     """A workspace for expert-major calls of an fp32 hidden payload: the
     combine's rows hold the dispatch backward's fp32 row, the hidden
     gradient beside a column per top-k slot (docs/DESIGN.md, 'Gradients')."""
     size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(ep_size, max_tokens, 4 * hidden, 4 * (hidden + top_k),
                                                                 num_experts, top_k, max_tokens_per_expert)
     return a2a.SimulatedEP(ep_size, max_tokens, dispatch_bytes_per_token=0, combine_bytes_per_token=0,
-                           workspace_size_per_rank=size, timeout_s=timeout_s)
+                           workspace_size_per_rank=size, timeout_s=timeout_s, device=device)
 
 
 def exchange(sim, rank, ids, x, w, num_experts, runtime_max, expert, mask=None):
@@ -282,10 +283,10 @@ def rank_copies(dense, sim, mask=None, parallel=ExpertParallel):
     return models
 
 
-def training_data(tokens, hidden, steps, gen):
+def training_data(tokens, hidden, steps, gen, device="cpu"):
     """Every step's inputs and targets, a list per rank."""
-    batches = [[torch.randn(n, hidden, generator=gen) for n in tokens] for _ in range(steps)]
-    targets = [[torch.randn(n, hidden, generator=gen) for n in tokens] for _ in range(steps)]
+    batches = [[torch.randn(n, hidden, generator=gen).to(device) for n in tokens] for _ in range(steps)]
+    targets = [[torch.randn(n, hidden, generator=gen).to(device) for n in tokens] for _ in range(steps)]
     return batches, targets
 
 
@@ -296,23 +297,25 @@ def training_data(tokens, hidden, steps, gen):
     (4, (3, 3, 3, 3), 3, 4, None),
     (3, (4, 0, 5), 2, 6, 1),  # rank 1 masked off: its experts' shares are dropped
 ])
-def test_moe_training_steps_equal_dense(ep_size, tokens, top_k, num_experts, masked, layout):
+def test_moe_training_steps_equal_dense(ep_size, tokens, top_k, num_experts, masked, layout, device):
     """Three SGD steps of the expert-parallel model (every rank its tokens)
     give the dense model's loss and parameters: the router's gradients summed
     over the ranks (a data-parallel all-reduce, here a plain sum), each
-    expert's from its owner."""
+    expert's from its owner. On CUDA each rank's forward and backward run on
+    its own stream, the host launching rank after rank."""
     hidden, steps, lr = 8, 3, 0.1
     gen = torch.Generator().manual_seed(sum(tokens))
-    dense = dense_model(hidden, num_experts, top_k, seed=ep_size)
+    dense = dense_model(hidden, num_experts, top_k, seed=ep_size).to(device)
     if layout == "rank-major":
-        sim, parallel = make_sim(ep_size, max(tokens), hidden, top_k), ExpertParallel
+        sim, parallel = make_sim(ep_size, max(tokens), hidden, top_k, device=device), ExpertParallel
     else:
-        sim, parallel = make_em_sim(ep_size, max(tokens), hidden, top_k, num_experts), ExpertMajorParallel
+        sim = make_em_sim(ep_size, max(tokens), hidden, top_k, num_experts, device=device)
+        parallel = ExpertMajorParallel
     active = [r for r in range(ep_size) if r != masked]
     mask = None if masked is None else a2a.moe_a2a_active_rank_mask(active, ep_size)
     dropped = range(0) if masked is None else a2a.local_expert_range(num_experts, ep_size, masked)
     models = rank_copies(dense, sim, mask, parallel)
-    batches, targets = training_data(tokens, hidden, steps, gen)
+    batches, targets = training_data(tokens, hidden, steps, gen, device)
     dense_opt = torch.optim.SGD(dense.parameters(), lr=lr)
     for step in range(steps):
         x = torch.cat(batches[step]).requires_grad_()
@@ -322,7 +325,7 @@ def test_moe_training_steps_equal_dense(ep_size, tokens, top_k, num_experts, mas
 
         def rank_step(rank):
             if rank == masked:
-                return torch.zeros(()), torch.zeros(0, hidden)
+                return torch.zeros((), device=device), torch.zeros(0, hidden, device=device)
             model = models[rank]
             model.zero_grad()
             xr = batches[step][rank].clone().requires_grad_()
