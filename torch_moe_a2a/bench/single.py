@@ -88,6 +88,7 @@ from ..reference import reference_combine, reference_dispatch
 from ..simulate import RankGraphs, SimulatedEP
 from . import expert_major as bench_expert_major
 from . import low_precision, plot, replay, targets
+from . import training as bench_training
 from .common import (
     BASELINE_OF,
     COPY_BYTES,
@@ -922,6 +923,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead: the expert-major round trip (dispatch(expert_major=True), combine_expert_major) "
                    "against the rank-major one plus the plain-PyTorch permutation a user writes, at --ep and "
                    "--tokens (default ep 1 4 8 x tokens 1 16 128 on CUDA), first --preset (default deepseek-v3)")
+    p.add_argument("--training", action="store_true",
+                   help="instead: the exchange's forward and backward (the differentiable dispatch and combine) "
+                   "against all_to_all_single of the (token, expert) pairs under autograd, at --ep and --tokens "
+                   "(default ep 8 x tokens 512 4096 on CUDA), first --preset (default deepseek-v3)")
     p.add_argument("--low-precision-error", action="store_true",
                    help="instead: print the error of the e4m3 combine transports against bf16 (CPU, no timing)")
 
@@ -970,6 +975,12 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.expert_major:
         records = bench_expert_major.run(device, args.ep, args.tokens, args.iters, args.warmup,
                                          preset_names(args.preset, default=["deepseek-v3"])[0])
+        if args.json:
+            write_json(args.json, {"device": device_name(device), "torch": torch.__version__, "records": records})
+        return 0 if all(r["status"] == "ok" for r in records) else 1
+    if args.training:
+        records = bench_training.run(device, args.ep, args.tokens, args.iters, args.warmup,
+                                     preset_names(args.preset, default=["deepseek-v3"])[0])
         if args.json:
             write_json(args.json, {"device": device_name(device), "torch": torch.__version__, "records": records})
         return 0 if all(r["status"] == "ok" for r in records) else 1

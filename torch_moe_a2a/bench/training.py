@@ -1,0 +1,213 @@
+"""``python -m torch_moe_a2a bench --training``: the exchange of an MoE layer in
+training, forward and backward, against what torchtitan does by default
+(``all_to_all_single`` of the (token, expert) pairs, sorted by expert, under
+autograd; docs/DESIGN.md, 'Gradients').
+
+For every point (ep simulated ranks, T tokens per rank, the preset's hidden
+states in its dtype, int32 expert ids, fp32 router weights), every rank's
+hidden states require grad and the stand-in expert multiplies each received
+row by the summed router weights of its pairs that the rank owns, so that
+both paths compute out[t] = x[t] * sum(w[t]) and its gradient
+grad_out[t] * sum(w[t]):
+
+- ours: ``moe_a2a_dispatch_differentiable`` of ``[hidden, ids, weights]``,
+  the stand-in expert, ``moe_a2a_combine_differentiable``, then
+  ``out.backward(grad_out)`` on every rank (the backward runs a combine and
+  a dispatch); the forward's ops rank after rank, then the backwards;
+- baseline: on every rank the pairs sorted by expert (``argsort``, stable),
+  their hidden rows gathered (``index_select``), the counts per destination
+  rank to the host, the all-to-all of the rows (``split`` and ``cat`` on one
+  device stand for ``all_to_all_single``: the same bytes, its autograd),
+  the stand-in expert, the all-to-all back, the pairs summed per token in
+  fp32 (``index_add``), then one backward over every rank's output (the
+  stand-in joins the ranks' graphs into one);
+- time: the median over ``--iters`` forward + backward steps after
+  ``--warmup``, each step's wall time until the device finished. Both paths
+  are eager: the baseline's host syncs (the split sizes) cannot live in a
+  graph, and at training sizes the host's launches are a small part;
+- check: both outputs and both input gradients within bf16 rounding of
+  x * sum(w) and grad_out * sum(w).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from .. import layout
+from ..api import moe_a2a_get_workspace_size_per_rank
+from ..autograd import moe_a2a_combine_differentiable, moe_a2a_dispatch_differentiable
+from ..simulate import SimulatedEP
+from .common import COMBINE_ATOL, COMBINE_RTOL, PRESETS, SEED, Clock, Point, first_line, fmt, format_table, make_set
+
+DEFAULT_EP = {"cuda": (8,), "cpu": (1, 2)}
+DEFAULT_TOKENS = {"cuda": (512, 4096), "cpu": (1, 16)}
+DEFAULT_ITERS = {"cuda": 10, "cpu": 3}
+DEFAULT_WARMUP = {"cuda": 2, "cpu": 1}
+
+
+class TrainingPoint:
+    """Both paths of one point: inputs, output gradients, the workspace."""
+
+    def __init__(self, point: Point, device: torch.device):
+        self.point, self.device = point, device
+        p, ep, T = point.preset, point.ep, point.tokens
+        gen_cpu = torch.Generator().manual_seed(SEED)
+        gen_dev = torch.Generator(device=device).manual_seed(SEED)
+        owner = torch.repeat_interleave(torch.arange(ep), torch.tensor(layout.experts_per_rank(p.num_experts, ep)))
+        s = make_set(point, device, gen_cpu, gen_dev, owner)
+        self.hidden = [s.payloads[r][0] for r in range(ep)]
+        self.ids, self.weights = s.ids, [s.payloads[r][-1] for r in range(ep)]
+        self.grad_out = [torch.randn(h.shape, generator=gen_dev, device=device, dtype=h.dtype) for h in self.hidden]
+        self.owner = owner.to(device)
+        self.ranges = [layout.expert_range(p.num_experts, ep, r) for r in range(ep)]
+        row = p.hidden * p.dtype.itemsize
+        size = moe_a2a_get_workspace_size_per_rank(ep, T, row + 8 * p.top_k + 256, row + 256)
+        self.sim = SimulatedEP(ep, T, dispatch_bytes_per_token=0, combine_bytes_per_token=0, device=device,
+                               workspace_size_per_rank=size)
+        self.x: list[Any] = [None] * ep
+        self.out: list[Any] = [None] * ep
+        self.pending: list[Any] = [None] * ep
+
+    def _leaf(self, r: int) -> Tensor:
+        self.x[r] = self.hidden[r].detach().clone().requires_grad_()
+        return self.x[r]
+
+    def _stand_in(self, r: int, rows: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        lo, hi = self.ranges[r]
+        coef = (weights * ((ids >= lo) & (ids < hi))).sum(dim=-1, keepdim=True)
+        return (rows.float() * coef).to(rows.dtype)
+
+    # ---- ours ----
+    def _ours_forward(self, r: int) -> None:
+        p, ep, T = self.point.preset, self.point.ep, self.point.tokens
+        x = self._leaf(r)
+        recv, offset, _ = moe_a2a_dispatch_differentiable(self.ids[r], [x, self.ids[r], self.weights[r]],
+                                                          self.sim.workspace, self.sim.metainfo[r], T, r, ep,
+                                                          p.top_k, p.num_experts)
+        self.pending[r] = (self._stand_in(r, *recv), offset)
+
+    def _ours_combine(self, r: int) -> None:
+        p, ep, T = self.point.preset, self.point.ep, self.point.tokens
+        y, offset = self.pending[r]
+        self.out[r] = moe_a2a_combine_differentiable(y, self.ids[r], self.sim.workspace, self.sim.metainfo[r], T, r,
+                                                     ep, p.top_k, p.num_experts, offset)
+
+    def ours_step(self) -> None:
+        # Every rank's dispatch, every rank's combine, every rank's backward:
+        # each collective is called by all ranks before the next.
+        self.sim.run(self._ours_forward)
+        self.sim.run(self._ours_combine)
+        self.sim.run(lambda r: self.out[r].backward(self.grad_out[r]))
+
+    # ---- baseline ----
+    def base_step(self) -> None:
+        # On the current stream, as the benchmark's other baselines: its ranks
+        # never wait for each other, and the all-to-all's stand-in reads every
+        # rank's rows.
+        ep, k = self.point.ep, self.point.preset.top_k
+        send, counts, order = [], [], []
+        for r in range(ep):
+            x = self._leaf(r)
+            flat = self.ids[r].reshape(-1).long()
+            pairs = torch.argsort(flat, stable=True)
+            rows = x.index_select(0, pairs // k)
+            counts.append(torch.bincount(self.owner[flat[pairs]], minlength=ep).tolist())  # host sync
+            send.append((rows, self.ids[r].reshape(-1)[pairs], self.weights[r].reshape(-1)[pairs]))
+            order.append(pairs)
+        # all_to_all_single on one device: rank d receives every source's d-th split.
+        parts = [[t.split(counts[s]) for t in send[s]] for s in range(ep)]
+        back = []
+        for d in range(ep):
+            rows, ids, w = (torch.cat([parts[s][i][d] for s in range(ep)]) for i in range(3))
+            back.append(self._stand_in(d, rows, ids.unsqueeze(-1), w.unsqueeze(-1)).split([c[d] for c in counts]))
+        for r in range(ep):
+            rows = torch.cat([back[d][r] for d in range(ep)])
+            out = torch.zeros(self.x[r].shape, dtype=torch.float32, device=self.device)
+            # Each pair's row comes back weighted by the stand-in expert: a plain sum per token.
+            self.out[r] = out.index_add(0, order[r] // k, rows.float()).to(rows.dtype)
+        # One backward over every rank's output: the ranks' graphs are one
+        # graph here, joined where the all-to-all's stand-in joins them.
+        torch.autograd.backward(self.out, self.grad_out)
+
+    # ---- checks ----
+    def check(self, step: Any, name: str) -> Optional[str]:
+        step()
+        for r in range(self.point.ep):
+            scale = self.weights[r].sum(dim=-1, keepdim=True)
+            want_out = (self.hidden[r].float() * scale).to(self.hidden[r].dtype)
+            want_grad = (self.grad_out[r].float() * scale).to(self.hidden[r].dtype)
+            for got, want, what in ((self.out[r], want_out, "output"), (self.x[r].grad, want_grad, "gradient")):
+                if got is None or not torch.allclose(got.detach().float(), want.float(), rtol=COMBINE_RTOL,
+                                                     atol=COMBINE_ATOL):
+                    return f"{name}, rank {r}: {what} differs from x * sum(w) beyond bf16 rounding"
+        return None
+
+
+def _wall_us(clock: Clock, fn: Any, warmup: int, iters: int) -> float:
+    times = []
+    for i in range(warmup + iters):
+        clock.sync()
+        t0 = time.perf_counter()
+        fn()
+        clock.sync()
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def warm_up(device: torch.device, preset: str) -> None:
+    """One step of both paths with one rank, before any point: the first
+    simulated step of a process on the H200 stalled until its peers'
+    timeout (ep 8, whichever point came first; never a later one): some
+    first-use initialization on the host waits for the device while a peer's
+    kernel spins for a rank not yet launched. One rank waits for no peer."""
+    tp = TrainingPoint(Point(PRESETS[preset], 1, 2, fp8=False), device)
+    tp.ours_step()
+    tp.base_step()
+    Clock(device).sync()
+
+
+def run_point(point: Point, device: torch.device, warmup: int, iters: int) -> dict:
+    """One point: both paths checked, then timed; microseconds per forward + backward step."""
+    tp = TrainingPoint(point, device)
+    for step, name in ((tp.ours_step, "ours"), (tp.base_step, "baseline")):
+        error = tp.check(step, name)
+        if error is not None:
+            return {"status": "FAIL", "notes": [error]}
+    clock = Clock(device)
+    return {"status": "ok", "notes": [], "ours_us": _wall_us(clock, tp.ours_step, warmup, iters),
+            "baseline_us": _wall_us(clock, tp.base_step, warmup, iters)}
+
+
+def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[int]], iters: Optional[int],
+        warmup: Optional[int], preset: str = "deepseek-v3") -> list[dict]:
+    """Every point of eps x tokens; prints the table and returns the records."""
+    kind = device.type
+    eps = list(DEFAULT_EP[kind]) if eps is None else eps
+    tokens = list(DEFAULT_TOKENS[kind]) if tokens is None else tokens
+    iters = DEFAULT_ITERS[kind] if iters is None else iters
+    warmup = DEFAULT_WARMUP[kind] if warmup is None else warmup
+    records, rows = [], []
+    warm_up(device, preset)
+    print(f"training exchange, forward + backward, against all_to_all_single of the pairs under autograd: {preset}, "
+          f"median of {iters} steps after {warmup}, wall time until the device finished", flush=True)
+    for ep in eps:
+        for T in tokens:
+            point = Point(PRESETS[preset], ep, T, fp8=False)
+            try:
+                rec = run_point(point, device, warmup, iters)
+            except Exception as e:  # noqa: BLE001 - one broken point must not hide the others
+                rec = {"status": "error", "notes": [f"{type(e).__name__}: {first_line(e)}"]}
+            rec.update(ep=ep, tokens=T)
+            records.append(rec)
+            ours, base = rec.get("ours_us"), rec.get("baseline_us")
+            rows.append([str(ep), str(T), rec["status"], fmt(ours, ".1f"), fmt(base, ".1f"),
+                         fmt(None if ours is None or base is None else base / ours, ".2f", "x"),
+                         "; ".join(rec["notes"])])
+    print(format_table(["ep", "T", "status", "ours us", "baseline us", "speedup", "notes"], rows, left={2, 6}))
+    return records
