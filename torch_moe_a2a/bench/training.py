@@ -42,7 +42,19 @@ from .. import layout
 from ..api import moe_a2a_get_workspace_size_per_rank
 from ..autograd import moe_a2a_combine_differentiable, moe_a2a_dispatch_differentiable
 from ..simulate import SimulatedEP
-from .common import COMBINE_ATOL, COMBINE_RTOL, PRESETS, SEED, Clock, Point, first_line, fmt, format_table, make_set
+from .common import (
+    COMBINE_ATOL,
+    COMBINE_RTOL,
+    PRESETS,
+    SEED,
+    Clock,
+    Point,
+    expert_owner,
+    first_line,
+    fmt,
+    format_table,
+    make_set,
+)
 
 DEFAULT_EP = {"cuda": (8,), "cpu": (1, 2)}
 DEFAULT_TOKENS = {"cuda": (512, 4096), "cpu": (1, 16)}
@@ -58,7 +70,7 @@ class TrainingPoint:
         p, ep, T = point.preset, point.ep, point.tokens
         gen_cpu = torch.Generator().manual_seed(SEED)
         gen_dev = torch.Generator(device=device).manual_seed(SEED)
-        owner = torch.repeat_interleave(torch.arange(ep), torch.tensor(layout.experts_per_rank(p.num_experts, ep)))
+        owner = expert_owner(p.num_experts, ep)
         s = make_set(point, device, gen_cpu, gen_dev, owner)
         self.hidden = [s.payloads[r][0] for r in range(ep)]
         self.ids, self.weights = s.ids, [s.payloads[r][-1] for r in range(ep)]
