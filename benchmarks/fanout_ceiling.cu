@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "../csrc/cuda/device.cuh"
+#include "cuda_check.h"
 
 namespace {
 
@@ -41,15 +42,6 @@ using moe_a2a::gpu::l2_policy_evict_first;
 using moe_a2a::gpu::l2_policy_evict_last;
 using moe_a2a::gpu::ld_global_l2_hint;
 using moe_a2a::gpu::st_global_l2_hint;
-
-#define CHECK(x)                                                                         \
-  do {                                                                                   \
-    const cudaError_t err_ = (x);                                                        \
-    if (err_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
 
 constexpr int kRanks = 8;
 constexpr int kTokens = 4096;  // per rank

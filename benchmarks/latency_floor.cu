@@ -31,20 +31,12 @@
 #include <vector>
 
 #include "../csrc/cuda/device.cuh"
+#include "cuda_check.h"
 
 namespace {
 
 using moe_a2a::gpu::ld_acquire_gpu;
 using moe_a2a::gpu::red_release_add;
-
-#define CHECK(x)                                                                         \
-  do {                                                                                   \
-    const cudaError_t err_ = (x);                                                        \
-    if (err_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
 
 constexpr int kMaxRanks = 8;
 constexpr int kThreads = 512;

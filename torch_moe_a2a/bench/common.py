@@ -493,6 +493,37 @@ def combine_mismatch(outs: list[Tensor], expected: list[Tensor],
     return None, bitwise
 
 
+def wall_us(clock: Clock, fn: Callable[[], Any], warmup: int, iters: int) -> float:
+    """Median microseconds of ``fn()`` over ``iters`` calls after ``warmup``,
+    each from a synced device until the device finished it."""
+    times = []
+    for i in range(warmup + iters):
+        clock.sync()
+        t0 = time.perf_counter()
+        fn()
+        clock.sync()
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def sweep(eps: list[int], tokens: list[int], preset: str, measure: Callable[[Point], dict]) -> list[dict]:
+    """``measure(point)`` for every point of ``eps`` x ``tokens`` of ``preset``
+    (no fp8), in that order; a point that raises becomes a record with status
+    'error' and the exception's first line as its note. Every record gets its
+    ``ep`` and ``tokens``."""
+    records = []
+    for ep in eps:
+        for T in tokens:
+            try:
+                rec = measure(Point(PRESETS[preset], ep, T, fp8=False))
+            except Exception as e:  # noqa: BLE001 - one broken point must not hide the others
+                rec = {"status": "error", "notes": [f"{type(e).__name__}: {first_line(e)}"]}
+            rec.update(ep=ep, tokens=T)
+            records.append(rec)
+    return records
+
+
 def first_line(e: BaseException) -> str:
     """The first line of an exception's message (table cells and notes hold one line)."""
     text = str(e).strip()

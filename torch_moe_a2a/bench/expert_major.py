@@ -28,8 +28,6 @@ payloads: hidden states, int32 expert ids, fp32 router weights):
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
 from typing import Any, Optional
 
 import torch
@@ -43,16 +41,16 @@ from ..simulate import SimulatedEP
 from .common import (
     COMBINE_ATOL,
     COMBINE_RTOL,
-    PRESETS,
     SEED,
     Clock,
     Point,
     capture_graph,
     expert_owner,
-    first_line,
     fmt,
     format_table,
     make_set,
+    sweep,
+    wall_us,
 )
 
 DEFAULT_EP = {"cuda": (1, 4, 8), "cpu": (1, 2)}
@@ -168,18 +166,6 @@ class ExpertMajorPoint:
         return None
 
 
-def _wall_us(clock: Clock, fn: Any, warmup: int, iters: int) -> float:
-    times = []
-    for i in range(warmup + iters):
-        clock.sync()
-        t0 = time.perf_counter()
-        fn()
-        clock.sync()
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
-
-
 def run_point(point: Point, device: torch.device, warmup: int, iters: int) -> dict:
     """One point: ours eager (and per replay on CUDA), the baseline eager; microseconds."""
     from . import replay
@@ -190,8 +176,8 @@ def run_point(point: Point, device: torch.device, warmup: int, iters: int) -> di
         return {"status": "FAIL", "notes": [error]}
     clock = Clock(device)
     result = {"status": "ok", "notes": [],
-              "ours_eager_us": _wall_us(clock, em.ours_round_trip, warmup, iters),
-              "baseline_eager_us": _wall_us(clock, em.base_round_trip, warmup, iters)}
+              "ours_eager_us": wall_us(clock, em.ours_round_trip, warmup, iters),
+              "baseline_eager_us": wall_us(clock, em.base_round_trip, warmup, iters)}
     if device.type == "cuda":
         def ours_rank(r: int) -> None:
             em.ours_dispatch(r)
@@ -212,23 +198,17 @@ def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[in
     tokens = list(DEFAULT_TOKENS[kind]) if tokens is None else tokens
     iters = DEFAULT_ITERS[kind] if iters is None else iters
     warmup = DEFAULT_WARMUP[kind] if warmup is None else warmup
-    records, rows = [], []
     print(f"expert-major round trip against rank-major + the plain-PyTorch permutation: {preset}, median of {iters} "
           f"after {warmup}", flush=True)
-    for ep in eps:
-        for T in tokens:
-            point = Point(PRESETS[preset], ep, T, fp8=False)
-            try:
-                rec = run_point(point, device, warmup, iters)
-            except Exception as e:  # noqa: BLE001 - one broken point must not hide the others
-                rec = {"status": "error", "notes": [f"{type(e).__name__}: {first_line(e)}"]}
-            rec.update(ep=ep, tokens=T)
-            records.append(rec)
-            ours, base = rec.get("ours_eager_us"), rec.get("baseline_eager_us")
-            rows.append([str(ep), str(T), rec["status"], fmt(rec.get("floor_us"), ".1f"),
-                         fmt(rec.get("ours_graph_us"), ".1f"), fmt(ours, ".1f"), fmt(base, ".1f"),
-                         fmt(None if ours is None or base is None else base / ours, ".2f", "x"),
-                         "; ".join(rec["notes"])])
+    records = sweep(eps, tokens, preset, lambda point: run_point(point, device, warmup, iters))
+    rows = []
+    for rec in records:
+        ep, T = rec["ep"], rec["tokens"]
+        ours, base = rec.get("ours_eager_us"), rec.get("baseline_eager_us")
+        rows.append([str(ep), str(T), rec["status"], fmt(rec.get("floor_us"), ".1f"),
+                     fmt(rec.get("ours_graph_us"), ".1f"), fmt(ours, ".1f"), fmt(base, ".1f"),
+                     fmt(None if ours is None or base is None else base / ours, ".2f", "x"),
+                     "; ".join(rec["notes"])])
     print(format_table(["ep", "T", "status", "floor us", "ours graph us", "ours eager us", "baseline eager us",
                         "speedup (eager)", "notes"], rows, left={2, 8}))
     return records

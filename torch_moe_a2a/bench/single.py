@@ -972,15 +972,10 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.low_precision_error:
         print(low_precision.error_table(), flush=True)
         return 0
-    if args.expert_major:
-        records = bench_expert_major.run(device, args.ep, args.tokens, args.iters, args.warmup,
-                                         preset_names(args.preset, default=["deepseek-v3"])[0])
-        if args.json:
-            write_json(args.json, {"device": device_name(device), "torch": torch.__version__, "records": records})
-        return 0 if all(r["status"] == "ok" for r in records) else 1
-    if args.training:
-        records = bench_training.run(device, args.ep, args.tokens, args.iters, args.warmup,
-                                     preset_names(args.preset, default=["deepseek-v3"])[0])
+    if args.expert_major or args.training:
+        mode = bench_expert_major if args.expert_major else bench_training
+        records = mode.run(device, args.ep, args.tokens, args.iters, args.warmup,
+                           preset_names(args.preset, default=["deepseek-v3"])[0])
         if args.json:
             write_json(args.json, {"device": device_name(device), "torch": torch.__version__, "records": records})
         return 0 if all(r["status"] == "ok" for r in records) else 1

@@ -31,8 +31,6 @@ grad_out[t] * sum(w[t]):
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any, Optional
 
 import torch
@@ -50,10 +48,11 @@ from .common import (
     Clock,
     Point,
     expert_owner,
-    first_line,
     fmt,
     format_table,
     make_set,
+    sweep,
+    wall_us,
 )
 
 DEFAULT_EP = {"cuda": (8,), "cpu": (1, 2)}
@@ -160,18 +159,6 @@ class TrainingPoint:
         return None
 
 
-def _wall_us(clock: Clock, fn: Any, warmup: int, iters: int) -> float:
-    times = []
-    for i in range(warmup + iters):
-        clock.sync()
-        t0 = time.perf_counter()
-        fn()
-        clock.sync()
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
-
-
 def warm_up(device: torch.device, preset: str) -> None:
     """One step of both paths with one rank, before any point: the first
     simulated step of a process on the H200 stalled until its peers'
@@ -192,8 +179,8 @@ def run_point(point: Point, device: torch.device, warmup: int, iters: int) -> di
         if error is not None:
             return {"status": "FAIL", "notes": [error]}
     clock = Clock(device)
-    return {"status": "ok", "notes": [], "ours_us": _wall_us(clock, tp.ours_step, warmup, iters),
-            "baseline_us": _wall_us(clock, tp.base_step, warmup, iters)}
+    return {"status": "ok", "notes": [], "ours_us": wall_us(clock, tp.ours_step, warmup, iters),
+            "baseline_us": wall_us(clock, tp.base_step, warmup, iters)}
 
 
 def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[int]], iters: Optional[int],
@@ -204,22 +191,16 @@ def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[in
     tokens = list(DEFAULT_TOKENS[kind]) if tokens is None else tokens
     iters = DEFAULT_ITERS[kind] if iters is None else iters
     warmup = DEFAULT_WARMUP[kind] if warmup is None else warmup
-    records, rows = [], []
     warm_up(device, preset)
     print(f"training exchange, forward + backward, against all_to_all_single of the pairs under autograd: {preset}, "
           f"median of {iters} steps after {warmup}, wall time until the device finished", flush=True)
-    for ep in eps:
-        for T in tokens:
-            point = Point(PRESETS[preset], ep, T, fp8=False)
-            try:
-                rec = run_point(point, device, warmup, iters)
-            except Exception as e:  # noqa: BLE001 - one broken point must not hide the others
-                rec = {"status": "error", "notes": [f"{type(e).__name__}: {first_line(e)}"]}
-            rec.update(ep=ep, tokens=T)
-            records.append(rec)
-            ours, base = rec.get("ours_us"), rec.get("baseline_us")
-            rows.append([str(ep), str(T), rec["status"], fmt(ours, ".1f"), fmt(base, ".1f"),
-                         fmt(None if ours is None or base is None else base / ours, ".2f", "x"),
-                         "; ".join(rec["notes"])])
+    records = sweep(eps, tokens, preset, lambda point: run_point(point, device, warmup, iters))
+    rows = []
+    for rec in records:
+        ep, T = rec["ep"], rec["tokens"]
+        ours, base = rec.get("ours_us"), rec.get("baseline_us")
+        rows.append([str(ep), str(T), rec["status"], fmt(ours, ".1f"), fmt(base, ".1f"),
+                     fmt(None if ours is None or base is None else base / ours, ".2f", "x"),
+                     "; ".join(rec["notes"])])
     print(format_table(["ep", "T", "status", "ours us", "baseline us", "speedup", "notes"], rows, left={2, 6}))
     return records
