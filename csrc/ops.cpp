@@ -763,18 +763,29 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
          << "this rank's " << detail << " (it must be equal on all ranks for one call)";
       break;
     case kErrorSequence:
-      os << "dispatch and combine must alternate on every rank, but dispatch was called twice "
-            "without a combine in between, or combine without a preceding dispatch";
+      os << "every dispatch must be followed by a combine before the next dispatch, and every combine must "
+            "follow a dispatch, but dispatch was called twice without a combine in between, or combine without "
+            "a preceding dispatch";
       break;
     case kErrorPayloadMismatch:
       os << "peers " << rank_list(missing) << " called dispatch with other payloads than this rank's (their "
          << "number, row sizes or eplb_local_stats differ; they must be the same on all ranks for one call)";
       break;
     case kErrorCombineMismatch: {
+      if (detail == kMismatchRegionLowPrecision) {
+        os << "combine read its payload from the combine region (payload_in_workspace) after a low-precision "
+              "combine of the same dispatch had staged its e4m3 rows there: the region no longer holds the "
+              "payload; pass the payload as a tensor for a combine after a low-precision one";
+        break;
+      }
       // In the order of the CombineMismatch bits.
-      const char* names[] = {"local_num_tokens", "runtime_max_tokens_per_rank", "top_k", "combine_payload_offset",
+      const char* names[] = {"local_num_tokens",
+                             "runtime_max_tokens_per_rank",
+                             "top_k",
+                             "combine_payload_offset",
                              "expert-major layout (max_tokens_per_expert or combine_payload_offset, or no "
-                             "expert-major dispatch)"};
+                             "expert-major dispatch)",
+                             "payload (the combine region holds the e4m3 rows of a low-precision combine)"};
       os << "combine was called with another";
       const char* sep = " ";
       for (int bit = 0; bit < int(sizeof(names) / sizeof(names[0])); ++bit) {
@@ -1079,6 +1090,8 @@ std::vector<int64_t> constants_op() {
       kHdrExpertMajorEnd,
       kHdrExpertMajorEpoch,
       kHdrExpertMajorTokens,
+      kHdrCombineCount,
+      kHdrRegionLowPrecision,
       kMaxLocalExperts,
       kMaxExpertMajorRows,
   };

@@ -40,13 +40,18 @@
 // ---------------------------------------------------------------------------
 // Epochs are per-rank counters in the rank's own header, advanced by the
 // kernels themselves (no host state, so CUDA-graph replay needs no reset):
-// dispatch n and combine n of every rank carry epoch n = 1, 2, ... (uint32,
-// compared wrap-safe).
+// dispatch n of every rank carries epoch n = 1, 2, ... (uint32, compared
+// wrap-safe), and so do the combines of its round: between two dispatches a
+// rank may combine any number of times (FlashInfer's repeated combines),
+// every rank the same number, each a full collective over the round's
+// routes. The own combine_count counts every combine since initialize:
+// combine c = 1, 2, ... of a rank is its c-th, whichever round it belongs to.
 //
 // Flags count shares: a flag word (dispatch_flag[s] and combine_flag[s] in a
 // rank's header, own pull_done) grows by kFlagShares for every call of its
 // writer, so call n is complete once the word reached flag_target(n) =
-// n * kFlagShares (uint32, compared wrap-safe). A writer that is one thread
+// n * kFlagShares (uint32, compared wrap-safe): n the dispatch epoch for the
+// dispatch flags, the combine count c for the combine flags and pull_done. A writer that is one thread
 // (the CPU) adds the whole kFlagShares with one release store; a CUDA grid
 // of G CTAs adds it in shares, each CTA releasing its own (cta_share: CTA 0
 // kFlagShares - (G - 1), the others 1) once its part is written, so no CTA
@@ -63,9 +68,10 @@
 //      b. only when this call's regions may cover something a rank still
 //      reads of call n - 1 (previous_call_overlap below: dispatch_end >
 //      own kHdrLastDispatchEnd, or T < own kHdrLastRuntimeMax):
-//      acquire-wait until pull_done >= flag_target(n - 1) in every active
-//      peer p's own header (p finished pulling combine n - 1) before
-//      writing anything; then own kHdrLastDispatchEnd := dispatch_end
+//      acquire-wait until pull_done >= flag_target(own combine_count) in
+//      every active peer p's own header (p finished pulling the last
+//      combine of round n - 1) before writing anything; then own
+//      kHdrLastDispatchEnd := dispatch_end
 //   1. route every local token (skip ids < 0, count and skip ids >= num_experts,
 //      drop masked-off ranks), slots = per-destination running count in
 //      increasing token index (deterministic, no atomics order)
@@ -79,8 +85,9 @@
 //      active peer p (the own rank's included: on CUDA one CTA waits, and the
 //      own flag tells it that every CTA of its grid has read what it reads
 //      of the own header and released)
-//   5. own kHdrLast* words and dispatch_epoch := n; the first dispatch: own
-//      init word marked in use (also by every recorded error)
+//   5. own kHdrLast* words and dispatch_epoch := n, own region_low_precision
+//      := 0; the first dispatch: own init word marked in use (also by every
+//      recorded error)
 //   The equal-T check: own runtime_max[p] == own runtime_max[s] for every
 //   active peer p, else kErrorRuntimeMaxMismatch with the mask of those
 //   peers (the contract wants T equal on all ranks for one call: a peer with
@@ -93,31 +100,50 @@
 //   step 4 and raises at once; the CUDA combine n checks before its step 1,
 //   with its first loads, so that the dispatch, whose end the combine waits
 //   for, spends no memory latency on it.
-// combine n on rank r (requires own dispatch_epoch == own combine_epoch + 1,
-// and its local_num_tokens, T, top_k and combine_payload_offset equal to own
-// kHdrLastLocalTokens, kHdrLastRuntimeMax, kHdrLastTopK, kHdrLastDispatchEnd:
-// else kErrorCombineMismatch; the routes, counts and regions it reads are
-// laid out for dispatch n's sizes, and the peers pull its combine region n
-// from dispatch_end n):
+// combine c of round n on rank r (c = own combine_count + 1; requires
+// combine_sequence_ok: own dispatch_epoch == own combine_epoch + 1, the
+// round's first combine, or the two equal once a dispatch finished, a
+// repeated one, else kErrorSequence; and its local_num_tokens, T, top_k and
+// combine_payload_offset equal to own kHdrLastLocalTokens, kHdrLastRuntimeMax,
+// kHdrLastTopK, kHdrLastDispatchEnd, and no payload read from a region that
+// holds e4m3 rows (region_low_precision_mismatch): else
+// kErrorCombineMismatch; the routes, counts and regions it reads are laid out
+// for dispatch n's sizes, and the peers pull its combine region n from
+// dispatch_end n):
+//   0. a repeated combine that writes into its combine region (step 1):
+//      acquire-wait until pull_done >= flag_target(c - 1) in every active
+//      peer p's own header (p finished pulling combine c - 1 from it)
 //   1. stage: copy the first recv_count[s] rows of payload[s] into own combine
-//      region (skipped when the payload already lives there)
+//      region (skipped when the payload already lives there); own
+//      region_low_precision := whether the rows staged are e4m3
 //   2. release: add this call's shares to combine_flag[r] in every active
 //      peer p's header (each CTA its own, after its staged rows)
-//   3. acquire: wait until own combine_flag[p] >= flag_target(n) for every
-//      active peer p; own combine_epoch := n (on CUDA by CTA 0, once the own
-//      flag tells it that every CTA of its grid has read the epochs)
+//   3. acquire: wait until own combine_flag[p] >= flag_target(c) for every
+//      active peer p; own combine_epoch := n, combine_count := c (on CUDA by
+//      CTA 0, once the own flag tells it that every CTA of its grid has read
+//      the epochs and the count)
 //   4. pull: out[t] = sum over route[t] (ascending rank) of
 //      combine_region_of(rank)[r][slot], accumulated in fp32, zeros when empty
 //   5. release: add this call's shares to own pull_done (each CTA its own,
-//      after its pulls: dispatch step 0b of the peers reads it)
+//      after its pulls: dispatch step 0b and combine step 0 of the peers
+//      read it)
 //
 // Why no extra barrier is needed between calls (buffer reuse chain):
-//   * rank s's dispatch n+1 writes into peer d's planes only after s's combine
-//     n saw d's combine-n flag (step 3 of combine). d raised that flag after
-//     staging, which on d's stream follows d's MoE n, the reader of the planes.
+//   * rank s's dispatch n+1 writes into peer d's planes only after s's last
+//     combine of round n saw d's flag of that combine (step 3 of combine). d
+//     raised that flag after staging, which on d's stream follows d's MoE n,
+//     the reader of the planes, and d's earlier combines of the round, the
+//     readers of its receive counts.
 //   * rank r writes its combine region n+1 (staging, or the MoE writing in
 //     place) only after r's dispatch n+1 saw every peer p's dispatch-(n+1)
-//     flag, which p raised after its combine n finished pulling from r.
+//     flag, which p raised after its last combine of round n finished
+//     pulling from r.
+//   * a repeated combine c of round n stages into a region that the peers
+//     may still pull combine c - 1 from: step 0 waits for their pull_done.
+//     One that reads its payload in place writes nothing there and waits for
+//     nothing (rows that the caller rewrote in place between two combines
+//     race with the peers' pulls of the earlier one: documented, not
+//     detected).
 //   * recv_count / eplb rows follow the same chain as the planes.
 //   * the layout moves with T and the payload sizes, so round n+1's regions
 //     in d's row may cover what a rank still reads there of round n: d's
@@ -284,10 +310,20 @@ constexpr int64_t kHdrDispatchClaim0 = 88;  // uint32
 //   epoch    uint32: the dispatch epoch of the last build (a combine of
 //            another round finds no build of its own)
 //   tokens   int32: the max_tokens_per_expert of the last build
-constexpr int64_t kHdrDroppedPairCount = 96;                             // int64
-constexpr int64_t kHdrExpertMajorEnd = 104;                              // int64
-constexpr int64_t kHdrExpertMajorEpoch = 112;                            // uint32
-constexpr int64_t kHdrExpertMajorTokens = 116;                           // int32
+constexpr int64_t kHdrDroppedPairCount = 96;    // int64
+constexpr int64_t kHdrExpertMajorEnd = 104;     // int64
+constexpr int64_t kHdrExpertMajorEpoch = 112;   // uint32
+constexpr int64_t kHdrExpertMajorTokens = 116;  // int32
+// uint32, own: the combines this rank finished since initialize (combine
+// step 3), every combine of a round counted (repeated combines): the number
+// whose flag_target the combine flags and pull_done reach.
+constexpr int64_t kHdrCombineCount = 120;
+// uint32, own: 1 while the own combine region holds e4m3 rows that a
+// low-precision combine staged into it (from the payload or in place) since
+// the last dispatch, which clears it, as does a combine that stages plain
+// rows: a combine that reads the region as its payload is refused then
+// (kMismatchRegionLowPrecision).
+constexpr int64_t kHdrRegionLowPrecision = 124;
 constexpr int64_t kHdrDispatchFlags = 128;                               // uint32 [kMaxRanks], [s] written by rank s
 constexpr int64_t kHdrCombineFlags = kHdrDispatchFlags + 4 * kMaxRanks;  // uint32 [kMaxRanks]
 constexpr int64_t kHdrRecvCounts = kHdrCombineFlags + 4 * kMaxRanks;     // int32 [kMaxRanks]
@@ -497,6 +533,10 @@ enum CombineMismatch : uint32_t {
   // build's: no build since the dispatch, another max_tokens_per_expert, or a
   // combine_payload_offset that is not the build's (kHdrExpertMajor*).
   kMismatchExpertMajor = 16,
+  // A combine whose payload is the own combine region while the region holds
+  // the e4m3 rows of an earlier low-precision combine of the round
+  // (kHdrRegionLowPrecision), not the payload.
+  kMismatchRegionLowPrecision = 32,
 };
 
 // kMismatchExpertMajor of an expert-major combine from the own header's words
@@ -508,6 +548,22 @@ MOE_A2A_HD uint32_t expert_major_mismatch(uint32_t build_epoch, int64_t build_to
              ? uint32_t(kMismatchExpertMajor)
              : 0u;
 }
+// The combine's sequence check (protocol.h, combine): the round's first
+// combine follows its dispatch (dispatch_epoch == combine_epoch + 1); a
+// repeated one follows a combine of the same round (equal epochs, and a
+// dispatch finished since initialize: the own init word in use, which tells
+// a fresh row's 0 == 0 from a round whose epochs wrapped).
+MOE_A2A_HD bool combine_sequence_ok(uint32_t dispatch_epoch, uint32_t combine_epoch, uint64_t own_init_word) {
+  return dispatch_epoch == combine_epoch + 1 || (dispatch_epoch == combine_epoch && !first_dispatch(own_init_word));
+}
+
+// kMismatchRegionLowPrecision of a combine: it reads the own combine region
+// as its payload (payload_in_workspace, no staging of its own) while the
+// region holds a low-precision combine's e4m3 rows (kHdrRegionLowPrecision).
+MOE_A2A_HD uint32_t region_low_precision_mismatch(uint32_t region_low_precision, bool reads_region) {
+  return region_low_precision != 0 && reads_region ? uint32_t(kMismatchRegionLowPrecision) : 0u;
+}
+
 MOE_A2A_HD uint32_t combine_mismatch(int64_t dispatch_tokens, int64_t dispatch_runtime_max, int64_t dispatch_top_k,
                                      int64_t dispatch_end, int64_t local_num_tokens, int64_t runtime_max_tokens,
                                      int64_t top_k, int64_t combine_offset) {

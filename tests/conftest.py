@@ -10,6 +10,7 @@ forgot to write fails the comparison instead of passing on leftover data.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import pathlib
@@ -252,6 +253,13 @@ class RoundTrip:
     ref: reference.RefDispatch
     ref_outputs: list[torch.Tensor]
     dispatch_results: list = field(default_factory=list)  # raw moe_a2a_dispatch results
+    # What a further combine of the round needs (combine_again):
+    payloads: dict = field(default_factory=dict)  # [rank] the combine payload (on the device; a workspace view in place)
+    ref_expert_out: list = field(default_factory=list)  # [rank] the reference's expert outputs
+    tokens: list = field(default_factory=list)  # [rank] local_num_tokens
+    runtime_max: int = 0
+    active: list = field(default_factory=list)  # the ranks that call
+    mask_kwargs: dict = field(default_factory=dict)  # the rank-mask arguments of the round's calls
 
 
 def combine_payload_in_workspace(
@@ -378,17 +386,44 @@ def round_trip(
         else:
             payloads[r] = expert_out.to(device)
 
+    rt = RoundTrip(recv, counts, offsets, eplb, [], ref, [], results, payloads, ref_expert_out, tokens, T, active,
+                   mask_kwargs)
+    rt.outputs, rt.ref_outputs = combine_again(
+        sim, case, rt, gen, payload_in_workspace=payload_in_workspace, output_dtype=output_dtype,
+        use_output=use_output, combine_kwargs=combine_kwargs, low_precision=low_precision, expected=expected)
+    return rt
+
+
+def combine_again(
+    sim: a2a.SimulatedEP,
+    case: Case,
+    rt: "RoundTrip",
+    gen: torch.Generator,
+    *,
+    payload_in_workspace: bool = False,
+    output_dtype: Optional[torch.dtype] = None,
+    use_output: bool = False,
+    combine_kwargs: Optional[Callable[[int], dict]] = None,
+    low_precision: Optional[str] = None,
+    expected: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
+) -> tuple[list[Optional[torch.Tensor]], list[torch.Tensor]]:
+    """A combine of ``rt``'s dispatch on every active rank (round_trip's, or
+    one more: FlashInfer's repeated combines) of the expert outputs in
+    ``rt.payloads``, checked bitwise against the reference; returns the
+    outputs (CPU copies, None for a dead rank) and the reference's. The
+    arguments are round_trip's."""
+    ep, device, T, tokens = case.ep_size, sim.workspace.device, rt.runtime_max, rt.tokens
     out_dtype = case.hidden_dtype if output_dtype is None else output_dtype
     outs = {}
     if use_output:
-        for r in active:
+        for r in rt.active:
             outs[r] = random_tensor((tokens[r], case.hidden), out_dtype, gen).to(device)
 
     def combine(rank):
-        if rank not in active:
+        if rank not in rt.active:
             return None
         return a2a.moe_a2a_combine(
-            payloads[rank],
+            rt.payloads[rank],
             tokens[rank],
             sim.workspace,
             sim.metainfo[rank],
@@ -396,25 +431,25 @@ def round_trip(
             rank,
             ep,
             case.top_k,
-            offsets[rank],
+            rt.offsets[rank],
             **{
                 "payload_in_workspace": payload_in_workspace,
                 "output_dtype": output_dtype,
                 "output": outs.get(rank),
-                **mask_kwargs,
+                **rt.mask_kwargs,
                 **({} if combine_kwargs is None else combine_kwargs(rank)),
             },
         )
 
     combined = sim.run(combine)
-    ref_outputs = reference.reference_combine(ref_expert_out, ref, tokens,
+    ref_outputs = reference.reference_combine(rt.ref_expert_out, rt.ref, tokens,
                                               output_dtype=None if expected else output_dtype,
                                               low_precision=low_precision)
     if expected is not None:
         ref_outputs = [expected(r, o) for r, o in enumerate(ref_outputs)]
     outputs = []
     for r in range(ep):
-        if r not in active:
+        if r not in rt.active:
             outputs.append(None)
             continue
         got = combined[r]
@@ -423,7 +458,17 @@ def round_trip(
         assert got.device.type == torch.device(device).type
         outputs.append(got.cpu().clone())
         assert_bytes_equal(outputs[r], ref_outputs[r], f"rank {r} combine output")
-    return RoundTrip(recv, counts, offsets, eplb, outputs, ref, ref_outputs, results)
+    return outputs, ref_outputs
+
+
+def with_expert_outputs_scaled(rt: "RoundTrip", factor: float) -> "RoundTrip":
+    """``rt`` with new payload tensors (never workspace views: rewriting those
+    between two combines of a round races the peers' pulls) holding its expert
+    outputs times ``factor``, for a repeated combine of other rows."""
+    def scaled(t: torch.Tensor) -> torch.Tensor:
+        return (t.float() * factor).to(t.dtype)
+    return dataclasses.replace(rt, payloads={r: scaled(p) for r, p in rt.payloads.items()},
+                               ref_expert_out=[scaled(o) for o in rt.ref_expert_out])
 
 
 def header_i32(workspace: torch.Tensor, rank: int, offset: int) -> int:

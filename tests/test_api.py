@@ -346,8 +346,8 @@ def test_moe_alltoall_phase_errors(device):
         moe.dispatch(inputs.ids[0], inputs.payloads[0], 4)
     out = moe.combine(payload, 4)  # the pending dispatch is still usable
     assert tuple(out.shape) == (4, 64)
-    with pytest.raises(RuntimeError, match=r"(?i)dispatch"):
-        moe.combine(payload, 4)
+    again = moe.combine(payload * 2, 4)  # FlashInfer's repeated combine of the same dispatch
+    assert torch.equal(again.cpu(), (out * 2).cpu())
     with pytest.raises(ValueError, match=r"(?i)eplb"):
         moe.dispatch(inputs.ids[0], inputs.payloads[0], 4, eplb_local_stats=torch.ones(4, dtype=torch.int32))
     moe.dispatch(inputs.ids[0], inputs.payloads[0], 4)

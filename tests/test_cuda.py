@@ -742,7 +742,7 @@ def test_two_dispatches_in_a_row_are_refused_on_the_device():
     before[0, record] = after[0, record]
     assert torch.equal(after, before), "a refused dispatch must write nothing but the error record"
 
-    pattern = r"rank 0: dispatch and combine must alternate"
+    pattern = r"rank 0: every dispatch must be followed by a combine"
     assert header_i32(sim.workspace, 0, layout.HDR_ERROR_CODE) == layout.ERROR_SEQUENCE
     assert _mailbox_record(sim.metainfo[0])[0] == layout.ERROR_SEQUENCE
     with pytest.raises(RuntimeError, match=pattern):
@@ -779,7 +779,7 @@ def test_mailbox_is_host_memory_read_before_each_call():
     inputs = make_inputs(case, make_generator("mailbox")).to(CUDA)
     torch.cuda.synchronize()
     before = sim.workspace.cpu()
-    with pytest.raises(RuntimeError, match=r"rank 0: dispatch and combine must alternate"):
+    with pytest.raises(RuntimeError, match=r"rank 0: every dispatch must be followed by a combine"):
         a2a.moe_a2a_dispatch(inputs.ids[0], inputs.payloads[0], sim.workspace, metainfo, case.T, 0, 1, case.top_k,
                              case.num_experts)
     torch.cuda.synchronize()

@@ -8,12 +8,14 @@ import torch
 from conftest import (
     Case,
     PayloadSpec,
+    combine_again,
     dispatch_claims,
     header_i32,
     make_generator,
     make_inputs,
     make_sim,
     round_trip,
+    with_expert_outputs_scaled,
 )
 
 import torch_moe_a2a as a2a
@@ -176,6 +178,41 @@ def test_consecutive_round_trips_reuse_workspace(device):
                                                                              layout.HDR_COMBINE_FLAGS) for p in range(4)]
             flags.append(header_i32(sim.workspace, r, layout.HDR_PULL_DONE))
             assert flags == [i * layout.FLAG_SHARES] * 9, (i, r, flags)
+
+
+def test_repeated_combines_between_dispatches(device):
+    """FlashInfer's semantics (docs/DESIGN.md section 3): after one dispatch
+    every rank combines 1-3 times, each a collective over the same routes, of
+    the same rows in place or of other rows staged (so a repeated combine
+    stages over a region the peers pulled the one before from: protocol.h,
+    combine step 0); with T shrinking and growing, so that dispatch step 0b
+    waits for the last combine of a round. Each combine against the
+    reference; the epochs count dispatches, the combine flags and pull_done
+    every combine."""
+    base = Case(4, (16, 16, 16, 16), 4, 11, hidden=128, max_num_tokens=32)
+    sim = make_sim(base, device)
+    gen = make_generator("repeated combines")
+    combines = 0
+    for i, (T, repeats) in enumerate([(8, 3), (32, 1), (3, 2), (17, 3), (32, 2)], start=1):
+        case = dataclasses.replace(base, runtime_max=T)
+        tokens = [int(torch.randint(0, T + 1, (), generator=gen)) for _ in range(4)]
+        in_ws = bool(i % 2)
+        rt = round_trip(sim, case, make_inputs(case, gen, tokens), gen, runtime_max=T, payload_in_workspace=in_ws)
+        for k in range(1, repeats):
+            if in_ws and k == 1:
+                combine_again(sim, case, rt, gen, payload_in_workspace=True, use_output=True)
+            else:
+                combine_again(sim, case, with_expert_outputs_scaled(rt, float(k + 1)), gen)
+        combines += repeats
+        for r in range(4):
+            assert header_i32(sim.workspace, r, layout.HDR_DISPATCH_EPOCH) == i
+            assert header_i32(sim.workspace, r, layout.HDR_COMBINE_EPOCH) == i
+            assert header_i32(sim.workspace, r, layout.HDR_COMBINE_COUNT) == combines
+            flags = [header_i32(sim.workspace, r, layout.HDR_DISPATCH_FLAGS + 4 * p) for p in range(4)]
+            assert flags == [i * layout.FLAG_SHARES] * 4, (i, r, flags)
+            flags = [header_i32(sim.workspace, r, layout.HDR_COMBINE_FLAGS + 4 * p) for p in range(4)]
+            flags.append(header_i32(sim.workspace, r, layout.HDR_PULL_DONE))
+            assert flags == [combines * layout.FLAG_SHARES] * 5, (i, r, flags)
 
 
 def test_random_rounds_reuse_workspace(device):

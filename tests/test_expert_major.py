@@ -135,9 +135,12 @@ def em_inputs(case: EmCase, gen: torch.Generator):
     return ids, payloads, (weights if case.weights else None)
 
 
-def em_round(sim: a2a.SimulatedEP, case: EmCase, gen: torch.Generator, dropped_before: list[int]) -> list[int]:
-    """One expert-major dispatch -> experts -> combine on every active rank,
-    checked against the reference (bitwise). Returns each rank's dropped count."""
+def em_round(sim: a2a.SimulatedEP, case: EmCase, gen: torch.Generator, dropped_before: list[int],
+             combines: int = 1) -> list[int]:
+    """One expert-major dispatch -> experts -> ``combines`` combines on every
+    active rank (repeated combines: of the same rows in place, or of the
+    expert outputs times k staged), each checked against the reference
+    (bitwise). Returns each rank's dropped count."""
     ep, device = case.ep_size, sim.workspace.device
     active = list(range(ep)) if case.active is None else list(case.active)
     mask_kwargs = {}
@@ -201,17 +204,24 @@ def em_round(sim: a2a.SimulatedEP, case: EmCase, gen: torch.Generator, dropped_b
         else:
             outputs[d] = out.to(device)
 
-    def combine(r):
-        if r not in active:
-            return None
-        return a2a.moe_a2a_combine_expert_major(
-            outputs[r], results[r], sim.workspace, sim.metainfo[r], r, ep, payload_in_workspace=case.in_workspace,
-            output_dtype=case.output_dtype, **mask_kwargs)
+    def scaled(t: torch.Tensor, k: int) -> torch.Tensor:
+        return t if k == 1 else (t.float() * k).to(t.dtype)
 
-    combined = sim.run(combine)
-    expected = reference.reference_combine_expert_major(ref_outputs, ref, output_dtype=case.output_dtype)
-    for r in active:
-        assert_bytes_equal(combined[r].cpu(), expected[r], f"rank {r} combine output")
+    for k in range(1, combines + 1):
+        in_place = case.in_workspace and k <= 2
+
+        def combine(r, k=k, in_place=in_place):
+            if r not in active:
+                return None
+            return a2a.moe_a2a_combine_expert_major(
+                outputs[r] if in_place else scaled(outputs[r], k), results[r], sim.workspace, sim.metainfo[r], r,
+                ep, payload_in_workspace=in_place, output_dtype=case.output_dtype, **mask_kwargs)
+
+        combined = sim.run(combine)
+        expected = reference.reference_combine_expert_major(
+            [scaled(o, 1 if in_place else k) for o in ref_outputs], ref, output_dtype=case.output_dtype)
+        for r in active:
+            assert_bytes_equal(combined[r].cpu(), expected[r], f"rank {r} combine {k} output")
     return dropped
 
 
@@ -222,8 +232,10 @@ def test_expert_major_matches_reference(case, device):
     sim = make_em_sim(case, device)
     gen = make_generator(str(case))
     dropped = [0] * case.ep_size
-    for _ in range(2):  # a second round on the same workspace: buffer reuse, cumulative drop counts
-        dropped = em_round(sim, case, gen, dropped)
+    # A second round on the same workspace: buffer reuse, cumulative drop
+    # counts, and three combines of its dispatch (FlashInfer's repeated combines).
+    for combines in (1, 3):
+        dropped = em_round(sim, case, gen, dropped, combines)
 
 
 def test_expert_major_then_rank_major_rounds(device):

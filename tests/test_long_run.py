@@ -61,12 +61,13 @@ def _get_u32(workspace: torch.Tensor, rank: int, offset: int) -> int:
 
 def _set_epochs(workspace: torch.Tensor, epoch: int) -> None:
     """Every row as after ``epoch`` completed round trips of every rank: own
-    dispatch and combine epochs, the dispatch and combine flags every rank
-    wrote into it, and its pull_done."""
+    dispatch and combine epochs and combine count, the dispatch and combine
+    flags every rank wrote into it, and its pull_done."""
     target = epoch * layout.FLAG_SHARES
     for r in range(EP):
         _put_u32(workspace, r, layout.HDR_DISPATCH_EPOCH, epoch)
         _put_u32(workspace, r, layout.HDR_COMBINE_EPOCH, epoch)
+        _put_u32(workspace, r, layout.HDR_COMBINE_COUNT, epoch)
         _put_u32(workspace, r, layout.HDR_PULL_DONE, target)
         for s in range(EP):
             _put_u32(workspace, r, layout.HDR_DISPATCH_FLAGS + 4 * s, target)
@@ -172,6 +173,7 @@ def test_long_run(device, start):
     for r in range(EP):
         assert _get_u32(sim.workspace, r, layout.HDR_DISPATCH_EPOCH) == end % EPOCH_WRAP
         assert _get_u32(sim.workspace, r, layout.HDR_COMBINE_EPOCH) == end % EPOCH_WRAP
+        assert _get_u32(sim.workspace, r, layout.HDR_COMBINE_COUNT) == end % EPOCH_WRAP
         target = end * layout.FLAG_SHARES % EPOCH_WRAP
         assert _get_u32(sim.workspace, r, layout.HDR_PULL_DONE) == target
         for s in range(EP):

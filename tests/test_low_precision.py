@@ -10,6 +10,7 @@ from conftest import (
     Case,
     assert_bytes_equal,
     assert_ws_unchanged,
+    combine_again,
     make_generator,
     make_inputs,
     make_sim,
@@ -162,6 +163,44 @@ def test_flashinfer_shapes(ep, hidden, payload_in_workspace, device):
         for fmt in FORMATS:
             _check_quantized(case, fmt, a2a.SfLayout.layout_128x4, device,
                              payload_in_workspace=payload_in_workspace, global_scale=2.0)
+
+
+SEQUENCE_CASES = [
+    Case(3, (7, 0, 11), 3, 9, hidden=128, runtime_max=12),
+    Case(4, (16, 3, 1, 9), 4, 13, hidden=256, hidden_dtype=torch.float16),
+    Case(1, (5,), 2, 4, hidden=64),
+]
+
+
+@pytest.mark.parametrize("payload_in_workspace", [False, True], ids=["staged", "in_ws"])
+@pytest.mark.parametrize("case", SEQUENCE_CASES, ids=str)
+def test_flashinfer_repeated_combine_sequence(case, payload_in_workspace, device):
+    """FlashInfer's test_moe_combine_multi_rank_single_gpu: a high-precision
+    combine, then the quantized-output combines of the same payload after the
+    same dispatch; then (ours) an e4m3 transport of it, in place last, and
+    the next round. Every combine bitwise against the reference."""
+    gen = make_generator(("flashinfer sequence", case, payload_in_workspace))
+    sim = make_sim(case, device)
+    rt = round_trip(sim, case, make_inputs(case, gen), gen, payload_in_workspace=payload_in_workspace)
+    for fmt, sf_layout in (("mxfp8", a2a.SfLayout.layout_128x4), ("nvfp4", a2a.SfLayout.layout_linear),
+                           ("mxfp4", a2a.SfLayout.layout_8x4)):
+        global_scale = 2.5
+        scales_out, expected_scales = {}, {}
+
+        def expected(rank, ref_out, fmt=fmt, sf_layout=sf_layout, expected_scales=expected_scales):
+            data, scales = reference.reference_quantize(ref_out, fmt, int(sf_layout), global_scale)
+            expected_scales[rank] = scales
+            return data
+
+        kw = _quant_kwargs(fmt, sf_layout, case.tokens, case.hidden, device, gen, scales_out, global_scale, None)
+        combine_again(sim, case, rt, gen, payload_in_workspace=payload_in_workspace, combine_kwargs=kw,
+                      expected=expected)
+        for r in range(case.ep_size):
+            assert_bytes_equal(scales_out[r].cpu(), expected_scales[r], f"{fmt}: rank {r} output_scales")
+    combine_again(sim, case, rt, gen, payload_in_workspace=payload_in_workspace, use_output=True)
+    combine_again(sim, case, rt, gen, payload_in_workspace=payload_in_workspace, combine_kwargs=_lp_kwargs("e4m3"),
+                  low_precision="e4m3")
+    round_trip(sim, case, make_inputs(case, gen), gen, payload_in_workspace=payload_in_workspace)
 
 
 # ---- refusals: clear errors before any kernel runs, the workspace untouched ----

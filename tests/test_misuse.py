@@ -3,6 +3,7 @@ nothing is wrong with the data, the correct result), the workspace is left as
 it was (or, for an error recorded in it, says how to recover), nothing hangs,
 and the correct calls that follow give the reference result."""
 
+import dataclasses
 import math
 import time
 
@@ -14,6 +15,7 @@ from conftest import (
     assert_bytes_equal,
     assert_ws_unchanged,
     check_dispatch,
+    combine_again,
     make_generator,
     make_inputs,
     make_sim,
@@ -163,16 +165,49 @@ def test_refused_combine_then_dispatch_says_how_to_close_the_round(bad, device):
 
 
 def test_combine_without_dispatch_says_to_dispatch_first(device):
+    """A combine with no dispatch since initialize is refused (a combine after
+    a combine is no misuse: FlashInfer's repeated combines)."""
     if device == "cuda":
         pytest.skip("CUDA records sequence errors in the workspace (test_protocol); the CPU refuses at once")
     gen = make_generator("combine first")
+    offset = round_trip(make_sim(CASE, device), CASE, make_inputs(CASE, gen), gen).offsets[0]  # a twin's: the same
     sim = make_sim(CASE, device)
-    first = round_trip(sim, CASE, make_inputs(CASE, gen), gen)
     payload = torch.zeros(CASE.ep_size, CASE.T, CASE.hidden, dtype=CASE.hidden_dtype, device=device)
     refused(sim.workspace, lambda: a2a.moe_a2a_combine(payload, CASE.tokens[0], sim.workspace, sim.metainfo[0], CASE.T,
-                                                       0, CASE.ep_size, CASE.top_k, first.offsets[0]),
+                                                       0, CASE.ep_size, CASE.top_k, offset),
             RuntimeError, "combine called without a preceding dispatch", "call moe_a2a_dispatch first")
     round_trip(sim, CASE, make_inputs(CASE, gen), gen)
+
+
+def test_payload_in_workspace_after_a_low_precision_combine_is_refused(device):
+    """An e4m3 combine stages its rows into the combine region (in place over
+    a payload that lives there): a later combine of the round that reads the
+    region as its payload would sum e4m3 bytes as bf16, so it is refused (at
+    once on the CPU, recorded on CUDA). A combine that stages a tensor works,
+    and after a plain one the region holds a payload again."""
+    case = Case(2, (5, 3), 2, 4, hidden=64, runtime_max=6)
+    gen = make_generator("in place after e4m3")
+    sim = make_sim(case, device)
+    rt = round_trip(sim, case, make_inputs(case, gen), gen, payload_in_workspace=True, low_precision="e4m3",
+                    combine_kwargs=lambda rank: dict(use_low_precision=True))
+    in_place = [dict(payload_in_workspace=True), dict(payload_in_workspace=True, use_low_precision=True)]
+    if device == "cpu":
+        for kwargs in in_place:
+            refused(sim.workspace, lambda kwargs=kwargs: a2a.moe_a2a_combine(
+                rt.payloads[0], case.tokens[0], sim.workspace, sim.metainfo[0], case.T, 0, case.ep_size, case.top_k,
+                rt.offsets[0], **kwargs), ValueError, "after a low-precision combine of the same dispatch",
+                "pass the payload as a tensor")
+        tensors = dataclasses.replace(rt, payloads={r: rt.ref_expert_out[r].to(device) for r in range(case.ep_size)})
+        combine_again(sim, case, tensors, gen, combine_kwargs=lambda rank: dict(use_low_precision=True),
+                      low_precision="e4m3")
+        combine_again(sim, case, tensors, gen)  # plain rows staged: the region holds the payload again
+        combine_again(sim, case, rt, gen, payload_in_workspace=True)
+        return
+    sim.run(lambda r: a2a.moe_a2a_combine(rt.payloads[r], case.tokens[r], sim.workspace, sim.metainfo[r], case.T, r,
+                                          case.ep_size, case.top_k, rt.offsets[r], payload_in_workspace=True))
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="after a low-precision combine of the same dispatch"):
+        a2a.check_errors(sim.workspace)
 
 
 def test_expert_major_combine_after_rank_major_dispatch_says_how_to_close_the_round(device):
@@ -222,6 +257,14 @@ def test_wrappers_say_how_to_recover():
         moe.combine(recv[:, :7].clone(), 7)  # another runtime_max_tokens_per_rank than the dispatch's
     out = moe.combine((recv.float() * 3).to(torch.bfloat16), 8)  # one rank: the only destination is this rank
     assert torch.equal(out, (x.float() * 3).to(torch.bfloat16))
+    out = moe.combine((recv.float() * 5).to(torch.bfloat16), 8)  # FlashInfer's repeated combine
+    assert torch.equal(out, (x.float() * 5).to(torch.bfloat16))
+    twin = a2a.MoeAlltoAll(a2a.Mapping(), 8, 2, 4, hidden_size=64, device="cpu")  # shares moe's workspace
+    assert twin.workspace.data_ptr() == moe.workspace.data_ptr()
+    (twin_recv,) = twin.dispatch(ids, [x], 8)
+    with pytest.raises(RuntimeError, match="dispatched after this instance's last dispatch.*; dispatch again"):
+        moe.combine((recv.float() * 3).to(torch.bfloat16), 8)
+    twin.combine(twin_recv, 8)
 
     params = MoEEpCommParams(num_experts=4, top_k=2, max_tokens_per_rank=8, hidden_size=64)
     comm = a2a.NVLinkOneSidedAlltoAll(BootstrapConfig(world_size=1, rank=0), params, NVLinkOneSidedConfig(),

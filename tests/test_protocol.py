@@ -286,16 +286,31 @@ def test_combine_without_dispatch_is_refused(device):
     offset = layout.call_layout(1, 5, 0, [s.row_bytes for s in case.payload_specs()]).combine_offset
     payload = torch.ones(1, 5, case.hidden, dtype=case.hidden_dtype, device=device)
     combine = lambda: a2a.moe_a2a_combine(payload, 5, sim.workspace, sim.metainfo[0], 5, 0, 1, 2, offset)
-    _expect_protocol_error(device, combine, sim.workspace, r"(?i)combine|dispatch")
+    _expect_protocol_error(device, combine, sim.workspace, r"combine called without a preceding dispatch|or combine "
+                                                           r"without a preceding dispatch")
 
 
-def test_combine_twice_is_refused(device):
+def test_combine_twice_is_a_repeated_combine(device):
+    """FlashInfer's semantics: a second combine after one dispatch combines
+    again; one whose sizes are not the dispatch's is refused, as a first
+    combine would be (at once on the CPU, recorded on CUDA)."""
     case, sim, inputs = _single_rank(device, make_generator(3))
     out = a2a.moe_a2a_dispatch(inputs.ids[0], inputs.payloads[0], sim.workspace, sim.metainfo[0], 5, 0, 1, 2, 3)
     payload = torch.ones(1, 5, case.hidden, dtype=case.hidden_dtype, device=device)
-    combine = lambda: a2a.moe_a2a_combine(payload, 5, sim.workspace, sim.metainfo[0], 5, 0, 1, 2, out[1])
-    combine()
-    _expect_protocol_error(device, combine, sim.workspace, r"(?i)combine|dispatch")
+    first = a2a.moe_a2a_combine(payload, 5, sim.workspace, sim.metainfo[0], 5, 0, 1, 2, out[1])
+    second = a2a.moe_a2a_combine(payload * 3, 5, sim.workspace, sim.metainfo[0], 5, 0, 1, 2, out[1])
+    assert torch.equal(second.cpu(), (first.float() * 3).to(first.dtype).cpu())
+    other = lambda: a2a.moe_a2a_combine(payload[:, :4].contiguous(), 4, sim.workspace, sim.metainfo[0], 4, 0, 1, 2,
+                                        out[1])
+    if device == "cpu":
+        with pytest.raises(ValueError, match="combine must use the dispatch's sizes"):
+            other()
+        return
+    other()
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="combine was called with another local_num_tokens, "
+                                           "runtime_max_tokens_per_rank than its dispatch"):
+        a2a.check_errors(sim.workspace)
 
 
 def test_timeout_s_of_simulated_ep(device):

@@ -65,7 +65,7 @@ ERROR_PAYLOAD_MISMATCH = 6
 # What differs for ERROR_COMBINE_MISMATCH: bit i of its detail names
 # COMBINE_MISMATCH_FIELDS[i] (protocol.h: CombineMismatch).
 COMBINE_MISMATCH_FIELDS = ("local_num_tokens", "runtime_max_tokens_per_rank", "top_k", "combine_payload_offset",
-                           "expert-major layout")
+                           "expert-major layout", "payload (the combine region holds a low-precision combine's rows)")
 
 # ---- rank header byte offsets ---------------------------------------------------
 HDR_MAGIC = 0
@@ -93,6 +93,8 @@ HDR_DROPPED_PAIR_COUNT = 96  # int64, cumulative: pairs beyond max_tokens_per_ex
 HDR_EXPERT_MAJOR_END = 104  # int64: the last build's expert-major combine offset
 HDR_EXPERT_MAJOR_EPOCH = 112  # uint32: the dispatch epoch of the last build
 HDR_EXPERT_MAJOR_TOKENS = 116  # int32: the last build's max_tokens_per_expert
+HDR_COMBINE_COUNT = 120  # uint32: combines finished since initialize (flag targets of combine flags, pull_done)
+HDR_REGION_LOW_PRECISION = 124  # uint32: 1 while the combine region holds a low-precision combine's e4m3 rows
 HDR_DISPATCH_FLAGS = 128
 HDR_COMBINE_FLAGS = HDR_DISPATCH_FLAGS + 4 * MAX_RANKS
 HDR_RECV_COUNTS = HDR_COMBINE_FLAGS + 4 * MAX_RANKS
@@ -161,6 +163,8 @@ CONSTANTS = {
     "HDR_EXPERT_MAJOR_END": HDR_EXPERT_MAJOR_END,
     "HDR_EXPERT_MAJOR_EPOCH": HDR_EXPERT_MAJOR_EPOCH,
     "HDR_EXPERT_MAJOR_TOKENS": HDR_EXPERT_MAJOR_TOKENS,
+    "HDR_COMBINE_COUNT": HDR_COMBINE_COUNT,
+    "HDR_REGION_LOW_PRECISION": HDR_REGION_LOW_PRECISION,
     "MAX_LOCAL_EXPERTS": MAX_LOCAL_EXPERTS,
     "MAX_EXPERT_MAJOR_ROWS": MAX_EXPERT_MAJOR_ROWS,
 }

@@ -44,11 +44,12 @@ _ops = torch.ops.moe_a2a
 
 @dataclass
 class _A2AState:
-    phase: str = "idle"  # idle | dispatched
+    phase: str = "idle"  # idle | dispatched | combined (a combine may repeat until the next dispatch)
     local_num_tokens: Optional[int] = None
     combine_payload_offset: Optional[int] = None
     eplb_gathered_stats: Optional[torch.Tensor] = None
     expert_major: Optional[ExpertMajorDispatch] = None  # an expert-major dispatch's result
+    round: int = 0  # _SharedWorkspace.rounds after this state's dispatch
 
 
 @dataclass(eq=False)
@@ -64,6 +65,9 @@ class _SharedWorkspace:
     # The instance between its dispatch and its combine, if any: instances
     # sharing a workspace take turns, one round trip at a time.
     active: Optional[weakref.ref] = None
+    # Dispatches made through the instances sharing it: a repeated combine
+    # is the last dispatch's only while no other instance dispatched since.
+    rounds: int = 0
 
     def active_instance(self) -> Optional["MoeAlltoAll"]:
         return None if self.active is None else self.active()
@@ -122,7 +126,8 @@ class MoeAlltoAll:
     """Stateful wrapper of the functional API, FlashInfer's ``MoeAlltoAll``.
 
     Remembers what dispatch returned for the matching combine and enforces
-    the alternation dispatch -> combine -> dispatch with a clear RuntimeError.
+    the order dispatch -> combine (repeated as often as needed, as in
+    FlashInfer) -> dispatch with a clear RuntimeError.
 
     Args:
         mapping: where this rank sits: :class:`~torch_moe_a2a.Mapping`,
@@ -518,7 +523,7 @@ class MoeAlltoAll:
                 a rank mask the instance was not built for.
         """
         self._check_mapped("dispatch")
-        if self._state.phase != "idle":
+        if self._state.phase == "dispatched":
             raise RuntimeError("MoeAlltoAll.dispatch called twice without combine; call combine to close the open round "
                                "(a refused combine changed nothing)")
         other = self._shared.active_instance()
@@ -540,8 +545,9 @@ class MoeAlltoAll:
                 self.ep_rank, self.ep_size, self.top_k, self.num_experts, router_weights, self.max_tokens_per_expert,
                 enable_pdl, eplb_local_stats, self.enable_rank_mask, active_rank_mask, backend=self._backend,
                 timeout_s=self.timeout_s)
+            self._shared.rounds += 1
             self._state = _A2AState("dispatched", got.local_num_tokens, got.combine_payload_offset,
-                                    got.eplb_gathered_stats, got)
+                                    got.eplb_gathered_stats, got, self._shared.rounds)
             self._shared.active = weakref.ref(self)
             return got
         if router_weights is not None:
@@ -564,11 +570,13 @@ class MoeAlltoAll:
             recv_view_cache=self._recv_view_cache,
             timeout_s=self.timeout_s,
         )
+        self._shared.rounds += 1
         self._state = _A2AState(
             "dispatched",
             token_selected_experts.shape[0],
             combine_payload_offset,
             eplb_gathered_stats,
+            round=self._shared.rounds,
         )
         self._shared.active = weakref.ref(self)
         if invalid_token_expert_id is not None:
@@ -600,20 +608,21 @@ class MoeAlltoAll:
         low_precision_block_scales: bool = False,
     ) -> torch.Tensor:
         """:func:`~torch_moe_a2a.moe_a2a_combine` for the tokens of the last :meth:`dispatch`
-        (``low_precision_block_scales``: ours, as there).
+        (``low_precision_block_scales``: ours, as there). It may be called
+        again before the next dispatch (on every rank alike), each time
+        combining the payload given then over the same routes.
 
         Returns:
             ``[local_num_tokens, *payload.shape[2:]]``: a new tensor, or ``output``.
 
         Raises:
-            RuntimeError: no dispatch before it, or the workspace released by
-                :meth:`checkpoint_prepare`.
+            RuntimeError: no dispatch before it, another instance sharing the
+                workspace dispatched since this instance's dispatch, or the
+                workspace released by :meth:`checkpoint_prepare`.
             ValueError: arguments the functional combine refuses.
         """
         self._check_mapped("combine")
-        if self._state.phase != "dispatched":
-            raise RuntimeError("MoeAlltoAll.combine called before dispatch (each combine needs its own dispatch); "
-                               "call dispatch first")
+        self._check_round("combine")
         if active_rank_mask is not None and not self.enable_rank_mask:
             raise ValueError("active_rank_mask requires the instance to be constructed with enable_rank_mask=True")
         dispatched = self._state.expert_major
@@ -627,8 +636,7 @@ class MoeAlltoAll:
                 payload, dispatched, self.workspace, self.metainfo, self.ep_rank, self.ep_size, payload_in_workspace,
                 output_dtype, enable_pdl=enable_pdl, enable_rank_mask=self.enable_rank_mask,
                 active_rank_mask=active_rank_mask, backend=self._backend, timeout_s=self.timeout_s)
-            self._state = _A2AState()
-            self._shared.active = None
+            self._combined()
             return out if output is None else output.copy_(out)
         out = moe_a2a_combine(
             payload,
@@ -654,9 +662,24 @@ class MoeAlltoAll:
             timeout_s=self.timeout_s,
             low_precision_block_scales=low_precision_block_scales,
         )
-        self._state = _A2AState()
-        self._shared.active = None
+        self._combined()
         return out
+
+    def _combined(self) -> None:
+        """After a combine: the round stays open for repeated combines; the
+        EPLB view is FlashInfer's, valid until the combine."""
+        self._state.phase = "combined"
+        self._state.eplb_gathered_stats = None
+        self._shared.active = None
+
+    def _check_round(self, what: str) -> None:
+        """Raises unless this instance's last dispatch is the workspace's last one."""
+        if self._state.phase == "idle":
+            raise RuntimeError(f"MoeAlltoAll.{what} called before dispatch (a combine combines the rows of the "
+                               "last dispatch); call dispatch first")
+        if self._state.round != self._shared.rounds:
+            raise RuntimeError(f"MoeAlltoAll.{what}: another MoeAlltoAll sharing this workspace dispatched after "
+                               "this instance's last dispatch, whose routes and rows are gone; dispatch again")
 
     def get_combine_payload_tensor_in_workspace(
         self,
@@ -668,18 +691,20 @@ class MoeAlltoAll:
         (``[num_local_experts, max_tokens_per_expert, hidden_size]`` after an expert-major dispatch).
 
         Write the expert outputs into it and call :meth:`combine` with
-        ``payload_in_workspace=True`` to skip the staging copy. Valid between
-        :meth:`dispatch` and :meth:`combine`. Under ``torch.compile`` it is a
+        ``payload_in_workspace=True`` to skip the staging copy. Valid from
+        :meth:`dispatch` to the round's last :meth:`combine` (rows rewritten
+        between two combines of a round race the peers' reads of the earlier
+        one: pass a new payload as a tensor instead). Under ``torch.compile`` it is a
         tensor of its own, which combine then stages (see
         :func:`~torch_moe_a2a.moe_a2a_wrap_payload_tensor_in_workspace`).
 
         Raises:
-            RuntimeError: called before :meth:`dispatch`, or with the workspace released.
+            RuntimeError: called before :meth:`dispatch`, after another
+                instance's dispatch on the shared workspace, or with the
+                workspace released.
         """
         self._check_mapped("get_combine_payload_tensor_in_workspace")
-        if self._state.phase != "dispatched":
-            raise RuntimeError("get_combine_payload_tensor_in_workspace called before dispatch; call dispatch first "
-                               "(the payload lies where that dispatch puts it)")
+        self._check_round("get_combine_payload_tensor_in_workspace")
         offset = self._state.combine_payload_offset
         leading = [self.ep_size, runtime_max_tokens_per_rank]
         if self._state.expert_major is not None:

@@ -225,11 +225,25 @@ void release_to_peers(const WorkspaceView& ws, const SyncParams& sync, int64_t f
   }
 }
 
-// Combine step 5: own combine_epoch := n, and (release) pull_done: peers'
-// next dispatch waits on it before overwriting anything this pull read.
-void finish_combine(uint8_t* own, uint32_t epoch) {
-  store<uint32_t>(own, kHdrCombineEpoch, epoch);
-  __atomic_store_n(reinterpret_cast<uint32_t*>(own + kHdrPullDone), flag_target(epoch), __ATOMIC_RELEASE);
+// Combine step 0 (protocol.h), for a combine that writes into the own
+// combine region (stages or converts): a repeated combine of the round waits
+// until every active peer finished pulling the combine before it (its
+// pull_done reached flag_target(count - 1)); the round's first needs not.
+WaitResult wait_before_staging(const CombineParams& p, uint32_t count) {
+  const uint8_t* own = p.ws.row(p.ws.ep_rank);
+  if (load<uint32_t>(own, kHdrDispatchEpoch) != load<uint32_t>(own, kHdrCombineEpoch)) return WaitResult{};
+  return wait_for_words(
+      p.ws, p.sync, [&](int q) { return reinterpret_cast<const uint32_t*>(p.ws.row(q) + kHdrPullDone); },
+      flag_target(count - 1), kErrorCombineTimeout);
+}
+
+// Combine step 5: own combine_epoch := the dispatch's, combine_count := count,
+// and (release) pull_done: peers' next dispatch, and their next combine of
+// the round when it stages, wait on it before overwriting anything this pull read.
+void finish_combine(uint8_t* own, uint32_t count) {
+  store<uint32_t>(own, kHdrCombineEpoch, load<uint32_t>(own, kHdrDispatchEpoch));
+  store<uint32_t>(own, kHdrCombineCount, count);
+  __atomic_store_n(reinterpret_cast<uint32_t*>(own + kHdrPullDone), flag_target(count), __ATOMIC_RELEASE);
 }
 
 const int32_t* route_of(const uint8_t* own_row, int64_t route_offset, int64_t token) {
@@ -432,11 +446,10 @@ RowStatus check_row_for_combine(const CombineParams& p, int64_t max_num_tokens) 
   const uint8_t* row = ws.row(ws.ep_rank);
   const uint32_t dispatch_epoch = load<uint32_t>(row, kHdrDispatchEpoch);
   const uint32_t combine_epoch = load<uint32_t>(row, kHdrCombineEpoch);
-  if (dispatch_epoch != combine_epoch + 1) {
+  if (!combine_sequence_ok(dispatch_epoch, combine_epoch, load<uint64_t>(row, kHdrMagic))) {
     return runtime_error("rank " + std::to_string(ws.ep_rank) +
-                         ": combine called without a preceding dispatch (dispatch and combine "
-                         "must alternate on every rank); call moe_a2a_dispatch first: each combine closes "
-                         "the round of one dispatch");
+                         ": combine called without a preceding dispatch (every combine combines the rows of the "
+                         "last dispatch); call moe_a2a_dispatch first");
   }
   const int32_t last_tokens = load<int32_t>(row, kHdrLastLocalTokens);
   const int32_t last_max = load<int32_t>(row, kHdrLastRuntimeMax);
@@ -459,6 +472,13 @@ RowStatus check_row_for_combine(const CombineParams& p, int64_t max_num_tokens) 
     st.kind = RowStatus::kValueError;
     st.message = "combine_payload_offset must be the one the dispatch returned (" + std::to_string(region) + "), got " +
                  std::to_string(p.combine_offset);
+  } else if (region_low_precision_mismatch(load<uint32_t>(row, kHdrRegionLowPrecision),
+                                           p.payload == nullptr || p.payload == row + p.combine_offset) != 0) {
+    st.kind = RowStatus::kValueError;
+    st.message =
+        "payload_in_workspace after a low-precision combine of the same dispatch: that combine staged its "
+        "e4m3 rows into the combine region, which no longer holds the payload; pass the payload as a "
+        "tensor";
   }
   return st;
 }
@@ -519,7 +539,7 @@ WaitResult dispatch(const DispatchParams& p) {
                             load<int32_t>(own, kHdrLastRuntimeMax))) {
     const WaitResult previous = wait_for_words(
         ws, p.sync, [&](int q) { return reinterpret_cast<const uint32_t*>(ws.row(q) + kHdrPullDone); },
-        flag_target(epoch - 1), kErrorDispatchTimeout);
+        flag_target(load<uint32_t>(own, kHdrCombineCount)), kErrorDispatchTimeout);
     if (previous.code != kErrorNone) return previous;
   }
   store<int64_t>(own, kHdrLastDispatchEnd, p.layout.dispatch_end);
@@ -599,6 +619,7 @@ WaitResult dispatch(const DispatchParams& p) {
   const WaitResult agreed = check_peer_calls(ws, p.sync, p);
   if (agreed.code != kErrorNone) return agreed;
   store<uint32_t>(own, kHdrDispatchEpoch, epoch);
+  store<uint32_t>(own, kHdrRegionLowPrecision, 0);
   if (first) mark_in_use(own);
   return result;
 }
@@ -606,14 +627,21 @@ WaitResult dispatch(const DispatchParams& p) {
 WaitResult combine(const CombineParams& p) {
   const WorkspaceView& ws = p.ws;
   uint8_t* own = ws.row(ws.ep_rank);
-  const uint32_t epoch = load<uint32_t>(own, kHdrCombineEpoch) + 1;
+  const uint32_t count = load<uint32_t>(own, kHdrCombineCount) + 1;
   const int64_t row_bytes = p.row_elems * dtype_bytes(p.payload_dtype);
   const int64_t T = p.runtime_max_tokens;
 
-  // 1. Stage the valid rows of every active source (a payload that already is
-  // the own combine region needs no copy).
+  // 0. Wait, 1. stage the valid rows of every active source (a payload that
+  // already is the own combine region needs no copy).
   uint8_t* region = own + p.combine_offset;
-  if (p.low_precision != LowPrecision::kOff) {
+  const bool low_precision = p.low_precision != LowPrecision::kOff;
+  const bool stages = low_precision || (p.payload != nullptr && p.payload != region);
+  if (stages) {
+    const WaitResult staging = wait_before_staging(p, count);
+    if (staging.code != kErrorNone) return staging;
+    store<uint32_t>(own, kHdrRegionLowPrecision, low_precision ? 1 : 0);
+  }
+  if (low_precision) {
     // Staged as e4m3 rows (protocol.h), from the payload or in place.
     const uint8_t* source = p.payload != nullptr ? p.payload : region;
     for (int s = 0; s < ws.ep_size; ++s) {
@@ -632,17 +660,17 @@ WaitResult combine(const CombineParams& p) {
           break;
       }
     }
-  } else if (p.payload != nullptr && p.payload != region) {
+  } else if (stages) {
     for (int s = 0; s < ws.ep_size; ++s) {
       if (!rank_active(p.sync, s)) continue;
-      const int64_t count = received_rows(load<int32_t>(own, recv_count_offset(s)), T);
-      copy_rows(region, p.payload, int64_t(s) * T * row_bytes, count, row_bytes);
+      const int64_t rows = received_rows(load<int32_t>(own, recv_count_offset(s)), T);
+      copy_rows(region, p.payload, int64_t(s) * T * row_bytes, rows, row_bytes);
     }
   }
 
   // 2. Release, 3. acquire.
-  release_to_peers(ws, p.sync, kHdrCombineFlags, epoch);
-  const WaitResult result = wait_for_own_flags(ws, p.sync, kHdrCombineFlags, epoch, kErrorCombineTimeout);
+  release_to_peers(ws, p.sync, kHdrCombineFlags, count);
+  const WaitResult result = wait_for_own_flags(ws, p.sync, kHdrCombineFlags, count, kErrorCombineTimeout);
   if (result.code != kErrorNone) return result;
 
   // 4. Pull and reduce, 5. advance.
@@ -662,7 +690,7 @@ WaitResult combine(const CombineParams& p) {
         break;
     }
   }
-  finish_combine(own, epoch);
+  finish_combine(own, count);
   return result;
 }
 
@@ -885,24 +913,27 @@ WaitResult combine_expert_major(const ExpertMajorCombineParams& ep) {
   const WorkspaceView& ws = p.ws;
   const ExpertMajorLayout& l = ep.layout;
   uint8_t* own = ws.row(ws.ep_rank);
-  const uint32_t epoch = load<uint32_t>(own, kHdrCombineEpoch) + 1;
+  const uint32_t count = load<uint32_t>(own, kHdrCombineCount) + 1;
   const int64_t row_bytes = p.row_elems * dtype_bytes(p.payload_dtype);
   const int64_t M = l.tokens_per_expert;
 
-  // 1. Stage each local expert's valid rows (a payload that already is the
-  // own combine region needs no copy); rows [e, i] keep their index.
+  // 0. Wait (as in combine), 1. stage each local expert's valid rows (a
+  // payload that already is the own combine region needs no copy); rows
+  // [e, i] keep their index.
   uint8_t* region = own + p.combine_offset;
   if (p.payload != nullptr && p.payload != region) {
+    const WaitResult staging = wait_before_staging(p, count);
+    if (staging.code != kErrorNone) return staging;
     const int32_t* counts = reinterpret_cast<const int32_t*>(own + l.counts_offset);
     for (int64_t e = 0; e < ep.num_local; ++e) {
-      const int64_t count = std::min<int64_t>(std::max<int32_t>(counts[e], 0), M);
-      copy_rows(region, p.payload, e * M * row_bytes, count, row_bytes);
+      const int64_t rows = std::min<int64_t>(std::max<int32_t>(counts[e], 0), M);
+      copy_rows(region, p.payload, e * M * row_bytes, rows, row_bytes);
     }
   }
 
   // 2. Release, 3. acquire.
-  release_to_peers(ws, p.sync, kHdrCombineFlags, epoch);
-  const WaitResult result = wait_for_own_flags(ws, p.sync, kHdrCombineFlags, epoch, kErrorCombineTimeout);
+  release_to_peers(ws, p.sync, kHdrCombineFlags, count);
+  const WaitResult result = wait_for_own_flags(ws, p.sync, kHdrCombineFlags, count, kErrorCombineTimeout);
   if (result.code != kErrorNone) return result;
 
   // 4. Pull, 5. advance (release: as in combine).
@@ -917,7 +948,7 @@ WaitResult combine_expert_major(const ExpertMajorCombineParams& ep) {
       pull_reduce_expert_major_to<c10::BFloat16>(ep);
       break;
   }
-  finish_combine(own, epoch);
+  finish_combine(own, count);
   return result;
 }
 

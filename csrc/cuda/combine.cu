@@ -51,11 +51,12 @@ struct CombineArgs {
   int pull_segments;   // per row
   bool claim_pull;     // warps claim their tasks after the first from kHdrCombineClaims
   bool prefetch;       // step 3a
+  bool stage_vectors;  // the low-precision staging by 4-element vectors (stage_rows_e4m3)
 };
 
-// The own claim word of combine `epoch` (protocol.h, kHdrCombineClaims).
-__device__ __forceinline__ uint32_t* combine_claim_word(uint8_t* own, uint32_t epoch) {
-  return header_word<uint32_t>(own, kHdrCombineClaims + int64_t(sizeof(uint32_t)) * (epoch & 1u));
+// The own claim word of combine `count` (protocol.h, kHdrCombineClaims).
+__device__ __forceinline__ uint32_t* combine_claim_word(uint8_t* own, uint32_t count) {
+  return header_word<uint32_t>(own, kHdrCombineClaims + int64_t(sizeof(uint32_t)) * (count & 1u));
 }
 
 // 1. Stage: the first rows[s] rows of payload[s] for every active source s
@@ -99,7 +100,7 @@ __device__ void stage_rows(const CombineArgs& a, const int32_t* rows) {
 // word made the pull 1.7x slower (docs/performance.md, 'Design decisions and
 // their measured effect'). The sums do not depend on which warp pulls an item.
 template <typename In, typename Out, int kElems>
-__device__ void pull_rows(const CombineArgs& a, uint32_t epoch) {
+__device__ void pull_rows(const CombineArgs& a, uint32_t count) {
   using InVec = Packed<typename In::Bits, kElems>;
   using OutVec = Packed<typename Out::Bits, kElems>;
   using InRaw = decltype(InVec::raw);
@@ -199,7 +200,7 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t epoch) {
     }
   };
   const int64_t grid_warps = int64_t(gridDim.x) * kWarps;
-  uint32_t* claims = combine_claim_word(own, epoch);
+  uint32_t* claims = combine_claim_word(own, count);
   for (int64_t task = int64_t(blockIdx.x) * kWarps + warp_id(); (task << task_bits) < items;) {
     uint32_t claimed = 0;
     if (a.claim_pull && lane == 0) claimed = atomicAdd(claims, 1u);
@@ -233,11 +234,11 @@ __device__ __noinline__ void prefetch_own_rows(const CombineArgs& a, const int32
 // pull_rows with the vector width picked at run time, from the widest (a
 // quantized output always has the widest: launch_combine).
 template <typename In, typename Out, int kElems = In::kMaxElems>
-__device__ void pull_rows_any(const CombineArgs& a, uint32_t epoch) {
+__device__ void pull_rows_any(const CombineArgs& a, uint32_t count) {
   if constexpr (kElems > 1 && !IsQuantized<Out>::value) {
-    if (a.pull_elems != kElems) return pull_rows_any<In, Out, kElems / 2>(a, epoch);
+    if (a.pull_elems != kElems) return pull_rows_any<In, Out, kElems / 2>(a, count);
   }
-  pull_rows<In, Out, kElems>(a, epoch);
+  pull_rows<In, Out, kElems>(a, count);
 }
 
 template <typename In, typename Out>
@@ -256,6 +257,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   const int32_t count = loads_count ? *header_word<int32_t>(own, recv_count_offset(threadIdx.x)) : 0;
   const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
   const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
+  const uint64_t own_init = *header_word<uint64_t>(own, kHdrMagic);
+  const uint32_t this_combine = *header_word<uint32_t>(own, kHdrCombineCount) + 1;  // c of protocol.h
   const uint32_t error_code = load_error_code(own);
   // Thread 0: whether this call matches its dispatch (the own header's
   // words of it, in the line of the epochs).
@@ -264,7 +267,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
           ? combine_mismatch(*header_word<int32_t>(own, kHdrLastLocalTokens),
                              *header_word<int32_t>(own, kHdrLastRuntimeMax), *header_word<int32_t>(own, kHdrLastTopK),
                              *header_word<int64_t>(own, kHdrLastDispatchEnd), p.local_num_tokens, p.runtime_max_tokens,
-                             p.top_k, p.combine_offset)
+                             p.top_k, p.combine_offset) |
+                region_low_precision_mismatch(*header_word<uint32_t>(own, kHdrRegionLowPrecision),
+                                              p.payload == nullptr || p.payload == own + p.combine_offset)
           : 0;
   // The T and the payload signature of every active peer's dispatch against
   // the own dispatch's (thread q: peer q), written before the dispatch flags
@@ -279,17 +284,17 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   const uint32_t own_payloads = checks_peer ? *header_word<uint32_t>(own, peer_payloads_offset(ws.ep_rank)) : 0;
   if (loads_count) recv_count[threadIdx.x] = count;
   bool other_call_seen = false;
-  if (!may_proceed(own, p.sync.mailbox, error_code, dispatch_epoch == combine_epoch + 1, mismatch,
-                   peer_t != own_t || peer_payloads != own_payloads, &other_call_seen)) {
+  if (!may_proceed(own, p.sync.mailbox, error_code, combine_sequence_ok(dispatch_epoch, combine_epoch, own_init),
+                   mismatch, peer_t != own_t || peer_payloads != own_payloads, &other_call_seen)) {
     return;
   }
   if (other_call_seen) {
     record_peer_call_mismatch(p, peer_t != own_t, peer_payloads != own_payloads, own_t);
     return;
   }
-  const uint32_t epoch = combine_epoch + 1;
 
-  // 1. Stage, and 2. release: every CTA publishes its staged rows with its
+  // 0. A repeated combine of the round that stages waits for the peers' pulls
+  // of the one before; 1. stage, and 2. release: every CTA publishes its staged rows with its
   // share of each peer's flag (device.cuh explains the chain), to the peers
   // and to this grid's own CTAs. Without staging (the payload already in the
   // combine region, written by earlier kernels, which the kernel boundary
@@ -297,25 +302,27 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   // which may_proceed's barrier ordered before it.
   const bool system = a.sync_settings.system;
   if (a.stage) {
+    if (dispatch_epoch == combine_epoch && !wait_for_peer_pulls(ws, p.sync, this_combine - 1, a.sync_settings)) return;
     if constexpr (In::kLowPrecision) {
-      stage_rows_e4m3<In>(p, a.row_bytes, recv_count);
+      stage_rows_e4m3<In>(p, a.row_bytes, recv_count, a.stage_vectors);
     } else {
       stage_rows(a, recv_count);
     }
     __syncthreads();
   }
   release_share(ws, p.sync, kHdrCombineFlags, system);
-  if (blockIdx.x == 0 && threadIdx.x == 0) *combine_claim_word(own, epoch + 1) = 0;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *combine_claim_word(own, this_combine + 1) = 0;
   if (a.prefetch) prefetch_own_rows(a, recv_count);
   if constexpr (IsQuantized<Out>::value) zero_scale_padding(p);
 
   // 3. Acquire: every CTA, so that each one's pull loads follow its own
   // acquire of every flag (own rank's included).
-  if (!acquire_combine_flags(ws, p.sync, epoch, a.sync_settings)) return;
+  const int region_low_precision = a.stage ? int(In::kLowPrecision) : -1;
+  if (!acquire_combine_flags(ws, p.sync, dispatch_epoch, this_combine, region_low_precision, a.sync_settings)) return;
 
   // 4. Pull, 5. release this CTA's share of pull_done: a peer's dispatch
   // step 0 reads it before it overwrites regions this pull read.
-  pull_rows_any<In, Out>(a, epoch);
+  pull_rows_any<In, Out>(a, this_combine);
   release_pull_done(own, system);
 }
 
@@ -393,6 +400,10 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
   // e4m3 rows are always staged: converted from the payload, or in place.
   a.stage = low_precision || (p.payload != nullptr && p.payload != region);
   if (a.stage && !low_precision) a.stage_plan = make_copy_plan(a.row_bytes, rows_bits | address_bits(p.payload));
+  // A 4-element vector of every staged row aligned in the payload and the
+  // region (the rows' offsets are multiples of row_bytes).
+  a.stage_vectors = low_precision && p.row_elems % 4 == 0 &&
+                    (rows_bits | address_bits(p.payload) | uint64_t(a.row_bytes)) % uint64_t(4 * in_bytes) == 0;
   // The widest element count whose input and output vectors are aligned.
   const int widest = low_precision ? kE4m3PullElems : int(16 / in_bytes);
   int elems = widest;

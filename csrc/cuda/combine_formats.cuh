@@ -97,16 +97,26 @@ struct IsQuantized<QuantizedOut<Round>> {
   static constexpr bool value = true;
 };
 
+// Blocks of a row that a warp converts per step of the low-precision
+// staging: every lane's loads of a step are issued before it converts any of
+// them, so a row pays one memory latency per kStageBlocks blocks, not one
+// per block.
+constexpr int kStageBlocks = 4;
+
 // Stage of a low-precision combine: every active source s's first rows[s]
 // rows (from p.payload, or in place) as e4m3 rows. A warp converts one row
-// front to back, 128 elements (a block) per step, 4 a lane: every lane's
-// loads of a step come before any lane's stores of it (__syncwarp), and
-// protocol.h's row layout keeps the stores of a step off the payload bytes
-// of later steps, so the conversion may run in place.
+// front to back, kStageBlocks blocks of 128 elements a step, 4 elements of a
+// block a lane: every lane's loads of a step come before any lane's stores
+// of it (__syncwarp), and protocol.h's row layout keeps the stores of blocks
+// up to c off the payload bytes of the blocks after c, so the conversion may
+// run in place. `vectors` (launch_combine: 4-element vectors aligned, rows of
+// whole vectors): a lane loads its 4 elements as one vector and stores their
+// 4 bytes as one word; else one element at a time.
 template <typename In>
-__device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const int32_t* rows) {
+__device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const int32_t* rows, bool vectors) {
   using Source = typename In::Source;
   using SrcBits = typename Source::Bits;
+  using SrcVec = Packed<SrcBits, 4>;
   const WorkspaceView& ws = p.ws;
   const int64_t T = p.runtime_max_tokens;
   __shared__ int64_t first_row[kMaxRanks + 1];  // staged rows before source s
@@ -122,35 +132,55 @@ __device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const
     const int64_t offset = (int64_t(s) * T + row - first_row[s]) * row_bytes;
     const SrcBits* src = reinterpret_cast<const SrcBits*>(source + offset);
     uint8_t* dst = region + offset;
-    for (int64_t first = 0; first < elems; first += kLowPrecisionBlock) {
-      float v[4];
+    for (int64_t step = 0; step < elems; step += kStageBlocks * kLowPrecisionBlock) {
+      float v[kStageBlocks][4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int64_t e = first + lane * 4 + i;
-        v[i] = e < elems ? Source::to_float(src[e]) : 0.0f;
-      }
-      float inverse = 1.0f, scale = 1.0f;
-      if constexpr (In::kBlockScaled) {
-        float amax = 0.0f;
+      for (int b = 0; b < kStageBlocks; ++b) {
+        const int64_t e = step + b * kLowPrecisionBlock + lane * 4;
+        if (vectors) {
+          SrcVec x;
+          x.raw = e < elems ? *reinterpret_cast<const decltype(x.raw)*>(src + e) : decltype(x.raw){};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) amax = abs_max(amax, v[i]);
+          for (int i = 0; i < 4; ++i) v[b][i] = Source::to_float(x.v[i]);
+        } else {
 #pragma unroll
-        for (int o = kWarpSize / 2; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(kFullWarp, amax, o));
-        const uint8_t code = low_precision_scale_code(amax);
-        inverse = ue8m0_inverse(code);
-        scale = ue8m0_to_float(code);
+          for (int i = 0; i < 4; ++i) v[b][i] = e + i < elems ? Source::to_float(src[e + i]) : 0.0f;
+        }
       }
       __syncwarp();
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int64_t e = first + lane * 4 + i;
-        if (e < elems) {
-          dst[low_precision_element_offset(In::kMode, e)] =
-              e4m3_from_float(In::kBlockScaled ? mul_rn(v[i], inverse) : v[i]);
+      for (int b = 0; b < kStageBlocks; ++b) {
+        const int64_t block_first = step + b * kLowPrecisionBlock;
+        if (block_first >= elems) break;  // the same for the whole warp
+        float inverse = 1.0f, scale = 1.0f;
+        if constexpr (In::kBlockScaled) {
+          float amax = 0.0f;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) amax = abs_max(amax, v[b][i]);
+#pragma unroll
+          for (int o = kWarpSize / 2; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(kFullWarp, amax, o));
+          const uint8_t code = low_precision_scale_code(amax);
+          inverse = ue8m0_inverse(code);
+          scale = ue8m0_to_float(code);
         }
-      }
-      if (In::kBlockScaled && lane == 0) {
-        *reinterpret_cast<float*>(dst + low_precision_scale_offset(elems, first / kLowPrecisionBlock)) = scale;
+        uint8_t bytes[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) bytes[i] = e4m3_from_float(In::kBlockScaled ? mul_rn(v[b][i], inverse) : v[b][i]);
+        const int64_t e = block_first + lane * 4;
+        if (vectors) {
+          if (e < elems) {
+            *reinterpret_cast<uint32_t*>(dst + low_precision_element_offset(In::kMode, e)) =
+                uint32_t(bytes[0]) | uint32_t(bytes[1]) << 8 | uint32_t(bytes[2]) << 16 | uint32_t(bytes[3]) << 24;
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            if (e + i < elems) dst[low_precision_element_offset(In::kMode, e + i)] = bytes[i];
+          }
+        }
+        if (In::kBlockScaled && lane == 0) {
+          *reinterpret_cast<float*>(dst + low_precision_scale_offset(elems, block_first / kLowPrecisionBlock)) = scale;
+        }
       }
       __syncwarp();
     }

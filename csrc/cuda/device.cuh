@@ -404,15 +404,35 @@ __device__ inline bool wait_for_flags(const WorkspaceView& ws, const SyncParams&
       ws, sync, [&](int p) { return flag_of(own, flags_offset, p); }, flag_target(epoch), code_on_timeout, settings);
 }
 
-// Combine step 3 (protocol.h), by every CTA of a combine (rank-major and
-// expert-major): waits for every active rank's combine flag, then lets the
-// next kernel launch. The own rank's flag tells CTA 0 that every CTA of this
-// grid has read the epochs: it advances the own combine_epoch.
-__device__ inline bool acquire_combine_flags(const WorkspaceView& ws, const SyncParams& sync, uint32_t epoch,
-                                             const SyncSettings& settings) {
-  if (!wait_for_flags(ws, sync, kHdrCombineFlags, epoch, kErrorCombineTimeout, settings)) return false;
+// Combine step 0 (protocol.h), by every thread of a repeated combine that
+// stages (rank-major and expert-major): waits until every active rank
+// finished pulling combine `count` (its pull_done). Out of line: the first
+// combine of a round, the common call, never runs it.
+static __device__ __noinline__ bool wait_for_peer_pulls(const WorkspaceView& ws, const SyncParams& sync, uint32_t count,
+                                                        const SyncSettings& settings) {
+  return wait_for_words(
+      ws, sync, [&](int q) { return header_word<uint32_t>(ws.row(q), kHdrPullDone); }, flag_target(count),
+      kErrorCombineTimeout, settings);
+}
+
+// Combine step 3 (protocol.h), by every CTA of combine `count` of the round
+// of `dispatch_epoch` (rank-major and expert-major): waits for every active
+// rank's combine flag, then lets the next kernel launch. The own rank's flag
+// tells CTA 0 that every CTA of this grid has read the own header's words:
+// it advances the own combine_epoch and combine_count, and sets
+// region_low_precision when the combine staged (0 or 1; -1: it did not).
+__device__ inline bool acquire_combine_flags(const WorkspaceView& ws, const SyncParams& sync, uint32_t dispatch_epoch,
+                                             uint32_t count, int region_low_precision, const SyncSettings& settings) {
+  if (!wait_for_flags(ws, sync, kHdrCombineFlags, count, kErrorCombineTimeout, settings)) return false;
   allow_dependent_launch();
-  if (blockIdx.x == 0 && threadIdx.x == 0) *header_word<uint32_t>(ws.row(ws.ep_rank), kHdrCombineEpoch) = epoch;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    uint8_t* own = ws.row(ws.ep_rank);
+    *header_word<uint32_t>(own, kHdrCombineEpoch) = dispatch_epoch;
+    *header_word<uint32_t>(own, kHdrCombineCount) = count;
+    if (region_low_precision >= 0) {
+      *header_word<uint32_t>(own, kHdrRegionLowPrecision) = uint32_t(region_low_precision);
+    }
+  }
   return true;
 }
 

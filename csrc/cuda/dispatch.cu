@@ -196,28 +196,30 @@ __device__ __noinline__ bool first_dispatch_wait(const DispatchArgs& a, uint64_t
 }
 
 // Step 0b's wait (wait_before_writing), out of line: it runs only where
-// regions overlap, and its polling loop would otherwise sit in the kernels'
-// code.
-__device__ __noinline__ bool wait_for_pulls(const DispatchArgs& a, uint32_t epoch) {
+// regions overlap, and its polling loop (and its load of the own combine
+// count) would otherwise sit in the kernels' code.
+__device__ __noinline__ bool wait_for_pulls(const DispatchArgs& a) {
   const WorkspaceView& ws = a.p.ws;
+  const uint32_t combines = *header_word<uint32_t>(ws.row(ws.ep_rank), kHdrCombineCount);
   return wait_for_words(
-      ws, a.p.sync, [&](int q) { return header_word<uint32_t>(ws.row(q), kHdrPullDone); }, flag_target(epoch - 1),
+      ws, a.p.sync, [&](int q) { return header_word<uint32_t>(ws.row(q), kHdrPullDone); }, flag_target(combines),
       kErrorDispatchTimeout, a.sync_settings);
 }
 
-// Step 0 of the call with epoch `epoch` (protocol.h), by every thread: false
-// when a wait failed (recorded). 0a: first_dispatch_wait, when the own init
-// word (`own_init`, loaded with the other header words) is not yet in use.
-// 0b: when this call's regions may cover what a rank still reads of call
-// n-1 (its combine region or its own routes), nothing is written before
-// every active rank finished pulling combine n-1 (its pull_done, which
-// every CTA of its combine adds its share to after its last pull). A call of
-// the previous call's sizes waits for neither: the check is all it costs.
-__device__ __forceinline__ bool wait_before_writing(const DispatchArgs& a, uint32_t epoch, uint64_t own_init,
-                                                    int64_t last_dispatch_end, int32_t last_runtime_max) {
+// Step 0 of a dispatch (protocol.h), by every thread: false when a wait
+// failed (recorded). 0a: first_dispatch_wait, when the own init word
+// (`own_init`, loaded with the other header words) is not yet in use. 0b:
+// when this call's regions may cover what a rank still reads of the
+// previous round (its combine region or its own routes), nothing is written
+// before every active rank finished pulling the round's last combine (its
+// pull_done, which every CTA of its combines adds its share to after its
+// last pull). A call of the previous call's sizes waits for neither: the
+// check is all it costs.
+__device__ __forceinline__ bool wait_before_writing(const DispatchArgs& a, uint64_t own_init, int64_t last_dispatch_end,
+                                                    int32_t last_runtime_max) {
   if (first_dispatch(own_init) && !first_dispatch_wait(a, own_init)) return false;
   if (previous_call_overlap(a.p.layout.dispatch_end, last_dispatch_end, a.p.runtime_max_tokens, last_runtime_max)) {
-    return wait_for_pulls(a, epoch);
+    return wait_for_pulls(a);
   }
   return true;
 }
@@ -349,7 +351,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   // 0. protocol.h dispatch step 0 (every CTA reads kHdrLastDispatchEnd and
   // kHdrLastRuntimeMax before it releases its share; CTA 0 rewrites them
   // once it saw every share, step 5).
-  if (!wait_before_writing(a, epoch, own_init, last_dispatch_end, last_runtime_max)) return;
+  if (!wait_before_writing(a, own_init, last_dispatch_end, last_runtime_max)) return;
 
   // 1a. The first slot per destination. CTA b counts only its own chunk,
   // publishes the counts, and sums those of the chunks before it (every CTA
@@ -552,6 +554,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
     *header_word<int32_t>(own, kHdrLastTopK) = static_cast<int32_t>(p.top_k);
     *header_word<int64_t>(own, kHdrLastDispatchEnd) = p.layout.dispatch_end;
     *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
+    *header_word<uint32_t>(own, kHdrRegionLowPrecision) = 0;
     if (first_dispatch(own_init)) mark_in_use(own);
   }
 }
@@ -786,7 +789,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
 
   if (!may_proceed(own, p.sync.mailbox, error_code, dispatch_epoch == combine_epoch)) return;
   const uint32_t epoch = dispatch_epoch + 1;
-  if (!wait_before_writing(a, epoch, own_init, last_dispatch_end, last_runtime_max)) return;
+  if (!wait_before_writing(a, own_init, last_dispatch_end, last_runtime_max)) return;
   if (invalid != 0) {
     atomicAdd(header_word<unsigned long long>(own, kHdrInvalidExpertCount), static_cast<unsigned long long>(invalid));
   }
@@ -871,6 +874,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     *header_word<int32_t>(own, kHdrLastTopK) = static_cast<int32_t>(p.top_k);
     *header_word<int64_t>(own, kHdrLastDispatchEnd) = p.layout.dispatch_end;
     *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
+    *header_word<uint32_t>(own, kHdrRegionLowPrecision) = 0;
     if (first_dispatch(own_init)) mark_in_use(own);
   }
 }

@@ -403,6 +403,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) em_combine_kernel(con
   uint8_t* own = ws.row(ws.ep_rank);
   const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
   const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
+  const uint64_t own_init = *header_word<uint64_t>(own, kHdrMagic);
+  const uint32_t this_combine = *header_word<uint32_t>(own, kHdrCombineCount) + 1;  // c of protocol.h
   const uint32_t error_code = load_error_code(own);
   const uint32_t mismatch =
       threadIdx.x == 0
@@ -421,19 +423,19 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) em_combine_kernel(con
   const uint32_t peer_payloads = checks_peer ? *header_word<uint32_t>(own, peer_payloads_offset(threadIdx.x)) : 0;
   const uint32_t own_payloads = checks_peer ? *header_word<uint32_t>(own, peer_payloads_offset(ws.ep_rank)) : 0;
   bool other_call_seen = false;
-  if (!may_proceed(own, c.sync.mailbox, error_code, dispatch_epoch == combine_epoch + 1, mismatch,
-                   peer_t != own_t || peer_payloads != own_payloads, &other_call_seen)) {
+  if (!may_proceed(own, c.sync.mailbox, error_code, combine_sequence_ok(dispatch_epoch, combine_epoch, own_init),
+                   mismatch, peer_t != own_t || peer_payloads != own_payloads, &other_call_seen)) {
     return;
   }
   if (other_call_seen) {
     record_peer_call_mismatch(c, peer_t != own_t, peer_payloads != own_payloads, own_t);
     return;
   }
-  const uint32_t epoch = combine_epoch + 1;
 
-  // 1. Stage, 2. release (as combine.cu: every CTA its share, after its staged rows).
+  // 0. Wait, 1. stage, 2. release (as combine.cu: every CTA its share, after its staged rows).
   const bool system = a.sync_settings.system;
   if (a.stage) {
+    if (dispatch_epoch == combine_epoch && !wait_for_peer_pulls(ws, c.sync, this_combine - 1, a.sync_settings)) return;
     __shared__ int32_t prefix[kMaxLocalExperts + 1];
     pair_starts(own, a.p.layout.counts_offset, a.p.num_local, a.p.layout.tokens_per_expert, prefix);
     stage_expert_rows(a, prefix);
@@ -442,7 +444,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) em_combine_kernel(con
   release_share(ws, c.sync, kHdrCombineFlags, system);
 
   // 3. Acquire (as combine.cu).
-  if (!acquire_combine_flags(ws, c.sync, epoch, a.sync_settings)) return;
+  if (!acquire_combine_flags(ws, c.sync, dispatch_epoch, this_combine, /*region_low_precision=*/-1, a.sync_settings))
+    return;
 
   // 4. Pull, 5. this CTA's share of pull_done (as combine.cu).
   pull_expert_rows_any<In, Out>(a);
