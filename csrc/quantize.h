@@ -118,6 +118,34 @@ MOE_A2A_HD float e4m3_to_float(uint8_t b) {
   return bits_float(sign | ((e + 120u) << 23) | (m << 20));
 }
 
+// Two elements at once, `lo` in the low byte: the bytes of e4m3_from_float
+// of each (one instruction for the pair where the GPU converts).
+MOE_A2A_HD uint16_t e4m3x2_from_float(float lo, float hi) {
+#if defined(MOE_A2A_E4M3_CVT)
+  if (lo == lo && hi == hi) {  // NaN: the arithmetic's 0x7f below
+    uint16_t pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
+    return pair;
+  }
+#endif
+  return uint16_t(e4m3_from_float(lo) | (uint16_t(e4m3_from_float(hi)) << 8));
+}
+
+// The two elements of a pair (the low byte in `lo`): the values of
+// e4m3_to_float of each, a NaN as some NaN (its bits are not specified: a
+// sum that holds one is NaN whatever they are).
+MOE_A2A_HD void e4m3x2_to_float(uint16_t pair, float& lo, float& hi) {
+#if defined(MOE_A2A_E4M3_CVT)
+  uint32_t halves;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(pair));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(uint16_t(halves)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(uint16_t(halves >> 16)));
+#else
+  lo = e4m3_to_float(uint8_t(pair));
+  hi = e4m3_to_float(uint8_t(pair >> 8));
+#endif
+}
+
 // The 4-bit code; a NaN gives the largest magnitude of its sign.
 MOE_A2A_HD uint8_t e2m1_from_float(float x) {
   const uint8_t sign = uint8_t((float_bits(x) >> 28) & 0x8);

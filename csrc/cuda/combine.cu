@@ -175,8 +175,19 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
           if (src[g] == nullptr) continue;
 #pragma unroll
           for (int u = 0; u < kSumUnroll; ++u) {
+            if constexpr (In::kLowPrecision && kElems % 2 == 0) {
+              // e4m3 pairs, decoded two at a time (one conversion each).
 #pragma unroll
-            for (int e = 0; e < kElems; ++e) acc[u][e] += In::contribution(x[g][u].v[e], scale[g][u]);
+              for (int e = 0; e < kElems; e += 2) {
+                float lo, hi;
+                e4m3x2_to_float(uint16_t(x[g][u].v[e] | (uint16_t(x[g][u].v[e + 1]) << 8)), lo, hi);
+                acc[u][e] += In::kBlockScaled ? mul_rn(lo, scale[g][u]) : lo;
+                acc[u][e + 1] += In::kBlockScaled ? mul_rn(hi, scale[g][u]) : hi;
+              }
+            } else {
+#pragma unroll
+              for (int e = 0; e < kElems; ++e) acc[u][e] += In::contribution(x[g][u].v[e], scale[g][u]);
+            }
           }
         }
         if (ended) break;

@@ -163,19 +163,17 @@ __device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const
           inverse = ue8m0_inverse(code);
           scale = ue8m0_to_float(code);
         }
-        uint8_t bytes[4];
+        float x[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) bytes[i] = e4m3_from_float(In::kBlockScaled ? mul_rn(v[b][i], inverse) : v[b][i]);
+        for (int i = 0; i < 4; ++i) x[i] = In::kBlockScaled ? mul_rn(v[b][i], inverse) : v[b][i];
+        const uint32_t bytes = uint32_t(e4m3x2_from_float(x[0], x[1])) | uint32_t(e4m3x2_from_float(x[2], x[3])) << 16;
         const int64_t e = block_first + lane * 4;
         if (vectors) {
-          if (e < elems) {
-            *reinterpret_cast<uint32_t*>(dst + low_precision_element_offset(In::kMode, e)) =
-                uint32_t(bytes[0]) | uint32_t(bytes[1]) << 8 | uint32_t(bytes[2]) << 16 | uint32_t(bytes[3]) << 24;
-          }
+          if (e < elems) *reinterpret_cast<uint32_t*>(dst + low_precision_element_offset(In::kMode, e)) = bytes;
         } else {
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            if (e + i < elems) dst[low_precision_element_offset(In::kMode, e + i)] = bytes[i];
+            if (e + i < elems) dst[low_precision_element_offset(In::kMode, e + i)] = uint8_t(bytes >> (8 * i));
           }
         }
         if (In::kBlockScaled && lane == 0) {
