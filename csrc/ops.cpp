@@ -314,6 +314,12 @@ std::vector<int64_t> combine_output_shape(int64_t local_num_tokens, at::IntArray
   return shape;
 }
 
+std::vector<int64_t> expert_major_output_shape(int64_t local_num_tokens, at::IntArrayRef row_shape) {
+  std::vector<int64_t> shape{local_num_tokens};
+  shape.insert(shape.end(), row_shape.begin(), row_shape.end());
+  return shape;
+}
+
 // ---- builders -------------------------------------------------------------------
 
 InitParams check_initialize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
@@ -420,6 +426,29 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
   p.ids_int64 = ids.scalar_type() == at::kLong;
   p.num_payloads = static_cast<int>(num_payloads);
   return p;
+}
+
+// The `output` of combine_into and combine_expert_major_into: a contiguous
+// tensor of the expected shape and dtype, on the workspace's device, outside
+// the workspace (the peers write into it during the call), not requiring
+// grad.
+void check_combine_output(const at::Tensor& o, const at::Tensor& workspace, const WorkspaceView& ws,
+                          const std::vector<int64_t>& expected, at::ScalarType output_dtype) {
+  TORCH_CHECK_VALUE(o.defined(), "output must be a tensor, got an undefined tensor");
+  TORCH_CHECK_VALUE(o.scalar_type() == output_dtype, "output must be ", dtype_name(output_dtype), ", got ",
+                    dtype_name(o.scalar_type()));
+  check_on_workspace_device(o, workspace, "output");
+  TORCH_CHECK_VALUE(o.sizes() == at::IntArrayRef(expected),
+                    "output must be [local_num_tokens, *row_shape] = ", at::IntArrayRef(expected), ", got shape ",
+                    o.sizes());
+  TORCH_CHECK_VALUE(o.is_contiguous(), "output must be contiguous, got strides ", o.strides());
+  check_outside_workspace(o, ws, "output");
+  // combine writes into `output` and has no backward: autograd would keep
+  // the tensor's old history (or, for a leaf, miss the write) and give
+  // wrong gradients without a word.
+  TORCH_CHECK_VALUE(!(o.requires_grad() && at::GradMode::is_enabled()),
+                    "output must not require grad: combine writes into it and has no backward (pass one "
+                    "that does not require grad, or call under torch.no_grad())");
 }
 
 CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
@@ -530,26 +559,11 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
   p.sync = check_sync(active_rank_mask, workspace, ep_rank, ep_size, timeout_s, mailbox, enable_pdl);
 
   if (output != nullptr) {
-    const at::Tensor& o = *output;
-    TORCH_CHECK_VALUE(o.defined(), "output must be a tensor, got an undefined tensor");
-    TORCH_CHECK_VALUE(o.scalar_type() == output_dtype, "output must be ", dtype_name(output_dtype), ", got ",
-                      dtype_name(o.scalar_type()));
-    check_on_workspace_device(o, workspace, "output");
-    const std::vector<int64_t> expected = combine_output_shape(local_num_tokens, row_shape, output_dtype);
-    TORCH_CHECK_VALUE(o.sizes() == at::IntArrayRef(expected),
-                      "output must be [local_num_tokens, *row_shape] = ", at::IntArrayRef(expected), ", got shape ",
-                      o.sizes());
-    TORCH_CHECK_VALUE(o.is_contiguous(), "output must be contiguous, got strides ", o.strides());
-    check_outside_workspace(o, p.ws, "output");
-    TORCH_CHECK_VALUE(p.quant == QuantFormat::kNone || reinterpret_cast<uintptr_t>(o.data_ptr()) % 16 == 0,
+    check_combine_output(*output, workspace, p.ws, combine_output_shape(local_num_tokens, row_shape, output_dtype),
+                         output_dtype);
+    TORCH_CHECK_VALUE(p.quant == QuantFormat::kNone || reinterpret_cast<uintptr_t>(output->data_ptr()) % 16 == 0,
                       "a quantized output must be 16-byte aligned");
-    // combine writes into `output` and has no backward: autograd would keep
-    // the tensor's old history (or, for a leaf, miss the write) and give
-    // wrong gradients without a word.
-    TORCH_CHECK_VALUE(!(o.requires_grad() && at::GradMode::is_enabled()),
-                      "output must not require grad: combine writes into it and has no backward (pass one "
-                      "that does not require grad, or call under torch.no_grad())");
-    p.output = static_cast<uint8_t*>(o.data_ptr());
+    p.output = static_cast<uint8_t*>(output->data_ptr());
   }
 
   p.local_num_tokens = local_num_tokens;
@@ -663,14 +677,12 @@ ExpertMajorBuildParams check_expert_major_build(const at::Tensor& workspace, int
   return p;
 }
 
-ExpertMajorCombineParams check_combine_expert_major(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
-                                                    const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
-                                                    int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
-                                                    int64_t top_k, int64_t num_experts, int64_t max_tokens_per_expert,
-                                                    int64_t dispatch_end, int64_t combine_payload_offset,
-                                                    at::IntArrayRef row_shape, at::ScalarType payload_dtype,
-                                                    at::ScalarType output_dtype, at::IntArrayRef active_rank_mask,
-                                                    double timeout_s, int64_t mailbox, bool enable_pdl) {
+ExpertMajorCombineParams check_combine_expert_major(
+    const std::optional<at::Tensor>& payload, int64_t local_num_tokens, const at::Tensor& workspace, int64_t ep_rank,
+    int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
+    int64_t max_tokens_per_expert, int64_t dispatch_end, int64_t combine_payload_offset, at::IntArrayRef row_shape,
+    at::ScalarType payload_dtype, at::ScalarType output_dtype, at::IntArrayRef active_rank_mask, double timeout_s,
+    int64_t mailbox, bool enable_pdl, const at::Tensor* output) {
   ExpertMajorCombineParams p{};
   CombineParams& c = p.c;
   c.ws = check_workspace(workspace, ep_rank, ep_size);
@@ -725,6 +737,11 @@ ExpertMajorCombineParams check_combine_expert_major(const std::optional<at::Tens
   c.route_offset = call_layout(ep_size, T, 0, 0, nullptr).route_offset;
   c.combine_offset = combine_payload_offset;
   p.dispatch_end = dispatch_end;
+  if (output != nullptr) {
+    check_combine_output(*output, workspace, c.ws, expert_major_output_shape(local_num_tokens, row_shape),
+                         output_dtype);
+    c.output = static_cast<uint8_t*>(output->data_ptr());
+  }
   return p;
 }
 
@@ -935,6 +952,14 @@ void expert_major_build_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_
   cpu::expert_major_build(p);
 }
 
+// The CPU expert-major combine of checked params (their output set).
+void run_combine_expert_major_cpu(const ExpertMajorCombineParams& p, int64_t max_num_tokens, int64_t mailbox) {
+  const int64_t ep_rank = p.c.ws.ep_rank;
+  raise_if_mailbox_error(mailbox, ep_rank);
+  raise_row_status(cpu::check_row_for_combine_expert_major(p, max_num_tokens), ep_rank);
+  raise_if_wait_failed(cpu::combine_expert_major(p), ep_rank);
+}
+
 at::Tensor combine_expert_major_cpu(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
                                     const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
                                     int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k,
@@ -946,15 +971,27 @@ at::Tensor combine_expert_major_cpu(const std::optional<at::Tensor>& payload, in
   ExpertMajorCombineParams p = check_combine_expert_major(
       payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k,
       num_experts, max_tokens_per_expert, dispatch_end, combine_payload_offset, row_shape, payload_dtype, output_dtype,
-      active_rank_mask, timeout_s, mailbox, enable_pdl);
-  std::vector<int64_t> shape{local_num_tokens};
-  shape.insert(shape.end(), row_shape.begin(), row_shape.end());
-  at::Tensor out = at::empty(shape, workspace.options().dtype(output_dtype));
+      active_rank_mask, timeout_s, mailbox, enable_pdl, nullptr);
+  at::Tensor out =
+      at::empty(expert_major_output_shape(local_num_tokens, row_shape), workspace.options().dtype(output_dtype));
   p.c.output = static_cast<uint8_t*>(out.data_ptr());
-  raise_if_mailbox_error(mailbox, ep_rank);
-  raise_row_status(cpu::check_row_for_combine_expert_major(p, max_num_tokens), ep_rank);
-  raise_if_wait_failed(cpu::combine_expert_major(p), ep_rank);
+  run_combine_expert_major_cpu(p, max_num_tokens, mailbox);
   return out;
+}
+
+void combine_expert_major_into_cpu(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
+                                   const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                                   int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k,
+                                   int64_t num_experts, int64_t max_tokens_per_expert, int64_t dispatch_end,
+                                   int64_t combine_payload_offset, at::IntArrayRef row_shape,
+                                   at::ScalarType payload_dtype, at::ScalarType output_dtype,
+                                   at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
+                                   const at::Tensor& output) {
+  const ExpertMajorCombineParams p = check_combine_expert_major(
+      payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k,
+      num_experts, max_tokens_per_expert, dispatch_end, combine_payload_offset, row_shape, payload_dtype, output_dtype,
+      active_rank_mask, timeout_s, mailbox, enable_pdl, &output);
+  run_combine_expert_major_cpu(p, max_num_tokens, mailbox);
 }
 
 // ---- tensor-free layout operators (the C++ side of tests/test_layout.py) -----------
@@ -1137,6 +1174,7 @@ constexpr char kOpCombineInto[] = "moe_a2a::combine_into";
 constexpr char kOpSanitize[] = "moe_a2a::sanitize_expert_ids";
 constexpr char kOpExpertMajorBuild[] = "moe_a2a::expert_major_build";
 constexpr char kOpCombineExpertMajor[] = "moe_a2a::combine_expert_major";
+constexpr char kOpCombineExpertMajorInto[] = "moe_a2a::combine_expert_major_into";
 
 }  // namespace
 }  // namespace moe_a2a
@@ -1155,6 +1193,7 @@ TORCH_LIBRARY(moe_a2a, m) {
   m.def(kSchemaCheckExpertIds, {at::Tag::pt2_compliant_tag});
   m.def(kSchemaExpertMajorBuild, {at::Tag::pt2_compliant_tag});
   m.def(kSchemaCombineExpertMajor, {at::Tag::pt2_compliant_tag});
+  m.def(kSchemaCombineExpertMajorInto, {at::Tag::pt2_compliant_tag});
   m.def(kSchemaExpertMajorLayout, &expert_major_layout_op, {at::Tag::pt2_compliant_tag});
   m.def(kSchemaExpertMajorWorkspaceSize, &expert_major_workspace_size_op, {at::Tag::pt2_compliant_tag});
 }
@@ -1170,6 +1209,7 @@ TORCH_LIBRARY_IMPL(moe_a2a, CPU, m) {
   m.impl("check_expert_ids", &check_expert_ids_host);
   m.impl("expert_major_build", &expert_major_build_cpu);
   m.impl("combine_expert_major", &combine_expert_major_cpu);
+  m.impl("combine_expert_major_into", &combine_expert_major_into_cpu);
 }
 
 TORCH_LIBRARY_IMPL(moe_a2a, ADInplaceOrView, m) {
@@ -1184,4 +1224,6 @@ TORCH_LIBRARY_IMPL(moe_a2a, ADInplaceOrView, m) {
          TORCH_FN((BumpWrittenVersions<kOpExpertMajorBuild, ExpertMajorBuildSignature, 0>::call)));
   m.impl("combine_expert_major",
          TORCH_FN((BumpWrittenVersions<kOpCombineExpertMajor, CombineExpertMajorSignature, 2>::call)));
+  m.impl("combine_expert_major_into",
+         TORCH_FN((BumpWrittenVersions<kOpCombineExpertMajorInto, CombineExpertMajorIntoSignature, 2, 19>::call)));
 }

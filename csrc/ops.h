@@ -72,6 +72,8 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
 // last size halved for a packed fp4 (torch.uint8) output.
 std::vector<int64_t> combine_output_shape(int64_t local_num_tokens, at::IntArrayRef row_shape,
                                           at::ScalarType output_dtype);
+// The shape of an expert-major combine's output: [local_num_tokens, *row_shape].
+std::vector<int64_t> expert_major_output_shape(int64_t local_num_tokens, at::IntArrayRef row_shape);
 
 // sanitize_expert_ids: the arguments of kSchemaSanitize, in order.
 SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
@@ -87,16 +89,16 @@ ExpertMajorBuildParams check_expert_major_build(const at::Tensor& workspace, int
                                                 int64_t eplb_n, at::IntArrayRef payload_row_bytes, int64_t id_bytes,
                                                 bool has_weights, int64_t mailbox, bool enable_pdl);
 
-// combine_expert_major: the arguments of kSchemaCombineExpertMajor, in order;
-// params.c.output is set by the caller after the check.
-ExpertMajorCombineParams check_combine_expert_major(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
-                                                    const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
-                                                    int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
-                                                    int64_t top_k, int64_t num_experts, int64_t max_tokens_per_expert,
-                                                    int64_t dispatch_end, int64_t combine_payload_offset,
-                                                    at::IntArrayRef row_shape, at::ScalarType payload_dtype,
-                                                    at::ScalarType output_dtype, at::IntArrayRef active_rank_mask,
-                                                    double timeout_s, int64_t mailbox, bool enable_pdl);
+// combine_expert_major / combine_expert_major_into: the arguments of
+// kSchemaCombineExpertMajor, in order, and the destination tensor of the
+// _into op (nullptr for the other: params.c.output is then set by the caller
+// after the check).
+ExpertMajorCombineParams check_combine_expert_major(
+    const std::optional<at::Tensor>& payload, int64_t local_num_tokens, const at::Tensor& workspace, int64_t ep_rank,
+    int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
+    int64_t max_tokens_per_expert, int64_t dispatch_end, int64_t combine_payload_offset, at::IntArrayRef row_shape,
+    at::ScalarType payload_dtype, at::ScalarType output_dtype, at::IntArrayRef active_rank_mask, double timeout_s,
+    int64_t mailbox, bool enable_pdl, const at::Tensor* output);
 
 // ---- timeouts ---------------------------------------------------------------
 // timeout_s > 0 is used as given; <= 0 means "the default": the environment

@@ -83,12 +83,19 @@ constexpr const char* kSchemaExpertMajorBuild =
 // ExpertMajorLayout::combine_offset); out[t] = the fp32 sum over the token's
 // pairs, ascending (destination rank, local expert, top-k slot), of
 // weight * row, cast once. dispatch_end: the dispatch's CallLayout::dispatch_end.
-constexpr const char* kSchemaCombineExpertMajor =
-    "combine_expert_major(Tensor? payload, SymInt local_num_tokens, Tensor(a!) workspace, int ep_rank, "
-    "int ep_size, int max_num_tokens, int runtime_max_tokens_per_rank, int top_k, int num_experts, "
-    "int max_tokens_per_expert, int dispatch_end, int combine_payload_offset, SymInt[] row_shape, "
-    "ScalarType payload_dtype, ScalarType output_dtype, int[] active_rank_mask, float timeout_s, int mailbox, "
-    "bool enable_pdl) -> Tensor";
+// combine_expert_major_into: the same into `output` ([local_num_tokens,
+// *row_shape] of output_dtype, outside the workspace), which CUDA-graph and
+// simulated-rank callers allocate beforehand.
+#define MOE_A2A_COMBINE_EM_ARGS                                                                               \
+  "Tensor? payload, SymInt local_num_tokens, Tensor(a!) workspace, int ep_rank, "                             \
+  "int ep_size, int max_num_tokens, int runtime_max_tokens_per_rank, int top_k, int num_experts, "            \
+  "int max_tokens_per_expert, int dispatch_end, int combine_payload_offset, SymInt[] row_shape, "             \
+  "ScalarType payload_dtype, ScalarType output_dtype, int[] active_rank_mask, float timeout_s, int mailbox, " \
+  "bool enable_pdl"
+constexpr const char* kSchemaCombineExpertMajor = "combine_expert_major(" MOE_A2A_COMBINE_EM_ARGS ") -> Tensor";
+constexpr const char* kSchemaCombineExpertMajorInto =
+    "combine_expert_major_into(" MOE_A2A_COMBINE_EM_ARGS ", Tensor(b!) output) -> ()";
+#undef MOE_A2A_COMBINE_EM_ARGS
 
 // The C++ side of tests/test_layout.py for the expert-major layout:
 // [counts, pair_map, pair_src, ids, weights, payload_0.., combine] offsets.
@@ -117,10 +124,13 @@ using CombineIntoSignature = void(MOE_A2A_COMBINE_TYPES, const at::Tensor&);
 #undef MOE_A2A_COMBINE_TYPES
 using ExpertMajorBuildSignature = void(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                                        int64_t, at::IntArrayRef, int64_t, bool, int64_t, bool);
-using CombineExpertMajorSignature = at::Tensor(const std::optional<at::Tensor>&, c10::SymInt, const at::Tensor&,
-                                               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                               int64_t, c10::SymIntArrayRef, at::ScalarType, at::ScalarType,
-                                               at::IntArrayRef, double, int64_t, bool);
+#define MOE_A2A_COMBINE_EM_TYPES                                                                                 \
+  const std::optional<at::Tensor>&, c10::SymInt, const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, \
+      int64_t, int64_t, int64_t, int64_t, c10::SymIntArrayRef, at::ScalarType, at::ScalarType, at::IntArrayRef,  \
+      double, int64_t, bool
+using CombineExpertMajorSignature = at::Tensor(MOE_A2A_COMBINE_EM_TYPES);
+using CombineExpertMajorIntoSignature = void(MOE_A2A_COMBINE_EM_TYPES, const at::Tensor&);
+#undef MOE_A2A_COMBINE_EM_TYPES
 using SanitizeSignature = void(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                                int64_t, bool);
 

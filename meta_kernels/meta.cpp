@@ -89,6 +89,15 @@ at::Tensor combine_expert_major_meta(const std::optional<at::Tensor>& payload, c
   return at::empty_symint(shape, workspace.options().dtype(output_dtype));
 }
 
+void combine_expert_major_into_meta(const std::optional<at::Tensor>& payload, c10::SymInt, const at::Tensor& workspace,
+                                    int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                    c10::SymIntArrayRef, at::ScalarType, at::ScalarType, at::IntArrayRef, double,
+                                    int64_t, bool, const at::Tensor& output) {
+  check_meta("combine_expert_major_into", "payload", payload);
+  check_meta("combine_expert_major_into", "workspace", workspace);
+  check_meta("combine_expert_major_into", "output", output);
+}
+
 }  // namespace
 }  // namespace moe_a2a
 
@@ -103,4 +112,5 @@ TORCH_LIBRARY_IMPL(moe_a2a, Meta, m) {
   m.impl("check_expert_ids", &check_expert_ids_meta);
   m.impl("expert_major_build", &expert_major_build_meta);
   m.impl("combine_expert_major", &combine_expert_major_meta);
+  m.impl("combine_expert_major_into", &combine_expert_major_into_meta);
 }

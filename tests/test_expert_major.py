@@ -136,11 +136,12 @@ def em_inputs(case: EmCase, gen: torch.Generator):
 
 
 def em_round(sim: a2a.SimulatedEP, case: EmCase, gen: torch.Generator, dropped_before: list[int],
-             combines: int = 1) -> list[int]:
+             combines: int = 1, use_output: bool = False) -> list[int]:
     """One expert-major dispatch -> experts -> ``combines`` combines on every
     active rank (repeated combines: of the same rows in place, or of the
     expert outputs times k staged), each checked against the reference
-    (bitwise). Returns each rank's dropped count."""
+    (bitwise); ``use_output``: into poisoned ``output=`` tensors. Returns
+    each rank's dropped count."""
     ep, device = case.ep_size, sim.workspace.device
     active = list(range(ep)) if case.active is None else list(case.active)
     mask_kwargs = {}
@@ -210,14 +211,20 @@ def em_round(sim: a2a.SimulatedEP, case: EmCase, gen: torch.Generator, dropped_b
     for k in range(1, combines + 1):
         in_place = case.in_workspace and k <= 2
 
+        out_dtype = case.hidden_dtype if case.output_dtype is None else case.output_dtype
+        into = {r: random_tensor((case.tokens[r], case.hidden), out_dtype, gen).to(device)
+                for r in active} if use_output else {}
+
         def combine(r, k=k, in_place=in_place):
             if r not in active:
                 return None
             return a2a.moe_a2a_combine_expert_major(
                 outputs[r] if in_place else scaled(outputs[r], k), results[r], sim.workspace, sim.metainfo[r], r,
-                ep, payload_in_workspace=in_place, output_dtype=case.output_dtype, **mask_kwargs)
+                ep, payload_in_workspace=in_place, output_dtype=case.output_dtype, output=into.get(r), **mask_kwargs)
 
         combined = sim.run(combine)
+        for r in into:
+            assert combined[r] is into[r], "combine_expert_major(output=) must return output"
         expected = reference.reference_combine_expert_major(
             [scaled(o, 1 if in_place else k) for o in ref_outputs], ref, output_dtype=case.output_dtype)
         for r in active:
@@ -233,9 +240,10 @@ def test_expert_major_matches_reference(case, device):
     gen = make_generator(str(case))
     dropped = [0] * case.ep_size
     # A second round on the same workspace: buffer reuse, cumulative drop
-    # counts, and three combines of its dispatch (FlashInfer's repeated combines).
-    for combines in (1, 3):
-        dropped = em_round(sim, case, gen, dropped, combines)
+    # counts, and three combines of its dispatch (FlashInfer's repeated
+    # combines), into output= tensors.
+    for combines, use_output in ((1, False), (3, True)):
+        dropped = em_round(sim, case, gen, dropped, combines, use_output)
 
 
 def test_expert_major_then_rank_major_rounds(device):
@@ -362,6 +370,35 @@ def test_refusals_leave_workspace_untouched(device):
     with pytest.raises(ValueError, match="expert_major=True"):
         a2a.moe_a2a_dispatch(*args, max_tokens_per_expert=4)
     assert_ws_unchanged(sim.workspace, snap)
+
+
+def test_combine_output_is_checked(device):
+    """output= of the expert-major combine: refused before anything runs
+    unless it is a contiguous [local_num_tokens, *row_shape] tensor of
+    output_dtype outside the workspace that needs no grad; a good one is
+    written and returned."""
+    case, sim, ids, payloads, weights = _simple(device)
+    got = a2a.moe_a2a_dispatch_expert_major(ids, payloads, sim.workspace, sim.metainfo[0], case.T, 0, 1, case.top_k,
+                                            case.num_experts, router_weights=weights)
+    y = torch.ones(got.output_payloads[0].shape, dtype=got.output_payloads[0].dtype, device=device)
+    view = a2a.moe_a2a_wrap_payload_tensor_in_workspace(sim.workspace[0], [4], 0, 4 * case.hidden * 2,
+                                                        torch.bfloat16)
+    bad = [
+        (torch.empty(3, case.hidden, dtype=torch.bfloat16, device=device), "output must be \\[local_num_tokens"),
+        (torch.empty(4, case.hidden, dtype=torch.float16, device=device), "output must be torch.bfloat16"),
+        (torch.empty(case.hidden, 4, dtype=torch.bfloat16, device=device).t(), "output must be contiguous"),
+        (view, "output lies in the workspace"),
+        (torch.empty(4, case.hidden, dtype=torch.bfloat16, device=device, requires_grad=True),
+         "output must not require grad"),
+    ]
+    snap = ws_snapshot(sim.workspace)
+    for output, match in bad:
+        with pytest.raises(ValueError, match=match):
+            a2a.moe_a2a_combine_expert_major(y, got, sim.workspace, sim.metainfo[0], 0, 1, output=output)
+    assert_ws_unchanged(sim.workspace, snap)
+    output = torch.full((4, case.hidden), float("nan"), dtype=torch.bfloat16, device=device)
+    out = a2a.moe_a2a_combine_expert_major(y, got, sim.workspace, sim.metainfo[0], 0, 1, output=output)
+    assert out is output and not bool(torch.isnan(out).any())
 
 
 def test_combine_needs_expert_major_dispatch(device):

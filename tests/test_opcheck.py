@@ -3,7 +3,7 @@
 Single rank (ep_size 1) so no call waits. Every opcheck utility runs the op on
 copies of the arguments (deepcopy / clone), so each run starts from the same
 workspace state: freshly initialized for initialize/dispatch, "dispatched" for
-combine / combine_into / sanitize_expert_ids, and the dispatch -> combine
+combine / combine_into / sanitize_expert_ids (and the expert-major ops), and the dispatch -> combine
 alternation holds on every copy.
 """
 
@@ -198,3 +198,11 @@ def test_opcheck_combine_expert_major(device):
     ops.expert_major_build.default(*env.build_args())
     payload = torch.randn(CASE.num_experts, env.M, CASE.hidden, generator=make_generator(6)).to(CASE.hidden_dtype)
     _opcheck(ops.combine_expert_major.default, env.combine_args(payload.to(device)))
+
+
+def test_opcheck_combine_expert_major_into(device):
+    env = ExpertMajorEnv(device)
+    ops.expert_major_build.default(*env.build_args())
+    payload = torch.randn(CASE.num_experts, env.M, CASE.hidden, generator=make_generator(7)).to(CASE.hidden_dtype)
+    output = torch.empty(CASE.tokens[0], CASE.hidden, dtype=torch.float32, device=device)
+    _opcheck(ops.combine_expert_major_into.default, (*env.combine_args(payload.to(device)), output))

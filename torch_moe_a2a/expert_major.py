@@ -281,6 +281,7 @@ def moe_a2a_combine_expert_major(
     active_rank_mask: Optional[torch.Tensor] = None,
     backend: MoeAlltoAllBackend = "trtllm",
     timeout_s: Optional[float] = None,
+    output: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Return every local token's router-weighted sum of its experts' outputs.
 
@@ -298,9 +299,13 @@ def moe_a2a_combine_expert_major(
             active_rank_mask, backend, timeout_s: as for the dispatch.
         payload_in_workspace: whether ``expert_outputs`` is the combine region itself.
         output_dtype: the payload dtype (default), bf16 or fp32.
+        output: a contiguous ``[local_num_tokens, *row_shape]`` tensor of
+            ``output_dtype`` on the workspace's device, outside the workspace,
+            to write the result into (CUDA-graph and simulated-rank callers
+            allocate nothing inside a rank's launch); None: a new tensor.
 
     Returns:
-        A new ``[local_num_tokens, *row_shape]`` tensor of ``output_dtype``: for
+        ``output``, or a new ``[local_num_tokens, *row_shape]`` tensor of ``output_dtype``: for
         each token, starting from fp32 zeros, ``w * row`` (the product rounded
         to fp32) added for each of its pairs in ascending destination rank, then
         local expert, then top-k slot order, cast once; zeros for a token with no
@@ -335,11 +340,14 @@ def moe_a2a_combine_expert_major(
     # the kernels skip the copy of the region onto itself).
     if output_dtype is None:
         output_dtype = expert_outputs.dtype
-    return _ops.combine_expert_major.default(
-        staged, dispatched.local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
-        dispatched.runtime_max_tokens_per_rank, dispatched.top_k, dispatched.num_experts,
-        dispatched.max_tokens_per_expert, dispatched.dispatch_end, dispatched.combine_payload_offset,
-        expert_outputs.shape[2:], expert_outputs.dtype, output_dtype, mask, timeout_s, mailbox, enable_pdl)
+    args = (staged, dispatched.local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
+            dispatched.runtime_max_tokens_per_rank, dispatched.top_k, dispatched.num_experts,
+            dispatched.max_tokens_per_expert, dispatched.dispatch_end, dispatched.combine_payload_offset,
+            expert_outputs.shape[2:], expert_outputs.dtype, output_dtype, mask, timeout_s, mailbox, enable_pdl)
+    if output is None:
+        return _ops.combine_expert_major.default(*args)
+    _ops.combine_expert_major_into.default(*args, output)
+    return output
 
 
 def _check_in_workspace(payload: torch.Tensor, workspace: torch.Tensor, ep_rank: int, offset: int) -> None:

@@ -635,9 +635,9 @@ class MoeAlltoAll:
             out = moe_a2a_combine_expert_major(
                 payload, dispatched, self.workspace, self.metainfo, self.ep_rank, self.ep_size, payload_in_workspace,
                 output_dtype, enable_pdl=enable_pdl, enable_rank_mask=self.enable_rank_mask,
-                active_rank_mask=active_rank_mask, backend=self._backend, timeout_s=self.timeout_s)
+                active_rank_mask=active_rank_mask, backend=self._backend, timeout_s=self.timeout_s, output=output)
             self._combined()
-            return out if output is None else output.copy_(out)
+            return out
         out = moe_a2a_combine(
             payload,
             self._state.local_num_tokens,

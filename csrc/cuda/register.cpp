@@ -217,16 +217,33 @@ at::Tensor combine_expert_major_cuda(const std::optional<at::Tensor>& payload, i
   ExpertMajorCombineParams p = check_combine_expert_major(
       payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k,
       num_experts, max_tokens_per_expert, dispatch_end, combine_payload_offset, row_shape, payload_dtype, output_dtype,
-      active_rank_mask, timeout_s, mailbox, enable_pdl);
+      active_rank_mask, timeout_s, mailbox, enable_pdl, nullptr);
   raise_if_mailbox_error(mailbox, ep_rank);
   const c10::cuda::CUDAGuard guard(workspace.device());
-  std::vector<int64_t> shape{local_num_tokens};
-  shape.insert(shape.end(), row_shape.begin(), row_shape.end());
-  at::Tensor out = at::empty(shape, workspace.options().dtype(output_dtype));
+  at::Tensor out =
+      at::empty(expert_major_output_shape(local_num_tokens, row_shape), workspace.options().dtype(output_dtype));
   p.c.output = static_cast<uint8_t*>(out.data_ptr());
   C10_CUDA_CHECK(gpu::launch_combine_expert_major(p, launch_config(workspace, ep_size, p.c.sync.timeout_s),
                                                   c10::cuda::getCurrentCUDAStream()));
   return out;
+}
+
+void combine_expert_major_into_cuda(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
+                                    const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                                    int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k,
+                                    int64_t num_experts, int64_t max_tokens_per_expert, int64_t dispatch_end,
+                                    int64_t combine_payload_offset, at::IntArrayRef row_shape,
+                                    at::ScalarType payload_dtype, at::ScalarType output_dtype,
+                                    at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox,
+                                    bool enable_pdl, const at::Tensor& output) {
+  const ExpertMajorCombineParams p = check_combine_expert_major(
+      payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k,
+      num_experts, max_tokens_per_expert, dispatch_end, combine_payload_offset, row_shape, payload_dtype, output_dtype,
+      active_rank_mask, timeout_s, mailbox, enable_pdl, &output);
+  raise_if_mailbox_error(mailbox, ep_rank);
+  const c10::cuda::CUDAGuard guard(workspace.device());
+  C10_CUDA_CHECK(gpu::launch_combine_expert_major(p, launch_config(workspace, ep_size, p.c.sync.timeout_s),
+                                                  c10::cuda::getCurrentCUDAStream()));
 }
 
 void check_expert_ids_cuda(const at::Tensor& token_selected_experts, int64_t num_experts) {
@@ -252,4 +269,5 @@ TORCH_LIBRARY_IMPL(moe_a2a, CUDA, m) {
   m.impl("check_expert_ids", &check_expert_ids_cuda);
   m.impl("expert_major_build", &expert_major_build_cuda);
   m.impl("combine_expert_major", &combine_expert_major_cuda);
+  m.impl("combine_expert_major_into", &combine_expert_major_into_cuda);
 }
