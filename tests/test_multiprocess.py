@@ -85,12 +85,18 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         expert_out = reference.toy_moe(recv[0], recv[1], recv[2], counts, ep_rank=rank, ep_size=world,
                                        num_experts=case.num_experts)
         out = moe.combine(expert_out, case.T)
-        results.append({"recv": recv, "counts": counts, "out": out})
+        # A repeated combine of the same dispatch (FlashInfer's semantics), of other rows.
+        again = moe.combine(_doubled(expert_out), case.T)
+        results.append({"recv": recv, "counts": counts, "out": out, "again": again})
         moe.check()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _doubled(t: torch.Tensor) -> torch.Tensor:
+    return (t.float() * 2).to(t.dtype)
 
 
 # More than two processes start as many interpreters: slow (CI runs this file 20 times besides).
@@ -124,6 +130,10 @@ def test_multiprocess_round_trip(world, tmp_path):
                     n = int(ref.recv_counts[r][s])
                     assert_bytes_equal(v[s, :n], rv[s, :n], f"round {round_} rank {r} payload {i} from {s}")
             assert_bytes_equal(res["out"], expected[r], f"round {round_} rank {r} output")
+        if "again" in got[0][round_]:
+            again = reference.reference_combine([_doubled(e) for e in expert_out], ref, list(case.tokens))
+            for r in range(world):
+                assert_bytes_equal(got[r][round_]["again"], again[r], f"round {round_} rank {r} repeated combine")
 
 
 def test_shared_workspace_file_mode(tmp_path, monkeypatch):

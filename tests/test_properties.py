@@ -77,6 +77,11 @@ class Problem:
     # expert-major only
     weights: bool = False
     max_tokens_per_expert: Optional[int] = None
+    # combines after each round's dispatch (FlashInfer's repeated combines), each of other expert outputs
+    combines: tuple[int, ...] = ()
+
+    def combines_of(self, round_index: int) -> int:
+        return self.combines[round_index] if self.combines else 1
 
     def row_bytes(self, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
         return math.prod(shape) * dtype.itemsize
@@ -128,6 +133,7 @@ def problems(draw, expert_major: bool) -> Problem:
         seed=draw(st.integers(0, 2**32 - 1)),
         weights=expert_major and draw(st.booleans()),
         max_tokens_per_expert=draw(st.one_of(st.none(), st.integers(1, ep * runtime_max))) if expert_major else None,
+        combines=tuple(draw(st.lists(st.integers(1, 3), min_size=len(rounds), max_size=len(rounds)))),
     )
 
 
@@ -178,7 +184,7 @@ def check_rank_major(p: Problem, device: str) -> None:
     sim = a2a.SimulatedEP(ep, p.max_num_tokens, dispatch_bytes_per_token=p.dispatch_bytes,
                           combine_bytes_per_token=p.combine_bytes, device=device)
     invalid = [0] * ep
-    for tokens in p.rounds:
+    for round_index, tokens in enumerate(p.rounds):
         ids, payloads = round_inputs(p, tokens, gen)
         poison_call_regions(sim.workspace, gen)
         dev_ids = [t.to(device) for t in ids]
@@ -188,14 +194,10 @@ def check_rank_major(p: Problem, device: str) -> None:
             **mask_kwargs(p)))
         ref = reference.reference_dispatch(ids, payloads, ep_size=ep, num_experts=p.num_experts,
                                            runtime_max_tokens_per_rank=T, active_ranks=p.active)
-        expert_out, ref_expert_out = {}, []
-        for d in range(ep):
-            clean = random_values((ep, T, *p.combine_shape), p.combine_dtype, gen)
-            ref_expert_out.append(clean)
-            if d not in active:
-                continue
-            counts = a2a.moe_a2a_get_recv_counts(sim.workspace, sim.metainfo[d], d).cpu()
-            assert torch.equal(counts, ref.recv_counts[d]), f"rank {d}: counts {counts.tolist()}"
+        counts = {}
+        for d in active:
+            counts[d] = a2a.moe_a2a_get_recv_counts(sim.workspace, sim.metainfo[d], d).cpu()
+            assert torch.equal(counts[d], ref.recv_counts[d]), f"rank {d}: counts {counts[d].tolist()}"
             for i, (dtype, shape) in enumerate(p.payloads):
                 view = results[d][0][i]
                 assert tuple(view.shape) == (ep, T, *shape) and view.dtype == dtype, f"rank {d} payload {i}"
@@ -205,15 +207,17 @@ def check_rank_major(p: Problem, device: str) -> None:
             invalid[d] += ref.invalid_counts[d]
             got = int(a2a.moe_a2a_get_invalid_expert_count(sim.workspace, sim.metainfo[d], d))
             assert got == invalid[d], f"rank {d}: invalid count {got} != {invalid[d]}"
-            expert_out[d] = poison_padding(clean, counts, gen).to(device)
-        outputs = output_buffers(p, tokens, device, gen)
-        combined = sim.run(lambda r: None if r not in active else a2a.moe_a2a_combine(
-            expert_out[r], tokens[r], sim.workspace, sim.metainfo[r], T, r, ep, p.top_k, results[r][1],
-            output_dtype=p.output_dtype, output=outputs[r], **mask_kwargs(p)))
-        expected = reference.reference_combine(ref_expert_out, ref, list(tokens), output_dtype=p.output_dtype)
-        for r in active:
-            assert combined[r] is outputs[r]
-            assert_bytes_equal(combined[r].cpu(), expected[r], f"rank {r} combine output")
+        for k in range(p.combines_of(round_index)):
+            ref_expert_out = [random_values((ep, T, *p.combine_shape), p.combine_dtype, gen) for _ in range(ep)]
+            expert_out = {d: poison_padding(ref_expert_out[d], counts[d], gen).to(device) for d in active}
+            outputs = output_buffers(p, tokens, device, gen)
+            combined = sim.run(lambda r: None if r not in active else a2a.moe_a2a_combine(
+                expert_out[r], tokens[r], sim.workspace, sim.metainfo[r], T, r, ep, p.top_k, results[r][1],
+                output_dtype=p.output_dtype, output=outputs[r], **mask_kwargs(p)))
+            expected = reference.reference_combine(ref_expert_out, ref, list(tokens), output_dtype=p.output_dtype)
+            for r in active:
+                assert combined[r] is outputs[r]
+                assert_bytes_equal(combined[r].cpu(), expected[r], f"rank {r} combine {k} output")
 
 
 def check_expert_major(p: Problem, device: str) -> None:
@@ -228,7 +232,7 @@ def check_expert_major(p: Problem, device: str) -> None:
     sim = a2a.SimulatedEP(ep, p.max_num_tokens, dispatch_bytes_per_token=0, combine_bytes_per_token=0,
                           device=device, workspace_size_per_rank=size)
     dropped = [0] * ep
-    for tokens in p.rounds:
+    for round_index, tokens in enumerate(p.rounds):
         ids, payloads = round_inputs(p, tokens, gen)
         weights = [torch.rand((n, p.top_k), generator=gen) + 0.25 for n in tokens] if p.weights else None
         poison_call_regions(sim.workspace, gen)
@@ -241,14 +245,10 @@ def check_expert_major(p: Problem, device: str) -> None:
             max_tokens_per_expert=p.max_tokens_per_expert, **mask_kwargs(p)))
         ref = reference.reference_dispatch_expert_major(ids, payloads, weights, ep_size=ep, num_experts=p.num_experts,
                                                         max_tokens_per_expert=M, active_ranks=p.active)
-        expert_out, ref_expert_out = {}, []
-        for d in range(ep):
+        expert_counts = {}
+        for d in active:
             first, last = layout.expert_range(p.num_experts, ep, d)
             L = last - first
-            clean = random_values((L, M, *p.combine_shape), p.combine_dtype, gen)
-            ref_expert_out.append(clean)
-            if d not in active:
-                continue
             res = results[d]
             counts = res.expert_counts.cpu()
             assert torch.equal(counts, ref.counts[d]), f"rank {d}: counts {counts.tolist()}"
@@ -264,17 +264,28 @@ def check_expert_major(p: Problem, device: str) -> None:
             dropped[d] += ref.dropped[d]
             got = int(a2a.moe_a2a_get_dropped_pair_count(sim.workspace, sim.metainfo[d], d))
             assert got == dropped[d], f"rank {d}: dropped {got} != {dropped[d]}"
-            # padding rows (i >= counts[e]) poisoned: the combine reads valid rows only
-            pad = torch.arange(M)[None, :] >= counts.long()[:, None]
-            poisoned = clean.clone()
-            poisoned[pad] = random_tensor(clean.shape, clean.dtype, gen)[pad]
-            expert_out[d] = poisoned.to(device)
-        combined = sim.run(lambda r: None if r not in active else a2a.moe_a2a_combine_expert_major(
-            expert_out[r], results[r], sim.workspace, sim.metainfo[r], r, ep, output_dtype=p.output_dtype,
-            **mask_kwargs(p)))
-        expected = reference.reference_combine_expert_major(ref_expert_out, ref, output_dtype=p.output_dtype)
-        for r in active:
-            assert_bytes_equal(combined[r].cpu(), expected[r], f"rank {r} combine output")
+            expert_counts[d] = counts
+        for k in range(p.combines_of(round_index)):
+            ref_expert_out, expert_out = [], {}
+            for d in range(ep):
+                first, last = layout.expert_range(p.num_experts, ep, d)
+                clean = random_values((last - first, M, *p.combine_shape), p.combine_dtype, gen)
+                ref_expert_out.append(clean)
+                if d not in active:
+                    continue
+                # padding rows (i >= counts[e]) poisoned: the combine reads valid rows only
+                pad = torch.arange(M)[None, :] >= expert_counts[d].long()[:, None]
+                poisoned = clean.clone()
+                poisoned[pad] = random_tensor(clean.shape, clean.dtype, gen)[pad]
+                expert_out[d] = poisoned.to(device)
+            outputs = output_buffers(p, tokens, device, gen) if k % 2 else [None] * ep
+            combined = sim.run(lambda r: None if r not in active else a2a.moe_a2a_combine_expert_major(
+                expert_out[r], results[r], sim.workspace, sim.metainfo[r], r, ep, output_dtype=p.output_dtype,
+                output=outputs[r], **mask_kwargs(p)))
+            expected = reference.reference_combine_expert_major(ref_expert_out, ref, output_dtype=p.output_dtype)
+            for r in active:
+                assert outputs[r] is None or combined[r] is outputs[r]
+                assert_bytes_equal(combined[r].cpu(), expected[r], f"rank {r} combine {k} output")
 
 
 @pytest.mark.parametrize("device", DEVICES)
