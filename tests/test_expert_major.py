@@ -390,6 +390,8 @@ def test_combine_output_is_checked(device):
         (view, "output lies in the workspace"),
         (torch.empty(4, case.hidden, dtype=torch.bfloat16, device=device, requires_grad=True),
          "output must not require grad"),
+        (torch.empty(4, case.hidden, dtype=torch.bfloat16, device="meta"), "on the workspace's device"),
+        ([torch.empty(4, case.hidden, dtype=torch.bfloat16, device=device)], "output must be a tensor or None"),
     ]
     snap = ws_snapshot(sim.workspace)
     for output, match in bad:

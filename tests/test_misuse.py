@@ -253,7 +253,7 @@ def test_wrappers_say_how_to_recover():
     (recv,) = moe.dispatch(ids, [x], 8)
     with pytest.raises(RuntimeError, match="called twice without combine; call combine to close the open round"):
         moe.dispatch(ids, [x], 8)
-    with pytest.raises(ValueError, match="combine must use the dispatch's sizes"):
+    with pytest.raises(ValueError, match="combine must use the dispatch's runtime_max_tokens_per_rank=8, got 7"):
         moe.combine(recv[:, :7].clone(), 7)  # another runtime_max_tokens_per_rank than the dispatch's
     out = moe.combine((recv.float() * 3).to(torch.bfloat16), 8)  # one rank: the only destination is this rank
     assert torch.equal(out, (x.float() * 3).to(torch.bfloat16))

@@ -44,6 +44,7 @@ from .fastpath import (
     INT,
     OPT_TENSOR,
     TENSOR,
+    check_output_first,
     direct_call_ok,
     expect_tensors,
     run_dispatch,
@@ -514,7 +515,7 @@ def moe_a2a_combine(
     if not (isinstance(payload, torch.Tensor) and isinstance(workspace, torch.Tensor)):
         expect_tensors("moe_a2a_combine", payload=payload, workspace=workspace)  # as in dispatch_args
     if output is not None:
-        _check_output_first(output, workspace)
+        check_output_first("moe_a2a_combine", output, workspace)
     check_backend(backend, workspace)
     # By value, so FlashInfer's own SfLayout (or a plain int) is understood too.
     sf_layout = int(getattr(sf_layout, "value", sf_layout))
@@ -582,19 +583,6 @@ def moe_a2a_combine(
         return _ops.combine.default(*args)
     _ops.combine_into.default(*args, output)
     return output
-
-
-def _check_output_first(output: torch.Tensor, workspace: torch.Tensor) -> None:
-    """``output``'s device and contiguity, checked before anything else as
-    FlashInfer does (its tests pass an invalid metainfo with a bad output and
-    expect the output's error); the op checks them again for direct callers."""
-    if not isinstance(output, torch.Tensor):
-        raise ValueError(f"moe_a2a_combine: output must be a tensor or None, got {type(output).__name__}")
-    if output.device != workspace.device:
-        raise ValueError(f"output must be a {workspace.device.type.upper()} tensor on the workspace's device "
-                         f"{workspace.device}, got device={output.device}")
-    if not output.is_contiguous():
-        raise ValueError(f"output must be contiguous, got stride={output.stride()}")
 
 
 def _check_payload_in_workspace(

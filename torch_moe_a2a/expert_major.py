@@ -22,7 +22,7 @@ import torch
 from . import layout
 from .arguments import ID_DTYPES, data_address, dispatch_args, rank_mask_words
 from .backend import MoeAlltoAllBackend, check_backend, pdl_default
-from .fastpath import expect_tensors, run_dispatch, tracing
+from .fastpath import check_output_first, expect_tensors, run_dispatch, tracing
 from .metainfo import call_timeout, check_rank, check_rank_index, metainfo_values
 
 _ops = torch.ops.moe_a2a
@@ -317,6 +317,8 @@ def moe_a2a_combine_expert_major(
         RuntimeError: peers that did not arrive within the timeout.
     """
     expect_tensors("moe_a2a_combine_expert_major", expert_outputs=expert_outputs, workspace=workspace)
+    if output is not None:
+        check_output_first("moe_a2a_combine_expert_major", output, workspace)
     if not isinstance(dispatched, ExpertMajorDispatch):
         raise ValueError("dispatched must be the ExpertMajorDispatch that moe_a2a_dispatch_expert_major returned, "
                          f"got {type(dispatched).__name__}")

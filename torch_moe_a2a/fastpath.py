@@ -42,6 +42,20 @@ def expect_tensors(fn: str, **arguments: Any) -> None:
             raise ValueError(f"{fn}: {name} must be a tensor, got {type(value).__name__}")
 
 
+def check_output_first(fn: str, output: Any, workspace: torch.Tensor) -> None:
+    """A combine's ``output``: its type, device and contiguity, checked before
+    anything else as FlashInfer does (its tests pass an invalid metainfo with
+    a bad output and expect the output's error); the ops check them again for
+    direct callers."""
+    if not isinstance(output, torch.Tensor):
+        raise ValueError(f"{fn}: output must be a tensor or None, got {type(output).__name__}")
+    if output.device != workspace.device:
+        raise ValueError(f"output must be a {workspace.device.type.upper()} tensor on the workspace's device "
+                         f"{workspace.device}, got device={output.device}")
+    if not output.is_contiguous():
+        raise ValueError(f"output must be contiguous, got stride={output.stride()}")
+
+
 def wrong_type(fn: str, error: TypeError, **arguments: tuple[Any, str]) -> ValueError:
     """The ValueError for a TypeError of _C.dispatch / _C.combine: the first
     argument of the wrong kind, named (pybind's own text lists signatures and

@@ -50,6 +50,7 @@ class _A2AState:
     eplb_gathered_stats: Optional[torch.Tensor] = None
     expert_major: Optional[ExpertMajorDispatch] = None  # an expert-major dispatch's result
     round: int = 0  # _SharedWorkspace.rounds after this state's dispatch
+    runtime_max_tokens_per_rank: Optional[int] = None  # the dispatch's
 
 
 @dataclass(eq=False)
@@ -547,7 +548,7 @@ class MoeAlltoAll:
                 timeout_s=self.timeout_s)
             self._shared.rounds += 1
             self._state = _A2AState("dispatched", got.local_num_tokens, got.combine_payload_offset,
-                                    got.eplb_gathered_stats, got, self._shared.rounds)
+                                    got.eplb_gathered_stats, got, self._shared.rounds, runtime_max_tokens_per_rank)
             self._shared.active = weakref.ref(self)
             return got
         if router_weights is not None:
@@ -577,6 +578,7 @@ class MoeAlltoAll:
             combine_payload_offset,
             eplb_gathered_stats,
             round=self._shared.rounds,
+            runtime_max_tokens_per_rank=runtime_max_tokens_per_rank,
         )
         self._shared.active = weakref.ref(self)
         if invalid_token_expert_id is not None:
@@ -619,10 +621,16 @@ class MoeAlltoAll:
             RuntimeError: no dispatch before it, another instance sharing the
                 workspace dispatched since this instance's dispatch, or the
                 workspace released by :meth:`checkpoint_prepare`.
-            ValueError: arguments the functional combine refuses.
+            ValueError: another ``runtime_max_tokens_per_rank`` than the
+                dispatch's, or arguments the functional combine refuses.
         """
         self._check_mapped("combine")
         self._check_round("combine")
+        if runtime_max_tokens_per_rank != self._state.runtime_max_tokens_per_rank:
+            # Checked here: the op would report the dispatch's local_num_tokens,
+            # which this method's caller never passes, against the new T.
+            raise ValueError("MoeAlltoAll.combine must use the dispatch's runtime_max_tokens_per_rank="
+                             f"{self._state.runtime_max_tokens_per_rank}, got {runtime_max_tokens_per_rank}")
         if active_rank_mask is not None and not self.enable_rank_mask:
             raise ValueError("active_rank_mask requires the instance to be constructed with enable_rank_mask=True")
         dispatched = self._state.expert_major
