@@ -225,16 +225,24 @@ void release_to_peers(const WorkspaceView& ws, const SyncParams& sync, int64_t f
   }
 }
 
+// Waits until every active rank finished pulling its combine `count` (its
+// pull_done, advanced with a release store after its pull): dispatch step
+// 0b and combine step 0, each with its own code on a timeout.
+WaitResult wait_for_peer_pulls(const WorkspaceView& ws, const SyncParams& sync, uint32_t count,
+                               ErrorCode code_on_timeout) {
+  return wait_for_words(
+      ws, sync, [&](int q) { return reinterpret_cast<const uint32_t*>(ws.row(q) + kHdrPullDone); }, flag_target(count),
+      code_on_timeout);
+}
+
 // Combine step 0 (protocol.h), for a combine that writes into the own
 // combine region (stages or converts): a repeated combine of the round waits
-// until every active peer finished pulling the combine before it (its
-// pull_done reached flag_target(count - 1)); the round's first needs not.
+// until every active peer finished pulling the combine before it; the
+// round's first needs not.
 WaitResult wait_before_staging(const CombineParams& p, uint32_t count) {
   const uint8_t* own = p.ws.row(p.ws.ep_rank);
   if (load<uint32_t>(own, kHdrDispatchEpoch) != load<uint32_t>(own, kHdrCombineEpoch)) return WaitResult{};
-  return wait_for_words(
-      p.ws, p.sync, [&](int q) { return reinterpret_cast<const uint32_t*>(p.ws.row(q) + kHdrPullDone); },
-      flag_target(count - 1), kErrorCombineTimeout);
+  return wait_for_peer_pulls(p.ws, p.sync, count - 1, kErrorCombineTimeout);
 }
 
 // Combine step 5: own combine_epoch := the dispatch's, combine_count := count,
@@ -537,9 +545,8 @@ WaitResult dispatch(const DispatchParams& p) {
   // pull_done, advanced with a release store after its pull).
   if (previous_call_overlap(p.layout.dispatch_end, load<int64_t>(own, kHdrLastDispatchEnd), p.runtime_max_tokens,
                             load<int32_t>(own, kHdrLastRuntimeMax))) {
-    const WaitResult previous = wait_for_words(
-        ws, p.sync, [&](int q) { return reinterpret_cast<const uint32_t*>(ws.row(q) + kHdrPullDone); },
-        flag_target(load<uint32_t>(own, kHdrCombineCount)), kErrorDispatchTimeout);
+    const WaitResult previous =
+        wait_for_peer_pulls(ws, p.sync, load<uint32_t>(own, kHdrCombineCount), kErrorDispatchTimeout);
     if (previous.code != kErrorNone) return previous;
   }
   store<int64_t>(own, kHdrLastDispatchEnd, p.layout.dispatch_end);
