@@ -548,9 +548,13 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
   }
 
   const int64_t route_end = route_region_end(ep_size, T);
+  // Named as what it is, the offset the dispatch returned: a combine with no
+  // dispatch before it (offset 0, say) gets here before its sequence check.
   TORCH_CHECK_VALUE(combine_payload_offset >= route_end && combine_payload_offset % kCombineOffsetAlign == 0,
-                    "combine_payload_offset must be a multiple of ", kCombineOffsetAlign, " and >= ", route_end,
-                    " (the end of the route region), got ", combine_payload_offset);
+                    "combine_payload_offset must be the offset that this rank's preceding moe_a2a_dispatch returned "
+                    "(a multiple of ",
+                    kCombineOffsetAlign, ", >= ", route_end, ", the end of the route region), got ",
+                    combine_payload_offset, "; a combine needs a preceding dispatch: call moe_a2a_dispatch first");
   TORCH_CHECK_VALUE(combine_payload_offset <= p.ws.size_per_rank,
                     "combine_payload_offset must be <= ", p.ws.size_per_rank, " (bytes per rank), got ",
                     combine_payload_offset);

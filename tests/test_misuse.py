@@ -179,6 +179,21 @@ def test_combine_without_dispatch_says_to_dispatch_first(device):
     round_trip(sim, CASE, make_inputs(CASE, gen), gen)
 
 
+@pytest.mark.parametrize("offset", [0, 16, 4096])
+def test_combine_without_dispatch_and_its_offset_names_the_dispatch(device, offset):
+    """A first combine with an offset that no dispatch returned (0: the
+    caller never dispatched) is refused on the host with a message that names
+    the dispatch, on either device, and changes nothing."""
+    gen = make_generator(("combine first, offset", offset))
+    sim = make_sim(CASE, device)
+    payload = torch.zeros(CASE.ep_size, CASE.T, CASE.hidden, dtype=CASE.hidden_dtype, device=device)
+    refused(sim.workspace, lambda: a2a.moe_a2a_combine(payload, CASE.tokens[0], sim.workspace, sim.metainfo[0], CASE.T,
+                                                       0, CASE.ep_size, CASE.top_k, offset),
+            ValueError, "must be the offset that this rank's preceding moe_a2a_dispatch returned",
+            f"got {offset}; a combine needs a preceding dispatch: call moe_a2a_dispatch first")
+    round_trip(sim, CASE, make_inputs(CASE, gen), gen)
+
+
 def test_payload_in_workspace_after_a_low_precision_combine_is_refused(device):
     """An e4m3 combine stages its rows into the combine region (in place over
     a payload that lives there): a later combine of the round that reads the
