@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch._inductor.utils import run_and_get_code
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_moe_a2a as a2a
 from torch_moe_a2a import autograd as a2a_autograd
@@ -410,6 +411,56 @@ def compiled_train_step_expert_major(x, w, ids, workspace, metainfo, runtime_max
                                                               ep_size, top_k, num_experts, router_weights=w)
     y = dispatched.output_payloads[0] * 1.5
     return moe_a2a_combine_expert_major_differentiable(y, dispatched, ids, workspace, metainfo, rank, ep_size)
+
+
+class _Forwarding(TorchDispatchMode):
+    """A dispatch mode that changes nothing but makes the differentiable
+    functions call their ops through the dispatcher (autograd._call)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+def test_eager_calls_skip_the_dispatcher_and_equal_its_results(layout, device):
+    """Eager forward and backward run the ops' Python functions (no
+    moe_a2a::*_owned or *_round op on the profile, the workspace ops inside
+    them are there) and give bitwise the outputs, first and second order
+    gradients of the same step through the dispatcher."""
+    tokens, top_k, num_experts, hidden = 6, 2, 4, 8
+    gen = torch.Generator().manual_seed(12)
+    if layout == "rank-major":
+        sim, step = make_sim(1, tokens, hidden, top_k, device=device), compiled_train_step
+        ops = ("dispatch_owned", "combine_owned", "dispatch_round", "combine_round")
+    else:
+        sim, step = make_em_sim(1, tokens, hidden, top_k, num_experts, device=device), compiled_train_step_expert_major
+        ops = ("dispatch_em_owned", "combine_em_owned", "dispatch_em_round", "combine_em_round")
+    ids = reference.random_routing(tokens, top_k, num_experts, gen).to(device)
+    x0 = torch.randn(tokens, hidden, generator=gen).to(device)
+    w0 = torch.rand(tokens, top_k, generator=gen).to(device)
+    grad_out = torch.randn(tokens, hidden, generator=gen).to(device)
+
+    def run():
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = step(x, w, ids, sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k, num_experts)
+        gx, gw = torch.autograd.grad(out, (x, w), grad_out, create_graph=True)
+        ggx = torch.autograd.grad((gx * gx).sum() + (gw * gw).sum(), x)[0]
+        return [t.detach() for t in (out, gx, gw, ggx)]
+
+    def profiled(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            result = fn()
+        return result, {e.name for e in prof.events()}
+
+    eager, eager_names = profiled(run)
+    with _Forwarding():
+        dispatched, dispatched_names = profiled(run)
+    for op in ops:
+        assert f"moe_a2a::{op}" not in eager_names, f"{op} went through the dispatcher in eager mode"
+        assert f"moe_a2a::{op}" in dispatched_names, f"{op} did not run under the dispatch mode"
+    assert "moe_a2a::dispatch" in eager_names and "moe_a2a::dispatch" in dispatched_names
+    for got, want in zip(eager, dispatched):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("layout", ["rank-major", "expert-major"])

@@ -28,6 +28,16 @@ other's backward, which gives second-order gradients too. A backward is a whole 
 whatever runs between two backward calls; it costs one more exchange per
 backward than a bare combine or dispatch would.
 
+Eager calls do not go through the dispatcher: a custom op's Python call
+(its argument defaults filled from the schema, pytrees, the generated
+autograd function) costs more than the exchange itself at small sizes. In
+eager mode (no tracing, no dispatch mode, no functorch transform, plain
+tensors) :func:`_call` runs the op's Python function under an
+``autograd.Function`` whose forward and backward are the op's own
+``setup_context`` and backward: the same computation and the same gradients,
+whichever path a call takes. Traced calls (``torch.compile``, ``make_fx``,
+``FakeTensorMode``, opcheck) call the ops.
+
 The workspace stays an ordinary argument (no workspace copy under
 ``torch.compile``); the ops write into it where the dispatcher does not look,
 which is sound because no traced op reads the workspace between them: what a
@@ -41,11 +51,13 @@ backward: the reverse), the same on every rank.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import expert_major, layout
 from .arguments import dispatch_args
@@ -109,10 +121,113 @@ def _owned_planes(workspace: Tensor, payloads: list[Tensor], route: tuple) -> tu
     return planes, counts, call.combine_offset
 
 
+# ---- the eager path -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Eager:
+    """What the eager path needs of an op: its Python function, its autograd
+    (as registered), and the positions of its tensor-list arguments (an
+    ``autograd.Function`` sees tensors only as direct arguments)."""
+
+    impl: Callable
+    setup_context: Callable
+    backward: Callable
+    list_args: tuple[int, ...]
+
+
+_IMPLS: dict[Any, Callable] = {}
+_EAGER: dict[Any, _Eager] = {}
+
+
+def _custom_op(name: str) -> Callable:
+    """``torch.library.custom_op`` of ``moe_a2a::name`` (mutating no argument),
+    keeping the Python function for the eager path."""
+
+    def wrap(fn: Callable):
+        op = torch.library.custom_op(f"moe_a2a::{name}", mutates_args=())(fn)
+        _IMPLS[op] = fn
+        return op
+
+    return wrap
+
+
+def _register_autograd(op, backward: Callable, setup_context: Callable) -> None:
+    """``op.register_autograd``, and the same autograd for the eager path."""
+    op.register_autograd(backward, setup_context=setup_context)
+    lists = tuple(i for i, a in enumerate(op._opoverload._schema.arguments) if str(a.type) == "List[Tensor]")
+    _EAGER[op] = _Eager(_IMPLS[op], setup_context, backward, lists)
+
+
+class _EagerFunction(torch.autograd.Function):
+    """An op of this module in eager mode: the forward calls its Python
+    function and its ``setup_context``, the backward its registered backward;
+    the tensor lists come flattened, with their lengths."""
+
+    @staticmethod
+    def forward(ctx, entry: _Eager, lengths: tuple[int, ...], *flat):
+        args, at = [], 0
+        for i in range(len(flat) - sum(lengths) + len(lengths)):
+            if i in entry.list_args:
+                n = lengths[entry.list_args.index(i)]
+                args.append(list(flat[at:at + n]))
+                at += n
+            else:
+                args.append(flat[at])
+                at += 1
+        output = entry.impl(*args)
+        entry.setup_context(ctx, tuple(args), output)
+        ctx.entry, ctx.lengths, ctx.list_output = entry, lengths, isinstance(output, list)
+        outputs = tuple(output) if ctx.list_output else (output,)
+        integral = [t for t in outputs if not t.is_floating_point()]
+        if integral:
+            ctx.mark_non_differentiable(*integral)
+        return outputs if ctx.list_output else output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        entry = ctx.entry
+        result = entry.backward(ctx, list(grads) if ctx.list_output else grads[0])
+        flat: list[Optional[Tensor]] = []
+        for i, g in enumerate(result if isinstance(result, tuple) else (result,)):
+            if i in entry.list_args:
+                flat.extend([None] * ctx.lengths[entry.list_args.index(i)] if g is None else g)
+            else:
+                flat.append(g if isinstance(g, Tensor) else None)  # an int list's "gradient" is []
+        return None, None, *flat
+
+
+def _plain(t: Tensor) -> bool:
+    return type(t) is Tensor or type(t) is torch.nn.Parameter
+
+
+def _call(op, *args):
+    """``op(*args)``; in eager mode through :class:`_EagerFunction` (or the
+    op's Python function alone where no input requires grad), the same
+    computation without the dispatcher's Python cost."""
+    entry = _EAGER[op]
+    if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+            or torch._C._are_functorch_transforms_active()):
+        return op(*args)
+    flat, lengths = [], []
+    for i, a in enumerate(args):
+        if i in entry.list_args:
+            flat.extend(a)
+            lengths.append(len(a))
+        else:
+            flat.append(a)
+    tensors = [t for t in flat if isinstance(t, Tensor)]
+    if not all(_plain(t) for t in tensors):
+        return op(*args)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _EagerFunction.apply(entry, tuple(lengths), *flat)
+    return entry.impl(*args)
+
+
 # ---- the ops -------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("moe_a2a::dispatch_owned", mutates_args=())
+@_custom_op("dispatch_owned")
 def dispatch_owned(token_selected_experts: Tensor, input_payloads: list[Tensor], workspace: Tensor, ep_rank: int,
                    ep_size: int, max_num_tokens: int, runtime_max_tokens_per_rank: int, top_k: int,
                    num_experts: int, active_rank_mask: list[int], timeout_s: float, mailbox: int,
@@ -126,7 +241,7 @@ def dispatch_owned(token_selected_experts: Tensor, input_payloads: list[Tensor],
     return [*planes, counts]
 
 
-@torch.library.custom_op("moe_a2a::combine_owned", mutates_args=())
+@_custom_op("combine_owned")
 def combine_owned(payload: Tensor, token_selected_experts: Tensor, workspace: Tensor, combine_payload_offset: int,
                   ep_rank: int, ep_size: int, max_num_tokens: int, runtime_max_tokens_per_rank: int, top_k: int,
                   num_experts: int, active_rank_mask: list[int], timeout_s: float, mailbox: int,
@@ -138,7 +253,7 @@ def combine_owned(payload: Tensor, token_selected_experts: Tensor, workspace: Te
         return _combine(payload, token_selected_experts.shape[0], workspace, combine_payload_offset, route)
 
 
-@torch.library.custom_op("moe_a2a::dispatch_round", mutates_args=())
+@_custom_op("dispatch_round")
 def dispatch_round(rows: Tensor, token_selected_experts: Tensor, workspace: Tensor, ep_rank: int, ep_size: int,
                    max_num_tokens: int, runtime_max_tokens_per_rank: int, top_k: int, num_experts: int,
                    active_rank_mask: list[int], timeout_s: float, mailbox: int, enable_pdl: bool) -> Tensor:
@@ -155,7 +270,7 @@ def dispatch_round(rows: Tensor, token_selected_experts: Tensor, workspace: Tens
     return plane
 
 
-@torch.library.custom_op("moe_a2a::combine_round", mutates_args=())
+@_custom_op("combine_round")
 def combine_round(payload: Tensor, token_selected_experts: Tensor, workspace: Tensor, ep_rank: int, ep_size: int,
                   max_num_tokens: int, runtime_max_tokens_per_rank: int, top_k: int, num_experts: int,
                   active_rank_mask: list[int], timeout_s: float, mailbox: int, enable_pdl: bool) -> Tensor:
@@ -245,7 +360,7 @@ def _backward_dispatch_owned(ctx, grads):
             shape = (ep_size, runtime_max, math.prod(ctx.payloads[i][1]))
             g = grads[i]
             parts.append(ids.new_zeros(shape, dtype=dtype) if g is None else g.reshape(shape).to(dtype))
-        summed = combine_round(torch.cat(parts, dim=2), ids, ctx.workspace, *route)
+        summed = _call(combine_round, torch.cat(parts, dim=2), ids, ctx.workspace, *route)
         start = 0
         for i, part in zip(floating, parts):
             width = part.shape[2]
@@ -262,7 +377,7 @@ def _setup_combine_owned(ctx, inputs, output):
 
 def _backward_combine_owned(ctx, grad):
     (ids,) = ctx.saved_tensors
-    return dispatch_round(grad.contiguous(), ids, ctx.workspace, *ctx.route), None, None, None, *_ROUTE_GRADS
+    return _call(dispatch_round, grad.contiguous(), ids, ctx.workspace, *ctx.route), None, None, None, *_ROUTE_GRADS
 
 
 def _setup_round(ctx, inputs, output):
@@ -272,18 +387,18 @@ def _setup_round(ctx, inputs, output):
 
 def _backward_dispatch_round(ctx, grad):
     (ids,) = ctx.saved_tensors
-    return combine_round(grad.contiguous(), ids, ctx.workspace, *ctx.route), None, None, *_ROUTE_GRADS
+    return _call(combine_round, grad.contiguous(), ids, ctx.workspace, *ctx.route), None, None, *_ROUTE_GRADS
 
 
 def _backward_combine_round(ctx, grad):
     (ids,) = ctx.saved_tensors
-    return dispatch_round(grad.contiguous(), ids, ctx.workspace, *ctx.route), None, None, *_ROUTE_GRADS
+    return _call(dispatch_round, grad.contiguous(), ids, ctx.workspace, *ctx.route), None, None, *_ROUTE_GRADS
 
 
-dispatch_owned.register_autograd(_backward_dispatch_owned, setup_context=_setup_dispatch_owned)
-combine_owned.register_autograd(_backward_combine_owned, setup_context=_setup_combine_owned)
-dispatch_round.register_autograd(_backward_dispatch_round, setup_context=_setup_round)
-combine_round.register_autograd(_backward_combine_round, setup_context=_setup_round)
+_register_autograd(dispatch_owned, _backward_dispatch_owned, _setup_dispatch_owned)
+_register_autograd(combine_owned, _backward_combine_owned, _setup_combine_owned)
+_register_autograd(dispatch_round, _backward_dispatch_round, _setup_round)
+_register_autograd(combine_round, _backward_combine_round, _setup_round)
 
 
 # ---- the public functions ------------------------------------------------------------------------------
@@ -352,7 +467,7 @@ def moe_a2a_dispatch_differentiable(
     route = _route_args("moe_a2a_dispatch_differentiable", token_selected_experts, input_payloads, workspace, metainfo,
                         runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts, enable_pdl,
                         enable_rank_mask, active_rank_mask, timeout_s)
-    *received, counts = dispatch_owned(token_selected_experts, list(input_payloads), workspace, *route)
+    *received, counts = _call(dispatch_owned, token_selected_experts, list(input_payloads), workspace, *route)
     row_bytes = tuple(_row_bytes(p) for p in input_payloads)
     offset = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, row_bytes).combine_offset
     return received, offset, counts
@@ -396,7 +511,7 @@ def moe_a2a_combine_differentiable(
     route = _route_args("moe_a2a_combine_differentiable", token_selected_experts, [payload], workspace, metainfo,
                         runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts, enable_pdl,
                         enable_rank_mask, active_rank_mask, timeout_s)
-    return combine_owned(payload, token_selected_experts, workspace, combine_payload_offset, *route)
+    return _call(combine_owned, payload, token_selected_experts, workspace, combine_payload_offset, *route)
 
 
 # ---- expert-major ----------------------------------------------------------------------------------------
@@ -488,7 +603,7 @@ def _slot_indices(ids: Tensor) -> Tensor:
     return torch.arange(ids.shape[1], dtype=torch.float32, device=ids.device).expand(ids.shape).contiguous()
 
 
-@torch.library.custom_op("moe_a2a::dispatch_em_owned", mutates_args=())
+@_custom_op("dispatch_em_owned")
 def dispatch_em_owned(token_selected_experts: Tensor, input_payloads: list[Tensor], router_weights: Tensor,
                       workspace: Tensor, max_tokens_per_expert: int, ep_rank: int, ep_size: int, max_num_tokens: int,
                       runtime_max_tokens_per_rank: int, top_k: int, num_experts: int, active_rank_mask: list[int],
@@ -505,7 +620,7 @@ def dispatch_em_owned(token_selected_experts: Tensor, input_payloads: list[Tenso
     return [*planes, counts, ids, weights]
 
 
-@torch.library.custom_op("moe_a2a::combine_em_owned", mutates_args=())
+@_custom_op("combine_em_owned")
 def combine_em_owned(expert_outputs: Tensor, pair_weights: Tensor, expert_counts: Tensor,
                      token_selected_experts: Tensor, workspace: Tensor, max_tokens_per_expert: int, dispatch_end: int,
                      combine_payload_offset: int, weights_offset: int, ep_rank: int, ep_size: int,
@@ -525,7 +640,7 @@ def combine_em_owned(expert_outputs: Tensor, pair_weights: Tensor, expert_counts
                            max_tokens_per_expert, dispatch_end, combine_payload_offset, route)
 
 
-@torch.library.custom_op("moe_a2a::dispatch_em_round", mutates_args=())
+@_custom_op("dispatch_em_round")
 def dispatch_em_round(rows: Tensor, slot_values: Tensor, token_selected_experts: Tensor, workspace: Tensor,
                       max_tokens_per_expert: int, ep_rank: int, ep_size: int, max_num_tokens: int,
                       runtime_max_tokens_per_rank: int, top_k: int, num_experts: int, active_rank_mask: list[int],
@@ -547,7 +662,7 @@ def dispatch_em_round(rows: Tensor, slot_values: Tensor, token_selected_experts:
     return [plane, pair_values]
 
 
-@torch.library.custom_op("moe_a2a::combine_em_round", mutates_args=())
+@_custom_op("combine_em_round")
 def combine_em_round(plane: Tensor, pair_values: Tensor, token_selected_experts: Tensor, workspace: Tensor,
                      max_tokens_per_expert: int, ep_rank: int, ep_size: int, max_num_tokens: int,
                      runtime_max_tokens_per_rank: int, top_k: int, num_experts: int, active_rank_mask: list[int],
@@ -634,7 +749,7 @@ def _backward_dispatch_em_owned(ctx, grads):
              else grads[i].reshape(local, M, -1).float() for i in floating]
     plane = torch.cat(parts, dim=2) if parts else ids.new_zeros((local, M, 0), dtype=torch.float32)
     pair_grad = ids.new_zeros((local, M), dtype=torch.float32) if grads[-1] is None else grads[-1]
-    summed, slot_grads = combine_em_round(plane, pair_grad.float().contiguous(), ids, ctx.workspace, *ctx.route)
+    summed, slot_grads = _call(combine_em_round, plane, pair_grad.float().contiguous(), ids, ctx.workspace, *ctx.route)
     result: list[Optional[Tensor]] = [None] * len(ctx.payloads)
     start = 0
     for i, part in zip(floating, parts):
@@ -654,7 +769,7 @@ def _backward_combine_em_owned(ctx, grad):
     the outputs' dtype) and the fp32 dot product of the pair's output row with
     its token's gradient for its weight; zeros in padding rows."""
     ids, outputs, pair_weights, counts = ctx.saved_tensors
-    plane, _ = dispatch_em_round(grad.contiguous(), torch.zeros(ids.shape, dtype=torch.float32, device=grad.device),
+    plane, _ = _call(dispatch_em_round, grad.contiguous(), torch.zeros(ids.shape, dtype=torch.float32, device=grad.device),
                                  ids, ctx.workspace, *ctx.route)
     valid = _valid_pairs(counts, ctx.route[0])
     rows = valid.view(*valid.shape, *([1] * (plane.dim() - 2)))
@@ -673,7 +788,7 @@ def _setup_em_round(ctx, inputs, output):
 def _backward_dispatch_em_round(ctx, grads):
     (ids,) = ctx.saved_tensors
     plane_grad, values_grad = grads
-    rows, slots = combine_em_round(plane_grad.contiguous(), values_grad.float().contiguous(), ids, ctx.workspace,
+    rows, slots = _call(combine_em_round, plane_grad.contiguous(), values_grad.float().contiguous(), ids, ctx.workspace,
                                    *ctx.route)
     return rows, slots, None, None, None, *_list_route_grads(ctx.route[1:])
 
@@ -681,15 +796,15 @@ def _backward_dispatch_em_round(ctx, grads):
 def _backward_combine_em_round(ctx, grads):
     (ids,) = ctx.saved_tensors
     rows_grad, slots_grad = grads
-    plane, values = dispatch_em_round(rows_grad.contiguous(), slots_grad.float().contiguous(), ids, ctx.workspace,
+    plane, values = _call(dispatch_em_round, rows_grad.contiguous(), slots_grad.float().contiguous(), ids, ctx.workspace,
                                       *ctx.route)
     return plane, values, None, None, None, *_list_route_grads(ctx.route[1:])
 
 
-dispatch_em_owned.register_autograd(_backward_dispatch_em_owned, setup_context=_setup_dispatch_em_owned)
-combine_em_owned.register_autograd(_backward_combine_em_owned, setup_context=_setup_combine_em_owned)
-dispatch_em_round.register_autograd(_backward_dispatch_em_round, setup_context=_setup_em_round)
-combine_em_round.register_autograd(_backward_combine_em_round, setup_context=_setup_em_round)
+_register_autograd(dispatch_em_owned, _backward_dispatch_em_owned, _setup_dispatch_em_owned)
+_register_autograd(combine_em_owned, _backward_combine_em_owned, _setup_combine_em_owned)
+_register_autograd(dispatch_em_round, _backward_dispatch_em_round, _setup_em_round)
+_register_autograd(combine_em_round, _backward_combine_em_round, _setup_em_round)
 
 
 def moe_a2a_dispatch_expert_major_differentiable(
@@ -755,7 +870,7 @@ def moe_a2a_dispatch_expert_major_differentiable(
     expert_major.check_expert_major_fits(workspace, ep_size, runtime_max_tokens_per_rank, top_k, num_experts,
                                          max_tokens_per_expert, 0, [_row_bytes(p) for p in payloads],
                                          token_selected_experts.element_size(), True)
-    *planes, counts, ids, pair_weights = dispatch_em_owned(token_selected_experts, payloads, weights, workspace,
+    *planes, counts, ids, pair_weights = _call(dispatch_em_owned, token_selected_experts, payloads, weights, workspace,
                                                            max_tokens_per_expert, *route)
     row_bytes = [_row_bytes(p) for p in (*payloads, token_selected_experts, weights)]
     dispatch_end = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, row_bytes).combine_offset
@@ -825,6 +940,6 @@ def moe_a2a_combine_expert_major_differentiable(
     em = layout.expert_major_layout(d.dispatch_end, ep_size, d.runtime_max_tokens_per_rank, d.top_k,
                                     layout.max_local_experts(d.num_experts, ep_size), d.max_tokens_per_expert,
                                     user_rows)
-    return combine_em_owned(expert_outputs, weights.to(torch.float32).contiguous(), d.expert_counts,
+    return _call(combine_em_owned, expert_outputs, weights.to(torch.float32).contiguous(), d.expert_counts,
                             token_selected_experts, workspace, d.max_tokens_per_expert, d.dispatch_end,
                             d.combine_payload_offset, em.weights_offset, *route)
