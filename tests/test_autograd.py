@@ -751,6 +751,92 @@ def test_a_payload_that_requires_grad_must_have_a_combine_dtype():
     assert counts.tolist() == [2] and torch.equal(recv[0][0], torch.zeros(2, 4))
 
 
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+def test_a_combine_with_other_ids_than_its_dispatch_is_refused(layout):
+    """The combine's backward dispatches the output gradient along the routes
+    of the ids it is given: ids other than the dispatch's (and, expert-major,
+    another round's ExpertMajorDispatch) would give a right output and wrong
+    gradients, so they are refused; equal ids in another tensor are not."""
+    tokens, top_k, num_experts, hidden = 4, 2, 4, 8
+    gen = torch.Generator().manual_seed(21)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    other = (ids + 1) % num_experts
+    x = torch.randn(tokens, hidden, generator=gen, requires_grad=True)
+    w = torch.rand(tokens, top_k, generator=gen, requires_grad=True)
+    if layout == "rank-major":
+        sim = make_sim(1, tokens, hidden, top_k)
+        recv, offset, _ = moe_a2a_dispatch_differentiable(ids, [x], sim.workspace, sim.metainfo[0], tokens, 0, 1,
+                                                          top_k, num_experts)
+
+        def combine(ids_given):
+            return moe_a2a_combine_differentiable(recv[0] * 2, ids_given, sim.workspace, sim.metainfo[0], tokens, 0,
+                                                  1, top_k, num_experts, offset)
+    else:
+        sim = make_em_sim(1, tokens, hidden, top_k, num_experts)
+        stale = moe_a2a_dispatch_expert_major_differentiable(ids, [x], sim.workspace, sim.metainfo[0], tokens, 0, 1,
+                                                             top_k, num_experts, router_weights=w)
+        moe_a2a_combine_expert_major_differentiable(stale.output_payloads[0], stale, ids, sim.workspace,
+                                                    sim.metainfo[0], 0, 1).sum().backward()
+        got = moe_a2a_dispatch_expert_major_differentiable(ids, [x], sim.workspace, sim.metainfo[0], tokens, 0, 1,
+                                                           top_k, num_experts, router_weights=w)
+        with pytest.raises(ValueError, match="dispatched must be the ExpertMajorDispatch of this rank's preceding"):
+            moe_a2a_combine_expert_major_differentiable(got.output_payloads[0], stale, ids, sim.workspace,
+                                                        sim.metainfo[0], 0, 1)
+
+        def combine(ids_given):
+            return moe_a2a_combine_expert_major_differentiable(got.output_payloads[0] * 2, got, ids_given,
+                                                               sim.workspace, sim.metainfo[0], 0, 1)
+    with pytest.raises(ValueError, match="token_selected_experts must be the expert ids of this rank's preceding"):
+        combine(other)
+    out = combine(ids.clone())  # a refused combine changed nothing; equal ids are the same routes
+    x.grad = None
+    out.sum().backward()
+    want = 2 * (w.detach().sum(dim=1, keepdim=True) if layout == "expert-major" else torch.ones(tokens, 1))
+    torch.testing.assert_close(x.grad, want.expand(tokens, hidden))
+
+
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+def test_a_forward_whose_backward_does_not_fit_is_refused_before_it_runs(layout):
+    """The dispatch's backward combines every floating payload's gradient as
+    one row of their promoted dtype, which may need more room than the
+    forward: such a forward is refused at once, naming the size, with the
+    workspace untouched (a backward refused halfway would leave its round
+    open); without grad the same forward runs."""
+    tokens, top_k, num_experts, hidden = 16, 2, 4, 256
+    gen = torch.Generator().manual_seed(22)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    xs = [torch.randn(tokens, hidden, generator=gen, dtype=torch.bfloat16, requires_grad=True) for _ in range(4)]
+    w = torch.rand(tokens, top_k, generator=gen, requires_grad=True)
+    if layout == "rank-major":
+        # Sized for the forward: four bf16 rows and the fp32 weights, a bf16
+        # row back; the backward's row is fp32, the four rows' and the weights'.
+        size = a2a.moe_a2a_get_workspace_size_per_rank(1, tokens, 4 * 2 * hidden + 4 * top_k, 2 * hidden)
+        sim = a2a.SimulatedEP(1, tokens, dispatch_bytes_per_token=0, combine_bytes_per_token=0,
+                              workspace_size_per_rank=size)
+
+        def dispatch(payloads):
+            return moe_a2a_dispatch_differentiable(ids, [*payloads, w], sim.workspace, sim.metainfo[0], tokens, 0, 1,
+                                                   top_k, num_experts)
+        text = "size the workspace so that its dispatch and combine bytes per token together cover"
+    else:
+        size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(1, tokens, 4 * 2 * hidden, 2 * hidden,
+                                                                    num_experts, top_k)
+        sim = a2a.SimulatedEP(1, tokens, dispatch_bytes_per_token=0, combine_bytes_per_token=0,
+                              workspace_size_per_rank=size)
+
+        def dispatch(payloads):
+            return moe_a2a_dispatch_expert_major_differentiable(ids, payloads, sim.workspace, sim.metainfo[0], tokens,
+                                                                0, 1, top_k, num_experts, router_weights=w)
+        text = "size the workspace with combine bytes per token of at least"
+    before = sim.workspace.clone()
+    with pytest.raises(ValueError, match="workspace too small for the backward of this call") as info:
+        dispatch(xs)
+    assert text in str(info.value)
+    assert torch.equal(sim.workspace, before)
+    with torch.no_grad():
+        dispatch(xs)  # no backward to come: the forward fits
+
+
 def test_received_rows_are_new_tensors_with_zero_padding():
     """After a dispatch that filled every receive row with NaN, the
     differentiable dispatch's received planes equal the reference's whole

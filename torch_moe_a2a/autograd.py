@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -414,6 +415,54 @@ def _route_args(fn, token_selected_experts, input_payloads, workspace, metainfo,
     return (*args[3:9], list(args[11]), *args[12:])
 
 
+def _traced() -> bool:
+    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+
+
+def _needs_backward(tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+
+
+def _check_backward_fits(fn: str, workspace: Tensor, needed: int, what: str) -> None:
+    """Refuses a forward whose backward would not fit the workspace, before
+    anything runs: the backward's dispatch would run and its combine be
+    refused, leaving a round open that only moe_a2a_initialize closes."""
+    if needed > workspace.shape[1]:
+        raise ValueError(f"{fn}: workspace too small for the backward of this call: it needs {needed} bytes per rank, "
+                         f"the workspace has {workspace.shape[1]}; {what}")
+
+
+# Per (workspace, rank): the expert ids of the rank's last differentiable
+# dispatch (and, expert-major, its counts tensor), weakly held. The combine's
+# backward lays its routes from the ids the combine is given: other ids than
+# the dispatch's would give a right output and wrong gradients.
+_LAST_DISPATCH: dict[tuple[int, int], tuple[weakref.ref, Optional[weakref.ref]]] = {}
+
+
+def _note_dispatch(workspace: Tensor, rank: int, ids: Tensor, counts: Optional[Tensor] = None) -> None:
+    if not _traced():
+        _LAST_DISPATCH[(workspace.data_ptr(), rank)] = (weakref.ref(ids), None if counts is None else weakref.ref(counts))
+
+
+def _check_combine_ids(fn: str, workspace: Tensor, rank: int, ids: Tensor, counts: Optional[Tensor] = None) -> None:
+    """``ids`` (and ``counts``, expert-major) must be those of this rank's last
+    differentiable dispatch on ``workspace``. The same tensor costs nothing;
+    another one is compared by value (a host sync, off the usual path)."""
+    if _traced():
+        return
+    last = _LAST_DISPATCH.get((workspace.data_ptr(), rank))
+    dispatched = None if last is None else last[0]()
+    if dispatched is not None and dispatched is not ids and not (
+            dispatched.shape == ids.shape and dispatched.dtype == ids.dtype and dispatched.device == ids.device
+            and torch.equal(dispatched, ids)):
+        raise ValueError(f"{fn}: token_selected_experts must be the expert ids of this rank's preceding dispatch "
+                         "(the backward dispatches the output gradient along their routes), got other ids")
+    last_counts = None if last is None or last[1] is None else last[1]()
+    if counts is not None and last_counts is not None and counts is not last_counts:
+        raise ValueError(f"{fn}: dispatched must be the ExpertMajorDispatch of this rank's preceding "
+                         "moe_a2a_dispatch_expert_major_differentiable (its expert_counts are another dispatch's)")
+
+
 def _check_grad_dtypes(fn: str, input_payloads: list[Tensor]) -> None:
     for i, p in enumerate(input_payloads):
         if isinstance(p, Tensor) and p.requires_grad and p.dtype not in GRAD_DTYPES:
@@ -467,7 +516,23 @@ def moe_a2a_dispatch_differentiable(
     route = _route_args("moe_a2a_dispatch_differentiable", token_selected_experts, input_payloads, workspace, metainfo,
                         runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts, enable_pdl,
                         enable_rank_mask, active_rank_mask, timeout_s)
+    floating = [p for p in input_payloads if p.dtype in GRAD_DTYPES]
+    if _needs_backward(floating):
+        # The backward (combine_round): the ids' plane, then one row of every
+        # floating payload's gradient in their promoted dtype.
+        dtype = floating[0].dtype
+        for p in floating[1:]:
+            dtype = torch.promote_types(dtype, p.dtype)
+        row = dtype.itemsize * sum(math.prod(p.shape[1:]) for p in floating)
+        ids_row = _row_bytes(token_selected_experts)
+        start = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, (ids_row,)).combine_offset
+        _check_backward_fits("moe_a2a_dispatch_differentiable", workspace,
+                             layout.combine_end(start, ep_size, runtime_max_tokens_per_rank, row),
+                             f"it combines the floating payloads' gradients as one row of {row} bytes ({dtype}) after "
+                             f"the ids' row of {ids_row}: size the workspace so that its dispatch and combine bytes per "
+                             f"token together cover {ids_row + row} (moe_a2a_get_workspace_size_per_rank)")
     *received, counts = _call(dispatch_owned, token_selected_experts, list(input_payloads), workspace, *route)
+    _note_dispatch(workspace, ep_rank, token_selected_experts)
     row_bytes = tuple(_row_bytes(p) for p in input_payloads)
     offset = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, row_bytes).combine_offset
     return received, offset, counts
@@ -508,9 +573,19 @@ def moe_a2a_combine_differentiable(
     Raises:
         ValueError, RuntimeError: as :func:`~torch_moe_a2a.moe_a2a_combine`.
     """
-    route = _route_args("moe_a2a_combine_differentiable", token_selected_experts, [payload], workspace, metainfo,
-                        runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts, enable_pdl,
-                        enable_rank_mask, active_rank_mask, timeout_s)
+    fn = "moe_a2a_combine_differentiable"
+    route = _route_args(fn, token_selected_experts, [payload], workspace, metainfo, runtime_max_tokens_per_rank,
+                        ep_rank, ep_size, top_k, num_experts, enable_pdl, enable_rank_mask, active_rank_mask,
+                        timeout_s)
+    _check_combine_ids(fn, workspace, ep_rank, token_selected_experts)
+    if _needs_backward([payload]):
+        # The backward (dispatch_round): the gradient's plane, then a combine of one fp32 per row.
+        row = payload.element_size() * math.prod(payload.shape[2:])
+        start = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, (row,)).combine_offset
+        _check_backward_fits(fn, workspace, layout.combine_end(start, ep_size, runtime_max_tokens_per_rank, 4),
+                             f"it dispatches the output gradient (rows of {row} bytes): size the workspace so that "
+                             f"its dispatch and combine bytes per token together cover {row + 4} "
+                             "(moe_a2a_get_workspace_size_per_rank)")
     return _call(combine_owned, payload, token_selected_experts, workspace, combine_payload_offset, *route)
 
 
@@ -870,8 +945,23 @@ def moe_a2a_dispatch_expert_major_differentiable(
     expert_major.check_expert_major_fits(workspace, ep_size, runtime_max_tokens_per_rank, top_k, num_experts,
                                          max_tokens_per_expert, 0, [_row_bytes(p) for p in payloads],
                                          token_selected_experts.element_size(), True)
+    floating = [p for p in payloads if p.dtype in GRAD_DTYPES]
+    if _needs_backward([*floating, router_weights]):
+        # The backward (combine_em_round): the ids and the slots as weights,
+        # then one fp32 row of the floating planes' gradients and a column per slot.
+        row = 4 * (sum(math.prod(p.shape[1:]) for p in floating) + top_k)
+        rows = [_row_bytes(token_selected_experts), 4 * top_k]
+        local = layout.max_local_experts(num_experts, ep_size)
+        start = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, rows).combine_offset
+        em = layout.expert_major_layout(start, ep_size, runtime_max_tokens_per_rank, top_k, local,
+                                        max_tokens_per_expert, [])
+        _check_backward_fits(fn, workspace, em.combine_offset + local * max_tokens_per_expert * row,
+                             f"it combines the floating planes' gradients and the pair weights' as one fp32 row of "
+                             f"{row} bytes a pair: size the workspace with combine bytes per token of at least {row} "
+                             "(moe_a2a_get_workspace_size_per_rank_expert_major)")
     *planes, counts, ids, pair_weights = _call(dispatch_em_owned, token_selected_experts, payloads, weights, workspace,
-                                                           max_tokens_per_expert, *route)
+                                               max_tokens_per_expert, *route)
+    _note_dispatch(workspace, ep_rank, token_selected_experts, counts)
     row_bytes = [_row_bytes(p) for p in (*payloads, token_selected_experts, weights)]
     dispatch_end = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, row_bytes).combine_offset
     em = layout.expert_major_layout(dispatch_end, ep_size, runtime_max_tokens_per_rank, top_k,
@@ -936,6 +1026,20 @@ def moe_a2a_combine_expert_major_differentiable(
         raise ValueError(f"dispatched.router_weights must be a floating [num_local_experts, max_tokens_per_expert]="
                          f"{list(pairs)} tensor, got {getattr(weights, 'dtype', type(weights))} "
                          f"{tuple(getattr(weights, 'shape', ()))}")
+    _check_combine_ids(fn, workspace, ep_rank, token_selected_experts, d.expert_counts)
+    if _needs_backward([expert_outputs, weights]):
+        # The backward (dispatch_em_round): the gradient's rows beside the ids
+        # and the slot values, then a combine of one fp32 per pair.
+        row = expert_outputs.element_size() * math.prod(expert_outputs.shape[2:])
+        rows = [row, _row_bytes(token_selected_experts), 4 * d.top_k]
+        local = layout.max_local_experts(d.num_experts, ep_size)
+        start = layout.call_layout(ep_size, d.runtime_max_tokens_per_rank, 0, rows).combine_offset
+        em_back = layout.expert_major_layout(start, ep_size, d.runtime_max_tokens_per_rank, d.top_k, local,
+                                             d.max_tokens_per_expert, [row])
+        _check_backward_fits(fn, workspace, em_back.combine_offset + local * d.max_tokens_per_expert * 4,
+                             f"it dispatches the output gradient (rows of {row} bytes) expert-major: size the "
+                             "workspace for a dispatch of the outputs' rows (moe_a2a_get_workspace_size_per_rank_"
+                             "expert_major)")
     user_rows = [p.element_size() * math.prod(p.shape[2:]) for p in d.output_payloads]
     em = layout.expert_major_layout(d.dispatch_end, ep_size, d.runtime_max_tokens_per_rank, d.top_k,
                                     layout.max_local_experts(d.num_experts, ep_size), d.max_tokens_per_expert,
