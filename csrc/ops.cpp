@@ -157,7 +157,8 @@ const uint8_t* checked_combine_payload(const at::Tensor& t, at::ScalarType paylo
   expected.insert(expected.end(), row_shape.begin(), row_shape.end());
   TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected), "payload must be [", dims,
                     ", *row_shape] = ", at::IntArrayRef(expected), ", got shape ", t.sizes());
-  TORCH_CHECK_VALUE(t.is_contiguous(), "payload must be contiguous, got strides ", t.strides());
+  TORCH_CHECK_VALUE(t.is_contiguous(), "payload must be contiguous, got strides ", t.strides(),
+                    " (pass payload.contiguous())");
   check_no_grad(t, "payload");
   return static_cast<const uint8_t*>(t.data_ptr());
 }
@@ -362,7 +363,8 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
                     "token_selected_experts must be 2-D [local_num_tokens, top_k=", top_k, "], got shape ",
                     ids.sizes());
   check_on_workspace_device(ids, workspace, "token_selected_experts");
-  TORCH_CHECK_VALUE(ids.is_contiguous(), "token_selected_experts must be contiguous, got strides ", ids.strides());
+  TORCH_CHECK_VALUE(ids.is_contiguous(), "token_selected_experts must be contiguous, got strides ", ids.strides(),
+                    " (pass token_selected_experts.contiguous())");
   check_outside_workspace(ids, p.ws, "token_selected_experts");
   const int64_t n = ids.size(0);
   TORCH_CHECK_VALUE(n <= runtime_max_tokens_per_rank,
@@ -381,7 +383,7 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
     TORCH_CHECK_VALUE(t.dim() >= 1 && t.size(0) == n, arg, " must be [local_num_tokens=", n, ", *], got shape ",
                       t.sizes());
     TORCH_CHECK_VALUE(t.is_contiguous(), arg, " must be contiguous, got strides ", t.strides(), " for shape ",
-                      t.sizes());
+                      t.sizes(), " (pass ", arg, ".contiguous())");
     check_outside_workspace(t, p.ws, arg);
     const int64_t row_bytes = row_bytes_of(t.sizes().slice(1), t.element_size());
     // A payload of 0 bytes per token ("any trailing shape", DESIGN section 3)
@@ -790,7 +792,9 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
       break;
     case kErrorPayloadMismatch:
       os << "peers " << rank_list(missing) << " called dispatch with other payloads than this rank's (their "
-         << "number, row sizes or eplb_local_stats differ; they must be the same on all ranks for one call)";
+         << "number, row sizes or eplb_local_stats differ; they must be the same on all ranks for one call; "
+         << "with the differentiable functions, a rank that skipped a backward, whose exchanges are collectives, "
+         << "meets its peers' backward exchange here)";
       break;
     case kErrorCombineMismatch: {
       if (detail == kMismatchRegionLowPrecision) {

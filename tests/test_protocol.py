@@ -589,7 +589,9 @@ def test_calls_differing_between_ranks_are_reported(differs, device):
             return (rf"rank {r}: peers \[{peers}\] called dispatch with another runtime_max_tokens_per_rank than "
                     rf"this rank's {Ts[r]} \(it must be equal on all ranks for one call\)")
         return (rf"rank {r}: peers \[{peers}\] called dispatch with other payloads than this rank's \(their "
-                rf"number, row sizes or eplb_local_stats differ; they must be the same on all ranks for one call\)")
+                rf"number, row sizes or eplb_local_stats differ; they must be the same on all ranks for one call; "
+                rf"with the differentiable functions, a rank that skipped a backward, whose exchanges are "
+                rf"collectives, meets its peers' backward exchange here\)")
 
     def round_of_calls(r):
         """The rank's dispatch and combine; the first error's text, or None."""
