@@ -313,7 +313,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   // which may_proceed's barrier ordered before it.
   const bool system = a.sync_settings.system;
   if (a.stage) {
-    if (dispatch_epoch == combine_epoch && !wait_for_peer_pulls(ws, p.sync, this_combine - 1, a.sync_settings)) return;
+    if (dispatch_epoch == combine_epoch &&
+        !wait_for_peer_pulls(ws, p.sync, this_combine - 1, kErrorCombineTimeout, a.sync_settings)) {
+      return;
+    }
     if constexpr (In::kLowPrecision) {
       stage_rows_e4m3<In>(p, a.row_bytes, recv_count, a.stage_vectors);
     } else {

@@ -404,15 +404,17 @@ __device__ inline bool wait_for_flags(const WorkspaceView& ws, const SyncParams&
       ws, sync, [&](int p) { return flag_of(own, flags_offset, p); }, flag_target(epoch), code_on_timeout, settings);
 }
 
-// Combine step 0 (protocol.h), by every thread of a repeated combine that
-// stages (rank-major and expert-major): waits until every active rank
-// finished pulling combine `count` (its pull_done). Out of line: the first
-// combine of a round, the common call, never runs it.
+// Dispatch step 0b and combine step 0 (protocol.h), by every thread: waits
+// until every active rank finished pulling combine `count` (its pull_done),
+// recording `code_on_timeout` if one does not. The dispatch waits where its
+// regions overlap what the round's last combine read; a repeated combine
+// that stages (rank-major and expert-major) waits for the combine before it.
+// Out of line: the common calls never run it.
 static __device__ __noinline__ bool wait_for_peer_pulls(const WorkspaceView& ws, const SyncParams& sync, uint32_t count,
-                                                        const SyncSettings& settings) {
+                                                        uint32_t code_on_timeout, const SyncSettings& settings) {
   return wait_for_words(
       ws, sync, [&](int q) { return header_word<uint32_t>(ws.row(q), kHdrPullDone); }, flag_target(count),
-      kErrorCombineTimeout, settings);
+      code_on_timeout, settings);
 }
 
 // Combine step 3 (protocol.h), by every CTA of combine `count` of the round

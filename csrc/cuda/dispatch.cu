@@ -195,15 +195,13 @@ __device__ __noinline__ bool first_dispatch_wait(const DispatchArgs& a, uint64_t
   return zeroed;
 }
 
-// Step 0b's wait (wait_before_writing), out of line: it runs only where
-// regions overlap, and its polling loop (and its load of the own combine
-// count) would otherwise sit in the kernels' code.
+// Step 0b's wait (wait_before_writing) for the round's last combine, out of
+// line: it runs only where regions overlap, and its load of the own combine
+// count inlined into the kernels cost them spills.
 __device__ __noinline__ bool wait_for_pulls(const DispatchArgs& a) {
   const WorkspaceView& ws = a.p.ws;
   const uint32_t combines = *header_word<uint32_t>(ws.row(ws.ep_rank), kHdrCombineCount);
-  return wait_for_words(
-      ws, a.p.sync, [&](int q) { return header_word<uint32_t>(ws.row(q), kHdrPullDone); }, flag_target(combines),
-      kErrorDispatchTimeout, a.sync_settings);
+  return wait_for_peer_pulls(ws, a.p.sync, combines, kErrorDispatchTimeout, a.sync_settings);
 }
 
 // Step 0 of a dispatch (protocol.h), by every thread: false when a wait

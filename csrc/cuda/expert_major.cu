@@ -435,7 +435,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) em_combine_kernel(con
   // 0. Wait, 1. stage, 2. release (as combine.cu: every CTA its share, after its staged rows).
   const bool system = a.sync_settings.system;
   if (a.stage) {
-    if (dispatch_epoch == combine_epoch && !wait_for_peer_pulls(ws, c.sync, this_combine - 1, a.sync_settings)) return;
+    if (dispatch_epoch == combine_epoch &&
+        !wait_for_peer_pulls(ws, c.sync, this_combine - 1, kErrorCombineTimeout, a.sync_settings)) {
+      return;
+    }
     __shared__ int32_t prefix[kMaxLocalExperts + 1];
     pair_starts(own, a.p.layout.counts_offset, a.p.num_local, a.p.layout.tokens_per_expert, prefix);
     stage_expert_rows(a, prefix);

@@ -206,6 +206,12 @@ void expert_major_build_cuda(const at::Tensor& workspace, int64_t ep_rank, int64
                                                 c10::cuda::getCurrentCUDAStream()));
 }
 
+// Called with the workspace's device current and params.c.output set.
+void enqueue_combine_expert_major(const ExpertMajorCombineParams& p, const at::Tensor& workspace) {
+  C10_CUDA_CHECK(gpu::launch_combine_expert_major(p, launch_config(workspace, p.c.ws.ep_size, p.c.sync.timeout_s),
+                                                  c10::cuda::getCurrentCUDAStream()));
+}
+
 at::Tensor combine_expert_major_cuda(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
                                      const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
                                      int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k,
@@ -223,8 +229,7 @@ at::Tensor combine_expert_major_cuda(const std::optional<at::Tensor>& payload, i
   at::Tensor out =
       at::empty(expert_major_output_shape(local_num_tokens, row_shape), workspace.options().dtype(output_dtype));
   p.c.output = static_cast<uint8_t*>(out.data_ptr());
-  C10_CUDA_CHECK(gpu::launch_combine_expert_major(p, launch_config(workspace, ep_size, p.c.sync.timeout_s),
-                                                  c10::cuda::getCurrentCUDAStream()));
+  enqueue_combine_expert_major(p, workspace);
   return out;
 }
 
@@ -242,8 +247,7 @@ void combine_expert_major_into_cuda(const std::optional<at::Tensor>& payload, in
       active_rank_mask, timeout_s, mailbox, enable_pdl, &output);
   raise_if_mailbox_error(mailbox, ep_rank);
   const c10::cuda::CUDAGuard guard(workspace.device());
-  C10_CUDA_CHECK(gpu::launch_combine_expert_major(p, launch_config(workspace, ep_size, p.c.sync.timeout_s),
-                                                  c10::cuda::getCurrentCUDAStream()));
+  enqueue_combine_expert_major(p, workspace);
 }
 
 void check_expert_ids_cuda(const at::Tensor& token_selected_experts, int64_t num_experts) {
