@@ -198,6 +198,14 @@ class _EagerFunction(torch.autograd.Function):
         return None, None, *flat
 
 
+def _traced() -> bool:
+    """Whether calls are being traced or transformed (torch.compile, a
+    dispatch mode such as FakeTensorMode or make_fx's, a functorch transform):
+    then the ops run as ops, and the eager bookkeeping is skipped."""
+    return (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+            or torch._C._are_functorch_transforms_active())
+
+
 def _plain(t: Tensor) -> bool:
     return type(t) is Tensor or type(t) is torch.nn.Parameter
 
@@ -207,8 +215,7 @@ def _call(op, *args):
     op's Python function alone where no input requires grad), the same
     computation without the dispatcher's Python cost."""
     entry = _EAGER[op]
-    if (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
-            or torch._C._are_functorch_transforms_active()):
+    if _traced():
         return op(*args)
     flat, lengths = [], []
     for i, a in enumerate(args):
@@ -413,10 +420,6 @@ def _route_args(fn, token_selected_experts, input_payloads, workspace, metainfo,
                             runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts, enable_pdl, None,
                             enable_rank_mask, active_rank_mask, "trtllm", timeout_s)
     return (*args[3:9], list(args[11]), *args[12:])
-
-
-def _traced() -> bool:
-    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
 
 
 def _needs_backward(tensors) -> bool:
