@@ -338,6 +338,16 @@ def _list_route_grads(route: tuple) -> tuple:
     return (*_ROUTE_GRADS[:6], None if route[6] else [], *_ROUTE_GRADS[7:])
 
 
+def _grad_dtype(dtypes) -> torch.dtype:
+    """The dtype in which a dispatch's backward combines its floating
+    payloads' gradients: their promoted dtype."""
+    dtypes = list(dtypes)
+    dtype = dtypes[0]
+    for other in dtypes[1:]:
+        dtype = torch.promote_types(dtype, other)
+    return dtype
+
+
 def _keep_route(ctx, ids: Tensor, workspace: Tensor, route: tuple) -> None:
     ctx.save_for_backward(ids)
     ctx.workspace = workspace
@@ -360,9 +370,7 @@ def _backward_dispatch_owned(ctx, grads):
     floating = [i for i, (dtype, _) in enumerate(ctx.payloads) if dtype in GRAD_DTYPES]
     result: list[Optional[Tensor]] = [None] * len(ctx.payloads)
     if floating:
-        dtype = ctx.payloads[floating[0]][0]
-        for i in floating[1:]:
-            dtype = torch.promote_types(dtype, ctx.payloads[i][0])
+        dtype = _grad_dtype(ctx.payloads[i][0] for i in floating)
         parts = []
         for i in floating:
             shape = (ep_size, runtime_max, math.prod(ctx.payloads[i][1]))
@@ -424,6 +432,24 @@ def _route_args(fn, token_selected_experts, input_payloads, workspace, metainfo,
 
 def _needs_backward(tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+
+
+def _round_end(ep_size: int, T: int, dispatch_rows, combine_row: int) -> int:
+    """Bytes per rank of a rank-major round: a dispatch of rows of
+    ``dispatch_rows`` bytes, then a combine of rows of ``combine_row``."""
+    start = layout.call_layout(ep_size, T, 0, tuple(dispatch_rows)).combine_offset
+    return layout.combine_end(start, ep_size, T, combine_row)
+
+
+def _em_round_end(ep_size: int, T: int, top_k: int, num_experts: int, M: int, user_rows, ids_row: int,
+                  combine_row: int) -> int:
+    """Bytes per rank of an expert-major round of the differentiable ops: a
+    dispatch of ``user_rows`` beside the ids and fp32 weights, the build,
+    then a combine of rows of ``combine_row`` bytes a pair."""
+    local = layout.max_local_experts(num_experts, ep_size)
+    start = layout.call_layout(ep_size, T, 0, [*user_rows, ids_row, 4 * top_k]).combine_offset
+    em = layout.expert_major_layout(start, ep_size, T, top_k, local, M, list(user_rows))
+    return em.combine_offset + local * M * combine_row
 
 
 def _check_backward_fits(fn: str, workspace: Tensor, needed: int, what: str) -> None:
@@ -523,14 +549,11 @@ def moe_a2a_dispatch_differentiable(
     if _needs_backward(floating):
         # The backward (combine_round): the ids' plane, then one row of every
         # floating payload's gradient in their promoted dtype.
-        dtype = floating[0].dtype
-        for p in floating[1:]:
-            dtype = torch.promote_types(dtype, p.dtype)
+        dtype = _grad_dtype(p.dtype for p in floating)
         row = dtype.itemsize * sum(math.prod(p.shape[1:]) for p in floating)
         ids_row = _row_bytes(token_selected_experts)
-        start = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, (ids_row,)).combine_offset
         _check_backward_fits("moe_a2a_dispatch_differentiable", workspace,
-                             layout.combine_end(start, ep_size, runtime_max_tokens_per_rank, row),
+                             _round_end(ep_size, runtime_max_tokens_per_rank, (ids_row,), row),
                              f"it combines the floating payloads' gradients as one row of {row} bytes ({dtype}) after "
                              f"the ids' row of {ids_row}: size the workspace so that its dispatch and combine bytes per "
                              f"token together cover {ids_row + row} (moe_a2a_get_workspace_size_per_rank)")
@@ -584,8 +607,7 @@ def moe_a2a_combine_differentiable(
     if _needs_backward([payload]):
         # The backward (dispatch_round): the gradient's plane, then a combine of one fp32 per row.
         row = payload.element_size() * math.prod(payload.shape[2:])
-        start = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, (row,)).combine_offset
-        _check_backward_fits(fn, workspace, layout.combine_end(start, ep_size, runtime_max_tokens_per_rank, 4),
+        _check_backward_fits(fn, workspace, _round_end(ep_size, runtime_max_tokens_per_rank, (row,), 4),
                              f"it dispatches the output gradient (rows of {row} bytes): size the workspace so that "
                              f"its dispatch and combine bytes per token together cover {row + 4} "
                              "(moe_a2a_get_workspace_size_per_rank)")
@@ -953,12 +975,9 @@ def moe_a2a_dispatch_expert_major_differentiable(
         # The backward (combine_em_round): the ids and the slots as weights,
         # then one fp32 row of the floating planes' gradients and a column per slot.
         row = 4 * (sum(math.prod(p.shape[1:]) for p in floating) + top_k)
-        rows = [_row_bytes(token_selected_experts), 4 * top_k]
-        local = layout.max_local_experts(num_experts, ep_size)
-        start = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, rows).combine_offset
-        em = layout.expert_major_layout(start, ep_size, runtime_max_tokens_per_rank, top_k, local,
-                                        max_tokens_per_expert, [])
-        _check_backward_fits(fn, workspace, em.combine_offset + local * max_tokens_per_expert * row,
+        needed = _em_round_end(ep_size, runtime_max_tokens_per_rank, top_k, num_experts, max_tokens_per_expert, [],
+                               _row_bytes(token_selected_experts), row)
+        _check_backward_fits(fn, workspace, needed,
                              f"it combines the floating planes' gradients and the pair weights' as one fp32 row of "
                              f"{row} bytes a pair: size the workspace with combine bytes per token of at least {row} "
                              "(moe_a2a_get_workspace_size_per_rank_expert_major)")
@@ -1034,12 +1053,9 @@ def moe_a2a_combine_expert_major_differentiable(
         # The backward (dispatch_em_round): the gradient's rows beside the ids
         # and the slot values, then a combine of one fp32 per pair.
         row = expert_outputs.element_size() * math.prod(expert_outputs.shape[2:])
-        rows = [row, _row_bytes(token_selected_experts), 4 * d.top_k]
-        local = layout.max_local_experts(d.num_experts, ep_size)
-        start = layout.call_layout(ep_size, d.runtime_max_tokens_per_rank, 0, rows).combine_offset
-        em_back = layout.expert_major_layout(start, ep_size, d.runtime_max_tokens_per_rank, d.top_k, local,
-                                             d.max_tokens_per_expert, [row])
-        _check_backward_fits(fn, workspace, em_back.combine_offset + local * d.max_tokens_per_expert * 4,
+        needed = _em_round_end(ep_size, d.runtime_max_tokens_per_rank, d.top_k, d.num_experts,
+                               d.max_tokens_per_expert, [row], _row_bytes(token_selected_experts), 4)
+        _check_backward_fits(fn, workspace, needed,
                              f"it dispatches the output gradient (rows of {row} bytes) expert-major: size the "
                              "workspace for a dispatch of the outputs' rows (moe_a2a_get_workspace_size_per_rank_"
                              "expert_major)")
