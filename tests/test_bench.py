@@ -368,7 +368,7 @@ def test_low_precision_error_table(capsys):
 
 
 def test_expert_major_bench_cpu(capsys):
-    """bench --expert-major on the CPU: both round trips checked and timed at every point."""
+    """bench --expert-major on the CPU: the three round trips checked and timed at every point."""
     from torch_moe_a2a.bench.single import main
 
     rc = main(["--expert-major", "--device", "cpu", "--preset", "mixtral", "--ep", "1", "3", "--tokens", "4",
@@ -376,7 +376,9 @@ def test_expert_major_bench_cpu(capsys):
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line[:3].strip().isdigit()]
     assert rc == 0 and len(rows) == 2 and all(r[2] == "ok" for r in rows), out
-    assert all(float(r[5]) > 0 and float(r[6]) > 0 for r in rows), out  # ours eager, baseline eager
+    assert all(float(r[i]) > 0 for r in rows for i in (4, 5, 6)), out  # ours, rank-major, baseline
+    assert all(r[7].endswith("x") and r[8].endswith("x") for r in rows), out  # the two ratios
+    assert "targets (ours / rank-major <= 1.25x" in out and "held at" in out, out
 
 
 def test_expert_major_bench_reports_a_wrong_baseline(monkeypatch, capsys):
