@@ -643,8 +643,9 @@ MOE_A2A_HD int64_t workspace_size_per_rank(int64_t ep_size, int64_t max_num_toke
 //   pair_map  int32 [ep_size][T][top_k]: for received row [s, j], its pairs'
 //             rows e * M + i in ascending (e, k) order, -1 for a dropped pair
 //             and after the last pair (what the combine of source s pulls)
-//   pair_src  int32 [local_experts][M]: s * T + j of row [e, i] (the build's
-//             own scratch: which received row to copy)
+//   pair_src  int32 [local_experts][M]: s * T + j of row [e, i] (the CPU
+//             build's scratch: which received row to copy; the CUDA build
+//             copies each received row to its pairs' rows instead)
 //   ids       int32 [local_experts][M]: e for i < counts[e], else -1
 //   weights   fp32 [local_experts][M]: the pair's router weight (1 when the
 //             dispatch sent none), 0 for i >= counts[e]

@@ -2,19 +2,8 @@
 // regroups a dispatch's received rows by local expert, and the combine that
 // pulls each (token, expert) pair's row through the expert rank's pair map.
 //
-// Build, in two grids on the rank's stream (no peer is waited for, and
-// nothing but the own row is touched):
-//   A. index: CTA e handles local expert e. Each warp counts the pairs of e
-//      in its slice of the received rows (rows in (source, slot) order, the
-//      slices in that order), the CTA scans the warps' counts, and each warp
-//      then walks its slice in rounds of 32 rows with a warp scan for the
-//      rows' first positions: the pairs' rows i are those of the CPU's
-//      sequential loop, whatever the timing. It writes the pair map entries
-//      of e's pairs, pair_src, ids, weights, counts[e] and e's padding; the
-//      pair map entries after a row's last pair are written by the CTA of the
-//      row's smallest local expert (CTA 0 for a row without one).
-//   B. copy: every (pair, segment) of every user payload, grid-strided,
-//      from the rank-major plane row pair_src names to the pair's row.
+// Build, one grid on the rank's stream (no peer is waited for, and nothing
+// but the own row is touched): build_kernel below.
 // Combine: combine.cu's protocol step for step (the same flags and shares,
 // epochs and pull_done), staging the expert outputs' valid rows [e, i] to the
 // same index of the own combine region and pulling, per token and element,
@@ -63,150 +52,34 @@ __device__ __forceinline__ int64_t plane_row(const int64_t* first, int ep_size, 
   return int64_t(s) * T + (row - first[s]);
 }
 
-// A. index (see the top). Grid: one CTA per local expert.
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
-    build_index_kernel(const __grid_constant__ ExpertMajorBuildParams p) {
-  wait_for_previous_grid();
-  const WorkspaceView& ws = p.ws;
-  uint8_t* own = ws.row(ws.ep_rank);
-  const ExpertMajorLayout& l = p.layout;
-  const int64_t T = p.runtime_max_tokens, K = p.top_k, M = l.tokens_per_expert;
-  const int64_t e = blockIdx.x;
-  const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
-  const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
-  const uint32_t error_code = load_error_code(own);
-  const uint32_t mismatch =
-      threadIdx.x == 0
-          ? ((*header_word<int32_t>(own, kHdrLastRuntimeMax) != T ? uint32_t(kMismatchRuntimeMax) : 0u) |
-             (*header_word<int32_t>(own, kHdrLastTopK) != K ? uint32_t(kMismatchTopK) : 0u) |
-             (*header_word<int64_t>(own, kHdrLastDispatchEnd) != p.dispatch_end ? uint32_t(kMismatchOffset) : 0u))
-          : 0u;
-  if (!may_proceed(own, p.mailbox, error_code, dispatch_epoch == combine_epoch + 1, mismatch)) return;
-
-  __shared__ int64_t first[kMaxRanks + 1];
-  __shared__ int64_t warp_base[kWarps + 1];
-  received_row_starts(ws, T, first);
-  const int64_t rows = first[ws.ep_size];
-  const int lane = lane_id(), warp = warp_id();
-  const int64_t per_warp = (rows + kWarps - 1) / kWarps;
-  const int64_t begin = min(rows, int64_t(warp) * per_warp);
-  const int64_t end = min(rows, begin + per_warp);
-  const uint8_t* id_plane = own + p.ids_offset;
-  const int64_t expert = p.first_expert + e;
-
-  // Pass 1: the pairs of e in each warp's slice.
-  uint32_t mine = 0;
-  for (int64_t row = begin + lane; row < end; row += kWarpSize) {
-    const int64_t r = plane_row(first, ws.ep_size, T, row);
-    for (int64_t k = 0; k < K; ++k) mine += load_expert_id(id_plane, p.ids_int64, r * K + k) == expert ? 1u : 0u;
-  }
-  mine = warp_sum(mine);
-  if (lane == 0) warp_base[warp] = mine;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int64_t total = 0;
-    for (int w = 0; w < kWarps; ++w) {
-      const int64_t count = warp_base[w];
-      warp_base[w] = total;
-      total += count;
-    }
-    warp_base[kWarps] = total;
-  }
-  __syncthreads();
-
-  // Pass 2: each pair's row, in (s, j, k) order.
-  int32_t* pair_map = reinterpret_cast<int32_t*>(own + l.pair_map_offset);
-  int32_t* pair_src = reinterpret_cast<int32_t*>(own + l.pair_src_offset);
-  int32_t* ids = reinterpret_cast<int32_t*>(own + l.ids_offset);
-  float* weights = reinterpret_cast<float*>(own + l.weights_offset);
-  const float* weight_plane = p.weights_offset >= 0 ? reinterpret_cast<const float*>(own + p.weights_offset) : nullptr;
-  int64_t base = warp_base[warp];
-  for (int64_t round = begin; round < end; round += kWarpSize) {
-    const int64_t row = round + lane;
-    const bool valid = row < end;
-    const int64_t r = valid ? plane_row(first, ws.ep_size, T, row) : 0;
-    uint32_t matches = 0;
-    int n_local = 0;
-    int64_t smallest = p.num_local;
-    if (valid) {
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t local = load_expert_id(id_plane, p.ids_int64, r * K + k) - p.first_expert;
-        if (local < 0 || local >= p.num_local) continue;
-        ++n_local;
-        smallest = min(smallest, local);
-        matches += local == e ? 1u : 0u;
-      }
-    }
-    // Inclusive warp scan of the matches: this lane's first position follows the lanes below.
-    uint32_t inclusive = matches;
+// The valid rows before local expert e (prefix[e]; prefix[num_local] = all),
+// in shared memory, from the own counts clamped to [0, M]: warp 0's lanes
+// take consecutive experts each, a warp scan gives each lane its start.
+// Every thread calls it.
+__device__ void pair_starts(const uint8_t* own, int64_t counts_offset, int64_t num_local, int64_t M, int32_t* prefix) {
+  if (warp_id() == 0) {
+    const int32_t* counts = reinterpret_cast<const int32_t*>(own + counts_offset);
+    const int lane = lane_id();
+    const int64_t per_lane = (num_local + kWarpSize - 1) / kWarpSize;
+    const int64_t lo = min(num_local, lane * per_lane), hi = min(num_local, lo + per_lane);
+    const auto clamped = [&](int64_t e) {
+      const int64_t count = counts[e] > 0 ? int64_t(counts[e]) : 0;
+      return static_cast<int32_t>(count < M ? count : M);
+    };
+    int32_t sum = 0;
+    for (int64_t e = lo; e < hi; ++e) sum += clamped(e);
+    int32_t inclusive = sum;
 #pragma unroll
     for (int offset = 1; offset < kWarpSize; offset *= 2) {
-      const uint32_t below = __shfl_up_sync(kFullWarp, inclusive, offset);
+      const int32_t below = __shfl_up_sync(kFullWarp, inclusive, offset);
       if (lane >= offset) inclusive += below;
     }
-    const uint32_t round_total = __shfl_sync(kFullWarp, inclusive, kWarpSize - 1);
-    int64_t i = base + (inclusive - matches);
-    if (matches != 0) {
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t id = load_expert_id(id_plane, p.ids_int64, r * K + k);
-        if (id != expert) continue;
-        // q: the row's local pairs before (e, k) in ascending (expert, slot) order.
-        int q = 0;
-        for (int64_t k2 = 0; k2 < K; ++k2) {
-          const int64_t local = load_expert_id(id_plane, p.ids_int64, r * K + k2) - p.first_expert;
-          if (local < 0 || local >= p.num_local) continue;
-          q += (local < e || (local == e && k2 < k)) ? 1 : 0;
-        }
-        if (i < M) {
-          const int64_t at = e * M + i;
-          pair_src[at] = static_cast<int32_t>(r);
-          ids[at] = static_cast<int32_t>(e);
-          weights[at] = weight_plane != nullptr ? weight_plane[r * K + k] : 1.0f;
-          pair_map[r * K + q] = static_cast<int32_t>(at);
-        } else {
-          pair_map[r * K + q] = kNoPair;
-        }
-        ++i;
-      }
+    int32_t running = inclusive - sum;
+    if (lane == 0) prefix[0] = 0;
+    for (int64_t e = lo; e < hi; ++e) {
+      running += clamped(e);
+      prefix[e + 1] = running;
     }
-    if (valid && (n_local != 0 ? smallest == e : e == 0)) {
-      for (int64_t q = n_local; q < K; ++q) pair_map[r * K + q] = kNoPair;
-    }
-    base += round_total;
-  }
-
-  // Counts, padding, drops; CTA 0 records the build.
-  const int64_t total = warp_base[kWarps];
-  const int64_t count = min(total, M);
-  for (int64_t i = count + threadIdx.x; i < M; i += kThreads) {
-    ids[e * M + i] = kNoPair;
-    weights[e * M + i] = 0.0f;
-  }
-  if (threadIdx.x == 0) {
-    reinterpret_cast<int32_t*>(own + l.counts_offset)[e] = static_cast<int32_t>(count);
-    if (total > M) {
-      atomicAdd(header_word<unsigned long long>(own, kHdrDroppedPairCount), static_cast<unsigned long long>(total - M));
-    }
-    if (e == 0) {
-      *header_word<int64_t>(own, kHdrExpertMajorEnd) = l.combine_offset;
-      *header_word<int32_t>(own, kHdrExpertMajorTokens) = static_cast<int32_t>(M);
-      *header_word<uint32_t>(own, kHdrExpertMajorEpoch) = dispatch_epoch;
-    }
-  }
-}
-
-// The valid rows before local expert e (prefix[e]; prefix[num_local] = all),
-// in shared memory, from the own counts clamped to [0, M]. Every thread calls it.
-__device__ void pair_starts(const uint8_t* own, int64_t counts_offset, int64_t num_local, int64_t M, int32_t* prefix) {
-  const int32_t* counts = reinterpret_cast<const int32_t*>(own + counts_offset);
-  for (int64_t e = threadIdx.x; e < num_local; e += kThreads) {
-    const int64_t count = counts[e] > 0 ? int64_t(counts[e]) : 0;
-    prefix[e + 1] = static_cast<int32_t>(count < M ? count : M);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    prefix[0] = 0;
-    for (int64_t e = 0; e < num_local; ++e) prefix[e + 1] += prefix[e];
   }
   __syncthreads();
 }
@@ -225,48 +98,182 @@ __device__ __forceinline__ int64_t expert_of_pair(const int32_t* prefix, int64_t
   return lo;
 }
 
-struct BuildCopyArgs {
+// ---- the build in one pass ------------------------------------------------------------------
+
+// Received rows per chunk: the chunk's pairs get their rows (warp 0), then
+// the CTA copies the chunk's rows to them.
+constexpr int kBuildChunkRows = 64;
+
+struct BuildArgs {
   ExpertMajorBuildParams p;
   CopyPlan plan[kMaxPayloads];
 };
 
-// B. copy (see the top). Runs only after its own index grid: the build
-// record's epoch is this dispatch's.
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) build_copy_kernel(const __grid_constant__ BuildCopyArgs a) {
+// The local expert of pair (plane row r, slot k), or -1 for another rank's expert.
+__device__ __forceinline__ int32_t local_expert(const ExpertMajorBuildParams& p, const uint8_t* id_plane, int64_t r,
+                                                int64_t k) {
+  const int64_t local = load_expert_id(id_plane, p.ids_int64, r * p.top_k + k) - p.first_expert;
+  return local >= 0 && local < p.num_local ? static_cast<int32_t>(local) : -1;
+}
+
+// The build in one grid: CTA c owns a contiguous share of the
+// flat received rows, the last CTA's share ending at the last row. Each CTA
+//   1. counts the pairs of every local expert in the rows before its share
+//      (shared-memory counters: next[e]);
+//   2. walks its share in chunks of kBuildChunkRows rows: warp 0 takes the
+//      chunk's pairs in (row, slot) order, 32 at a time, and gives each pair
+//      of local expert e the row i = next[e] + (the batch's lanes below with
+//      the same expert, __match_any_sync), writing the pair map, ids and
+//      weights; then the CTA copies each row of the chunk, every
+//      segment loaded once, to all of its pairs' rows;
+//   3. the last CTA, whose next[e] then counts all pairs of e, writes the
+//      counts, the padding of ids and weights, the drops and the build record.
+// The rows i are those of the CPU's sequential loop, whatever the timing.
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) build_kernel(const __grid_constant__ BuildArgs a) {
   wait_for_previous_grid();
   const ExpertMajorBuildParams& p = a.p;
+  const WorkspaceView& ws = p.ws;
+  uint8_t* own = ws.row(ws.ep_rank);
   const ExpertMajorLayout& l = p.layout;
-  uint8_t* own = p.ws.row(p.ws.ep_rank);
-  if (*header_word<volatile uint32_t>(own, kHdrErrorCode) != kErrorNone) return;
+  const int64_t T = p.runtime_max_tokens, K = p.top_k, M = l.tokens_per_expert;
   const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
-  if (*header_word<uint32_t>(own, kHdrExpertMajorEpoch) != dispatch_epoch ||
-      *header_word<uint32_t>(own, kHdrCombineEpoch) + 1 != dispatch_epoch) {
-    return;  // the index grid refused the call (and recorded why)
-  }
-  __shared__ int32_t prefix[kMaxLocalExperts + 1];
-  const int64_t M = l.tokens_per_expert;
-  pair_starts(own, l.counts_offset, p.num_local, M, prefix);
-  const int64_t pairs = prefix[p.num_local];
-  const int32_t* pair_src = reinterpret_cast<const int32_t*>(own + l.pair_src_offset);
-  for (int i = 0; i < p.num_payloads; ++i) {
-    const int64_t bytes = p.payload_row_bytes[i];
-    if (bytes == 0) continue;
-    const CopyPlan& plan = a.plan[i];
-    const int groups_per_cta = kThreads >> plan.lane_bits;
-    const int64_t groups = int64_t(gridDim.x) * groups_per_cta;
-    const int lane_in_group = threadIdx.x & (plan.lanes - 1);
-    const uint8_t* from = own + p.payload_offset[i];
-    uint8_t* to = own + l.payload_offset[i];
-    for (int64_t item = int64_t(blockIdx.x) * groups_per_cta + (threadIdx.x >> plan.lane_bits);
-         item < pairs * plan.segments; item += groups) {
-      const int64_t pair = plan.segments == 1 ? item : item / plan.segments;
-      const int segment = plan.segments == 1 ? 0 : static_cast<int>(item % plan.segments);
-      const int64_t e = expert_of_pair(prefix, p.num_local, pair);
-      const int64_t at = e * M + (pair - prefix[e]);
-      copy_segment_any(
-          from + int64_t(pair_src[at]) * bytes, plan, segment, lane_in_group,
-          [](int k) { return k == 0 ? 0 : kRouteEnd; }, [&](int32_t) { return to + at * bytes; });
+  const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
+  const uint32_t error_code = load_error_code(own);
+  const uint32_t mismatch =
+      threadIdx.x == 0
+          ? ((*header_word<int32_t>(own, kHdrLastRuntimeMax) != T ? uint32_t(kMismatchRuntimeMax) : 0u) |
+             (*header_word<int32_t>(own, kHdrLastTopK) != K ? uint32_t(kMismatchTopK) : 0u) |
+             (*header_word<int64_t>(own, kHdrLastDispatchEnd) != p.dispatch_end ? uint32_t(kMismatchOffset) : 0u))
+          : 0u;
+  if (!may_proceed(own, p.mailbox, error_code, dispatch_epoch == combine_epoch + 1, mismatch)) return;
+
+  __shared__ int64_t first[kMaxRanks + 1];
+  __shared__ int32_t next[kMaxLocalExperts];
+  __shared__ int32_t keys[kBuildChunkRows][kMaxTopK];
+  __shared__ int64_t chunk_row[kBuildChunkRows];  // plane row s * T + j of each row of the chunk
+  received_row_starts(ws, T, first);
+  const int64_t rows = first[ws.ep_size];
+  const int64_t per_cta = (rows + gridDim.x - 1) / gridDim.x;
+  const int64_t begin = min(rows, int64_t(blockIdx.x) * per_cta);
+  const int64_t end = min(rows, begin + per_cta);
+  const bool last = blockIdx.x == gridDim.x - 1;
+  const uint8_t* id_plane = own + p.ids_offset;
+  const int lane = lane_id(), warp = warp_id();
+
+  // 1. next[e]: the pairs of e in the flat rows [0, begin), source by source.
+  for (int64_t e = threadIdx.x; e < p.num_local; e += kThreads) next[e] = 0;
+  __syncthreads();
+  for (int s = 0; s < ws.ep_size && first[s] < begin; ++s) {
+    const int64_t n = (min(first[s + 1], begin) - first[s]) * K;
+    const int64_t plane_first = int64_t(s) * T;
+    // Every lane of a warp takes part in each step (the match below).
+    for (int64_t x0 = int64_t(warp) * kWarpSize; x0 < n; x0 += kThreads) {
+      const int64_t x = x0 + lane;
+      const int32_t e = x < n ? local_expert(p, id_plane, plane_first + x / K, x % K) : -1;
+      const uint32_t peers = __match_any_sync(kFullWarp, e);
+      if (e >= 0 && (peers & lanes_below()) == 0) atomicAdd(&next[e], __popc(peers));
     }
+  }
+  __syncthreads();
+
+  int32_t* pair_map = reinterpret_cast<int32_t*>(own + l.pair_map_offset);
+  int32_t* ids = reinterpret_cast<int32_t*>(own + l.ids_offset);
+  float* weights = reinterpret_cast<float*>(own + l.weights_offset);
+  const float* weight_plane = p.weights_offset >= 0 ? reinterpret_cast<const float*>(own + p.weights_offset) : nullptr;
+  for (int64_t c0 = begin; c0 < end; c0 += kBuildChunkRows) {
+    const int chunk = static_cast<int>(min(int64_t(kBuildChunkRows), end - c0));
+    if (threadIdx.x < chunk) chunk_row[threadIdx.x] = plane_row(first, ws.ep_size, T, c0 + threadIdx.x);
+    __syncthreads();
+    // 2a. The chunk's pairs, in (row, slot) order: their rows i, the pair map and the planes' entries.
+    if (warp == 0) {
+      const int n = chunk * static_cast<int>(K);
+      for (int x0 = 0; x0 < n; x0 += kWarpSize) {
+        const int x = x0 + lane;
+        const int c = x / static_cast<int>(K), k = x % static_cast<int>(K);
+        const int64_t r = x < n ? chunk_row[c] : 0;
+        const int32_t e = x < n ? local_expert(p, id_plane, r, k) : -2;
+        const uint32_t peers = __match_any_sync(kFullWarp, e);
+        if (x < n) {
+          // q: the row's local pairs before (e, k) in ascending (expert, slot) order; n_local: all of them.
+          int q = 0, n_local = 0;
+          for (int k2 = 0; k2 < K; ++k2) {
+            const int32_t e2 = local_expert(p, id_plane, r, k2);
+            if (e2 < 0) continue;
+            ++n_local;
+            q += (e2 < e || (e2 == e && k2 < k)) ? 1 : 0;
+          }
+          if (e >= 0) {
+            const int64_t i = int64_t(next[e]) + __popc(peers & lanes_below());
+            int32_t at = kNoPair;
+            if (i < M) {
+              at = static_cast<int32_t>(e * M + i);
+              ids[at] = e;
+              weights[at] = weight_plane != nullptr ? weight_plane[r * K + k] : 1.0f;
+            }
+            pair_map[r * K + q] = at;
+            keys[c][q] = at;
+          }
+          if (k >= n_local) {
+            pair_map[r * K + k] = kNoPair;
+            keys[c][k] = kNoPair;
+          }
+        }
+        __syncwarp();
+        if (e >= 0 && (peers >> lane) == 1u) next[e] += __popc(peers);  // the group's highest lane
+        __syncwarp();
+      }
+    }
+    __syncthreads();
+    // 2b. Each row's kept pairs first, kRouteEnd after them (dropped pairs have no row).
+    if (threadIdx.x < chunk) {
+      int kept = 0;
+      for (int q = 0; q < K; ++q) {
+        const int32_t at = keys[threadIdx.x][q];
+        if (at >= 0) keys[threadIdx.x][kept++] = at;
+      }
+      if (kept < kMaxTopK) keys[threadIdx.x][kept] = kRouteEnd;
+    }
+    __syncthreads();
+    // 2c. The chunk's rows to their pairs' rows, payload by payload.
+    for (int i = 0; i < p.num_payloads; ++i) {
+      const int64_t bytes = p.payload_row_bytes[i];
+      if (bytes == 0) continue;
+      const CopyPlan& plan = a.plan[i];
+      const int groups = kThreads >> plan.lane_bits;
+      const int lane_in_group = threadIdx.x & (plan.lanes - 1);
+      const uint8_t* from = own + p.payload_offset[i];
+      uint8_t* to = own + l.payload_offset[i];
+      for (int item = threadIdx.x >> plan.lane_bits; item < chunk * plan.segments; item += groups) {
+        const int c = plan.segments == 1 ? item : item / plan.segments;
+        const int segment = plan.segments == 1 ? 0 : item % plan.segments;
+        copy_segment_any(
+            from + chunk_row[c] * bytes, plan, segment, lane_in_group, [&](int q) { return keys[c][q]; },
+            [&](int32_t at) { return to + int64_t(at) * bytes; });
+      }
+    }
+    __syncthreads();
+  }
+  if (!last) return;
+
+  // 3. Counts, padding, drops and the build record.
+  int32_t* counts = reinterpret_cast<int32_t*>(own + l.counts_offset);
+  for (int64_t e = threadIdx.x; e < p.num_local; e += kThreads) {
+    const int64_t total = next[e];
+    counts[e] = static_cast<int32_t>(min(total, M));
+    if (total > M) {
+      atomicAdd(header_word<unsigned long long>(own, kHdrDroppedPairCount), static_cast<unsigned long long>(total - M));
+    }
+  }
+  for (int64_t x = threadIdx.x; x < p.num_local * M; x += kThreads) {
+    const int64_t e = x / M, i = x % M;
+    if (i < next[e]) continue;
+    ids[x] = kNoPair;
+    weights[x] = 0.0f;
+  }
+  if (threadIdx.x == 0) {
+    *header_word<int64_t>(own, kHdrExpertMajorEnd) = l.combine_offset;
+    *header_word<int32_t>(own, kHdrExpertMajorTokens) = static_cast<int32_t>(M);
+    *header_word<uint32_t>(own, kHdrExpertMajorEpoch) = dispatch_epoch;
   }
 }
 
@@ -330,6 +337,9 @@ __device__ void pull_expert_rows(const EmCombineArgs& a) {
   const int64_t items = c.local_num_tokens * segments;
   const int groups_per_cta = kThreads >> a.pull_lane_bits;
   const int64_t groups = int64_t(gridDim.x) * groups_per_cta;
+  // The group's lanes within the warp: bits [group_first, group_first + lanes).
+  const int group_first = lane_id() & ~(lanes - 1);
+  const uint32_t group_mask = (lanes == kWarpSize ? kFullWarp : (1u << lanes) - 1u) << group_first;
   for (int64_t item = int64_t(blockIdx.x) * groups_per_cta + (threadIdx.x >> a.pull_lane_bits); item < items;
        item += groups) {
     const int64_t t = segments == 1 ? item : item / segments;
@@ -350,21 +360,48 @@ __device__ void pull_expert_rows(const EmCombineArgs& a) {
       const int32_t* entries =
           reinterpret_cast<const int32_t*>(peer + l.pair_map_offset) + (source_row + route_slot(route[k])) * K;
       const float* weights = reinterpret_cast<const float*>(peer + l.weights_offset);
-      for (int64_t q = 0; q < K; ++q) {
-        const int32_t at = entries[q];
-        if (at < 0 || at >= rows) continue;  // no pair there (dropped, or past the row's pairs)
-        const float w = weights[at];
-        const InRaw* src = reinterpret_cast<const InRaw*>(peer + l.combine_offset + int64_t(at) * a.row_bytes);
-        InVec x[kEmSumUnroll];
+      const uint8_t* plane = peer + l.combine_offset;
+      // The group's lanes load `lanes` entries and their weights at once; the
+      // kept pairs are then summed in entry order, two pairs' rows in flight.
+      for (int q0 = 0; q0 < K; q0 += lanes) {
+        const int q = q0 + lane_in_group;
+        const int32_t at_q = q < K ? entries[q] : kNoPair;
+        const bool kept = at_q >= 0 && at_q < rows;  // else no pair there (dropped, or past the row's pairs)
+        const float w_q = kept ? weights[at_q] : 0.0f;
+        uint32_t pending = (__ballot_sync(group_mask, kept) & group_mask) >> group_first;
+        while (pending != 0) {
+          const int qa = __ffs(pending) - 1;
+          pending &= pending - 1;
+          const int qb = pending != 0 ? __ffs(pending) - 1 : qa;
+          const bool two = pending != 0;
+          pending &= pending - 1;
+          const int32_t at_a = __shfl_sync(group_mask, at_q, qa, lanes);
+          const int32_t at_b = __shfl_sync(group_mask, at_q, qb, lanes);
+          const float w_a = __shfl_sync(group_mask, w_q, qa, lanes);
+          const float w_b = __shfl_sync(group_mask, w_q, qb, lanes);
+          const InRaw* src_a = reinterpret_cast<const InRaw*>(plane + int64_t(at_a) * a.row_bytes);
+          const InRaw* src_b = reinterpret_cast<const InRaw*>(plane + int64_t(at_b) * a.row_bytes);
+          InVec xa[kEmSumUnroll], xb[kEmSumUnroll];
 #pragma unroll
-        for (int u = 0; u < kEmSumUnroll; ++u) {
-          const int v = first + u * lanes;
-          x[u].raw = v < vectors ? src[v] : InRaw{};
-        }
+          for (int u = 0; u < kEmSumUnroll; ++u) {
+            const int v = first + u * lanes;
+            xa[u].raw = v < vectors ? src_a[v] : InRaw{};
+            xb[u].raw = two && v < vectors ? src_b[v] : InRaw{};
+          }
 #pragma unroll
-        for (int u = 0; u < kEmSumUnroll; ++u) {
+          for (int u = 0; u < kEmSumUnroll; ++u) {
 #pragma unroll
-          for (int e = 0; e < kElems; ++e) acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(w, In::to_float(x[u].v[e])));
+            for (int e = 0; e < kElems; ++e) acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(w_a, In::to_float(xa[u].v[e])));
+          }
+          if (two) {
+#pragma unroll
+            for (int u = 0; u < kEmSumUnroll; ++u) {
+#pragma unroll
+              for (int e = 0; e < kElems; ++e) {
+                acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(w_b, In::to_float(xb[u].v[e])));
+              }
+            }
+          }
         }
       }
     }
@@ -468,17 +505,14 @@ cudaError_t expert_major_combine_ctas_per_sm(int* ctas_per_sm) {
   if (err == cudaSuccess) err = lower_to_occupancy(em_combine_kernel<F16, BF16>, ctas_per_sm);
   if (err == cudaSuccess) err = lower_to_occupancy(em_combine_kernel<F16, F32>, ctas_per_sm);
   if (err == cudaSuccess) err = lower_to_occupancy(em_combine_kernel<BF16, F32>, ctas_per_sm);
-  if (err == cudaSuccess) err = lower_to_occupancy(build_index_kernel, ctas_per_sm);
-  if (err == cudaSuccess) err = lower_to_occupancy(build_copy_kernel, ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy(build_kernel, ctas_per_sm);
   return err;
 }
 
 cudaError_t launch_expert_major_build(const ExpertMajorBuildParams& p, const LaunchConfig& config,
                                       cudaStream_t stream) {
   const bool pdl = p.enable_pdl && config.pdl_supported;
-  cudaError_t err = launch_kernel(build_index_kernel, static_cast<int>(p.num_local), kThreads, stream, pdl, p);
-  if (err != cudaSuccess) return err;
-  BuildCopyArgs a{};
+  BuildArgs a{};
   a.p = p;
   const uint8_t* own = p.ws.row(p.ws.ep_rank);
   int64_t bytes = 0;
@@ -492,7 +526,7 @@ cudaError_t launch_expert_major_build(const ExpertMajorBuildParams& p, const Lau
   const int64_t rows = p.ws.ep_size * p.runtime_max_tokens * p.top_k;
   const int64_t most = p.layout.local_experts * p.layout.tokens_per_expert;
   const int grid = spinning_grid_size(config, (rows < most ? rows : most) * bytes);
-  return launch_kernel(build_copy_kernel, grid, kThreads, stream, pdl, a);
+  return launch_kernel(build_kernel, grid, kThreads, stream, pdl, a);
 }
 
 cudaError_t launch_combine_expert_major(const ExpertMajorCombineParams& p, const LaunchConfig& config,

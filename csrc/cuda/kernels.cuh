@@ -70,7 +70,7 @@ cudaError_t launch_dispatch(const DispatchParams& p, const LaunchConfig& config,
 // p.output[t] = sum over the token's route of the destinations' rows.
 cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, cudaStream_t stream);
 
-// expert_major_build (protocol.h, ExpertMajorLayout): two grids on `stream`
+// expert_major_build (protocol.h, ExpertMajorLayout): one grid on `stream`
 // that read and write the own row only.
 cudaError_t launch_expert_major_build(const ExpertMajorBuildParams& p, const LaunchConfig& config, cudaStream_t stream);
 
