@@ -164,12 +164,14 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) build_kernel(const __
   for (int64_t e = threadIdx.x; e < p.num_local; e += kThreads) next[e] = 0;
   __syncthreads();
   for (int s = 0; s < ws.ep_size && first[s] < begin; ++s) {
-    const int64_t n = (min(first[s + 1], begin) - first[s]) * K;
+    // Ids [s, j, k] with j below the share: at most T * top_k < 2^31 of them, so 32-bit divisions.
+    const uint32_t n = static_cast<uint32_t>((min(first[s + 1], begin) - first[s]) * K);
+    const uint32_t k_width = static_cast<uint32_t>(K);
     const int64_t plane_first = int64_t(s) * T;
     // Every lane of a warp takes part in each step (the match below).
-    for (int64_t x0 = int64_t(warp) * kWarpSize; x0 < n; x0 += kThreads) {
-      const int64_t x = x0 + lane;
-      const int32_t e = x < n ? local_expert(p, id_plane, plane_first + x / K, x % K) : -1;
+    for (uint32_t x0 = uint32_t(warp) * kWarpSize; x0 < n; x0 += kThreads) {
+      const uint32_t x = x0 + lane;
+      const int32_t e = x < n ? local_expert(p, id_plane, plane_first + x / k_width, x % k_width) : -1;
       const uint32_t peers = __match_any_sync(kFullWarp, e);
       if (e >= 0 && (peers & lanes_below()) == 0) atomicAdd(&next[e], __popc(peers));
     }
@@ -264,11 +266,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) build_kernel(const __
       atomicAdd(header_word<unsigned long long>(own, kHdrDroppedPairCount), static_cast<unsigned long long>(total - M));
     }
   }
-  for (int64_t x = threadIdx.x; x < p.num_local * M; x += kThreads) {
-    const int64_t e = x / M, i = x % M;
-    if (i < next[e]) continue;
-    ids[x] = kNoPair;
-    weights[x] = 0.0f;
+  // A warp per expert, its lanes along the rows (no division per entry: a
+  // 64-bit one per entry made this loop the kernel's longest part).
+  for (int64_t e = warp; e < p.num_local; e += kWarps) {
+    for (int64_t i = next[e] + lane; i < M; i += kWarpSize) {
+      ids[e * M + i] = kNoPair;
+      weights[e * M + i] = 0.0f;
+    }
   }
   if (threadIdx.x == 0) {
     *header_word<int64_t>(own, kHdrExpertMajorEnd) = l.combine_offset;
