@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
+from . import layout
 from .api import (
     moe_a2a_combine,
     moe_a2a_dispatch,
@@ -77,6 +78,7 @@ class SimulatedEP:
     ):
         self.ep_size = ep_size
         self.max_num_tokens = max_num_tokens
+        self.eplb_stats_num_experts = eplb_stats_num_experts
         self.device = torch.device(device)
         if self.device.type == "cuda" and ep_size > MAX_SIMULATED_RANKS_PER_GPU:
             raise ValueError(
@@ -137,6 +139,24 @@ class SimulatedEP:
         if errors:
             raise errors[0]
         return results
+
+    def reset(self) -> None:
+        """Re-initialize every rank's row after a failure (a peer that timed
+        out, a call a kernel refused): the workspace stays failed until every
+        rank is initialized again.
+
+        Waits for every rank's queued work first (CUDA: the whole device; no
+        rank may be inside a call, as :meth:`run` leaves them), initializes
+        each row with its metainfo's error mailbox, so ``metainfo`` and the
+        graphs captured with it stay valid, and waits for that too.
+        """
+        if self.streams is not None:
+            torch.cuda.synchronize(self.device)
+        for rank, meta in enumerate(self.metainfo):
+            torch.ops.moe_a2a.initialize.default(self.workspace, rank, self.ep_size, self.max_num_tokens,
+                                                 self.eplb_stats_num_experts, int(meta[layout.META_MAILBOX_ADDR]))
+        if self.streams is not None:
+            torch.cuda.synchronize(self.device)
 
     def capture(self, fn: Callable[[int], T]) -> tuple["RankGraphs", list[T]]:
         """CUDA only: capture ``fn(rank)`` into one CUDA graph per rank and return
