@@ -17,9 +17,9 @@ only the exchange and its regrouping are timed):
   can live in a CUDA graph): the received (row, top-k slot) pairs of local
   experts (padding rows and other ranks' experts masked) ordered by expert
   with a stable sort over all ``ep * T * top_k`` pair slots, their rows
-  gathered in that order (the grouped GEMM's input), each weighted and summed
-  back per received row in fp32 with ``index_add_``, cast into the ``[ep, T,
-  H]`` combine payload; then the rank-major combine.
+  gathered in that order (the grouped GEMM's input), then per received row
+  the weighted sum of its pairs' outputs in fp32 (a gather per top-k slot),
+  cast into the ``[ep, T, H]`` combine payload; then the rank-major combine.
 
 Time: on CUDA per replay of one graph holding every rank's round trip
 (bench/replay.py's method, with the launch floor of two empty kernels per
@@ -78,6 +78,7 @@ DEFAULT_WARMUP = {"cuda": 5, "cpu": 1}
 MAX_OVER_RANK_MAJOR = 1.25
 MAX_OVER_RANK_MAJOR_LARGE = 1.15
 LARGE_TOKENS = 4096
+ROUND_TRIPS = ("ours", "rank_major", "baseline")
 # An expert-major plane of the worst case (every pair of every rank at one
 # expert: ep * T rows per expert) larger than this many bytes per rank would
 # not fit beside the other ranks' on one device; such a point bounds the rows
@@ -90,12 +91,11 @@ CAPACITY_FACTOR = 2.0
 def rows_per_expert(point: Point) -> int:
     """The expert-major planes' rows per expert at ``point`` (max_tokens_per_expert)."""
     p, ep, T = point.preset, point.ep, point.tokens
-    local = layout.expert_range(p.num_experts, ep, 0)[1]
+    local = layout.max_local_experts(p.num_experts, ep)
     worst = ep * T
     if local * worst * p.hidden * p.dtype.itemsize <= MAX_WORST_CASE_PLANE_BYTES:
         return worst
     return min(worst, math.ceil(CAPACITY_FACTOR * ep * T * p.top_k / p.num_experts))
-ROUND_TRIPS = ("ours", "rank_major", "baseline")
 
 
 class ExpertMajorPoint:
