@@ -126,6 +126,11 @@ def test_ep_out_of_range_is_a_usage_error(capsys):
     (["bench", "--preset", "mixtral", "deepseek-v3"], "python -m torch_moe_a2a bench: error: unrecognized arguments"),
     (["--bogus"], "python -m torch_moe_a2a: error: unrecognized arguments: --bogus"),
     (["bench", "--json", "/no/such/folder/bench.json"], "--json /no/such/folder/bench.json: folder /no/such/folder"),
+    # The modes that replace the sweep are one at a time and refuse the sweep's options.
+    (["bench", "--expert-major", "--training"], "--expert-major and --training are modes of their own: pick one"),
+    (["bench", "--training", "--combine-variants"], "--training and --combine-variants are modes of their own"),
+    (["bench", "--expert-major", "--fp8"], "--expert-major takes no --fp8, --smoke, --plot or --graph"),
+    (["bench", "--combine-variants", "--smoke"], "--combine-variants takes no --fp8, --smoke, --plot or --graph"),
 ])
 def test_bad_arguments_are_usage_errors(args, message, capsys):
     _assert_clean_usage_error(_main(capsys, *args), message)

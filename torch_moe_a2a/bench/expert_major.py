@@ -269,7 +269,8 @@ def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[in
     tokens = list(DEFAULT_TOKENS[kind]) if tokens is None else tokens
     iters = DEFAULT_ITERS[kind] if iters is None else iters
     warmup = DEFAULT_WARMUP[kind] if warmup is None else warmup
-    method = "per replay of a graph of every rank's round trip" if kind == "cuda" else "eager wall time"
+    method = ("per replay of a graph of every rank's round trip" if kind == "cuda"
+              else "eager wall time (no launch floor on the CPU)")
     print(f"expert-major round trip against rank-major, and against rank-major + a graph-safe PyTorch permutation: "
           f"{preset}, identity experts, {method}, median of {iters} after {warmup}", flush=True)
     def measure(point: Point) -> dict:

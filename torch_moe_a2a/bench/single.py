@@ -912,8 +912,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"{', '.join(f'ep {e} x {t}' for e, t in replay.LARGE_POINTS)}; "
                    f"--iters default {replay.DEFAULT_REPLAYS}, --warmup {replay.DEFAULT_WARMUP_REPLAYS})")
     p.add_argument("--peer", choices=replay.LIBRARIES[1:], default=None,
-                   help="with --graph all-ranks: also time this library's moe_a2a functions the same way in the "
-                   "same run, and print the ratio per op (skipped with a note when it is not importable)")
+                   help="with --graph all-ranks: also time that library's moe_a2a functions (FlashInfer's) the "
+                   "same way in the same run, and print the ratio per op (skipped with a note when it is not "
+                   "importable)")
     p.add_argument("--combine-variants", nargs="*", choices=list(low_precision.VARIANTS), default=None,
                    metavar="VARIANT",
                    help="instead: time the combine's variants (default all: "
@@ -921,12 +922,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--tokens (default 128 4096), as ratios to the copy bandwidth on the bytes they move")
     p.add_argument("--expert-major", action="store_true",
                    help="instead: the expert-major round trip (dispatch(expert_major=True), combine_expert_major) "
-                   "against the rank-major one plus the plain-PyTorch permutation a user writes, at --ep and "
-                   "--tokens (default ep 1 4 8 x tokens 1 16 128 on CUDA), first --preset (default deepseek-v3)")
+                   "against the rank-major one and against the rank-major one plus the PyTorch permutation a "
+                   "grouped-GEMM user writes, per replay of a graph on CUDA (beside the launch floor), eager wall "
+                   f"time on the CPU, at --ep (default {_per_device(bench_expert_major.DEFAULT_EP)}) and --tokens "
+                   f"(default {_per_device(bench_expert_major.DEFAULT_TOKENS)}), first --preset (default "
+                   "deepseek-v3)")
     p.add_argument("--training", action="store_true",
                    help="instead: the exchange's forward and backward (the differentiable dispatch and combine) "
-                   "against all_to_all_single of the (token, expert) pairs under autograd, at --ep and --tokens "
-                   "(default ep 8 x tokens 512 4096 on CUDA), first --preset (default deepseek-v3)")
+                   "against all_to_all_single of the (token, expert) pairs under autograd, at --ep (default "
+                   f"{_per_device(bench_training.DEFAULT_EP)}) and --tokens (default "
+                   f"{_per_device(bench_training.DEFAULT_TOKENS)}), first --preset (default deepseek-v3)")
     p.add_argument("--low-precision-error", action="store_true",
                    help="instead: print the error of the e4m3 combine transports against bf16 (CPU, no timing)")
 
@@ -958,6 +963,13 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     if args.plot and not plot.available():
         parser.error(plot.MISSING)  # before the run, not after it
+    modes = [name for name, on in (("--expert-major", args.expert_major), ("--training", args.training),
+                                   ("--combine-variants", args.combine_variants is not None),
+                                   ("--low-precision-error", args.low_precision_error)) if on]
+    if len(modes) > 1:
+        parser.error(f"{' and '.join(modes)} are modes of their own: pick one")
+    if modes and (args.fp8 or args.smoke or args.plot or args.graph != "per-rank"):
+        parser.error(f"{modes[0]} takes no --fp8, --smoke, --plot or --graph")
     if args.peer and args.graph != "all-ranks":
         parser.error("--peer needs --graph all-ranks")
     if args.graph == "all-ranks":
