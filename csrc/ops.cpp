@@ -826,7 +826,9 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
       os << "unknown error code " << code;
       break;
   }
-  os << "; the workspace stays failed until every rank calls moe_a2a_initialize again";
+  // How to recover, in each API's words (MoeAlltoAll.reset() and SimulatedEP.reset() keep the metainfo).
+  os << "; the workspace stays failed until every rank calls moe_a2a_initialize again (MoeAlltoAll.reset(), "
+        "SimulatedEP.reset() for simulated ranks)";
   return os.str();
 }
 
@@ -875,7 +877,9 @@ void raise_row_status(const cpu::RowStatus& status, int64_t ep_rank) {
     case cpu::RowStatus::kRuntimeError:
       TORCH_CHECK(false, status.message);
     case cpu::RowStatus::kFailed:
-      TORCH_CHECK(false, describe_error(ep_rank, status.record.code, status.record.missing, status.record.detail));
+      // Refused at once, before any wait: say that the record is an earlier call's.
+      TORCH_CHECK(false, "an earlier call on this workspace failed, and its record stands: ",
+                  describe_error(ep_rank, status.record.code, status.record.missing, status.record.detail));
   }
 }
 
