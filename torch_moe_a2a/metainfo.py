@@ -115,3 +115,11 @@ def check_rank_index(meta: MetaValues, ep_rank: int) -> None:
     """A getter's ep_rank: any rank of the workspace (the header it reads is that rank's)."""
     if not 0 <= ep_rank < meta[1]:
         raise ValueError(f"ep_rank must be in [0, {meta[1]}) (the metainfo's ep_size), got {ep_rank}")
+
+
+def reinitialize_row(workspace: torch.Tensor, metainfo: torch.Tensor) -> None:
+    """``moe_a2a_initialize`` of ``metainfo``'s rank again, with the sizes and the
+    error mailbox it holds (the op clears the mailbox), so that ``metainfo``, and
+    the CUDA graphs that baked it in, stay valid. Enqueued on the current stream."""
+    ep_rank, ep_size, max_num_tokens, eplb_n, _, mailbox, _ = metainfo_values(metainfo, id(metainfo))
+    torch.ops.moe_a2a.initialize.default(workspace, ep_rank, ep_size, max_num_tokens, eplb_n, mailbox)

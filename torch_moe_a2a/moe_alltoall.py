@@ -33,13 +33,12 @@ from .expert_major import (
 )
 from .fastpath import tracing
 from .mapping import ep_group_color
+from .metainfo import reinitialize_row
 from .workspace import (
     allocate_workspace,
     release_workspace_memory,
     restore_workspace_memory,
 )
-
-_ops = torch.ops.moe_a2a
 
 
 @dataclass
@@ -813,9 +812,7 @@ class MoeAlltoAll:
     def _initialize_own_row(self) -> None:
         """moe_a2a_initialize of the own row with the metainfo's mailbox (so the
         metainfo, which CUDA graphs baked in, stays valid), finished on the device."""
-        mailbox = int(self.metainfo[layout.META_MAILBOX_ADDR])
-        _ops.initialize.default(self.workspace, self.ep_rank, self.ep_size, self.max_num_tokens,
-                                self.eplb_stats_num_experts, mailbox)
+        reinitialize_row(self.workspace, self.metainfo)
         _synchronize(self.workspace)
 
 

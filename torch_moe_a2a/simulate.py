@@ -27,7 +27,6 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
-from . import layout
 from .api import (
     moe_a2a_combine,
     moe_a2a_dispatch,
@@ -35,6 +34,7 @@ from .api import (
     moe_a2a_get_workspace_size_per_rank,
     moe_a2a_initialize,
 )
+from .metainfo import reinitialize_row
 from .workspace import allocate_workspace
 
 T = TypeVar("T")
@@ -78,7 +78,6 @@ class SimulatedEP:
     ):
         self.ep_size = ep_size
         self.max_num_tokens = max_num_tokens
-        self.eplb_stats_num_experts = eplb_stats_num_experts
         self.device = torch.device(device)
         if self.device.type == "cuda" and ep_size > MAX_SIMULATED_RANKS_PER_GPU:
             raise ValueError(
@@ -152,9 +151,8 @@ class SimulatedEP:
         """
         if self.streams is not None:
             torch.cuda.synchronize(self.device)
-        for rank, meta in enumerate(self.metainfo):
-            torch.ops.moe_a2a.initialize.default(self.workspace, rank, self.ep_size, self.max_num_tokens,
-                                                 self.eplb_stats_num_experts, int(meta[layout.META_MAILBOX_ADDR]))
+        for meta in self.metainfo:
+            reinitialize_row(self.workspace, meta)
         if self.streams is not None:
             torch.cuda.synchronize(self.device)
 
