@@ -360,6 +360,30 @@ def test_combine_variants_check_their_outputs(monkeypatch, capsys):
     assert rc == 1 and "FAIL: rank 0 differs from the reference quantizer" in out, out
 
 
+def test_combine_variants_targets():
+    """The speed targets: each e4m3 transport's speedup over bf16 at its bound,
+    the fused outputs' time against bf16's and their gain over the unfused
+    variant, each ok or MISS; only at ep 8 and only for CUDA records (with a floor)."""
+    from torch_moe_a2a.bench import low_precision
+
+    def rec(ep, tokens, variant, us, floor=5.0):
+        return dict(ep=ep, tokens=tokens, variant=variant, us=us, floor_us=floor)
+
+    records = [rec(8, 4096, "bf16", 2000.0), rec(8, 4096, "e4m3", 1500.0), rec(8, 4096, "e4m3-block-scaled", 1700.0),
+               rec(8, 4096, "mxfp8", 2080.0), rec(8, 4096, "mxfp8-unfused", 2600.0),
+               rec(8, 128, "bf16", 80.0), rec(8, 128, "e4m3", 90.0),
+               rec(4, 4096, "bf16", 900.0), rec(4, 4096, "e4m3", 2000.0),
+               rec(8, 16, "bf16", 30.0, None), rec(8, 16, "e4m3", 60.0, None)]
+    lines = low_precision.target_lines(records)
+    assert lines == [
+        "target e4m3 >= 1x bf16 at 128 tokens: 0.89x MISS",
+        "target e4m3 >= 1.3x bf16 at 4096 tokens: 1.33x ok",
+        "target e4m3-block-scaled >= 1.2x bf16 at 4096 tokens: 1.18x MISS",
+        "target mxfp8 <= 1.05x the bf16 combine's time at 4096 tokens: 1.04x ok",
+        "target mxfp8 >= 1.3x faster than mxfp8-unfused at 4096 tokens: 1.25x MISS",
+    ], lines
+
+
 @pytest.mark.slow
 def test_low_precision_error_table(capsys):
     assert single.main(["--low-precision-error"]) == 0

@@ -4,17 +4,23 @@ low-precision combine and the quantized combine outputs.
 --combine-variants: simulated EP (DeepSeek-V3's layer by default: hidden
 7168, 256 experts, top-8) at each --ep and --tokens; per combine variant
 (bf16; e4m3 rows; e4m3 rows with block scales; MXFP8 / MXFP4 / NVFP4 outputs
-fused into the combine, and the bf16 combine followed by the plain-PyTorch
-quantizer of torch_moe_a2a.reference as the unfused baseline) the median time
-of the combine of all ranks, the bytes it moves (staging reads the payload
-rows and writes the staged rows; the pull reads one staged row per (token,
-destination) and writes the output and its scales) and their rate as a ratio
-to the device's copy bandwidth measured in the same run (bytes read + written
-by one large copy). The bf16 combine runs first; every other variant's last
+fused into the combine; the bf16 combine followed by a quantizer as the
+unfused baseline: on CUDA the reference quantizer of torch_moe_a2a.reference
+under torch.compile, the plain one where that does not compile and on the
+CPU) the time of the combine of all ranks, the bytes it moves (staging reads
+the payload rows and writes the staged rows; the pull reads one staged row
+per (token, destination) and writes the output and its scales) and their
+rate as a ratio to the device's copy bandwidth measured in the same run
+(bytes read + written by one large copy). On CUDA the time is
+``bench --graph all-ranks``'s: the median per replay of one CUDA graph of
+every rank's combine, each replay after an untimed replay of the dispatch's
+graph, beside the floor (the same graph of an empty kernel per rank); on the
+CPU eager wall time. The bf16 combine runs first; every other variant's last
 outputs are checked against it (the fused formats bitwise against the
 reference quantizer of its output, the e4m3 transports within e4m3's error),
 and a FAIL fails the run. Outputs are allocated before the timed calls:
-nothing allocates while a simulated peer's kernel spins.
+nothing allocates while a simulated peer's kernel spins. The speed targets
+(target_lines) close the output.
 
 --low-precision-error: the relative error of both e4m3 transports against the
 bf16 combine on activations with and without outliers (docs/internals.md
@@ -31,7 +37,8 @@ import torch
 from .. import reference
 from ..api import SfLayout, moe_a2a_combine, moe_a2a_dispatch
 from ..simulate import SimulatedEP
-from .common import COPY_BYTES, PRESETS, Clock, copy_bandwidth, device_name, format_table
+from .common import COPY_BYTES, PRESETS, Clock, capture_graph, copy_bandwidth, device_name, format_table, release
+from .common import fmt as cell
 
 DEFAULT_PRESET = "deepseek-v3"
 # name: (combine keyword arguments, quantized format or None, whether fused)
@@ -48,6 +55,17 @@ VARIANTS: dict[str, tuple[dict, Optional[str], bool]] = {
 _FORMATS = {"mxfp8": (torch.float8_e4m3fn, torch.uint8, 32), "mxfp4": (torch.uint8, torch.uint8, 32),
             "nvfp4": (torch.uint8, torch.float8_e4m3fn, 16)}
 NVFP4_GLOBAL_SCALE = 448.0 * 6.0 / 8.0
+
+
+# The speed targets (ep 8, DeepSeek-V3, per replay): a variant's time over
+# bf16's; e4m3 transports at least these many times faster than the bf16
+# combine, fused outputs at most FUSED_MAX_OVER_BF16 of its time and at least
+# FUSED_MIN_OVER_UNFUSED times faster than the bf16 combine and a quantizer.
+TARGET_EP = 8
+LARGE_TOKENS = 4096
+MIN_SPEEDUP = {("e4m3", True): 1.3, ("e4m3", False): 1.0, ("e4m3-block-scaled", True): 1.2}
+FUSED_MAX_OVER_BF16 = 1.05
+FUSED_MIN_OVER_UNFUSED = 1.3
 
 
 def _moved_bytes(variant: str, recv_rows: int, tokens: int, hidden: int, ep: int) -> int:
@@ -69,6 +87,23 @@ def _moved_bytes(variant: str, recv_rows: int, tokens: int, hidden: int, ep: int
     return staging + pull_in + out
 
 
+def _quantizer(device: torch.device) -> tuple[Callable, str]:
+    """The unfused variants' quantizer and its name: on CUDA the reference
+    quantizer under torch.compile (what a user would run after a bf16
+    combine), the plain-PyTorch one where that does not compile (and on the
+    CPU, whose timings are eager)."""
+    if device.type == "cuda":
+        try:
+            compiled = torch.compile(reference.reference_quantize, dynamic=False)
+            x = torch.zeros(1, 32, dtype=torch.bfloat16, device=device)
+            compiled(x, "mxfp8", int(SfLayout.layout_128x4), 1.0)
+            return compiled, "torch.compile of the reference quantizer"
+        except Exception as e:  # noqa: BLE001 - no compiler backend: the plain quantizer, said in the header
+            return reference.reference_quantize, f"plain-PyTorch reference quantizer (torch.compile failed: " \
+                                                 f"{type(e).__name__})"
+    return reference.reference_quantize, "plain-PyTorch reference quantizer"
+
+
 def run_variants(device: torch.device, eps: list[int], tokens_list: list[int], iters: int, warmup: int,
                  variants: Optional[list[str]] = None, preset: str = DEFAULT_PRESET,
                  emit: Callable[[str], None] = print) -> list[dict]:
@@ -80,33 +115,79 @@ def run_variants(device: torch.device, eps: list[int], tokens_list: list[int], i
     shape = PRESETS[preset]
     hidden, experts, top_k = shape.hidden, shape.num_experts, shape.top_k
     copy_bps = copy_bandwidth(clock, device, COPY_BYTES[device.type]) * 1e9
+    quantize, quantizer_name = _quantizer(device) if any(not VARIANTS[v][2] for v in variants) else (None, "")
+    method = ("per replay of a CUDA graph of every rank's combine (bench --graph all-ranks's method), after a "
+              "replay of the dispatch's; floor: the same graph of empty kernels" if device.type == "cuda"
+              else "eager wall time of every rank's combine (no launch floor on the CPU)")
     emit(f"combine variants: {device_name(device)}, torch {torch.__version__}; {preset} (hidden {hidden}, "
          f"{experts} experts, top-{top_k}); copy bandwidth {copy_bps / 1e9:.1f} GB/s (read + written); "
-         f"median of {iters} after {warmup}")
+         f"{method}; median of {iters} after {warmup}" + (f"; unfused: {quantizer_name}" if quantize else ""))
     records = []
     rows = []
     for ep in eps:
         for tokens in tokens_list:
-            records += _run_point(device, clock, ep, tokens, hidden, experts, top_k, iters, warmup,
-                                  variants, copy_bps, rows)
-    emit(format_table(["ep", "tokens", "variant", "us", "bytes moved", "ratio to copy", "vs bf16", "check"], rows,
-                      {2, 7}))
+            try:
+                records += _run_point(device, clock, ep, tokens, hidden, experts, top_k, iters, warmup,
+                                      variants, copy_bps, rows, quantize)
+            finally:
+                release(device)  # freeing device memory between two ranks' launches would stall them
+    emit(format_table(["ep", "tokens", "variant", "us", "floor us", "bytes moved", "ratio to copy", "vs bf16",
+                       "check"], rows, {2, 8}))
+    for line in target_lines(records):
+        emit(line)
     return records
 
 
-def _run_point(device, clock, ep, tokens, hidden, experts, top_k, iters, warmup, variants, copy_bps, rows):
+def target_lines(records: list[dict]) -> list[str]:
+    """The speed targets of the points measured at ep TARGET_EP on CUDA, one
+    line each with ok or MISS (none on the CPU)."""
+    lines = []
+    by = {(r["ep"], r["tokens"], r["variant"]): r for r in records if r.get("floor_us") is not None}
+    for (ep, tokens, name), rec in sorted(by.items()):
+        bf16 = by.get((ep, tokens, "bf16"))
+        if ep != TARGET_EP or bf16 is None or name == "bf16":
+            continue
+        speedup = bf16["us"] / rec["us"]
+        large = tokens >= LARGE_TOKENS
+        if (name, large) in MIN_SPEEDUP:
+            bound = MIN_SPEEDUP[(name, large)]
+            lines.append(f"target {name} >= {bound:g}x bf16 at {tokens} tokens: {speedup:.2f}x "
+                         f"{'ok' if speedup >= bound else 'MISS'}")
+        kwargs, fmt, fused = VARIANTS[name]
+        if fmt in ("mxfp8", "nvfp4") and fused and large:
+            over = rec["us"] / bf16["us"]
+            lines.append(f"target {name} <= {FUSED_MAX_OVER_BF16:g}x the bf16 combine's time at {tokens} tokens: "
+                         f"{over:.2f}x {'ok' if over <= FUSED_MAX_OVER_BF16 else 'MISS'}")
+            unfused = by.get((ep, tokens, f"{fmt}-unfused"))
+            if unfused is not None:
+                gain = unfused["us"] / rec["us"]
+                lines.append(f"target {name} >= {FUSED_MIN_OVER_UNFUSED:g}x faster than {fmt}-unfused at {tokens} "
+                             f"tokens: {gain:.2f}x {'ok' if gain >= FUSED_MIN_OVER_UNFUSED else 'MISS'}")
+    return lines
+
+
+def _run_point(device, clock, ep, tokens, hidden, experts, top_k, iters, warmup, variants, copy_bps, rows,
+               quantize):
     gen = torch.Generator().manual_seed(ep * 100003 + tokens)
     sim = SimulatedEP(ep, tokens, dispatch_bytes_per_token=hidden * 2 + top_k * 4,
                       combine_bytes_per_token=hidden * 2, device=device)
     ids = [reference.random_routing(tokens, top_k, experts, gen).to(device) for _ in range(ep)]
     hid = [torch.randn(tokens, hidden, generator=gen).bfloat16().to(device) for _ in range(ep)]
     state = {}
+    cuda = device.type == "cuda"
 
     def dispatch(r):
         recv, offset, _ = moe_a2a_dispatch(ids[r], [hid[r]], sim.workspace, sim.metainfo[r], tokens, r, ep, top_k,
                                            experts)
         state[r] = (recv[0], offset)
 
+    g_dispatch, floor_us = None, None
+    if cuda:
+        from .replay import empty_kernel, time_replays
+
+        sim.run(dispatch)  # the round the first variant's eager combine closes
+        g_dispatch = capture_graph(lambda: sim.run(dispatch))[0]
+        floor_us = time_replays(clock, capture_graph(lambda: sim.run(lambda r: empty_kernel()))[0], warmup, iters)
     results = []
     base_us = None
     bf16_out: Optional[list] = None  # the bf16 combine's outputs, what the other variants are checked against
@@ -137,22 +218,34 @@ def _run_point(device, clock, ep, tokens, hidden, experts, top_k, iters, warmup,
             moe_a2a_combine(recv, tokens, sim.workspace, sim.metainfo[r], tokens, r, ep, top_k, offset,
                             output=outputs[r], **kw)
 
-        def quantize(r):
-            # The unfused baseline: the bf16 combine's output through the plain-PyTorch quantizer.
-            reference.reference_quantize(outputs[r], fmt, int(SfLayout.layout_128x4),
-                                         NVFP4_GLOBAL_SCALE if fmt == "nvfp4" else 1.0)
+        def quantize_output(r):
+            # The unfused baseline: the bf16 combine's output through the quantizer.
+            quantize(outputs[r], fmt, int(SfLayout.layout_128x4), NVFP4_GLOBAL_SCALE if fmt == "nvfp4" else 1.0)
 
-        marks = []
-        for i in range(warmup + iters):
-            sim.run(dispatch)
-            start = clock.mark()
-            sim.run(combine)
+        if cuda:
+            def step(r):
+                combine(r)
+                if fmt is not None and not fused:
+                    quantize_output(r)  # on the rank's stream after its own combine: no peer waits for it
+
             if fmt is not None and not fused:
-                sim.run(quantize)  # after every rank's combine: no combine waits behind it
-            end = clock.mark()
-            if i >= warmup:
-                marks.append((start, end))
-        us = statistics.median(clock.elapsed_us(marks))
+                quantize_output(0)  # compiled for this shape now, not between two ranks' launches
+            sim.run(step)
+            graph = capture_graph(lambda: sim.run(step))[0]
+            us = time_replays(clock, graph, warmup, iters, before=g_dispatch)
+            clock.sync()
+        else:
+            marks = []
+            for i in range(warmup + iters):
+                sim.run(dispatch)
+                start = clock.mark()
+                sim.run(combine)
+                if fmt is not None and not fused:
+                    sim.run(quantize_output)  # after every rank's combine: no combine waits behind it
+                end = clock.mark()
+                if i >= warmup:
+                    marks.append((start, end))
+            us = statistics.median(clock.elapsed_us(marks))
         if name == "bf16":
             bf16_out = [o.clone() for o in outputs]
         check = _check_variant(name, outputs, scales, bf16_out)
@@ -161,10 +254,10 @@ def _run_point(device, clock, ep, tokens, hidden, experts, top_k, iters, warmup,
         ratio = moved / (us * 1e-6) / copy_bps
         if name == "bf16":
             base_us = us
-        rows.append([str(ep), str(tokens), name, f"{us:.1f}", f"{moved / 1e6:.1f} MB", f"{ratio:.2f}",
-                     "" if base_us is None else f"{base_us / us:.2f}x", check])
-        results.append(dict(ep=ep, tokens=tokens, variant=name, us=us, bytes=moved, ratio_to_copy=ratio,
-                            check=check))
+        rows.append([str(ep), str(tokens), name, f"{us:.1f}", cell(floor_us, ".1f"), f"{moved / 1e6:.1f} MB",
+                     f"{ratio:.2f}", "" if base_us is None else f"{base_us / us:.2f}x", check])
+        results.append(dict(ep=ep, tokens=tokens, variant=name, us=us, floor_us=floor_us, bytes=moved,
+                            ratio_to_copy=ratio, check=check))
     return results
 
 
