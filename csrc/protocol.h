@@ -584,10 +584,13 @@ MOE_A2A_HD int64_t combine_end(int64_t combine_offset, int64_t ep_size, int64_t 
 // it converts), and the peers pull those. Plain (FlashInfer's): element i at
 // byte i. Block-scaled (ours): blocks of kLowPrecisionBlock elements, block c
 // at byte c * kLowPrecisionBlockPitch and its fp32 scale right after its
-// elements rounded up to 16 bytes. In place, a row is converted front to back
-// one block at a time: block c's bytes end at or before 144 (c + 1), and the
-// payload bytes read by then are those of 128 (c + 1) elements of >= 2 bytes,
-// so no write lands on payload bytes not read yet. Nothing beyond the
+// elements rounded up to 16 bytes; the 12 bytes after a whole block's scale
+// are padding (the CUDA staging writes them as zeros, so that no sector is
+// left partly written; the pull never reads them). In place, a row is
+// converted front to back one block at a time: block c's bytes, padding
+// included, end at or before 144 (c + 1), and the payload bytes read by then
+// are those of 128 (c + 1) elements of >= 2 bytes, so no write lands on
+// payload bytes not read yet. Nothing beyond the
 // payload's rows is needed: workspace_size_per_rank covers them as it is.
 constexpr int64_t kLowPrecisionBlock = 128;
 constexpr int64_t kLowPrecisionBlockPitch = kLowPrecisionBlock + 16;

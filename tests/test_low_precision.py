@@ -334,3 +334,38 @@ def test_moe_alltoall_low_precision_equals_functional(mode, device):
     expected = ref_sim.combine(expert_out, list(case.tokens), case.T, case.top_k, offsets, **kwargs)
     for r in range(case.ep_size):
         assert_bytes_equal(got[r], expected[r], f"rank {r}")
+
+
+@pytest.mark.parametrize("mode", ["e4m3", BLOCK_SCALED])
+def test_low_precision_nan_rows(mode, device):
+    """A NaN in the expert outputs (of either sign) makes the sums that hold it
+    NaN, whatever NaN code the staging gives it, and every other sum keeps the
+    CPU's bits: the sums of the columns without NaN are compared bitwise with
+    the same call on the CPU."""
+    case = Case(3, (9, 4, 12), 3, 9, hidden=256, runtime_max=12)
+    nan_columns = [3, 130, 255]
+
+    def transform(out):
+        out = out.clone()
+        out[..., nan_columns[0]] = float("nan")
+        out[..., nan_columns[1]] = -float("nan")
+        out[..., nan_columns[2]] = float("nan")
+        return out
+
+    def outputs(dev):
+        gen = make_generator(("nan", mode))
+        inputs = make_inputs(case, gen).to(dev)
+        sim = make_sim(case, dev)
+        offsets = [o for _, o, _ in sim.dispatch(inputs.ids, inputs.payloads, case.T, case.top_k, case.num_experts)]
+        expert_out = [transform(torch.randn((case.ep_size, case.T, case.hidden), generator=gen).bfloat16()).to(dev)
+                      for _ in range(case.ep_size)]
+        return [o.cpu() for o in sim.combine(expert_out, list(case.tokens), case.T, case.top_k, offsets,
+                                             **_lp_kwargs(mode)(0))]
+
+    got = outputs(device)
+    on_cpu = got if device == "cpu" else outputs("cpu")
+    keep = [c for c in range(case.hidden) if c not in nan_columns]
+    for r in range(case.ep_size):
+        assert torch.isnan(got[r][:, nan_columns].float()).all(), f"rank {r}"
+        assert not torch.isnan(got[r][:, keep].float()).any(), f"rank {r}"
+        assert_bytes_equal(got[r][:, keep].contiguous(), on_cpu[r][:, keep].contiguous(), f"rank {r}")

@@ -27,6 +27,10 @@ constexpr int kSumUnroll = 2;
 // of small calls. Each one holds kSumUnroll vectors in registers.
 constexpr int kPullRowsInFlight = 2;
 static_assert(kDestBatch % kPullRowsInFlight == 0, "a batch holds whole groups of rows");
+// The pull's vectors a lane per destination row (kSumUnroll, or
+// kE4m3PullUnroll for e4m3 rows).
+template <typename In>
+constexpr int kPullUnroll = In::kLowPrecision ? kE4m3PullUnroll : kSumUnroll;
 // Rows of each source that a combine without staging prefetches into L2 from
 // its own combine region while it waits for the peers' flags (step 3a): the
 // rows the peers' first pull tasks read (a source's first slots are its first
@@ -99,7 +103,7 @@ __device__ void stage_rows(const CombineArgs& a, const int32_t* rows) {
 // one rank's grid of 263 CTAs (one rank per H200) every warp's claim on one
 // word made the pull 1.7x slower (docs/performance.md, 'Design decisions and
 // their measured effect'). The sums do not depend on which warp pulls an item.
-template <typename In, typename Out, int kElems>
+template <typename In, typename Out, int kElems, int kUnroll = kSumUnroll>
 __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
   using InVec = Packed<typename In::Bits, kElems>;
   using OutVec = Packed<typename Out::Bits, kElems>;
@@ -133,10 +137,10 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
   const auto pull_item = [&](int64_t item) {
     const int64_t t = segments == 1 ? item : item / segments;
     const int segment = segments == 1 ? 0 : static_cast<int>(item % segments);
-    const int first = segment * lanes * kSumUnroll + lane_in_group;
-    float acc[kSumUnroll][kElems];
+    const int first = segment * lanes * kUnroll + lane_in_group;
+    float acc[kUnroll][kElems];
 #pragma unroll
-    for (int u = 0; u < kSumUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
       for (int e = 0; e < kElems; ++e) acc[u][e] = 0.0f;
     }
@@ -158,12 +162,12 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
           ended = ended || entries[j + g] == kRouteEnd;
           src[g] = ended ? nullptr : row_of(entries[j + g]);
         }
-        InVec x[kPullRowsInFlight][kSumUnroll];
-        float scale[kPullRowsInFlight][kSumUnroll];  // block scales of e4m3 rows, else 1
+        InVec x[kPullRowsInFlight][kUnroll];
+        float scale[kPullRowsInFlight][kUnroll];  // block scales of e4m3 rows, else 1
 #pragma unroll
         for (int g = 0; g < kPullRowsInFlight; ++g) {
 #pragma unroll
-          for (int u = 0; u < kSumUnroll; ++u) {
+          for (int u = 0; u < kUnroll; ++u) {
             const int v = first + u * lanes;
             const bool loads = src[g] != nullptr && v < vectors;
             x[g][u].raw = loads ? In::template load<InRaw>(src[g], v) : InRaw{};
@@ -174,8 +178,17 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
         for (int g = 0; g < kPullRowsInFlight; ++g) {
           if (src[g] == nullptr) continue;
 #pragma unroll
-          for (int u = 0; u < kSumUnroll; ++u) {
-            if constexpr (In::kLowPrecision && kElems % 2 == 0) {
+          for (int u = 0; u < kUnroll; ++u) {
+            if constexpr (In::kLowPrecision && kElems >= 4) {
+              // e4m3 codes, decoded a word (four codes) at a time.
+#pragma unroll
+              for (int e = 0; e < kElems; e += 4) {
+                float f[4];
+                e4m3x4_to_float(vector_word(x[g][u].raw, e / 4), f);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[u][e + i] += In::kBlockScaled ? mul_rn(f[i], scale[g][u]) : f[i];
+              }
+            } else if constexpr (In::kLowPrecision && kElems % 2 == 0) {
               // e4m3 pairs, decoded two at a time (one conversion each).
 #pragma unroll
               for (int e = 0; e < kElems; e += 2) {
@@ -195,7 +208,7 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
     }
     OutRaw* dst = reinterpret_cast<OutRaw*>(p.output) + t * vectors;
 #pragma unroll
-    for (int u = 0; u < kSumUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int v = first + u * lanes;
       if (v >= vectors) continue;
       if constexpr (IsQuantized<Out>::value) {
@@ -249,7 +262,7 @@ __device__ void pull_rows_any(const CombineArgs& a, uint32_t count) {
   if constexpr (kElems > 1 && !IsQuantized<Out>::value) {
     if (a.pull_elems != kElems) return pull_rows_any<In, Out, kElems / 2>(a, count);
   }
-  pull_rows<In, Out, kElems>(a, count);
+  pull_rows<In, Out, kElems, kPullUnroll<In>>(a, count);
 }
 
 template <typename In, typename Out>
@@ -414,15 +427,17 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
   // e4m3 rows are always staged: converted from the payload, or in place.
   a.stage = low_precision || (p.payload != nullptr && p.payload != region);
   if (a.stage && !low_precision) a.stage_plan = make_copy_plan(a.row_bytes, rows_bits | address_bits(p.payload));
-  // A 4-element vector of every staged row aligned in the payload and the
+  // A 16-byte vector of every staged row aligned in the payload and the
   // region (the rows' offsets are multiples of row_bytes).
-  a.stage_vectors = low_precision && p.row_elems % 4 == 0 &&
-                    (rows_bits | address_bits(p.payload) | uint64_t(a.row_bytes)) % uint64_t(4 * in_bytes) == 0;
+  const int64_t stage_vec = 16 / in_bytes;
+  a.stage_vectors = low_precision && p.row_elems % stage_vec == 0 &&
+                    (rows_bits | address_bits(p.payload) | uint64_t(a.row_bytes)) % uint64_t(stage_vec * in_bytes) == 0;
   // The widest element count whose input and output vectors are aligned.
+  const int unroll = low_precision ? kE4m3PullUnroll : kSumUnroll;
   const int widest = low_precision ? kE4m3PullElems : int(16 / in_bytes);
   int elems = widest;
   const auto out_vector_bytes = [&](int n) -> uint64_t {
-    if (!quantized) return uint64_t(n * out_bytes);
+    if (!quantized) return uint64_t(std::min<int64_t>(n * out_bytes, 16));  // VecOf<32>: 16-byte aligned
     return uint64_t(p.quant == QuantFormat::kMxfp8 ? n : n / 2);
   };
   while (elems > 1 &&
@@ -435,11 +450,11 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
   if (quantized && elems != widest) return cudaErrorInvalidValue;
   a.pull_elems = elems;
   const int64_t vectors = p.row_elems / elems;
-  int pull_lanes = lanes_per_row(vectors, kSumUnroll);
+  int pull_lanes = lanes_per_row(vectors, unroll);
   // A quantized block's vectors lie in adjacent lanes of one row's group.
   if (quantized) pull_lanes = std::max(pull_lanes, int(quant_block(p.quant) / elems));
   a.pull_lane_bits = log2_exact(pull_lanes);
-  const int64_t per_segment = int64_t(pull_lanes) * kSumUnroll;
+  const int64_t per_segment = int64_t(pull_lanes) * unroll;
   a.pull_segments = static_cast<int>((vectors + per_segment - 1) / per_segment);
 
   // Pull: a row written per token (and as many read per destination); staging

@@ -13,10 +13,56 @@
 namespace moe_a2a {
 namespace gpu {
 
-// Elements per vector of the pull of e4m3 rows: 8 (8-byte loads). With 16,
-// the sums of a lane (kSumUnroll x 16 fp32) spilled under the kernels'
-// 64-register bound (ptxas: about 400 bytes of spill stores).
-constexpr int kE4m3PullElems = 8;
+// Elements per vector of the pull of e4m3 rows (16-byte loads, the plain
+// rows' width) and vectors a lane per destination row: one, where the plain
+// rows take two (two 16-element vectors, 32 fp32 sums a lane, would spill
+// under the kernels' 64-register bound). Against 8-byte loads two a lane:
+// 2092 -> 2050 us at ep 8 x 4096 tokens on an H200 (same-run A/B; the
+// staging's vectors made the larger gain, docs/performance.md).
+constexpr int kE4m3PullElems = 16;
+constexpr int kE4m3PullUnroll = 1;
+
+// The four e4m3 codes of a word (the lowest byte first) as floats: the
+// hardware's conversions, two codes to two halves per instruction, where it
+// has them (every e4m3 value is exact in fp16, and fp16 in fp32), else
+// e4m3_to_float of each. A NaN code gives some NaN.
+__device__ __forceinline__ void e4m3x4_to_float(uint32_t word, float (&out)[4]) {
+#if defined(MOE_A2A_E4M3_CVT)
+  uint32_t lo, hi;
+  asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, a;\n\tcvt.rn.f16x2.e4m3x2 %1, b;\n\t}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(word));
+  asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.f32.f16 %0, a;\n\tcvt.f32.f16 %1, b;\n\t}"
+      : "=f"(out[0]), "=f"(out[1])
+      : "r"(lo));
+  asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.f32.f16 %0, a;\n\tcvt.f32.f16 %1, b;\n\t}"
+      : "=f"(out[2]), "=f"(out[3])
+      : "r"(hi));
+#else
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = e4m3_to_float(uint8_t(word >> (8 * i)));
+#endif
+}
+
+// The e4m3 codes of x0 .. x3 (x0 in the lowest byte): e4m3_from_float's
+// bytes, NaN pinned to 0x7f. Where the hardware converts, two instructions
+// for the four and no test per element: its NaN codes (0x7f, or 0xff for a
+// negative NaN; no finite input gives either under satfinite) lose their
+// sign bit after it, found with one add per word: the low seven bits plus
+// one carry into bit 7 exactly where they are all ones.
+__device__ __forceinline__ uint32_t e4m3x4_from_float(float x0, float x1, float x2, float x3) {
+#if defined(MOE_A2A_E4M3_CVT)
+  uint32_t word;
+  asm("{\n\t.reg .b16 a, b;\n\tcvt.rn.satfinite.e4m3x2.f32 a, %2, %1;\n\tcvt.rn.satfinite.e4m3x2.f32 b, %4, %3;"
+      "\n\tmov.b32 %0, {a, b};\n\t}"
+      : "=r"(word)
+      : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
+  const uint32_t nan = ((word & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
+  return word & ~nan;
+#else
+  return uint32_t(e4m3x2_from_float(x0, x1)) | uint32_t(e4m3x2_from_float(x2, x3)) << 16;
+#endif
+}
 
 // kElems elements moved as one vector access.
 template <typename Bits, int kElems>
@@ -24,6 +70,13 @@ union Packed {
   typename VecOf<int(sizeof(Bits)) * kElems>::T raw;
   Bits v[kElems];
 };
+
+// Word i of a 4-, 8- or 16-byte vector.
+__device__ __forceinline__ uint32_t vector_word(uint32_t raw, int) { return raw; }
+__device__ __forceinline__ uint32_t vector_word(uint2 raw, int i) { return i == 0 ? raw.x : raw.y; }
+__device__ __forceinline__ uint32_t vector_word(uint4 raw, int i) {
+  return i == 0 ? raw.x : i == 1 ? raw.y : i == 2 ? raw.z : raw.w;
+}
 
 // Element types: bit storage plus the exact conversions (no implicit half
 // conversions: torch builds with __CUDA_NO_HALF_CONVERSIONS__ and friends).
@@ -66,14 +119,26 @@ struct E4m3Rows {
   static constexpr bool kBlockScaled = kScaled;
   static constexpr int kMaxElems = kE4m3PullElems;
   static constexpr LowPrecision kMode = kScaled ? LowPrecision::kE4m3BlockScaled : LowPrecision::kE4m3;
+  // Byte of element i (protocol.h's low_precision_element_offset), in 32
+  // bits: rows are below kMaxKernelRowBytes.
+  __device__ static int element_offset(int i) {
+    if constexpr (!kScaled) return i;
+    return (i / int(kLowPrecisionBlock)) * int(kLowPrecisionBlockPitch) + i % int(kLowPrecisionBlock);
+  }
   // v * sizeof(Raw) elements in: Raw is at most kMaxElems bytes and divides a block.
   template <typename Raw>
   __device__ static Raw load(const uint8_t* row, int v) {
-    return *reinterpret_cast<const Raw*>(row + low_precision_element_offset(kMode, int64_t(v) * int64_t(sizeof(Raw))));
+    return *reinterpret_cast<const Raw*>(row + element_offset(v * int(sizeof(Raw))));
   }
+  // The scale of the block of `element` (protocol.h's
+  // low_precision_scale_offset, in 32 bits; the elements of a row's last
+  // block, if short, are 16-byte aligned before its scale).
   __device__ static float scale(const uint8_t* row, int64_t element, int64_t row_elems) {
     if constexpr (!kScaled) return 1.0f;
-    return *reinterpret_cast<const float*>(row + low_precision_scale_offset(row_elems, element / kLowPrecisionBlock));
+    const int c = int(element) / int(kLowPrecisionBlock);
+    const int rest = int(row_elems) - c * int(kLowPrecisionBlock);
+    const int data = rest < int(kLowPrecisionBlock) ? (rest + 15) & ~15 : int(kLowPrecisionBlock);
+    return *reinterpret_cast<const float*>(row + c * int(kLowPrecisionBlockPitch) + data);
   }
   // The product with a power-of-two scale is exact.
   __device__ static float contribution(Bits b, float s) {
@@ -97,26 +162,34 @@ struct IsQuantized<QuantizedOut<Round>> {
   static constexpr bool value = true;
 };
 
-// Blocks of a row that a warp converts per step of the low-precision
-// staging: every lane's loads of a step are issued before it converts any of
-// them, so a row pays one memory latency per kStageBlocks blocks, not one
-// per block.
-constexpr int kStageBlocks = 4;
+// Source chunks (a warp's 16-byte vectors, one a lane) that a warp converts
+// per step of the low-precision staging: every lane's loads of a step are
+// issued before it converts any of them, so a row pays one memory latency
+// per step, not one per chunk.
+constexpr int kStageChunks = 4;
 
 // Stage of a low-precision combine: every active source s's first rows[s]
 // rows (from p.payload, or in place) as e4m3 rows. A warp converts one row
-// front to back, kStageBlocks blocks of 128 elements a step, 4 elements of a
-// block a lane: every lane's loads of a step come before any lane's stores
-// of it (__syncwarp), and protocol.h's row layout keeps the stores of blocks
-// up to c off the payload bytes of the blocks after c, so the conversion may
-// run in place. `vectors` (launch_combine: 4-element vectors aligned, rows of
-// whole vectors): a lane loads its 4 elements as one vector and stores their
-// 4 bytes as one word; else one element at a time.
+// front to back, kStageChunks chunks of 32 source vectors a step, a lane's
+// vector 16 bytes of source elements (8 of 16 bits, 4 of 32), all in one
+// 128-element block: every lane's loads of a step come before any lane's
+// stores of it (__syncwarp), and protocol.h's row layout keeps the stores of
+// blocks up to c off the payload bytes of the blocks after c, so the
+// conversion may run in place. A block's lanes (16 or 32, adjacent) share its
+// maximum through shuffles; the first of them stores its scale. `vectors`
+// (launch_combine: rows of whole 16-byte vectors, aligned in the payload and
+// the region): a lane loads its elements as one vector and stores their
+// codes as one; else one element at a time.
 template <typename In>
 __device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const int32_t* rows, bool vectors) {
   using Source = typename In::Source;
   using SrcBits = typename Source::Bits;
-  using SrcVec = Packed<SrcBits, 4>;
+  constexpr int kLaneElems = 16 / int(sizeof(SrcBits));
+  constexpr int kChunk = kWarpSize * kLaneElems;
+  constexpr int kLanesPerBlock = int(kLowPrecisionBlock) / kLaneElems;
+  static_assert(kChunk % kLowPrecisionBlock == 0, "a lane's elements lie in one block");
+  using SrcVec = Packed<SrcBits, kLaneElems>;
+  using Codes = typename VecOf<kLaneElems>::T;
   const WorkspaceView& ws = p.ws;
   const int64_t T = p.runtime_max_tokens;
   __shared__ int64_t first_row[kMaxRanks + 1];  // staged rows before source s
@@ -125,59 +198,76 @@ __device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const
   const uint8_t* source = p.payload != nullptr ? p.payload : region;
   const int lane = lane_id();
   const int64_t warps = int64_t(gridDim.x) * kWarps;
-  const int64_t elems = p.row_elems;
-  int s = 0;  // a warp's rows only increase
+  const int elems = static_cast<int>(p.row_elems);  // rows are below kMaxKernelRowBytes
+  int s = 0;                                        // a warp's rows only increase
   for (int64_t row = int64_t(blockIdx.x) * kWarps + warp_id(); row < first_row[ws.ep_size]; row += warps) {
     while (first_row[s + 1] <= row) ++s;
     const int64_t offset = (int64_t(s) * T + row - first_row[s]) * row_bytes;
     const SrcBits* src = reinterpret_cast<const SrcBits*>(source + offset);
     uint8_t* dst = region + offset;
-    for (int64_t step = 0; step < elems; step += kStageBlocks * kLowPrecisionBlock) {
-      float v[kStageBlocks][4];
+    for (int step = 0; step < elems; step += kStageChunks * kChunk) {
+      SrcVec x[kStageChunks];
 #pragma unroll
-      for (int b = 0; b < kStageBlocks; ++b) {
-        const int64_t e = step + b * kLowPrecisionBlock + lane * 4;
+      for (int c = 0; c < kStageChunks; ++c) {
+        const int e = step + c * kChunk + lane * kLaneElems;
         if (vectors) {
-          SrcVec x;
-          x.raw = e < elems ? *reinterpret_cast<const decltype(x.raw)*>(src + e) : decltype(x.raw){};
-#pragma unroll
-          for (int i = 0; i < 4; ++i) v[b][i] = Source::to_float(x.v[i]);
+          x[c].raw = e < elems ? *reinterpret_cast<const decltype(x[c].raw)*>(src + e) : decltype(x[c].raw){};
         } else {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) v[b][i] = e + i < elems ? Source::to_float(src[e + i]) : 0.0f;
+          for (int i = 0; i < kLaneElems; ++i) x[c].v[i] = e + i < elems ? src[e + i] : SrcBits(0);
         }
       }
       __syncwarp();
 #pragma unroll
-      for (int b = 0; b < kStageBlocks; ++b) {
-        const int64_t block_first = step + b * kLowPrecisionBlock;
-        if (block_first >= elems) break;  // the same for the whole warp
-        float inverse = 1.0f, scale = 1.0f;
+      for (int c = 0; c < kStageChunks; ++c) {
+        const int e = step + c * kChunk + lane * kLaneElems;
+        if (step + c * kChunk >= elems) break;  // the same for the whole warp
+        float v[kLaneElems];
+#pragma unroll
+        for (int i = 0; i < kLaneElems; ++i) v[i] = Source::to_float(x[c].v[i]);
+        float scale = 1.0f;
         if constexpr (In::kBlockScaled) {
           float amax = 0.0f;
 #pragma unroll
-          for (int i = 0; i < 4; ++i) amax = abs_max(amax, v[b][i]);
+          for (int i = 0; i < kLaneElems; ++i) amax = abs_max(amax, v[i]);
 #pragma unroll
-          for (int o = kWarpSize / 2; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(kFullWarp, amax, o));
+          for (int o = kLanesPerBlock / 2; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(kFullWarp, amax, o));
           const uint8_t code = low_precision_scale_code(amax);
-          inverse = ue8m0_inverse(code);
+          const float inverse = ue8m0_inverse(code);
           scale = ue8m0_to_float(code);
-        }
-        float x[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) x[i] = In::kBlockScaled ? mul_rn(v[b][i], inverse) : v[b][i];
-        const uint32_t bytes = uint32_t(e4m3x2_from_float(x[0], x[1])) | uint32_t(e4m3x2_from_float(x[2], x[3])) << 16;
-        const int64_t e = block_first + lane * 4;
+          for (int i = 0; i < kLaneElems; ++i) v[i] = mul_rn(v[i], inverse);
+        }
+        union {
+          Codes raw;
+          uint32_t w[kLaneElems / 4];
+        } y;
+#pragma unroll
+        for (int j = 0; j < kLaneElems / 4; ++j)
+          y.w[j] = e4m3x4_from_float(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);
         if (vectors) {
-          if (e < elems) *reinterpret_cast<uint32_t*>(dst + low_precision_element_offset(In::kMode, e)) = bytes;
+          if (e < elems) *reinterpret_cast<Codes*>(dst + In::element_offset(e)) = y.raw;
         } else {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            if (e + i < elems) dst[low_precision_element_offset(In::kMode, e + i)] = uint8_t(bytes >> (8 * i));
+          for (int i = 0; i < kLaneElems; ++i) {
+            if (e + i < elems) dst[In::element_offset(e + i)] = uint8_t(y.w[i / 4] >> (8 * (i % 4)));
           }
         }
-        if (In::kBlockScaled && lane == 0) {
-          *reinterpret_cast<float*>(dst + low_precision_scale_offset(elems, block_first / kLowPrecisionBlock)) = scale;
+        if (In::kBlockScaled && lane % kLanesPerBlock == 0 && e < elems) {
+          if (vectors && e + int(kLowPrecisionBlock) <= elems) {
+            // A whole block: its scale and the 12 bytes of padding up to the
+            // next block as one 16-byte store. A 32-byte sector of which
+            // some bytes are never written is read back from DRAM to be
+            // merged when L2 evicts it; every block boundary held one, which
+            // made the block-scaled combine 1.4x slower (docs/performance.md).
+            // The padding lies below the payload bytes of the blocks not yet
+            // loaded, and inside the payload row (a 2- or 4-byte element per
+            // staged byte).
+            *reinterpret_cast<uint4*>(dst + In::element_offset(e) + kLowPrecisionBlock) =
+                make_uint4(__float_as_uint(scale), 0u, 0u, 0u);
+          } else {
+            *reinterpret_cast<float*>(dst + low_precision_scale_offset(elems, e / kLowPrecisionBlock)) = scale;
+          }
         }
       }
       __syncwarp();
@@ -212,9 +302,19 @@ __device__ void store_quantized(const CombineParams& p, int64_t t, int v, const 
     union {
       typename VecOf<kElems>::T raw;
       uint8_t b[kElems];
+      uint32_t w[kElems >= 4 ? kElems / 4 : 1];
     } y;
+    if constexpr (kElems % 4 == 0) {
+      // Four codes a conversion (e4m3x4_from_float: quantize_element's bytes).
 #pragma unroll
-    for (int e = 0; e < kElems; ++e) y.b[e] = quantize_element(p.quant, mul_rn(r[e], s.inverse));
+      for (int e = 0; e < kElems; e += 4) {
+        y.w[e / 4] = e4m3x4_from_float(mul_rn(r[e], s.inverse), mul_rn(r[e + 1], s.inverse),
+                                       mul_rn(r[e + 2], s.inverse), mul_rn(r[e + 3], s.inverse));
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) y.b[e] = quantize_element(p.quant, mul_rn(r[e], s.inverse));
+    }
     reinterpret_cast<typename VecOf<kElems>::T*>(p.output + t * p.row_elems)[v] = y.raw;
   } else {
     if constexpr (kElems >= 2) {

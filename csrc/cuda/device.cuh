@@ -491,6 +491,15 @@ __device__ inline void staged_row_starts(const CombineParams& p, const int32_t* 
 // The unsigned type of a kBytes-wide load or store.
 template <int kBytes>
 struct VecOf;
+// Two 16-byte vectors, 16-byte aligned: the bf16 output of a 16-element
+// e4m3 pull vector.
+struct alignas(16) Vec32 {
+  uint4 lo, hi;
+};
+template <>
+struct VecOf<32> {
+  using T = Vec32;
+};
 template <>
 struct VecOf<16> {
   using T = uint4;
