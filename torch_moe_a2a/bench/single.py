@@ -919,7 +919,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="VARIANT",
                    help="instead: time the combine's variants (default all: "
                    f"{', '.join(low_precision.VARIANTS)}) on {low_precision.DEFAULT_PRESET} at --ep (default 8) and "
-                   "--tokens (default 128 4096), as ratios to the copy bandwidth on the bytes they move")
+                   "--tokens (default 128 4096): per replay of a graph of every rank's combine on CUDA (beside the "
+                   "launch floor), eager wall time on the CPU; with the bytes they move as ratios to the copy "
+                   "bandwidth, and the speed targets")
     p.add_argument("--expert-major", action="store_true",
                    help="instead: the expert-major round trip (dispatch(expert_major=True), combine_expert_major) "
                    "against the rank-major one and against the rank-major one plus the PyTorch permutation a "
