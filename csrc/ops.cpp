@@ -155,8 +155,8 @@ const uint8_t* checked_combine_payload(const at::Tensor& t, at::ScalarType paylo
   check_on_workspace_device(t, workspace, "payload");
   std::vector<int64_t> expected{rows, per_row};
   expected.insert(expected.end(), row_shape.begin(), row_shape.end());
-  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected), "payload must be [", dims,
-                    ", *row_shape] = ", at::IntArrayRef(expected), ", got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected), "payload must be [", dims, ", *row_shape] with ", dims,
+                    " = ", rows, ", ", per_row, ", got shape ", t.sizes());
   TORCH_CHECK_VALUE(t.is_contiguous(), "payload must be contiguous, got strides ", t.strides(),
                     " (pass payload.contiguous())");
   check_no_grad(t, "payload");
@@ -560,7 +560,19 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
   TORCH_CHECK_VALUE(combine_payload_offset <= p.ws.size_per_rank,
                     "combine_payload_offset must be <= ", p.ws.size_per_rank, " (bytes per rank), got ",
                     combine_payload_offset);
-  check_fits(combine_end(combine_payload_offset, ep_size, T, row_bytes), p.ws.size_per_rank);
+  // The combine region follows this round's dispatch planes: a workspace
+  // sized with too few dispatch bytes per token fits the dispatch and fails
+  // here, so the message says which sizes meet and how to get out.
+  const int64_t needed = combine_end(combine_payload_offset, ep_size, T, row_bytes);
+  TORCH_CHECK_VALUE(needed <= p.ws.size_per_rank,
+                    "workspace too small: this combine's rows (ep_size x runtime_max_tokens_per_rank x ", row_bytes,
+                    " bytes) start at byte ", combine_payload_offset,
+                    ", after this round's dispatch planes, and end at byte ", needed, "; the workspace has ",
+                    p.ws.size_per_rank,
+                    " bytes per rank. moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens, "
+                    "the dispatch's bytes per token over all its payloads, the combine's bytes per token) gives the "
+                    "size both need. This combine changed nothing: close the round with a combine whose rows fit, "
+                    "or start over with moe_a2a_initialize on every rank (MoeAlltoAll.reset(), SimulatedEP.reset())");
 
   p.sync = check_sync(active_rank_mask, workspace, ep_rank, ep_size, timeout_s, mailbox, enable_pdl);
 

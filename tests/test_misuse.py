@@ -289,6 +289,29 @@ def test_wrappers_say_how_to_recover():
     comm.destroy()
 
 
+def test_workspace_sized_without_the_dispatch_payloads(device):
+    """A workspace sized for the hidden states alone, then dispatched with ids
+    and weights as payloads too: the dispatch fits, the combine after it does
+    not, and its error says where the rows start, which call sizes both, and
+    how to close the round (a combine whose rows fit, which then works)."""
+    hidden, tokens, top_k, experts = 256, 128, 4, 8
+    gen = make_generator("undersized workspace")
+    size = a2a.moe_a2a_get_workspace_size_per_rank(1, tokens, hidden * 2, hidden * 2)
+    workspace = torch.zeros(1, size, dtype=torch.uint8, device=device)
+    metainfo = a2a.moe_a2a_initialize(workspace, 0, 1, tokens)
+    x = torch.randn((tokens, hidden), generator=gen).to(torch.bfloat16).to(device)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen, dtype=torch.int32).to(device)
+    weights = torch.rand((tokens, top_k), generator=gen).to(device)
+    recv, offset, _ = a2a.moe_a2a_dispatch(ids, [x, ids, weights], workspace, metainfo, tokens, 0, 1, top_k, experts)
+    with pytest.raises(ValueError, match=r"workspace too small: this combine's rows .* start at byte \d+, after this "
+                       r"round's dispatch planes.*moe_a2a_get_workspace_size_per_rank.*close the round with a "
+                       r"combine whose rows fit"):
+        a2a.moe_a2a_combine(recv[0], tokens, workspace, metainfo, tokens, 0, 1, top_k, offset)
+    narrow = recv[0][..., : hidden // 2].contiguous()  # rows of half the bytes fit after the dispatch planes
+    out = a2a.moe_a2a_combine(narrow, tokens, workspace, metainfo, tokens, 0, 1, top_k, offset)
+    assert torch.equal(out.cpu(), x[:, : hidden // 2].cpu())  # one rank: each token's only destination
+
+
 # ---- timeouts of SimulatedEP and initialize --------------------------------------------------------
 
 
