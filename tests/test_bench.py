@@ -242,8 +242,9 @@ def test_smoke_prints_the_table_then_the_summary(tmp_path):
     lines = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("preset "))
     summary = next(i for i, line in enumerate(lines) if line.startswith("summary: "))
-    rows = [line for line in lines[header + 2:summary] if line.strip()]
-    assert header < summary and len(rows) == len(single.SMOKE_TOKENS), proc.stdout
+    legend = next(i for i, line in enumerate(lines) if line.startswith("ops: combine stages"))
+    rows = [line for line in lines[header + 2:legend] if line.strip()]
+    assert header < legend < summary and len(rows) == len(single.SMOKE_TOKENS), proc.stdout
     assert all(line.startswith("deepseek-v3") and "skipped" in line for line in rows), rows
     assert not any(line.startswith("deepseek-v3") for line in lines[summary:]), proc.stdout
 

@@ -831,6 +831,15 @@ def _table(records: list[dict]) -> str:
     return format_table(header, rows, left={0, 3, len(header) - 1})  # text columns left-aligned
 
 
+def _legend(device_type: str) -> str:
+    """What the table's ops and columns are."""
+    graph = ("graph us: per replay of a CUDA graph of the op; graph us/step: per step of a graph of many steps"
+             if device_type == "cuda" else "graph columns: CUDA graphs, so '-' on the CPU")
+    return ("ops: combine stages the expert outputs from a tensor of their own; combine-ws finds them in the "
+            "workspace already (payload_in_workspace=True); round-trip(-ws): dispatch, then that combine. "
+            f"base: the plain-PyTorch exchange of the same bytes. {graph}.")
+
+
 def _summary(records: list[dict], copy_gbps: Optional[float], host: dict[str, float],
              host_wall: dict[str, float], interrupted: bool, device_type: str) -> str:
     measured = [r for r in records if r["ops"] and r["status"] == "ok"]
@@ -1081,6 +1090,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if interrupted:
             summary += f"\n  stopped by {signal.Signals(stop.signum).name}: {len(points) - len(records)} points not run"
         print(_table(records))
+        print(_legend(device.type))
         print()
         print(summary)
         sys.stdout.flush()
