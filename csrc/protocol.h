@@ -596,16 +596,20 @@ constexpr int64_t kLowPrecisionBlock = 128;
 constexpr int64_t kLowPrecisionBlockPitch = kLowPrecisionBlock + 16;
 enum class LowPrecision : int32_t { kOff = 0, kE4m3 = 1, kE4m3BlockScaled = 2 };
 
-// Byte of element i of a staged row.
-MOE_A2A_HD int64_t low_precision_element_offset(LowPrecision mode, int64_t i) {
+// Byte of element i of a staged row. `I`: int64_t, or int where the row is
+// known to be below 2^30 bytes (the CUDA kernels' rows: 32-bit arithmetic).
+template <typename I>
+MOE_A2A_HD I low_precision_element_offset(LowPrecision mode, I i) {
   if (mode != LowPrecision::kE4m3BlockScaled) return i;
-  return (i / kLowPrecisionBlock) * kLowPrecisionBlockPitch + i % kLowPrecisionBlock;
+  return (i / I(kLowPrecisionBlock)) * I(kLowPrecisionBlockPitch) + i % I(kLowPrecisionBlock);
 }
-// Byte of the fp32 scale of block c of a staged row of row_elems elements (block-scaled).
-MOE_A2A_HD int64_t low_precision_scale_offset(int64_t row_elems, int64_t c) {
-  const int64_t elems =
-      row_elems - c * kLowPrecisionBlock < kLowPrecisionBlock ? row_elems - c * kLowPrecisionBlock : kLowPrecisionBlock;
-  return c * kLowPrecisionBlockPitch + align_up(elems, 16);
+// Byte of the fp32 scale of block c of a staged row of row_elems elements
+// (block-scaled): after the block's elements rounded up to 16 bytes. `I` as above.
+template <typename I>
+MOE_A2A_HD I low_precision_scale_offset(I row_elems, I c) {
+  const I block = I(kLowPrecisionBlock);
+  const I elems = row_elems - c * block < block ? row_elems - c * block : block;
+  return c * I(kLowPrecisionBlockPitch) + ((elems + 15) & ~I(15));  // elems > 0: align_up(elems, 16)
 }
 // Bytes of a staged row; must fit in the payload row it replaces.
 MOE_A2A_HD int64_t low_precision_row_bytes(LowPrecision mode, int64_t row_elems) {

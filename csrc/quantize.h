@@ -146,6 +146,47 @@ MOE_A2A_HD void e4m3x2_to_float(uint16_t pair, float& lo, float& hi) {
 #endif
 }
 
+// The four e4m3 codes of a word (the lowest byte first) as floats: the
+// hardware's conversions, two codes to two halves per instruction, where it
+// has them (every e4m3 value is exact in fp16, and fp16 in fp32), else
+// e4m3_to_float of each. A NaN code gives some NaN.
+MOE_A2A_HD void e4m3x4_to_float(uint32_t word, float (&out)[4]) {
+#if defined(MOE_A2A_E4M3_CVT)
+  uint32_t lo, hi;
+  asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, a;\n\tcvt.rn.f16x2.e4m3x2 %1, b;\n\t}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(word));
+  asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.f32.f16 %0, a;\n\tcvt.f32.f16 %1, b;\n\t}"
+      : "=f"(out[0]), "=f"(out[1])
+      : "r"(lo));
+  asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.f32.f16 %0, a;\n\tcvt.f32.f16 %1, b;\n\t}"
+      : "=f"(out[2]), "=f"(out[3])
+      : "r"(hi));
+#else
+  for (int i = 0; i < 4; ++i) out[i] = e4m3_to_float(uint8_t(word >> (8 * i)));
+#endif
+}
+
+// The e4m3 codes of x0 .. x3 (x0 in the lowest byte): e4m3_from_float's
+// bytes, NaN pinned to 0x7f. Where the hardware converts, two instructions
+// for the four and no test per element: its NaN codes (0x7f, or 0xff for a
+// negative NaN; no finite input gives either under satfinite) lose their
+// sign bit after it, found with one add per word: the low seven bits plus
+// one carry into bit 7 exactly where they are all ones.
+MOE_A2A_HD uint32_t e4m3x4_from_float(float x0, float x1, float x2, float x3) {
+#if defined(MOE_A2A_E4M3_CVT)
+  uint32_t word;
+  asm("{\n\t.reg .b16 a, b;\n\tcvt.rn.satfinite.e4m3x2.f32 a, %2, %1;\n\tcvt.rn.satfinite.e4m3x2.f32 b, %4, %3;"
+      "\n\tmov.b32 %0, {a, b};\n\t}"
+      : "=r"(word)
+      : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
+  const uint32_t nan = ((word & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
+  return word & ~nan;
+#else
+  return uint32_t(e4m3x2_from_float(x0, x1)) | uint32_t(e4m3x2_from_float(x2, x3)) << 16;
+#endif
+}
+
 // The 4-bit code; a NaN gives the largest magnitude of its sign.
 MOE_A2A_HD uint8_t e2m1_from_float(float x) {
   const uint8_t sign = uint8_t((float_bits(x) >> 28) & 0x8);

@@ -22,48 +22,6 @@ namespace gpu {
 constexpr int kE4m3PullElems = 16;
 constexpr int kE4m3PullUnroll = 1;
 
-// The four e4m3 codes of a word (the lowest byte first) as floats: the
-// hardware's conversions, two codes to two halves per instruction, where it
-// has them (every e4m3 value is exact in fp16, and fp16 in fp32), else
-// e4m3_to_float of each. A NaN code gives some NaN.
-__device__ __forceinline__ void e4m3x4_to_float(uint32_t word, float (&out)[4]) {
-#if defined(MOE_A2A_E4M3_CVT)
-  uint32_t lo, hi;
-  asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, a;\n\tcvt.rn.f16x2.e4m3x2 %1, b;\n\t}"
-      : "=r"(lo), "=r"(hi)
-      : "r"(word));
-  asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.f32.f16 %0, a;\n\tcvt.f32.f16 %1, b;\n\t}"
-      : "=f"(out[0]), "=f"(out[1])
-      : "r"(lo));
-  asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.f32.f16 %0, a;\n\tcvt.f32.f16 %1, b;\n\t}"
-      : "=f"(out[2]), "=f"(out[3])
-      : "r"(hi));
-#else
-#pragma unroll
-  for (int i = 0; i < 4; ++i) out[i] = e4m3_to_float(uint8_t(word >> (8 * i)));
-#endif
-}
-
-// The e4m3 codes of x0 .. x3 (x0 in the lowest byte): e4m3_from_float's
-// bytes, NaN pinned to 0x7f. Where the hardware converts, two instructions
-// for the four and no test per element: its NaN codes (0x7f, or 0xff for a
-// negative NaN; no finite input gives either under satfinite) lose their
-// sign bit after it, found with one add per word: the low seven bits plus
-// one carry into bit 7 exactly where they are all ones.
-__device__ __forceinline__ uint32_t e4m3x4_from_float(float x0, float x1, float x2, float x3) {
-#if defined(MOE_A2A_E4M3_CVT)
-  uint32_t word;
-  asm("{\n\t.reg .b16 a, b;\n\tcvt.rn.satfinite.e4m3x2.f32 a, %2, %1;\n\tcvt.rn.satfinite.e4m3x2.f32 b, %4, %3;"
-      "\n\tmov.b32 %0, {a, b};\n\t}"
-      : "=r"(word)
-      : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
-  const uint32_t nan = ((word & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
-  return word & ~nan;
-#else
-  return uint32_t(e4m3x2_from_float(x0, x1)) | uint32_t(e4m3x2_from_float(x2, x3)) << 16;
-#endif
-}
-
 // kElems elements moved as one vector access.
 template <typename Bits, int kElems>
 union Packed {
@@ -119,26 +77,18 @@ struct E4m3Rows {
   static constexpr bool kBlockScaled = kScaled;
   static constexpr int kMaxElems = kE4m3PullElems;
   static constexpr LowPrecision kMode = kScaled ? LowPrecision::kE4m3BlockScaled : LowPrecision::kE4m3;
-  // Byte of element i (protocol.h's low_precision_element_offset), in 32
-  // bits: rows are below kMaxKernelRowBytes.
-  __device__ static int element_offset(int i) {
-    if constexpr (!kScaled) return i;
-    return (i / int(kLowPrecisionBlock)) * int(kLowPrecisionBlockPitch) + i % int(kLowPrecisionBlock);
-  }
+  // Byte of element i, in 32 bits: rows are below kMaxKernelRowBytes.
+  __device__ static int element_offset(int i) { return low_precision_element_offset(kMode, i); }
   // v * sizeof(Raw) elements in: Raw is at most kMaxElems bytes and divides a block.
   template <typename Raw>
   __device__ static Raw load(const uint8_t* row, int v) {
     return *reinterpret_cast<const Raw*>(row + element_offset(v * int(sizeof(Raw))));
   }
-  // The scale of the block of `element` (protocol.h's
-  // low_precision_scale_offset, in 32 bits; the elements of a row's last
-  // block, if short, are 16-byte aligned before its scale).
+  // The scale of the block of `element`, in 32 bits.
   __device__ static float scale(const uint8_t* row, int64_t element, int64_t row_elems) {
     if constexpr (!kScaled) return 1.0f;
-    const int c = int(element) / int(kLowPrecisionBlock);
-    const int rest = int(row_elems) - c * int(kLowPrecisionBlock);
-    const int data = rest < int(kLowPrecisionBlock) ? (rest + 15) & ~15 : int(kLowPrecisionBlock);
-    return *reinterpret_cast<const float*>(row + c * int(kLowPrecisionBlockPitch) + data);
+    return *reinterpret_cast<const float*>(
+        row + low_precision_scale_offset(int(row_elems), int(element) / int(kLowPrecisionBlock)));
   }
   // The product with a power-of-two scale is exact.
   __device__ static float contribution(Bits b, float s) {
@@ -266,7 +216,7 @@ __device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const
             *reinterpret_cast<uint4*>(dst + In::element_offset(e) + kLowPrecisionBlock) =
                 make_uint4(__float_as_uint(scale), 0u, 0u, 0u);
           } else {
-            *reinterpret_cast<float*>(dst + low_precision_scale_offset(elems, e / kLowPrecisionBlock)) = scale;
+            *reinterpret_cast<float*>(dst + low_precision_scale_offset(elems, e / int(kLowPrecisionBlock))) = scale;
           }
         }
       }
