@@ -27,10 +27,9 @@ constexpr int kSumUnroll = 2;
 // of small calls. Each one holds kSumUnroll vectors in registers.
 constexpr int kPullRowsInFlight = 2;
 static_assert(kDestBatch % kPullRowsInFlight == 0, "a batch holds whole groups of rows");
-// The pull's vectors a lane per destination row (kSumUnroll, or
-// kE4m3PullUnroll for e4m3 rows).
-template <typename In>
-constexpr int kPullUnroll = In::kLowPrecision ? kE4m3PullUnroll : kSumUnroll;
+// The pull's vectors a lane per destination row: kSumUnroll, or
+// kE4m3PullUnroll for e4m3 rows (the kernel's template and launch_combine).
+constexpr int pull_unroll(bool low_precision) { return low_precision ? kE4m3PullUnroll : kSumUnroll; }
 // Rows of each source that a combine without staging prefetches into L2 from
 // its own combine region while it waits for the peers' flags (step 3a): the
 // rows the peers' first pull tasks read (a source's first slots are its first
@@ -262,7 +261,7 @@ __device__ void pull_rows_any(const CombineArgs& a, uint32_t count) {
   if constexpr (kElems > 1 && !IsQuantized<Out>::value) {
     if (a.pull_elems != kElems) return pull_rows_any<In, Out, kElems / 2>(a, count);
   }
-  pull_rows<In, Out, kElems, kPullUnroll<In>>(a, count);
+  pull_rows<In, Out, kElems, pull_unroll(In::kLowPrecision)>(a, count);
 }
 
 template <typename In, typename Out>
@@ -433,7 +432,7 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
   a.stage_vectors = low_precision && p.row_elems % stage_vec == 0 &&
                     (rows_bits | address_bits(p.payload) | uint64_t(a.row_bytes)) % uint64_t(stage_vec * in_bytes) == 0;
   // The widest element count whose input and output vectors are aligned.
-  const int unroll = low_precision ? kE4m3PullUnroll : kSumUnroll;
+  const int unroll = pull_unroll(low_precision);
   const int widest = low_precision ? kE4m3PullElems : int(16 / in_bytes);
   int elems = widest;
   const auto out_vector_bytes = [&](int n) -> uint64_t {
