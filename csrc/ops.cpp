@@ -809,10 +809,10 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
          << "meets its peers' backward exchange here)";
       break;
     case kErrorCombineMismatch: {
-      if (detail == kMismatchRegionLowPrecision) {
-        os << "combine read its payload from the combine region (payload_in_workspace) after a low-precision "
-              "combine of the same dispatch had staged its e4m3 rows there: the region no longer holds the "
-              "payload; pass the payload as a tensor for a combine after a low-precision one";
+      if (detail == kMismatchRegionStaged) {
+        os << "combine read its payload from the combine region (payload_in_workspace) after a combine of the "
+              "same dispatch that staged its payload "
+           << kRegionStagedReason;
         break;
       }
       // In the order of the CombineMismatch bits.
@@ -1152,7 +1152,7 @@ std::vector<int64_t> constants_op() {
       kHdrExpertMajorEpoch,
       kHdrExpertMajorTokens,
       kHdrCombineCount,
-      kHdrRegionLowPrecision,
+      kHdrRegionStaged,
       kMaxLocalExperts,
       kMaxExpertMajorRows,
   };

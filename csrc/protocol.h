@@ -85,7 +85,7 @@
 //      active peer p (the own rank's included: on CUDA one CTA waits, and the
 //      own flag tells it that every CTA of its grid has read what it reads
 //      of the own header and released)
-//   5. own kHdrLast* words and dispatch_epoch := n, own region_low_precision
+//   5. own kHdrLast* words and dispatch_epoch := n, own region_staged
 //      := 0; the first dispatch: own init word marked in use (also by every
 //      recorded error)
 //   The equal-T check: own runtime_max[p] == own runtime_max[s] for every
@@ -106,16 +106,20 @@
 // repeated one, else kErrorSequence; and its local_num_tokens, T, top_k and
 // combine_payload_offset equal to own kHdrLastLocalTokens, kHdrLastRuntimeMax,
 // kHdrLastTopK, kHdrLastDispatchEnd, and no payload read from a region that
-// holds e4m3 rows (region_low_precision_mismatch): else
+// an earlier combine of the round staged into (region_staged_mismatch): else
 // kErrorCombineMismatch; the routes, counts and regions it reads are laid out
 // for dispatch n's sizes, and the peers pull its combine region n from
 // dispatch_end n):
 //   0. a repeated combine that writes into its combine region (step 1):
 //      acquire-wait until pull_done >= flag_target(c - 1) in every active
 //      peer p's own header (p finished pulling combine c - 1 from it)
-//   1. stage: copy the first recv_count[s] rows of payload[s] into own combine
-//      region (skipped when the payload already lives there); own
-//      region_low_precision := whether the rows staged are e4m3
+//   1. stage: copy the first recv_count[s] rows of payload[s] of every
+//      active source s != r into own combine region (skipped when the
+//      payload already lives there); own region_staged := 1. Not source r's
+//      rows: only r's own pull reads them, and it reads them from the
+//      payload, which saves their copy and the wait for it (at ep 1 the
+//      whole stage). A low-precision combine converts every source's rows,
+//      r's included, to e4m3 (from the payload or in place).
 //   2. release: add this call's shares to combine_flag[r] in every active
 //      peer p's header (each CTA its own, after its staged rows)
 //   3. acquire: wait until own combine_flag[p] >= flag_target(c) for every
@@ -123,7 +127,8 @@
 //      CTA 0, once the own flag tells it that every CTA of its grid has read
 //      the epochs and the count)
 //   4. pull: out[t] = sum over route[t] (ascending rank) of
-//      combine_region_of(rank)[r][slot], accumulated in fp32, zeros when empty
+//      combine_region_of(rank)[r][slot] (payload[r][slot] for rank == r
+//      when step 1 staged plain rows), accumulated in fp32, zeros when empty
 //   5. release: add this call's shares to own pull_done (each CTA its own,
 //      after its pulls: dispatch step 0b and combine step 0 of the peers
 //      read it)
@@ -318,12 +323,13 @@ constexpr int64_t kHdrExpertMajorTokens = 116;  // int32
 // step 3), every combine of a round counted (repeated combines): the number
 // whose flag_target the combine flags and pull_done reach.
 constexpr int64_t kHdrCombineCount = 120;
-// uint32, own: 1 while the own combine region holds e4m3 rows that a
-// low-precision combine staged into it (from the payload or in place) since
-// the last dispatch, which clears it, as does a combine that stages plain
-// rows: a combine that reads the region as its payload is refused then
-// (kMismatchRegionLowPrecision).
-constexpr int64_t kHdrRegionLowPrecision = 124;
+// uint32, own: 1 once a combine staged into the own combine region (combine
+// step 1: a payload tensor's rows for the peers, or e4m3 rows from a tensor
+// or in place) since the last dispatch, which clears it. The region then
+// holds no payload: the own source's plane is not staged, e4m3 rows are not
+// the payload's dtype. A combine that reads the region as its payload is
+// refused then (kMismatchRegionStaged).
+constexpr int64_t kHdrRegionStaged = 124;
 constexpr int64_t kHdrDispatchFlags = 128;                               // uint32 [kMaxRanks], [s] written by rank s
 constexpr int64_t kHdrCombineFlags = kHdrDispatchFlags + 4 * kMaxRanks;  // uint32 [kMaxRanks]
 constexpr int64_t kHdrRecvCounts = kHdrCombineFlags + 4 * kMaxRanks;     // int32 [kMaxRanks]
@@ -534,10 +540,17 @@ enum CombineMismatch : uint32_t {
   // combine_payload_offset that is not the build's (kHdrExpertMajor*).
   kMismatchExpertMajor = 16,
   // A combine whose payload is the own combine region while the region holds
-  // the e4m3 rows of an earlier low-precision combine of the round
-  // (kHdrRegionLowPrecision), not the payload.
-  kMismatchRegionLowPrecision = 32,
+  // the rows an earlier combine of the round staged (kHdrRegionStaged), not a
+  // payload.
+  kMismatchRegionStaged = 32,
 };
+
+// Why kMismatchRegionStaged refuses a combine, for the errors of both
+// backends (after "... that staged its payload ").
+constexpr const char* kRegionStagedReason =
+    "(a payload tensor, or use_low_precision): that combine staged into the combine region only the rows its "
+    "peers pull (e4m3 rows with use_low_precision), so the region no longer holds a payload; pass the payload "
+    "as a tensor";
 
 // kMismatchExpertMajor of an expert-major combine from the own header's words
 // of the last build (kHdrExpertMajorEpoch, kHdrExpertMajorTokens,
@@ -557,11 +570,11 @@ MOE_A2A_HD bool combine_sequence_ok(uint32_t dispatch_epoch, uint32_t combine_ep
   return dispatch_epoch == combine_epoch + 1 || (dispatch_epoch == combine_epoch && !first_dispatch(own_init_word));
 }
 
-// kMismatchRegionLowPrecision of a combine: it reads the own combine region
-// as its payload (payload_in_workspace, no staging of its own) while the
-// region holds a low-precision combine's e4m3 rows (kHdrRegionLowPrecision).
-MOE_A2A_HD uint32_t region_low_precision_mismatch(uint32_t region_low_precision, bool reads_region) {
-  return region_low_precision != 0 && reads_region ? uint32_t(kMismatchRegionLowPrecision) : 0u;
+// kMismatchRegionStaged of a combine: it reads the own combine region as its
+// payload (payload_in_workspace, plain or e4m3 in place) after a combine of
+// the round staged into it (kHdrRegionStaged).
+MOE_A2A_HD uint32_t region_staged_mismatch(uint32_t region_staged, bool reads_region) {
+  return region_staged != 0 && reads_region ? uint32_t(kMismatchRegionStaged) : 0u;
 }
 
 MOE_A2A_HD uint32_t combine_mismatch(int64_t dispatch_tokens, int64_t dispatch_runtime_max, int64_t dispatch_top_k,

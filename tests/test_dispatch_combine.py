@@ -8,12 +8,15 @@ import torch
 from conftest import (
     Case,
     PayloadSpec,
+    assert_bytes_equal,
     combine_again,
+    combine_payload_in_workspace,
     dispatch_claims,
     header_i32,
     make_generator,
     make_inputs,
     make_sim,
+    random_tensor,
     round_trip,
     with_expert_outputs_scaled,
 )
@@ -213,6 +216,32 @@ def test_repeated_combines_between_dispatches(device):
             flags = [header_i32(sim.workspace, r, layout.HDR_COMBINE_FLAGS + 4 * p) for p in range(4)]
             flags.append(header_i32(sim.workspace, r, layout.HDR_PULL_DONE))
             assert flags == [combines * layout.FLAG_SHARES] * 5, (i, r, flags)
+
+
+@pytest.mark.parametrize("ep_size", [1, 3])
+def test_staged_combine_reads_its_own_rows_from_the_payload(device, ep_size):
+    """protocol.h, combine step 1: a combine that stages a plain payload tensor
+    copies into its combine region only the rows its peers pull; its own
+    tokens' rows its pull reads from the tensor. With every rank's region
+    filled with a poison after the first combine, a second one of the round
+    is still exact (combine_again checks bitwise), every peer's plane holds
+    the staged rows again and the own plane still holds the poison (at ep 1:
+    nothing is staged)."""
+    case = Case(ep_size, (6,) * ep_size, 2, 2 * ep_size + 1, hidden=40, runtime_max=6)
+    gen = make_generator(f"own rows from the payload, ep {ep_size}")
+    sim = make_sim(case, device)
+    rt = round_trip(sim, case, make_inputs(case, gen), gen)
+    shape, dtype = (ep_size, rt.runtime_max, case.hidden), case.hidden_dtype
+    poison = random_tensor(shape, dtype, gen)
+    regions = [combine_payload_in_workspace(sim, r, rt.offsets[r], shape, dtype, poison.to(device))
+               for r in range(ep_size)]
+    combine_again(sim, case, rt, gen)
+    for r in range(ep_size):
+        region = regions[r].cpu()
+        for s in range(ep_size):
+            n = int(rt.counts[r][s])
+            expected = poison[s] if s == r else torch.cat([rt.payloads[r][s, :n].cpu(), poison[s, n:]])
+            assert_bytes_equal(region[s], expected, f"rank {r}'s combine region, plane {s}")
 
 
 def test_random_rounds_reuse_workspace(device):

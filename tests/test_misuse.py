@@ -189,34 +189,47 @@ def test_combine_without_dispatch_and_its_offset_names_the_dispatch(device, offs
     round_trip(sim, CASE, make_inputs(CASE, gen), gen)
 
 
-def test_payload_in_workspace_after_a_low_precision_combine_is_refused(device):
-    """An e4m3 combine stages its rows into the combine region (in place over
-    a payload that lives there): a later combine of the round that reads the
-    region as its payload would sum e4m3 bytes as bf16, so it is refused (at
-    once on the CPU, recorded on CUDA). A combine that stages a tensor works,
-    and after a plain one the region holds a payload again."""
+@pytest.mark.parametrize("first", ["e4m3 in place", "plain in place"])
+def test_payload_in_workspace_after_a_staged_combine_is_refused(device, first):
+    """A combine that stages leaves no payload in the combine region: an e4m3
+    combine converts the rows there (in place over a payload that lives
+    there), a plain one copies only the rows its peers pull (its own tokens'
+    rows it reads from the tensor). A later combine of the round that reads
+    the region as its payload would sum e4m3 bytes as bf16, or another
+    combine's rows, so it is refused (at once on the CPU, recorded on CUDA),
+    also after a plain staged combine. Combines that stage a tensor go on
+    working, and the next round reads its payload in place again."""
     case = Case(2, (5, 3), 2, 4, hidden=64, runtime_max=6)
-    gen = make_generator("in place after e4m3")
+    gen = make_generator(f"in place after {first}")
     sim = make_sim(case, device)
-    rt = round_trip(sim, case, make_inputs(case, gen), gen, payload_in_workspace=True, low_precision="e4m3",
-                    combine_kwargs=lambda rank: dict(use_low_precision=True))
+    e4m3 = first.startswith("e4m3")
+    rt = round_trip(sim, case, make_inputs(case, gen), gen, payload_in_workspace=True,
+                    low_precision="e4m3" if e4m3 else None,
+                    combine_kwargs=(lambda rank: dict(use_low_precision=True)) if e4m3 else None)
+    tensors = dataclasses.replace(rt, payloads={r: rt.ref_expert_out[r].to(device) for r in range(case.ep_size)})
+    if not e4m3:
+        combine_again(sim, case, rt, gen, payload_in_workspace=True)  # nothing staged yet: in place again
+        combine_again(sim, case, tensors, gen)
     in_place = [dict(payload_in_workspace=True), dict(payload_in_workspace=True, use_low_precision=True)]
     if device == "cpu":
-        for kwargs in in_place:
-            refused(sim.workspace, lambda kwargs=kwargs: a2a.moe_a2a_combine(
-                rt.payloads[0], case.tokens[0], sim.workspace, sim.metainfo[0], case.T, 0, case.ep_size, case.top_k,
-                rt.offsets[0], **kwargs), ValueError, "after a low-precision combine of the same dispatch",
-                "pass the payload as a tensor")
-        tensors = dataclasses.replace(rt, payloads={r: rt.ref_expert_out[r].to(device) for r in range(case.ep_size)})
-        combine_again(sim, case, tensors, gen, combine_kwargs=lambda rank: dict(use_low_precision=True),
-                      low_precision="e4m3")
-        combine_again(sim, case, tensors, gen)  # plain rows staged: the region holds the payload again
-        combine_again(sim, case, rt, gen, payload_in_workspace=True)
+        for staged_last in ("first", "e4m3 tensor", "plain tensor"):
+            if staged_last == "e4m3 tensor":
+                combine_again(sim, case, tensors, gen, combine_kwargs=lambda rank: dict(use_low_precision=True),
+                              low_precision="e4m3")
+            elif staged_last == "plain tensor":
+                combine_again(sim, case, tensors, gen)
+            for kwargs in in_place:
+                refused(sim.workspace, lambda kwargs=kwargs: a2a.moe_a2a_combine(
+                    rt.payloads[0], case.tokens[0], sim.workspace, sim.metainfo[0], case.T, 0, case.ep_size,
+                    case.top_k, rt.offsets[0], **kwargs), ValueError,
+                    "after a combine of the same dispatch that staged its payload", "pass the payload as a tensor")
+        again = round_trip(sim, case, make_inputs(case, gen), gen, payload_in_workspace=True)
+        combine_again(sim, case, again, gen, payload_in_workspace=True)
         return
     sim.run(lambda r: a2a.moe_a2a_combine(rt.payloads[r], case.tokens[r], sim.workspace, sim.metainfo[r], case.T, r,
                                           case.ep_size, case.top_k, rt.offsets[r], payload_in_workspace=True))
     torch.cuda.synchronize()
-    with pytest.raises(RuntimeError, match="after a low-precision combine of the same dispatch"):
+    with pytest.raises(RuntimeError, match="after a combine of the same dispatch that staged its payload"):
         a2a.check_errors(sim.workspace)
 
 

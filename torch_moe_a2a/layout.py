@@ -94,7 +94,7 @@ HDR_EXPERT_MAJOR_END = 104  # int64: the last build's expert-major combine offse
 HDR_EXPERT_MAJOR_EPOCH = 112  # uint32: the dispatch epoch of the last build
 HDR_EXPERT_MAJOR_TOKENS = 116  # int32: the last build's max_tokens_per_expert
 HDR_COMBINE_COUNT = 120  # uint32: combines finished since initialize (flag targets of combine flags, pull_done)
-HDR_REGION_LOW_PRECISION = 124  # uint32: 1 while the combine region holds a low-precision combine's e4m3 rows
+HDR_REGION_STAGED = 124  # uint32: 1 while the combine region holds rows a combine staged since the dispatch
 HDR_DISPATCH_FLAGS = 128
 HDR_COMBINE_FLAGS = HDR_DISPATCH_FLAGS + 4 * MAX_RANKS
 HDR_RECV_COUNTS = HDR_COMBINE_FLAGS + 4 * MAX_RANKS
@@ -164,7 +164,7 @@ CONSTANTS = {
     "HDR_EXPERT_MAJOR_EPOCH": HDR_EXPERT_MAJOR_EPOCH,
     "HDR_EXPERT_MAJOR_TOKENS": HDR_EXPERT_MAJOR_TOKENS,
     "HDR_COMBINE_COUNT": HDR_COMBINE_COUNT,
-    "HDR_REGION_LOW_PRECISION": HDR_REGION_LOW_PRECISION,
+    "HDR_REGION_STAGED": HDR_REGION_STAGED,
     "MAX_LOCAL_EXPERTS": MAX_LOCAL_EXPERTS,
     "MAX_EXPERT_MAJOR_ROWS": MAX_EXPERT_MAJOR_ROWS,
 }

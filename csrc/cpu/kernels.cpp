@@ -352,6 +352,9 @@ void pull_reduce(const CombineParams& p) {
   const int64_t elems = p.row_elems;
   const int64_t row_bytes = elems * dtype_bytes(p.payload_dtype);
   const int64_t source_row_offset = int64_t(ws.ep_rank) * p.runtime_max_tokens;
+  // A combine that stages plain rows left the own source's rows in the payload (combine, step 1).
+  const bool own_from_payload =
+      p.low_precision == LowPrecision::kOff && p.payload != nullptr && p.payload != own + p.combine_offset;
   at::parallel_for(0, p.local_num_tokens, grain_for(row_bytes * 2), [&](int64_t begin, int64_t end) {
     std::vector<float> acc(static_cast<size_t>(elems));
     for (int64_t t = begin; t < end; ++t) {
@@ -361,7 +364,8 @@ void pull_reduce(const CombineParams& p) {
         const int dest = route_rank(route[k]);
         // A rank masked off since the dispatch was not waited for: its rows are not final.
         if (!rank_active(p.sync, dest)) continue;
-        Reader::add(p, ws.row(dest) + p.combine_offset + (source_row_offset + route_slot(route[k])) * row_bytes,
+        const int64_t row = (source_row_offset + route_slot(route[k])) * row_bytes;
+        Reader::add(p, dest == ws.ep_rank && own_from_payload ? p.payload + row : ws.row(dest) + p.combine_offset + row,
                     acc.data());
       }
       Writer::store(p, t, acc.data());
@@ -480,13 +484,11 @@ RowStatus check_row_for_combine(const CombineParams& p, int64_t max_num_tokens) 
     st.kind = RowStatus::kValueError;
     st.message = "combine_payload_offset must be the one the dispatch returned (" + std::to_string(region) + "), got " +
                  std::to_string(p.combine_offset);
-  } else if (region_low_precision_mismatch(load<uint32_t>(row, kHdrRegionLowPrecision),
-                                           p.payload == nullptr || p.payload == row + p.combine_offset) != 0) {
+  } else if (region_staged_mismatch(load<uint32_t>(row, kHdrRegionStaged),
+                                    p.payload == nullptr || p.payload == row + p.combine_offset) != 0) {
     st.kind = RowStatus::kValueError;
-    st.message =
-        "payload_in_workspace after a low-precision combine of the same dispatch: that combine staged its "
-        "e4m3 rows into the combine region, which no longer holds the payload; pass the payload as a "
-        "tensor";
+    st.message = std::string("payload_in_workspace after a combine of the same dispatch that staged its payload ") +
+                 kRegionStagedReason;
   }
   return st;
 }
@@ -626,7 +628,7 @@ WaitResult dispatch(const DispatchParams& p) {
   const WaitResult agreed = check_peer_calls(ws, p.sync, p);
   if (agreed.code != kErrorNone) return agreed;
   store<uint32_t>(own, kHdrDispatchEpoch, epoch);
-  store<uint32_t>(own, kHdrRegionLowPrecision, 0);
+  store<uint32_t>(own, kHdrRegionStaged, 0);
   if (first) mark_in_use(own);
   return result;
 }
@@ -646,7 +648,7 @@ WaitResult combine(const CombineParams& p) {
   if (stages) {
     const WaitResult staging = wait_before_staging(p, count);
     if (staging.code != kErrorNone) return staging;
-    store<uint32_t>(own, kHdrRegionLowPrecision, low_precision ? 1 : 0);
+    store<uint32_t>(own, kHdrRegionStaged, 1);
   }
   if (low_precision) {
     // Staged as e4m3 rows (protocol.h), from the payload or in place.
@@ -668,8 +670,9 @@ WaitResult combine(const CombineParams& p) {
       }
     }
   } else if (stages) {
+    // Not the own source's rows: only this rank's pull reads them, from the payload.
     for (int s = 0; s < ws.ep_size; ++s) {
-      if (!rank_active(p.sync, s)) continue;
+      if (s == ws.ep_rank || !rank_active(p.sync, s)) continue;
       const int64_t rows = received_rows(load<int32_t>(own, recv_count_offset(s)), T);
       copy_rows(region, p.payload, int64_t(s) * T * row_bytes, rows, row_bytes);
     }

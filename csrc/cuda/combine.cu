@@ -1,8 +1,10 @@
 // The combine kernels: protocol.h's combine n on rank r, in one persistent
 // grid per rank, one instantiation per (payload dtype, output dtype) pair.
 //
-// Design: every CTA stages a share of the received rows into the own combine
-// region and adds its share to the combine flags of every active rank,
+// Design: every CTA stages a share of the received rows that the peers pull
+// into the own combine region (a plain payload's own-source rows stay where
+// they are: only this grid reads them) and adds its share to the combine
+// flags of every active rank,
 // including its own (protocol.h: flags count shares), whose completion is
 // what tells this grid's CTAs that the whole region is staged; every CTA then
 // waits for all active ranks' flags and pulls. The pull sums, per token and
@@ -46,8 +48,9 @@ constexpr int64_t kL2LineBytes = 128;
 struct CombineArgs {
   CombineParams p;
   SyncSettings sync_settings;
-  int64_t row_bytes;  // of a payload row
-  bool stage;         // p.payload must be copied into the own combine region
+  int64_t row_bytes;      // of a payload row
+  bool stage;             // p.payload must be copied into the own combine region
+  bool own_from_payload;  // plain rows staged: the own source's rows pulled from p.payload
   CopyPlan stage_plan;
   int pull_elems;      // elements per vector access of the pull
   int pull_lane_bits;  // log2 of the lanes that sum one row
@@ -63,7 +66,9 @@ __device__ __forceinline__ uint32_t* combine_claim_word(uint8_t* own, uint32_t c
 }
 
 // 1. Stage: the first rows[s] rows of payload[s] for every active source s
-// (rows: recv_count[s], loaded with the epochs) into the own combine region.
+// (rows: recv_count[s], loaded with the epochs) into the own combine region,
+// but for the own rank's source plane when own_from_payload: only this
+// rank's pull reads those rows, and it reads them from the payload.
 // Work items are (received row, segment) pairs spread over the grid.
 __device__ void stage_rows(const CombineArgs& a, const int32_t* rows) {
   const CombineParams& p = a.p;
@@ -71,7 +76,7 @@ __device__ void stage_rows(const CombineArgs& a, const int32_t* rows) {
   uint8_t* own = ws.row(ws.ep_rank);
   const int64_t T = p.runtime_max_tokens;
   __shared__ int64_t first_row[kMaxRanks + 1];  // staged rows before source s
-  staged_row_starts(p, rows, first_row);
+  staged_row_starts(p, rows, a.own_from_payload ? ws.ep_rank : -1, first_row);
   const CopyPlan& plan = a.stage_plan;
   uint8_t* region = own + p.combine_offset;
   const int groups_per_cta = kThreads >> plan.lane_bits;
@@ -122,15 +127,17 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
   const int task_bits = kLog2WarpSize - a.pull_lane_bits;  // items per warp task: 1 << task_bits
   const int lane_in_group = lane & (lanes - 1);
   const int64_t items = p.local_num_tokens * segments;
-  // The row of a route entry; nullptr for a rank masked off since the
-  // dispatch, which was not waited for: its rows are not final (as on the
-  // CPU). An entry outside this call's planes (route_in_call's case: a
-  // combine whose sizes differ from its dispatch's never gets here) is
-  // skipped rather than read out of bounds.
+  // The row of a route entry (the own rank's rows from the payload when
+  // own_from_payload: step 1 did not stage them); nullptr for a rank masked
+  // off since the dispatch, which was not waited for: its rows are not final
+  // (as on the CPU). An entry outside this call's planes (route_in_call's
+  // case: a combine whose sizes differ from its dispatch's never gets here)
+  // is skipped rather than read out of bounds.
   const auto row_of = [&](int32_t entry) -> const uint8_t* {
     const int d = route_rank(entry);
     if (!route_in_call(entry, ws.ep_size, T) || !rank_active(p.sync, d)) return nullptr;
     const int64_t row = source_row + route_slot(entry);
+    if (d == ws.ep_rank && a.own_from_payload) return p.payload + row * a.row_bytes;
     return ws.row(d) + p.combine_offset + row * a.row_bytes;
   };
   const auto pull_item = [&](int64_t item) {
@@ -291,8 +298,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
                              *header_word<int32_t>(own, kHdrLastRuntimeMax), *header_word<int32_t>(own, kHdrLastTopK),
                              *header_word<int64_t>(own, kHdrLastDispatchEnd), p.local_num_tokens, p.runtime_max_tokens,
                              p.top_k, p.combine_offset) |
-                region_low_precision_mismatch(*header_word<uint32_t>(own, kHdrRegionLowPrecision),
-                                              p.payload == nullptr || p.payload == own + p.combine_offset)
+                region_staged_mismatch(*header_word<uint32_t>(own, kHdrRegionStaged),
+                                       p.payload == nullptr || p.payload == own + p.combine_offset)
           : 0;
   // The T and the payload signature of every active peer's dispatch against
   // the own dispatch's (thread q: peer q), written before the dispatch flags
@@ -343,8 +350,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
 
   // 3. Acquire: every CTA, so that each one's pull loads follow its own
   // acquire of every flag (own rank's included).
-  const int region_low_precision = a.stage ? int(In::kLowPrecision) : -1;
-  if (!acquire_combine_flags(ws, p.sync, dispatch_epoch, this_combine, region_low_precision, a.sync_settings)) return;
+  if (!acquire_combine_flags(ws, p.sync, dispatch_epoch, this_combine, a.stage, a.sync_settings)) return;
 
   // 4. Pull, 5. release this CTA's share of pull_done: a peer's dispatch
   // step 0 reads it before it overwrites regions this pull read.
@@ -425,6 +431,8 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
   const uint8_t* region = p.ws.row(p.ws.ep_rank) + p.combine_offset;
   // e4m3 rows are always staged: converted from the payload, or in place.
   a.stage = low_precision || (p.payload != nullptr && p.payload != region);
+  // e4m3 rows are summed from their staged codes, the own rank's included.
+  a.own_from_payload = a.stage && !low_precision;
   if (a.stage && !low_precision) a.stage_plan = make_copy_plan(a.row_bytes, rows_bits | address_bits(p.payload));
   // A 16-byte vector of every staged row aligned in the payload and the
   // region (the rows' offsets are multiples of row_bytes).
@@ -439,8 +447,10 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
     if (!quantized) return uint64_t(std::min<int64_t>(n * out_bytes, 16));  // VecOf<32>: 16-byte aligned
     return uint64_t(p.quant == QuantFormat::kMxfp8 ? n : n / 2);
   };
+  // The pull's rows: the combine regions', and the payload's own plane.
+  const uint64_t pull_bits = rows_bits | (a.own_from_payload ? address_bits(p.payload) : 0);
   while (elems > 1 &&
-         (p.row_elems % elems != 0 || (rows_bits | uint64_t(a.row_bytes)) % uint64_t(elems * pull_bytes) != 0 ||
+         (p.row_elems % elems != 0 || (pull_bits | uint64_t(a.row_bytes)) % uint64_t(elems * pull_bytes) != 0 ||
           address_bits(p.output) % out_vector_bytes(elems) != 0)) {
     elems /= 2;
   }

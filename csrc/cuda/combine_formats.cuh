@@ -143,7 +143,7 @@ __device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const
   const WorkspaceView& ws = p.ws;
   const int64_t T = p.runtime_max_tokens;
   __shared__ int64_t first_row[kMaxRanks + 1];  // staged rows before source s
-  staged_row_starts(p, rows, first_row);
+  staged_row_starts(p, rows, /*skipped=*/-1, first_row);
   uint8_t* region = ws.row(ws.ep_rank) + p.combine_offset;
   const uint8_t* source = p.payload != nullptr ? p.payload : region;
   const int lane = lane_id();

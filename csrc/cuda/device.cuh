@@ -422,18 +422,16 @@ static __device__ __noinline__ bool wait_for_peer_pulls(const WorkspaceView& ws,
 // rank's combine flag, then lets the next kernel launch. The own rank's flag
 // tells CTA 0 that every CTA of this grid has read the own header's words:
 // it advances the own combine_epoch and combine_count, and sets
-// region_low_precision when the combine staged (0 or 1; -1: it did not).
+// region_staged when the combine staged (protocol.h, combine step 1).
 __device__ inline bool acquire_combine_flags(const WorkspaceView& ws, const SyncParams& sync, uint32_t dispatch_epoch,
-                                             uint32_t count, int region_low_precision, const SyncSettings& settings) {
+                                             uint32_t count, bool staged, const SyncSettings& settings) {
   if (!wait_for_flags(ws, sync, kHdrCombineFlags, count, kErrorCombineTimeout, settings)) return false;
   allow_dependent_launch();
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     uint8_t* own = ws.row(ws.ep_rank);
     *header_word<uint32_t>(own, kHdrCombineEpoch) = dispatch_epoch;
     *header_word<uint32_t>(own, kHdrCombineCount) = count;
-    if (region_low_precision >= 0) {
-      *header_word<uint32_t>(own, kHdrRegionLowPrecision) = uint32_t(region_low_precision);
-    }
+    if (staged) *header_word<uint32_t>(own, kHdrRegionStaged) = 1;
   }
   return true;
 }
@@ -472,14 +470,15 @@ static __device__ __noinline__ void record_peer_call_mismatch(const CombineParam
 }
 
 // first_row[s]: the rows a combine stages of the active sources before s
-// (rows[s]: recv_count[s]); first_row[ep_size]: all of them. Every thread
-// calls it; thread 0 writes, the barrier hands the array to the CTA.
-__device__ inline void staged_row_starts(const CombineParams& p, const int32_t* rows, int64_t* first_row) {
+// (rows[s]: recv_count[s]; none of source `skipped`, -1 for none);
+// first_row[ep_size]: all of them. Every thread calls it; thread 0 writes,
+// the barrier hands the array to the CTA.
+__device__ inline void staged_row_starts(const CombineParams& p, const int32_t* rows, int skipped, int64_t* first_row) {
   if (threadIdx.x == 0) {
     int64_t total = 0;
     for (int s = 0; s < p.ws.ep_size; ++s) {
       first_row[s] = total;
-      if (rank_active(p.sync, s)) total += received_rows(rows[s], p.runtime_max_tokens);
+      if (s != skipped && rank_active(p.sync, s)) total += received_rows(rows[s], p.runtime_max_tokens);
     }
     first_row[p.ws.ep_size] = total;
   }

@@ -552,7 +552,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
     *header_word<int32_t>(own, kHdrLastTopK) = static_cast<int32_t>(p.top_k);
     *header_word<int64_t>(own, kHdrLastDispatchEnd) = p.layout.dispatch_end;
     *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
-    *header_word<uint32_t>(own, kHdrRegionLowPrecision) = 0;
+    *header_word<uint32_t>(own, kHdrRegionStaged) = 0;
     if (first_dispatch(own_init)) mark_in_use(own);
   }
 }
@@ -872,7 +872,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     *header_word<int32_t>(own, kHdrLastTopK) = static_cast<int32_t>(p.top_k);
     *header_word<int64_t>(own, kHdrLastDispatchEnd) = p.layout.dispatch_end;
     *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
-    *header_word<uint32_t>(own, kHdrRegionLowPrecision) = 0;
+    *header_word<uint32_t>(own, kHdrRegionStaged) = 0;
     if (first_dispatch(own_init)) mark_in_use(own);
   }
 }

@@ -488,8 +488,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) em_combine_kernel(con
   release_share(ws, c.sync, kHdrCombineFlags, system);
 
   // 3. Acquire (as combine.cu).
-  if (!acquire_combine_flags(ws, c.sync, dispatch_epoch, this_combine, /*region_low_precision=*/-1, a.sync_settings))
-    return;
+  if (!acquire_combine_flags(ws, c.sync, dispatch_epoch, this_combine, /*staged=*/false, a.sync_settings)) return;
 
   // 4. Pull, 5. this CTA's share of pull_done (as combine.cu).
   pull_expert_rows_any<In, Out>(a);
