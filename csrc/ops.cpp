@@ -183,6 +183,21 @@ void check_fits(int64_t needed, int64_t size_per_rank) {
                     " bytes per rank, the workspace has ", size_per_rank);
 }
 
+// A combine's region [offset, end) against the workspace's bytes per rank:
+// the combine region follows the round's planes, so a workspace sized with
+// too few bytes per token fits the dispatch and fails here; the message says
+// which sizes meet (`rows`: the region's row count, `planes`: what precedes
+// it), which call sizes both (`sizing`) and how to get out.
+void check_combine_fits(int64_t offset, int64_t end, int64_t size_per_rank, const char* rows, int64_t row_bytes,
+                        const char* planes, const char* sizing) {
+  TORCH_CHECK_VALUE(end <= size_per_rank, "workspace too small: this combine's rows (", rows, " x ", row_bytes,
+                    " bytes) start at byte ", offset, ", after this round's ", planes, ", and end at byte ", end,
+                    "; the workspace has ", size_per_rank, " bytes per rank. ", sizing,
+                    " gives the size both need. This combine changed nothing: close the round with a combine whose "
+                    "rows fit, or start over with moe_a2a_initialize on every rank (MoeAlltoAll.reset(), "
+                    "SimulatedEP.reset())");
+}
+
 // active_rank_mask (empty: every rank), timeout, mailbox.
 SyncParams check_sync(at::IntArrayRef active_rank_mask, const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
                       double timeout_s, int64_t mailbox, bool enable_pdl) {
@@ -563,16 +578,10 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
   // The combine region follows this round's dispatch planes: a workspace
   // sized with too few dispatch bytes per token fits the dispatch and fails
   // here, so the message says which sizes meet and how to get out.
-  const int64_t needed = combine_end(combine_payload_offset, ep_size, T, row_bytes);
-  TORCH_CHECK_VALUE(needed <= p.ws.size_per_rank,
-                    "workspace too small: this combine's rows (ep_size x runtime_max_tokens_per_rank x ", row_bytes,
-                    " bytes) start at byte ", combine_payload_offset,
-                    ", after this round's dispatch planes, and end at byte ", needed, "; the workspace has ",
-                    p.ws.size_per_rank,
-                    " bytes per rank. moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens, "
-                    "the dispatch's bytes per token over all its payloads, the combine's bytes per token) gives the "
-                    "size both need. This combine changed nothing: close the round with a combine whose rows fit, "
-                    "or start over with moe_a2a_initialize on every rank (MoeAlltoAll.reset(), SimulatedEP.reset())");
+  check_combine_fits(combine_payload_offset, combine_end(combine_payload_offset, ep_size, T, row_bytes),
+                     p.ws.size_per_rank, "ep_size x runtime_max_tokens_per_rank", row_bytes, "dispatch planes",
+                     "moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens, the dispatch's bytes per token "
+                     "over all its payloads, the combine's bytes per token)");
 
   p.sync = check_sync(active_rank_mask, workspace, ep_rank, ep_size, timeout_s, mailbox, enable_pdl);
 
@@ -746,7 +755,12 @@ ExpertMajorCombineParams check_combine_expert_major(
                     "combine_payload_offset must be a multiple of ", kPlaneAlign, " in [", p.layout.combine_offset,
                     ", ", c.ws.size_per_rank, "] (the expert-major dispatch's), got ", combine_payload_offset);
   p.layout.combine_offset = combine_payload_offset;
-  check_fits(combine_payload_offset + p.layout.local_experts * max_tokens_per_expert * row_bytes, c.ws.size_per_rank);
+  check_combine_fits(combine_payload_offset,
+                     combine_payload_offset + p.layout.local_experts * max_tokens_per_expert * row_bytes,
+                     c.ws.size_per_rank, "num_local_experts x max_tokens_per_expert", row_bytes, "expert-major planes",
+                     "moe_a2a_get_workspace_size_per_rank_expert_major(ep_size, max_num_tokens, the dispatch's bytes "
+                     "per token over all its payloads, ids and router weights included, the combine's bytes per token, "
+                     "num_experts, top_k, max_tokens_per_expert)");
 
   c.sync = check_sync(active_rank_mask, workspace, ep_rank, ep_size, timeout_s, mailbox, enable_pdl);
   c.local_num_tokens = local_num_tokens;

@@ -325,6 +325,32 @@ def test_workspace_sized_without_the_dispatch_payloads(device):
     assert torch.equal(out.cpu(), x[:, : hidden // 2].cpu())  # one rank: each token's only destination
 
 
+def test_expert_major_combine_rows_larger_than_sized(device):
+    """An expert-major workspace sized for bf16 expert outputs, combined from
+    fp32 ones: the dispatch fits, the combine does not, and its error says
+    where the rows start, which call sizes both, and how to close the round
+    (a combine whose rows fit, which then works)."""
+    hidden, tokens, top_k, experts = 256, 16, 4, 8
+    gen = make_generator("undersized expert-major combine")
+    size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(1, tokens, hidden * 2 + top_k * 8, hidden * 2,
+                                                               experts, top_k)
+    workspace = torch.zeros(1, size, dtype=torch.uint8, device=device)
+    metainfo = a2a.moe_a2a_initialize(workspace, 0, 1, tokens)
+    x = torch.randn((tokens, hidden), generator=gen).to(torch.bfloat16).to(device)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen, dtype=torch.int32).to(device)
+    weights = torch.rand((tokens, top_k), generator=gen).to(device)
+    d = a2a.moe_a2a_dispatch(ids, [x], workspace, metainfo, tokens, 0, 1, top_k, experts, expert_major=True,
+                             router_weights=weights)
+    with pytest.raises(ValueError, match=r"workspace too small: this combine's rows \(num_local_experts x "
+                       r"max_tokens_per_expert x 1024 bytes\) start at byte \d+, after this round's expert-major "
+                       r"planes.*moe_a2a_get_workspace_size_per_rank_expert_major.*close the round with a combine "
+                       r"whose rows fit"):
+        a2a.moe_a2a_combine_expert_major(d.output_payloads[0].float(), d, workspace, metainfo, 0, 1)
+    out = a2a.moe_a2a_combine_expert_major(d.output_payloads[0], d, workspace, metainfo, 0, 1)
+    expected = (weights.float().sum(1, keepdim=True) * x.float()).to(torch.bfloat16)
+    torch.testing.assert_close(out.float().cpu(), expected.float().cpu(), rtol=2e-2, atol=2e-2)
+
+
 # ---- timeouts of SimulatedEP and initialize --------------------------------------------------------
 
 
