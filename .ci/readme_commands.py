@@ -14,7 +14,6 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 # README lines CI does not run, and why.
 NOT_RUN = {
     "./dev test": "the quick part of CI's first step",
-    "./dev test-all": "CI's first step",
     "pip install --no-build-isolation --no-deps .": "the build without isolation, which ./dev makes (editable)",
     "./dev run torchrun --nproc-per-node 8 -m torch_moe_a2a demo --device cuda": "needs CUDA",
     'eval "$(bash scripts/flashinfer_peer.sh env)"': "the FlashInfer comparison needs CUDA",

@@ -33,7 +33,7 @@ import torch_moe_a2a as a2a
 from torch_moe_a2a import layout, reference
 
 # Python environments that ./dev did not make (a GPU image's) may lack it: the [test] extra has it.
-pytest.importorskip("hypothesis", reason="hypothesis is not installed (pip install 'torch-moe-a2a[test]')")
+pytest.importorskip("hypothesis", reason="hypothesis is not installed (pip install hypothesis: the test extra)")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

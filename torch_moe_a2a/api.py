@@ -604,7 +604,9 @@ def _check_payload_in_workspace(
         raise ValueError(
             "payload_in_workspace=True requires payload to be the contiguous [ep_size, "
             "runtime_max_tokens_per_rank, ...] view of this rank's workspace row at "
-            "combine_payload_offset (MoeAlltoAll.get_combine_payload_tensor_in_workspace)"
+            "combine_payload_offset: moe_a2a_wrap_payload_tensor_in_workspace(workspace[ep_rank], "
+            "[ep_size, runtime_max_tokens_per_rank], combine_payload_offset, combine_payload_offset + its bytes, "
+            "dtype) gives it, MoeAlltoAll.get_combine_payload_tensor_in_workspace with the class"
         )
 
 

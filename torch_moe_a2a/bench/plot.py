@@ -2,7 +2,7 @@
 op, for torch-moe-a2a and the plain-PyTorch baseline, from the same dict that
 ``--json`` writes.
 
-matplotlib is an optional dependency (``pip install 'torch-moe-a2a[plot]'``):
+matplotlib is an optional dependency (``pip install matplotlib``, the ``plot`` extra):
 it is imported only when a plot is drawn.
 """
 
@@ -13,7 +13,7 @@ from typing import Optional
 
 from .common import BASELINE_OF, OPS
 
-INSTALL_HINT = "pip install 'torch-moe-a2a[plot]'"
+INSTALL_HINT = "pip install matplotlib (the plot extra of pyproject.toml)"
 MISSING = f"--plot needs matplotlib, which is not installed: {INSTALL_HINT}"
 
 
