@@ -94,6 +94,18 @@ struct CombineParams {
   float global_scale;      // NVFP4's output_scalar_scale (> 0)
 };
 
+// Combine step 1 (protocol.h): whether it stages (a payload tensor; e4m3
+// rows always, from the payload or in place), and whether the pull then reads
+// the own source's rows from the payload (plain rows staged: step 1 leaves
+// them out).
+MOE_A2A_HD bool combine_stages(const CombineParams& p) {
+  return p.low_precision != LowPrecision::kOff ||
+         (p.payload != nullptr && p.payload != p.ws.row(p.ws.ep_rank) + p.combine_offset);
+}
+MOE_A2A_HD bool combine_own_rows_from_payload(const CombineParams& p) {
+  return p.low_precision == LowPrecision::kOff && combine_stages(p);
+}
+
 struct SanitizeParams {
   WorkspaceView ws;
   int64_t runtime_max_tokens;  // T

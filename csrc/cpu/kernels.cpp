@@ -352,9 +352,7 @@ void pull_reduce(const CombineParams& p) {
   const int64_t elems = p.row_elems;
   const int64_t row_bytes = elems * dtype_bytes(p.payload_dtype);
   const int64_t source_row_offset = int64_t(ws.ep_rank) * p.runtime_max_tokens;
-  // A combine that stages plain rows left the own source's rows in the payload (combine, step 1).
-  const bool own_from_payload =
-      p.low_precision == LowPrecision::kOff && p.payload != nullptr && p.payload != own + p.combine_offset;
+  const bool own_from_payload = combine_own_rows_from_payload(p);
   at::parallel_for(0, p.local_num_tokens, grain_for(row_bytes * 2), [&](int64_t begin, int64_t end) {
     std::vector<float> acc(static_cast<size_t>(elems));
     for (int64_t t = begin; t < end; ++t) {
@@ -644,7 +642,7 @@ WaitResult combine(const CombineParams& p) {
   // already is the own combine region needs no copy).
   uint8_t* region = own + p.combine_offset;
   const bool low_precision = p.low_precision != LowPrecision::kOff;
-  const bool stages = low_precision || (p.payload != nullptr && p.payload != region);
+  const bool stages = combine_stages(p);
   if (stages) {
     const WaitResult staging = wait_before_staging(p, count);
     if (staging.code != kErrorNone) return staging;

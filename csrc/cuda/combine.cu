@@ -428,11 +428,8 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
   if (a.row_bytes > kMaxKernelRowBytes) return cudaErrorInvalidValue;
   // Combine rows start at base + d * row_stride + combine_offset + row * row_bytes.
   const uint64_t rows_bits = address_bits(p.ws.base) | uint64_t(p.ws.row_stride) | uint64_t(p.combine_offset);
-  const uint8_t* region = p.ws.row(p.ws.ep_rank) + p.combine_offset;
-  // e4m3 rows are always staged: converted from the payload, or in place.
-  a.stage = low_precision || (p.payload != nullptr && p.payload != region);
-  // e4m3 rows are summed from their staged codes, the own rank's included.
-  a.own_from_payload = a.stage && !low_precision;
+  a.stage = combine_stages(p);
+  a.own_from_payload = combine_own_rows_from_payload(p);
   if (a.stage && !low_precision) a.stage_plan = make_copy_plan(a.row_bytes, rows_bits | address_bits(p.payload));
   // A 16-byte vector of every staged row aligned in the payload and the
   // region (the rows' offsets are multiples of row_bytes).
