@@ -130,8 +130,9 @@
 //      combine_region_of(rank)[r][slot] (payload[r][slot] for rank == r
 //      when step 1 staged plain rows), accumulated in fp32, zeros when empty
 //   5. release: add this call's shares to own pull_done (each CTA its own,
-//      after its pulls: dispatch step 0b and combine step 0 of the peers
-//      read it)
+//      after its pulls' loads, which the sums consumed: dispatch step 0b and
+//      combine step 0 of the peers read it; the output stores may follow,
+//      no peer reads them)
 //
 // Why no extra barrier is needed between calls (buffer reuse chain):
 //   * rank s's dispatch n+1 writes into peer d's planes only after s's last

@@ -58,6 +58,7 @@ struct CombineArgs {
   bool claim_pull;     // warps claim their tasks after the first from kHdrCombineClaims
   bool prefetch;       // step 3a
   bool stage_vectors;  // the low-precision staging by 4-element vectors (stage_rows_e4m3)
+  bool one_task;       // no warp has a second pull task: step 5 comes before the output stores
 };
 
 // The own claim word of combine `count` (protocol.h, kHdrCombineClaims).
@@ -107,6 +108,9 @@ __device__ void stage_rows(const CombineArgs& a, const int32_t* rows) {
 // one rank's grid of 263 CTAs (one rank per H200) every warp's claim on one
 // word made the pull 1.7x slower (docs/performance.md, 'Design decisions and
 // their measured effect'). The sums do not depend on which warp pulls an item.
+// 5. Then the CTA's share of pull_done (release_pull_done), or, where no warp
+// has a second task (one_task; not for a quantized output), once its loads
+// are summed and before its output stores.
 template <typename In, typename Out, int kElems, int kUnroll = kSumUnroll>
 __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
   using InVec = Packed<typename In::Bits, kElems>;
@@ -140,11 +144,11 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
     if (d == ws.ep_rank && a.own_from_payload) return p.payload + row * a.row_bytes;
     return ws.row(d) + p.combine_offset + row * a.row_bytes;
   };
-  const auto pull_item = [&](int64_t item) {
+  // An item's sum (acc), then its store into the output.
+  const auto sum_item = [&](int64_t item, float (&acc)[kUnroll][kElems]) {
     const int64_t t = segments == 1 ? item : item / segments;
     const int segment = segments == 1 ? 0 : static_cast<int>(item % segments);
     const int first = segment * lanes * kUnroll + lane_in_group;
-    float acc[kUnroll][kElems];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
@@ -212,6 +216,11 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
         if (ended) break;
       }
     }
+  };
+  const auto store_item = [&](int64_t item, const float (&acc)[kUnroll][kElems]) {
+    const int64_t t = segments == 1 ? item : item / segments;
+    const int segment = segments == 1 ? 0 : static_cast<int>(item % segments);
+    const int first = segment * lanes * kUnroll + lane_in_group;
     OutRaw* dst = reinterpret_cast<OutRaw*>(p.output) + t * vectors;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -229,15 +238,36 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
       }
     }
   };
+  const int64_t first_task = int64_t(blockIdx.x) * kWarps + warp_id();
+  if (!IsQuantized<Out>::value && a.one_task) {
+    // Every warp has at most this task: the CTA releases its share of
+    // pull_done (step 5) once its loads are summed, before its output
+    // stores, which no peer reads. The release's fence then waits for no
+    // output store, and the stores drain while it is on its way (same-run
+    // A/B: combine-ws 1.11x, staged combine 1.06x, geomean above the launch
+    // floor below 64 tokens; docs/performance.md). Not for a quantized
+    // output: its epilogue beside the held sums spilled registers.
+    const int64_t item = (first_task << task_bits) + (lane >> a.pull_lane_bits);
+    float acc[kUnroll][kElems];
+    if (item < items) sum_item(item, acc);
+    release_pull_done(own, a.sync_settings.system);
+    if (item < items) store_item(item, acc);
+    return;
+  }
   const int64_t grid_warps = int64_t(gridDim.x) * kWarps;
   uint32_t* claims = combine_claim_word(own, count);
-  for (int64_t task = int64_t(blockIdx.x) * kWarps + warp_id(); (task << task_bits) < items;) {
+  for (int64_t task = first_task; (task << task_bits) < items;) {
     uint32_t claimed = 0;
     if (a.claim_pull && lane == 0) claimed = atomicAdd(claims, 1u);
     const int64_t item = (task << task_bits) + (lane >> a.pull_lane_bits);
-    if (item < items) pull_item(item);
+    if (item < items) {
+      float acc[kUnroll][kElems];
+      sum_item(item, acc);
+      store_item(item, acc);
+    }
     task = grid_warps + (a.claim_pull ? int64_t(__shfl_sync(kFullWarp, claimed, 0)) : task);
   }
+  release_pull_done(own, a.sync_settings.system);
 }
 
 // 3a. While the grid waits for the peers' flags, a combine whose payload is
@@ -352,10 +382,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   // acquire of every flag (own rank's included).
   if (!acquire_combine_flags(ws, p.sync, dispatch_epoch, this_combine, a.stage, a.sync_settings)) return;
 
-  // 4. Pull, 5. release this CTA's share of pull_done: a peer's dispatch
-  // step 0 reads it before it overwrites regions this pull read.
+  // 4. Pull, 5. release this CTA's share of pull_done (in pull_rows): a
+  // peer's dispatch step 0 reads it before it overwrites regions this pull read.
   pull_rows_any<In, Out>(a, this_combine);
-  release_pull_done(own, system);
 }
 
 int64_t dtype_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
@@ -470,6 +499,7 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
   const int64_t grid_warps = int64_t(grid) * kWarps;
   const int64_t tasks = (p.local_num_tokens * a.pull_segments * pull_lanes + kWarpSize - 1) / kWarpSize;
   a.claim_pull = grid_warps <= kWarpsPerClaimCounter && tasks > grid_warps;
+  a.one_task = tasks <= grid_warps;
   a.prefetch = !a.stage && p.runtime_max_tokens >= kPrefetchMinTokens;
   const bool pdl = p.sync.enable_pdl && config.pdl_supported;
   const DType in = p.payload_dtype, out = p.output_dtype;
