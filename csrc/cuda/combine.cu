@@ -58,7 +58,7 @@ struct CombineArgs {
   bool claim_pull;     // warps claim their tasks after the first from kHdrCombineClaims
   bool prefetch;       // step 3a
   bool stage_vectors;  // the low-precision staging by 4-element vectors (stage_rows_e4m3)
-  bool one_task;       // no warp has a second pull task: step 5 comes before the output stores
+  bool one_task;       // no warp has a second pull task: step 5 before the output stores (not quantized)
 };
 
 // The own claim word of combine `count` (protocol.h, kHdrCombineClaims).
