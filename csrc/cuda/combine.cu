@@ -243,7 +243,7 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
     // Every warp has at most this task: the CTA releases its share of
     // pull_done (step 5) once its loads are summed, before its output
     // stores, which no peer reads. The release's fence then waits for no
-    // output store, and the stores drain while it is on its way (same-run
+    // output store, and the stores drain while it is on its way (same-process
     // A/B: combine-ws 1.11x, staged combine 1.06x, geomean above the launch
     // floor below 64 tokens; docs/performance.md). Not for a quantized
     // output: its epilogue beside the held sums spilled registers.

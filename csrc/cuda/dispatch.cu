@@ -211,8 +211,8 @@ __device__ __noinline__ bool wait_for_pulls(const DispatchArgs& a) {
 // previous round (its combine region or its own routes), nothing is written
 // before every active rank finished pulling the round's last combine (its
 // pull_done, which every CTA of its combines adds its share to once its
-// pull's loads are done). A call of the previous call's sizes waits for neither: the
-// check is all it costs.
+// pull's loads are done). A call of the previous call's sizes waits for
+// neither: the check is all it costs.
 __device__ __forceinline__ bool wait_before_writing(const DispatchArgs& a, uint64_t own_init, int64_t last_dispatch_end,
                                                     int32_t last_runtime_max) {
   if (first_dispatch(own_init) && !first_dispatch_wait(a, own_init)) return false;
