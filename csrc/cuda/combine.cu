@@ -144,11 +144,19 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
     if (d == ws.ep_rank && a.own_from_payload) return p.payload + row * a.row_bytes;
     return ws.row(d) + p.combine_offset + row * a.row_bytes;
   };
-  // An item's sum (acc), then its store into the output.
-  const auto sum_item = [&](int64_t item, float (&acc)[kUnroll][kElems]) {
-    const int64_t t = segments == 1 ? item : item / segments;
+  // An item is token t's segment: this lane's first vector of it is `first`.
+  struct Item {
+    int64_t t;
+    int first;
+  };
+  const auto item_at = [&](int64_t item) {
     const int segment = segments == 1 ? 0 : static_cast<int>(item % segments);
-    const int first = segment * lanes * kUnroll + lane_in_group;
+    return Item{segments == 1 ? item : item / segments, segment * lanes * kUnroll + lane_in_group};
+  };
+  // An item's sum (acc), then its store into the output.
+  const auto sum_item = [&](const Item& it, float (&acc)[kUnroll][kElems]) {
+    const int64_t t = it.t;
+    const int first = it.first;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
@@ -217,10 +225,9 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
       }
     }
   };
-  const auto store_item = [&](int64_t item, const float (&acc)[kUnroll][kElems]) {
-    const int64_t t = segments == 1 ? item : item / segments;
-    const int segment = segments == 1 ? 0 : static_cast<int>(item % segments);
-    const int first = segment * lanes * kUnroll + lane_in_group;
+  const auto store_item = [&](const Item& it, const float (&acc)[kUnroll][kElems]) {
+    const int64_t t = it.t;
+    const int first = it.first;
     OutRaw* dst = reinterpret_cast<OutRaw*>(p.output) + t * vectors;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -248,10 +255,11 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
     // floor below 64 tokens; docs/performance.md). Not for a quantized
     // output: its epilogue beside the held sums spilled registers.
     const int64_t item = (first_task << task_bits) + (lane >> a.pull_lane_bits);
+    const Item it = item_at(item);
     float acc[kUnroll][kElems];
-    if (item < items) sum_item(item, acc);
+    if (item < items) sum_item(it, acc);
     release_pull_done(own, a.sync_settings.system);
-    if (item < items) store_item(item, acc);
+    if (item < items) store_item(it, acc);
     return;
   }
   const int64_t grid_warps = int64_t(gridDim.x) * kWarps;
@@ -261,9 +269,10 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
     if (a.claim_pull && lane == 0) claimed = atomicAdd(claims, 1u);
     const int64_t item = (task << task_bits) + (lane >> a.pull_lane_bits);
     if (item < items) {
+      const Item it = item_at(item);
       float acc[kUnroll][kElems];
-      sum_item(item, acc);
-      store_item(item, acc);
+      sum_item(it, acc);
+      store_item(it, acc);
     }
     task = grid_warps + (a.claim_pull ? int64_t(__shfl_sync(kFullWarp, claimed, 0)) : task);
   }
