@@ -187,31 +187,18 @@ MOE_A2A_HD uint32_t e4m3x4_from_float(float x0, float x1, float x2, float x3) {
 #endif
 }
 
-// The 4-bit code; a NaN gives the largest magnitude of its sign.
+// The 4-bit code; a NaN gives the largest magnitude of its sign. The code is
+// 7 less the midpoints between neighbours that |x| lies at or below; at a
+// tie the even code (0, 2, 4, 6: an even mantissa bit) wins, hence <= at the
+// midpoints just above an even code and < at those above an odd one. A NaN
+// compares false with every midpoint. Comparisons, not a chain of branches:
+// on the GPU each lane of a warp took its own branch of the chain.
 MOE_A2A_HD uint8_t e2m1_from_float(float x) {
   const uint8_t sign = uint8_t((float_bits(x) >> 28) & 0x8);
   const float a = fabsf(x);
-  // Midpoints between neighbours; at a tie the even code (0, 1, 2, 4, 6: an
-  // even mantissa bit) wins, hence <= before an even code and < before an odd one.
-  uint8_t m;
-  if (a <= 0.25f) {
-    m = 0;
-  } else if (a < 0.75f) {
-    m = 1;
-  } else if (a <= 1.25f) {
-    m = 2;
-  } else if (a < 1.75f) {
-    m = 3;
-  } else if (a <= 2.5f) {
-    m = 4;
-  } else if (a < 3.5f) {
-    m = 5;
-  } else if (a <= 5.0f) {
-    m = 6;
-  } else {
-    m = 7;
-  }
-  return uint8_t(m | sign);
+  const int above = int(a <= 0.25f) + int(a < 0.75f) + int(a <= 1.25f) + int(a < 1.75f) + int(a <= 2.5f) +
+                    int(a < 3.5f) + int(a <= 5.0f);
+  return uint8_t((7 - above) | sign);
 }
 
 MOE_A2A_HD float e2m1_to_float(uint8_t code) {
