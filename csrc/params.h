@@ -97,7 +97,10 @@ struct CombineParams {
 // Combine step 1 (protocol.h): whether it stages (a payload tensor; e4m3
 // rows always, from the payload or in place), and whether the pull then reads
 // the own source's rows from the payload (plain rows staged: step 1 leaves
-// them out).
+// them out). The CUDA combine also leaves out the own source's e4m3 rows of a
+// 16-bit payload where its pull vectors allow it (launch_combine) and
+// converts them as it reads them: the same values, one read instead of the
+// staging's read and write and the pull's read.
 MOE_A2A_HD bool combine_stages(const CombineParams& p) {
   return p.low_precision != LowPrecision::kOff ||
          (p.payload != nullptr && p.payload != p.ws.row(p.ws.ep_rank) + p.combine_offset);

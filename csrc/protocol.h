@@ -118,8 +118,10 @@
 //      payload already lives there); own region_staged := 1. Not source r's
 //      rows: only r's own pull reads them, and it reads them from the
 //      payload, which saves their copy and the wait for it (at ep 1 the
-//      whole stage). A low-precision combine converts every source's rows,
-//      r's included, to e4m3 (from the payload or in place).
+//      whole stage). A low-precision combine converts every source's rows
+//      to e4m3 (from the payload or in place), r's included but on CUDA
+//      for plain e4m3 rows of a 16-bit payload (launch_combine), whose r
+//      rows the pull reads unconverted and converts as step 1 would.
 //   2. release: add this call's shares to combine_flag[r] in every active
 //      peer p's header (each CTA its own, after its staged rows)
 //   3. acquire: wait until own combine_flag[p] >= flag_target(c) for every
@@ -127,8 +129,9 @@
 //      CTA 0, once the own flag tells it that every CTA of its grid has read
 //      the epochs and the count)
 //   4. pull: out[t] = sum over route[t] (ascending rank) of
-//      combine_region_of(rank)[r][slot] (payload[r][slot] for rank == r
-//      when step 1 staged plain rows), accumulated in fp32, zeros when empty
+//      combine_region_of(rank)[r][slot] (payload[r][slot], or the region's
+//      unconverted row, for rank == r when step 1 left r's rows out),
+//      accumulated in fp32, zeros when empty
 //   5. release: add this call's shares to own pull_done (each CTA its own,
 //      after its pulls' loads, which the sums consumed: dispatch step 0b and
 //      combine step 0 of the peers read it; the output stores may follow,

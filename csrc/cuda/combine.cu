@@ -2,8 +2,9 @@
 // grid per rank, one instantiation per (payload dtype, output dtype) pair.
 //
 // Design: every CTA stages a share of the received rows that the peers pull
-// into the own combine region (a plain payload's own-source rows stay where
-// they are: only this grid reads them) and adds its share to the combine
+// into the own combine region (the own source's rows stay where they are,
+// only this grid reads them: plain rows, and e4m3 rows of a 16-bit payload,
+// which the pull converts as it reads them) and adds its share to the combine
 // flags of every active rank,
 // including its own (protocol.h: flags count shares), whose completion is
 // what tells this grid's CTAs that the whole region is staged; every CTA then
@@ -50,7 +51,8 @@ struct CombineArgs {
   SyncSettings sync_settings;
   int64_t row_bytes;      // of a payload row
   bool stage;             // p.payload must be copied into the own combine region
-  bool own_from_payload;  // plain rows staged: the own source's rows pulled from p.payload
+  bool own_from_payload;  // the own source's rows pulled from p.payload (or in place), not staged:
+                          // plain rows, or e4m3 rows of 16-bit payloads (OwnRowsUnstaged)
   CopyPlan stage_plan;
   int pull_elems;      // elements per vector access of the pull
   int pull_lane_bits;  // log2 of the lanes that sum one row
@@ -117,6 +119,9 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
   using OutVec = Packed<typename Out::Bits, kElems>;
   using InRaw = decltype(InVec::raw);
   using OutRaw = decltype(OutVec::raw);
+  // The own source's e4m3 rows pulled from their 16-bit payload (launch_combine
+  // sets own_from_payload for them only with these vectors).
+  constexpr bool kOwnUnstaged = OwnRowsUnstaged<In>::value && kElems == kE4m3PullElems && kUnroll == 1;
   const CombineParams& p = a.p;
   const WorkspaceView& ws = p.ws;
   uint8_t* own = ws.row(ws.ep_rank);
@@ -141,7 +146,9 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
     const int d = route_rank(entry);
     if (!route_in_call(entry, ws.ep_size, T) || !rank_active(p.sync, d)) return nullptr;
     const int64_t row = source_row + route_slot(entry);
-    if (d == ws.ep_rank && a.own_from_payload) return p.payload + row * a.row_bytes;
+    // The own rows that step 1 left out: in the payload tensor, or (e4m3
+    // rows in place) unconverted in the own region.
+    if (d == ws.ep_rank && a.own_from_payload && p.payload != nullptr) return p.payload + row * a.row_bytes;
     return ws.row(d) + p.combine_offset + row * a.row_bytes;
   };
   // An item is token t's segment: this lane's first vector of it is `first`.
@@ -175,19 +182,32 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
 #pragma unroll
       for (int j = 0; j < kDestBatch; j += kPullRowsInFlight) {
         const uint8_t* src[kPullRowsInFlight];
+        bool own[kPullRowsInFlight];
 #pragma unroll
         for (int g = 0; g < kPullRowsInFlight; ++g) {
           ended = ended || entries[j + g] == kRouteEnd;
           src[g] = ended ? nullptr : row_of(entries[j + g]);
+          // The own row from its unconverted payload (kOwnUnstaged's case).
+          own[g] = kOwnUnstaged && src[g] != nullptr && a.own_from_payload && route_rank(entries[j + g]) == ws.ep_rank;
         }
         InVec x[kPullRowsInFlight][kUnroll];
         float scale[kPullRowsInFlight][kUnroll];  // block scales of e4m3 rows, else 1
+        uint4 own_hi;  // kOwnUnstaged: elements 8-15 of the own row's vector (a route has one own row)
 #pragma unroll
         for (int g = 0; g < kPullRowsInFlight; ++g) {
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
             const int v = first + u * lanes;
             const bool loads = src[g] != nullptr && v < vectors;
+            if constexpr (kOwnUnstaged) {
+              if (own[g]) {
+                const uint4* row = reinterpret_cast<const uint4*>(src[g]);
+                x[g][u].raw = loads ? row[2 * v] : uint4{};
+                own_hi = loads ? row[2 * v + 1] : uint4{};
+                scale[g][u] = 1.0f;
+                continue;
+              }
+            }
             x[g][u].raw = loads ? In::template load<InRaw>(src[g], v) : InRaw{};
             scale[g][u] = loads ? In::scale(src[g], int64_t(v) * kElems, p.row_elems) : 0.0f;
           }
@@ -197,6 +217,12 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
           if (src[g] == nullptr) continue;
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
+            if constexpr (kOwnUnstaged) {
+              if (own[g]) {
+                add_own_e4m3<typename In::Source>(x[g][u].raw, own_hi, acc[u]);
+                continue;
+              }
+            }
             if constexpr (In::kLowPrecision && kElems >= 4) {
               // e4m3 codes, decoded a word (four codes) at a time.
 #pragma unroll
@@ -376,7 +402,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
       return;
     }
     if constexpr (In::kLowPrecision) {
-      stage_rows_e4m3<In>(p, a.row_bytes, recv_count, a.stage_vectors);
+      stage_rows_e4m3<In>(p, a.row_bytes, recv_count, a.stage_vectors, a.own_from_payload ? ws.ep_rank : -1);
     } else {
       stage_rows(a, recv_count);
     }
@@ -493,6 +519,17 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
   // quantized output the widest vectors, which its epilogue assumes.
   if (quantized && elems != widest) return cudaErrorInvalidValue;
   a.pull_elems = elems;
+  // e4m3 rows of a 16-bit payload with the widest pull vectors and every row
+  // 16-byte aligned: the own source's rows are pulled unconverted from the
+  // payload (or in place) rather than staged (OwnRowsUnstaged), as plain
+  // rows are: the staging's read and write of them and the pull's e4m3 read
+  // become one read of the payload row.
+  // pull_rows' kOwnUnstaged holds for exactly these kernels: a kernel
+  // without it would read the 16-bit rows as e4m3 codes.
+  static_assert(kE4m3PullUnroll == 1, "pull_rows converts the own rows of one vector a lane");
+  if (p.low_precision == LowPrecision::kE4m3 && in_bytes == 2 && a.stage_vectors && elems == kE4m3PullElems) {
+    a.own_from_payload = true;
+  }
   const int64_t vectors = p.row_elems / elems;
   int pull_lanes = lanes_per_row(vectors, unroll);
   // A quantized block's vectors lie in adjacent lanes of one row's group.

@@ -96,6 +96,43 @@ struct E4m3Rows {
   }
 };
 
+// Whether a combine of In's rows may pull the own source's rows from its
+// unconverted 16-bit payload (launch_combine: with 16-element pull vectors
+// and 16-byte aligned rows) instead of staging them: plain e4m3 rows, whose
+// element is the e4m3 value of the payload's, found per element (the block-
+// scaled ones would need the block's maximum across lanes).
+template <typename In>
+struct OwnRowsUnstaged {
+  static constexpr bool value = false;
+};
+template <typename Payload>
+struct OwnRowsUnstaged<E4m3Rows<Payload, false>> {
+  static constexpr bool value = sizeof(typename Payload::Bits) == 2;
+};
+
+// Adds to acc the 16 values of an own row's pull vector read from its 16-bit
+// payload (lo: elements 0-7, hi: 8-15) as the staging and the pull of an
+// e4m3 row give them: each converted to its e4m3 code (e4m3x4_from_float,
+// NaN pinned) and back (e4m3x4_to_float), so the sums keep their bits. Four
+// at a time: the 16 values at once spilled registers.
+template <typename Payload>
+__device__ __forceinline__ void add_own_e4m3(uint4 lo, uint4 hi, float (&acc)[16]) {
+  Packed<typename Payload::Bits, 8> a, b;
+  a.raw = lo;
+  b.raw = hi;
+#pragma unroll
+  for (int e = 0; e < 16; e += 4) {
+    const auto& src = e < 8 ? a : b;
+    const int i = e % 8;
+    float q[4];
+    e4m3x4_to_float(e4m3x4_from_float(Payload::to_float(src.v[i]), Payload::to_float(src.v[i + 1]),
+                                      Payload::to_float(src.v[i + 2]), Payload::to_float(src.v[i + 3])),
+                    q);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[e + j] += q[j];
+  }
+}
+
 // A quantized output (p.quant): the sums rounded to Round's dtype, then
 // block-quantized. Bits only sizes the unused plain-output vector.
 template <typename R>
@@ -119,7 +156,9 @@ struct IsQuantized<QuantizedOut<Round>> {
 constexpr int kStageChunks = 4;
 
 // Stage of a low-precision combine: every active source s's first rows[s]
-// rows (from p.payload, or in place) as e4m3 rows. A warp converts one row
+// rows (from p.payload, or in place) as e4m3 rows, but for source `skipped`
+// (the own one where the pull reads its rows unconverted: OwnRowsUnstaged;
+// else -1). A warp converts one row
 // front to back, kStageChunks chunks of 32 source vectors a step, a lane's
 // vector 16 bytes of source elements (8 of 16 bits, 4 of 32), all in one
 // 128-element block: every lane's loads of a step come before any lane's
@@ -131,7 +170,8 @@ constexpr int kStageChunks = 4;
 // the region): a lane loads its elements as one vector and stores their
 // codes as one; else one element at a time.
 template <typename In>
-__device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const int32_t* rows, bool vectors) {
+__device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const int32_t* rows, bool vectors,
+                                int skipped) {
   using Source = typename In::Source;
   using SrcBits = typename Source::Bits;
   constexpr int kLaneElems = 16 / int(sizeof(SrcBits));
@@ -143,7 +183,7 @@ __device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const
   const WorkspaceView& ws = p.ws;
   const int64_t T = p.runtime_max_tokens;
   __shared__ int64_t first_row[kMaxRanks + 1];  // staged rows before source s
-  staged_row_starts(p, rows, /*skipped=*/-1, first_row);
+  staged_row_starts(p, rows, skipped, first_row);
   uint8_t* region = ws.row(ws.ep_rank) + p.combine_offset;
   const uint8_t* source = p.payload != nullptr ? p.payload : region;
   const int lane = lane_id();
