@@ -385,6 +385,26 @@ def test_combine_variants_targets():
     ], lines
 
 
+@pytest.mark.parametrize("variant,expected", [
+    # staged rows read, written and pulled (2 bytes each); the own rows read once by the pull
+    ("bf16", lambda rows, own, tokens, h: (rows - own) * h * 6 + own * h * 2 + tokens * h * 2),
+    # e4m3 staging reads 2 bytes and writes 1, the pull reads 1; the own rows as bf16
+    ("e4m3", lambda rows, own, tokens, h: (rows - own) * h * 4 + own * h * 2 + tokens * h * 2),
+    # block-scaled rows all staged, with a 4-byte scale per 128 elements
+    ("e4m3-block-scaled", lambda rows, own, tokens, h: rows * h * 2 + 2 * rows * (h + h // 32) + tokens * h * 2),
+    # a fused MXFP8 output: a byte an element and one scale per 32
+    ("mxfp8", lambda rows, own, tokens, h: (rows - own) * h * 6 + own * h * 2 + tokens * (h + h // 32)),
+])
+@pytest.mark.parametrize("rows,own", [(40, 40), (40, 5), (40, 0)])
+def test_combine_variants_byte_model(variant, expected, rows, own):
+    """The ratio-to-copy column's bytes: staged rows read, written and pulled,
+    the own rows (but block-scaled ones) pulled from the payload, the output."""
+    from torch_moe_a2a.bench import low_precision
+    tokens, hidden = 3, 256  # tokens of each of ep = 2 ranks
+    moved = low_precision._moved_bytes(variant, rows, own, tokens, hidden, 2)
+    assert moved == expected(rows, own, 2 * tokens, hidden)
+
+
 @pytest.mark.slow
 def test_low_precision_error_table(capsys):
     assert single.main(["--low-precision-error"]) == 0

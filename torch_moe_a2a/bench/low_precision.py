@@ -7,9 +7,11 @@ low-precision combine and the quantized combine outputs.
 fused into the combine; the bf16 combine followed by a quantizer as the
 unfused baseline: on CUDA the reference quantizer of torch_moe_a2a.reference
 under torch.compile, the plain one where that does not compile and on the
-CPU) the time of the combine of all ranks, the bytes it moves (staging reads
-the payload rows and writes the staged rows; the pull reads one staged row
-per (token, destination) and writes the output and its scales) and their
+CPU) the time of the combine of all ranks, the bytes the CUDA kernels move
+(staging reads the payload rows and writes the staged rows; the pull reads
+one row per (token, destination), staged or, for the own rank's rows of the
+bf16 and e4m3 transports, the payload's, and writes the output and its
+scales) and their
 rate as a ratio to the device's copy bandwidth measured in the same run
 (bytes read + written by one large copy). On CUDA the time is
 ``bench --graph all-ranks``'s: the median per replay of one CUDA graph of
@@ -68,14 +70,21 @@ FUSED_MAX_OVER_BF16 = 1.05
 FUSED_MIN_OVER_UNFUSED = 1.3
 
 
-def _moved_bytes(variant: str, recv_rows: int, tokens: int, hidden: int, ep: int) -> int:
+def _moved_bytes(variant: str, recv_rows: int, own_rows: int, tokens: int, hidden: int, ep: int) -> int:
+    """Bytes the CUDA kernels read and write for one combine of every rank:
+    recv_rows received rows in all, own_rows of them each rank's own. The
+    own rows of bf16 and e4m3 transports are read once by the pull from the
+    payload, not staged (the bench's bf16 rows of whole 16-byte vectors);
+    block-scaled rows are all staged."""
     kwargs, fmt, fused = VARIANTS[variant]
     staged_elem = 1 if kwargs.get("use_low_precision") else 2
+    unstaged = own_rows
     if kwargs.get("low_precision_block_scales"):
         staged_elem += 4 / 128
-    payload = recv_rows * hidden * 2
-    staging = payload + int(recv_rows * hidden * staged_elem)
-    pull_in = int(recv_rows * hidden * staged_elem)
+        unstaged = 0
+    staged = recv_rows - unstaged
+    staging = staged * hidden * 2 + int(staged * hidden * staged_elem)
+    pull_in = int(staged * hidden * staged_elem) + unstaged * hidden * 2
     if fmt is None:
         out = tokens * ep * hidden * 2
     else:
@@ -249,8 +258,10 @@ def _run_point(device, clock, ep, tokens, hidden, experts, top_k, iters, warmup,
         if name == "bf16":
             bf16_out = [o.clone() for o in outputs]
         check = _check_variant(name, outputs, scales, bf16_out)
-        recv_rows = sum(int(sim.recv_counts(r).sum()) for r in range(ep))
-        moved = _moved_bytes(name, recv_rows, tokens, hidden, ep)
+        counts = [sim.recv_counts(r) for r in range(ep)]
+        recv_rows = sum(int(c.sum()) for c in counts)
+        own_rows = sum(int(c[r]) for r, c in enumerate(counts))
+        moved = _moved_bytes(name, recv_rows, own_rows, tokens, hidden, ep)
         ratio = moved / (us * 1e-6) / copy_bps
         if name == "bf16":
             base_us = us
