@@ -114,7 +114,8 @@ struct OwnRowsUnstaged<E4m3Rows<Payload, false>> {
 // payload (lo: elements 0-7, hi: 8-15) as the staging and the pull of an
 // e4m3 row give them: each converted to its e4m3 code (e4m3x4_from_float,
 // NaN pinned) and back (e4m3x4_to_float), so the sums keep their bits. Four
-// at a time: the 16 values at once spilled registers.
+// at a time: the 16 values at once held more registers (the kernels with
+// bf16 outputs spilled 20 bytes instead of 12).
 template <typename Payload>
 __device__ __forceinline__ void add_own_e4m3(uint4 lo, uint4 hi, float (&acc)[16]) {
   Packed<typename Payload::Bits, 8> a, b;
