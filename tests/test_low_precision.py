@@ -147,6 +147,34 @@ def test_quantized_output_edges(fmt, device):
     _check_quantized(case, fmt, a2a.SfLayout.layout_linear, device, transform=_outliers(1e-30), global_scale=0.01)
 
 
+E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def _e2m1_ties(out):
+    """Every row: per 16 elements a 6.0 (each block's maximum: scale 1) and
+    the e2m1 midpoints, each one bf16 step below, at and above it, both signs."""
+    mids = torch.tensor(E2M1_MIDPOINTS, dtype=torch.bfloat16)
+    bits = mids.view(torch.int16)
+    near = torch.stack([(bits - 1).view(torch.bfloat16), mids, (bits + 1).view(torch.bfloat16)], 1).flatten()
+    values = torch.cat([near, -near]).tolist()
+    row, hidden = [], out.shape[-1]
+    while len(row) < hidden:
+        row.append(6.0 if len(row) % 16 == 0 else (values.pop(0) if values else 0.0))
+    assert not values, "hidden too small for every tie"
+    out = out.clone()
+    out[...] = torch.tensor(row, dtype=out.dtype)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_quantized_output_e2m1_ties(fmt, device):
+    """e2m1 codes at the midpoints between neighbours (a tie goes to the even
+    code) and a bf16 step to either side of each: one expert a token at ep 1,
+    so every output row is its expert row exactly."""
+    case = Case(1, (3,), 1, 2, hidden=64, runtime_max=3)
+    _check_quantized(case, fmt, a2a.SfLayout.layout_linear, device, transform=_e2m1_ties)
+
+
 # FlashInfer's test shapes for its FP8 combine and quantized outputs: world sizes
 # 2 to 8, hidden 2048 to 7168, the payload in the workspace or not (few tokens:
 # the shapes are what matters here, and the CPU runs them too).
