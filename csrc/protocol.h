@@ -598,7 +598,8 @@ MOE_A2A_HD int64_t combine_end(int64_t combine_offset, int64_t ep_size, int64_t 
 // ---- Low-precision combine rows (combine's use_low_precision) ----
 // The combine stages every received row as e4m3 bytes into the combine region
 // at the payload's row stride (payload_in_workspace: in place, over the row
-// it converts), and the peers pull those. Plain (FlashInfer's): element i at
+// it converts), and the peers pull those (the own source's plain e4m3 rows
+// the CUDA combine may leave out: combine step 1). Plain (FlashInfer's): element i at
 // byte i. Block-scaled (ours): blocks of kLowPrecisionBlock elements, block c
 // at byte c * kLowPrecisionBlockPitch and its fp32 scale right after its
 // elements rounded up to 16 bytes; the 12 bytes after a whole block's scale
