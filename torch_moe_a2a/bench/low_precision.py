@@ -43,6 +43,9 @@ from .common import COPY_BYTES, PRESETS, Clock, capture_graph, copy_bandwidth, d
 from .common import fmt as cell
 
 DEFAULT_PRESET = "deepseek-v3"
+# Default points: the targets' on CUDA, a few seconds' worth on the CPU.
+DEFAULT_EP = {"cuda": (8,), "cpu": (2,)}
+DEFAULT_TOKENS = {"cuda": (128, 4096), "cpu": (1, 16)}
 # name: (combine keyword arguments, quantized format or None, whether fused)
 VARIANTS: dict[str, tuple[dict, Optional[str], bool]] = {
     "bf16": ({}, None, True),
@@ -142,6 +145,10 @@ def run_variants(device: torch.device, eps: list[int], tokens_list: list[int], i
                 release(device)  # freeing device memory between two ranks' launches would stall them
     emit(format_table(["ep", "tokens", "variant", "us", "floor us", "bytes moved", "ratio to copy", "vs bf16",
                        "check"], rows, {2, 8}))
+    emit("vs bf16: the bf16 combine's time over the variant's (above 1x: faster); bytes moved: what the CUDA "
+         "kernels read and write (staging, pull, output); ratio to copy: those bytes per second over the copy "
+         "bandwidth; check: the outputs against the bf16 combine's (module docstring)"
+         + ("" if device.type == "cuda" else "; targets: CUDA runs only"))
     for line in target_lines(records):
         emit(line)
     return records

@@ -927,8 +927,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--combine-variants", nargs="*", choices=list(low_precision.VARIANTS), default=None,
                    metavar="VARIANT",
                    help="instead: time the combine's variants (default all: "
-                   f"{', '.join(low_precision.VARIANTS)}) on {low_precision.DEFAULT_PRESET} at --ep (default 8) and "
-                   "--tokens (default 128 4096): per replay of a graph of every rank's combine on CUDA (beside the "
+                   f"{', '.join(low_precision.VARIANTS)}) on the first --preset (default "
+                   f"{low_precision.DEFAULT_PRESET}) at --ep (default {_per_device(low_precision.DEFAULT_EP)}) and "
+                   f"--tokens (default {_per_device(low_precision.DEFAULT_TOKENS)}): per replay of a graph of "
+                   "every rank's combine on CUDA (beside the "
                    "launch floor), eager wall time on the CPU; with the bytes they move as ratios to the copy "
                    "bandwidth, and the speed targets")
     p.add_argument("--expert-major", action="store_true",
@@ -1004,10 +1006,12 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 0 if all(r["status"] == "ok" for r in records) else 1
     if args.combine_variants is not None:
         records = low_precision.run_variants(
-            device, [8] if args.ep is None else args.ep, [128, 4096] if args.tokens is None else args.tokens,
+            device, list(low_precision.DEFAULT_EP[device.type]) if args.ep is None else args.ep,
+            list(low_precision.DEFAULT_TOKENS[device.type]) if args.tokens is None else args.tokens,
             DEFAULT_ITERS_FOR[device.type] if args.iters is None else args.iters,
             DEFAULT_WARMUP_FOR[device.type] if args.warmup is None else args.warmup,
-            args.combine_variants or None)
+            args.combine_variants or None,
+            preset=preset_names(args.preset, default=[low_precision.DEFAULT_PRESET])[0])
         if args.json:
             write_json(args.json, {"device": device_name(device), "torch": torch.__version__, "records": records})
         return 0 if all(r["check"] == "ok" for r in records) else 1
