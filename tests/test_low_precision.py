@@ -262,6 +262,7 @@ def _scales(n, dtype=torch.uint8, device="cpu"):
     (dict(output_dtype=torch.uint8, output_scales=(32, FP8), sf_layout=a2a.SfLayout.layout_8x4,
           output_scalar_scale=0.0), "positive finite"),
     (dict(output_dtype=FP8, output_scales=10, sf_layout=7), "sf_layout must be"),
+    (dict(output_dtype=FP8, output_scales=10, sf_layout="linear"), "sf_layout must be an SfLayout"),
     (dict(use_low_precision=True, output_dtype=torch.float32), "combines into torch.bfloat16"),
     (dict(low_precision_block_scales=True), "requires use_low_precision=True"),
 ])

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 from typing import Optional, Sequence, Union
 
 import torch
@@ -488,7 +489,12 @@ def moe_a2a_combine(
         use_low_precision: each rank converts its expert outputs to e4m3
             (round to nearest even, saturating at +-448) in the workspace
             before the peers pull them (half the bytes of bf16 on the link);
-            the sums are fp32 and the output bf16 (or quantized).
+            the sums are fp32 and the output bf16 (or quantized). Every
+            rank's combine of a round must agree on it, on
+            ``low_precision_block_scales`` and on the payload's dtype and row
+            shape (the peers read this rank's rows in that form): a rank
+            that differs is not detected and gives wrong sums. The output
+            format may differ between ranks.
         enable_pdl, enable_rank_mask, active_rank_mask, backend, timeout_s: as for dispatch.
         low_precision_block_scales: with ``use_low_precision``, every 128
             elements of a row travel with a power-of-two scale (the smallest
@@ -518,7 +524,11 @@ def moe_a2a_combine(
         check_output_first("moe_a2a_combine", output, workspace)
     check_backend(backend, workspace)
     # By value, so FlashInfer's own SfLayout (or a plain int) is understood too.
-    sf_layout = int(getattr(sf_layout, "value", sf_layout))
+    try:
+        sf_layout = operator.index(getattr(sf_layout, "value", sf_layout))
+    except TypeError:
+        raise ValueError(f"sf_layout must be an SfLayout (layout_128x4, layout_8x4, layout_linear) or its int "
+                         f"value 0, 1 or 2, got {sf_layout!r}") from None
     if low_precision_block_scales and not use_low_precision:
         raise ValueError("low_precision_block_scales=True requires use_low_precision=True")
     low_precision = (_LOW_PRECISION_BLOCK_SCALED if low_precision_block_scales else
