@@ -229,7 +229,7 @@ MOE_A2A_HD float ue8m0_inverse(uint8_t code) { return code == 0xff ? bits_float(
 
 // ---- block quantization of quantized outputs -----------------------------------
 
-MOE_A2A_HD int64_t quant_block(QuantFormat f) { return f == QuantFormat::kNvfp4 ? kNvfp4Block : kMxBlock; }
+MOE_A2A_HD constexpr int64_t quant_block(QuantFormat f) { return f == QuantFormat::kNvfp4 ? kNvfp4Block : kMxBlock; }
 
 struct BlockScale {
   uint8_t code;   // the stored scale (ue8m0, or e4m3 for NVFP4)

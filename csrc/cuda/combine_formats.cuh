@@ -278,7 +278,7 @@ __device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const
 template <typename Round, int kElems, QuantFormat kFormat>
 __device__ __forceinline__ void store_quantized_as(const CombineParams& p, int64_t t, int v,
                                                    const float (&acc)[kElems]) {
-  constexpr int kBlock = int(kFormat == QuantFormat::kNvfp4 ? kNvfp4Block : kMxBlock);
+  constexpr int kBlock = int(quant_block(kFormat));
   constexpr int kGroup = kBlock > kElems ? kBlock / kElems : 1;
   static_assert(kBlock % kElems == 0 || kElems % kBlock == 0, "a vector holds whole blocks or part of one");
   static_assert(kElems <= kBlock, "one scale per vector");
