@@ -361,6 +361,73 @@ def test_combine_variants_check_their_outputs(monkeypatch, capsys):
     assert rc == 1 and "FAIL: rank 0 differs from the reference quantizer" in out, out
 
 
+def test_combine_variants_skip_points_over_max_gib(tmp_path, capsys):
+    """--max-gib: a point needing more is skipped with the sweep's reason, the others run."""
+    path = tmp_path / "variants.json"
+    rc = single.main(["--device", "cpu", "--combine-variants", "bf16", "--ep", "1", "--tokens", "1", "128",
+                      "--max-gib", "0.005", "--iters", "1", "--warmup", "0", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert re.search(r"^ 1\s+128\s+-\s.*skipped: needs ~\d+\.\d GiB > --max-gib 0\.005$", out, re.M), out
+    records = json.loads(path.read_text())["records"]
+    assert [(r["tokens"], r["variant"], r["check"]) for r in records] == [(1, "bf16", "ok")]
+
+
+def test_combine_variants_print_rows_as_measured(monkeypatch):
+    """The table's header first, then each point's rows before the next point
+    runs; the legend after the last row."""
+    from torch_moe_a2a.bench import low_precision
+
+    lines: list[str] = []
+    printed_before: list[list[str]] = []  # what was printed when each point started
+    run_point = low_precision._run_point
+
+    def spy(*args):
+        printed_before.append(list(lines))
+        return run_point(*args)
+
+    monkeypatch.setattr(low_precision, "_run_point", spy)
+    records = low_precision.run_variants(torch.device("cpu"), [1], [1, 2], 1, 0, ["bf16"], emit=lines.append)
+    assert [r["tokens"] for r in records] == [1, 2]
+
+    def rows(printed, tokens):
+        return [line for line in printed if re.match(rf"^ 1\s+{tokens}\s+bf16\s", line)]
+
+    assert printed_before[0][-2].startswith("ep  tokens  variant") and not rows(printed_before[0], 1)
+    assert len(rows(printed_before[1], 1)) == 1 and not rows(printed_before[1], 2)
+    legend = next(i for i, line in enumerate(lines) if line.startswith("vs bf16: "))
+    assert lines.index(rows(lines, 2)[0]) < legend, lines
+
+
+def test_combine_variants_interrupted_keep_the_points_measured(monkeypatch, tmp_path, capsys):
+    """Ctrl-C during the second point: the first point's rows and records
+    stand, a line says the run stopped, and the exit code is SIGINT's (128 + 2)."""
+    from torch_moe_a2a.bench import low_precision
+
+    run_point = low_precision._run_point
+    calls = []
+
+    def interrupted_second(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return run_point(*args)
+
+    monkeypatch.setattr(low_precision, "_run_point", interrupted_second)
+    path = tmp_path / "variants.json"
+    rc = single.main(["--device", "cpu", "--combine-variants", "bf16", "e4m3", "--ep", "1", "--tokens", "1", "2", "3",
+                      "--iters", "1", "--warmup", "0", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 128 + signal.SIGINT, out
+    assert len(calls) == 2
+    assert re.search(r"^ 1\s+1\s+bf16\s.*ok$", out, re.M) and re.search(r"^ 1\s+1\s+e4m3\s.*ok$", out, re.M), out
+    assert not re.search(r"^ 1\s+[23]\s", out, re.M), out
+    assert out.index("vs bf16: ") < out.index("stopped by SIGINT: 2 points not run"), out
+    data = json.loads(path.read_text())
+    assert data["interrupted"] is True
+    assert [(r["tokens"], r["variant"]) for r in data["records"]] == [(1, "bf16"), (1, "e4m3")]
+
+
 def test_combine_variants_targets():
     """The speed targets: each e4m3 transport's speedup over bf16 at its bound,
     the fused outputs' time against bf16's and their gain over the unfused

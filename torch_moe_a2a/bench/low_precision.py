@@ -21,8 +21,10 @@ CPU eager wall time. The bf16 combine runs first; every other variant's last
 outputs are checked against it (the fused formats bitwise against the
 reference quantizer of its output, the e4m3 transports within e4m3's error),
 and a FAIL fails the run. Outputs are allocated before the timed calls:
-nothing allocates while a simulated peer's kernel spins. The speed targets
-(target_lines) close the output.
+nothing allocates while a simulated peer's kernel spins. The rows print as
+each point is measured; a point over --max-gib is skipped with the reason; a
+stop signal (SIGINT, SIGTERM) ends the run between two points, keeping the
+points measured. The speed targets (target_lines) close the output.
 
 --low-precision-error: the relative error of both e4m3 transports against the
 bf16 combine on activations with and without outliers (docs/internals.md
@@ -31,15 +33,30 @@ holds the table of record).
 
 from __future__ import annotations
 
+import functools
+import signal
 import statistics
 from typing import Callable, Optional
 
 import torch
 
-from .. import reference
+from .. import layout, reference
 from ..api import SfLayout, moe_a2a_combine, moe_a2a_dispatch
 from ..simulate import SimulatedEP
-from .common import COPY_BYTES, PRESETS, Clock, capture_graph, copy_bandwidth, device_name, format_table, release
+from .common import (
+    COPY_BYTES,
+    DEFAULT_MAX_GIB,
+    GIB,
+    PRESETS,
+    Clock,
+    Interrupted,
+    StopSignals,
+    capture_graph,
+    copy_bandwidth,
+    device_name,
+    format_table,
+    release,
+)
 from .common import fmt as cell
 
 DEFAULT_PRESET = "deepseek-v3"
@@ -60,6 +77,11 @@ VARIANTS: dict[str, tuple[dict, Optional[str], bool]] = {
 _FORMATS = {"mxfp8": (torch.float8_e4m3fn, torch.uint8, 32), "mxfp4": (torch.uint8, torch.uint8, 32),
             "nvfp4": (torch.uint8, torch.float8_e4m3fn, 16)}
 NVFP4_GLOBAL_SCALE = 448.0 * 6.0 / 8.0
+HEADER = ["ep", "tokens", "variant", "us", "floor us", "bytes moved", "ratio to copy", "vs bf16", "check"]
+LEFT = {2, 8}  # left-aligned columns, as format_table takes them
+# Rows print as each point is measured, so the widths are fixed before the
+# first: the time columns room for up to 10 s (a wider cell shifts its row only).
+WIDEST_US = "9999999.9"
 
 
 # The speed targets (ep 8, DeepSeek-V3, per replay): a variant's time over
@@ -116,17 +138,41 @@ def _quantizer(device: torch.device) -> tuple[Callable, str]:
     return reference.reference_quantize, "plain-PyTorch reference quantizer"
 
 
+def _memory_bytes(ep: int, tokens: int, hidden: int, top_k: int) -> int:
+    """Upper estimate of the memory one point needs (device memory; on the CPU
+    all of it): every simulated rank's workspace, the payloads and routing,
+    and four bf16 outputs per rank (a variant's outputs, the previous
+    variant's until replaced, the bf16 combine's kept for the checks, the
+    unfused quantizer's output)."""
+    dispatch_row, combine_row = hidden * 2 + top_k * 4, hidden * 2
+    workspace = ep * layout.workspace_size_per_rank(ep, tokens, dispatch_row, combine_row, 0)
+    return workspace + ep * tokens * (dispatch_row + 4 * combine_row)
+
+
+def _line(cells: list[str], widths: list[int]) -> str:
+    """One line of the table, aligned as format_table aligns it."""
+    return "  ".join(c.ljust(w) if i in LEFT else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+
 def run_variants(device: torch.device, eps: list[int], tokens_list: list[int], iters: int, warmup: int,
-                 variants: Optional[list[str]] = None, preset: str = DEFAULT_PRESET,
-                 emit: Callable[[str], None] = print) -> list[dict]:
-    """Time each variant at each (ep, tokens); returns one record per row printed.
+                 variants: Optional[list[str]] = None, preset: str = DEFAULT_PRESET, max_gib: Optional[float] = None,
+                 stop: Optional[StopSignals] = None,
+                 emit: Callable[[str], None] = functools.partial(print, flush=True)) -> list[dict]:
+    """Time each variant at each (ep, tokens); returns one record per variant measured.
     The bf16 combine runs first whether asked for or not: the others are
-    checked against its outputs and compared with its time."""
+    checked against its outputs and compared with its time. A point needing
+    more than ``max_gib`` (default DEFAULT_MAX_GIB of the device) is skipped.
+    ``stop`` (the caller's, active): a signal ends the run between two points,
+    the points measured by then reported as usual; its ``signum`` tells the caller.
+    ``emit`` flushes by default: a run into a pipe or a log shows each row as it comes."""
     variants = ["bf16", *(v for v in (variants or list(VARIANTS)) if v != "bf16")]
+    stop = StopSignals() if stop is None else stop
+    max_bytes = int((DEFAULT_MAX_GIB[device.type] if max_gib is None else max_gib) * GIB)
     clock = Clock(device)
     shape = PRESETS[preset]
     hidden, experts, top_k = shape.hidden, shape.num_experts, shape.top_k
-    copy_bps = copy_bandwidth(clock, device, COPY_BYTES[device.type]) * 1e9
+    # The copy within the budget too, as the sweep's.
+    copy_bps = copy_bandwidth(clock, device, min(COPY_BYTES[device.type], max_bytes // 4)) * 1e9
     quantize, quantizer_name = _quantizer(device) if any(not VARIANTS[v][2] for v in variants) else (None, "")
     method = ("per replay of a CUDA graph of every rank's combine (bench --graph all-ranks's method), after a "
               "replay of the dispatch's; floor: the same graph of empty kernels" if device.type == "cuda"
@@ -134,23 +180,44 @@ def run_variants(device: torch.device, eps: list[int], tokens_list: list[int], i
     emit(f"combine variants: {device_name(device)}, torch {torch.__version__}; {preset} (hidden {hidden}, "
          f"{experts} experts, top-{top_k}); copy bandwidth {copy_bps / 1e9:.1f} GB/s (read + written); "
          f"{method}; median of {iters} after {warmup}" + (f"; unfused: {quantizer_name}" if quantize else ""))
+    # The other columns' cells fit in their header's width.
+    widest = [str(max(eps)), str(max(tokens_list)), max(variants, key=len), WIDEST_US, WIDEST_US, "", "", "", ""]
+    widths = [max(len(h), len(w)) for h, w in zip(HEADER, widest)]
+    header = _line(HEADER, widths)
+    emit(header)
+    emit("-" * len(header))
+    points = [(ep, tokens) for ep in eps for tokens in tokens_list]
     records = []
-    rows = []
-    for ep in eps:
-        for tokens in tokens_list:
-            try:
-                records += _run_point(device, clock, ep, tokens, hidden, experts, top_k, iters, warmup,
-                                      variants, copy_bps, rows, quantize)
-            finally:
-                release(device)  # freeing device memory between two ranks' launches would stall them
-    emit(format_table(["ep", "tokens", "variant", "us", "floor us", "bytes moved", "ratio to copy", "vs bf16",
-                       "check"], rows, {2, 8}))
+    done = 0
+    try:
+        for ep, tokens in points:
+            stop.check()
+            need = _memory_bytes(ep, tokens, hidden, top_k)
+            if need > max_bytes:
+                rows = [[str(ep), str(tokens), "-", "-", "-", "-", "-", "-",
+                         f"skipped: needs ~{need / GIB:.1f} GiB > --max-gib {max_bytes / GIB:g}"]]
+            else:
+                rows = []
+                try:
+                    records += _run_point(device, clock, ep, tokens, hidden, experts, top_k, iters, warmup,
+                                          variants, copy_bps, rows, quantize)
+                finally:
+                    release(device)  # freeing device memory between two ranks' launches would stall them
+            for row in rows:
+                emit(_line(row, widths))
+            done += 1
+    except Interrupted:
+        pass  # the point in progress is dropped; the ones before it stand
+    except KeyboardInterrupt:  # a second signal, or Ctrl-C outside the main thread's handlers
+        stop.signum = stop.signum or signal.SIGINT
     emit("vs bf16: the bf16 combine's time over the variant's (above 1x: faster); bytes moved: what the CUDA "
          "kernels read and write (staging, pull, output); ratio to copy: those bytes per second over the copy "
          "bandwidth; check: the outputs against the bf16 combine's (module docstring)"
          + ("" if device.type == "cuda" else "; targets: CUDA runs only"))
     for line in target_lines(records):
         emit(line)
+    if stop.signum is not None:
+        emit(f"stopped by {signal.Signals(stop.signum).name}: {len(points) - done} points not run")
     return records
 
 

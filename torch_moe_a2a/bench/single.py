@@ -1005,15 +1005,22 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             write_json(args.json, {"device": device_name(device), "torch": torch.__version__, "records": records})
         return 0 if all(r["status"] == "ok" for r in records) else 1
     if args.combine_variants is not None:
-        records = low_precision.run_variants(
-            device, list(low_precision.DEFAULT_EP[device.type]) if args.ep is None else args.ep,
-            list(low_precision.DEFAULT_TOKENS[device.type]) if args.tokens is None else args.tokens,
-            DEFAULT_ITERS_FOR[device.type] if args.iters is None else args.iters,
-            DEFAULT_WARMUP_FOR[device.type] if args.warmup is None else args.warmup,
-            args.combine_variants or None,
-            preset=preset_names(args.preset, default=[low_precision.DEFAULT_PRESET])[0])
+        # A stop signal ends the run between two points, as the sweep's (below).
+        with StopSignals() as stop:
+            records = low_precision.run_variants(
+                device, list(low_precision.DEFAULT_EP[device.type]) if args.ep is None else args.ep,
+                list(low_precision.DEFAULT_TOKENS[device.type]) if args.tokens is None else args.tokens,
+                DEFAULT_ITERS_FOR[device.type] if args.iters is None else args.iters,
+                DEFAULT_WARMUP_FOR[device.type] if args.warmup is None else args.warmup,
+                args.combine_variants or None,
+                preset=preset_names(args.preset, default=[low_precision.DEFAULT_PRESET])[0], max_gib=args.max_gib,
+                stop=stop)
+        interrupted = stop.signum is not None
         if args.json:
-            write_json(args.json, {"device": device_name(device), "torch": torch.__version__, "records": records})
+            write_json(args.json, {"device": device_name(device), "torch": torch.__version__,
+                                   "interrupted": interrupted, "records": records})
+        if interrupted:
+            return stop.exit_code
         return 0 if all(r["check"] == "ok" for r in records) else 1
     if args.smoke:
         names, eps, tokens = list(SMOKE_PRESETS), list(SMOKE_EP), list(SMOKE_TOKENS)
