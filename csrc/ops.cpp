@@ -527,12 +527,8 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
   if (lp) {
     const int64_t staged = low_precision_row_bytes(p.low_precision, p.row_elems);
     TORCH_CHECK_VALUE(staged <= row_bytes, "use_low_precision with block scales stages ", staged,
-                      " bytes per row (e4m3 elements and their fp32 scales), more than the payload row's ", row_bytes,
-                      " bytes it replaces (row_shape ", row_shape, " of ", dtype_name(payload_dtype), ")");
-    // The fp32 block scales are stored and loaded as words.
-    TORCH_CHECK_VALUE(p.low_precision != LowPrecision::kE4m3BlockScaled || row_bytes % 4 == 0,
-                      "use_low_precision with block scales needs payload rows of a multiple of 4 bytes, got ",
-                      row_bytes, " (row_shape ", row_shape, " of ", dtype_name(payload_dtype), ")");
+                      " bytes per row (e4m3 elements and a scale byte per block), more than the payload row's ",
+                      row_bytes, " bytes it replaces (row_shape ", row_shape, " of ", dtype_name(payload_dtype), ")");
   }
   int64_t scale_cols = 0;
   if (p.quant != QuantFormat::kNone) {
@@ -1160,7 +1156,8 @@ std::vector<int64_t> constants_op() {
       kHdrDispatchClaims,
       kHeaderBytes,
       kLowPrecisionBlock,
-      kLowPrecisionBlockPitch,
+      kLowPrecisionGroupBlocks,
+      kLowPrecisionGroupPitch,
       kHdrDroppedPairCount,
       kHdrExpertMajorEnd,
       kHdrExpertMajorEpoch,

@@ -600,18 +600,25 @@ MOE_A2A_HD int64_t combine_end(int64_t combine_offset, int64_t ep_size, int64_t 
 // at the payload's row stride (payload_in_workspace: in place, over the row
 // it converts), and the peers pull those (the own source's plain e4m3 rows
 // the CUDA combine may leave out: combine step 1). Plain (FlashInfer's): element i at
-// byte i. Block-scaled (ours): blocks of kLowPrecisionBlock elements, block c
-// at byte c * kLowPrecisionBlockPitch and its fp32 scale right after its
-// elements rounded up to 16 bytes; the 12 bytes after a whole block's scale
-// are padding (the CUDA staging writes them as zeros, so that no sector is
-// left partly written; the pull never reads them). In place, a row is
-// converted front to back one block at a time: block c's bytes, padding
-// included, end at or before 144 (c + 1), and the payload bytes read by then
-// are those of 128 (c + 1) elements of >= 2 bytes, so no write lands on
-// payload bytes not read yet. Nothing beyond the
-// payload's rows is needed: workspace_size_per_rank covers them as it is.
+// byte i. Block-scaled (ours): blocks of kLowPrecisionBlock elements, each
+// with a ue8m0 scale code (one byte: the power-of-two scale's exponent), in
+// groups of kLowPrecisionGroupBlocks blocks: group g's elements from byte
+// g * kLowPrecisionGroupPitch, then its blocks' codes in block order at its
+// elements' end rounded up to 16 bytes. So the codes stay 16-byte aligned
+// and a row carries 1/128 of a byte a element beside them (a float scale and
+// the padding that kept each block aligned took 16 bytes a block: 1.125
+// bytes an element, which the pull reads and the staging writes). In place,
+// a row is converted front to back, and a step of the conversion loads its
+// payload bytes before it stores any: element i's code lies at byte i + 16
+// (i / 2048) < 2 (i + 1), and group g's codes, stored once its last element
+// is loaded, at bytes below 2064 (g + 1) <= 2 * 2048 (g + 1); so no write
+// lands on payload bytes (of elements of >= 2 bytes) not read yet. Nothing
+// beyond the payload's rows is needed: workspace_size_per_rank covers them
+// as it is.
 constexpr int64_t kLowPrecisionBlock = 128;
-constexpr int64_t kLowPrecisionBlockPitch = kLowPrecisionBlock + 16;
+constexpr int64_t kLowPrecisionGroupBlocks = 16;
+constexpr int64_t kLowPrecisionGroup = kLowPrecisionBlock * kLowPrecisionGroupBlocks;
+constexpr int64_t kLowPrecisionGroupPitch = kLowPrecisionGroup + kLowPrecisionGroupBlocks;
 enum class LowPrecision : int32_t { kOff = 0, kE4m3 = 1, kE4m3BlockScaled = 2 };
 
 // Byte of element i of a staged row. `I`: int64_t, or int where the row is
@@ -619,21 +626,22 @@ enum class LowPrecision : int32_t { kOff = 0, kE4m3 = 1, kE4m3BlockScaled = 2 };
 template <typename I>
 MOE_A2A_HD I low_precision_element_offset(LowPrecision mode, I i) {
   if (mode != LowPrecision::kE4m3BlockScaled) return i;
-  return (i / I(kLowPrecisionBlock)) * I(kLowPrecisionBlockPitch) + i % I(kLowPrecisionBlock);
+  return (i / I(kLowPrecisionGroup)) * I(kLowPrecisionGroupPitch) + i % I(kLowPrecisionGroup);
 }
-// Byte of the fp32 scale of block c of a staged row of row_elems elements
-// (block-scaled): after the block's elements rounded up to 16 bytes. `I` as above.
+// Byte of the scale code of block c of a staged row of row_elems elements
+// (block-scaled): after its group's elements rounded up to 16 bytes. `I` as above.
 template <typename I>
 MOE_A2A_HD I low_precision_scale_offset(I row_elems, I c) {
-  const I block = I(kLowPrecisionBlock);
-  const I elems = row_elems - c * block < block ? row_elems - c * block : block;
-  return c * I(kLowPrecisionBlockPitch) + ((elems + 15) & ~I(15));  // elems > 0: align_up(elems, 16)
+  const I g = c / I(kLowPrecisionGroupBlocks);
+  const I rest = row_elems - g * I(kLowPrecisionGroup);
+  const I elems = rest < I(kLowPrecisionGroup) ? rest : I(kLowPrecisionGroup);
+  return g * I(kLowPrecisionGroupPitch) + ((elems + 15) & ~I(15)) + c % I(kLowPrecisionGroupBlocks);
 }
 // Bytes of a staged row; must fit in the payload row it replaces.
 MOE_A2A_HD int64_t low_precision_row_bytes(LowPrecision mode, int64_t row_elems) {
   if (mode != LowPrecision::kE4m3BlockScaled || row_elems == 0) return row_elems;
   const int64_t blocks = (row_elems + kLowPrecisionBlock - 1) / kLowPrecisionBlock;
-  return low_precision_scale_offset(row_elems, blocks - 1) + int64_t(sizeof(float));
+  return low_precision_scale_offset(row_elems, blocks - 1) + 1;
 }
 
 // Bytes per rank that hold any call with runtime_max_tokens <= max_num_tokens,

@@ -457,8 +457,8 @@ def test_combine_variants_targets():
     ("bf16", lambda rows, own, tokens, h: (rows - own) * h * 6 + own * h * 2 + tokens * h * 2),
     # e4m3 staging reads 2 bytes and writes 1, the pull reads 1; the own rows as bf16
     ("e4m3", lambda rows, own, tokens, h: (rows - own) * h * 4 + own * h * 2 + tokens * h * 2),
-    # block-scaled rows all staged, with a 4-byte scale per 128 elements
-    ("e4m3-block-scaled", lambda rows, own, tokens, h: rows * h * 2 + 2 * rows * (h + h // 32) + tokens * h * 2),
+    # block-scaled rows all staged, with a scale byte per 128 elements
+    ("e4m3-block-scaled", lambda rows, own, tokens, h: rows * h * 2 + 2 * rows * (h + h // 128) + tokens * h * 2),
     # a fused MXFP8 output: a byte an element and one scale per 32
     ("mxfp8", lambda rows, own, tokens, h: (rows - own) * h * 6 + own * h * 2 + tokens * (h + h // 32)),
 ])

@@ -37,6 +37,11 @@ LP_CASES = [
     Case(4, (16, 3, 0, 9), 5, 7, hidden=256, hidden_dtype=torch.float16),
     Case(8, (4, 0, 6, 1, 0, 8, 2, 5), 3, 13, hidden=128, hidden_dtype=torch.float32, runtime_max=10),
     Case(1, (6,), 1, 2, hidden=96),
+    # Block scales in groups of 16 blocks: two groups, the last of 200 elements
+    # (a partial block of 72); fp32 rows of two groups; an odd row of 129.
+    Case(2, (3, 4), 2, 4, hidden=2248, runtime_max=5),
+    Case(2, (2, 3), 2, 4, hidden=2100, hidden_dtype=torch.float32),
+    Case(1, (4,), 1, 2, hidden=129),
 ]
 
 
@@ -283,7 +288,6 @@ def test_bad_combinations_raise_before_any_kernel(kwargs, match, device):
     (48, torch.bfloat16, dict(output_dtype=FP8, output_scales=5), "multiple of 32"),
     (64, torch.float32, dict(output_dtype=FP8, output_scales=10), "bfloat16 or torch.float16 payload"),
     (8, torch.bfloat16, dict(use_low_precision=True, low_precision_block_scales=True), "more than the payload row"),
-    (129, torch.bfloat16, dict(use_low_precision=True, low_precision_block_scales=True), "multiple of 4 bytes"),
 ])
 def test_bad_rows_raise(hidden, hidden_dtype, kwargs, match, device):
     sim, offset, payload = _dispatched(device, hidden, hidden_dtype)
@@ -313,10 +317,11 @@ def test_workspace_size_covers_low_precision():
     """The sizing function needs nothing more: e4m3 rows (with their block
     scales) fit in the payload rows they replace at every FlashInfer shape."""
     from torch_moe_a2a import layout
+    group = layout.LOW_PRECISION_BLOCK * layout.LOW_PRECISION_GROUP_BLOCKS
     for hidden in (2048, 2880, 4096, 7168):
-        blocks = -(-hidden // layout.LOW_PRECISION_BLOCK)
-        last = hidden - (blocks - 1) * layout.LOW_PRECISION_BLOCK
-        staged = (blocks - 1) * layout.LOW_PRECISION_BLOCK_PITCH + -(-last // 16) * 16 + 4
+        groups = -(-hidden // group)
+        last = hidden - (groups - 1) * group
+        staged = (groups - 1) * layout.LOW_PRECISION_GROUP_PITCH + -(-last // 16) * 16 + -(-last // 128)
         assert staged <= 2 * hidden
 
 

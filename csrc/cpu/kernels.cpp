@@ -292,10 +292,9 @@ struct E4m3Rows {
       return;
     }
     for (int64_t c = 0; c * kLowPrecisionBlock < p.row_elems; ++c) {
-      float scale;
-      std::memcpy(&scale, row + low_precision_scale_offset(p.row_elems, c), sizeof(scale));
-      const uint8_t* block = row + c * kLowPrecisionBlockPitch;
+      const float scale = ue8m0_to_float(row[low_precision_scale_offset(p.row_elems, c)]);
       const int64_t first = c * kLowPrecisionBlock;
+      const uint8_t* block = row + low_precision_element_offset(p.low_precision, first);
       const int64_t n = std::min(kLowPrecisionBlock, p.row_elems - first);
       for (int64_t e = 0; e < n; ++e) acc[first + e] += mul_rn(e4m3_to_float(block[e]), scale);
     }
@@ -403,10 +402,10 @@ void stage_row_e4m3(const CombineParams& p, const uint8_t* src, uint8_t* dst, st
     float amax = 0.0f;
     for (int64_t e = 0; e < n; ++e) amax = abs_max(amax, values[first + e]);
     const uint8_t code = low_precision_scale_code(amax);
-    const float inverse = ue8m0_inverse(code), scale = ue8m0_to_float(code);
-    uint8_t* block = dst + c * kLowPrecisionBlockPitch;
+    const float inverse = ue8m0_inverse(code);
+    uint8_t* block = dst + low_precision_element_offset(p.low_precision, first);
     for (int64_t e = 0; e < n; ++e) block[e] = e4m3_from_float(mul_rn(values[first + e], inverse));
-    std::memcpy(dst + low_precision_scale_offset(p.row_elems, c), &scale, sizeof(scale));
+    dst[low_precision_scale_offset(p.row_elems, c)] = code;
   }
 }
 

@@ -67,8 +67,8 @@ struct BF16 : PlainElements<BF16, uint16_t> {
 };
 
 // The e4m3 rows of a low-precision combine (protocol.h), staged from a
-// payload of Payload's dtype; block-scaled rows' blocks are
-// kLowPrecisionBlockPitch bytes apart, with their scale after them.
+// payload of Payload's dtype; block-scaled rows' blocks in groups of
+// kLowPrecisionGroupBlocks, each group's scale codes after its elements.
 template <typename Payload, bool kScaled>
 struct E4m3Rows {
   using Bits = uint8_t;
@@ -87,8 +87,7 @@ struct E4m3Rows {
   // The scale of the block of `element`, in 32 bits.
   __device__ static float scale(const uint8_t* row, int64_t element, int64_t row_elems) {
     if constexpr (!kScaled) return 1.0f;
-    return *reinterpret_cast<const float*>(
-        row + low_precision_scale_offset(int(row_elems), int(element) / int(kLowPrecisionBlock)));
+    return ue8m0_to_float(row[low_precision_scale_offset(int(row_elems), int(element) / int(kLowPrecisionBlock))]);
   }
   // The product with a power-of-two scale is exact.
   __device__ static float contribution(Bits b, float s) {
@@ -163,9 +162,12 @@ constexpr int kStageChunks = 4;
 // 32 source vectors a step, a lane's vector 16 bytes of source elements (8
 // of 16 bits, 4 of 32), all in one 128-element block: every lane's loads of a step come before any lane's
 // stores of it (__syncwarp), and protocol.h's row layout keeps the stores of
-// blocks up to c off the payload bytes of the blocks after c, so the
+// elements and groups loaded off the payload bytes not loaded yet, so the
 // conversion may run in place. A block's lanes (16 or 32, adjacent) share its
-// maximum through shuffles; the first of them stores its scale. `vectors`
+// maximum through shuffles; lane j of the warp keeps the scale code of block
+// j of the group, and lanes 0-15 store the group's codes once its last chunk
+// is converted, one byte each: one 16-byte access, no sector left partly
+// written inside the row. `vectors`
 // (launch_combine: rows of whole 16-byte vectors, aligned in the payload and
 // the region): a lane loads its elements as one vector and stores their
 // codes as one; else one element at a time.
@@ -177,7 +179,11 @@ __device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const
   constexpr int kLaneElems = 16 / int(sizeof(SrcBits));
   constexpr int kChunk = kWarpSize * kLaneElems;
   constexpr int kLanesPerBlock = int(kLowPrecisionBlock) / kLaneElems;
+  constexpr int kBlocksPerChunk = kChunk / int(kLowPrecisionBlock);
+  constexpr int kGroupBlocks = int(kLowPrecisionGroupBlocks);
   static_assert(kChunk % kLowPrecisionBlock == 0, "a lane's elements lie in one block");
+  static_assert(kLowPrecisionGroup % kChunk == 0, "a chunk's blocks lie in one group");
+  static_assert(kGroupBlocks <= kWarpSize, "a lane per block of a group");
   using SrcVec = Packed<SrcBits, kLaneElems>;
   using Codes = typename VecOf<kLaneElems>::T;
   const WorkspaceView& ws = p.ws;
@@ -189,12 +195,15 @@ __device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const
   const int lane = lane_id();
   const int64_t warps = int64_t(gridDim.x) * kWarps;
   const int elems = static_cast<int>(p.row_elems);  // rows are below kMaxKernelRowBytes
-  int s = 0;                                        // a warp's rows only increase
+  [[maybe_unused]] const int blocks = (elems + int(kLowPrecisionBlock) - 1) / int(kLowPrecisionBlock);
+  int s = 0;  // a warp's rows only increase
   for (int64_t row = int64_t(blockIdx.x) * kWarps + warp_id(); row < first_row[ws.ep_size]; row += warps) {
     while (first_row[s + 1] <= row) ++s;
     const int64_t offset = (int64_t(s) * T + row - first_row[s]) * row_bytes;
     const SrcBits* src = reinterpret_cast<const SrcBits*>(source + offset);
     uint8_t* dst = region + offset;
+    // Block-scaled: lane j's, the code of block j of the group being converted.
+    [[maybe_unused]] uint32_t held = 0;
     for (int step = 0; step < elems; step += kStageChunks * kChunk) {
       SrcVec x[kStageChunks];
 #pragma unroll
@@ -215,7 +224,6 @@ __device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const
         float v[kLaneElems];
 #pragma unroll
         for (int i = 0; i < kLaneElems; ++i) v[i] = Source::to_float(x[c].v[i]);
-        float scale = 1.0f;
         if constexpr (In::kBlockScaled) {
           float amax = 0.0f;
 #pragma unroll
@@ -224,9 +232,20 @@ __device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const
           for (int o = kLanesPerBlock / 2; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(kFullWarp, amax, o));
           const uint8_t code = low_precision_scale_code(amax);
           const float inverse = ue8m0_inverse(code);
-          scale = ue8m0_to_float(code);
 #pragma unroll
           for (int i = 0; i < kLaneElems; ++i) v[i] = mul_rn(v[i], inverse);
+          // The chunk's block b (its first lane's code) to lane in_group + b.
+          const int first_block = (step + c * kChunk) / int(kLowPrecisionBlock);
+          const int in_group = first_block % kGroupBlocks;
+          const int b = lane - in_group;
+          const bool mine = b >= 0 && b < kBlocksPerChunk;
+          const uint32_t got = __shfl_sync(kFullWarp, uint32_t(code), mine ? b * kLanesPerBlock : 0);
+          if (mine) held = got;
+          // The group's last chunk (or the row's): the group's codes, after its elements.
+          if (in_group + kBlocksPerChunk == kGroupBlocks || step + (c + 1) * kChunk >= elems) {
+            const int block = first_block - in_group + lane;
+            if (lane < kGroupBlocks && block < blocks) dst[low_precision_scale_offset(elems, block)] = uint8_t(held);
+          }
         }
         union {
           Codes raw;
@@ -241,22 +260,6 @@ __device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const
 #pragma unroll
           for (int i = 0; i < kLaneElems; ++i) {
             if (e + i < elems) dst[In::element_offset(e + i)] = uint8_t(y.w[i / 4] >> (8 * (i % 4)));
-          }
-        }
-        if (In::kBlockScaled && lane % kLanesPerBlock == 0 && e < elems) {
-          if (vectors && e + int(kLowPrecisionBlock) <= elems) {
-            // A whole block: its scale and the 12 bytes of padding up to the
-            // next block as one 16-byte store. A 32-byte sector of which
-            // some bytes are never written is read back from DRAM to be
-            // merged when L2 evicts it; every block boundary held one, which
-            // made the block-scaled combine 1.4x slower (docs/performance.md).
-            // The padding lies below the payload bytes of the blocks not yet
-            // loaded, and inside the payload row (a 2- or 4-byte element per
-            // staged byte).
-            *reinterpret_cast<uint4*>(dst + In::element_offset(e) + kLowPrecisionBlock) =
-                make_uint4(__float_as_uint(scale), 0u, 0u, 0u);
-          } else {
-            *reinterpret_cast<float*>(dst + low_precision_scale_offset(elems, e / int(kLowPrecisionBlock))) = scale;
           }
         }
       }

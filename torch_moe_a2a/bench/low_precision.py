@@ -105,7 +105,7 @@ def _moved_bytes(variant: str, recv_rows: int, own_rows: int, tokens: int, hidde
     staged_elem = 1 if kwargs.get("use_low_precision") else 2
     unstaged = own_rows
     if kwargs.get("low_precision_block_scales"):
-        staged_elem += 4 / 128
+        staged_elem += 1 / 128  # a scale byte a block of 128 (protocol.h's groups' alignment left out)
         unstaged = 0
     staged = recv_rows - unstaged
     staging = staged * hidden * 2 + int(staged * hidden * staged_elem)
