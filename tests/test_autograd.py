@@ -795,6 +795,75 @@ def test_a_combine_with_other_ids_than_its_dispatch_is_refused(layout):
     torch.testing.assert_close(x.grad, want.expand(tokens, hidden))
 
 
+def test_a_combine_is_checked_against_the_last_dispatch_plain_or_differentiable():
+    """The ids are checked against the rank's last dispatch, whatever tensor
+    held them: ids made for the dispatch call (gone by the combine) are
+    checked too, and after a plain dispatch its ids, not an earlier
+    differentiable round's, are the ones that give the right gradients."""
+    tokens, top_k, num_experts, hidden = 5, 2, 4, 8
+    gen = torch.Generator().manual_seed(22)
+    ids_a = reference.random_routing(tokens, top_k, num_experts, gen)
+    ids_b = (ids_a + 1) % num_experts
+    x = torch.randn(tokens, hidden, generator=gen)  # no gradient: autograd keeps no reference to the ids
+    sim = make_sim(1, tokens, hidden, top_k)
+    args = (sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k, num_experts)
+
+    def expert_rows(recv):
+        return (recv[0] * 2).detach().requires_grad_()
+
+    # The gradient of the expert rows along ids_b's routes, from a differentiable round of ids_b.
+    recv, offset, _ = moe_a2a_dispatch_differentiable(ids_b, [x], *args)
+    want = expert_rows(recv)
+    moe_a2a_combine_differentiable(want, ids_b, *args, offset).sum().backward()
+
+    recv, offset, _ = moe_a2a_dispatch_differentiable(ids_a.clone(), [x], *args)
+    with pytest.raises(ValueError, match="token_selected_experts must be the expert ids of this rank's preceding"):
+        moe_a2a_combine_differentiable(expert_rows(recv), ids_b, *args, offset)
+    moe_a2a_combine_differentiable(expert_rows(recv), ids_a, *args, offset).sum().backward()
+
+    recv, offset, _ = a2a.moe_a2a_dispatch(ids_b, [x], *args)  # plain
+    with pytest.raises(ValueError, match="token_selected_experts must be the expert ids of this rank's preceding"):
+        moe_a2a_combine_differentiable(expert_rows(recv), ids_a, *args, offset)
+    y = expert_rows(recv)
+    moe_a2a_combine_differentiable(y, ids_b.clone(), *args, offset).sum().backward()
+    assert torch.equal(y.grad, want.grad)
+
+
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+def test_a_backward_counts_no_invalid_id_or_dropped_pair_again(layout, device):
+    """The backward's exchanges dispatch the forward's ids again: the header's
+    counters of ids >= num_experts and of dropped pairs still count them once."""
+    tokens, top_k, num_experts, hidden = 6, 2, 4, 8
+    gen = torch.Generator().manual_seed(23)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    ids[0, 0], ids[3, 1] = num_experts, num_experts + 5
+    ids = ids.to(device)
+    x = torch.randn(tokens, hidden, generator=gen).to(device).requires_grad_()
+    w = torch.rand(tokens, top_k, generator=gen).to(device).requires_grad_()
+    if layout == "rank-major":
+        sim = make_sim(1, tokens, hidden, top_k, device=device)
+        recv, offset, _ = moe_a2a_dispatch_differentiable(ids, [x], sim.workspace, sim.metainfo[0], tokens, 0, 1,
+                                                          top_k, num_experts)
+        out = moe_a2a_combine_differentiable(recv[0] * 2, ids, sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k,
+                                             num_experts, offset)
+    else:
+        sim = make_em_sim(1, tokens, hidden, top_k, num_experts, max_tokens_per_expert=1, device=device)
+        got = moe_a2a_dispatch_expert_major_differentiable(ids, [x], sim.workspace, sim.metainfo[0], tokens, 0, 1,
+                                                           top_k, num_experts, router_weights=w,
+                                                           max_tokens_per_expert=1)
+        out = moe_a2a_combine_expert_major_differentiable(got.output_payloads[0] * 2, got, ids, sim.workspace,
+                                                          sim.metainfo[0], 0, 1)
+
+    def tallies():
+        return (int(a2a.moe_a2a_get_invalid_expert_count(sim.workspace, sim.metainfo[0], 0)),
+                int(a2a.moe_a2a_get_dropped_pair_count(sim.workspace, sim.metainfo[0], 0)))
+
+    forward = tallies()
+    assert forward[0] == 2 and (forward[1] > 0) == (layout == "expert-major")
+    out.sum().backward()
+    assert tallies() == forward
+
+
 @pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
 def test_a_forward_whose_backward_does_not_fit_is_refused_before_it_runs(layout):
     """The dispatch's backward combines every floating payload's gradient as

@@ -53,7 +53,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -63,6 +62,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import expert_major, layout
 from .arguments import dispatch_args
 from .expert_major import ExpertMajorDispatch
+from .fastpath import last_dispatch, note_dispatch
 
 _ops = torch.ops.moe_a2a
 # The payload dtypes that get gradients: the combine's.
@@ -97,6 +97,25 @@ def _unrecorded():
     that backward fail with "modified by an inplace operation"."""
     with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
         yield
+
+
+@contextlib.contextmanager
+def _tallies_kept(workspace: Tensor, rank: int):
+    """Where a backward's round runs its exchange: the forward's dispatch has
+    counted its expert ids >= num_experts and its dropped pairs (the rank's
+    header: moe_a2a_get_invalid_expert_count, moe_a2a_get_dropped_pair_count),
+    and the round's dispatch of the same ids would count them again, so the
+    counters are put back as the round found them, on the stream (no host
+    sync; only the rank's own kernels write them)."""
+    row = workspace.select(0, rank)
+    words = [layout.region_view(row, offset, (), torch.int64)
+             for offset in (layout.HDR_INVALID_EXPERT_COUNT, layout.HDR_DROPPED_PAIR_COUNT)]
+    saved = [word.clone() for word in words]
+    try:
+        yield
+    finally:
+        for word, value in zip(words, saved):
+            word.copy_(value)
 
 
 def _row_bytes(t: Tensor) -> int:
@@ -270,7 +289,7 @@ def dispatch_round(rows: Tensor, token_selected_experts: Tensor, workspace: Tens
     ``[ep_size, runtime_max_tokens_per_rank, *row]``, padding rows zero."""
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
-    with _unrecorded():
+    with _unrecorded(), _tallies_kept(workspace, ep_rank):
         _dispatch(token_selected_experts, [rows], workspace, route)
         (plane,), _, offset = _owned_planes(workspace, [rows], route)
         nothing = torch.zeros((ep_size, runtime_max_tokens_per_rank, 1), dtype=torch.float32, device=rows.device)
@@ -289,7 +308,7 @@ def combine_round(payload: Tensor, token_selected_experts: Tensor, workspace: Te
              timeout_s, mailbox, enable_pdl)
     ids = token_selected_experts
     offset = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, (_row_bytes(ids),)).combine_offset
-    with _unrecorded():
+    with _unrecorded(), _tallies_kept(workspace, ep_rank):
         _dispatch(ids, [ids], workspace, route)
         return _combine(payload, ids.shape[0], workspace, offset, route)
 
@@ -461,35 +480,25 @@ def _check_backward_fits(fn: str, workspace: Tensor, needed: int, what: str) -> 
                          f"the workspace has {workspace.shape[1]}; {what}")
 
 
-# Per (workspace, rank): the expert ids of the rank's last differentiable
-# dispatch (and, expert-major, its counts tensor), weakly held. The combine's
-# backward lays its routes from the ids the combine is given: other ids than
-# the dispatch's would give a right output and wrong gradients.
-_LAST_DISPATCH: dict[tuple[int, int], tuple[weakref.ref, Optional[weakref.ref]]] = {}
-
-
-def _note_dispatch(workspace: Tensor, rank: int, ids: Tensor, counts: Optional[Tensor] = None) -> None:
-    if not _traced():
-        _LAST_DISPATCH[(workspace.data_ptr(), rank)] = (weakref.ref(ids), None if counts is None else weakref.ref(counts))
-
-
 def _check_combine_ids(fn: str, workspace: Tensor, rank: int, ids: Tensor, counts: Optional[Tensor] = None) -> None:
     """``ids`` (and ``counts``, expert-major) must be those of this rank's last
-    differentiable dispatch on ``workspace``. The same tensor costs nothing;
-    another one is compared by value (a host sync, off the usual path)."""
+    dispatch on ``workspace`` (fastpath.note_dispatch: the backward lays its
+    routes from ``ids``, the forward follows the dispatch's). The same tensor
+    costs nothing; another one is compared by value (a host sync, off the
+    usual path)."""
     if _traced():
         return
-    last = _LAST_DISPATCH.get((workspace.data_ptr(), rank))
-    dispatched = None if last is None else last[0]()
+    last = last_dispatch(workspace, rank)
+    dispatched = None if last is None else last[0]
     if dispatched is not None and dispatched is not ids and not (
             dispatched.shape == ids.shape and dispatched.dtype == ids.dtype and dispatched.device == ids.device
             and torch.equal(dispatched, ids)):
         raise ValueError(f"{fn}: token_selected_experts must be the expert ids of this rank's preceding dispatch "
                          "(the backward dispatches the output gradient along their routes), got other ids")
-    last_counts = None if last is None or last[1] is None else last[1]()
+    last_counts = None if last is None else last[1]
     if counts is not None and last_counts is not None and counts is not last_counts:
         raise ValueError(f"{fn}: dispatched must be the ExpertMajorDispatch of this rank's preceding "
-                         "moe_a2a_dispatch_expert_major_differentiable (its expert_counts are another dispatch's)")
+                         "expert-major dispatch (its expert_counts are another dispatch's)")
 
 
 def _check_grad_dtypes(fn: str, input_payloads: list[Tensor]) -> None:
@@ -558,7 +567,8 @@ def moe_a2a_dispatch_differentiable(
                              f"the ids' row of {ids_row}: size the workspace so that its dispatch and combine bytes per "
                              f"token together cover {ids_row + row} (moe_a2a_get_workspace_size_per_rank)")
     *received, counts = _call(dispatch_owned, token_selected_experts, list(input_payloads), workspace, *route)
-    _note_dispatch(workspace, ep_rank, token_selected_experts)
+    if not _traced():
+        note_dispatch(workspace, ep_rank, token_selected_experts)
     row_bytes = tuple(_row_bytes(p) for p in input_payloads)
     offset = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, row_bytes).combine_offset
     return received, offset, counts
@@ -586,9 +596,10 @@ def moe_a2a_combine_differentiable(
     Args:
         payload: ``[ep_size, runtime_max_tokens_per_rank, *row_shape]`` bf16,
             fp16 or fp32 (padding rows are ignored and get a zero gradient).
-        token_selected_experts: the ids of the preceding
-            :func:`moe_a2a_dispatch_differentiable` (its routes; the backward
-            dispatches the output gradient along them).
+        token_selected_experts: the ids of this rank's preceding dispatch on
+            the workspace, :func:`moe_a2a_dispatch_differentiable` or a plain
+            one (its routes; the backward dispatches the output gradient
+            along them).
         the rest: as for that dispatch; ``combine_payload_offset`` is the offset it returned.
 
     Returns:
@@ -597,7 +608,9 @@ def moe_a2a_combine_differentiable(
         order, cast once). A new tensor.
 
     Raises:
-        ValueError, RuntimeError: as :func:`~torch_moe_a2a.moe_a2a_combine`.
+        ValueError: as :func:`~torch_moe_a2a.moe_a2a_combine`; ids other than
+            those of this rank's preceding dispatch.
+        RuntimeError: as :func:`~torch_moe_a2a.moe_a2a_combine`.
     """
     fn = "moe_a2a_combine_differentiable"
     route = _route_args(fn, token_selected_experts, [payload], workspace, metainfo, runtime_max_tokens_per_rank,
@@ -754,7 +767,7 @@ def dispatch_em_round(rows: Tensor, slot_values: Tensor, token_selected_experts:
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
     M = max_tokens_per_expert
-    with _unrecorded():
+    with _unrecorded(), _tallies_kept(workspace, ep_rank):
         dispatch_end, em = _dispatch_em(token_selected_experts, [rows], slot_values, workspace, M, route)
         (plane,), _, _, pair_values = _owned_em(workspace, [rows], em, M, route)
         nothing = torch.zeros((_local_experts(route), M, 1), dtype=torch.float32, device=rows.device)
@@ -779,7 +792,7 @@ def combine_em_round(plane: Tensor, pair_values: Tensor, token_selected_experts:
              timeout_s, mailbox, enable_pdl)
     ids, M = token_selected_experts, max_tokens_per_expert
     local, n = _local_experts(route), ids.shape[0]
-    with _unrecorded():
+    with _unrecorded(), _tallies_kept(workspace, ep_rank):
         dispatch_end, em = _dispatch_em(ids, [], _slot_indices(ids), workspace, M, route)
         row = workspace.select(0, ep_rank)
         counts = layout.region_view(row, em.counts_offset, (local,), torch.int32)
@@ -983,7 +996,8 @@ def moe_a2a_dispatch_expert_major_differentiable(
                              "(moe_a2a_get_workspace_size_per_rank_expert_major)")
     *planes, counts, ids, pair_weights = _call(dispatch_em_owned, token_selected_experts, payloads, weights, workspace,
                                                max_tokens_per_expert, *route)
-    _note_dispatch(workspace, ep_rank, token_selected_experts, counts)
+    if not _traced():
+        note_dispatch(workspace, ep_rank, token_selected_experts, counts)
     row_bytes = [_row_bytes(p) for p in (*payloads, token_selected_experts, weights)]
     dispatch_end = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, row_bytes).combine_offset
     em = layout.expert_major_layout(dispatch_end, ep_size, runtime_max_tokens_per_rank, top_k,

@@ -22,7 +22,7 @@ import torch
 from . import layout
 from .arguments import ID_DTYPES, data_address, dispatch_args, rank_mask_words
 from .backend import MoeAlltoAllBackend, check_backend, pdl_default
-from .fastpath import check_output_first, expect_tensors, run_dispatch, tracing
+from .fastpath import check_output_first, expect_tensors, note_plain_dispatch, run_dispatch, tracing
 from .metainfo import call_timeout, check_rank, check_rank_index, metainfo_values
 
 _ops = torch.ops.moe_a2a
@@ -208,6 +208,8 @@ def moe_a2a_dispatch_expert_major(
     views = [layout.region_view(row, offset, (local, M, *p.shape[1:]), p.dtype)
              for p, offset in zip(input_payloads, em.payload_offsets)]
     counts = layout.region_view(row, em.counts_offset, (local,), torch.int32)
+    if not tracing():
+        note_plain_dispatch(workspace, ep_rank, token_selected_experts, counts)
     ids = layout.region_view(row, em.ids_offset, (local, M), torch.int32)
     weights = None
     if router_weights is not None:

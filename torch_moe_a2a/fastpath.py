@@ -8,6 +8,7 @@ views with Python view ops instead."""
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -76,6 +77,53 @@ def direct_call_ok(*tensors: Optional[torch.Tensor]) -> bool:
     and backends included) unless a __torch_function__ override (a tensor
     subclass, a TorchFunctionMode) could want to see the call."""
     return not torch.overrides.has_torch_function(tensors)
+
+
+# Per (workspace address, rank): the expert ids of the rank's last eager
+# dispatch, plain or differentiable (and, expert-major, its counts tensor).
+# A differentiable combine's backward lays its routes from the ids it is
+# given, its forward follows the ones the dispatch wrote: other ids than the
+# dispatch's would give a right output and wrong gradients, so it checks them
+# against these (plain dispatches record theirs once a differentiable one
+# has: fastpath.note_plain_dispatch). Held strongly: ids made for the call
+# (`ids.int()`) are gone by the combine. As the table grows, entries whose workspace tensor is gone
+# are dropped (an entry stays valid while its address is in use, whatever
+# view of the workspace a call passes).
+_LAST_DISPATCH: dict[tuple[int, int], list] = {}  # [workspace weakref, ids, counts]
+_LAST_DISPATCH_PURGE_AT = [64]
+
+
+def note_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, counts: Optional[torch.Tensor] = None) -> None:
+    """Records ``ids`` (and ``counts``) as those of ``rank``'s last dispatch on
+    ``workspace``. On every eager dispatch: an existing entry is updated in place."""
+    key = (workspace.data_ptr(), rank)
+    entry = _LAST_DISPATCH.get(key)
+    if entry is not None:
+        if entry[0]() is not workspace:  # another view of it, or a new workspace at a freed one's address
+            entry[0] = weakref.ref(workspace)
+        entry[1] = ids
+        entry[2] = counts
+        return
+    _LAST_DISPATCH[key] = [weakref.ref(workspace), ids, counts]
+    if len(_LAST_DISPATCH) >= _LAST_DISPATCH_PURGE_AT[0]:
+        for gone in [k for k, e in _LAST_DISPATCH.items() if e[0]() is None]:
+            del _LAST_DISPATCH[gone]
+        _LAST_DISPATCH_PURGE_AT[0] = 2 * len(_LAST_DISPATCH) + 64
+
+
+def note_plain_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor,
+                        counts: Optional[torch.Tensor] = None) -> None:
+    """note_dispatch for a plain (not differentiable) dispatch, once a
+    differentiable one has recorded anything: a process that never trains
+    pays one test per call."""
+    if _LAST_DISPATCH:
+        note_dispatch(workspace, rank, ids, counts)
+
+
+def last_dispatch(workspace: torch.Tensor, rank: int) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """The ids (and counts) of ``rank``'s last eager dispatch on ``workspace``; None if none is recorded."""
+    entry = _LAST_DISPATCH.get((workspace.data_ptr(), rank))
+    return None if entry is None else (entry[1], entry[2])
 
 
 def tracing() -> bool:
