@@ -106,8 +106,11 @@ def note_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, counts:
         return
     _LAST_DISPATCH[key] = [weakref.ref(workspace), ids, counts]
     if len(_LAST_DISPATCH) >= _LAST_DISPATCH_PURGE_AT[0]:
-        for gone in [k for k, e in _LAST_DISPATCH.items() if e[0]() is None]:
-            del _LAST_DISPATCH[gone]
+        # Simulated ranks dispatch from threads of their own: a snapshot of the
+        # table (list() copies it under the GIL), and pops that tolerate a
+        # key another thread has dropped.
+        for gone in [k for k, e in list(_LAST_DISPATCH.items()) if e[0]() is None]:
+            _LAST_DISPATCH.pop(gone, None)
         _LAST_DISPATCH_PURGE_AT[0] = 2 * len(_LAST_DISPATCH) + 64
 
 
