@@ -40,6 +40,7 @@ LP_CASES = [
     # Block scales in groups of 16 blocks: two groups, the last of 200 elements
     # (a partial block of 72); fp32 rows of two groups; an odd row of 129.
     Case(2, (3, 4), 2, 4, hidden=2248, runtime_max=5),
+    Case(2, (4, 2), 2, 4, hidden=2560, runtime_max=5),  # whole blocks of 16-bit elements
     Case(2, (2, 3), 2, 4, hidden=2100, hidden_dtype=torch.float32),
     Case(1, (4,), 1, 2, hidden=129),
 ]
