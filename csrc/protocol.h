@@ -605,14 +605,15 @@ MOE_A2A_HD int64_t combine_end(int64_t combine_offset, int64_t ep_size, int64_t 
 // groups of kLowPrecisionGroupBlocks blocks: group g's elements from byte
 // g * kLowPrecisionGroupPitch, then its blocks' codes in block order at its
 // elements' end rounded up to 16 bytes. So the codes stay 16-byte aligned
-// and a row carries 1/128 of a byte a element beside them (a float scale and
-// the padding that kept each block aligned took 16 bytes a block: 1.125
-// bytes an element, which the pull reads and the staging writes). In place,
-// a row is converted front to back, and a step of the conversion loads its
-// payload bytes before it stores any: element i's code lies at byte i + 16
-// (i / 2048) < 2 (i + 1), and group g's codes, stored once its last element
-// is loaded, at bytes below 2064 (g + 1) <= 2 * 2048 (g + 1); so no write
-// lands on payload bytes (of elements of >= 2 bytes) not read yet. Nothing
+// and a row carries a byte a block beside them, 1/128 of a byte an element
+// (a float scale a block, kept aligned, would take 16 bytes a block: 1.125
+// bytes an element for the staging to write and the pull to read). In
+// place, a row is converted front to back, and a step of the conversion
+// loads its payload bytes before it stores any: element i's code lies at
+// byte i + 16 (i / 2048) < 2 (i + 1), and group g's codes, stored once its
+// last element is loaded, at bytes below 2064 (g + 1) <= 2 * 2048 (g + 1)
+// (the last group's once the whole row is loaded); so no write lands on
+// payload bytes (of elements of >= 2 bytes) not read yet. Nothing
 // beyond the payload's rows is needed: workspace_size_per_rank covers them
 // as it is.
 constexpr int64_t kLowPrecisionBlock = 128;
