@@ -410,6 +410,26 @@ def test_initialize_refuses_a_bad_timeout(bad, device):
             "timeout_s must be a positive number of seconds")
 
 
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, True])
+def test_a_call_refuses_a_bad_timeout(bad, device):
+    """A call's own timeout_s is a positive finite number of seconds: zero or
+    less would read as "not set" to the op and wait for the environment's
+    bound or 30 s instead of failing at once."""
+    sim = make_sim(CASE, device, timeout_s=2.5)
+    dev = make_inputs(CASE, make_generator(("call timeout", str(bad)))).to(device)
+    payload = torch.zeros(CASE.ep_size, CASE.T, CASE.hidden, device=device)
+    ws = sim.workspace
+    refused(ws, lambda: a2a.moe_a2a_dispatch(dev.ids[0], dev.payloads[0], ws, sim.metainfo[0], CASE.T, 0,
+                                             CASE.ep_size, CASE.top_k, CASE.num_experts, timeout_s=bad),
+            ValueError, "timeout_s must be a positive number of seconds")
+    results = dispatch_all(sim, CASE, dev)
+    refused(ws, lambda: a2a.moe_a2a_combine(payload, CASE.tokens[0], ws, sim.metainfo[0], CASE.T, 0, CASE.ep_size,
+                                            CASE.top_k, results[0][1], timeout_s=bad),
+            ValueError, "timeout_s must be a positive number of seconds")
+    with pytest.raises(ValueError, match="MoeAlltoAll: timeout_s must be a positive number of seconds"):
+        a2a.MoeAlltoAll(a2a.Mapping(), 8, 2, 4, hidden_size=64, device="cpu", timeout_s=bad)
+
+
 # ---- metainfo of another workspace, rank or size ------------------------------------------------------
 
 

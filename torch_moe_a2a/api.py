@@ -26,7 +26,6 @@ peer's next dispatch may overwrite them (DESIGN.md section 5).
 from __future__ import annotations
 
 import enum
-import math
 import operator
 from typing import Optional, Sequence, Union
 
@@ -55,7 +54,7 @@ from .fastpath import (
     wrong_type,
 )
 from .layout import MOE_A2A_RANK_MASK_WORDS
-from .metainfo import call_timeout, check_rank, check_rank_index, metainfo_values
+from .metainfo import call_timeout, check_rank, check_rank_index, check_timeout, metainfo_values
 
 _ops = torch.ops.moe_a2a
 
@@ -218,8 +217,7 @@ def moe_a2a_initialize(
             positive finite number.
     """
     expect_tensors("moe_a2a_initialize", workspace=workspace)
-    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < math.inf):
-        raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
+    check_timeout(timeout_s)
     check_backend(backend, workspace)
     mailbox = _ops.alloc_mailbox.default(workspace)
     _ops.initialize.default(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, mailbox)
@@ -354,7 +352,9 @@ def moe_a2a_dispatch(
             cleared when another workspace is passed). Not used under
             ``torch.compile``, where views cost nothing at run time.
         timeout_s: ours, keyword-only: the bound on this call's waits for its
-            peers; None reads ``MOE_A2A_TIMEOUT_S`` (default 30 s).
+            peers, a positive number of seconds; None: the metainfo's
+            (``moe_a2a_initialize(timeout_s=)``), else ``MOE_A2A_TIMEOUT_S``,
+            else 30 s.
         expert_major, router_weights, max_tokens_per_expert: ours,
             keyword-only: ``expert_major=True`` receives the payloads grouped
             by local expert and returns an

@@ -4,6 +4,7 @@ against it."""
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any
 
@@ -84,10 +85,30 @@ def metainfo_values(metainfo: torch.Tensor, key: int) -> MetaValues:
     return values
 
 
+def check_timeout(timeout_s: Any, fn: str = "") -> None:
+    """A bound on a wait: None, or a positive finite number of seconds.
+
+    Raises:
+        ValueError: anything else (zero or less would read as the op's
+            "not set" and wait for MOE_A2A_TIMEOUT_S or 30 s instead).
+    """
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+                                      and 0 < timeout_s < math.inf):
+        raise ValueError(f"{fn + ': ' if fn else ''}timeout_s must be a positive number of seconds or None, "
+                         f"got {timeout_s!r}")
+
+
 def call_timeout(meta: MetaValues, timeout_s) -> float:
     """The op's ``timeout_s`` for a call: the call's own, else the metainfo's
-    (``moe_a2a_initialize(timeout_s=)``), else ``ENV_TIMEOUT``."""
-    return meta[6] if timeout_s is None else timeout_s
+    (``moe_a2a_initialize(timeout_s=)``), else ``ENV_TIMEOUT``.
+
+    Raises:
+        ValueError: the call's own is not None or a positive finite number.
+    """
+    if timeout_s is None:
+        return meta[6]
+    check_timeout(timeout_s)
+    return timeout_s
 
 
 def check_rank(meta: MetaValues, ep_rank: int, ep_size: int, workspace: torch.Tensor) -> None:

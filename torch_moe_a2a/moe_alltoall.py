@@ -33,7 +33,7 @@ from .expert_major import (
 )
 from .fastpath import tracing
 from .mapping import ep_group_color
-from .metainfo import reinitialize_row
+from .metainfo import check_timeout, reinitialize_row
 from .workspace import (
     allocate_workspace,
     release_workspace_memory,
@@ -237,8 +237,7 @@ class MoeAlltoAll:
         _check_int("top_k", top_k, 1, layout.MAX_TOP_K)
         _check_int("num_experts", num_experts, max(1, self.ep_size))
         _check_int("eplb_stats_num_experts", eplb_stats_num_experts, 0)
-        if timeout_s is not None and not timeout_s > 0:
-            raise ValueError(f"MoeAlltoAll: timeout_s must be > 0, got {timeout_s}")
+        check_timeout(timeout_s, "MoeAlltoAll")
         if mnnvl_config is not None and group is not None:
             raise ValueError("MoeAlltoAll: pass mnnvl_config= or group=, not both")
         if workspace is not None and (group is not None or mnnvl_config is not None):
