@@ -682,15 +682,22 @@ def fmt(x: Optional[float], spec: str, suffix: str = "") -> str:
     return "-" if x is None else f"{x:{spec}}{suffix}"
 
 
+def format_row(cells: list[str], widths: list[int], left: set[int]) -> str:
+    """One line of a table: each cell padded to its column's width, columns in ``left`` left-aligned."""
+    return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+
 def format_table(header: list[str], rows: list[list[str]], left: set[int]) -> str:
     """Columns padded to their widest cell, a rule under the header; columns in ``left`` left-aligned."""
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-    lines = []
-    for r in [header, *rows]:
-        cells = [r[c].ljust(widths[c]) if c in left else r[c].rjust(widths[c]) for c in range(len(header))]
-        lines.append("  ".join(cells).rstrip())
+    lines = [format_row(r, widths, left) for r in [header, *rows]]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def over_max_gib(need: int, max_bytes: int) -> str:
+    """Why a point needing ``need`` bytes is skipped under ``--max-gib``."""
+    return f"needs ~{need / GIB:.1f} GiB > --max-gib {max_bytes / GIB:g}"
 
 
 def geomean(values: list[float]) -> Optional[float]:

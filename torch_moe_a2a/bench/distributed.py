@@ -132,6 +132,7 @@ from .common import (
     make_set,
     new_record,
     num_sets_for,
+    over_max_gib,
     positive_float,
     preset_names,
     recv_mismatch,
@@ -618,7 +619,7 @@ def _fits(point: Point, n_sets: int, ctx: _Context) -> Optional[str]:
     need = _rank_memory_bytes(point, n_sets)
     reason = ""
     if need > ctx.max_bytes:
-        reason = f"needs ~{need / GIB:.1f} GiB > --max-gib {ctx.max_bytes / GIB:g}"
+        reason = over_max_gib(need, ctx.max_bytes)
     elif ctx.proc.cuda:
         share = torch.cuda.mem_get_info(ctx.proc.device)[0] // ctx.proc.ranks_per_gpu
         if need > share:

@@ -54,7 +54,9 @@ from .common import (
     capture_graph,
     copy_bandwidth,
     device_name,
+    format_row,
     format_table,
+    over_max_gib,
     release,
 )
 from .common import fmt as cell
@@ -78,7 +80,7 @@ _FORMATS = {"mxfp8": (torch.float8_e4m3fn, torch.uint8, 32), "mxfp4": (torch.uin
             "nvfp4": (torch.uint8, torch.float8_e4m3fn, 16)}
 NVFP4_GLOBAL_SCALE = 448.0 * 6.0 / 8.0
 HEADER = ["ep", "tokens", "variant", "us", "floor us", "bytes moved", "ratio to copy", "vs bf16", "check"]
-LEFT = {2, 8}  # left-aligned columns, as format_table takes them
+LEFT = {2, 8}  # left-aligned columns
 # Rows print as each point is measured, so the widths are fixed before the
 # first: the time columns room for up to 10 s (a wider cell shifts its row only).
 WIDEST_US = "9999999.9"
@@ -149,11 +151,6 @@ def _memory_bytes(ep: int, tokens: int, hidden: int, top_k: int) -> int:
     return workspace + ep * tokens * (dispatch_row + 4 * combine_row)
 
 
-def _line(cells: list[str], widths: list[int]) -> str:
-    """One line of the table, aligned as format_table aligns it."""
-    return "  ".join(c.ljust(w) if i in LEFT else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-
 def run_variants(device: torch.device, eps: list[int], tokens_list: list[int], iters: int, warmup: int,
                  variants: Optional[list[str]] = None, preset: str = DEFAULT_PRESET, max_gib: Optional[float] = None,
                  stop: Optional[StopSignals] = None,
@@ -183,7 +180,7 @@ def run_variants(device: torch.device, eps: list[int], tokens_list: list[int], i
     # The other columns' cells fit in their header's width.
     widest = [str(max(eps)), str(max(tokens_list)), max(variants, key=len), WIDEST_US, WIDEST_US, "", "", "", ""]
     widths = [max(len(h), len(w)) for h, w in zip(HEADER, widest)]
-    header = _line(HEADER, widths)
+    header = format_row(HEADER, widths, LEFT)
     emit(header)
     emit("-" * len(header))
     points = [(ep, tokens) for ep in eps for tokens in tokens_list]
@@ -195,7 +192,7 @@ def run_variants(device: torch.device, eps: list[int], tokens_list: list[int], i
             need = _memory_bytes(ep, tokens, hidden, top_k)
             if need > max_bytes:
                 rows = [[str(ep), str(tokens), "-", "-", "-", "-", "-", "-",
-                         f"skipped: needs ~{need / GIB:.1f} GiB > --max-gib {max_bytes / GIB:g}"]]
+                         "skipped: " + over_max_gib(need, max_bytes)]]
             else:
                 rows = []
                 try:
@@ -204,7 +201,7 @@ def run_variants(device: torch.device, eps: list[int], tokens_list: list[int], i
                 finally:
                     release(device)  # freeing device memory between two ranks' launches would stall them
             for row in rows:
-                emit(_line(row, widths))
+                emit(format_row(row, widths, LEFT))
             done += 1
     except Interrupted:
         pass  # the point in progress is dropped; the ones before it stand

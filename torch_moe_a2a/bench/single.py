@@ -133,6 +133,7 @@ from .common import (
     new_record,
     num_sets_for,
     op_bytes_for,
+    over_max_gib,
     positive_float,
     preset_names,
     recv_mismatch,
@@ -543,7 +544,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
     need = _memory_bytes(point, n_sets, cuda)
     record.update(input_sets=n_sets, memory_estimate_gib=need / GIB)
     if need > ctx.max_bytes:
-        record.update(status="skipped", notes=[f"needs ~{need / GIB:.1f} GiB > --max-gib {ctx.max_bytes / GIB:g}"])
+        record.update(status="skipped", notes=[over_max_gib(need, ctx.max_bytes)])
         return record
     if cuda:
         free = torch.cuda.mem_get_info(device)[0]
