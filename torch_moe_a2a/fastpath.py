@@ -85,10 +85,10 @@ def direct_call_ok(*tensors: Optional[torch.Tensor]) -> bool:
 # given, its forward follows the ones the dispatch wrote: other ids than the
 # dispatch's would give a right output and wrong gradients, so it checks them
 # against these (plain dispatches record theirs once a differentiable one
-# has: fastpath.note_plain_dispatch). Held strongly: ids made for the call
-# (`ids.int()`) are gone by the combine. As the table grows, entries whose workspace tensor is gone
-# are dropped (an entry stays valid while its address is in use, whatever
-# view of the workspace a call passes).
+# has: note_plain_dispatch). Held strongly: ids made for the call
+# (`ids.int()`) are gone by the combine. As the table grows, entries whose
+# workspace tensor is gone are dropped (an entry stays valid while its
+# address is in use, whatever view of the workspace a call passes).
 _LAST_DISPATCH: dict[tuple[int, int], list] = {}  # [workspace weakref, ids, counts]
 _LAST_DISPATCH_PURGE_AT = [64]
 
