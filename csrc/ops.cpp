@@ -524,6 +524,7 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
   TORCH_CHECK_VALUE(row_bytes >= 0 && row_bytes <= kMaxRowBytes, "a combine row must have at most ", kMaxRowBytes,
                     " bytes, got row_shape ", row_shape, " of ", dtype_name(payload_dtype));
   p.row_elems = row_bytes / element_size;
+  p.signature = combine_signature(int64_t(p.low_precision), int64_t(p.payload_dtype), p.row_elems, 0, 0);
   if (lp) {
     const int64_t staged = low_precision_row_bytes(p.low_precision, p.row_elems);
     TORCH_CHECK_VALUE(staged <= row_bytes, "use_low_precision with block scales stages ", staged,
@@ -751,6 +752,8 @@ ExpertMajorCombineParams check_combine_expert_major(
                     "combine_payload_offset must be a multiple of ", kPlaneAlign, " in [", p.layout.combine_offset,
                     ", ", c.ws.size_per_rank, "] (the expert-major dispatch's), got ", combine_payload_offset);
   p.layout.combine_offset = combine_payload_offset;
+  c.signature = combine_signature(int64_t(LowPrecision::kOff), int64_t(c.payload_dtype), c.row_elems,
+                                  p.layout.local_experts, max_tokens_per_expert);
   check_combine_fits(combine_payload_offset,
                      combine_payload_offset + p.layout.local_experts * max_tokens_per_expert * row_bytes,
                      c.ws.size_per_rank, "num_local_experts x max_tokens_per_expert", row_bytes, "expert-major planes",
@@ -817,6 +820,12 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
          << "number, row sizes or eplb_local_stats differ; they must be the same on all ranks for one call; "
          << "with the differentiable functions, a rank that skipped a backward, whose exchanges are collectives, "
          << "meets its peers' backward exchange here)";
+      break;
+    case kErrorCombineRowsMismatch:
+      os << "peers " << rank_list(missing) << " called the same combine with other rows than this rank's (their "
+         << "payload dtype, row size or use_low_precision differ, or one rank combined expert-major and another "
+         << "rank-major, or with another max_tokens_per_expert or num_experts; the ranks pull each other's rows, so "
+         << "these must be the same on all ranks for one combine)";
       break;
     case kErrorCombineMismatch: {
       if (detail == kMismatchRegionStaged) {
@@ -1166,6 +1175,7 @@ std::vector<int64_t> constants_op() {
       kHdrRegionStaged,
       kMaxLocalExperts,
       kMaxExpertMajorRows,
+      kHdrCombineSignatures,
   };
 }
 

@@ -92,6 +92,7 @@ struct CombineParams {
   SfLayout sf_layout;      // of output_scales
   uint8_t* output_scales;  // quantized: [sf_extent(sf_layout, local_num_tokens, row_elems / block)]
   float global_scale;      // NVFP4's output_scalar_scale (> 0)
+  uint32_t signature;      // combine_signature of the call's rows (protocol.h, the equal-rows check)
 };
 
 // Combine step 1 (protocol.h): whether it stages (a payload tensor; e4m3

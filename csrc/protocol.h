@@ -123,7 +123,9 @@
 //      for plain e4m3 rows of a 16-bit payload (launch_combine), whose r
 //      rows the pull reads unconverted and converts as step 1 would.
 //   2. release: add this call's shares to combine_flag[r] in every active
-//      peer p's header (each CTA its own, after its staged rows)
+//      peer p's header (each CTA its own, after its staged rows); the CPU
+//      combine first sets signatures[c & 1][r] := the call's
+//      combine_signature in every active peer p's header
 //   3. acquire: wait until own combine_flag[p] >= flag_target(c) for every
 //      active peer p; own combine_epoch := n, combine_count := c (on CUDA by
 //      CTA 0, once the own flag tells it that every CTA of its grid has read
@@ -136,6 +138,17 @@
 //      after its pulls' loads, which the sums consumed: dispatch step 0b and
 //      combine step 0 of the peers read it; the output stores may follow,
 //      no peer reads them)
+//   The equal-rows check (CPU): own signatures[c & 1][p] == the call's
+//   combine_signature for every active peer p, after step 3 and before the
+//   pull, else kErrorCombineRowsMismatch with the mask of those peers. Each
+//   rank pulls its peers' combine regions as its own call lays them out
+//   (transport, dtype, row size, rank- or expert-major planes): where two
+//   ranks' calls differ, each reads the other's rows wrongly, so both fail,
+//   and neither waits for the other. Slot [c & 1]: rank p writes
+//   signatures[c & 1] next in its combine c + 2, after this rank's combine
+//   flag of combine c + 1, which this rank raises only once combine c has
+//   finished. The CUDA combine does not check: the store before the flag's
+//   release and the check cost its small calls 0.2-1 us (docs/DESIGN.md).
 //
 // Why no extra barrier is needed between calls (buffer reuse chain):
 //   * rank s's dispatch n+1 writes into peer d's planes only after s's last
@@ -277,6 +290,9 @@ enum ErrorCode : uint32_t {
   // A peer's dispatch, with this rank's T, had other payloads (the
   // equal-payloads check below; detail unused).
   kErrorPayloadMismatch = 6,
+  // A peer's combine, the same combine of the round as this rank's, had other
+  // rows (the equal-rows check below; detail unused).
+  kErrorCombineRowsMismatch = 7,
 };
 
 // ---- rank header: byte offsets inside each row -----------------------------
@@ -341,11 +357,14 @@ constexpr int64_t kHdrRecvCounts = kHdrCombineFlags + 4 * kMaxRanks;     // int3
 constexpr int64_t kHdrPeerRuntimeMax = kHdrRecvCounts + 4 * kMaxRanks;
 // uint32 [kMaxRanks], [s] written by rank s: the payload_signature of its latest dispatch
 constexpr int64_t kHdrPeerPayloads = kHdrPeerRuntimeMax + 4 * kMaxRanks;
+// uint32 [2][kMaxRanks], [c & 1][s] written by rank s (CPU): the
+// combine_signature of its combine c (combine step 2)
+constexpr int64_t kHdrCombineSignatures = kHdrPeerPayloads + 4 * kMaxRanks;
 // uint16 [kMaxRanks], own, kept by initialize (dispatch step 0a): [q] = the
 // init tag of peer q's row that a first dispatch saw before this row's latest
 // initialize (stale: not to be trusted), and the one that the first dispatch
 // since then saw (seen: the next initialize's stale).
-constexpr int64_t kHdrInitStale = kHdrPeerPayloads + 4 * kMaxRanks;
+constexpr int64_t kHdrInitStale = kHdrCombineSignatures + 2 * 4 * kMaxRanks;
 constexpr int64_t kHdrInitSeen = kHdrInitStale + 2 * kMaxRanks;
 // CUDA dispatch scratch of large calls, own, per CTA b of the grid (grids have
 // at most kMaxDispatchCtas CTAs; see csrc/cuda/dispatch.cu, steps 1a and 3).
@@ -369,7 +388,7 @@ constexpr int kClaimCounters = 16;
 constexpr int64_t kClaimStride = 128;
 constexpr int64_t kHdrDispatchClaims =
     kHdrDispatchRouted + 4 * kMaxDispatchCtas;  // uint32, counter c at (c - 1) * kClaimStride
-constexpr int64_t kHeaderBytes = kHdrDispatchClaims + kClaimStride * (kClaimCounters - 1);  // 531968
+constexpr int64_t kHeaderBytes = kHdrDispatchClaims + kClaimStride * (kClaimCounters - 1);  // 532480
 static_assert(kHdrDispatchCounts % 8 == 0 && kHeaderBytes % kAlign == 0, "header words aligned, regions too");
 
 // Header offset of claim counter c (uint32), 0 <= c < kClaimCounters.
@@ -388,6 +407,11 @@ MOE_A2A_HD constexpr int64_t peer_runtime_max_offset(int64_t s) {
 // Header offset of payloads[s] (uint32): the payload_signature of rank s's latest dispatch.
 MOE_A2A_HD constexpr int64_t peer_payloads_offset(int64_t s) {
   return kHdrPeerPayloads + int64_t(sizeof(uint32_t)) * s;
+}
+
+// Header offset of signatures[c & 1][s] (uint32): the combine_signature of rank s's combine c.
+MOE_A2A_HD constexpr int64_t combine_signature_offset(uint32_t c, int64_t s) {
+  return kHdrCombineSignatures + int64_t(sizeof(uint32_t)) * (int64_t(c & 1u) * kMaxRanks + s);
 }
 
 // Header offsets of init_stale[q] and init_seen[q] (uint16): peer q's init tags.
@@ -521,6 +545,18 @@ MOE_A2A_HD uint32_t payload_signature(const CallLayout& l, const int64_t* payloa
     hash = fnv1a_mix(fnv1a_mix(hash, payload_row_bytes[i]), l.payload_offset[i]);
   }
   return fnv1a_mix(hash, l.dispatch_end);
+}
+
+// The equal-rows check's word of a combine (combine step 2, CPU): how its peers
+// read its combine region, as a hash (FNV-1a) of the rows' transport (its
+// LowPrecision), the payload's dtype and elements a row, and the planes of
+// an expert-major combine (its local experts and max_tokens_per_expert; 0
+// and 0 for a rank-major combine).
+MOE_A2A_HD uint32_t combine_signature(int64_t transport, int64_t dtype, int64_t row_elems, int64_t local_experts,
+                                      int64_t tokens_per_expert) {
+  uint32_t hash = fnv1a_mix(fnv1a_mix(2166136261u, transport), dtype);
+  hash = fnv1a_mix(fnv1a_mix(hash, row_elems), local_experts);
+  return fnv1a_mix(hash, tokens_per_expert);
 }
 
 // Dispatch step 0b: whether call n+1 (dispatch_end, T) may write over a

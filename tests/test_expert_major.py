@@ -9,6 +9,7 @@ equal to the dense layer within fp32 rounding."""
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -268,6 +269,46 @@ def test_expert_major_then_rank_major_rounds(device):
     for r in range(3):
         assert_bytes_equal(outs[r].cpu(), expected[r], f"rank {r} rank-major after expert-major")
     em_round(sim, case, gen, dropped)
+
+
+def test_rank_and_expert_major_combines_mixed_are_reported(device):
+    """After an expert-major dispatch rank 2 closes the round with the
+    rank-major combine, ranks 0 and 1 with the expert-major one: each would
+    read the other's combine region in its own layout. Every rank fails,
+    naming the peers (protocol.h, the equal-rows check: the CPU's; the
+    CUDA combine does not make it)."""
+    if device != "cpu":
+        pytest.skip("the CUDA combine does not check its peers' rows (protocol.h, the equal-rows check)")
+    case = EmCase(3, (6, 2, 5), 4, 7, max_tokens_per_expert=3)
+    sim = make_em_sim(case, device)
+    ids, payloads, _ = em_inputs(case, make_generator(13))
+    dev_ids = [t.to(device) for t in ids]
+    dev_payloads = [[p.to(device) for p in ps] for ps in payloads]
+
+    def round_of_calls(r):
+        got = a2a.moe_a2a_dispatch(dev_ids[r], dev_payloads[r], sim.workspace, sim.metainfo[r], case.T, r, 3,
+                                   case.top_k, case.num_experts, expert_major=True,
+                                   max_tokens_per_expert=case.max_tokens_per_expert)
+        try:
+            if r == 2:
+                rows = torch.ones(3, case.T, case.hidden, dtype=case.hidden_dtype, device=device)
+                a2a.moe_a2a_combine(rows, case.tokens[r], sim.workspace, sim.metainfo[r], case.T, r, 3, case.top_k,
+                                    got.dispatch_end)
+            else:
+                a2a.moe_a2a_combine_expert_major(got.output_payloads[0].clone(), got, sim.workspace, sim.metainfo[r],
+                                                 r, 3)
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+    first = sim.run(round_of_calls)
+    for r in range(3):
+        peers = "2" if r < 2 else "0, 1"
+        message = rf"rank {r}: peers \[{peers}\] called the same combine with other rows than this rank's"
+        assert first[r] is not None and re.search(message, first[r]), f"rank {r}: {first[r]}"
+        with pytest.raises(RuntimeError, match=message):
+            a2a.moe_a2a_dispatch(dev_ids[r], dev_payloads[r], sim.workspace, sim.metainfo[r], case.T, r, 3,
+                                 case.top_k, case.num_experts, expert_major=True)
 
 
 # ---- an end-to-end MoE layer ---------------------------------------------------------

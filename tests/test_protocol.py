@@ -620,6 +620,66 @@ def test_calls_differing_between_ranks_are_reported(differs, device):
     round_trip(sim, case, make_inputs(case, gen), gen)
 
 
+@pytest.mark.parametrize("differs", ["dtype", "row_size", "low_precision", "block_scales"])
+def test_combines_differing_between_ranks_are_reported(differs, device):
+    """The ranks pull each other's combine rows as their own call lays them
+    out, so one combine must have the same rows on all ranks (payload dtype,
+    row size, transport); rank 2's differs. Every rank learns its peers'
+    combine signatures with their combine flags: the call raises on every
+    rank, naming the peers, instead of summing misread rows. A repeated
+    combine of the round with other rows on every rank is fine (FlashInfer's
+    bf16-then-quantized sequence), and after a re-initialization the ranks
+    work again. The CPU's check: the CUDA combine does not make it
+    (protocol.h)."""
+    if device != "cpu":
+        pytest.skip("the CUDA combine does not check its peers' rows (protocol.h, the equal-rows check)")
+    case = Case(3, (24, 20, 8), 2, 6, hidden=256, runtime_max=24)
+    ep, T = case.ep_size, case.T
+    gen = make_generator(53)
+    sim = make_sim(case, device, timeout_s=20)
+    dev = make_inputs(case, gen).to(device)
+    hidden = case.hidden // 2 if differs == "row_size" else case.hidden
+
+    def combine_args(r, odd):
+        """Rank r's payload and keyword arguments; `odd`: rank 2's rows."""
+        dtype = torch.float16 if differs == "dtype" and odd else torch.bfloat16
+        payload = torch.ones(ep, T, hidden if odd else case.hidden, dtype=dtype, device=device)
+        return payload, {"use_low_precision": differs in ("low_precision", "block_scales") and odd,
+                         "low_precision_block_scales": differs == "block_scales" and odd}
+
+    def combine(r, offset, odd):
+        payload, kwargs = combine_args(r, odd)
+        return a2a.moe_a2a_combine(payload, case.tokens[r], sim.workspace, sim.metainfo[r], T, r, ep, case.top_k,
+                                   offset, **kwargs)
+
+    def message(r):
+        peers = "2" if r < 2 else "0, 1"
+        return (rf"rank {r}: peers \[{peers}\] called the same combine with other rows than this rank's \(their "
+                rf"payload dtype, row size or use_low_precision differ")
+
+    def round_of_calls(r):
+        """The rank's dispatch, a combine with rows that agree, a second one that do not; the error's text."""
+        _, offset, _ = a2a.moe_a2a_dispatch(dev.ids[r], dev.payloads[r], sim.workspace, sim.metainfo[r], T, r, ep,
+                                            case.top_k, case.num_experts)
+        combine(r, offset, odd=True)  # the same rows on every rank: agreed
+        try:
+            combine(r, offset, odd=r == 2)
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+    first = sim.run(round_of_calls)
+    for r in range(ep):
+        assert first[r] is not None and re.search(message(r), first[r]), f"rank {r}: {first[r]}"
+        with pytest.raises(RuntimeError, match=message(r)):
+            a2a.moe_a2a_dispatch(dev.ids[r], dev.payloads[r], sim.workspace, sim.metainfo[r], T, r, ep, case.top_k,
+                                 case.num_experts)
+    for r in range(ep):
+        sim.metainfo[r] = a2a.moe_a2a_initialize(sim.workspace, r, ep, case.max_tokens)
+    a2a.check_errors(sim.workspace)
+    round_trip(sim, case, make_inputs(case, gen), gen)
+
+
 # ---- padded rows ------------------------------------------------------------------
 
 PAD_BYTES = 3 * layout.ALIGN  # between rows, as a multi-process CUDA workspace pads rows to whole allocations

@@ -64,6 +64,7 @@ ERROR_SEQUENCE = 3
 ERROR_RUNTIME_MAX_MISMATCH = 4
 ERROR_COMBINE_MISMATCH = 5
 ERROR_PAYLOAD_MISMATCH = 6
+ERROR_COMBINE_ROWS_MISMATCH = 7
 # What differs for ERROR_COMBINE_MISMATCH: bit i of its detail names
 # COMBINE_MISMATCH_FIELDS[i] (protocol.h: CombineMismatch).
 COMBINE_MISMATCH_FIELDS = ("local_num_tokens", "runtime_max_tokens_per_rank", "top_k", "combine_payload_offset",
@@ -102,7 +103,9 @@ HDR_COMBINE_FLAGS = HDR_DISPATCH_FLAGS + 4 * MAX_RANKS
 HDR_RECV_COUNTS = HDR_COMBINE_FLAGS + 4 * MAX_RANKS
 HDR_PEER_RUNTIME_MAX = HDR_RECV_COUNTS + 4 * MAX_RANKS  # int32 [MAX_RANKS]: [s] = T of rank s's latest dispatch
 HDR_PEER_PAYLOADS = HDR_PEER_RUNTIME_MAX + 4 * MAX_RANKS  # uint32 [MAX_RANKS]: [s] = payload signature of its latest dispatch
-HDR_INIT_STALE = HDR_PEER_PAYLOADS + 4 * MAX_RANKS  # uint16 [MAX_RANKS]: protocol.h, dispatch step 0a
+# uint32 [2][MAX_RANKS]: [c & 1][s] = the combine signature of rank s's combine c (protocol.h, the equal-rows check)
+HDR_COMBINE_SIGNATURES = HDR_PEER_PAYLOADS + 4 * MAX_RANKS
+HDR_INIT_STALE = HDR_COMBINE_SIGNATURES + 2 * 4 * MAX_RANKS  # uint16 [MAX_RANKS]: protocol.h, dispatch step 0a
 HDR_INIT_SEEN = HDR_INIT_STALE + 2 * MAX_RANKS  # uint16 [MAX_RANKS]
 MAX_DISPATCH_CTAS = 1024
 # CUDA grid scratch of large dispatches: uint64 [MAX_DISPATCH_CTAS * MAX_RANKS], uint32 [MAX_DISPATCH_CTAS]
@@ -170,6 +173,7 @@ CONSTANTS = {
     "HDR_REGION_STAGED": HDR_REGION_STAGED,
     "MAX_LOCAL_EXPERTS": MAX_LOCAL_EXPERTS,
     "MAX_EXPERT_MAJOR_ROWS": MAX_EXPERT_MAJOR_ROWS,
+    "HDR_COMBINE_SIGNATURES": HDR_COMBINE_SIGNATURES,
 }
 
 

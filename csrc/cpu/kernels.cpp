@@ -225,6 +225,34 @@ void release_to_peers(const WorkspaceView& ws, const SyncParams& sync, int64_t f
   }
 }
 
+// Combine step 2 (protocol.h): the call's combine_signature into
+// signatures[count & 1][own rank] of every active rank's header, then the
+// release of the combine flags, which orders those stores.
+void release_combine(const CombineParams& p, uint32_t count) {
+  const WorkspaceView& ws = p.ws;
+  for (int d = 0; d < ws.ep_size; ++d) {
+    if (rank_active(p.sync, d)) store<uint32_t>(ws.row(d), combine_signature_offset(count, ws.ep_rank), p.signature);
+  }
+  release_to_peers(ws, p.sync, kHdrCombineFlags, count);
+}
+
+// The equal-rows check (protocol.h) after combine step 3: every active
+// peer's combine `count` had this call's rows (the acquired flags make
+// their words visible); else kErrorCombineRowsMismatch naming the peers.
+WaitResult check_peer_combines(const CombineParams& p, uint32_t count) {
+  const WorkspaceView& ws = p.ws;
+  const uint8_t* own = ws.row(ws.ep_rank);
+  uint64_t other[kRankMaskWords] = {};
+  bool any = false;
+  for (int q = 0; q < ws.ep_size; ++q) {
+    if (rank_active(p.sync, q) && load<uint32_t>(own, combine_signature_offset(count, q)) != p.signature) {
+      other[q / 64] |= uint64_t(1) << (q % 64);
+      any = true;
+    }
+  }
+  return any ? record_error(ws, kErrorCombineRowsMismatch, other, 0) : WaitResult{};
+}
+
 // Waits until every active rank finished pulling its combine `count` (its
 // pull_done, advanced with a release store after its pull): dispatch step
 // 0b and combine step 0, each with its own code on a timeout.
@@ -675,10 +703,12 @@ WaitResult combine(const CombineParams& p) {
     }
   }
 
-  // 2. Release, 3. acquire.
-  release_to_peers(ws, p.sync, kHdrCombineFlags, count);
+  // 2. Release, 3. acquire, the equal-rows check.
+  release_combine(p, count);
   const WaitResult result = wait_for_own_flags(ws, p.sync, kHdrCombineFlags, count, kErrorCombineTimeout);
   if (result.code != kErrorNone) return result;
+  const WaitResult agreed = check_peer_combines(p, count);
+  if (agreed.code != kErrorNone) return agreed;
 
   // 4. Pull and reduce, 5. advance.
   if (p.quant != QuantFormat::kNone) zero_scale_padding(p);
@@ -938,10 +968,12 @@ WaitResult combine_expert_major(const ExpertMajorCombineParams& ep) {
     }
   }
 
-  // 2. Release, 3. acquire.
-  release_to_peers(ws, p.sync, kHdrCombineFlags, count);
+  // 2. Release, 3. acquire, the equal-rows check.
+  release_combine(p, count);
   const WaitResult result = wait_for_own_flags(ws, p.sync, kHdrCombineFlags, count, kErrorCombineTimeout);
   if (result.code != kErrorNone) return result;
+  const WaitResult agreed = check_peer_combines(p, count);
+  if (agreed.code != kErrorNone) return agreed;
 
   // 4. Pull, 5. advance (release: as in combine).
   switch (p.payload_dtype) {
