@@ -829,6 +829,40 @@ def test_a_combine_is_checked_against_the_last_dispatch_plain_or_differentiable(
     assert torch.equal(y.grad, want.grad)
 
 
+def test_a_combine_with_another_num_experts_than_its_dispatch_is_refused():
+    """The backward routes the output gradient by the combine's ids and
+    num_experts: with another num_experts than the dispatch's (here 8 against
+    4, which puts every expert on rank 0 of 2), the forward's sums are right
+    and the gradients of the tokens sent to both ranks are half of what they
+    should be. Refused, naming both values; the round then closes normally."""
+    ep, tokens, top_k, num_experts, hidden = 2, 4, 2, 4, 8
+    gen = torch.Generator().manual_seed(24)
+    ids = [reference.random_routing(tokens, top_k, num_experts, gen) for _ in range(ep)]
+    xs = [torch.randn(tokens, hidden, generator=gen).requires_grad_() for _ in range(ep)]
+    sim = make_sim(ep, tokens, hidden, top_k)
+
+    def round_trip(r):
+        args = (sim.workspace, sim.metainfo[r], tokens, r, ep, top_k)
+        (y,), offset, _ = moe_a2a_dispatch_differentiable(ids[r], [xs[r]], *args, num_experts)
+        try:
+            moe_a2a_combine_differentiable(y * 2, ids[r], *args, 2 * num_experts, offset)
+        except ValueError as e:
+            refused = str(e)
+        else:
+            refused = None
+        moe_a2a_combine_differentiable(y * 2, ids[r], *args, num_experts, offset).sum().backward()
+        return refused
+
+    refused = sim.run(round_trip)
+    for r in range(ep):
+        assert refused[r] is not None and re.search(
+            r"num_experts must be that of this rank's preceding dispatch \(4; .*got 8", refused[r]), refused[r]
+        # d(sum of 2 * each distinct destination rank's row)/dx: 2 per rank the token went to.
+        ranks = [len({int(e) * ep // num_experts for e in row}) for row in ids[r]]
+        want = 2 * torch.tensor(ranks, dtype=torch.float32)[:, None].expand(tokens, hidden)
+        torch.testing.assert_close(xs[r].grad, want)
+
+
 @pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
 def test_a_backward_counts_no_invalid_id_or_dropped_pair_again(layout, device):
     """The backward's exchanges dispatch the forward's ids again: the header's

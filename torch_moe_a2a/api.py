@@ -419,7 +419,7 @@ def moe_a2a_dispatch(
                tuple([(p.shape[1:], p.dtype) for p in input_payloads]))
         hit = cache.get(key)
     views = run_dispatch("moe_a2a_dispatch", args, hit is None, False)
-    note_plain_dispatch(workspace, ep_rank, token_selected_experts)
+    note_plain_dispatch(workspace, ep_rank, token_selected_experts, num_experts)
     if hit is not None:
         return list(hit[0]), hit[1], hit[2]
     output_payloads, combine_offset, eplb_gathered_stats = views

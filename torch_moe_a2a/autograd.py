@@ -480,12 +480,13 @@ def _check_backward_fits(fn: str, workspace: Tensor, needed: int, what: str) -> 
                          f"the workspace has {workspace.shape[1]}; {what}")
 
 
-def _check_combine_ids(fn: str, workspace: Tensor, rank: int, ids: Tensor, counts: Optional[Tensor] = None) -> None:
-    """``ids`` (and ``counts``, expert-major) must be those of this rank's last
-    dispatch on ``workspace`` (fastpath.note_dispatch: the backward lays its
-    routes from ``ids``, the forward follows the dispatch's). The same tensor
-    costs nothing; another one is compared by value (a host sync, off the
-    usual path)."""
+def _check_combine_ids(fn: str, workspace: Tensor, rank: int, ids: Tensor, num_experts: int,
+                       counts: Optional[Tensor] = None) -> None:
+    """``ids`` and ``num_experts`` (and ``counts``, expert-major) must be those
+    of this rank's last dispatch on ``workspace`` (fastpath.note_dispatch: the
+    backward lays its routes from ``ids`` and ``num_experts``, the forward
+    follows the dispatch's). The same tensor costs nothing; another one is
+    compared by value (a host sync, off the usual path)."""
     if _traced():
         return
     last = last_dispatch(workspace, rank)
@@ -495,6 +496,9 @@ def _check_combine_ids(fn: str, workspace: Tensor, rank: int, ids: Tensor, count
             and torch.equal(dispatched, ids)):
         raise ValueError(f"{fn}: token_selected_experts must be the expert ids of this rank's preceding dispatch "
                          "(the backward dispatches the output gradient along their routes), got other ids")
+    if last is not None and num_experts != last[2]:
+        raise ValueError(f"{fn}: num_experts must be that of this rank's preceding dispatch ({last[2]}; the "
+                         f"backward dispatches the output gradient along its routes), got {num_experts}")
     last_counts = None if last is None else last[1]
     if counts is not None and last_counts is not None and counts is not last_counts:
         raise ValueError(f"{fn}: dispatched must be the ExpertMajorDispatch of this rank's preceding "
@@ -568,7 +572,7 @@ def moe_a2a_dispatch_differentiable(
                              f"token together cover {ids_row + row} (moe_a2a_get_workspace_size_per_rank)")
     *received, counts = _call(dispatch_owned, token_selected_experts, list(input_payloads), workspace, *route)
     if not _traced():
-        note_dispatch(workspace, ep_rank, token_selected_experts)
+        note_dispatch(workspace, ep_rank, token_selected_experts, num_experts)
     row_bytes = tuple(_row_bytes(p) for p in input_payloads)
     offset = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, row_bytes).combine_offset
     return received, offset, counts
@@ -608,15 +612,15 @@ def moe_a2a_combine_differentiable(
         order, cast once). A new tensor.
 
     Raises:
-        ValueError: as :func:`~torch_moe_a2a.moe_a2a_combine`; ids other than
-            those of this rank's preceding dispatch.
+        ValueError: as :func:`~torch_moe_a2a.moe_a2a_combine`; ids or
+            num_experts other than those of this rank's preceding dispatch.
         RuntimeError: as :func:`~torch_moe_a2a.moe_a2a_combine`.
     """
     fn = "moe_a2a_combine_differentiable"
     route = _route_args(fn, token_selected_experts, [payload], workspace, metainfo, runtime_max_tokens_per_rank,
                         ep_rank, ep_size, top_k, num_experts, enable_pdl, enable_rank_mask, active_rank_mask,
                         timeout_s)
-    _check_combine_ids(fn, workspace, ep_rank, token_selected_experts)
+    _check_combine_ids(fn, workspace, ep_rank, token_selected_experts, num_experts)
     if _needs_backward([payload]):
         # The backward (dispatch_round): the gradient's plane, then a combine of one fp32 per row.
         row = payload.element_size() * math.prod(payload.shape[2:])
@@ -997,7 +1001,7 @@ def moe_a2a_dispatch_expert_major_differentiable(
     *planes, counts, ids, pair_weights = _call(dispatch_em_owned, token_selected_experts, payloads, weights, workspace,
                                                max_tokens_per_expert, *route)
     if not _traced():
-        note_dispatch(workspace, ep_rank, token_selected_experts, counts)
+        note_dispatch(workspace, ep_rank, token_selected_experts, num_experts, counts)
     row_bytes = [_row_bytes(p) for p in (*payloads, token_selected_experts, weights)]
     dispatch_end = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, row_bytes).combine_offset
     em = layout.expert_major_layout(dispatch_end, ep_size, runtime_max_tokens_per_rank, top_k,
@@ -1062,7 +1066,7 @@ def moe_a2a_combine_expert_major_differentiable(
         raise ValueError(f"dispatched.router_weights must be a floating [num_local_experts, max_tokens_per_expert]="
                          f"{list(pairs)} tensor, got {getattr(weights, 'dtype', type(weights))} "
                          f"{tuple(getattr(weights, 'shape', ()))}")
-    _check_combine_ids(fn, workspace, ep_rank, token_selected_experts, d.expert_counts)
+    _check_combine_ids(fn, workspace, ep_rank, token_selected_experts, d.num_experts, d.expert_counts)
     if _needs_backward([expert_outputs, weights]):
         # The backward (dispatch_em_round): the gradient's rows beside the ids
         # and the slot values, then a combine of one fp32 per pair.

@@ -209,7 +209,7 @@ def moe_a2a_dispatch_expert_major(
              for p, offset in zip(input_payloads, em.payload_offsets)]
     counts = layout.region_view(row, em.counts_offset, (local,), torch.int32)
     if not tracing():
-        note_plain_dispatch(workspace, ep_rank, token_selected_experts, counts)
+        note_plain_dispatch(workspace, ep_rank, token_selected_experts, num_experts, counts)
     ids = layout.region_view(row, em.ids_offset, (local, M), torch.int32)
     weights = None
     if router_weights is not None:

@@ -79,23 +79,25 @@ def direct_call_ok(*tensors: Optional[torch.Tensor]) -> bool:
     return not torch.overrides.has_torch_function(tensors)
 
 
-# Per (workspace address, rank): the expert ids of the rank's last eager
-# dispatch, plain or differentiable (and, expert-major, its counts tensor).
-# A differentiable combine's backward lays its routes from the ids it is
-# given, its forward follows the ones the dispatch wrote: other ids than the
-# dispatch's would give a right output and wrong gradients, so it checks them
-# against these (plain dispatches record theirs once a differentiable one
+# Per (workspace address, rank): the expert ids and num_experts of the
+# rank's last eager dispatch, plain or differentiable (and, expert-major, its
+# counts tensor). A differentiable combine's backward lays its routes from
+# the ids and num_experts it is given, its forward follows the ones the
+# dispatch wrote: others than the dispatch's would give a right output and
+# wrong gradients, so it checks them against these (plain dispatches record theirs once a differentiable one
 # has: note_plain_dispatch). Held strongly: ids made for the call
 # (`ids.int()`) are gone by the combine. As the table grows, entries whose
 # workspace tensor is gone are dropped (an entry stays valid while its
 # address is in use, whatever view of the workspace a call passes).
-_LAST_DISPATCH: dict[tuple[int, int], list] = {}  # [workspace weakref, ids, counts]
+_LAST_DISPATCH: dict[tuple[int, int], list] = {}  # [workspace weakref, ids, counts, num_experts]
 _LAST_DISPATCH_PURGE_AT = [64]
 
 
-def note_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, counts: Optional[torch.Tensor] = None) -> None:
-    """Records ``ids`` (and ``counts``) as those of ``rank``'s last dispatch on
-    ``workspace``. On every eager dispatch: an existing entry is updated in place."""
+def note_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, num_experts: int,
+                  counts: Optional[torch.Tensor] = None) -> None:
+    """Records ``ids``, ``num_experts`` (and ``counts``) as those of ``rank``'s
+    last dispatch on ``workspace``. On every eager dispatch: an existing entry
+    is updated in place."""
     key = (workspace.data_ptr(), rank)
     entry = _LAST_DISPATCH.get(key)
     if entry is not None:
@@ -103,8 +105,9 @@ def note_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, counts:
             entry[0] = weakref.ref(workspace)
         entry[1] = ids
         entry[2] = counts
+        entry[3] = num_experts
         return
-    _LAST_DISPATCH[key] = [weakref.ref(workspace), ids, counts]
+    _LAST_DISPATCH[key] = [weakref.ref(workspace), ids, counts, num_experts]
     if len(_LAST_DISPATCH) >= _LAST_DISPATCH_PURGE_AT[0]:
         # Simulated ranks dispatch from threads of their own: a snapshot of the
         # table (list() copies it under the GIL), and pops that tolerate a
@@ -114,19 +117,21 @@ def note_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, counts:
         _LAST_DISPATCH_PURGE_AT[0] = 2 * len(_LAST_DISPATCH) + 64
 
 
-def note_plain_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor,
+def note_plain_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, num_experts: int,
                         counts: Optional[torch.Tensor] = None) -> None:
     """note_dispatch for a plain (not differentiable) dispatch, once a
     differentiable one has recorded anything: a process that never trains
     pays one test per call."""
     if _LAST_DISPATCH:
-        note_dispatch(workspace, rank, ids, counts)
+        note_dispatch(workspace, rank, ids, num_experts, counts)
 
 
-def last_dispatch(workspace: torch.Tensor, rank: int) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
-    """The ids (and counts) of ``rank``'s last eager dispatch on ``workspace``; None if none is recorded."""
+def last_dispatch(workspace: torch.Tensor,
+                  rank: int) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], int]]:
+    """The ids, counts (expert-major; else None) and num_experts of ``rank``'s
+    last eager dispatch on ``workspace``; None if none is recorded."""
     entry = _LAST_DISPATCH.get((workspace.data_ptr(), rank))
-    return None if entry is None else (entry[1], entry[2])
+    return None if entry is None else (entry[1], entry[2], entry[3])
 
 
 def tracing() -> bool:
