@@ -16,6 +16,7 @@ from conftest import (
     assert_ws_unchanged,
     check_dispatch,
     combine_again,
+    ep_mapping,
     make_generator,
     make_inputs,
     make_sim,
@@ -402,7 +403,7 @@ def test_initialize_timeout_is_the_calls_default(device):
     assert call_timeout(metainfo_values(plain, id(plain)), None) < 0  # the environment's, read by the op
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, "1"])
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, "1", 1e14])
 def test_initialize_refuses_a_bad_timeout(bad, device):
     workspace = torch.zeros(1, a2a.moe_a2a_get_workspace_size_per_rank(1, 4, 16, 16), dtype=torch.uint8,
                             device=device)
@@ -410,7 +411,7 @@ def test_initialize_refuses_a_bad_timeout(bad, device):
             "timeout_s must be a positive number of seconds")
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, True])
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, True, 1e14])
 def test_a_call_refuses_a_bad_timeout(bad, device):
     """A call's own timeout_s is a positive finite number of seconds: zero or
     less would read as "not set" to the op and wait for the environment's
@@ -431,6 +432,49 @@ def test_a_call_refuses_a_bad_timeout(bad, device):
 
 
 # ---- metainfo of another workspace, rank or size ------------------------------------------------------
+
+
+def test_a_bool_rank_is_refused_before_anything_runs(device):
+    """True and False compare equal to 1 and 0, so a bool ep_rank passed the
+    metainfo's check; the differentiable and expert-major dispatches then
+    failed after their exchange, on a select() of the bool, with the round
+    left open. Refused before anything runs, as a rank outside the workspace
+    is by the getters."""
+    sim = make_sim(CASE, device, timeout_s=2.5)
+    dev = make_inputs(CASE, make_generator("bool rank")).to(device)
+    ws, ep = sim.workspace, CASE.ep_size
+    x = dev.payloads[0][0].float()
+    calls = {
+        "dispatch": lambda: a2a.moe_a2a_dispatch(dev.ids[0], dev.payloads[0], ws, sim.metainfo[0], CASE.T, False, ep,
+                                                 CASE.top_k, CASE.num_experts),
+        "differentiable": lambda: a2a.moe_a2a_dispatch_differentiable(dev.ids[0], [x], ws, sim.metainfo[0], CASE.T,
+                                                                      False, ep, CASE.top_k, CASE.num_experts),
+        "expert-major": lambda: a2a.moe_a2a_dispatch(dev.ids[0], [x], ws, sim.metainfo[0], CASE.T, False, ep,
+                                                     CASE.top_k, CASE.num_experts, expert_major=True),
+        "ep_size": lambda: a2a.moe_a2a_dispatch(dev.ids[1], dev.payloads[1], ws, sim.metainfo[1], CASE.T, 1, True,
+                                                CASE.top_k, CASE.num_experts),
+    }
+    for name, call in calls.items():
+        refused(ws, call, ValueError, "ep_rank and ep_size must be ints, got")
+    for getter in (a2a.moe_a2a_get_recv_counts, a2a.moe_a2a_get_invalid_expert_count):
+        refused(ws, lambda: getter(ws, sim.metainfo[1], True), ValueError, "ep_rank must be in [0, ")
+    round_trip(sim, CASE, make_inputs(CASE, make_generator("bool rank, after")), make_generator(1))
+
+
+def test_moe_alltoall_refuses_a_non_int_invalid_id_before_it_dispatches(device):
+    """A float or str invalid_token_expert_id used to pass the pre-check and
+    fail in the sanitize op after the dispatch, leaving the instance in its
+    dispatched state with no receive views."""
+    moe = a2a.MoeAlltoAll(ep_mapping(0, 1), 8, 2, 4, hidden_size=64, device=device)
+    ids = torch.randint(0, 4, (4, 2), dtype=torch.int32, device=device)
+    x = torch.ones(4, 64, dtype=torch.bfloat16, device=device)
+    for bad in (2.5, 2.0, "x", True):
+        refused(moe.workspace, lambda: moe.dispatch(ids, [x, ids], 4, invalid_token_expert_id=bad,
+                                                    expert_id_payload_index=1),
+                ValueError, "invalid_token_expert_id must be an int that fits in torch.int32, got")
+    recv = moe.dispatch(ids, [x, ids], 4, invalid_token_expert_id=-1, expert_id_payload_index=1)
+    assert tuple(recv[1].shape) == (1, 4, 2)
+    moe.combine(torch.ones(1, 4, 64, dtype=torch.bfloat16, device=device), 4)
 
 
 def _other_metainfo(sim, *, ep_size=CASE.ep_size, max_num_tokens=CASE.max_tokens, extra_bytes=0):

@@ -4,7 +4,6 @@ against it."""
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any
 
@@ -85,17 +84,22 @@ def metainfo_values(metainfo: torch.Tensor, key: int) -> MetaValues:
     return values
 
 
+# The longest bound on a wait, in seconds (about 31 years): the metainfo holds
+# it in microseconds in an int64, the kernels in nanoseconds in a uint64.
+MAX_TIMEOUT_S = 1e9
+
+
 def check_timeout(timeout_s: Any, fn: str = "") -> None:
-    """A bound on a wait: None, or a positive finite number of seconds.
+    """A bound on a wait: None, or a positive number of seconds up to MAX_TIMEOUT_S.
 
     Raises:
         ValueError: anything else (zero or less would read as the op's
             "not set" and wait for MOE_A2A_TIMEOUT_S or 30 s instead).
     """
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
-                                      and 0 < timeout_s < math.inf):
-        raise ValueError(f"{fn + ': ' if fn else ''}timeout_s must be a positive number of seconds or None, "
-                         f"got {timeout_s!r}")
+                                      and 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise ValueError(f"{fn + ': ' if fn else ''}timeout_s must be a positive number of seconds up to "
+                         f"{MAX_TIMEOUT_S:g} or None, got {timeout_s!r}")
 
 
 def call_timeout(meta: MetaValues, timeout_s) -> float:
@@ -120,6 +124,8 @@ def check_rank(meta: MetaValues, ep_rank: int, ep_size: int, workspace: torch.Te
             (the metainfo of another workspace: the op would wait for peers that
             never come, or read a layout that is not there).
     """
+    if type(ep_rank) is bool or type(ep_size) is bool:  # True == 1 would pass the comparison
+        raise ValueError(f"ep_rank and ep_size must be ints, got ({ep_rank!r}, {ep_size!r})")
     if meta[0] != ep_rank or meta[1] != ep_size:
         raise ValueError(
             f"ep_rank/ep_size ({ep_rank}, {ep_size}) do not match the metainfo "
@@ -134,7 +140,7 @@ def check_rank(meta: MetaValues, ep_rank: int, ep_size: int, workspace: torch.Te
 
 def check_rank_index(meta: MetaValues, ep_rank: int) -> None:
     """A getter's ep_rank: any rank of the workspace (the header it reads is that rank's)."""
-    if not 0 <= ep_rank < meta[1]:
+    if type(ep_rank) is bool or not 0 <= ep_rank < meta[1]:
         raise ValueError(f"ep_rank must be in [0, {meta[1]}) (the metainfo's ep_size), got {ep_rank}")
 
 

@@ -835,8 +835,9 @@ def _check_sanitize_request(input_payloads: list, index: Optional[int], invalid_
         raise ValueError("expert_id_payload_index must name an int32 or int64 [local_num_tokens, width] payload, "
                          f"got {ids.dtype} {tuple(ids.shape)}")
     bits = 8 * ids.element_size()
-    if not -(2 ** (bits - 1)) <= invalid_id < 2 ** (bits - 1):
-        raise ValueError(f"invalid_token_expert_id must fit in {ids.dtype}, got {invalid_id}")
+    if not isinstance(invalid_id, int) or isinstance(invalid_id, bool) or not (
+            -(2 ** (bits - 1)) <= invalid_id < 2 ** (bits - 1)):
+        raise ValueError(f"invalid_token_expert_id must be an int that fits in {ids.dtype}, got {invalid_id!r}")
 
 
 __all__ = ["MoeAlltoAll"]
