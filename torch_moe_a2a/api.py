@@ -214,7 +214,7 @@ def moe_a2a_initialize(
 
     Raises:
         ValueError: bad arguments, a workspace too small, ``timeout_s`` not a
-            positive finite number.
+            positive number of seconds up to 1e9.
     """
     expect_tensors("moe_a2a_initialize", workspace=workspace)
     check_timeout(timeout_s)
@@ -352,7 +352,7 @@ def moe_a2a_dispatch(
             cleared when another workspace is passed). Not used under
             ``torch.compile``, where views cost nothing at run time.
         timeout_s: ours, keyword-only: the bound on this call's waits for its
-            peers, a positive number of seconds; None: the metainfo's
+            peers, a positive number of seconds up to 1e9; None: the metainfo's
             (``moe_a2a_initialize(timeout_s=)``), else ``MOE_A2A_TIMEOUT_S``,
             else 30 s.
         expert_major, router_weights, max_tokens_per_expert: ours,
