@@ -31,7 +31,8 @@ options:
   --preset NAME      bench-dist preset (default deepseek-v3; --cpu mixtral)
   --iters N          timed iterations (default 100; --dry-run and --cpu 5)
   --warmup N         untimed iterations first (default 10; --dry-run and --cpu 1)
-  --python PY        the Python with torch (default python3)
+  --python PY        the Python with torch (default: .venv/bin/python where ./dev made
+                     .venv, else python3)
   --no-build         skip step 1
   --no-tests         skip step 2
   --no-bench         skip step 3
@@ -50,7 +51,10 @@ is_count() { [[ "$1" =~ ^[1-9][0-9]*$ ]]; }
 is_count_list() { local x; [ -n "$1" ] || return 1; for x in $1; do is_count "$x" || return 1; done; }
 need_value() { [ $# -ge 2 ] || die_usage "$1 needs a value"; }
 
-mode=gpus PY=python3 ep_list="" tokens="" preset="" iters="" warmup=""
+# The environment ./dev made, where there is one (./dev run puts it first on PATH too).
+PY=python3
+[ -x .venv/bin/python ] && PY=.venv/bin/python
+mode=gpus ep_list="" tokens="" preset="" iters="" warmup=""
 do_build=1 do_tests=1 do_bench=1
 while [ $# -gt 0 ]; do
   case "$1" in
