@@ -194,8 +194,8 @@ void check_combine_fits(int64_t offset, int64_t end, int64_t size_per_rank, cons
                     " bytes) start at byte ", offset, ", after this round's ", planes, ", and end at byte ", end,
                     "; the workspace has ", size_per_rank, " bytes per rank. ", sizing,
                     " gives the size both need. This combine changed nothing: close the round with a combine whose "
-                    "rows fit, or start over with moe_a2a_initialize on every rank (MoeAlltoAll.reset(), "
-                    "SimulatedEP.reset())");
+                    "rows fit (a payload of 0 columns always fits and only closes the round), or start over with "
+                    "moe_a2a_initialize on every rank (MoeAlltoAll.reset(), SimulatedEP.reset())");
 }
 
 // active_rank_mask (empty: every rank), timeout, mailbox.

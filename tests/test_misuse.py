@@ -324,6 +324,15 @@ def test_workspace_sized_without_the_dispatch_payloads(device):
     narrow = recv[0][..., : hidden // 2].contiguous()  # rows of half the bytes fit after the dispatch planes
     out = a2a.moe_a2a_combine(narrow, tokens, workspace, metainfo, tokens, 0, 1, top_k, offset)
     assert torch.equal(out.cpu(), x[:, : hidden // 2].cpu())  # one rank: each token's only destination
+    # The way out the error names where no rows would do: a payload of 0 columns only closes the round.
+    recv, offset, _ = a2a.moe_a2a_dispatch(ids, [x, ids, weights], workspace, metainfo, tokens, 0, 1, top_k, experts)
+    with pytest.raises(ValueError, match=r"a payload of 0 columns always fits and only closes the round"):
+        a2a.moe_a2a_combine(recv[0], tokens, workspace, metainfo, tokens, 0, 1, top_k, offset)
+    empty = torch.zeros(1, tokens, 0, dtype=torch.bfloat16, device=device)
+    assert a2a.moe_a2a_combine(empty, tokens, workspace, metainfo, tokens, 0, 1, top_k, offset).shape == (tokens, 0)
+    recv, offset, _ = a2a.moe_a2a_dispatch(ids, [x], workspace, metainfo, tokens, 0, 1, top_k, experts)
+    assert torch.equal(a2a.moe_a2a_combine(recv[0], tokens, workspace, metainfo, tokens, 0, 1, top_k, offset).cpu(),
+                       x.cpu())
 
 
 def test_expert_major_combine_rows_larger_than_sized(device):
