@@ -470,6 +470,19 @@ def test_a_bool_rank_is_refused_before_anything_runs(device):
     round_trip(sim, CASE, make_inputs(CASE, make_generator("bool rank, after")), make_generator(1))
 
 
+def test_getters_refuse_the_metainfo_of_another_workspace(device):
+    """The header getters read a word of the given workspace at the metainfo's
+    offsets: with another workspace's metainfo they returned a view of that
+    workspace's bytes, or failed on a row that is not there (IndexError)."""
+    sim = make_sim(CASE, device)
+    other = make_sim(dataclasses.replace(CASE, ep_size=1, tokens=(CASE.tokens[0],)), device)
+    for getter in (a2a.moe_a2a_get_recv_counts, a2a.moe_a2a_get_invalid_expert_count,
+                   a2a.moe_a2a_get_dropped_pair_count):
+        for ws, meta, rank in ((sim.workspace, other.metainfo[0], 0), (other.workspace, sim.metainfo[1], 1)):
+            refused(ws, lambda: getter(ws, meta, rank), ValueError, "the metainfo belongs to a workspace of [")
+        assert getter(sim.workspace, sim.metainfo[1], 1).device == sim.workspace.device
+
+
 def test_moe_alltoall_refuses_a_non_int_invalid_id_before_it_dispatches(device):
     """A float or str invalid_token_expert_id used to pass the pre-check and
     fail in the sanitize op after the dispatch, leaving the instance in its

@@ -719,7 +719,7 @@ def moe_a2a_get_recv_counts(workspace: torch.Tensor, metainfo: torch.Tensor, ep_
     by the last dispatch (0 for masked-off ranks)."""
     expect_tensors("moe_a2a_get_recv_counts", workspace=workspace)
     meta = metainfo_values(metainfo, id(metainfo))
-    check_rank_index(meta, ep_rank)
+    check_rank_index(meta, ep_rank, workspace)
     return layout.region_view(workspace[ep_rank], layout.HDR_RECV_COUNTS, (meta[1],), torch.int32)
 
 
@@ -727,6 +727,6 @@ def moe_a2a_get_invalid_expert_count(workspace: torch.Tensor, metainfo: torch.Te
     """0-d int64 view of rank ``ep_rank``'s header: expert ids ``>= num_experts`` its dispatches
     skipped since ``moe_a2a_initialize``."""
     expect_tensors("moe_a2a_get_invalid_expert_count", workspace=workspace)
-    check_rank_index(metainfo_values(metainfo, id(metainfo)), ep_rank)
+    check_rank_index(metainfo_values(metainfo, id(metainfo)), ep_rank, workspace)
     return layout.region_view(workspace[ep_rank], layout.HDR_INVALID_EXPERT_COUNT, (), torch.int64)
 

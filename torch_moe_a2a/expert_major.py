@@ -367,5 +367,5 @@ def moe_a2a_get_dropped_pair_count(workspace: torch.Tensor, metainfo: torch.Tens
     expert-major dispatches dropped beyond ``max_tokens_per_expert`` since
     ``moe_a2a_initialize``."""
     expect_tensors("moe_a2a_get_dropped_pair_count", workspace=workspace)
-    check_rank_index(metainfo_values(metainfo, id(metainfo)), ep_rank)
+    check_rank_index(metainfo_values(metainfo, id(metainfo)), ep_rank, workspace)
     return layout.region_view(workspace[ep_rank], layout.HDR_DROPPED_PAIR_COUNT, (), torch.int64)

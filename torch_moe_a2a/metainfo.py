@@ -5,7 +5,7 @@ against it."""
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -138,8 +138,20 @@ def check_rank(meta: MetaValues, ep_rank: int, ep_size: int, workspace: torch.Te
         )
 
 
-def check_rank_index(meta: MetaValues, ep_rank: int) -> None:
-    """A getter's ep_rank: any rank of the workspace (the header it reads is that rank's)."""
+def check_rank_index(meta: MetaValues, ep_rank: int, workspace: Optional[torch.Tensor] = None) -> None:
+    """A getter's ep_rank: any rank of the workspace (the header it reads is
+    that rank's); and ``workspace``, when given, the metainfo's: ep_size rows
+    of the size it was initialized with (else the getter reads another
+    workspace's words, or fails on a row that is not there).
+
+    Raises:
+        ValueError: either is not.
+    """
+    if workspace is not None and (not isinstance(workspace, torch.Tensor) or workspace.dim() != 2
+                                  or tuple(workspace.shape) != (meta[1], meta[4])):
+        raise ValueError(f"the metainfo belongs to a workspace of [{meta[1]}, {meta[4]}] bytes (ep_size x bytes per "
+                         f"rank), got {tuple(getattr(workspace, 'shape', ()))}: pass the metainfo that "
+                         "moe_a2a_initialize returned for this workspace")
     if type(ep_rank) is bool or not 0 <= ep_rank < meta[1]:
         raise ValueError(f"ep_rank must be in [0, {meta[1]}) (the metainfo's ep_size), got {ep_rank}")
 
