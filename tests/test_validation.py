@@ -3,13 +3,17 @@ runs and leaves the workspace bytes unchanged. Calls are single-rank (ep_size 1)
 or fail validation, so nothing waits; a short timeout turns a missing check into
 a fast failure instead of a wait."""
 
+import math
+import re
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from conftest import (
     Case,
     PayloadSpec,
+    assert_bytes_equal,
     assert_ws_unchanged,
     ep_mapping,
     make_generator,
@@ -21,7 +25,8 @@ from conftest import (
 )
 
 import torch_moe_a2a as a2a
-from torch_moe_a2a import layout
+from torch_moe_a2a import layout, reference
+from torch_moe_a2a.metainfo import MAX_TIMEOUT_S
 
 BAD = (ValueError, RuntimeError)
 
@@ -604,3 +609,183 @@ def test_moe_alltoall_constructor_checks_limits(top_k, num_experts, match, devic
     with pytest.raises(ValueError, match=match):
         a2a.MoeAlltoAll(ep_mapping(0, 2), 8, top_k, num_experts, workspace=workspace)
     assert_ws_unchanged(workspace, snap)
+
+
+# ---- SimulatedEP's own arguments ------------------------------------------------------------------
+# Refused before any rank runs and before anything is written: a per-rank list
+# of another length used to fail only the ranks past its end, after their peers
+# had waited for them until the timeout, leaving the workspace failed.
+
+SIM_CASE = Case(2, (3, 5), 2, 4, hidden=16)
+
+
+def _sim_dispatch(sim, case, inputs, device):
+    """Every rank's dispatch through sim.dispatch, checked against the reference;
+    returns what _sim_combine needs."""
+    dev = inputs.to(device)
+    results = sim.dispatch(dev.ids, dev.payloads, case.T, case.top_k, case.num_experts)
+    ref = reference.reference_dispatch(inputs.ids, inputs.payloads, ep_size=case.ep_size,
+                                       num_experts=case.num_experts, runtime_max_tokens_per_rank=case.T)
+    for r in range(case.ep_size):
+        assert torch.equal(sim.recv_counts(r).cpu(), ref.recv_counts[r].to(torch.int32)), f"rank {r} counts"
+    expert_out = [reference.toy_moe(ref.recv[r][0], ref.recv[r][1], ref.recv[r][2], ref.recv_counts[r], ep_rank=r,
+                                    ep_size=case.ep_size, num_experts=case.num_experts) for r in range(case.ep_size)]
+    return results, ref, expert_out
+
+
+def _sim_combine(sim, case, dispatched, device):
+    """Every rank's combine through sim.combine, checked against the reference."""
+    results, ref, expert_out = dispatched
+    outs = sim.combine([e.to(device) for e in expert_out], list(case.tokens), case.T, case.top_k,
+                       [res[1] for res in results])
+    expected = reference.reference_combine(expert_out, ref, list(case.tokens))
+    for r in range(case.ep_size):
+        assert_bytes_equal(outs[r], expected[r], f"rank {r} combine output")
+
+
+def _sim_round_trips(sim, case, device, seed):
+    """A round through sim.dispatch / sim.combine, then one through round_trip:
+    the workspace works with no reset()."""
+    gen = make_generator(("sim round", seed))
+    _sim_combine(sim, case, _sim_dispatch(sim, case, make_inputs(case, gen), device), device)
+    round_trip(sim, case, make_inputs(case, gen), gen)
+
+
+def _resized(value, delta):
+    """``value`` (one entry per rank) with its last entry dropped (delta -1) or repeated (delta +1)."""
+    return list(value[:-1]) if delta < 0 else [*value, value[-1]]
+
+
+@pytest.mark.parametrize("delta", [-1, 1], ids=["short", "long"])
+@pytest.mark.parametrize("name", ["token_selected_experts", "input_payloads", "enable_pdl"])
+def test_simulated_ep_dispatch_refuses_per_rank_lists_of_another_length(name, delta, device):
+    sim = make_sim(SIM_CASE, device)
+    dev = make_inputs(SIM_CASE, make_generator("sim dispatch lists")).to(device)
+    args = dict(token_selected_experts=dev.ids, input_payloads=dev.payloads,
+                runtime_max_tokens_per_rank=SIM_CASE.T, top_k=SIM_CASE.top_k, num_experts=SIM_CASE.num_experts)
+    if name == "enable_pdl":
+        args["enable_pdl"] = [False] * SIM_CASE.ep_size
+    args[name] = _resized(args[name], delta)
+    expect_error(sim.workspace, lambda: sim.dispatch(**args), ValueError,
+                 rf"^SimulatedEP\.dispatch: {name} must have ep_size=2 entries \(one per rank\), "
+                 rf"got {2 + delta}$")
+    _sim_round_trips(sim, SIM_CASE, device, (name, delta))
+
+
+@pytest.mark.parametrize("delta", [-1, 1], ids=["short", "long"])
+@pytest.mark.parametrize("name", ["payloads", "local_num_tokens", "combine_payload_offsets", "output"])
+def test_simulated_ep_combine_refuses_per_rank_lists_of_another_length(name, delta, device):
+    """Refused between a dispatch and its combine: the same round's combine
+    then completes, and the next round too."""
+    sim = make_sim(SIM_CASE, device)
+    inputs = make_inputs(SIM_CASE, make_generator("sim combine lists"))
+    dispatched = _sim_dispatch(sim, SIM_CASE, inputs, device)
+    results, _, expert_out = dispatched
+    args = dict(payloads=[e.to(device) for e in expert_out], local_num_tokens=list(SIM_CASE.tokens),
+                runtime_max_tokens_per_rank=SIM_CASE.T, top_k=SIM_CASE.top_k,
+                combine_payload_offsets=[res[1] for res in results],
+                output=[torch.empty(n, SIM_CASE.hidden, dtype=SIM_CASE.hidden_dtype, device=device)
+                        for n in SIM_CASE.tokens])
+    args[name] = _resized(args[name], delta)
+    expect_error(sim.workspace, lambda: sim.combine(**args), ValueError,
+                 rf"^SimulatedEP\.combine: {name} must have ep_size=2 entries \(one per rank\), got {2 + delta}$")
+    _sim_combine(sim, SIM_CASE, dispatched, device)
+    _sim_round_trips(sim, SIM_CASE, device, (name, delta))
+
+
+def test_simulated_ep_refuses_a_per_rank_argument_that_is_not_a_list(device):
+    """combine(payloads, 5, ...): an int where one local_num_tokens per rank is expected."""
+    sim = make_sim(SIM_CASE, device)
+    inputs = make_inputs(SIM_CASE, make_generator("sim not a list"))
+    dispatched = _sim_dispatch(sim, SIM_CASE, inputs, device)
+    results, _, expert_out = dispatched
+    expect_error(sim.workspace, lambda: sim.combine([e.to(device) for e in expert_out], 5, SIM_CASE.T,
+                                                    SIM_CASE.top_k, [res[1] for res in results]),
+                 ValueError, r"^SimulatedEP\.combine: local_num_tokens must be a list or tuple of ep_size=2 entries "
+                             r"\(one per rank\), got int$")
+    _sim_combine(sim, SIM_CASE, dispatched, device)
+    _sim_round_trips(sim, SIM_CASE, device, "not a list")
+
+
+def _no_workspace(monkeypatch):
+    """Make SimulatedEP fail loudly if it allocates its workspace (a check after it)."""
+    def allocate(*args, **kwargs):
+        raise AssertionError("SimulatedEP allocated its workspace before it checked its arguments")
+    monkeypatch.setattr(a2a.simulate, "allocate_workspace", allocate)
+
+
+@pytest.mark.parametrize("bad", ["3", True, np.int64(3), torch.tensor(3.0), 0, -1.0, math.nan, math.inf],
+                         ids=repr)
+def test_simulated_ep_checks_timeout_as_initialize_does(bad, device, monkeypatch):
+    """SimulatedEP(timeout_s=) used to convert anything float() takes; it now
+    refuses what moe_a2a_initialize(timeout_s=) refuses, with its message."""
+    size = a2a.moe_a2a_get_workspace_size_per_rank(1, 4, 16, 16)
+    expect_error(torch.zeros(1, size, dtype=torch.uint8, device=device),
+                 lambda: a2a.moe_a2a_initialize(torch.zeros(1, size, dtype=torch.uint8, device=device), 0, 1, 4,
+                                                timeout_s=bad),
+                 ValueError, rf"^timeout_s must be a positive number of seconds\b.* or None, got {re.escape(repr(bad))}$")
+    with monkeypatch.context() as m:
+        _no_workspace(m)
+        with pytest.raises(ValueError, match=rf"^SimulatedEP: timeout_s must be a positive number of seconds\b.* "
+                                             rf"or None, got {re.escape(repr(bad))}$"):
+            make_sim(SIM_CASE, device, timeout_s=bad)
+    sim = make_sim(SIM_CASE, device, timeout_s=2)
+    assert sim.timeout_s == 2.0 and isinstance(sim.timeout_s, float)
+    _sim_round_trips(sim, SIM_CASE, device, ("timeout", repr(bad)))
+
+
+def test_simulated_ep_refuses_a_timeout_above_the_bound(device, monkeypatch):
+    """moe_a2a_initialize stores timeout_s in int64 microseconds: 1e14 s
+    overflowed it after the row was initialized. Refused before the workspace
+    exists (check_timeout's bound, MAX_TIMEOUT_S); the bound itself works."""
+    largest = MAX_TIMEOUT_S
+    with monkeypatch.context() as m:
+        _no_workspace(m)
+        for bad in (1e14, largest * 2):
+            with pytest.raises(ValueError, match=rf"^SimulatedEP: timeout_s must be a positive number of seconds "
+                                                 rf"up to {re.escape(f'{largest:g}')} or None, got {re.escape(repr(bad))}$"):
+                make_sim(SIM_CASE, device, timeout_s=bad)
+    _sim_round_trips(make_sim(SIM_CASE, device, timeout_s=largest), SIM_CASE, device, "largest timeout")
+
+
+SIM_INT_ARGS = ["ep_size", "max_num_tokens", "dispatch_bytes_per_token", "combine_bytes_per_token",
+                "eplb_stats_num_experts", "workspace_size_per_rank"]
+
+
+@pytest.mark.parametrize("name,bad", [
+    pytest.param(name, bad, id=f"{name}-{bad!r}") for name in SIM_INT_ARGS for bad in (True, False, 2.0, "2", None)
+    if not (name == "workspace_size_per_rank" and bad is None)  # its default: SimulatedEP sizes the workspace
+])
+def test_simulated_ep_refuses_sizes_that_are_not_ints(name, bad, device, monkeypatch):
+    """A bool or a float used to fail deep in torch (TypeError from a view,
+    RuntimeError from the op's schema), or to pass as 1 or 0."""
+    args = dict(ep_size=SIM_CASE.ep_size, max_num_tokens=SIM_CASE.max_tokens,
+                dispatch_bytes_per_token=SIM_CASE.dispatch_bytes, combine_bytes_per_token=SIM_CASE.combine_bytes,
+                eplb_stats_num_experts=0, workspace_size_per_rank=None, device=device)
+    args[name] = bad
+    with monkeypatch.context() as m:
+        _no_workspace(m)
+        with pytest.raises(ValueError, match=rf"^SimulatedEP: {name} must be an int, got {re.escape(repr(bad))}$"):
+            a2a.SimulatedEP(args.pop("ep_size"), args.pop("max_num_tokens"), **args)
+    _sim_round_trips(make_sim(SIM_CASE, device), SIM_CASE, device, (name, repr(bad)))
+
+
+@pytest.mark.parametrize("bad", [True, False, -1, 2, 1.0, np.int64(0)], ids=repr)
+@pytest.mark.parametrize("method", ["recv_counts", "dispatch_rank", "combine_rank"])
+def test_simulated_ep_refuses_a_rank_that_is_not_one_of_its_ranks(method, bad, device):
+    """sim.recv_counts(True) used to index the workspace with a boolean mask
+    (IndexError); a bool is refused where a rank is expected, as a rank
+    outside [0, ep_size) is, before anything runs."""
+    sim = make_sim(SIM_CASE, device)
+    dev = make_inputs(SIM_CASE, make_generator("sim rank")).to(device)
+    calls = {
+        "recv_counts": lambda: sim.recv_counts(bad),
+        "dispatch_rank": lambda: sim.dispatch_rank(bad, dev.ids[0], dev.payloads[0], SIM_CASE.T, SIM_CASE.top_k,
+                                                   SIM_CASE.num_experts),
+        "combine_rank": lambda: sim.combine_rank(
+            bad, torch.zeros(SIM_CASE.ep_size, SIM_CASE.T, SIM_CASE.hidden, dtype=SIM_CASE.hidden_dtype,
+                             device=device), SIM_CASE.tokens[0], SIM_CASE.T, SIM_CASE.top_k, 0),
+    }
+    expect_error(sim.workspace, calls[method], ValueError,
+                 rf"^SimulatedEP\.{method}: rank must be an int in \[0, 2\), got {re.escape(repr(bad))}$")
+    _sim_round_trips(sim, SIM_CASE, device, (method, repr(bad)))

@@ -34,7 +34,7 @@ from .api import (
     moe_a2a_get_workspace_size_per_rank,
     moe_a2a_initialize,
 )
-from .metainfo import reinitialize_row
+from .metainfo import check_timeout, reinitialize_row
 from .workspace import allocate_workspace
 
 T = TypeVar("T")
@@ -42,6 +42,12 @@ T = TypeVar("T")
 # Keyword arguments of dispatch/combine that may be given per rank, as a list
 # or tuple indexed by rank (the others are shared by all ranks).
 _PER_RANK_KWARGS = frozenset({"eplb_local_stats", "active_rank_mask", "output", "enable_pdl"})
+
+
+def _check_int(fn: str, name: str, value: Any) -> None:
+    """An int argument (not a bool, not a float); the ops check its range."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{fn}: {name} must be an int, got {value!r}")
 
 
 # Simulated ranks on one GPU spin on their own streams at once; a GPU runs at
@@ -62,6 +68,16 @@ class SimulatedEP:
     for a peer (None: MOE_A2A_TIMEOUT_S, else 30 s): it is the metainfo's
     (``moe_a2a_initialize(timeout_s=)``), so it bounds the calls that pass
     ``metainfo[r]`` to the functional API directly too.
+
+    Raises:
+        ValueError: ``ep_size``, ``max_num_tokens``, the bytes per token,
+            ``eplb_stats_num_experts`` or ``workspace_size_per_rank`` not an
+            int (a bool or a float), or out of the ops' ranges; ``timeout_s``
+            not None or a positive number of seconds up to
+            ``metainfo.MAX_TIMEOUT_S`` (as ``moe_a2a_initialize`` and
+            :class:`MoeAlltoAll` check it); more than
+            ``MAX_SIMULATED_RANKS_PER_GPU`` ranks on a GPU. Checked before the
+            workspace is allocated.
     """
 
     def __init__(
@@ -76,6 +92,15 @@ class SimulatedEP:
         timeout_s: Optional[float] = None,
         workspace_size_per_rank: Optional[int] = None,
     ):
+        fn = "SimulatedEP"
+        for name, value in (("ep_size", ep_size), ("max_num_tokens", max_num_tokens),
+                            ("dispatch_bytes_per_token", dispatch_bytes_per_token),
+                            ("combine_bytes_per_token", combine_bytes_per_token),
+                            ("eplb_stats_num_experts", eplb_stats_num_experts)):
+            _check_int(fn, name, value)
+        if workspace_size_per_rank is not None:
+            _check_int(fn, "workspace_size_per_rank", workspace_size_per_rank)
+        check_timeout(timeout_s, fn)  # moe_a2a_initialize's and MoeAlltoAll's check
         self.ep_size = ep_size
         self.max_num_tokens = max_num_tokens
         self.device = torch.device(device)
@@ -180,6 +205,26 @@ class SimulatedEP:
             graphs.append(graph)
         return RankGraphs(self, graphs), results
 
+    def _check_rank(self, fn: str, rank: Any) -> None:
+        """A rank of this object: an int (not a bool: True would index as 1) in [0, ep_size)."""
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.ep_size:
+            raise ValueError(f"{fn}: rank must be an int in [0, {self.ep_size}), got {rank!r}")
+
+    def _check_per_rank(self, fn: str, args: dict, kwargs: dict) -> None:
+        """Every per-rank argument (``args``, and the lists or tuples among the
+        per-rank ``kwargs``) has one entry per rank. Checked before any rank
+        runs: a short list would fail only the ranks past its end, after their
+        peers waited for them until the timeout, and leave the workspace failed."""
+        for name, value in args.items():
+            if not isinstance(value, (list, tuple)):
+                raise ValueError(f"{fn}: {name} must be a list or tuple of ep_size={self.ep_size} entries (one per "
+                                 f"rank), got {type(value).__name__}")
+        per_rank = {k: v for k, v in kwargs.items() if k in _PER_RANK_KWARGS and isinstance(v, (list, tuple))}
+        for name, value in {**args, **per_rank}.items():
+            if len(value) != self.ep_size:
+                raise ValueError(f"{fn}: {name} must have ep_size={self.ep_size} entries (one per rank), "
+                                 f"got {len(value)}")
+
     def _rank_kwargs(self, kwargs: dict, rank: int) -> dict:
         return {
             k: (v[rank] if k in _PER_RANK_KWARGS and isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()
@@ -199,7 +244,13 @@ class SimulatedEP:
         function of :meth:`run` or :meth:`capture` calls it on the rank's
         stream), with this object's workspace and metainfo (and so its timeout); returns
         ``(output_payloads, combine_payload_offset, eplb_gathered_stats)``.
-        ``kwargs`` go to ``moe_a2a_dispatch``."""
+        ``kwargs`` go to ``moe_a2a_dispatch``.
+
+        Raises:
+            ValueError: ``rank`` not an int in ``[0, ep_size)`` (a bool
+                included); what ``moe_a2a_dispatch`` raises.
+        """
+        self._check_rank("SimulatedEP.dispatch_rank", rank)
         return moe_a2a_dispatch(
             token_selected_experts,
             input_payloads,
@@ -227,7 +278,13 @@ class SimulatedEP:
         :meth:`dispatch_rank`; ``kwargs`` go to ``moe_a2a_combine``. Under
         :meth:`run` on CUDA pass ``output``: an allocation between two ranks'
         launches may wait for a spinning peer (:meth:`combine` allocates every
-        rank's output first)."""
+        rank's output first).
+
+        Raises:
+            ValueError: ``rank`` not an int in ``[0, ep_size)`` (a bool
+                included); what ``moe_a2a_combine`` raises.
+        """
+        self._check_rank("SimulatedEP.combine_rank", rank)
         return moe_a2a_combine(
             payload,
             local_num_tokens,
@@ -258,7 +315,16 @@ class SimulatedEP:
         enable_rank_mask, active_rank_mask, backend, recv_view_cache);
         ``eplb_local_stats``, ``active_rank_mask`` and ``enable_pdl`` may be
         lists indexed by rank.
+
+        Raises:
+            ValueError: ``token_selected_experts``, ``input_payloads`` or a
+                per-rank list in ``kwargs`` without exactly ``ep_size`` entries,
+                refused before any rank runs (the workspace stays usable);
+            ValueError, RuntimeError: what a rank's ``moe_a2a_dispatch``
+                raises (the first one raised, after every rank finished).
         """
+        self._check_per_rank("SimulatedEP.dispatch", {"token_selected_experts": token_selected_experts,
+                                                      "input_payloads": input_payloads}, kwargs)
         return self.run(
             lambda rank: self.dispatch_rank(
                 rank,
@@ -288,8 +354,17 @@ class SimulatedEP:
 
         ``kwargs`` go to ``moe_a2a_combine``; ``output``, ``active_rank_mask``
         and ``enable_pdl`` may be lists indexed by rank.
-        """
 
+        Raises:
+            ValueError: ``payloads``, ``local_num_tokens``,
+                ``combine_payload_offsets`` or a per-rank list in ``kwargs``
+                without exactly ``ep_size`` entries, refused before any rank
+                runs (the workspace stays usable);
+            ValueError, RuntimeError: what a rank's ``moe_a2a_combine``
+                raises (the first one raised, after every rank finished).
+        """
+        self._check_per_rank("SimulatedEP.combine", {"payloads": payloads, "local_num_tokens": local_num_tokens,
+                                                     "combine_payload_offsets": combine_payload_offsets}, kwargs)
         if self.streams is not None and kwargs.get("output") is None:
             # Allocate every rank's output before any rank launches: a device
             # allocation between two launches may serialize them, and rank
@@ -316,7 +391,12 @@ class SimulatedEP:
         )
 
     def recv_counts(self, rank: int) -> torch.Tensor:
-        """int32 ``[ep_size]`` view of rank ``rank``'s receive counts (``moe_a2a_get_recv_counts``)."""
+        """int32 ``[ep_size]`` view of rank ``rank``'s receive counts (``moe_a2a_get_recv_counts``).
+
+        Raises:
+            ValueError: ``rank`` not an int in ``[0, ep_size)`` (a bool included).
+        """
+        self._check_rank("SimulatedEP.recv_counts", rank)
         return moe_a2a_get_recv_counts(self.workspace, self.metainfo[rank], rank)
 
 
