@@ -483,6 +483,31 @@ def test_getters_refuse_the_metainfo_of_another_workspace(device):
         assert getter(sim.workspace, sim.metainfo[1], 1).device == sim.workspace.device
 
 
+@pytest.mark.parametrize("bad", ["no", "False", 2, None, 1.0])
+def test_yes_no_arguments_take_bools(bad, device):
+    """expert_major='no' gave an expert-major dispatch, enable_rank_mask='no'
+    switched the mask on: a string reads as yes. Refused, naming the argument."""
+    sim = make_sim(CASE, device)
+    dev = make_inputs(CASE, make_generator("flags")).to(device)
+    ws = sim.workspace
+    args = (dev.ids[0], dev.payloads[0], ws, sim.metainfo[0], CASE.T, 0, CASE.ep_size, CASE.top_k, CASE.num_experts)
+    refused(ws, lambda: a2a.moe_a2a_dispatch(*args, expert_major=bad), ValueError,
+            f"expert_major must be True or False, got {bad!r}")
+    refused(ws, lambda: a2a.moe_a2a_dispatch(*args, enable_rank_mask=bad), ValueError,
+            f"enable_rank_mask must be True or False, got {bad!r}")
+    for name in ("expert_major", "enable_rank_mask"):
+        with pytest.raises(ValueError, match=f"MoeAlltoAll: {name} must be True or False"):
+            a2a.MoeAlltoAll(ep_mapping(0, 1), 8, 2, 4, hidden_size=64, device="cpu", **{name: bad})
+    round_trip(sim, CASE, make_inputs(CASE, make_generator("flags, after")), make_generator(2))
+
+
+def test_simulated_ranks_on_cuda_without_cuda_say_so():
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a CUDA device")
+    with pytest.raises(RuntimeError, match="SimulatedEP: device 'cuda' was asked for but torch .* sees no CUDA device"):
+        a2a.SimulatedEP(2, 4, dispatch_bytes_per_token=64, combine_bytes_per_token=64, device="cuda")
+
+
 def test_moe_alltoall_refuses_a_non_int_invalid_id_before_it_dispatches(device):
     """A float or str invalid_token_expert_id used to pass the pre-check and
     fail in the sanitize op after the dispatch, leaving the instance in its

@@ -32,7 +32,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import _C, layout
-from .arguments import ID_DTYPES, U64, data_address, dispatch_args, rank_mask_words
+from .arguments import ID_DTYPES, U64, check_flag, data_address, dispatch_args, rank_mask_words
 from .backend import MoeAlltoAllBackend, check_backend, pdl_default
 
 # check_errors and describe_error are part of this module's public names too.
@@ -391,6 +391,8 @@ def moe_a2a_dispatch(
             call; CUDA: the kernel records it and the next call raises, as does
             :func:`check_errors`).
     """
+    if expert_major is not False:
+        check_flag("expert_major", expert_major)
     if expert_major:
         return moe_a2a_dispatch_expert_major(
             token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank,

@@ -22,8 +22,21 @@ _I64_SIGN = 1 << 63
 ID_DTYPES = (torch.int32, torch.int64)
 
 
+def check_flag(name: str, value) -> None:
+    """A yes/no argument: a bool (or an int 0 or 1); a string such as 'no'
+    would read as yes.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if not (isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def rank_mask_words(enable_rank_mask: bool, active_rank_mask: Optional[torch.Tensor]) -> Sequence[int]:
     """The op's ``active_rank_mask``: ``()`` for "every rank", else the words as signed int64."""
+    if enable_rank_mask is not False:
+        check_flag("enable_rank_mask", enable_rank_mask)
     if active_rank_mask is None:
         if enable_rank_mask:
             # FlashInfer's contract: opting into the mask without saying which

@@ -21,6 +21,7 @@ from .api import (
     moe_a2a_sanitize_expert_ids,
     moe_a2a_wrap_payload_tensor_in_workspace,
 )
+from .arguments import check_flag
 from .backend import MoeAlltoAllBackend, check_backend
 from .collective import Collective, as_collective, is_comm_backend
 from .compile_marks import mark_static_address
@@ -238,6 +239,8 @@ class MoeAlltoAll:
         _check_int("num_experts", num_experts, max(1, self.ep_size))
         _check_int("eplb_stats_num_experts", eplb_stats_num_experts, 0)
         check_timeout(timeout_s, "MoeAlltoAll")
+        check_flag("MoeAlltoAll: expert_major", expert_major)
+        check_flag("MoeAlltoAll: enable_rank_mask", enable_rank_mask)
         if mnnvl_config is not None and group is not None:
             raise ValueError("MoeAlltoAll: pass mnnvl_config= or group=, not both")
         if workspace is not None and (group is not None or mnnvl_config is not None):

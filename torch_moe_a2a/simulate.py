@@ -78,6 +78,7 @@ class SimulatedEP:
             :class:`MoeAlltoAll` check it); more than
             ``MAX_SIMULATED_RANKS_PER_GPU`` ranks on a GPU. Checked before the
             workspace is allocated.
+        RuntimeError: a CUDA device where torch sees none.
     """
 
     def __init__(
@@ -104,6 +105,9 @@ class SimulatedEP:
         self.ep_size = ep_size
         self.max_num_tokens = max_num_tokens
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"SimulatedEP: device {device!r} was asked for but torch {torch.__version__} sees no "
+                               "CUDA device; simulate the ranks on device='cpu'")
         if self.device.type == "cuda" and ep_size > MAX_SIMULATED_RANKS_PER_GPU:
             raise ValueError(
                 f"simulated EP on one GPU supports at most {MAX_SIMULATED_RANKS_PER_GPU} ranks (the GPU's "
