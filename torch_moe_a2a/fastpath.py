@@ -84,11 +84,12 @@ def direct_call_ok(*tensors: Optional[torch.Tensor]) -> bool:
 # counts tensor). A differentiable combine's backward lays its routes from
 # the ids and num_experts it is given, its forward follows the ones the
 # dispatch wrote: others than the dispatch's would give a right output and
-# wrong gradients, so it checks them against these (plain dispatches record theirs once a differentiable one
-# has: note_plain_dispatch). Held strongly: ids made for the call
-# (`ids.int()`) are gone by the combine. As the table grows, entries whose
-# workspace tensor is gone are dropped (an entry stays valid while its
-# address is in use, whatever view of the workspace a call passes).
+# wrong gradients, so it checks them against these (plain dispatches record
+# theirs once a differentiable one has: note_plain_dispatch). Held strongly:
+# ids made for the call (`ids.int()`) are gone by the combine. As the table
+# grows, entries whose workspace tensor is gone are dropped (an entry stays
+# valid while its address is in use, whatever view of the workspace a call
+# passes).
 _LAST_DISPATCH: dict[tuple[int, int], list] = {}  # [workspace weakref, ids, counts, num_experts]
 _LAST_DISPATCH_PURGE_AT = [64]
 
