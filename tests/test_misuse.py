@@ -501,6 +501,33 @@ def test_yes_no_arguments_take_bools(bad, device):
     round_trip(sim, CASE, make_inputs(CASE, make_generator("flags, after")), make_generator(2))
 
 
+def test_expert_major_dispatch_names_the_argument_at_fault(device):
+    """The default max_tokens_per_expert is ep_size * T, so a bad T was
+    reported as a bad max_tokens_per_expert; a top_k out of range with
+    router_weights as a bad router_weights shape. Each now names itself."""
+    T, hidden, top_k, experts = 4, 8, 2, 4
+    size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(1, T, hidden * 4 + top_k * 8, hidden * 4, experts,
+                                                                 top_k)
+    workspace = torch.zeros(1, size, dtype=torch.uint8, device=device)
+    metainfo = a2a.moe_a2a_initialize(workspace, 0, 1, T)
+    gen = make_generator("expert-major arguments")
+    ids = torch.randint(0, experts, (T, top_k), generator=gen, dtype=torch.int32).to(device)
+    x = torch.randn((T, hidden), generator=gen).to(device)
+    w = torch.rand((T, top_k), generator=gen).to(device)
+    for bad in (4.0, 0, T + 1, None, True):
+        refused(workspace, lambda: a2a.moe_a2a_dispatch(ids, [x], workspace, metainfo, bad, 0, 1, top_k, experts,
+                                                        expert_major=True),
+                ValueError, f"runtime_max_tokens_per_rank must be an int in [1, max_num_tokens={T}], got {bad!r}")
+    for bad in (0, 23):
+        refused(workspace, lambda: a2a.moe_a2a_dispatch(ids, [x], workspace, metainfo, T, 0, 1, bad, experts,
+                                                        expert_major=True, router_weights=w),
+                ValueError, f"top_k must be an int in [1, 22], got {bad}")
+    d = a2a.moe_a2a_dispatch(ids, [x], workspace, metainfo, T, 0, 1, top_k, experts, expert_major=True,
+                             router_weights=w)
+    out = a2a.moe_a2a_combine_expert_major(d.output_payloads[0].clone(), d, workspace, metainfo, 0, 1)
+    assert out.shape == (T, hidden)
+
+
 def test_simulated_ranks_on_cuda_without_cuda_say_so():
     if torch.cuda.is_available():
         pytest.skip("torch sees a CUDA device")

@@ -15,6 +15,7 @@ sync, CUDA-graph capturable, traceable by ``torch.compile``.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple, Optional
 
 import torch
@@ -187,7 +188,12 @@ def moe_a2a_dispatch_expert_major(
     _, _, max_num_tokens, _, _, mailbox, _ = metainfo_values(metainfo, id(metainfo))
     enable_pdl = args[-1]  # resolved by dispatch_args
     if max_tokens_per_expert is None:
-        max_tokens_per_expert = default_max_tokens_per_expert(ep_size, runtime_max_tokens_per_rank)
+        # T first: the default is ep_size * T, whose error would name max_tokens_per_expert.
+        if not isinstance(runtime_max_tokens_per_rank, numbers.Integral) or isinstance(runtime_max_tokens_per_rank, bool) \
+                or not 1 <= runtime_max_tokens_per_rank <= max_num_tokens:
+            raise ValueError(f"runtime_max_tokens_per_rank must be an int in [1, max_num_tokens={max_num_tokens}], "
+                             f"got {runtime_max_tokens_per_rank!r}")
+        max_tokens_per_expert = default_max_tokens_per_expert(ep_size, int(runtime_max_tokens_per_rank))
     user_rows = [_row_bytes(p) for p in input_payloads]
     # Refused before the dispatch runs: what the build would refuse after it.
     check_expert_major_fits(workspace, ep_size, runtime_max_tokens_per_rank, top_k, num_experts,
@@ -235,6 +241,9 @@ def check_ids_and_weights(fn: str, token_selected_experts: torch.Tensor, workspa
                          f"{token_selected_experts.dtype} {tuple(token_selected_experts.shape)}")
     n = token_selected_experts.shape[0]
     if router_weights is not None:
+        # top_k first: the weights' shape names it.
+        if not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool) or not 1 <= top_k <= layout.MAX_TOP_K:
+            raise ValueError(f"top_k must be an int in [1, {layout.MAX_TOP_K}], got {top_k!r}")
         if not isinstance(router_weights, torch.Tensor) or tuple(router_weights.shape) != (n, top_k) \
                 or not router_weights.dtype.is_floating_point:
             raise ValueError(f"router_weights must be a floating [local_num_tokens={n}, top_k={top_k}] tensor, got "
