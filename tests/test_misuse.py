@@ -528,6 +528,27 @@ def test_expert_major_dispatch_names_the_argument_at_fault(device):
     assert out.shape == (T, hidden)
 
 
+def test_moe_alltoall_combine_view_checks_its_arguments(device):
+    """get_combine_payload_tensor_in_workspace: a T other than the round's
+    dispatch's gave a view of the wrong rows (above max_num_tokens too), a
+    float hidden_size or a dtype's name failed deep in torch."""
+    moe = a2a.MoeAlltoAll(ep_mapping(0, 1), 8, 2, 4, hidden_size=64, device=device)
+    ids = torch.randint(0, 4, (4, 2), dtype=torch.int32, device=device)
+    moe.dispatch(ids, [torch.ones(4, 64, dtype=torch.bfloat16, device=device)], 4)
+    get = moe.get_combine_payload_tensor_in_workspace
+    for args, match in (((5, 64, torch.bfloat16), "runtime_max_tokens_per_rank must be the round's dispatch's (4), "
+                                                  "got 5"),
+                        ((True, 64, torch.bfloat16), "runtime_max_tokens_per_rank must be the round's dispatch's"),
+                        ((4, 64.0, torch.bfloat16), "hidden_size must be a positive int, got 64.0"),
+                        ((4, -8, torch.bfloat16), "hidden_size must be a positive int, got -8"),
+                        ((4, 64, "bfloat16"), "dtype must be a torch.dtype, got 'bfloat16'")):
+        refused(moe.workspace, lambda: get(*args), ValueError, match)
+    view = get(4, 64, torch.bfloat16)
+    view.fill_(1)
+    out = moe.combine(view, 4, payload_in_workspace=True)
+    assert torch.equal(out.cpu(), torch.ones(4, 64, dtype=torch.bfloat16))
+
+
 def test_simulated_ranks_on_cuda_without_cuda_say_so():
     if torch.cuda.is_available():
         pytest.skip("torch sees a CUDA device")
