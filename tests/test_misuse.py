@@ -734,3 +734,163 @@ def test_dispatch_payload_layouts_that_are_fine(layout, device):
         else:
             ps[4] = ps[3]
     round_trip(sim, case, inputs, gen)
+
+
+# ---- arguments of the wrong kind, named --------------------------------------------------------------
+
+
+def test_check_errors_refuses_a_non_tensor_workspace(device):
+    """check_errors(None) failed on None.dim() (AttributeError)."""
+    sim = make_sim(CASE, device)
+    for bad, got in ((None, "NoneType"), ([sim.workspace], "list")):
+        refused(sim.workspace, lambda: a2a.check_errors(bad), ValueError,
+                f"check_errors: workspace must be a tensor, got {got}")
+    a2a.check_errors(sim.workspace)
+    round_trip(sim, CASE, make_inputs(CASE, make_generator("check_errors, after")), make_generator(3))
+
+
+def test_differentiable_functions_refuse_non_tensors(device):
+    """A None among the payloads of a differentiable dispatch, or as the
+    payload of a differentiable combine, failed on its .dtype, .shape or
+    .element_size() (AttributeError). Refused before anything runs, naming
+    the argument (and the payload's index)."""
+    sim = make_sim(CASE, device)
+    dev = make_inputs(CASE, make_generator("differentiable non-tensors")).to(device)
+    ws, ep = sim.workspace, CASE.ep_size
+    x = dev.payloads[0][0].float()
+    route = (ws, sim.metainfo[0], CASE.T, 0, ep, CASE.top_k, CASE.num_experts)
+    for dispatch in (a2a.moe_a2a_dispatch_differentiable, a2a.moe_a2a_dispatch_expert_major_differentiable):
+        refused(ws, lambda: dispatch(dev.ids[0], [x, None], *route), ValueError,
+                f"{dispatch.__name__}: input_payloads[1] must be a tensor, got NoneType")
+        refused(ws, lambda: dispatch(dev.ids[0], None, *route), ValueError,
+                f"{dispatch.__name__}: input_payloads must be a list of tensors (a list or tuple), got NoneType")
+    refused(ws, lambda: a2a.moe_a2a_combine_differentiable(None, dev.ids[0], *route, 0), ValueError,
+            "moe_a2a_combine_differentiable: payload must be a tensor, got NoneType")
+    round_trip(sim, CASE, make_inputs(CASE, make_generator("differentiable, after")), make_generator(4))
+
+    # The expert-major combine, inside an open round: refused, then the round closes.
+    T, hidden, top_k, experts = 4, 8, 2, 4
+    size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(1, T, hidden * 4 + top_k * 8, 4 * top_k + hidden * 4,
+                                                                experts, top_k)
+    workspace = torch.zeros(1, size, dtype=torch.uint8, device=device)
+    metainfo = a2a.moe_a2a_initialize(workspace, 0, 1, T)
+    gen = make_generator("expert-major differentiable non-tensors")
+    # distinct experts per token: each of a token's top_k pairs brings its row back once
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(T)]).int().to(device)
+    h = torch.randn((T, hidden), generator=gen).to(device)
+    d = a2a.moe_a2a_dispatch_expert_major_differentiable(ids, [h], workspace, metainfo, T, 0, 1, top_k, experts)
+    refused(workspace, lambda: a2a.moe_a2a_combine_expert_major_differentiable(None, d, ids, workspace, metainfo, 0, 1),
+            ValueError, "moe_a2a_combine_expert_major_differentiable: expert_outputs must be a tensor, got NoneType")
+    out = a2a.moe_a2a_combine_expert_major_differentiable(d.output_payloads[0], d, ids, workspace, metainfo, 0, 1)
+    assert torch.allclose(out.cpu(), h.cpu() * top_k)
+
+
+def test_dispatch_takes_a_list_or_tuple_of_payloads(device):
+    """input_payloads=None failed on a star-unpacking ("Value after * must be
+    an iterable"), a generator was used up by a first look at it and reported
+    as "got 0 tensors", a None among the payloads with a recv_view_cache
+    failed on its .shape. Each refused, naming input_payloads."""
+    sim = make_sim(CASE, device)
+    dev = make_inputs(CASE, make_generator("payload containers")).to(device)
+    ws = sim.workspace
+    args = (ws, sim.metainfo[0], CASE.T, 0, CASE.ep_size, CASE.top_k, CASE.num_experts)
+    for kwargs in (dict(), dict(recv_view_cache={}), dict(expert_major=True)):
+        fn = "moe_a2a_dispatch_expert_major" if kwargs.get("expert_major") else "moe_a2a_dispatch"
+        for bad, got in ((None, "NoneType"), ((p for p in dev.payloads[0]), "generator"),
+                         (dev.payloads[0][0], "Tensor")):
+            refused(ws, lambda: a2a.moe_a2a_dispatch(dev.ids[0], bad, *args, **kwargs), ValueError,
+                    f"{fn}: input_payloads must be a list of tensors (a list or tuple), got {got}")
+        refused(ws, lambda: a2a.moe_a2a_dispatch(dev.ids[0], [dev.payloads[0][0], None], *args, **kwargs),
+                ValueError, f"{fn}: input_payloads[1] must be a tensor, got NoneType")
+    # A tuple is as good as a list.
+    inputs = make_inputs(CASE, make_generator("payload containers, after"))
+    inputs.payloads = [tuple(ps) for ps in inputs.payloads]
+    round_trip(sim, CASE, inputs, make_generator(5))
+
+
+@pytest.mark.parametrize("bad, text", [
+    ([0.7, "1"], "active_ranks[0] must be an int rank, got 0.7"),
+    ([1, "0"], "active_ranks[1] must be an int rank, got '0'"),
+    ("01", "active_ranks must be an iterable of int ranks or a 1-D integer tensor, got str"),
+    (None, "active_ranks must be an iterable of int ranks or a 1-D integer tensor, got NoneType"),
+    (0, "active_ranks must be an iterable of int ranks or a 1-D integer tensor, got int"),
+    ([True], "active_ranks[0] must be an int rank, got True"),
+    ([0, 2], "active_ranks[1]: rank 2 out of range [0, 2)"),
+    ([-1], "active_ranks[0]: rank -1 out of range [0, 2)"),
+    (torch.zeros(2, 1, dtype=torch.int64), "active_ranks must be a 1-D integer tensor of ranks, got torch.int64 (2, 1)"),
+    (torch.tensor(0), "active_ranks must be a 1-D integer tensor of ranks, got torch.int64 ()"),
+    (torch.tensor([0.7]), "active_ranks must be a 1-D integer tensor of ranks, got torch.float32 (1,)"),
+    (torch.tensor([True]), "active_ranks must be a 1-D integer tensor of ranks, got torch.bool (1,)"),
+], ids=["float_and_str", "str_element", "str", "none", "int", "bool", "out_of_range", "negative", "tensor_2d",
+        "tensor_0d", "float_tensor", "bool_tensor"])
+def test_active_rank_mask_takes_int_ranks(bad, text):
+    """[0.7, '1'] and '01' gave the mask of ranks {0, 1} (int() of each),
+    None, 0 or a 2-D tensor a TypeError. Refused, naming active_ranks."""
+    with pytest.raises(ValueError) as info:
+        a2a.moe_a2a_active_rank_mask(bad, 2)
+    assert text in str(info.value)
+    for ep_size in (True, 2.0, "2"):
+        with pytest.raises(ValueError, match=f"ep_size must be an int, got {ep_size!r}"):
+            a2a.moe_a2a_active_rank_mask([0], ep_size)
+    for good in ([0, 1], (1, 0), range(2), torch.tensor([1, 0], dtype=torch.int32), torch.tensor([0, 1])):
+        assert int(a2a.moe_a2a_active_rank_mask(good, 2).view(torch.int64)[0]) == 0b11
+
+
+def test_mapping_refuses_non_int_fields():
+    """Mapping's int fields are ints: -1.0 compared equal to "not given" and
+    was derived over, a float rank passed with enable_attention_dp (its
+    derived ranks became floats); MoeAlltoAll truncated a mapping's float
+    moe_ep_rank and moe_ep_size (0.9 and 1.5 gave rank 0 of 1)."""
+    for kwargs, text in ((dict(rank=0.5, enable_attention_dp=True), "Mapping: rank must be an int, got 0.5"),
+                         (dict(rank=True, enable_attention_dp=True), "Mapping: rank must be an int, got True"),
+                         (dict(rank=0.0), "Mapping: rank must be an int in [0, 1), got 0.0"),
+                         (dict(moe_ep_size=-1.0), "Mapping: moe_ep_size must be a positive int, got -1.0"),
+                         (dict(world_size=2, tp_size=2, moe_tp_size=-1.0),
+                          "Mapping: moe_tp_size must be a positive int, got -1.0"),
+                         (dict(moe_cluster_size=-1.0), "Mapping: moe_cluster_size must be a positive int, got -1.0"),
+                         (dict(attn_tp_size=-1.0), "Mapping: attn_tp_size must be a positive int, got -1.0"),
+                         (dict(moe_ep_size=True), "Mapping: moe_ep_size must be a positive int, got True")):
+        with pytest.raises(ValueError) as info:
+            a2a.Mapping(**kwargs)
+        assert text in str(info.value), kwargs
+    assert a2a.Mapping(world_size=2, rank=1, tp_size=2, moe_ep_size=-1, moe_tp_size=2).moe_ep_size == 1
+    assert a2a.Mapping(rank=3, enable_attention_dp=True).rank == 3  # the range check is FlashInfer's to skip
+    for ep_rank, ep_size, text in ((0.9, 1.5, "mapping.moe_ep_rank must be an int, got 0.9"),
+                                   (0, 1.0, "mapping.moe_ep_size must be an int, got 1.0"),
+                                   (False, 1, "mapping.moe_ep_rank must be an int, got False")):
+        mapping = dataclasses.make_dataclass("M", ["moe_ep_rank", "moe_ep_size"])(ep_rank, ep_size)
+        with pytest.raises(ValueError, match=f"MoeAlltoAll: {text}"):
+            a2a.MoeAlltoAll(mapping, 8, 2, 4, hidden_size=64, device="cpu")
+        with pytest.raises(ValueError, match=f"MoeAlltoAll.get_workspace: {text}"):
+            a2a.MoeAlltoAll.get_workspace(4096, 0, 1, 8, mapping, device="cpu")
+
+
+@pytest.mark.parametrize("bad, text", [
+    (dict(hidden_size=0), "MoeAlltoAll: hidden_size must be an int >= 1, got 0"),
+    (dict(hidden_size=True), "MoeAlltoAll: hidden_size must be an int >= 1, got True"),
+    (dict(hidden_size="8"), "MoeAlltoAll: hidden_size must be an int >= 1, got '8'"),
+    (dict(hidden_size=32.0), "MoeAlltoAll: hidden_size must be an int >= 1, got 32.0"),
+    (dict(dtype="bfloat16"), "MoeAlltoAll: dtype must be a torch.dtype or None, got 'bfloat16'"),
+    (dict(workspace="ws"), "MoeAlltoAll: workspace must be a tensor or None, got str"),
+    (dict(mapping=None), "MoeAlltoAll: mapping must be a Mapping (an object with moe_ep_rank and moe_ep_size), "
+                         "got NoneType"),
+], ids=["hidden_0", "hidden_bool", "hidden_str", "hidden_float", "dtype_str", "workspace_str", "mapping_none"])
+def test_moe_alltoall_refuses_bad_arguments_before_it_allocates(bad, text, device):
+    """MoeAlltoAll accepted hidden_size=0 or True; '8' failed on a str
+    concatenation, dtype='bfloat16', workspace='ws' and mapping=None on an
+    attribute. Refused, naming the argument, before a row of a given
+    workspace is initialized or a workspace allocated."""
+    sim = make_sim(CASE, device)
+    cached = dict(a2a.MoeAlltoAll._WORKSPACE_CACHE)
+    sizes = dict(max_num_tokens=CASE.max_tokens, top_k=CASE.top_k, num_experts=CASE.num_experts,
+                 hidden_size=CASE.hidden)
+    # Rank 0 of the simulated ranks, on their workspace.
+    kwargs = {**sizes, "mapping": ep_mapping(0, CASE.ep_size), "workspace": sim.workspace, **bad}
+    refused(sim.workspace, lambda: a2a.MoeAlltoAll(**kwargs), ValueError, text)
+    # One rank with a workspace of its own.
+    kwargs = {**sizes, "mapping": ep_mapping(0, 1), "device": device, **bad}
+    with pytest.raises(ValueError) as info:
+        a2a.MoeAlltoAll(**kwargs)
+    assert text in str(info.value)
+    assert a2a.MoeAlltoAll._WORKSPACE_CACHE == cached
+    round_trip(sim, CASE, make_inputs(CASE, make_generator(("moe_alltoall arguments", text))), make_generator(6))

@@ -26,7 +26,9 @@ peer's next dispatch may overwrite them (DESIGN.md section 5).
 from __future__ import annotations
 
 import enum
+import numbers
 import operator
+from collections.abc import Iterable
 from typing import Optional, Sequence, Union
 
 import torch
@@ -46,6 +48,7 @@ from .fastpath import (
     TENSOR,
     check_output_first,
     direct_call_ok,
+    expect_tensor_list,
     expect_tensors,
     note_plain_dispatch,
     run_dispatch,
@@ -286,18 +289,41 @@ def moe_a2a_wrap_payload_tensor_in_workspace(
 def moe_a2a_active_rank_mask(active_ranks: Union[Sequence[int], torch.Tensor], ep_size: int) -> torch.Tensor:
     """CPU uint64 ``[MOE_A2A_RANK_MASK_WORDS]`` mask with bit ``r`` set for each active rank ``r``.
 
-    ``active_ranks``: ranks (a sequence or a 1-D tensor) that take part in the
-    next dispatch/combine; each must lie in ``[0, ep_size)`` (ValueError).
+    Args:
+        active_ranks: the ranks that take part in the next dispatch/combine:
+            an iterable of ints (a list, tuple, range, ...) or a 1-D integer
+            tensor; each in ``[0, ep_size)``.
+        ep_size: the expert-parallel size, an int in ``[1, MAX_RANKS]``.
+
+    Returns:
+        The mask, for ``active_rank_mask=`` (with ``enable_rank_mask=True``).
+
+    Raises:
+        ValueError: ``ep_size`` not an int in range; ``active_ranks`` neither
+            an iterable of ints nor a 1-D integer tensor (a str, a float or a
+            bool among the ranks, a tensor of another dtype or shape); a rank
+            outside ``[0, ep_size)``.
     """
+    if isinstance(ep_size, bool) or not isinstance(ep_size, numbers.Integral):
+        raise ValueError(f"ep_size must be an int, got {ep_size!r}")
     if not 1 <= ep_size <= layout.MAX_RANKS:
         raise ValueError(f"ep_size {ep_size} out of range [1, {layout.MAX_RANKS}]")
     if isinstance(active_ranks, torch.Tensor):
+        dtype = active_ranks.dtype
+        if active_ranks.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise ValueError(f"active_ranks must be a 1-D integer tensor of ranks, got {dtype} "
+                             f"{tuple(active_ranks.shape)}")
         active_ranks = active_ranks.tolist()
+    elif isinstance(active_ranks, (str, bytes)) or not isinstance(active_ranks, Iterable):
+        raise ValueError("active_ranks must be an iterable of int ranks or a 1-D integer tensor, got "
+                         f"{type(active_ranks).__name__}")
     mask = 0
-    for rank in active_ranks:
+    for i, rank in enumerate(active_ranks):
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
+            raise ValueError(f"active_ranks[{i}] must be an int rank, got {rank!r}")
         rank = int(rank)
         if not 0 <= rank < ep_size:
-            raise ValueError(f"active rank {rank} out of range [0, {ep_size})")
+            raise ValueError(f"active_ranks[{i}]: rank {rank} out of range [0, {ep_size})")
         mask |= 1 << rank
     words = [(mask >> (64 * w)) & (U64 - 1) for w in range(MOE_A2A_RANK_MASK_WORDS)]
     return torch.tensor(words, dtype=torch.uint64)
@@ -332,9 +358,9 @@ def moe_a2a_dispatch(
             as they are) ``[local_num_tokens, top_k]``, contiguous, on the
             workspace's device. Negative ids are skipped; ids ``>= num_experts``
             are skipped and counted (:func:`moe_a2a_get_invalid_expert_count`).
-        input_payloads: 1 to 8 contiguous tensors ``[local_num_tokens, *]`` of
-            any dtype on the workspace's device; none may require grad while
-            grad mode is on.
+        input_payloads: a list or tuple of 1 to 8 contiguous tensors
+            ``[local_num_tokens, *]`` of any dtype on the workspace's device;
+            none may require grad while grad mode is on.
         workspace, metainfo: the workspace and this rank's
             :func:`moe_a2a_initialize` result.
         runtime_max_tokens_per_rank: the same on every rank, ``>=
@@ -384,7 +410,8 @@ def moe_a2a_dispatch(
         on the current stream.
 
     Raises:
-        ValueError: an argument out of range or of the wrong type, before any
+        ValueError: an argument out of range or of the wrong type (e.g.
+            ``input_payloads`` not a list or tuple of tensors), before any
             kernel runs (the workspace untouched).
         RuntimeError: peers that did not arrive within the timeout, or passed
             another ``runtime_max_tokens_per_rank`` or other payloads (CPU: this
@@ -417,8 +444,12 @@ def moe_a2a_dispatch(
             cache.clear()
             cache["_workspace"] = workspace
         # Trailing shapes and dtypes fix every offset of the call.
-        key = (ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n,
-               tuple([(p.shape[1:], p.dtype) for p in input_payloads]))
+        try:
+            key = (ep_rank, ep_size, runtime_max_tokens_per_rank, call_eplb_n,
+                   tuple([(p.shape[1:], p.dtype) for p in input_payloads]))
+        except AttributeError:  # a payload that is not a tensor, named (the op would name it too)
+            expect_tensor_list("moe_a2a_dispatch", "input_payloads", input_payloads)
+            raise
         hit = cache.get(key)
     views = run_dispatch("moe_a2a_dispatch", args, hit is None, False)
     note_plain_dispatch(workspace, ep_rank, token_selected_experts, num_experts)

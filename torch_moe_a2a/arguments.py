@@ -12,7 +12,7 @@ import torch
 
 from .backend import check_backend, pdl_default
 from .compile_marks import constant_result
-from .fastpath import expect_tensors
+from .fastpath import expect_tensor_list, expect_tensors
 from .layout import MOE_A2A_RANK_MASK_WORDS
 from .metainfo import call_timeout, check_rank, metainfo_values
 
@@ -115,14 +115,17 @@ def dispatch_args(fn, token_selected_experts, input_payloads, workspace, metainf
         (0 without ``eplb_local_stats``).
 
     Raises:
-        ValueError: a non-tensor where a tensor belongs, a metainfo of another
-            rank, a bad rank mask; with ``MOE_A2A_DEBUG=1`` an expert id
-            ``>= num_experts``.
+        ValueError: a non-tensor where a tensor belongs, ``input_payloads``
+            not a list or tuple, a metainfo of another rank, a bad rank mask;
+            with ``MOE_A2A_DEBUG=1`` an expert id ``>= num_experts``.
         NotImplementedError: ``backend="cake"`` on Blackwell.
     """
     if not (isinstance(token_selected_experts, torch.Tensor) and isinstance(workspace, torch.Tensor)):
         # Inline test first: the call costs the per-call path half a microsecond.
         expect_tensors(fn, token_selected_experts=token_selected_experts, workspace=workspace)
+    if not isinstance(input_payloads, (list, tuple)):
+        # A generator would be used up by the fast path's first look at it (the op then sees none).
+        expect_tensor_list(fn, "input_payloads", input_payloads)
     check_backend(backend, workspace)
     meta = metainfo_values(metainfo, id(metainfo))
     check_rank(meta, ep_rank, ep_size, workspace)

@@ -62,7 +62,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import expert_major, layout
 from .arguments import dispatch_args
 from .expert_major import ExpertMajorDispatch
-from .fastpath import last_dispatch, note_dispatch
+from .fastpath import expect_tensor_list, expect_tensors, last_dispatch, note_dispatch
 
 _ops = torch.ops.moe_a2a
 # The payload dtypes that get gradients: the combine's.
@@ -550,10 +550,12 @@ def moe_a2a_dispatch_differentiable(
         same routes (a collective: every rank runs it).
 
     Raises:
-        ValueError: as :func:`~torch_moe_a2a.moe_a2a_dispatch`; a payload
-            that requires grad and is not bf16, fp16 or fp32.
+        ValueError: as :func:`~torch_moe_a2a.moe_a2a_dispatch`
+            (``input_payloads`` not a list or tuple of tensors among them); a
+            payload that requires grad and is not bf16, fp16 or fp32.
         RuntimeError: peers that did not arrive within the timeout.
     """
+    expect_tensor_list("moe_a2a_dispatch_differentiable", "input_payloads", input_payloads)
     _check_grad_dtypes("moe_a2a_dispatch_differentiable", input_payloads)
     route = _route_args("moe_a2a_dispatch_differentiable", token_selected_experts, input_payloads, workspace, metainfo,
                         runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts, enable_pdl,
@@ -612,11 +614,13 @@ def moe_a2a_combine_differentiable(
         order, cast once). A new tensor.
 
     Raises:
-        ValueError: as :func:`~torch_moe_a2a.moe_a2a_combine`; ids or
-            num_experts other than those of this rank's preceding dispatch.
+        ValueError: as :func:`~torch_moe_a2a.moe_a2a_combine` (``payload``
+            not a tensor among them); ids or num_experts other than those of
+            this rank's preceding dispatch.
         RuntimeError: as :func:`~torch_moe_a2a.moe_a2a_combine`.
     """
     fn = "moe_a2a_combine_differentiable"
+    expect_tensors(fn, payload=payload)
     route = _route_args(fn, token_selected_experts, [payload], workspace, metainfo, runtime_max_tokens_per_rank,
                         ep_rank, ep_size, top_k, num_experts, enable_pdl, enable_rank_mask, active_rank_mask,
                         timeout_s)
@@ -967,11 +971,13 @@ def moe_a2a_dispatch_expert_major_differentiable(
         rank runs it).
 
     Raises:
-        ValueError: as :func:`~torch_moe_a2a.moe_a2a_dispatch_expert_major`;
-            a payload that requires grad and is not bf16, fp16 or fp32.
+        ValueError: as :func:`~torch_moe_a2a.moe_a2a_dispatch_expert_major`
+            (``input_payloads`` not a list or tuple of tensors among them); a
+            payload that requires grad and is not bf16, fp16 or fp32.
         RuntimeError: peers that did not arrive within the timeout.
     """
     fn = "moe_a2a_dispatch_expert_major_differentiable"
+    expect_tensor_list(fn, "input_payloads", input_payloads)
     _check_grad_dtypes(fn, input_payloads)
     expert_major.check_ids_and_weights(fn, token_selected_experts, workspace, router_weights, top_k)
     n = token_selected_experts.shape[0]
@@ -1048,9 +1054,11 @@ def moe_a2a_combine_expert_major_differentiable(
         ``grad`` with the row, ``grad`` being its token's output gradient.
 
     Raises:
-        ValueError, RuntimeError: as :func:`~torch_moe_a2a.moe_a2a_combine_expert_major`.
+        ValueError, RuntimeError: as :func:`~torch_moe_a2a.moe_a2a_combine_expert_major`
+            (``expert_outputs`` not a tensor among them).
     """
     fn = "moe_a2a_combine_expert_major_differentiable"
+    expect_tensors(fn, expert_outputs=expert_outputs)
     if not isinstance(dispatched, ExpertMajorDispatch):
         raise ValueError(f"dispatched must be the ExpertMajorDispatch that moe_a2a_dispatch_expert_major_differentiable"
                          f" returned, got {type(dispatched).__name__}")

@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 
 from . import _C, layout
+from .fastpath import expect_tensors
 from .layout import MOE_A2A_RANK_MASK_WORDS
 
 _U64 = 1 << 64
@@ -40,7 +41,15 @@ def check_errors(workspace: torch.Tensor) -> None:
     uint8); uninitialized rows are skipped. On CUDA this copies the headers to
     the host (a sync with the current stream). The message names the rank and
     the peers, as the op's error does.
+
+    Args:
+        workspace: the ``[ep_size, size_per_rank]`` uint8 workspace.
+
+    Raises:
+        ValueError: ``workspace`` not a tensor, or not of that dtype and shape.
+        RuntimeError: a rank's error record, described.
     """
+    expect_tensors("check_errors", workspace=workspace)
     if workspace.dim() != 2 or workspace.dtype != torch.uint8 or workspace.shape[1] < layout.HEADER_BYTES:
         raise ValueError(
             f"workspace must be a uint8 [ep_size, size_per_rank] tensor, got {workspace.dtype} "

@@ -23,7 +23,14 @@ import torch
 from . import layout
 from .arguments import ID_DTYPES, data_address, dispatch_args, rank_mask_words
 from .backend import MoeAlltoAllBackend, check_backend, pdl_default
-from .fastpath import check_output_first, expect_tensors, note_plain_dispatch, run_dispatch, tracing
+from .fastpath import (
+    check_output_first,
+    expect_tensor_list,
+    expect_tensors,
+    note_plain_dispatch,
+    run_dispatch,
+    tracing,
+)
 from .metainfo import call_timeout, check_rank, check_rank_index, metainfo_values
 
 _ops = torch.ops.moe_a2a
@@ -150,8 +157,9 @@ def moe_a2a_dispatch_expert_major(
         token_selected_experts: int32 or int64 ``[local_num_tokens, top_k]``
             (as for :func:`~torch_moe_a2a.moe_a2a_dispatch`); it also travels
             as a payload, which the receiving rank reads to group the rows.
-        input_payloads: 0 to 7 contiguous ``[local_num_tokens, *]`` tensors (6
-            with ``router_weights``: the ids and the weights are payloads too).
+        input_payloads: a list or tuple of 0 to 7 contiguous
+            ``[local_num_tokens, *]`` tensors (6 with ``router_weights``: the
+            ids and the weights are payloads too).
         workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size,
             top_k, num_experts, enable_pdl, eplb_local_stats, enable_rank_mask,
             active_rank_mask, backend, timeout_s: as for the rank-major dispatch.
@@ -177,6 +185,7 @@ def moe_a2a_dispatch_expert_major(
     """
     fn = "moe_a2a_dispatch_expert_major"
     check_ids_and_weights(fn, token_selected_experts, workspace, router_weights, top_k)
+    expect_tensor_list(fn, "input_payloads", input_payloads)
     n = token_selected_experts.shape[0]
     payloads = list(input_payloads) + [token_selected_experts]
     if router_weights is not None:

@@ -43,6 +43,17 @@ def expect_tensors(fn: str, **arguments: Any) -> None:
             raise ValueError(f"{fn}: {name} must be a tensor, got {type(value).__name__}")
 
 
+def expect_tensor_list(fn: str, name: str, values: Any) -> None:
+    """ValueError unless ``values`` is a list or tuple of tensors, naming
+    ``name`` (and the index of the first element that is not a tensor). Not
+    any iterable: a generator would be used up by the first pass over it."""
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"{fn}: {name} must be a list of tensors (a list or tuple), got {type(values).__name__}")
+    for i, value in enumerate(values):
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{fn}: {name}[{i}] must be a tensor, got {type(value).__name__}")
+
+
 def check_output_first(fn: str, output: Any, workspace: torch.Tensor) -> None:
     """A combine's ``output``: its type, device and contiguity, checked before
     anything else as FlashInfer does (its tests pass an invalid metainfo with
@@ -175,6 +186,8 @@ def run_dispatch(fn: str, args: tuple, build_views: bool, traced: bool) -> Optio
                              ep_rank=(ep_rank, INT), ep_size=(ep_size, INT), top_k=(top_k, INT),
                              num_experts=(num_experts, INT), eplb_local_stats=(eplb_local_stats, OPT_TENSOR),
                              timeout_s=(timeout_s, FLOAT), enable_pdl=(enable_pdl, BOOL)) from None
+    # Not the fast path: the op's own error for a payload that is not a tensor names no argument.
+    expect_tensor_list(fn, "input_payloads", args[1])
     torch.ops.moe_a2a.dispatch.default(*args)
     if traced or not build_views:
         return None

@@ -30,6 +30,11 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
+def _unset(value: Any) -> bool:
+    """Whether ``value`` is the "not given" -1 itself (-1.0 compares equal and is no int)."""
+    return type(value) is int and value == _UNSET
+
+
 def _quotient(what: str, total: int, divisor: int) -> int:
     if total % divisor:
         raise ValueError(f"Mapping: {what}: {total} is not divisible by {divisor}")
@@ -57,8 +62,10 @@ class Mapping:
         enable_attention_dp: carried (FlashInfer then skips the rank check).
 
     Raises:
-        ValueError: sizes that are not positive ints, do not divide, or do not
-            multiply up as above; a rank outside ``[0, world_size)``.
+        ValueError: sizes that are not positive ints (-1 is "not given";
+            -1.0 or a bool is refused), do not divide, or do not multiply up
+            as above; a rank that is not an int (or a bool), or outside
+            ``[0, world_size)``.
         NotImplementedError: ``moe_ep_size > 1`` with ``cp_size > 1`` (as in FlashInfer).
     """
 
@@ -83,26 +90,26 @@ class Mapping:
         for name, value in (("world_size", world_size), ("gpus_per_node", gpus_per_node), ("cp_size", cp_size),
                             ("tp_size", tp_size), ("pp_size", pp_size)):
             _positive(name, value)
-        if moe_cluster_size == _UNSET:
+        if _unset(moe_cluster_size):
             moe_cluster_size = 1
         _positive("moe_cluster_size", moe_cluster_size)
-        if moe_tp_size == _UNSET and moe_ep_size == _UNSET:
+        if _unset(moe_tp_size) and _unset(moe_ep_size):
             moe_tp_size = _quotient("tp_size / moe_cluster_size", tp_size, moe_cluster_size)
             moe_ep_size = 1
-        elif moe_tp_size == _UNSET:
+        elif _unset(moe_tp_size):
             moe_tp_size = _quotient("tp_size / (moe_ep_size * moe_cluster_size)", tp_size,
                                     _positive("moe_ep_size", moe_ep_size) * moe_cluster_size)
-        elif moe_ep_size == _UNSET:
+        elif _unset(moe_ep_size):
             moe_ep_size = _quotient("tp_size / (moe_tp_size * moe_cluster_size)", tp_size,
                                     _positive("moe_tp_size", moe_tp_size) * moe_cluster_size)
         _positive("moe_tp_size", moe_tp_size)
         _positive("moe_ep_size", moe_ep_size)
-        if attn_tp_size == _UNSET and attn_cp_size == _UNSET:
+        if _unset(attn_tp_size) and _unset(attn_cp_size):
             attn_tp_size, attn_cp_size = tp_size * cp_size, 1
-        elif attn_tp_size == _UNSET:
+        elif _unset(attn_tp_size):
             attn_tp_size = _quotient("cp_size * tp_size / attn_cp_size", cp_size * tp_size,
                                      _positive("attn_cp_size", attn_cp_size))
-        elif attn_cp_size == _UNSET:
+        elif _unset(attn_cp_size):
             attn_cp_size = _quotient("cp_size * tp_size / attn_tp_size", cp_size * tp_size,
                                      _positive("attn_tp_size", attn_tp_size))
         if attn_cp_size != 1:
@@ -125,9 +132,11 @@ class Mapping:
         if moe_cluster_size > 1 and moe_ep_size != 1:
             raise ValueError(f"Mapping: moe_cluster_size {moe_cluster_size} > 1 needs moe_ep_size 1, "
                              f"got {moe_ep_size}")
-        if not enable_attention_dp and (not isinstance(rank, int) or isinstance(rank, bool)
-                                        or not 0 <= rank < world_size):
-            raise ValueError(f"Mapping: rank must be an int in [0, {world_size}), got {rank!r}")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not (enable_attention_dp or 0 <= rank < world_size):
+            # enable_attention_dp skips the range check, not the type's: the
+            # ranks derived from a float (moe_ep_rank, ...) would be floats.
+            bound = "" if enable_attention_dp else f" in [0, {world_size})"
+            raise ValueError(f"Mapping: rank must be an int{bound}, got {rank!r}")
 
         self.world_size = world_size
         self.rank = rank

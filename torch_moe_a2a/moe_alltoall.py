@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import atexit
+import numbers
 import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Union
@@ -123,6 +124,25 @@ def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> i
     return value
 
 
+def _mapping_ep(fn: str, mapping: Any) -> tuple[int, int]:
+    """``(moe_ep_rank, moe_ep_size)`` of ``mapping``, each an int (a float
+    would be truncated, a bool read as 0 or 1).
+
+    Raises:
+        ValueError: ``mapping`` without the two, or one of them not an int.
+    """
+    if not (hasattr(mapping, "moe_ep_rank") and hasattr(mapping, "moe_ep_size")):
+        raise ValueError(f"{fn}: mapping must be a Mapping (an object with moe_ep_rank and moe_ep_size), "
+                         f"got {type(mapping).__name__}")
+    values = []
+    for name in ("moe_ep_rank", "moe_ep_size"):
+        value = getattr(mapping, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{fn}: mapping.{name} must be an int, got {value!r}")
+        values.append(int(value))
+    return values[0], values[1]
+
+
 class MoeAlltoAll:
     """Stateful wrapper of the functional API, FlashInfer's ``MoeAlltoAll``.
 
@@ -198,8 +218,11 @@ class MoeAlltoAll:
     mutations of the ops (docs/DESIGN.md section 4).
 
     Raises:
-        ValueError: arguments out of range, ``mapping`` inconsistent with the
-            group, ``workspace=`` together with a group, a workspace too small.
+        ValueError: arguments out of range or of the wrong type (``mapping``
+            without int ``moe_ep_rank`` and ``moe_ep_size``, ``hidden_size``
+            not a positive int, ``dtype`` not a ``torch.dtype``, ``workspace``
+            not a tensor), ``mapping`` inconsistent with the group,
+            ``workspace=`` together with a group, a workspace too small.
         NotImplementedError: ``backend="cake"`` on a Blackwell device.
     """
 
@@ -228,8 +251,7 @@ class MoeAlltoAll:
         expert_major: bool = False,
         max_tokens_per_expert: Optional[int] = None,
     ):
-        self.ep_rank = int(mapping.moe_ep_rank)
-        self.ep_size = int(mapping.moe_ep_size)
+        self.ep_rank, self.ep_size = _mapping_ep("MoeAlltoAll", mapping)
         # The limits of every later call, checked before anything is allocated or initialized.
         _check_int("ep_size", self.ep_size, 1, layout.MAX_RANKS)
         if not 0 <= self.ep_rank < self.ep_size:
@@ -238,6 +260,12 @@ class MoeAlltoAll:
         _check_int("top_k", top_k, 1, layout.MAX_TOP_K)
         _check_int("num_experts", num_experts, max(1, self.ep_size))
         _check_int("eplb_stats_num_experts", eplb_stats_num_experts, 0)
+        if hidden_size is not None:
+            _check_int("hidden_size", hidden_size, 1)
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ValueError(f"MoeAlltoAll: dtype must be a torch.dtype or None, got {dtype!r}")
+        if workspace is not None and not isinstance(workspace, torch.Tensor):
+            raise ValueError(f"MoeAlltoAll: workspace must be a tensor or None, got {type(workspace).__name__}")
         check_timeout(timeout_s, "MoeAlltoAll")
         check_flag("MoeAlltoAll: expert_major", expert_major)
         check_flag("MoeAlltoAll: enable_rank_mask", enable_rank_mask)
@@ -354,9 +382,10 @@ class MoeAlltoAll:
             has no counterpart: reading it raises a KeyError that says so.
 
         Raises:
-            ValueError: ``mapping`` or the group of another rank or size; ``ep_size > 1`` without a group.
+            ValueError: ``mapping`` without int ``moe_ep_rank`` and ``moe_ep_size``, or ``mapping`` or the group
+                of another rank or size; ``ep_size > 1`` without a group.
         """
-        if (int(mapping.moe_ep_rank), int(mapping.moe_ep_size)) != (ep_rank, ep_size):
+        if _mapping_ep("MoeAlltoAll.get_workspace", mapping) != (ep_rank, ep_size):
             raise ValueError(f"MoeAlltoAll.get_workspace: the mapping's (moe_ep_rank, moe_ep_size) = "
                              f"({mapping.moe_ep_rank}, {mapping.moe_ep_size}) differ from ({ep_rank}, {ep_size})")
         device = _resolve_device(device)
