@@ -783,11 +783,15 @@ double resolve_timeout(double timeout_s) {
   if (timeout_s > 0) return timeout_s;
   const char* env = std::getenv("MOE_A2A_TIMEOUT_S");
   if (env == nullptr || *env == '\0') return kDefaultTimeoutS;
+  // A plain decimal number: strtod alone also takes leading blanks, hex
+  // ("0x1") and "inf".
+  const std::string text(env);
+  const bool plain = text.find_first_not_of("0123456789.eE+-") == std::string::npos;
   char* end = nullptr;
   errno = 0;
   const double value = std::strtod(env, &end);
-  TORCH_CHECK_VALUE(end != env && *end == '\0' && errno == 0 && std::isfinite(value) && value > 0,
-                    "MOE_A2A_TIMEOUT_S must be a positive number of seconds, got '", env, "'");
+  TORCH_CHECK_VALUE(plain && end != env && *end == '\0' && errno == 0 && value > 0 && value <= double(kMaxTimeoutS),
+                    "MOE_A2A_TIMEOUT_S must be a positive number of seconds up to ", kMaxTimeoutS, ", got '", env, "'");
   return value;
 }
 
@@ -1176,6 +1180,7 @@ std::vector<int64_t> constants_op() {
       kMaxLocalExperts,
       kMaxExpertMajorRows,
       kHdrCombineSignatures,
+      kMaxTimeoutS,
   };
 }
 

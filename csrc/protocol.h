@@ -234,6 +234,9 @@ constexpr int64_t kAlign = 128;
 // such rows (859 -> 806 us).
 constexpr int64_t kPlaneAlign = 256;
 constexpr double kDefaultTimeoutS = 30.0;
+// The longest bound on a wait, in seconds (about 31 years): the metainfo
+// holds a call's in microseconds in an int64, the kernels in nanoseconds.
+constexpr int64_t kMaxTimeoutS = 1000000000;
 
 // ---- route entries ----------------------------------------------------------
 constexpr int kRouteRankShift = 24;

@@ -412,6 +412,23 @@ def test_initialize_timeout_is_the_calls_default(device):
     assert call_timeout(metainfo_values(plain, id(plain)), None) < 0  # the environment's, read by the op
 
 
+@pytest.mark.parametrize("bad", ["0x1", " 1", "1 ", "inf", "nan", "0", "-1", "1e10", "abc", "1s"])
+def test_the_environment_timeout_is_a_plain_number(bad, monkeypatch):
+    """MOE_A2A_TIMEOUT_S is read as a plain decimal number of seconds up to
+    the bound of every timeout_s (strtod alone took hex, leading blanks and
+    'inf'). Read by the op when a call sets no timeout of its own."""
+    sim = make_sim(CASE, "cpu")
+    sim.metainfo = [a2a.moe_a2a_initialize(sim.workspace, r, CASE.ep_size, CASE.max_tokens)
+                    for r in range(CASE.ep_size)]  # no timeout of their own: the environment's
+    dev = make_inputs(CASE, make_generator("environment timeout"))
+    monkeypatch.setenv("MOE_A2A_TIMEOUT_S", bad)
+    refused(sim.workspace, lambda: a2a.moe_a2a_dispatch(dev.ids[0], dev.payloads[0], sim.workspace, sim.metainfo[0],
+                                                        CASE.T, 0, CASE.ep_size, CASE.top_k, CASE.num_experts),
+            ValueError, "MOE_A2A_TIMEOUT_S must be a positive number of seconds up to 1000000000, got '")
+    monkeypatch.setenv("MOE_A2A_TIMEOUT_S", "2.5e1")
+    round_trip(sim, CASE, make_inputs(CASE, make_generator("environment timeout, after")), make_generator(3))
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, "1", 1e14])
 def test_initialize_refuses_a_bad_timeout(bad, device):
     workspace = torch.zeros(1, a2a.moe_a2a_get_workspace_size_per_rank(1, 4, 16, 16), dtype=torch.uint8,

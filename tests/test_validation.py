@@ -26,7 +26,7 @@ from conftest import (
 
 import torch_moe_a2a as a2a
 from torch_moe_a2a import layout, reference
-from torch_moe_a2a.metainfo import MAX_TIMEOUT_S
+from torch_moe_a2a.layout import MAX_TIMEOUT_S
 
 BAD = (ValueError, RuntimeError)
 

@@ -118,6 +118,9 @@ CLAIM_STRIDE = 128
 HDR_DISPATCH_CLAIMS = HDR_DISPATCH_ROUTED + 4 * MAX_DISPATCH_CTAS
 HEADER_BYTES = HDR_DISPATCH_CLAIMS + CLAIM_STRIDE * (CLAIM_COUNTERS - 1)
 MAX_LOCAL_EXPERTS = 1024  # experts per rank of an expert-major call
+# The longest bound on a wait, in seconds (about 31 years): the metainfo holds
+# a call's in microseconds in an int64, the kernels in nanoseconds.
+MAX_TIMEOUT_S = 1_000_000_000
 MAX_EXPERT_MAJOR_ROWS = (1 << 31) - 1  # pair rows e * M + i are int32
 NO_PAIR = -1
 
@@ -174,6 +177,7 @@ CONSTANTS = {
     "MAX_LOCAL_EXPERTS": MAX_LOCAL_EXPERTS,
     "MAX_EXPERT_MAJOR_ROWS": MAX_EXPERT_MAJOR_ROWS,
     "HDR_COMBINE_SIGNATURES": HDR_COMBINE_SIGNATURES,
+    "MAX_TIMEOUT_S": MAX_TIMEOUT_S,
 }
 
 

@@ -84,22 +84,17 @@ def metainfo_values(metainfo: torch.Tensor, key: int) -> MetaValues:
     return values
 
 
-# The longest bound on a wait, in seconds (about 31 years): the metainfo holds
-# it in microseconds in an int64, the kernels in nanoseconds in a uint64.
-MAX_TIMEOUT_S = 1e9
-
-
 def check_timeout(timeout_s: Any, fn: str = "") -> None:
-    """A bound on a wait: None, or a positive number of seconds up to MAX_TIMEOUT_S.
+    """A bound on a wait: None, or a positive number of seconds up to layout.MAX_TIMEOUT_S.
 
     Raises:
         ValueError: anything else (zero or less would read as the op's
             "not set" and wait for MOE_A2A_TIMEOUT_S or 30 s instead).
     """
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
-                                      and 0 < timeout_s <= MAX_TIMEOUT_S):
+                                      and 0 < timeout_s <= layout.MAX_TIMEOUT_S):
         raise ValueError(f"{fn + ': ' if fn else ''}timeout_s must be a positive number of seconds up to "
-                         f"{MAX_TIMEOUT_S:g} or None, got {timeout_s!r}")
+                         f"{layout.MAX_TIMEOUT_S:.0e} or None, got {timeout_s!r}")
 
 
 def call_timeout(meta: MetaValues, timeout_s) -> float:

@@ -74,7 +74,7 @@ class SimulatedEP:
             ``eplb_stats_num_experts`` or ``workspace_size_per_rank`` not an
             int (a bool or a float), or out of the ops' ranges; ``timeout_s``
             not None or a positive number of seconds up to
-            ``metainfo.MAX_TIMEOUT_S`` (as ``moe_a2a_initialize`` and
+            ``layout.MAX_TIMEOUT_S`` (as ``moe_a2a_initialize`` and
             :class:`MoeAlltoAll` check it); more than
             ``MAX_SIMULATED_RANKS_PER_GPU`` ranks on a GPU. Checked before the
             workspace is allocated.
