@@ -381,8 +381,6 @@ __device__ void pull_expert_rows(const EmCombineArgs& a) {
           pending &= pending - 1;
           const int32_t at_a = __shfl_sync(group_mask, at_q, qa, lanes);
           const int32_t at_b = __shfl_sync(group_mask, at_q, qb, lanes);
-          const float w_a = __shfl_sync(group_mask, w_q, qa, lanes);
-          const float w_b = __shfl_sync(group_mask, w_q, qb, lanes);
           const InRaw* src_a = reinterpret_cast<const InRaw*>(plane + int64_t(at_a) * a.row_bytes);
           const InRaw* src_b = reinterpret_cast<const InRaw*>(plane + int64_t(at_b) * a.row_bytes);
           InVec xa[kEmSumUnroll], xb[kEmSumUnroll];
@@ -392,6 +390,11 @@ __device__ void pull_expert_rows(const EmCombineArgs& a) {
             xa[u].raw = v < vectors ? src_a[v] : InRaw{};
             xb[u].raw = two && v < vectors ? src_b[v] : InRaw{};
           }
+          // The weights' shuffles after the rows' loads: a shuffle waits for
+          // its value's load, so before them it kept the rows' loads behind
+          // the weights' (three dependent loads per group instead of two).
+          const float w_a = __shfl_sync(group_mask, w_q, qa, lanes);
+          const float w_b = __shfl_sync(group_mask, w_q, qb, lanes);
 #pragma unroll
           for (int u = 0; u < kEmSumUnroll; ++u) {
 #pragma unroll
