@@ -160,7 +160,12 @@ const uint8_t* checked_combine_payload(const at::Tensor& t, at::ScalarType paylo
   TORCH_CHECK_VALUE(t.is_contiguous(), "payload must be contiguous, got strides ", t.strides(),
                     " (pass payload.contiguous())");
   check_no_grad(t, "payload");
-  return static_cast<const uint8_t*>(t.data_ptr());
+  // A payload of 0-byte rows (a size of 0 in row_shape) has no data pointer,
+  // and a null payload means one already in the workspace (combine_stages):
+  // such a tensor gets an address no kernel reads from (every row copies and
+  // sums 0 elements), so that it combines as the tensor it is.
+  alignas(kPlaneAlign) static const uint8_t no_bytes[1] = {};
+  return t.numel() == 0 ? no_bytes : static_cast<const uint8_t*>(t.data_ptr());
 }
 
 // Bytes of one row of `t` (all dimensions but the first), or -1 when it

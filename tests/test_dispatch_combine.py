@@ -218,6 +218,32 @@ def test_repeated_combines_between_dispatches(device):
             assert flags == [combines * layout.FLAG_SHARES] * 5, (i, r, flags)
 
 
+def test_zero_column_payload_is_a_payload_tensor(device):
+    """A payload tensor of 0 columns (row_shape with a 0: no data pointer) is
+    staged as the tensor it is, not taken for a payload already in the
+    workspace: as a repeated combine after a staged one it returns its
+    [local_num_tokens, 0] rows (it was refused as 'payload_in_workspace after
+    a combine that staged'), and the combines around it and the next round
+    stay exact."""
+    case = Case(3, (6, 0, 5), 2, 7, hidden=40, runtime_max=6)
+    gen = make_generator("zero-column payload")
+    sim = make_sim(case, device)
+    rt = round_trip(sim, case, make_inputs(case, gen), gen)
+
+    def empty_combine(r):
+        payload = torch.empty(case.ep_size, rt.runtime_max, 0, dtype=case.hidden_dtype, device=device)
+        return a2a.moe_a2a_combine(payload, rt.tokens[r], sim.workspace, sim.metainfo[r], rt.runtime_max, r,
+                                   case.ep_size, case.top_k, rt.offsets[r])
+
+    outs = sim.run(empty_combine)
+    for r in range(case.ep_size):
+        assert outs[r].shape == (rt.tokens[r], 0) and outs[r].dtype == case.hidden_dtype
+    combine_again(sim, case, rt, gen)
+    sim.run(empty_combine)
+    combine_again(sim, case, rt, gen)
+    round_trip(sim, case, make_inputs(case, gen), gen)
+
+
 @pytest.mark.parametrize("ep_size", [1, 3])
 def test_staged_combine_reads_its_own_rows_from_the_payload(device, ep_size):
     """protocol.h, combine step 1: a combine that stages a plain payload tensor
