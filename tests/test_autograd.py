@@ -789,6 +789,7 @@ def test_a_combine_with_other_ids_than_its_dispatch_is_refused(layout):
     with pytest.raises(ValueError, match="token_selected_experts must be the expert ids of this rank's preceding"):
         combine(other)
     out = combine(ids.clone())  # a refused combine changed nothing; equal ids are the same routes
+    out = combine(ids.long())  # in the other id width too (the dispatch's are int32)
     x.grad = None
     out.sum().backward()
     want = 2 * (w.detach().sum(dim=1, keepdim=True) if layout == "expert-major" else torch.ones(tokens, 1))
@@ -974,6 +975,56 @@ def test_received_rows_are_new_tensors_with_zero_padding():
         for plane, want in zip(received, ref.recv[rank]):
             assert torch.equal(plane, want)
             assert plane.untyped_storage().data_ptr() != workspace
+
+
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+def test_a_payload_of_zero_columns_trains(layout):
+    """A payload with a 0 in its row's shape (any trailing shape, DESIGN.md
+    section 3) beside the hidden rows: its received planes are zero-size
+    tensors of their shape, its gradient too, and the hidden rows' output and
+    gradient are bitwise those of the same step without it (its planes were
+    viewed as their dtype after the exchange: a torch error, with every rank's
+    round left open)."""
+    ep_size, tokens, top_k, num_experts, hidden = 2, 4, 2, 4, 8
+    gen = torch.Generator().manual_seed(23)
+    ids = [reference.random_routing(tokens, top_k, num_experts, gen) for _ in range(ep_size)]
+    xs = [torch.randn(tokens, hidden, generator=gen) for _ in range(ep_size)]
+    ws = [torch.rand(tokens, top_k, generator=gen) for _ in range(ep_size)]
+    sim = (make_sim(ep_size, tokens, hidden, top_k) if layout == "rank-major"
+           else make_em_sim(ep_size, tokens, hidden, top_k, num_experts))
+
+    def step(rank, extra):
+        x = xs[rank].clone().requires_grad_()
+        empty = [torch.zeros(tokens, 3, 0, requires_grad=True)] if extra else []
+        if layout == "rank-major":
+            recv, offset, _ = moe_a2a_dispatch_differentiable(ids[rank], [x, *empty], sim.workspace,
+                                                              sim.metainfo[rank], tokens, rank, ep_size, top_k,
+                                                              num_experts)
+            planes = recv
+            out = moe_a2a_combine_differentiable(recv[0] * 2, ids[rank], sim.workspace, sim.metainfo[rank], tokens,
+                                                 rank, ep_size, top_k, num_experts, offset)
+        else:
+            got = moe_a2a_dispatch_expert_major_differentiable(ids[rank], [x, *empty], sim.workspace,
+                                                               sim.metainfo[rank], tokens, rank, ep_size, top_k,
+                                                               num_experts, router_weights=ws[rank])
+            planes = got.output_payloads
+            out = moe_a2a_combine_expert_major_differentiable(planes[0] * 2, got, ids[rank], sim.workspace,
+                                                              sim.metainfo[rank], rank, ep_size)
+        if extra:
+            assert planes[1].shape == (*planes[0].shape[:2], 3, 0)
+            out = out + planes[1].sum()  # an empty sum: 0, and a path back to the empty payload
+        return out, x, empty
+
+    def run(extra):
+        results = sim.run(lambda r: step(r, extra))
+        grads = sim.run(lambda r: torch.autograd.grad(results[r][0].sum(), [results[r][1], *results[r][2]]))
+        return [res[0].detach() for res in results], grads
+
+    outs, grads = run(False)
+    outs_extra, grads_extra = run(True)
+    for r in range(ep_size):
+        assert torch.equal(outs_extra[r], outs[r]) and torch.equal(grads_extra[r][0], grads[r][0])
+        assert grads_extra[r][1].shape == (tokens, 3, 0)
 
 
 def test_compiled_forwards_then_one_backward():

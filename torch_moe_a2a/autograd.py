@@ -132,13 +132,21 @@ def _owned_planes(workspace: Tensor, payloads: list[Tensor], route: tuple) -> tu
     row = workspace.select(0, ep_rank)
     counts = layout.region_view(row, layout.HDR_RECV_COUNTS, (ep_size,), torch.int32).clone()
     valid = (torch.arange(runtime_max, device=workspace.device) < counts.unsqueeze(1)).unsqueeze(2)
-    planes = []
-    for payload, offset in zip(payloads, call.payload_offsets):
-        # Zeroed as bytes: one path for every dtype (all-zero bytes are a zero of each).
-        plane = layout.region_view(row, offset, (ep_size, runtime_max, _row_bytes(payload)), torch.uint8)
-        plane = torch.where(valid, plane, 0).view(payload.dtype)
-        planes.append(plane.view(ep_size, runtime_max, *payload.shape[1:]))
+    planes = [_zeroed_plane(row, offset, (ep_size, runtime_max), valid, payload)
+              for payload, offset in zip(payloads, call.payload_offsets)]
     return planes, counts, call.combine_offset
+
+
+def _zeroed_plane(row: Tensor, offset: int, leading: tuple[int, int], valid: Tensor, payload: Tensor) -> Tensor:
+    """A new tensor with the plane of ``payload``'s rows at ``offset`` of the
+    workspace ``row``, ``[*leading, *payload.shape[1:]]``, the rows where
+    ``valid`` ([*leading, 1] bool) is False zeroed."""
+    shape = (*leading, *payload.shape[1:])
+    if _row_bytes(payload) == 0:  # no bytes to view as the dtype (a size of 0 in the row's shape)
+        return torch.zeros(shape, dtype=payload.dtype, device=row.device)
+    # Zeroed as bytes: one path for every dtype (all-zero bytes are a zero of each).
+    plane = layout.region_view(row, offset, (*leading, _row_bytes(payload)), torch.uint8)
+    return torch.where(valid, plane, 0).view(payload.dtype).view(shape)
 
 
 # ---- the eager path -------------------------------------------------------------------------------------
@@ -486,14 +494,14 @@ def _check_combine_ids(fn: str, workspace: Tensor, rank: int, ids: Tensor, num_e
     of this rank's last dispatch on ``workspace`` (fastpath.note_dispatch: the
     backward lays its routes from ``ids`` and ``num_experts``, the forward
     follows the dispatch's). The same tensor costs nothing; another one is
-    compared by value (a host sync, off the usual path)."""
+    compared by value, in either id width (a host sync, off the usual path)."""
     if _traced():
         return
     last = last_dispatch(workspace, rank)
     dispatched = None if last is None else last[0]
     if dispatched is not None and dispatched is not ids and not (
-            dispatched.shape == ids.shape and dispatched.dtype == ids.dtype and dispatched.device == ids.device
-            and torch.equal(dispatched, ids)):
+            dispatched.shape == ids.shape and dispatched.device == ids.device
+            and torch.equal(dispatched.long(), ids.long())):
         raise ValueError(f"{fn}: token_selected_experts must be the expert ids of this rank's preceding dispatch "
                          "(the backward dispatches the output gradient along their routes), got other ids")
     if last is not None and num_experts != last[2]:
@@ -709,11 +717,8 @@ def _owned_em(workspace: Tensor, payloads: list[Tensor], em: layout.ExpertMajorL
     row = workspace.select(0, route[0])
     counts = layout.region_view(row, em.counts_offset, (local,), torch.int32).clone()
     valid = _valid_pairs(counts, M).unsqueeze(2)
-    planes = []
-    for payload, offset in zip(payloads, em.payload_offsets):
-        plane = layout.region_view(row, offset, (local, M, _row_bytes(payload)), torch.uint8)
-        plane = torch.where(valid, plane, 0).view(payload.dtype)
-        planes.append(plane.view(local, M, *payload.shape[1:]))
+    planes = [_zeroed_plane(row, offset, (local, M), valid, payload)
+              for payload, offset in zip(payloads, em.payload_offsets)]
     ids = layout.region_view(row, em.ids_offset, (local, M), torch.int32).clone()
     weights = layout.region_view(row, em.weights_offset, (local, M), torch.float32).clone()
     return planes, counts, ids, weights
