@@ -911,3 +911,125 @@ def test_moe_alltoall_refuses_bad_arguments_before_it_allocates(bad, text, devic
     assert text in str(info.value)
     assert a2a.MoeAlltoAll._WORKSPACE_CACHE == cached
     round_trip(sim, CASE, make_inputs(CASE, make_generator(("moe_alltoall arguments", text))), make_generator(6))
+
+
+# ---- arguments of the wrong kind ----------------------------------------------------------------------
+
+
+def _dispatch_call(sim, dev, **changed):
+    """Rank 0's dispatch of CASE with ``changed`` arguments (by name)."""
+    args = dict(token_selected_experts=dev.ids[0], input_payloads=dev.payloads[0], workspace=sim.workspace,
+                metainfo=sim.metainfo[0], runtime_max_tokens_per_rank=CASE.T, ep_rank=0, ep_size=CASE.ep_size,
+                top_k=CASE.top_k, num_experts=CASE.num_experts)
+    return lambda: a2a.moe_a2a_dispatch(**{**args, **changed})
+
+
+@pytest.mark.parametrize("name, bad, text", [
+    ("runtime_max_tokens_per_rank", True, "moe_a2a_dispatch: runtime_max_tokens_per_rank must be an int, got True"),
+    ("top_k", True, "moe_a2a_dispatch: top_k must be an int, got True"),
+    ("num_experts", True, "moe_a2a_dispatch: num_experts must be an int, got True"),
+    ("recv_view_cache", 5, "moe_a2a_dispatch: recv_view_cache must be a dict or None, got int"),
+], ids=["T_bool", "top_k_bool", "num_experts_bool", "cache_int"])
+def test_dispatch_refuses_arguments_of_the_wrong_kind(name, bad, text, device):
+    """True counted as 1 (a top_k of 1 for a 2-wide id tensor was refused as
+    'must be 2-D [local_num_tokens, top_k=1]'), and a recv_view_cache that is
+    not a dict failed on its .get."""
+    sim = make_sim(CASE, device)
+    dev = make_inputs(CASE, make_generator(("dispatch kinds", name))).to(device)
+    refused(sim.workspace, _dispatch_call(sim, dev, **{name: bad}), ValueError, text)
+    round_trip(sim, CASE, make_inputs(CASE, make_generator(("dispatch kinds, after", name))), make_generator(7))
+
+
+@pytest.mark.parametrize("name, bad, text", [
+    ("local_num_tokens", True, "moe_a2a_combine: local_num_tokens must be an int, got True"),
+    ("top_k", True, "moe_a2a_combine: top_k must be an int, got True"),
+    ("use_low_precision", "no", "moe_a2a_combine: use_low_precision must be True or False, got 'no'"),
+    ("use_low_precision", 0.5, "moe_a2a_combine: use_low_precision must be True or False, got 0.5"),
+    ("low_precision_block_scales", "yes", "moe_a2a_combine: low_precision_block_scales must be True or False"),
+    ("output_dtype", "bfloat16", "moe_a2a_combine: output_dtype must be a torch.dtype or None, got 'bfloat16'"),
+    ("sf_layout", True, "sf_layout must be an SfLayout"),
+], ids=["tokens_bool", "top_k_bool", "low_precision_str", "low_precision_float", "block_scales_str",
+        "output_dtype_str", "sf_layout_bool"])
+def test_combine_refuses_arguments_of_the_wrong_kind(name, bad, text, device):
+    """use_low_precision='no' ran the lossy e4m3 combine (any truthy value
+    did), output_dtype='bfloat16' failed in pybind with a cut message, True
+    counted as 1 elsewhere (sf_layout=True: layout_8x4). Refused, naming the
+    argument, with the round still open for the right combine."""
+    sim = make_sim(CASE, device)
+    inputs = make_inputs(CASE, make_generator(("combine kinds", name)))
+    dev = inputs.to(device)
+    results = dispatch_all(sim, CASE, dev)
+    recv, offset = results[0][0][0], results[0][1]
+    args = dict(payload=recv.clone(), local_num_tokens=CASE.tokens[0], workspace=sim.workspace,
+                metainfo=sim.metainfo[0], runtime_max_tokens_per_rank=CASE.T, ep_rank=0, ep_size=CASE.ep_size,
+                top_k=CASE.top_k, combine_payload_offset=offset)
+    refused(sim.workspace, lambda: a2a.moe_a2a_combine(**{**args, name: bad}), ValueError, text)
+    close_round(sim, CASE, inputs, results, make_generator(8))
+
+
+def test_expert_major_combine_names_a_bad_output_dtype(device):
+    """A raw dispatcher error ('Expected a value of type int for argument
+    output_dtype') before; the round stays open for the right combine."""
+    case = Case(1, (4,), 2, 4, hidden=16, runtime_max=4)
+    inputs = make_inputs(case, make_generator("em output_dtype")).to(device)
+    size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(1, 4, 64, 64, 4, 2)
+    sim = a2a.SimulatedEP(1, 4, dispatch_bytes_per_token=0, combine_bytes_per_token=0, device=device,
+                          workspace_size_per_rank=size)
+    x = inputs.payloads[0][0]
+    got = a2a.moe_a2a_dispatch(inputs.ids[0], [x], sim.workspace, sim.metainfo[0], 4, 0, 1, 2, 4, expert_major=True)
+    y = got.output_payloads[0].clone()
+    refused(sim.workspace, lambda: a2a.moe_a2a_combine_expert_major(y, got, sim.workspace, sim.metainfo[0], 0, 1,
+                                                                     output_dtype="bfloat16"),
+            ValueError, "moe_a2a_combine_expert_major: output_dtype must be a torch.dtype or None, got 'bfloat16'")
+    out = a2a.moe_a2a_combine_expert_major(y, got, sim.workspace, sim.metainfo[0], 0, 1)
+    assert out.shape == x.shape
+
+
+@pytest.mark.parametrize("call, text", [
+    (lambda: a2a.moe_a2a_get_workspace_size_per_rank(True, 8, 64, 64),
+     "moe_a2a_get_workspace_size_per_rank: ep_size must be an int, got True"),
+    (lambda: a2a.moe_a2a_get_workspace_size_per_rank(2, 8.0, 64, 64),
+     "moe_a2a_get_workspace_size_per_rank: max_num_tokens must be an int, got 8.0"),
+    (lambda: a2a.moe_a2a_get_workspace_size_per_rank(2, 8, "64", 64),
+     "total_dispatch_payload_size_per_token must be an int, got '64'"),
+    (lambda: a2a.moe_a2a_get_workspace_size_per_rank_expert_major(2, 8, 64, 64, 8, 2.0),
+     "moe_a2a_get_workspace_size_per_rank_expert_major: top_k must be an int, got 2.0"),
+    (lambda: a2a.moe_a2a_get_workspace_size_per_rank_expert_major(2, 8, 64, 64, 8, 2, max_tokens_per_expert=True),
+     "moe_a2a_get_workspace_size_per_rank_expert_major: max_tokens_per_expert must be an int, got True"),
+    (lambda: a2a.moe_a2a_initialize(torch.zeros(1, 1 << 20, dtype=torch.uint8), 0, 1, True),
+     "moe_a2a_initialize: max_num_tokens must be an int, got True"),
+    (lambda: a2a.allocate_workspace(1024, ep_size=True), "ep_size must be an int in [1, 64] without a group, got True"),
+], ids=["size_ep_bool", "size_float", "size_str", "em_size_float", "em_size_bool", "init_bool", "alloc_ep_bool"])
+def test_sizing_functions_name_an_argument_of_the_wrong_kind(call, text):
+    """Raw dispatcher errors ('Expected a value of type int ... Declaration:
+    ...') for a float or a str, a bool counted as 1 (a workspace for one rank,
+    a metainfo saying max_num_tokens 1), or a TypeError of torch's view()."""
+    with pytest.raises(ValueError) as info:
+        call()
+    assert text in str(info.value)
+
+
+def test_wrap_payload_tensor_names_its_bad_arguments():
+    """A dtype that is not a torch.dtype, a leading shape with -1 in it, or a
+    slice that is not whole rows of the dtype at an aligned address failed
+    in torch's view() with its own words."""
+    ws = torch.zeros(2, 1024, dtype=torch.uint8)
+    wrap = a2a.moe_a2a_wrap_payload_tensor_in_workspace
+    for args, text in ((([1, 4], 0, 64, "float32"), "dtype must be a torch.dtype, got 'float32'"),
+                       (([-1, 4], 0, 64, torch.float32), "leading_shape must be a list of positive ints, got [-1, 4]"),
+                       (([1, 4], 1, 65, torch.float32), "slice [1, 65) is not a whole number of [1, 4] rows"),
+                       (([1, 4], 0, 60, torch.float32), "slice [0, 60) is not a whole number of [1, 4] rows"),
+                       (([1, 4], 0.0, 64, torch.float32), "slice_start must be an int, got 0.0")):
+        with pytest.raises(ValueError) as info:
+            wrap(ws, *args)
+        assert text in str(info.value), (args, str(info.value))
+    assert wrap(ws, [1, 4], 1024 + 64, 1024 + 128, torch.float32).shape == (1, 4, 4)
+
+
+def test_a_workspace_viewed_as_another_dtype_is_named(device):
+    """A float view of the workspace was refused as the metainfo of another
+    workspace (its rows are a quarter as long in elements)."""
+    sim = make_sim(CASE, device)
+    dev = make_inputs(CASE, make_generator("float view")).to(device)
+    refused(sim.workspace, _dispatch_call(sim, dev, workspace=sim.workspace.view(torch.float32)), ValueError,
+            "workspace must be the uint8 [ep_size, size_per_rank] tensor, got torch.float32")

@@ -26,6 +26,7 @@ peer's next dispatch may overwrite them (DESIGN.md section 5).
 from __future__ import annotations
 
 import enum
+import math
 import numbers
 import operator
 from collections.abc import Iterable
@@ -48,6 +49,7 @@ from .fastpath import (
     TENSOR,
     check_output_first,
     direct_call_ok,
+    expect_ints,
     expect_tensor_list,
     expect_tensors,
     note_plain_dispatch,
@@ -165,6 +167,10 @@ def moe_a2a_get_workspace_size_per_rank(
     ``total_dispatch_payload_size_per_token`` (alignment pads included) and a
     combine row of ``combine_payload_size_per_token`` bytes.
     """
+    expect_ints("moe_a2a_get_workspace_size_per_rank", ep_size=ep_size, max_num_tokens=max_num_tokens,
+                total_dispatch_payload_size_per_token=total_dispatch_payload_size_per_token,
+                combine_payload_size_per_token=combine_payload_size_per_token,
+                eplb_stats_num_experts=eplb_stats_num_experts)
     check_backend(backend, None)
     return _ops.workspace_size_per_rank.default(
         ep_size,
@@ -220,6 +226,8 @@ def moe_a2a_initialize(
             positive number of seconds up to 1e9.
     """
     expect_tensors("moe_a2a_initialize", workspace=workspace)
+    expect_ints("moe_a2a_initialize", ep_rank=ep_rank, ep_size=ep_size, max_num_tokens=max_num_tokens,
+                eplb_stats_num_experts=eplb_stats_num_experts)
     check_timeout(timeout_s)
     check_backend(backend, workspace)
     mailbox = _ops.alloc_mailbox.default(workspace)
@@ -266,7 +274,14 @@ def moe_a2a_wrap_payload_tensor_in_workspace(
     when the caller overwrites it whole, as with the expert outputs of a
     combine payload.
     """
-    expect_tensors("moe_a2a_wrap_payload_tensor_in_workspace", workspace=workspace)
+    fn = "moe_a2a_wrap_payload_tensor_in_workspace"
+    expect_tensors(fn, workspace=workspace)
+    expect_ints(fn, slice_start=slice_start, slice_end=slice_end)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{fn}: dtype must be a torch.dtype, got {dtype!r}")
+    if not isinstance(leading_shape, (list, tuple, torch.Size)) or any(
+            isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 for d in leading_shape):
+        raise ValueError(f"{fn}: leading_shape must be a list of positive ints, got {leading_shape!r}")
     ws = workspace.unsqueeze(0) if workspace.dim() == 1 else workspace
     if ws.dim() != 2 or ws.dtype != torch.uint8:
         raise ValueError(
@@ -282,6 +297,10 @@ def moe_a2a_wrap_payload_tensor_in_workspace(
             f"slice [{slice_start}, {slice_end}) does not lie within one row of a "
             f"{tuple(ws.shape)} workspace"
         )
+    itemsize, rows = dtype.itemsize, math.prod(leading_shape)
+    if (ws.storage_offset() + ws.stride(0) * rank + start) % itemsize or length % (itemsize * rows):
+        raise ValueError(f"{fn}: slice [{slice_start}, {slice_end}) is not a whole number of {leading_shape} rows "
+                         f"of {dtype} at an address aligned for it ({itemsize}-byte elements)")
     view = ws[rank].narrow(0, start, length).view(dtype).view(*leading_shape, -1)
     return view.clone() if torch.compiler.is_compiling() else view
 
@@ -427,6 +446,12 @@ def moe_a2a_dispatch(
             enable_rank_mask, active_rank_mask, backend=backend, timeout_s=timeout_s)
     if router_weights is not None or max_tokens_per_expert is not None:
         raise ValueError("router_weights and max_tokens_per_expert are options of expert_major=True")
+    if bool in (type(runtime_max_tokens_per_rank), type(top_k), type(num_experts)):  # the op reads True as 1
+        expect_ints("moe_a2a_dispatch", runtime_max_tokens_per_rank=runtime_max_tokens_per_rank, top_k=top_k,
+                    num_experts=num_experts)
+    if recv_view_cache is not None and not isinstance(recv_view_cache, dict):
+        raise ValueError(f"moe_a2a_dispatch: recv_view_cache must be a dict or None, got "
+                         f"{type(recv_view_cache).__name__}")
     args, call_eplb_n = dispatch_args(
         "moe_a2a_dispatch", token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank,
         ep_rank, ep_size, top_k, num_experts, enable_pdl, eplb_local_stats, enable_rank_mask, active_rank_mask,
@@ -560,10 +585,23 @@ def moe_a2a_combine(
     check_backend(backend, workspace)
     # By value, so FlashInfer's own SfLayout (or a plain int) is understood too.
     try:
+        if isinstance(sf_layout, bool):
+            raise TypeError
         sf_layout = operator.index(getattr(sf_layout, "value", sf_layout))
     except TypeError:
         raise ValueError(f"sf_layout must be an SfLayout (layout_128x4, layout_8x4, layout_linear) or its int "
                          f"value 0, 1 or 2, got {sf_layout!r}") from None
+    if bool in (type(local_num_tokens), type(runtime_max_tokens_per_rank), type(top_k),
+                type(combine_payload_offset)):  # the op reads True as 1
+        expect_ints("moe_a2a_combine", local_num_tokens=local_num_tokens,
+                    runtime_max_tokens_per_rank=runtime_max_tokens_per_rank, top_k=top_k,
+                    combine_payload_offset=combine_payload_offset)
+    for name, flag in (("use_low_precision", use_low_precision), ("low_precision_block_scales",
+                                                                  low_precision_block_scales)):
+        if flag is not False and flag is not True:
+            check_flag(f"moe_a2a_combine: {name}", flag)
+    if output_dtype is not None and not isinstance(output_dtype, torch.dtype):
+        raise ValueError(f"moe_a2a_combine: output_dtype must be a torch.dtype or None, got {output_dtype!r}")
     if low_precision_block_scales and not use_low_precision:
         raise ValueError("low_precision_block_scales=True requires use_low_precision=True")
     low_precision = (_LOW_PRECISION_BLOCK_SCALED if low_precision_block_scales else
@@ -738,9 +776,7 @@ def local_expert_range(num_experts: int, ep_size: int, ep_rank: int) -> range:
     Raises:
         ValueError: arguments out of range.
     """
-    for name, value in (("num_experts", num_experts), ("ep_size", ep_size), ("ep_rank", ep_rank)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"local_expert_range: {name} must be an int, got {value!r}")
+    expect_ints("local_expert_range", num_experts=num_experts, ep_size=ep_size, ep_rank=ep_rank)
     if not 1 <= ep_size <= layout.MAX_RANKS or num_experts < ep_size or not 0 <= ep_rank < ep_size:
         raise ValueError(f"local_expert_range: need 1 <= ep_size <= {layout.MAX_RANKS}, num_experts >= ep_size and "
                          f"0 <= ep_rank < ep_size, got num_experts={num_experts}, ep_size={ep_size}, ep_rank={ep_rank}")

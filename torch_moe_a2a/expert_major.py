@@ -25,6 +25,7 @@ from .arguments import ID_DTYPES, data_address, dispatch_args, rank_mask_words
 from .backend import MoeAlltoAllBackend, check_backend, pdl_default
 from .fastpath import (
     check_output_first,
+    expect_ints,
     expect_tensor_list,
     expect_tensors,
     note_plain_dispatch,
@@ -119,6 +120,11 @@ def moe_a2a_get_workspace_size_per_rank_expert_major(
     Raises:
         ValueError: arguments out of range.
     """
+    expect_ints("moe_a2a_get_workspace_size_per_rank_expert_major", ep_size=ep_size, max_num_tokens=max_num_tokens,
+                total_dispatch_payload_size_per_token=total_dispatch_payload_size_per_token,
+                combine_payload_size_per_token=combine_payload_size_per_token, num_experts=num_experts, top_k=top_k,
+                eplb_stats_num_experts=eplb_stats_num_experts,
+                **({} if max_tokens_per_expert is None else {"max_tokens_per_expert": max_tokens_per_expert}))
     check_backend(backend, None)
     if max_tokens_per_expert is None:
         max_tokens_per_expert = default_max_tokens_per_expert(ep_size, max_num_tokens)
@@ -362,6 +368,9 @@ def moe_a2a_combine_expert_major(
     # the kernels skip the copy of the region onto itself).
     if output_dtype is None:
         output_dtype = expert_outputs.dtype
+    elif not isinstance(output_dtype, torch.dtype):
+        raise ValueError(f"moe_a2a_combine_expert_major: output_dtype must be a torch.dtype or None, got "
+                         f"{output_dtype!r}")
     args = (staged, dispatched.local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
             dispatched.runtime_max_tokens_per_rank, dispatched.top_k, dispatched.num_experts,
             dispatched.max_tokens_per_expert, dispatched.dispatch_end, dispatched.combine_payload_offset,

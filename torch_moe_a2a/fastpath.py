@@ -8,6 +8,7 @@ views with Python view ops instead."""
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 from typing import Any, Optional
 
@@ -41,6 +42,14 @@ def expect_tensors(fn: str, **arguments: Any) -> None:
     for name, value in arguments.items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"{fn}: {name} must be a tensor, got {type(value).__name__}")
+
+
+def expect_ints(fn: str, **arguments: Any) -> None:
+    """ValueError naming the first argument that is not an int: not a bool
+    (True would count as 1), not a float, not a str; the ops check the ranges."""
+    for name, value in arguments.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{fn}: {name} must be an int, got {value!r}")
 
 
 def expect_tensor_list(fn: str, name: str, values: Any) -> None:

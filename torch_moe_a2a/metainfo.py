@@ -127,6 +127,8 @@ def check_rank(meta: MetaValues, ep_rank: int, ep_size: int, workspace: torch.Te
             f"({meta[0]}, {meta[1]}) given by moe_a2a_initialize"
         )
     if workspace.dim() == 2 and workspace.shape[1] != meta[4]:
+        if workspace.dtype != torch.uint8:  # a view as another dtype: its row length is not the bytes'
+            raise ValueError(f"workspace must be the uint8 [ep_size, size_per_rank] tensor, got {workspace.dtype}")
         raise ValueError(
             f"the metainfo belongs to a workspace of {meta[4]} bytes per rank, this workspace has "
             f"{workspace.shape[1]}: pass the metainfo that moe_a2a_initialize returned for this workspace"

@@ -653,6 +653,9 @@ class MoeAlltoAll:
                 workspace released by :meth:`checkpoint_prepare`.
             ValueError: another ``runtime_max_tokens_per_rank`` than the
                 dispatch's, or arguments the functional combine refuses.
+            NotImplementedError: after an expert-major dispatch, a
+                low-precision or quantized combine (the expert-major combine
+                has neither).
         """
         self._check_mapped("combine")
         self._check_round("combine")

@@ -34,20 +34,15 @@ from .api import (
     moe_a2a_get_workspace_size_per_rank,
     moe_a2a_initialize,
 )
+from .fastpath import expect_ints
 from .metainfo import check_timeout, reinitialize_row
-from .workspace import allocate_workspace
+from .workspace import allocate_workspace, check_device_visible
 
 T = TypeVar("T")
 
 # Keyword arguments of dispatch/combine that may be given per rank, as a list
 # or tuple indexed by rank (the others are shared by all ranks).
 _PER_RANK_KWARGS = frozenset({"eplb_local_stats", "active_rank_mask", "output", "enable_pdl"})
-
-
-def _check_int(fn: str, name: str, value: Any) -> None:
-    """An int argument (not a bool, not a float); the ops check its range."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{fn}: {name} must be an int, got {value!r}")
 
 
 # Simulated ranks on one GPU spin on their own streams at once; a GPU runs at
@@ -94,20 +89,16 @@ class SimulatedEP:
         workspace_size_per_rank: Optional[int] = None,
     ):
         fn = "SimulatedEP"
-        for name, value in (("ep_size", ep_size), ("max_num_tokens", max_num_tokens),
-                            ("dispatch_bytes_per_token", dispatch_bytes_per_token),
-                            ("combine_bytes_per_token", combine_bytes_per_token),
-                            ("eplb_stats_num_experts", eplb_stats_num_experts)):
-            _check_int(fn, name, value)
+        expect_ints(fn, ep_size=ep_size, max_num_tokens=max_num_tokens,
+                    dispatch_bytes_per_token=dispatch_bytes_per_token,
+                    combine_bytes_per_token=combine_bytes_per_token, eplb_stats_num_experts=eplb_stats_num_experts)
         if workspace_size_per_rank is not None:
-            _check_int(fn, "workspace_size_per_rank", workspace_size_per_rank)
+            expect_ints(fn, workspace_size_per_rank=workspace_size_per_rank)
         check_timeout(timeout_s, fn)  # moe_a2a_initialize's and MoeAlltoAll's check
         self.ep_size = ep_size
         self.max_num_tokens = max_num_tokens
         self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"SimulatedEP: device {device!r} was asked for but torch {torch.__version__} sees no "
-                               "CUDA device; simulate the ranks on device='cpu'")
+        check_device_visible(fn, self.device, "; simulate the ranks on device='cpu'")
         if self.device.type == "cuda" and ep_size > MAX_SIMULATED_RANKS_PER_GPU:
             raise ValueError(
                 f"simulated EP on one GPU supports at most {MAX_SIMULATED_RANKS_PER_GPU} ranks (the GPU's "

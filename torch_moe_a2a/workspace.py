@@ -142,9 +142,11 @@ def allocate_workspace(
     """
     if group is None:
         _check_size(size_per_rank)
-        if ep_size is None or not 1 <= ep_size <= layout.MAX_RANKS:
-            raise ValueError(f"ep_size must be in [1, {layout.MAX_RANKS}] without a group, got {ep_size}")
-        return _zeros_plane_aligned(ep_size, size_per_rank, torch.device("cpu" if device is None else device))
+        if isinstance(ep_size, bool) or not isinstance(ep_size, int) or not 1 <= ep_size <= layout.MAX_RANKS:
+            raise ValueError(f"ep_size must be an int in [1, {layout.MAX_RANKS}] without a group, got {ep_size!r}")
+        device = torch.device("cpu" if device is None else device)
+        check_device_visible("allocate_workspace", device)
+        return _zeros_plane_aligned(ep_size, size_per_rank, device)
 
     # A member must not raise alone: the others would wait in the next
     # collective until the group's timeout. Every member checks its own
@@ -346,8 +348,17 @@ def _collective_step(step: str, coll: Collective) -> Iterator[None]:
     _raise_failures(step, failures, cause.pop())
 
 
+def check_device_visible(fn: str, device: torch.device, hint: str = "") -> None:
+    """RuntimeError for a CUDA ``device`` where torch sees none (torch's own
+    error there is a bare AssertionError); ``hint`` ends the message."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"{fn}: device {str(device)!r} was asked for but torch {torch.__version__} sees no CUDA "
+                           f"device{hint}")
+
+
 def _check_size(size_per_rank: Any) -> None:
-    if not isinstance(size_per_rank, int) or size_per_rank <= 0 or size_per_rank % layout.ALIGN:
+    if isinstance(size_per_rank, bool) or not isinstance(size_per_rank, int) or size_per_rank <= 0 \
+            or size_per_rank % layout.ALIGN:
         raise ValueError(f"size_per_rank must be a positive multiple of {layout.ALIGN}, got {size_per_rank!r}")
 
 
