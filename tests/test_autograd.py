@@ -800,7 +800,11 @@ def test_a_combine_is_checked_against_the_last_dispatch_plain_or_differentiable(
     """The ids are checked against the rank's last dispatch, whatever tensor
     held them: ids made for the dispatch call (gone by the combine) are
     checked too, and after a plain dispatch its ids, not an earlier
-    differentiable round's, are the ones that give the right gradients."""
+    differentiable round's. After a plain dispatch a combine whose payload
+    needs a gradient is refused: the plain dispatch's received rows are
+    workspace views, and the backward's exchange overwrote them before the
+    expert's backward read what it saved (a Linear expert's weight gradient
+    came from the output gradient's rows, with no error)."""
     tokens, top_k, num_experts, hidden = 5, 2, 4, 8
     gen = torch.Generator().manual_seed(22)
     ids_a = reference.random_routing(tokens, top_k, num_experts, gen)
@@ -815,7 +819,8 @@ def test_a_combine_is_checked_against_the_last_dispatch_plain_or_differentiable(
     # The gradient of the expert rows along ids_b's routes, from a differentiable round of ids_b.
     recv, offset, _ = moe_a2a_dispatch_differentiable(ids_b, [x], *args)
     want = expert_rows(recv)
-    moe_a2a_combine_differentiable(want, ids_b, *args, offset).sum().backward()
+    first = moe_a2a_combine_differentiable(want, ids_b, *args, offset)
+    first.sum().backward()
 
     recv, offset, _ = moe_a2a_dispatch_differentiable(ids_a.clone(), [x], *args)
     with pytest.raises(ValueError, match="token_selected_experts must be the expert ids of this rank's preceding"):
@@ -824,10 +829,68 @@ def test_a_combine_is_checked_against_the_last_dispatch_plain_or_differentiable(
 
     recv, offset, _ = a2a.moe_a2a_dispatch(ids_b, [x], *args)  # plain
     with pytest.raises(ValueError, match="token_selected_experts must be the expert ids of this rank's preceding"):
-        moe_a2a_combine_differentiable(expert_rows(recv), ids_a, *args, offset)
-    y = expert_rows(recv)
-    moe_a2a_combine_differentiable(y, ids_b.clone(), *args, offset).sum().backward()
-    assert torch.equal(y.grad, want.grad)
+        moe_a2a_combine_differentiable(recv[0] * 2, ids_a, *args, offset)
+    with pytest.raises(ValueError, match="preceding dispatch on the workspace was not a differentiable one"):
+        moe_a2a_combine_differentiable(expert_rows(recv), ids_b.clone(), *args, offset)
+    out = moe_a2a_combine_differentiable(recv[0] * 2, ids_b.clone(), *args, offset)  # needs no gradient: runs
+    assert torch.equal(out, first.detach())
+
+
+def test_a_differentiable_expert_major_combine_after_a_plain_dispatch_is_refused():
+    """A plain expert-major dispatch's planes, counts and weights are
+    workspace views: the combine's backward overwrote the counts before it
+    read them, so no pair was valid and every expert gradient came out 0.
+    Refused where the outputs or the weights need a gradient; a combine that
+    needs none still runs."""
+    tokens, top_k, num_experts, hidden = 6, 2, 4, 8
+    gen = torch.Generator().manual_seed(24)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    sim = make_em_sim(1, tokens, hidden, top_k, num_experts)
+    w = torch.randn(hidden, hidden, generator=gen, requires_grad=True)
+    got = a2a.moe_a2a_dispatch(ids, [torch.randn(tokens, hidden, generator=gen)], sim.workspace, sim.metainfo[0],
+                               tokens, 0, 1, top_k, num_experts, expert_major=True)
+    with pytest.raises(ValueError, match="preceding dispatch on the workspace was not a differentiable one"):
+        moe_a2a_combine_expert_major_differentiable(got.output_payloads[0] @ w, got, ids, sim.workspace,
+                                                    sim.metainfo[0], 0, 1)
+    out = moe_a2a_combine_expert_major_differentiable(got.output_payloads[0].clone(), got, ids, sim.workspace,
+                                                      sim.metainfo[0], 0, 1)
+    assert out.shape == (tokens, hidden) and not out.requires_grad
+
+
+def test_router_weights_that_require_grad_are_named_by_the_plain_expert_major_dispatch():
+    """They travel as a payload, and the refusal named them input_payloads[2]
+    where the caller passed one payload."""
+    tokens, top_k, num_experts, hidden = 4, 2, 4, 8
+    gen = torch.Generator().manual_seed(25)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    sim = make_em_sim(1, tokens, hidden, top_k, num_experts)
+    w = torch.rand(tokens, top_k, generator=gen, requires_grad=True)
+    with pytest.raises(ValueError, match="moe_a2a_dispatch_expert_major: router_weights requires grad, but this "
+                                         "dispatch has no backward"):
+        a2a.moe_a2a_dispatch(ids, [torch.randn(tokens, hidden, generator=gen)], sim.workspace, sim.metainfo[0],
+                             tokens, 0, 1, top_k, num_experts, expert_major=True, router_weights=w)
+
+
+def test_a_non_contiguous_payload_combines_as_its_contiguous_copy():
+    """The rank-major differentiable combine refused a non-contiguous payload
+    ('payload must be contiguous') where the expert-major one took it; both
+    take it now, with the contiguous copy's output and gradient."""
+    tokens, top_k, num_experts, hidden = 5, 2, 4, 8
+    gen = torch.Generator().manual_seed(26)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    sim = make_sim(1, tokens, hidden, top_k)
+    args = (sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k, num_experts)
+    results = []
+    for transposed in (False, True):
+        recv, offset, _ = moe_a2a_dispatch_differentiable(ids, [x], *args)
+        y = (recv[0] * 2).detach().requires_grad_()
+        rows = y.transpose(1, 2).contiguous().transpose(1, 2) if transposed else y
+        assert rows.is_contiguous() != transposed
+        out = moe_a2a_combine_differentiable(rows, ids, *args, offset)
+        out.square().sum().backward()
+        results.append((out.detach(), y.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
 def test_a_combine_with_another_num_experts_than_its_dispatch_is_refused():

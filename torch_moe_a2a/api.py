@@ -298,7 +298,9 @@ def moe_a2a_wrap_payload_tensor_in_workspace(
             f"{tuple(ws.shape)} workspace"
         )
     itemsize, rows = dtype.itemsize, math.prod(leading_shape)
-    if (ws.storage_offset() + ws.stride(0) * rank + start) % itemsize or length % (itemsize * rows):
+    # Not traced: torch.compile cannot trace storage_offset() (the view below refuses such a slice there).
+    if not torch.compiler.is_compiling() and (
+            (ws.storage_offset() + ws.stride(0) * rank + start) % itemsize or length % (itemsize * rows)):
         raise ValueError(f"{fn}: slice [{slice_start}, {slice_end}) is not a whole number of {leading_shape} rows "
                          f"of {dtype} at an address aligned for it ({itemsize}-byte elements)")
     view = ws[rank].narrow(0, start, length).view(dtype).view(*leading_shape, -1)

@@ -489,15 +489,25 @@ def _check_backward_fits(fn: str, workspace: Tensor, needed: int, what: str) -> 
 
 
 def _check_combine_ids(fn: str, workspace: Tensor, rank: int, ids: Tensor, num_experts: int,
-                       counts: Optional[Tensor] = None) -> None:
+                       counts: Optional[Tensor] = None, needs_backward: bool = False) -> None:
     """``ids`` and ``num_experts`` (and ``counts``, expert-major) must be those
     of this rank's last dispatch on ``workspace`` (fastpath.note_dispatch: the
     backward lays its routes from ``ids`` and ``num_experts``, the forward
     follows the dispatch's). The same tensor costs nothing; another one is
-    compared by value, in either id width (a host sync, off the usual path)."""
+    compared by value, in either id width (a host sync, off the usual path).
+    A combine that ``needs_backward`` must follow a differentiable dispatch:
+    a plain one's received rows are workspace views, which the backward's
+    exchange overwrites before the payload's own backward reads what it saved
+    of them (an expert's input: wrong gradients, with no error)."""
     if _traced():
         return
     last = last_dispatch(workspace, rank)
+    if needs_backward and (last is None or last[3]):
+        raise ValueError(f"{fn}: this rank's preceding dispatch on the workspace was not a differentiable one (a "
+                         "plain dispatch, or none): its received rows are workspace views that this combine's "
+                         "backward overwrites before the expert's backward reads what it saved of them (wrong "
+                         "gradients); dispatch with the differentiable function, whose received rows are new "
+                         "tensors")
     dispatched = None if last is None else last[0]
     if dispatched is not None and dispatched is not ids and not (
             dispatched.shape == ids.shape and dispatched.device == ids.device
@@ -611,9 +621,11 @@ def moe_a2a_combine_differentiable(
         payload: ``[ep_size, runtime_max_tokens_per_rank, *row_shape]`` bf16,
             fp16 or fp32 (padding rows are ignored and get a zero gradient).
         token_selected_experts: the ids of this rank's preceding dispatch on
-            the workspace, :func:`moe_a2a_dispatch_differentiable` or a plain
-            one (its routes; the backward dispatches the output gradient
-            along them).
+            the workspace (its routes; the backward dispatches the output
+            gradient along them): :func:`moe_a2a_dispatch_differentiable`,
+            or a plain one when ``payload`` needs no gradient (a plain
+            dispatch's received rows are workspace views, which the backward
+            overwrites).
         the rest: as for that dispatch; ``combine_payload_offset`` is the offset it returned.
 
     Returns:
@@ -624,7 +636,8 @@ def moe_a2a_combine_differentiable(
     Raises:
         ValueError: as :func:`~torch_moe_a2a.moe_a2a_combine` (``payload``
             not a tensor among them); ids or num_experts other than those of
-            this rank's preceding dispatch.
+            this rank's preceding dispatch; a ``payload`` that needs a
+            gradient after a plain dispatch.
         RuntimeError: as :func:`~torch_moe_a2a.moe_a2a_combine`.
     """
     fn = "moe_a2a_combine_differentiable"
@@ -632,15 +645,18 @@ def moe_a2a_combine_differentiable(
     route = _route_args(fn, token_selected_experts, [payload], workspace, metainfo, runtime_max_tokens_per_rank,
                         ep_rank, ep_size, top_k, num_experts, enable_pdl, enable_rank_mask, active_rank_mask,
                         timeout_s)
-    _check_combine_ids(fn, workspace, ep_rank, token_selected_experts, num_experts)
-    if _needs_backward([payload]):
+    needs_backward = _needs_backward([payload])
+    _check_combine_ids(fn, workspace, ep_rank, token_selected_experts, num_experts, needs_backward=needs_backward)
+    if needs_backward:
         # The backward (dispatch_round): the gradient's plane, then a combine of one fp32 per row.
         row = payload.element_size() * math.prod(payload.shape[2:])
         _check_backward_fits(fn, workspace, _round_end(ep_size, runtime_max_tokens_per_rank, (row,), 4),
                              f"it dispatches the output gradient (rows of {row} bytes): size the workspace so that "
                              f"its dispatch and combine bytes per token together cover {row + 4} "
                              "(moe_a2a_get_workspace_size_per_rank)")
-    return _call(combine_owned, payload, token_selected_experts, workspace, combine_payload_offset, *route)
+    # Contiguous as the expert-major combine's: the op takes contiguous rows only.
+    return _call(combine_owned, payload.contiguous(), token_selected_experts, workspace, combine_payload_offset,
+                 *route)
 
 
 # ---- expert-major ----------------------------------------------------------------------------------------
@@ -1060,7 +1076,10 @@ def moe_a2a_combine_expert_major_differentiable(
 
     Raises:
         ValueError, RuntimeError: as :func:`~torch_moe_a2a.moe_a2a_combine_expert_major`
-            (``expert_outputs`` not a tensor among them).
+            (``expert_outputs`` not a tensor among them); ValueError too for
+            ids or a ``dispatched`` other than those of this rank's preceding
+            dispatch, and, where the outputs or weights need a gradient, a
+            plain dispatch before it (its views the backward overwrites).
     """
     fn = "moe_a2a_combine_expert_major_differentiable"
     expect_tensors(fn, expert_outputs=expert_outputs)
@@ -1079,8 +1098,10 @@ def moe_a2a_combine_expert_major_differentiable(
         raise ValueError(f"dispatched.router_weights must be a floating [num_local_experts, max_tokens_per_expert]="
                          f"{list(pairs)} tensor, got {getattr(weights, 'dtype', type(weights))} "
                          f"{tuple(getattr(weights, 'shape', ()))}")
-    _check_combine_ids(fn, workspace, ep_rank, token_selected_experts, d.num_experts, d.expert_counts)
-    if _needs_backward([expert_outputs, weights]):
+    needs_backward = _needs_backward([expert_outputs, weights])
+    _check_combine_ids(fn, workspace, ep_rank, token_selected_experts, d.num_experts, d.expert_counts,
+                       needs_backward)
+    if needs_backward:
         # The backward (dispatch_em_round): the gradient's rows beside the ids
         # and the slot values, then a combine of one fp32 per pair.
         row = expert_outputs.element_size() * math.prod(expert_outputs.shape[2:])

@@ -191,6 +191,11 @@ def moe_a2a_dispatch_expert_major(
     """
     fn = "moe_a2a_dispatch_expert_major"
     check_ids_and_weights(fn, token_selected_experts, workspace, router_weights, top_k)
+    if router_weights is not None and router_weights.requires_grad and torch.is_grad_enabled():
+        # Named here: the op would name them as the payload they travel as.
+        raise ValueError(f"{fn}: router_weights requires grad, but this dispatch has no backward: for training use "
+                         "moe_a2a_dispatch_expert_major_differentiable; else call under torch.no_grad() or pass "
+                         "router_weights.detach()")
     expect_tensor_list(fn, "input_payloads", input_payloads)
     n = token_selected_experts.shape[0]
     payloads = list(input_payloads) + [token_selected_experts]

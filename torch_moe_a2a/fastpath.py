@@ -110,15 +110,16 @@ def direct_call_ok(*tensors: Optional[torch.Tensor]) -> bool:
 # grows, entries whose workspace tensor is gone are dropped (an entry stays
 # valid while its address is in use, whatever view of the workspace a call
 # passes).
-_LAST_DISPATCH: dict[tuple[int, int], list] = {}  # [workspace weakref, ids, counts, num_experts]
+_LAST_DISPATCH: dict[tuple[int, int], list] = {}  # [workspace weakref, ids, counts, num_experts, plain]
 _LAST_DISPATCH_PURGE_AT = [64]
 
 
 def note_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, num_experts: int,
-                  counts: Optional[torch.Tensor] = None) -> None:
+                  counts: Optional[torch.Tensor] = None, plain: bool = False) -> None:
     """Records ``ids``, ``num_experts`` (and ``counts``) as those of ``rank``'s
-    last dispatch on ``workspace``. On every eager dispatch: an existing entry
-    is updated in place."""
+    last dispatch on ``workspace``, and whether it was ``plain`` (its received
+    rows workspace views). On every eager dispatch: an existing entry is
+    updated in place."""
     key = (workspace.data_ptr(), rank)
     entry = _LAST_DISPATCH.get(key)
     if entry is not None:
@@ -127,8 +128,9 @@ def note_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, num_exp
         entry[1] = ids
         entry[2] = counts
         entry[3] = num_experts
+        entry[4] = plain
         return
-    _LAST_DISPATCH[key] = [weakref.ref(workspace), ids, counts, num_experts]
+    _LAST_DISPATCH[key] = [weakref.ref(workspace), ids, counts, num_experts, plain]
     if len(_LAST_DISPATCH) >= _LAST_DISPATCH_PURGE_AT[0]:
         # Simulated ranks dispatch from threads of their own: a snapshot of the
         # table (list() copies it under the GIL), and pops that tolerate a
@@ -144,15 +146,16 @@ def note_plain_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, n
     differentiable one has recorded anything: a process that never trains
     pays one test per call."""
     if _LAST_DISPATCH:
-        note_dispatch(workspace, rank, ids, num_experts, counts)
+        note_dispatch(workspace, rank, ids, num_experts, counts, plain=True)
 
 
 def last_dispatch(workspace: torch.Tensor,
-                  rank: int) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], int]]:
-    """The ids, counts (expert-major; else None) and num_experts of ``rank``'s
-    last eager dispatch on ``workspace``; None if none is recorded."""
+                  rank: int) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], int, bool]]:
+    """The ids, counts (expert-major; else None), num_experts and plainness
+    of ``rank``'s last eager dispatch on ``workspace``; None if none is
+    recorded (none, or only plain ones since the process started)."""
     entry = _LAST_DISPATCH.get((workspace.data_ptr(), rank))
-    return None if entry is None else (entry[1], entry[2], entry[3])
+    return None if entry is None else (entry[1], entry[2], entry[3], entry[4])
 
 
 def tracing() -> bool:
