@@ -280,6 +280,14 @@ def test_instances_of_one_geometry_share_a_workspace(device):
     assert out.shape == (1, 64)
     second.dispatch(ids, [hidden], 1)
     second.combine(torch.zeros((1, 1, 64), dtype=torch.bfloat16, device=device), 1)
+    # A reset through one instance ends the other's open round (its combine
+    # raised 'without a preceding dispatch', its dispatch 'called twice').
+    first.dispatch(ids, [hidden], 1)
+    second.reset()
+    with pytest.raises(RuntimeError, match="MoeAlltoAll.combine called before dispatch"):
+        first.combine(torch.zeros((1, 1, 64), dtype=torch.bfloat16, device=device), 1)
+    first.dispatch(ids, [hidden], 1)
+    assert first.combine(torch.ones((1, 1, 64), dtype=torch.bfloat16, device=device), 1).sum() == 64
     a2a.MoeAlltoAll.clear_workspace_cache()
     assert _ep1(device).workspace is not first.workspace
 
@@ -619,6 +627,10 @@ def test_one_sided_round_trip_and_misuse(device):
         comm.dispatch(x, ids, max_tokens_per_rank=6)
     with pytest.raises(ValueError, match="expert_output must be 2D or 3D"):
         comm.combine(got.hidden_states.view(-1))
+    # Only the valid rows: they viewed as [1, 6, -1] rows of another hidden size, summed into garbage.
+    with pytest.raises(ValueError, match=r"expert_output must have one row per received row, \[ep_size \* "
+                                         r"tokens_per_rank = 6, hidden\], got shape \(5, 64\)"):
+        comm.combine(got.hidden_states[:5])
     out = comm.combine((got.hidden_states.float() * 3).to(torch.bfloat16))
     assert torch.equal(out, (x.float() * 3).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="combine called before dispatch"):
@@ -627,6 +639,8 @@ def test_one_sided_round_trip_and_misuse(device):
         comm.get_combine_input_buffer(torch.bfloat16)
     with pytest.raises(ValueError, match=r"max_tokens_per_rank=9 must be in \(0, 8\]"):
         comm.dispatch(x, ids, max_tokens_per_rank=9)
+    with pytest.raises(ValueError, match="topk_ids must be an int32 or int64 tensor, got torch.float32"):
+        comm.dispatch(x, ids.float() + 0.9)  # truncated to other experts before
     comm.destroy()
     with pytest.raises(RuntimeError, match="NVLinkOneSidedAlltoAll has been destroyed"):
         comm.dispatch(x, ids)

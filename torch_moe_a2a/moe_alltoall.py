@@ -52,6 +52,7 @@ class _A2AState:
     expert_major: Optional[ExpertMajorDispatch] = None  # an expert-major dispatch's result
     round: int = 0  # _SharedWorkspace.rounds after this state's dispatch
     runtime_max_tokens_per_rank: Optional[int] = None  # the dispatch's
+    resets: int = 0  # _SharedWorkspace.resets when this state began
 
 
 @dataclass(eq=False)
@@ -70,6 +71,9 @@ class _SharedWorkspace:
     # Dispatches made through the instances sharing it: a repeated combine
     # is the last dispatch's only while no other instance dispatched since.
     rounds: int = 0
+    # Re-initializations of the row (reset, checkpoint_restore) through any of
+    # the instances: each one ends every instance's open round.
+    resets: int = 0
 
     def active_instance(self) -> Optional["MoeAlltoAll"]:
         return None if self.active is None else self.active()
@@ -342,7 +346,7 @@ class MoeAlltoAll:
         mark_static_address(self.workspace)
         self._recv_counts = moe_a2a_get_recv_counts(self.workspace, self.metainfo, self.ep_rank)
         self._recv_view_cache: dict = {"_workspace": self.workspace}
-        self._state = _A2AState()
+        self._state = _A2AState(resets=self._shared.resets)
 
     @classmethod
     def get_workspace(
@@ -507,9 +511,18 @@ class MoeAlltoAll:
         check_errors(self.workspace)
 
     def _check_mapped(self, what: str) -> None:
+        """Raises if the workspace is released; forgets a round that a re-initialization ended."""
         if not self._shared.mapped:
             raise RuntimeError(f"MoeAlltoAll.{what}: the workspace's memory was released by checkpoint_prepare(); "
                                "call checkpoint_restore(comm_backend) first")
+        if self._state.resets != self._shared.resets:  # through another instance sharing the workspace
+            self._state = _A2AState(resets=self._shared.resets)
+
+    def _row_initialized(self) -> None:
+        """After the own row's re-initialization: every instance's round on it is over."""
+        self._shared.resets += 1
+        self._state = _A2AState(resets=self._shared.resets)
+        self._shared.active = None
 
     def dispatch(
         self,
@@ -578,7 +591,8 @@ class MoeAlltoAll:
                 timeout_s=self.timeout_s)
             self._shared.rounds += 1
             self._state = _A2AState("dispatched", got.local_num_tokens, got.combine_payload_offset,
-                                    got.eplb_gathered_stats, got, self._shared.rounds, runtime_max_tokens_per_rank)
+                                    got.eplb_gathered_stats, got, self._shared.rounds, runtime_max_tokens_per_rank,
+                                    self._shared.resets)
             self._shared.active = weakref.ref(self)
             return got
         if router_weights is not None:
@@ -609,6 +623,7 @@ class MoeAlltoAll:
             eplb_gathered_stats,
             round=self._shared.rounds,
             runtime_max_tokens_per_rank=runtime_max_tokens_per_rank,
+            resets=self._shared.resets,
         )
         self._shared.active = weakref.ref(self)
         if invalid_token_expert_id is not None:
@@ -830,7 +845,7 @@ class MoeAlltoAll:
         coll.barrier()
         self._shared.collective = coll
         self._shared.mapped = True
-        self._state = _A2AState()
+        self._row_initialized()
 
     def reset(self) -> None:
         """Re-initialize the workspace after a failure (a timed-out peer), collectively.
@@ -841,6 +856,8 @@ class MoeAlltoAll:
         of simulated ranks: this rank's row only, and the caller makes sure
         no rank is inside a call (every rank's last call returned and its
         kernels finished) before any rank resets. The metainfo stays the same.
+        It ends the open round of every instance sharing the workspace (their
+        next call is a dispatch).
 
         Raises:
             RuntimeError: the workspace was released by :meth:`checkpoint_prepare`.
@@ -853,8 +870,7 @@ class MoeAlltoAll:
         self._initialize_own_row()
         if coll is not None:
             coll.barrier()
-        self._state = _A2AState()
-        self._shared.active = None
+        self._row_initialized()
 
     def _initialize_own_row(self) -> None:
         """moe_a2a_initialize of the own row with the metainfo's mailbox (so the

@@ -289,7 +289,7 @@ class NVLinkOneSidedAlltoAll:
         Raises:
             RuntimeError: a dispatch without a combine since the last one; after :meth:`destroy`.
             ValueError: ``max_tokens_per_rank`` outside ``(0, params.max_tokens_per_rank]``;
-                what :meth:`MoeAlltoAll.dispatch` refuses.
+                ``topk_ids`` not an integer tensor; what :meth:`MoeAlltoAll.dispatch` refuses.
         """
         alltoall = self.alltoall
         if self._tokens_per_rank is not None:
@@ -299,6 +299,10 @@ class NVLinkOneSidedAlltoAll:
         tokens_per_rank = limit if max_tokens_per_rank is None else max_tokens_per_rank
         if not 0 < tokens_per_rank <= limit:
             raise ValueError(f"max_tokens_per_rank={tokens_per_rank} must be in (0, {limit}]")
+        if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64):
+            # A float id would be truncated to another expert by the conversion below.
+            raise ValueError(f"topk_ids must be an int32 or int64 tensor, got "
+                             f"{getattr(topk_ids, 'dtype', type(topk_ids).__name__)}")
         topk_ids = topk_ids.to(torch.int32)
         payloads = [hidden_states] + ([] if hidden_states_scale is None else [hidden_states_scale])
         ids_index = len(payloads)
@@ -356,7 +360,9 @@ class NVLinkOneSidedAlltoAll:
 
         Raises:
             RuntimeError: before :meth:`dispatch`.
-            ValueError: ``expert_output`` neither 2-D nor 3-D; what :meth:`MoeAlltoAll.combine` refuses.
+            ValueError: ``expert_output`` neither 2-D nor 3-D, or 2-D with
+                another row count than ``ep_size * tokens_per_rank``; what
+                :meth:`MoeAlltoAll.combine` refuses.
         """
         alltoall = self.alltoall
         tokens_per_rank = self._tokens_per_rank
@@ -365,6 +371,10 @@ class NVLinkOneSidedAlltoAll:
                                "dispatch")
         if expert_output.dim() not in (2, 3):
             raise ValueError(f"expert_output must be 2D or 3D, got shape {tuple(expert_output.shape)}")
+        if expert_output.dim() == 2 and expert_output.shape[0] != self.ep_size * tokens_per_rank:
+            # A view of fewer rows (the valid ones only, say) would reshape into another hidden size.
+            raise ValueError(f"expert_output must have one row per received row, [ep_size * tokens_per_rank = "
+                             f"{self.ep_size * tokens_per_rank}, hidden], got shape {tuple(expert_output.shape)}")
         payload = expert_output.view(self.ep_size, tokens_per_rank, -1) if expert_output.dim() == 2 else expert_output
         in_workspace = self._combine_buffer is not None and expert_output.data_ptr() == self._combine_buffer.data_ptr()
         combined = alltoall.combine(payload, tokens_per_rank, payload_in_workspace=in_workspace, output=output,
