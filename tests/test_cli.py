@@ -2,6 +2,7 @@
 version, and bad arguments ending in argparse's message and exit code 2,
 never in a traceback."""
 
+import dataclasses
 import importlib.metadata
 import pathlib
 import subprocess
@@ -131,6 +132,42 @@ def test_ep_out_of_range_is_a_usage_error(capsys):
     (["bench", "--training", "--combine-variants"], "--training and --combine-variants are modes of their own"),
     (["bench", "--expert-major", "--fp8"], "--expert-major takes no --fp8, --smoke, --plot or --graph"),
     (["bench", "--combine-variants", "--smoke"], "--combine-variants takes no --fp8, --smoke, --plot or --graph"),
+    # Values that failed after parsing, in tracebacks: an int(inf), a seed beyond 64 bits, a row beyond the ops'.
+    (["bench", "--max-gib", "inf"], "--max-gib must be a finite number > 0, got inf"),
+    (["demo", "--seed", str(2**64)], "seed must be in -9223372036854775808..9223372036854775807"),
+    (["demo", "--hidden", str(2**40)], "hidden must be in 1..134217728"),
 ])
 def test_bad_arguments_are_usage_errors(args, message, capsys):
     _assert_clean_usage_error(_main(capsys, *args), message)
+
+
+@pytest.mark.parametrize("content", [None, "{}", "not json"], ids=["missing", "other_json", "not_json"])
+def test_bench_dist_summary_of_a_file_that_is_not_its_json_fails_in_one_line(content, tmp_path, capsys):
+    path = tmp_path / "summary.json"
+    if content is not None:
+        path.write_text(content)
+    proc = _main(capsys, "bench-dist", "--summary", str(path))
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, proc
+    assert err[0].startswith(f"bench-dist --summary: {path} is not a --json file of bench-dist"), err
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                 "tried to allocate 34359738368 bytes."),
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 GiB"),
+], ids=["cpu", "cuda"])
+def test_sizes_beyond_the_memory_fail_in_one_line(error, monkeypatch, capsys):
+    """Sizes within the options' ranges can still exceed the machine's memory
+    (demo --hidden 134217728: 16 GiB a payload): one line, no traceback; any
+    other error still raises."""
+    def run(parser, args):
+        raise error
+
+    monkeypatch.setitem(cli.COMMANDS, "demo", dataclasses.replace(cli.COMMANDS["demo"], run=run))
+    proc = _main(capsys, "demo", "--device", "cpu")
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(err) == 1 and "demo: not enough memory for these sizes" in err[0], proc
+    monkeypatch.setitem(cli.COMMANDS, "demo", dataclasses.replace(cli.COMMANDS["demo"], run=lambda p, a: 1 / 0))
+    with pytest.raises(ZeroDivisionError):
+        _main(capsys, "demo", "--device", "cpu")

@@ -50,7 +50,8 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    "torchrun the world size (must match if given)")
     p.add_argument("--tokens", type=int_in_range(1, layout.MAX_NUM_TOKENS, "tokens"), default=64,
                    help="tokens per rank (default 64)")
-    p.add_argument("--hidden", type=int_at_least(1, "hidden"), default=256,
+    # At most a row of MAX_ROW_BYTES bf16 elements (2**27: larger rows the ops refuse).
+    p.add_argument("--hidden", type=int_in_range(1, 1 << 27, "hidden"), default=256,
                    help="hidden size, bf16 (default 256)")
     p.add_argument("--top-k", type=int_in_range(1, layout.MAX_TOP_K, "top_k"), default=4,
                    help=f"experts per token, 1..{layout.MAX_TOP_K} and at most --experts (default 4)")
@@ -60,7 +61,7 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: cuda if available, else cpu")
     p.add_argument("--rounds", type=int_at_least(1, "rounds"), default=3,
                    help="round trips, each checked; time is the fastest (default 3)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_in_range(-(2**63), 2**63 - 1, "seed"), default=0)
     p.add_argument("--init-method", default="env://",
                    help="torch.distributed rendezvous under torchrun (default env://: MASTER_ADDR/MASTER_PORT)")
 
@@ -338,7 +339,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     if extra:
         # Reported by the command's parser: its usage line is the one that helps.
         args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    return args.run(args.command_parser, args) or 0
+    try:
+        return args.run(args.command_parser, args) or 0
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        # Sizes within the options' ranges can still exceed the machine's
+        # memory: one line, as for a bad argument (the CPU allocator raises a
+        # plain RuntimeError that says so).
+        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        print(f"{PROG} {args.command}: not enough memory for these sizes ({str(e).splitlines()[0]}); choose "
+              "smaller ones", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -583,8 +583,8 @@ def positive_float(what: str) -> Callable[[str], float]:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{what} must be a number, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{what} must be > 0, got {text}")
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"{what} must be a finite number > 0, got {text}")
         return value
 
     return parse

@@ -838,12 +838,18 @@ def summary(paths: list[str]) -> int:
               "target"]
     rows, lines = [], []
     for path in paths:
-        with open(path) as f:
-            data = json.load(f)
-        applies = data["targets_apply"]
-        if not data["timings_meaningful"]:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            applies, meaningful, points = data["targets_apply"], data["timings_meaningful"], data["points"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            # One line, not a traceback: a path that is not a --json file of bench-dist.
+            print(f"bench-dist --summary: {path} is not a --json file of bench-dist ({type(e).__name__}: {e})",
+                  file=sys.stderr)
+            return 2
+        if not meaningful:
             lines.append(f"{path}: {data['world']} processes on {data['gpus_visible']} GPU(s): timings not meaningful")
-        for rec in data["points"]:
+        for rec in points:
             name = rec["preset"] + (" fp8" if rec["fp8"] else "")
             if rec["status"] != "ok":
                 rows.append([name, str(rec["ep"]), str(rec["tokens_per_rank"]), "-", *["-"] * 5,
