@@ -660,6 +660,15 @@ def test_one_sided_round_trip_and_misuse(device):
     (lambda: MoEEpCommParams(num_experts=4, top_k=2, max_tokens_per_rank=8, hidden_size=64, dispatch_format="FP3"),
      "dispatch_format must be one of"),
     (lambda: BootstrapConfig(world_size=2, rank=2), r"rank 2 not in \[0, 2\)"),
+    # Raw TypeErrors and AttributeErrors, or accepted (2.0, True), before.
+    (lambda: BootstrapConfig(world_size="2", rank=0), "BootstrapConfig: world_size must be an int, got '2'"),
+    (lambda: BootstrapConfig(world_size=True, rank=0), "BootstrapConfig: world_size must be an int, got True"),
+    (lambda: MoEEpCommParams(num_experts=4, top_k=2, max_tokens_per_rank=8, hidden_size=64, dtype="bf16"),
+     "MoEEpCommParams.dtype must be a torch.dtype or None, got 'bf16'"),
+    (lambda: MoEEpCommParams(num_experts=4, top_k=2, max_tokens_per_rank=8, hidden_size=64, invalid_expert_id=2**40),
+     "invalid_expert_id must fit int32"),
+    (lambda: _one_sided("cpu", extra_payload_bytes_per_token="8"),
+     "NVLinkOneSidedConfig: extra_payload_bytes_per_token must be an int, got '8'"),
 ])
 def test_one_sided_refuses_what_flashinfer_refuses(make, match):
     with pytest.raises(ValueError, match=match):

@@ -1033,3 +1033,17 @@ def test_a_workspace_viewed_as_another_dtype_is_named(device):
     dev = make_inputs(CASE, make_generator("float view")).to(device)
     refused(sim.workspace, _dispatch_call(sim, dev, workspace=sim.workspace.view(torch.float32)), ValueError,
             "workspace must be the uint8 [ep_size, size_per_rank] tensor, got torch.float32")
+
+
+def test_moe_alltoall_checks_its_group_and_device_on_a_cached_workspace():
+    """The workspace cache answered before the group was looked at: a group
+    that is none was accepted once a workspace of the geometry was cached. A
+    device string torch does not know was torch's own RuntimeError."""
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    sizes = dict(mapping=ep_mapping(0, 1), max_num_tokens=8, top_k=2, num_experts=4, hidden_size=16, device="cpu")
+    a2a.MoeAlltoAll(**sizes)
+    with pytest.raises(ValueError, match="group must be a torch.distributed ProcessGroup"):
+        a2a.MoeAlltoAll(**sizes, group="not a group")
+    with pytest.raises(ValueError, match="MoeAlltoAll: device must be a torch.device or a device string"):
+        a2a.MoeAlltoAll(**{**sizes, "device": "xyz"})
+    a2a.MoeAlltoAll.clear_workspace_cache()

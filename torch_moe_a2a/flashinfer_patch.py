@@ -63,7 +63,10 @@ def patch_flashinfer() -> list[str]:
         ``"module.name"`` for every attribute replaced by this call.
 
     Raises:
-        ImportError: FlashInfer (``flashinfer.comm.trtllm_moe_alltoall``) does not import.
+        ImportError: FlashInfer (``flashinfer.comm.trtllm_moe_alltoall``) does
+            not import, or lacks one of the names it replaces
+            (``REPLACEMENTS``; ``moe_a2a_active_rank_mask`` came with
+            FlashInfer's rank masks): then nothing is patched.
     """
     source = _flashinfer_module()
     with _lock:

@@ -115,7 +115,11 @@ def _resolve_device(device: Union[torch.device, str, None]) -> torch.device:
     """The workspace's device: the current CUDA device if there is one, else the CPU; a bare 'cuda' the current one."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"MoeAlltoAll: device must be a torch.device or a device string such as 'cuda:0' or "
+                         f"'cpu', got {device!r}") from None
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     return device
@@ -393,23 +397,25 @@ class MoeAlltoAll:
             raise ValueError(f"MoeAlltoAll.get_workspace: the mapping's (moe_ep_rank, moe_ep_size) = "
                              f"({mapping.moe_ep_rank}, {mapping.moe_ep_size}) differ from ({ep_rank}, {ep_size})")
         device = _resolve_device(device)
-        key = (workspace_size_per_rank, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, backend, device)
-        entry = cls._WORKSPACE_CACHE.get(key)
-        if entry is not None:
-            return entry
         if group is None and ep_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             group = torch.distributed.group.WORLD
-        if group is None and ep_size > 1:
-            raise ValueError(
-                f"ep_size {ep_size} > 1 needs a shared workspace: pass workspace= (simulated "
-                "ranks in this process), group= or mnnvl_config= (one rank per process)"
-            )
+        # The group is checked before the cache is: a cached workspace of this
+        # geometry would have hidden a group that is none, or of another rank.
         coll = None
         if group is not None:
             coll = as_collective(group, device)
             if (coll.rank, coll.size) != (ep_rank, ep_size):
                 raise ValueError(f"MoeAlltoAll: the mapping's (moe_ep_rank, moe_ep_size) = ({ep_rank}, "
                                  f"{ep_size}) differ from the group's (rank, size) = ({coll.rank}, {coll.size})")
+        key = (workspace_size_per_rank, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, backend, device)
+        entry = cls._WORKSPACE_CACHE.get(key)
+        if entry is not None:
+            return entry
+        if coll is None and ep_size > 1:
+            raise ValueError(
+                f"ep_size {ep_size} > 1 needs a shared workspace: pass workspace= (simulated "
+                "ranks in this process), group= or mnnvl_config= (one rank per process)"
+            )
         workspace = allocate_workspace(workspace_size_per_rank, group=coll, ep_size=ep_size, device=device)
         metainfo = moe_a2a_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts,
                                       backend=backend)

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Optional, Union
 import torch
 
 from .api import moe_a2a_get_workspace_size_per_rank
+from .fastpath import expect_ints
 from .mapping import Mapping
 from .moe_alltoall import MoeAlltoAll
 
@@ -55,7 +56,8 @@ class BootstrapConfig:
     The other fields are FlashInfer's other backends' and are accepted as they are.
 
     Raises:
-        ValueError: ``world_size < 1``, ``rank`` outside ``[0, world_size)``, a negative ``device``.
+        ValueError: ``world_size`` or ``rank`` not an int, ``world_size < 1``,
+            ``rank`` outside ``[0, world_size)``, a negative ``device``.
     """
 
     world_size: int
@@ -68,6 +70,7 @@ class BootstrapConfig:
     tcp_store: Any = None
 
     def __post_init__(self) -> None:
+        expect_ints("BootstrapConfig", world_size=self.world_size, rank=self.rank)
         if self.world_size <= 0:
             raise ValueError(f"world_size must be positive, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
@@ -87,7 +90,8 @@ class MoEEpCommParams:
 
     Raises:
         ValueError: a size that is not a positive int, ``top_k > num_experts``,
-            ``invalid_expert_id`` a valid expert, an unknown ``dispatch_format``.
+            ``invalid_expert_id`` a valid expert or beyond int32, a ``dtype``
+            that is not a torch.dtype, an unknown ``dispatch_format``.
     """
 
     num_experts: int
@@ -105,6 +109,12 @@ class MoEEpCommParams:
                 raise ValueError(f"MoEEpCommParams.{name} must be a positive int, got {value!r}")
         if self.top_k > self.num_experts:
             raise ValueError(f"MoEEpCommParams.top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
+        expect_ints("MoEEpCommParams", invalid_expert_id=self.invalid_expert_id)
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"MoEEpCommParams.dtype must be a torch.dtype or None, got {self.dtype!r}")
+        if not -(2**31) <= self.invalid_expert_id < 2**31:  # the received ids are int32
+            raise ValueError(f"MoEEpCommParams.invalid_expert_id must fit int32 (the ids travel as int32), got "
+                             f"{self.invalid_expert_id}")
         if 0 <= self.invalid_expert_id < self.num_experts:
             raise ValueError(f"MoEEpCommParams.invalid_expert_id must lie outside [0, num_experts="
                              f"{self.num_experts}), got {self.invalid_expert_id}")
@@ -210,6 +220,8 @@ class NVLinkOneSidedAlltoAll:
             raise ValueError(f"NVLinkOneSidedAlltoAll requires num_experts ({params.num_experts}) divisible by the "
                              f"EP size ({self.ep_size})")
         self.num_local_experts = params.num_experts // self.ep_size
+        expect_ints("NVLinkOneSidedConfig", extra_payload_bytes_per_token=self.config.extra_payload_bytes_per_token,
+                    eplb_stats_num_experts=self.config.eplb_stats_num_experts)
         if self.config.extra_payload_bytes_per_token < 0:
             raise ValueError("extra_payload_bytes_per_token must be non-negative")
         comm = self.config.comm_backend
