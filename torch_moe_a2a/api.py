@@ -598,10 +598,10 @@ def moe_a2a_combine(
         expect_ints("moe_a2a_combine", local_num_tokens=local_num_tokens,
                     runtime_max_tokens_per_rank=runtime_max_tokens_per_rank, top_k=top_k,
                     combine_payload_offset=combine_payload_offset)
-    for name, flag in (("use_low_precision", use_low_precision), ("low_precision_block_scales",
-                                                                  low_precision_block_scales)):
-        if flag is not False and flag is not True:
-            check_flag(f"moe_a2a_combine: {name}", flag)
+    if use_low_precision is not False and use_low_precision is not True:  # 'no' would read as yes
+        check_flag("moe_a2a_combine: use_low_precision", use_low_precision)
+    if low_precision_block_scales is not False and low_precision_block_scales is not True:
+        check_flag("moe_a2a_combine: low_precision_block_scales", low_precision_block_scales)
     if output_dtype is not None and not isinstance(output_dtype, torch.dtype):
         raise ValueError(f"moe_a2a_combine: output_dtype must be a torch.dtype or None, got {output_dtype!r}")
     if low_precision_block_scales and not use_low_precision:
