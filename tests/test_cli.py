@@ -136,6 +136,9 @@ def test_ep_out_of_range_is_a_usage_error(capsys):
     (["bench", "--max-gib", "inf"], "--max-gib must be a finite number > 0, got inf"),
     (["demo", "--seed", str(2**64)], "seed must be in -9223372036854775808..9223372036854775807"),
     (["demo", "--hidden", str(2**40)], "hidden must be in 1..134217728"),
+    # Ignored before: --smoke ran its own points.
+    (["bench", "--smoke", "--ep", "2"], "--smoke runs its own points: it takes no --ep, --tokens or --preset"),
+    (["bench", "--smoke", "--preset", "mixtral"], "--smoke runs its own points"),
 ])
 def test_bad_arguments_are_usage_errors(args, message, capsys):
     _assert_clean_usage_error(_main(capsys, *args), message)

@@ -558,12 +558,28 @@ def test_moe_alltoall_combine_view_checks_its_arguments(device):
                         ((True, 64, torch.bfloat16), "runtime_max_tokens_per_rank must be the round's dispatch's"),
                         ((4, 64.0, torch.bfloat16), "hidden_size must be a positive int, got 64.0"),
                         ((4, -8, torch.bfloat16), "hidden_size must be a positive int, got -8"),
-                        ((4, 64, "bfloat16"), "dtype must be a torch.dtype, got 'bfloat16'")):
+                        ((4, 64, "bfloat16"), "dtype must be a torch.dtype, got 'bfloat16'"),
+                        # A view the combine then refused.
+                        ((4, 64, torch.float64), "dtype must be torch.bfloat16, torch.float16 or torch.float32")):
         refused(moe.workspace, lambda: get(*args), ValueError, match)
     view = get(4, 64, torch.bfloat16)
     view.fill_(1)
     out = moe.combine(view, 4, payload_in_workspace=True)
     assert torch.equal(out.cpu(), torch.ones(4, 64, dtype=torch.bfloat16))
+
+
+def test_moe_alltoall_expert_major_combine_view_checks_its_t(device):
+    """After an expert-major dispatch any T was taken ('x' too), where the
+    combine insists on the dispatch's."""
+    moe = a2a.MoeAlltoAll(ep_mapping(0, 1), 8, 2, 4, hidden_size=64, device=device, expert_major=True)
+    ids = torch.randint(0, 4, (4, 2), dtype=torch.int32, device=device)
+    moe.dispatch(ids, [torch.ones(4, 64, dtype=torch.bfloat16, device=device)], 4)
+    for bad in (5, "x"):
+        refused(moe.workspace, lambda: moe.get_combine_payload_tensor_in_workspace(bad, 64, torch.bfloat16),
+                ValueError, "runtime_max_tokens_per_rank must be the round's dispatch's (4)")
+    view = moe.get_combine_payload_tensor_in_workspace(4, 64, torch.bfloat16)
+    assert view.shape[0] == 4 and view.shape[2] == 64  # [num_local_experts, max_tokens_per_expert, hidden]
+    moe.combine(view, 4, payload_in_workspace=True)
 
 
 def test_simulated_ranks_on_cuda_without_cuda_say_so():

@@ -765,19 +765,21 @@ class MoeAlltoAll:
                 instance's dispatch on the shared workspace, or with the
                 workspace released.
             ValueError: ``runtime_max_tokens_per_rank`` other than the
-                round's dispatch's (rank-major), ``hidden_size`` not a
-                positive int, ``dtype`` not a torch.dtype.
+                round's dispatch's, ``hidden_size`` not a positive int,
+                ``dtype`` not one the combine sums (bf16, fp16, fp32).
         """
         fn = "MoeAlltoAll.get_combine_payload_tensor_in_workspace"
         self._check_mapped("get_combine_payload_tensor_in_workspace")
         self._check_round("get_combine_payload_tensor_in_workspace")
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"{fn}: dtype must be a torch.dtype, got {dtype!r}")
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):  # what combine sums (a view of others it refuses)
+            raise ValueError(f"{fn}: dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
         if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size < 1:
             raise ValueError(f"{fn}: hidden_size must be a positive int, got {hidden_size!r}")
+        # Expert-major too: the view's shape does not use it, but the combine insists on it.
         dispatched_t = self._state.runtime_max_tokens_per_rank
-        if self._state.expert_major is None and (isinstance(runtime_max_tokens_per_rank, bool)
-                                                 or runtime_max_tokens_per_rank != dispatched_t):
+        if isinstance(runtime_max_tokens_per_rank, bool) or runtime_max_tokens_per_rank != dispatched_t:
             raise ValueError(f"{fn}: runtime_max_tokens_per_rank must be the round's dispatch's ({dispatched_t}), "
                              f"got {runtime_max_tokens_per_rank!r}")
         offset = self._state.combine_payload_offset

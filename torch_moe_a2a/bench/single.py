@@ -984,6 +984,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"{' and '.join(modes)} are modes of their own: pick one")
     if modes and (args.fp8 or args.smoke or args.plot or args.graph != "per-rank"):
         parser.error(f"{modes[0]} takes no --fp8, --smoke, --plot or --graph")
+    if args.smoke and (args.ep is not None or args.tokens is not None or args.preset is not None):
+        parser.error("--smoke runs its own points: it takes no --ep, --tokens or --preset")  # they were ignored
     if args.peer and args.graph != "all-ranks":
         parser.error("--peer needs --graph all-ranks")
     if args.graph == "all-ranks":
