@@ -20,6 +20,8 @@ U64 = 1 << 64
 _I64_SIGN = 1 << 63
 # Expert-id dtypes dispatch reads and sanitize writes (int64: torch.topk's indices).
 ID_DTYPES = (torch.int32, torch.int64)
+# Payload dtypes the combine sums.
+COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def check_flag(name: str, value) -> None:

@@ -60,13 +60,13 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import expert_major, layout
-from .arguments import dispatch_args
+from .arguments import COMBINE_DTYPES, dispatch_args
 from .expert_major import ExpertMajorDispatch
 from .fastpath import expect_tensor_list, expect_tensors, last_dispatch, note_dispatch
 
 _ops = torch.ops.moe_a2a
 # The payload dtypes that get gradients: the combine's.
-GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+GRAD_DTYPES = COMBINE_DTYPES
 
 # `route`: the arguments every op here takes after (..., ids, workspace), in
 # this order: ep_rank, ep_size, max_num_tokens, runtime_max, top_k,

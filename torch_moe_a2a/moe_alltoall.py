@@ -22,7 +22,7 @@ from .api import (
     moe_a2a_sanitize_expert_ids,
     moe_a2a_wrap_payload_tensor_in_workspace,
 )
-from .arguments import check_flag
+from .arguments import COMBINE_DTYPES, check_flag
 from .backend import MoeAlltoAllBackend, check_backend
 from .collective import Collective, as_collective, is_comm_backend
 from .compile_marks import mark_static_address
@@ -773,7 +773,7 @@ class MoeAlltoAll:
         self._check_round("get_combine_payload_tensor_in_workspace")
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"{fn}: dtype must be a torch.dtype, got {dtype!r}")
-        if dtype not in (torch.bfloat16, torch.float16, torch.float32):  # what combine sums (a view of others it refuses)
+        if dtype not in COMBINE_DTYPES:  # a view of another dtype the combine refuses
             raise ValueError(f"{fn}: dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
         if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size < 1:
             raise ValueError(f"{fn}: hidden_size must be a positive int, got {hidden_size!r}")

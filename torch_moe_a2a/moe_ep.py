@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Optional, Union
 import torch
 
 from .api import moe_a2a_get_workspace_size_per_rank
+from .arguments import ID_DTYPES
 from .fastpath import expect_ints
 from .mapping import Mapping
 from .moe_alltoall import MoeAlltoAll
@@ -311,7 +312,7 @@ class NVLinkOneSidedAlltoAll:
         tokens_per_rank = limit if max_tokens_per_rank is None else max_tokens_per_rank
         if not 0 < tokens_per_rank <= limit:
             raise ValueError(f"max_tokens_per_rank={tokens_per_rank} must be in (0, {limit}]")
-        if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64):
+        if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in ID_DTYPES:
             # A float id would be truncated to another expert by the conversion below.
             raise ValueError(f"topk_ids must be an int32 or int64 tensor, got "
                              f"{getattr(topk_ids, 'dtype', type(topk_ids).__name__)}")
