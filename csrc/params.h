@@ -150,6 +150,23 @@ struct ExpertMajorCombineParams {
   ExpertMajorLayout layout;
 };
 
+// The expert-major combine's step 1 (protocol.h): the own pairs' rows the pull
+// reads from a payload tensor itself (what staging would copy), so that a
+// payload's valid rows are staged only where an active peer pulls them: at
+// ep 1, or with every peer masked off, nothing is. With peers, the own
+// pairs' rows are staged with the others: rows [e, i] of all sources are
+// interleaved, and only the build knows which are the own source's.
+MOE_A2A_HD bool em_combine_own_from_payload(const CombineParams& p) {
+  return p.payload != nullptr && p.payload != p.ws.row(p.ws.ep_rank) + p.combine_offset;
+}
+MOE_A2A_HD bool em_combine_stages(const CombineParams& p) {
+  if (!em_combine_own_from_payload(p)) return false;
+  for (int r = 0; r < p.ws.ep_size; ++r) {
+    if (r != p.ws.ep_rank && rank_active(p.sync, r)) return true;
+  }
+  return false;
+}
+
 // Outcome of a CPU call that waits for peers.
 struct WaitResult {
   uint32_t code;  // ErrorCode

@@ -118,7 +118,10 @@
 //      payload already lives there); own region_staged := 1. Not source r's
 //      rows: only r's own pull reads them, and it reads them from the
 //      payload, which saves their copy and the wait for it (at ep 1 the
-//      whole stage). A low-precision combine converts every source's rows
+//      whole stage; the expert-major combine stages its valid rows [e, i]
+//      only when an active peer exists, and its pull reads the own pairs'
+//      rows from the payload: params.h, em_combine_stages). A
+//      low-precision combine converts every source's rows
 //      to e4m3 (from the payload or in place), r's included but on CUDA
 //      for plain e4m3 rows of a 16-bit payload (launch_combine), whose r
 //      rows the pull reads unconverted and converts as step 1 would.

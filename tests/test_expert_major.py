@@ -396,6 +396,39 @@ def _simple(device, M=None):
     return case, sim, ids[0].to(device), [p.to(device) for p in payloads[0]], weights[0].to(device)
 
 
+@pytest.mark.parametrize("case", [EmCase(1, (9,), 4, 6, extra=False), EmCase(3, (2, 7, 0), 3, 7, active=(1,))], ids=str)
+def test_combine_stages_only_for_pulling_peers(case, device):
+    """A combine of an expert-output tensor with no active peer (ep 1, or every
+    peer masked off) writes nothing into its combine region: its own pairs'
+    rows are read from the tensor itself (at ep 1 the staging was the
+    combine's largest pass). The result stays the reference's, bitwise."""
+    sim = make_em_sim(case, device)
+    gen = make_generator(str(case))
+    active = list(case.active) if case.active is not None else list(range(case.ep_size))
+    mask = {}
+    if case.active is not None:
+        mask = dict(enable_rank_mask=True, active_rank_mask=a2a.moe_a2a_active_rank_mask(active, case.ep_size))
+    ids, payloads, weights = em_inputs(case, gen)
+    poison_call_regions(sim.workspace, gen)
+    results = sim.run(lambda r: a2a.moe_a2a_dispatch(
+        ids[r].to(device), [p.to(device) for p in payloads[r]], sim.workspace, sim.metainfo[r], case.T, r,
+        case.ep_size, case.top_k, case.num_experts, expert_major=True, router_weights=weights[r].to(device),
+        **mask) if r in active else None)
+    ref = reference.reference_dispatch_expert_major(ids, payloads, weights, ep_size=case.ep_size,
+                                                    num_experts=case.num_experts, max_tokens_per_expert=case.M,
+                                                    active_ranks=case.active)
+    outputs = [random_values(tuple(ref.planes[d][0].shape), case.hidden_dtype, gen) for d in range(case.ep_size)]
+    before = ws_snapshot(sim.workspace)
+    combined = sim.run(lambda r: a2a.moe_a2a_combine_expert_major(
+        outputs[r].to(device), results[r], sim.workspace, sim.metainfo[r], r, case.ep_size, **mask)
+        if r in active else None)
+    expected = reference.reference_combine_expert_major(outputs, ref)
+    for r in active:
+        assert_bytes_equal(combined[r].cpu(), expected[r], f"rank {r}")
+        start = results[r].combine_payload_offset
+        assert torch.equal(sim.workspace[r, start:].cpu(), before[r, start:]), f"rank {r}: combine region written"
+
+
 def test_refusals_leave_workspace_untouched(device):
     case, sim, ids, payloads, weights = _simple(device)
     snap = ws_snapshot(sim.workspace)

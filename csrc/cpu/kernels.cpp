@@ -904,6 +904,7 @@ void pull_reduce_expert_major(const ExpertMajorCombineParams& ep) {
   const int64_t rows = l.local_experts * l.tokens_per_expert;
   const int64_t source_row_offset = int64_t(ws.ep_rank) * p.runtime_max_tokens;
   Out* out = reinterpret_cast<Out*>(p.output);
+  const bool own_from_payload = em_combine_own_from_payload(p);
   at::parallel_for(0, p.local_num_tokens, grain_for(elems * int64_t(sizeof(In)) * 2), [&](int64_t begin, int64_t end) {
     std::vector<float> acc(static_cast<size_t>(elems));
     for (int64_t t = begin; t < end; ++t) {
@@ -916,7 +917,8 @@ void pull_reduce_expert_major(const ExpertMajorCombineParams& ep) {
         const int32_t* entries =
             reinterpret_cast<const int32_t*>(peer + l.pair_map_offset) + (source_row_offset + route_slot(route[k])) * K;
         const float* weights = reinterpret_cast<const float*>(peer + l.weights_offset);
-        const In* x = reinterpret_cast<const In*>(peer + l.combine_offset);
+        const In* x =
+            reinterpret_cast<const In*>(dest == ws.ep_rank && own_from_payload ? p.payload : peer + l.combine_offset);
         for (int64_t q = 0; q < K; ++q) {
           const int32_t at = entries[q];
           if (at < 0 || at >= rows) continue;  // no pair there (dropped, or past the row's pairs)
@@ -954,11 +956,10 @@ WaitResult combine_expert_major(const ExpertMajorCombineParams& ep) {
   const int64_t row_bytes = p.row_elems * dtype_bytes(p.payload_dtype);
   const int64_t M = l.tokens_per_expert;
 
-  // 0. Wait (as in combine), 1. stage each local expert's valid rows (a
-  // payload that already is the own combine region needs no copy); rows
-  // [e, i] keep their index.
+  // 0. Wait (as in combine), 1. stage each local expert's valid rows where a
+  // peer pulls them (em_combine_stages); rows [e, i] keep their index.
   uint8_t* region = own + p.combine_offset;
-  if (p.payload != nullptr && p.payload != region) {
+  if (em_combine_stages(p)) {
     const WaitResult staging = wait_before_staging(p, count);
     if (staging.code != kErrorNone) return staging;
     const int32_t* counts = reinterpret_cast<const int32_t*>(own + l.counts_offset);

@@ -6,7 +6,9 @@
 // but the own row is touched): build_kernel below.
 // Combine: combine.cu's protocol step for step (the same flags and shares,
 // epochs and pull_done), staging the expert outputs' valid rows [e, i] to the
-// same index of the own combine region and pulling, per token and element,
+// same index of the own combine region where a peer pulls them (the own
+// pairs' rows are read from the payload tensor: em_combine_stages) and
+// pulling, per token and element,
 // acc = acc + w * x with the product rounded to fp32 (__fmul_rn, __fadd_rn:
 // no fused multiply-add), over the route's ranks ascending and each rank's
 // pair map entries in order: the CPU's arithmetic, so the bits agree.
@@ -287,7 +289,8 @@ struct EmCombineArgs {
   ExpertMajorCombineParams p;
   SyncSettings sync_settings;
   int64_t row_bytes;
-  bool stage;
+  bool stage;             // em_combine_stages
+  bool own_from_payload;  // em_combine_own_from_payload
   CopyPlan stage_plan;
   int pull_elems;
   int pull_lane_bits;
@@ -364,7 +367,7 @@ __device__ void pull_expert_rows(const EmCombineArgs& a) {
       const int32_t* entries =
           reinterpret_cast<const int32_t*>(peer + l.pair_map_offset) + (source_row + route_slot(route[k])) * K;
       const float* weights = reinterpret_cast<const float*>(peer + l.weights_offset);
-      const uint8_t* plane = peer + l.combine_offset;
+      const uint8_t* plane = d == ws.ep_rank && a.own_from_payload ? c.payload : peer + l.combine_offset;
       // The group's lanes load `lanes` entries and their weights at once; the
       // kept pairs are then summed in entry order, two pairs' rows in flight.
       for (int q0 = 0; q0 < K; q0 += lanes) {
@@ -546,11 +549,13 @@ cudaError_t launch_combine_expert_major(const ExpertMajorCombineParams& p, const
   a.row_bytes = c.row_elems * in_bytes;
   if (a.row_bytes > kMaxKernelRowBytes) return cudaErrorInvalidValue;
   const uint64_t rows_bits = address_bits(c.ws.base) | uint64_t(c.ws.row_stride) | uint64_t(c.combine_offset);
-  const uint8_t* region = c.ws.row(c.ws.ep_rank) + c.combine_offset;
-  a.stage = c.payload != nullptr && c.payload != region;
+  a.own_from_payload = em_combine_own_from_payload(c);
+  a.stage = em_combine_stages(c);
   if (a.stage) a.stage_plan = make_copy_plan(a.row_bytes, rows_bits | address_bits(c.payload));
+  // The pull's rows: the combine regions', and the payload's own pairs.
+  const uint64_t pull_bits = rows_bits | (a.own_from_payload ? address_bits(c.payload) : 0);
   int elems = int(16 / (in_bytes > out_bytes ? in_bytes : out_bytes));
-  while (elems > 1 && (c.row_elems % elems != 0 || rows_bits % uint64_t(elems * in_bytes) != 0 ||
+  while (elems > 1 && (c.row_elems % elems != 0 || pull_bits % uint64_t(elems * in_bytes) != 0 ||
                        address_bits(c.output) % uint64_t(elems * out_bytes) != 0)) {
     elems /= 2;
   }
