@@ -354,6 +354,35 @@ def test_moe_alltoall_phase_errors(device):
     moe.combine(payload, 4)
 
 
+def test_moe_alltoall_on_a_row_in_use_shares_it(device):
+    """A second instance on a rank's row that a live instance uses shares that
+    row (initializing it again would end the running rounds: the peers' next
+    calls timed out); one of another geometry is refused."""
+    case = Case(2, (4, 3), 2, 4, hidden=16, extras=())
+    sim = make_sim(case, device)
+    moes = [a2a.MoeAlltoAll(ep_mapping(r, 2), case.max_tokens, case.top_k, case.num_experts,
+                            workspace=sim.workspace, timeout_s=5) for r in range(2)]
+    gen = make_generator(case)
+
+    def round_trip(instances):
+        inputs = make_inputs(case, gen, list(case.tokens))
+        dev = inputs.to(device)
+        recv = sim.run(lambda r: instances[r].dispatch(dev.ids[r], dev.payloads[r], case.max_tokens))
+        outs = sim.run(lambda r: instances[r].combine(recv[r][0], case.max_tokens))
+        for r in range(2):
+            assert tuple(outs[r].shape) == (case.tokens[r], case.hidden)
+
+    round_trip(moes)
+    again = a2a.MoeAlltoAll(ep_mapping(0, 2), case.max_tokens, case.top_k, case.num_experts,
+                            workspace=sim.workspace, timeout_s=5)
+    round_trip([again, moes[1]])
+    round_trip(moes)
+    with pytest.raises(ValueError, match=r"in use by another instance.*max_num_tokens"):
+        a2a.MoeAlltoAll(ep_mapping(1, 2), case.max_tokens - 1, case.top_k, case.num_experts,
+                        workspace=sim.workspace)
+    round_trip(moes)
+
+
 def test_moe_alltoall_timeout_s(monkeypatch, device):
     """timeout_s per instance beats MOE_A2A_TIMEOUT_S (20 s here)."""
     monkeypatch.setenv("MOE_A2A_TIMEOUT_S", "20")

@@ -647,6 +647,24 @@ def test_one_sided_round_trip_and_misuse(device):
     a2a.MoeAlltoAll.clear_workspace_cache()
 
 
+def test_one_sided_int64_ids_beyond_int32_stay_invalid(device):
+    """int64 ids travel as int32: one beyond int32 becomes the nearest int32, an
+    invalid id too (the plain conversion made 2**32 + 1 expert 1, routed and
+    received as such)."""
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    comm = _one_sided(device)
+    x = torch.randn((3, 64), generator=make_generator("wide-ids")).to(torch.bfloat16).to(device)
+    ids = torch.tensor([[2**32 + 1, 2], [1, -(2**32) + 3], [2**32 + 1, -(2**32) + 1]], dtype=torch.int64)
+    got = comm.dispatch(x, ids.to(device))
+    # Tokens 0 and 1 have a valid expert each, so they arrive with their ids clamped; token 2 has none.
+    assert int(comm.alltoall.recv_counts[0]) == 2
+    assert got.topk_ids[:2].cpu().tolist() == [[2**31 - 1, 2], [1, -(2**31)]]
+    out = comm.combine(got.hidden_states)
+    assert torch.equal(out[:2].cpu(), x[:2].cpu()) and not bool(out[2].any())
+    comm.destroy()
+    a2a.MoeAlltoAll.clear_workspace_cache()
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: _one_sided("cpu", extra_payload_bytes_per_token=-1), "extra_payload_bytes_per_token must be non-neg"),
     (lambda: a2a.NVLinkOneSidedAlltoAll(BootstrapConfig(world_size=3, rank=0, process_group=_FakeComm(0, 3)),

@@ -74,6 +74,9 @@ class _SharedWorkspace:
     # Re-initializations of the row (reset, checkpoint_restore) through any of
     # the instances: each one ends every instance's open round.
     resets: int = 0
+    # The row the instances use and what it was initialized for: (ep_rank,
+    # ep_size, max_num_tokens, eplb_stats_num_experts, backend).
+    geometry: tuple = ()
 
     def active_instance(self) -> Optional["MoeAlltoAll"]:
         return None if self.active is None else self.active()
@@ -82,8 +85,21 @@ class _SharedWorkspace:
         _LIVE_SHARED_WORKSPACES.add(self)
 
 
-# Every shared workspace alive, for the exit hook below.
+# Every shared workspace alive, for the exit hook below and _row_in_use.
 _LIVE_SHARED_WORKSPACES: "weakref.WeakSet[_SharedWorkspace]" = weakref.WeakSet()
+
+
+def _row_in_use(workspace: torch.Tensor, ep_rank: int) -> Optional[_SharedWorkspace]:
+    """The shared state of the live instances of this process on ``ep_rank``'s
+    row of ``workspace``'s memory, if any (initializing the row again would
+    end their rounds under them: their peers' next calls would time out)."""
+    for shared in list(_LIVE_SHARED_WORKSPACES):
+        w = shared.workspace
+        if (shared.mapped and shared.geometry[:1] == (ep_rank,) and w.device == workspace.device
+                and w.data_ptr() == workspace.data_ptr() and w.shape == workspace.shape
+                and w.stride() == workspace.stride()):
+            return shared
+    return None
 
 
 @atexit.register
@@ -183,6 +199,9 @@ class MoeAlltoAll:
             dispatch waits until every peer's row is initialized, so on a zeroed
             workspace the instances may be constructed in any order (on CUDA,
             with every rank's phase launched before anything waits: README).
+            Where a live instance of this process already uses this rank's row
+            of that memory, the new one shares it, as instances built from the
+            workspace cache do, and initializes nothing (:meth:`reset` does).
         group: a ``torch.distributed`` group or a ``CommBackend`` to map the
             workspace over (default: the default group when
             ``torch.distributed`` is initialized and ``ep_size > 1``).
@@ -230,7 +249,9 @@ class MoeAlltoAll:
             without int ``moe_ep_rank`` and ``moe_ep_size``, ``hidden_size``
             not a positive int, ``dtype`` not a ``torch.dtype``, ``workspace``
             not a tensor), ``mapping`` inconsistent with the group,
-            ``workspace=`` together with a group, a workspace too small.
+            ``workspace=`` together with a group, a workspace too small, a
+            ``workspace=`` row that a live instance of this process uses with
+            another geometry (rank, size, ``max_num_tokens``, EPLB length, backend).
         NotImplementedError: ``backend="cake"`` on a Blackwell device.
     """
 
@@ -338,11 +359,21 @@ class MoeAlltoAll:
         self.timeout_s = None if timeout_s is None else float(timeout_s)
         self._backend = backend
 
-        if workspace is not None:
+        geometry = (self.ep_rank, self.ep_size, max_num_tokens, eplb_stats_num_experts, backend)
+        in_use = None if workspace is None else _row_in_use(workspace, self.ep_rank)
+        if in_use is not None:
+            if in_use.geometry != geometry:
+                names = ("ep_rank", "ep_size", "max_num_tokens", "eplb_stats_num_experts", "backend")
+                raise ValueError(
+                    f"MoeAlltoAll: rank {self.ep_rank}'s row of this workspace is in use by another instance of "
+                    f"this process, initialized for {dict(zip(names, in_use.geometry))}, not "
+                    f"{dict(zip(names, geometry))}; reinitializing it would end that instance's rounds under it")
+            self._shared = in_use
+        elif workspace is not None:
             metainfo = moe_a2a_initialize(
                 workspace, self.ep_rank, self.ep_size, max_num_tokens, eplb_stats_num_experts, backend=backend
             )
-            self._shared = _SharedWorkspace(workspace, metainfo, None)
+            self._shared = _SharedWorkspace(workspace, metainfo, None, geometry=geometry)
         else:
             self._shared = self.get_workspace(workspace_size_per_rank, self.ep_rank, self.ep_size, max_num_tokens,
                                               mapping, eplb_stats_num_experts, backend=backend, group=group,
@@ -425,7 +456,8 @@ class MoeAlltoAll:
         entry = cls._WORKSPACE_CACHE[key] = _WorkspaceEntry(
             workspace_size_per_rank=workspace_size_per_rank, max_num_tokens=max_num_tokens, ep_rank=ep_rank,
             ep_size=ep_size, eplb_stats_num_experts=eplb_stats_num_experts, workspace=workspace, metainfo=metainfo,
-            shared=_SharedWorkspace(workspace, metainfo, coll))
+            shared=_SharedWorkspace(workspace, metainfo, coll,
+                                    geometry=(ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, backend)))
         return entry
 
     @classmethod

@@ -286,7 +286,8 @@ class NVLinkOneSidedAlltoAll:
 
         Args:
             hidden_states: ``[local_num_tokens, *]`` token rows (quantized or not).
-            topk_ids: ``[local_num_tokens, top_k]`` global expert ids (sent as int32).
+            topk_ids: ``[local_num_tokens, top_k]`` global expert ids (sent as int32; an
+                int64 id beyond int32 is sent as the nearest int32, an invalid id as well).
             topk_weights: ``[local_num_tokens, top_k]`` router weights to forward, or None.
             hidden_states_scale: ``[local_num_tokens, *]`` scale factors of quantized rows, or None.
             max_tokens_per_rank: the most tokens any rank dispatches in this step,
@@ -316,6 +317,11 @@ class NVLinkOneSidedAlltoAll:
             # A float id would be truncated to another expert by the conversion below.
             raise ValueError(f"topk_ids must be an int32 or int64 tensor, got "
                              f"{getattr(topk_ids, 'dtype', type(topk_ids).__name__)}")
+        if topk_ids.dtype == torch.int64:
+            # Clamped, not wrapped: an id beyond int32 stays an invalid one (at
+            # least num_experts, or negative) for the routing and the receivers,
+            # where the plain conversion made 2**32 + 1 expert 1. No host sync.
+            topk_ids = topk_ids.clamp(-(2**31), 2**31 - 1)
         topk_ids = topk_ids.to(torch.int32)
         payloads = [hidden_states] + ([] if hidden_states_scale is None else [hidden_states_scale])
         ids_index = len(payloads)
