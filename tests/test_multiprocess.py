@@ -185,13 +185,13 @@ def _bad_member_worker(rank: int, init_file: str, out_dir: str, case: str) -> No
     try:
         kwargs = {"size_per_rank": 8192}
         if rank == 1:
-            kwargs.update(BAD_MEMBER_ARGUMENTS[case][0])
+            kwargs.update(BAD_MEMBER_ARGUMENTS[case][0] if case in BAD_MEMBER_ARGUMENTS else {"device": case})
         start = time.monotonic()
         try:
             a2a.allocate_workspace(group=dist.group.WORLD, **kwargs)
             outcome = "returned"
-        except ValueError as e:
-            outcome = str(e)
+        except (ValueError, RuntimeError) as e:
+            outcome = f"{type(e).__name__}: {e}"
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
             f.write(f"{time.monotonic() - start:.3f}\n{outcome}")
         dist.barrier()
@@ -210,6 +210,22 @@ def test_bad_arguments_on_one_member_raise_on_every_member(case, tmp_path):
         seconds, message = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
         assert float(seconds) < 20, f"rank {rank} waited {seconds} s"
         assert "the argument check failed on group ranks [1]" in message, message
+        assert re.search(pattern, message), message
+
+
+def test_members_of_two_device_kinds_raise_on_every_member(tmp_path):
+    """Rank 1 asks for a CUDA workspace, rank 0 for a CPU one: the two paths
+    make different collectives, so both members raise at once, naming rank 1
+    (without a CUDA device: its argument check; with one: the disagreement)."""
+    mp.spawn(_bad_member_worker, args=(str(tmp_path / "init"), str(tmp_path), "cuda"), nprocs=2)
+    if torch.cuda.is_available():
+        pattern = r"ValueError: group members disagree on the workspace device \(ranks \[0\]: cpu; ranks \[1\]: cuda\)"
+    else:
+        pattern = (r"RuntimeError: allocate_workspace: the argument check failed on group ranks \[1\]: .*device "
+                   r"'cuda' was asked for but torch .* sees no CUDA device")
+    for rank in range(2):
+        seconds, message = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
+        assert float(seconds) < 20, f"rank {rank} waited {seconds} s"
         assert re.search(pattern, message), message
 
 

@@ -106,7 +106,8 @@ def allocate_workspace(
     FlashInfer's ``CommBackend`` interface: :mod:`torch_moe_a2a.collective`;
     ``ep_size`` defaults to, and must equal, its size): a collective call; row ``r`` is
     the memory of group rank ``r`` in every process. The members must agree
-    on ``size_per_rank`` (ValueError naming the ranks otherwise); when a
+    on ``size_per_rank`` and on the kind of ``device``, CPU or CUDA
+    (ValueError naming the ranks otherwise); when a
     member fails, every member raises (ValueError for bad arguments,
     RuntimeError otherwise), naming the failed ranks.
 
@@ -159,12 +160,18 @@ def allocate_workspace(
         _check_size(size_per_rank)
         if parsed is None:
             raise ValueError(f"unsupported workspace device {device!r} (cpu or cuda)")
+        check_device_visible("allocate_workspace", parsed)
         if ep_size is not None and ep_size != coll.size:
             raise ValueError(f"ep_size {ep_size} differs from the group size {coll.size}")
     device = parsed
-    sizes = [v[0] for v in allgather_ints([size_per_rank], coll)]
+    # The CPU and CUDA paths make different collectives: members of both kinds would wait on each other.
+    agreed = allgather_ints([size_per_rank, int(device.type == "cuda")], coll)
+    sizes = [v[0] for v in agreed]
     if len(set(sizes)) != 1:
         raise ValueError(f"group members disagree on size_per_rank ({_describe_by_value(sizes)})")
+    kinds = ["cuda" if v[1] else "cpu" for v in agreed]
+    if len(set(kinds)) != 1:
+        raise ValueError(f"group members disagree on the workspace device ({_describe_by_value(kinds)})")
     if device.type == "cuda":
         return _cuda_vmm_workspace(coll, size_per_rank, device)
     return _shared_cpu_workspace(coll, size_per_rank)
