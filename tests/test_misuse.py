@@ -1063,3 +1063,48 @@ def test_moe_alltoall_checks_its_group_and_device_on_a_cached_workspace():
     with pytest.raises(ValueError, match="MoeAlltoAll: device must be a torch.device or a device string"):
         a2a.MoeAlltoAll(**{**sizes, "device": "xyz"})
     a2a.MoeAlltoAll.clear_workspace_cache()
+
+
+def test_a_combine_of_the_other_layout_says_so():
+    """A rank-major combine given an expert-major dispatch's combine_payload_offset,
+    and an expert-major combine given an earlier round's ExpertMajorDispatch,
+    name what is wrong (both read as a bad combine_payload_offset, which the
+    second caller never passed); each refusal leaves the round open."""
+    ep, T, H, k, E = 1, 8, 16, 2, 4
+    size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(ep, T, H * 4, H * 4, E, k)
+    sim = a2a.SimulatedEP(ep, T, dispatch_bytes_per_token=0, combine_bytes_per_token=0,
+                          workspace_size_per_rank=size, timeout_s=5)
+    ids = torch.tensor([[0, 1]] * T, dtype=torch.int32)
+    x = torch.randn(T, H, generator=make_generator("layouts"))
+    em = a2a.moe_a2a_dispatch_expert_major(ids, [x], sim.workspace, sim.metainfo[0], T, 0, ep, k, E)
+    with pytest.raises(ValueError, match=r"combine_payload_offset must be the one the dispatch returned \(\d+\), got "
+                                         rf"{em.combine_payload_offset} \(the combine region of the dispatch's "
+                                         r"expert-major layout: moe_a2a_combine_expert_major combines"):
+        a2a.moe_a2a_combine(torch.zeros(ep, T, H), T, sim.workspace, sim.metainfo[0], T, 0, ep, k,
+                            em.combine_payload_offset)
+    a2a.moe_a2a_combine_expert_major(em.output_payloads[0], em, sim.workspace, sim.metainfo[0], 0, ep)
+    # A rank-major round (other sizes, so another layout), then the stale expert-major result.
+    got = a2a.moe_a2a_dispatch(ids[:4], [x[:4]], sim.workspace, sim.metainfo[0], 4, 0, ep, k, E)
+    with pytest.raises(ValueError, match=r"the expert-major combine needs an expert-major dispatch before it"):
+        a2a.moe_a2a_combine_expert_major(em.output_payloads[0], em, sim.workspace, sim.metainfo[0], 0, ep)
+    a2a.moe_a2a_combine(got[0][0], 4, sim.workspace, sim.metainfo[0], 4, 0, ep, k, got[1])
+    # Expert-major rounds of other sizes, then of other payloads: an earlier round's result after a dispatch.
+    em2 = a2a.moe_a2a_dispatch_expert_major(ids[:4], [x[:4]], sim.workspace, sim.metainfo[0], 4, 0, ep, k, E)
+    with pytest.raises(ValueError, match=r"must be given the last dispatch's ExpertMajorDispatch, not an earlier one "
+                                         r"\(combine must use the dispatch's sizes: the dispatch had \(local_num_tokens=4"):
+        a2a.moe_a2a_combine_expert_major(em.output_payloads[0], em, sim.workspace, sim.metainfo[0], 0, ep)
+    a2a.moe_a2a_combine_expert_major(em2.output_payloads[0], em2, sim.workspace, sim.metainfo[0], 0, ep)
+    em3 = a2a.moe_a2a_dispatch_expert_major(ids[:4], [x[:4, :8].contiguous()], sim.workspace, sim.metainfo[0], 4, 0, ep, k, E)
+    with pytest.raises(ValueError, match=r"must be given the last dispatch's ExpertMajorDispatch: the last dispatch "
+                                         rf"had \(max_tokens_per_expert=4, combine_payload_offset="
+                                         rf"{em3.combine_payload_offset}\), the one given has \(max_tokens_per_expert=4, "
+                                         rf"combine_payload_offset={em2.combine_payload_offset}\)"):
+        a2a.moe_a2a_combine_expert_major(em2.output_payloads[0], em2, sim.workspace, sim.metainfo[0], 0, ep)
+    a2a.moe_a2a_combine_expert_major(em3.output_payloads[0], em3, sim.workspace, sim.metainfo[0], 0, ep)
+    em4 = a2a.moe_a2a_dispatch_expert_major(ids[:4], [x[:4], x[:4]], sim.workspace, sim.metainfo[0], 4, 0, ep, k, E)
+    assert em4.dispatch_end != em3.dispatch_end
+    with pytest.raises(ValueError, match=r"must be given the last dispatch's ExpertMajorDispatch: the one given is "
+                                         rf"laid out for another dispatch \(dispatch_end {em3.dispatch_end}, the last "
+                                         rf"dispatch's {em4.dispatch_end}\)"):
+        a2a.moe_a2a_combine_expert_major(em3.output_payloads[0], em3, sim.workspace, sim.metainfo[0], 0, ep)
+    a2a.moe_a2a_combine_expert_major(em4.output_payloads[0], em4, sim.workspace, sim.metainfo[0], 0, ep)

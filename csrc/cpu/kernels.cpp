@@ -509,6 +509,12 @@ RowStatus check_row_for_combine(const CombineParams& p, int64_t max_num_tokens) 
     st.kind = RowStatus::kValueError;
     st.message = "combine_payload_offset must be the one the dispatch returned (" + std::to_string(region) + "), got " +
                  std::to_string(p.combine_offset);
+    if (load<uint32_t>(row, kHdrExpertMajorEpoch) == dispatch_epoch &&
+        load<int64_t>(row, kHdrExpertMajorEnd) == p.combine_offset) {
+      st.message +=
+          " (the combine region of the dispatch's expert-major layout: moe_a2a_combine_expert_major "
+          "combines an expert-major dispatch's rows)";
+    }
   } else if (region_staged_mismatch(load<uint32_t>(row, kHdrRegionStaged),
                                     p.payload == nullptr || p.payload == row + p.combine_offset) != 0) {
     st.kind = RowStatus::kValueError;
@@ -779,22 +785,45 @@ RowStatus check_row_for_combine_expert_major(const ExpertMajorCombineParams& p, 
   CombineParams c = p.c;
   c.combine_offset = p.dispatch_end;  // what combine_mismatch compares with kHdrLastDispatchEnd
   RowStatus st = check_row_for_combine(c, max_num_tokens);
-  if (st.kind != RowStatus::kOk) return st;
+  if (st.kind != RowStatus::kOk && st.kind != RowStatus::kValueError) return st;
   const uint8_t* row = p.c.ws.row(p.c.ws.ep_rank);
   const uint32_t build_epoch = load<uint32_t>(row, kHdrExpertMajorEpoch);
   const int32_t build_tokens = load<int32_t>(row, kHdrExpertMajorTokens);
   const int64_t build_end = load<int64_t>(row, kHdrExpertMajorEnd);
-  if (expert_major_mismatch(build_epoch, build_tokens, build_end, load<uint32_t>(row, kHdrDispatchEpoch),
-                            p.layout.tokens_per_expert, p.c.combine_offset) != 0) {
+  // The rank-major checks compare the ExpertMajorDispatch's sizes with the
+  // last dispatch's. Where that dispatch was not expert-major, that is what
+  // to say (below); else the caller, who passed neither sizes nor a
+  // combine_payload_offset, holds an earlier dispatch's result.
+  const uint32_t dispatch_epoch = load<uint32_t>(row, kHdrDispatchEpoch);
+  if (st.kind == RowStatus::kValueError && build_epoch == dispatch_epoch) {
+    const int64_t region = load<int64_t>(row, kHdrLastDispatchEnd);
+    if (combine_mismatch(load<int32_t>(row, kHdrLastLocalTokens), load<int32_t>(row, kHdrLastRuntimeMax),
+                         load<int32_t>(row, kHdrLastTopK), region, c.local_num_tokens, c.runtime_max_tokens, c.top_k,
+                         c.combine_offset) == uint32_t(kMismatchOffset)) {
+      st.message =
+          "the expert-major combine must be given the last dispatch's ExpertMajorDispatch: the one given "
+          "is laid out for another dispatch (dispatch_end " +
+          std::to_string(p.dispatch_end) + ", the last dispatch's " + std::to_string(region) + ")";
+    } else {
+      st.message =
+          "the expert-major combine must be given the last dispatch's ExpertMajorDispatch, not an earlier "
+          "one (" +
+          st.message + ")";
+    }
+    return st;
+  }
+  if (expert_major_mismatch(build_epoch, build_tokens, build_end, dispatch_epoch, p.layout.tokens_per_expert,
+                            p.c.combine_offset) != 0) {
     std::ostringstream os;
-    if (build_epoch != load<uint32_t>(row, kHdrDispatchEpoch)) {
+    if (build_epoch != dispatch_epoch) {
       os << "the expert-major combine needs an expert-major dispatch before it (its expert_major_build); "
             "close this round with moe_a2a_combine, the rank-major combine of its dispatch, or dispatch "
             "with expert_major=True next time";
     } else {
-      os << "the expert-major combine must use its dispatch's layout: the dispatch had (max_tokens_per_expert="
+      os << "the expert-major combine must be given the last dispatch's ExpertMajorDispatch: the last dispatch "
+            "had (max_tokens_per_expert="
          << build_tokens << ", combine_payload_offset=" << build_end
-         << "), the combine got (max_tokens_per_expert=" << p.layout.tokens_per_expert
+         << "), the one given has (max_tokens_per_expert=" << p.layout.tokens_per_expert
          << ", combine_payload_offset=" << p.c.combine_offset << ")";
     }
     st.kind = RowStatus::kValueError;
