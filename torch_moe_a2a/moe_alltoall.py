@@ -207,7 +207,7 @@ class MoeAlltoAll:
             ``torch.distributed`` is initialized and ``ep_size > 1``).
         device: where an allocated workspace lives (default: the current
             CUDA device if there is one, else the CPU).
-        timeout_s: the bound on every wait for a peer (default:
+        timeout_s: the bound on every wait of a dispatch or combine for a peer (default:
             ``MOE_A2A_TIMEOUT_S``, else 30 s).
         dtype: the hidden states' dtype, for sizing from ``hidden_size``
             (default 16-bit, as FlashInfer sizes). With ``hidden_size`` and
@@ -892,7 +892,8 @@ class MoeAlltoAll:
 
         With a group: every rank calls it; the group synchronizes (no rank is
         still inside a call), each rank re-initializes its own row (clearing
-        its error record), and the group synchronizes again. On a ``workspace=``
+        its error record), and the group synchronizes again (waits bounded
+        by the group's own timeout, not ``timeout_s``: docs/DESIGN.md section 6). On a ``workspace=``
         of simulated ranks: this rank's row only, and the caller makes sure
         no rank is inside a call (every rank's last call returned and its
         kernels finished) before any rank resets. The metainfo stays the same.
