@@ -830,6 +830,11 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
          << "with the differentiable functions, a rank that skipped a backward, whose exchanges are collectives, "
          << "meets its peers' backward exchange here)";
       break;
+    case kErrorPeerFailed:
+      os << "peers " << rank_list(missing) << " failed earlier (their own calls recorded an error, so they will not "
+         << "arrive; seen while this rank waited for them in its "
+         << (detail == kErrorDispatchTimeout ? "dispatch" : "combine") << ")";
+      break;
     case kErrorCombineRowsMismatch:
       os << "peers " << rank_list(missing) << " called the same combine with other rows than this rank's (their "
          << "payload dtype, row size or use_low_precision differ, or one rank combined expert-major and another "

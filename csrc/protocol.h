@@ -299,7 +299,19 @@ enum ErrorCode : uint32_t {
   // A peer's combine, the same combine of the round as this rank's, had other
   // rows (the equal-rows check below; detail unused).
   kErrorCombineRowsMismatch = 7,
+  // Peers this rank waited for have an error recorded in their own rows (a
+  // failed rank calls nothing until it is initialized again, so it would
+  // never arrive): the wait ends then instead of at its timeout (detail: the
+  // timeout code of the wait, kErrorDispatchTimeout or kErrorCombineTimeout).
+  // Looked at once a wait has lasted kPeerErrorCheckNs, by the waits for
+  // flags and pull_done; not by dispatch step 0a's wait for the peers' init
+  // words, which an initialization after a failure ends: the peer's error is
+  // still in its row until then.
+  kErrorPeerFailed = 8,
 };
+// A healthy round's waits end within microseconds: only a longer wait reads
+// the peers' error words, in their rows (remote memory on other GPUs).
+constexpr uint64_t kPeerErrorCheckNs = 1000000;
 
 // ---- rank header: byte offsets inside each row -----------------------------
 constexpr int64_t kHdrMagic = 0;                // uint64, the init word (init_word below) once initialized

@@ -17,6 +17,7 @@ from conftest import (
     check_dispatch,
     combine_again,
     ep_mapping,
+    header_i32,
     make_generator,
     make_inputs,
     make_sim,
@@ -27,7 +28,7 @@ from conftest import (
 )
 
 import torch_moe_a2a as a2a
-from torch_moe_a2a import reference
+from torch_moe_a2a import layout, reference
 from torch_moe_a2a.metainfo import call_timeout, metainfo_values
 from torch_moe_a2a.moe_ep import BootstrapConfig, MoEEpCommParams, NVLinkOneSidedConfig
 
@@ -401,6 +402,49 @@ def test_timeout_bounds_direct_calls(where, phase, monkeypatch, device):
     sim.reset()
     assert all(torch.equal(a, b) for a, b in zip(metainfo, sim.metainfo))
     a2a.check_errors(sim.workspace)  # the recorded timeout is cleared
+    round_trip(sim, CASE, make_inputs(CASE, gen), gen)
+
+
+def test_a_failed_peer_ends_the_wait_early(device):
+    """Rank 0 dispatches alone and times out; ranks 1 and 2 then dispatch (rank
+    0's rows and flag are there) and combine: rank 0, failed, never combines.
+    They stop waiting for it once they see its error record (after a
+    millisecond, not their 5-s timeout) and name it as failed, not as late."""
+    gen = make_generator("failed peer")
+    sim = make_sim(CASE, device)
+    round_trip(sim, CASE, make_inputs(CASE, gen), gen)
+    dev = make_inputs(CASE, gen).to(device)
+    with pytest.raises(RuntimeError, match=r"rank 0: peers \[1, 2\] did not arrive within 0.3 s"):
+        a2a.moe_a2a_dispatch(dev.ids[0], dev.payloads[0], sim.workspace, sim.metainfo[0], CASE.T, 0, CASE.ep_size,
+                             CASE.top_k, CASE.num_experts, timeout_s=0.3)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            a2a.check_errors(sim.workspace)
+
+    def peers(r):
+        if r == 0:
+            return None
+        recv, offset, _ = a2a.moe_a2a_dispatch(dev.ids[r], dev.payloads[r], sim.workspace, sim.metainfo[r], CASE.T, r,
+                                               CASE.ep_size, CASE.top_k, CASE.num_experts)
+        return a2a.moe_a2a_combine(recv[0], CASE.tokens[r], sim.workspace, sim.metainfo[r], CASE.T, r, CASE.ep_size,
+                                   CASE.top_k, offset)
+
+    start = time.monotonic()
+    if device == "cuda":
+        sim.run(peers)
+        torch.cuda.synchronize()
+    else:
+        with pytest.raises(RuntimeError, match=r"rank [12]: peers \[0\] failed earlier \(their own calls recorded an "
+                                               r"error, so they will not arrive; seen while this rank waited for them "
+                                               r"in its combine\); the workspace stays failed"):
+            sim.run(peers)
+    elapsed = time.monotonic() - start
+    assert elapsed < 2.5, f"ranks 1 and 2 waited {elapsed:.2f} s for a failed peer"
+    for r in (1, 2):
+        assert header_i32(sim.workspace, r, layout.HDR_ERROR_CODE) == layout.ERROR_PEER_FAILED
+        assert header_i32(sim.workspace, r, layout.HDR_ERROR_MISSING) == 1
+        assert header_i32(sim.workspace, r, layout.HDR_ERROR_DETAIL) == layout.ERROR_COMBINE_TIMEOUT
+    sim.reset()
     round_trip(sim, CASE, make_inputs(CASE, gen), gen)
 
 

@@ -140,9 +140,12 @@ WaitResult record_error(const WorkspaceView& ws, ErrorCode code, const uint64_t*
   return result;
 }
 
-// Waits until ready(p) holds for every active rank p, at most sync.timeout_s.
+// Waits until ready(p) holds for every active rank p, at most sync.timeout_s;
+// once it has waited kPeerErrorCheckNs, a peer with an error in its own row
+// ends it (kErrorPeerFailed), unless peer_errors is false (protocol.h).
 template <typename Ready>
-WaitResult wait_for_peers(const WorkspaceView& ws, const SyncParams& sync, Ready ready, ErrorCode code_on_timeout) {
+WaitResult wait_for_peers(const WorkspaceView& ws, const SyncParams& sync, Ready ready, ErrorCode code_on_timeout,
+                          bool peer_errors = true) {
   uint64_t pending[kRankMaskWords] = {};
   for (int p = 0; p < ws.ep_size; ++p) {
     if (rank_active(sync, p)) pending[p / 64] |= uint64_t(1) << (p % 64);
@@ -150,7 +153,11 @@ WaitResult wait_for_peers(const WorkspaceView& ws, const SyncParams& sync, Ready
   const auto start = std::chrono::steady_clock::now();
   auto sleep = kFirstSleep;
   for (int round = 0;; ++round) {
+    const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
+    const bool look = peer_errors && waited.count() * 1e9 >= double(kPeerErrorCheckNs);
     bool any_pending = false;
+    uint64_t failed[kRankMaskWords] = {};
+    bool any_failed = false;
     for (int p = 0; p < ws.ep_size; ++p) {
       const uint64_t bit = uint64_t(1) << (p % 64);
       if (!(pending[p / 64] & bit)) continue;
@@ -158,10 +165,16 @@ WaitResult wait_for_peers(const WorkspaceView& ws, const SyncParams& sync, Ready
         pending[p / 64] &= ~bit;
       } else {
         any_pending = true;
+        if (look && p != ws.ep_rank &&
+            __atomic_load_n(reinterpret_cast<const uint32_t*>(ws.row(p) + kHdrErrorCode), __ATOMIC_ACQUIRE) !=
+                kErrorNone) {
+          failed[p / 64] |= bit;
+          any_failed = true;
+        }
       }
     }
     if (!any_pending) return WaitResult{};
-    const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
+    if (any_failed) return record_error(ws, kErrorPeerFailed, failed, code_on_timeout);
     if (waited.count() >= sync.timeout_s) {
       return record_error(ws, code_on_timeout, pending, timeout_ms(sync.timeout_s));
     }
@@ -566,7 +579,7 @@ WaitResult dispatch(const DispatchParams& p) {
     const WaitResult zeroed = wait_for_peers(
         ws, p.sync,
         [&](int q) { return fresh_peer(init_word_of(q), load<uint16_t>(own, init_stale_offset(q)), own_count); },
-        kErrorDispatchTimeout);
+        kErrorDispatchTimeout, /*peer_errors=*/false);
     for (int q = 0; q < ws.ep_size; ++q) {
       if (rank_active(p.sync, q)) store<uint16_t>(own, init_seen_offset(q), init_tag(init_word_of(q)));
     }

@@ -336,21 +336,26 @@ __device__ inline void release_share(const WorkspaceView& ws, const SyncParams& 
 }
 
 // How a bounded wait ended.
-enum class PollResult { kReady, kAborted, kTimedOut };
+enum class PollResult { kReady, kAborted, kTimedOut, kPeerFailed };
 
 // The one spin-wait of the kernels: calls ready() until it returns true,
 // backing off as kPollFirstSleepNs/kPollMaxSleepNs say; stops early when an
 // error is recorded in the own header (by any CTA of any kernel of this rank:
-// the rank has failed, nothing it waits for may come) or when timeout_ns have
-// passed. The caller records the timeout, with what it was waiting for.
-template <typename Ready>
-__device__ inline PollResult poll_until(uint8_t* own, uint64_t timeout_ns, Ready&& ready) {
+// the rank has failed, nothing it waits for may come), when one is recorded
+// by the waited-for peer (peer_failed(), called once the wait has lasted
+// kPeerErrorCheckNs: protocol.h's kErrorPeerFailed) or
+// when timeout_ns have passed. The caller records the timeout, with what it
+// was waiting for.
+template <typename Ready, typename PeerFailed>
+__device__ inline PollResult poll_until(uint8_t* own, uint64_t timeout_ns, Ready&& ready, PeerFailed&& peer_failed) {
   const uint32_t* error = header_word<uint32_t>(own, kHdrErrorCode);
   const uint64_t start = global_timer_ns();
   unsigned sleep_ns = 0;
   while (!ready()) {
     if (ld_relaxed_gpu(error) != kErrorNone) return PollResult::kAborted;
-    if (global_timer_ns() - start >= timeout_ns) return PollResult::kTimedOut;
+    const uint64_t waited = global_timer_ns() - start;
+    if (waited >= timeout_ns) return PollResult::kTimedOut;
+    if (waited >= kPeerErrorCheckNs && peer_failed()) return PollResult::kPeerFailed;
     if (sleep_ns != 0) __nanosleep(sleep_ns);
     sleep_ns = sleep_ns == 0 ? kPollFirstSleepNs : min(2 * sleep_ns, kPollMaxSleepNs);
   }
@@ -360,31 +365,42 @@ __device__ inline PollResult poll_until(uint8_t* own, uint64_t timeout_ns, Ready
 // Waits until ready(p) holds for every active rank p (thread p polls rank
 // p), at most limits.timeout_ns. Every thread of the CTA calls it; returns
 // true in all of them when every rank was ready. On expiry the CTA records
-// code_on_timeout with the mask of the missing ranks; a CTA that sees an
-// error recorded by another CTA of the grid stops too.
+// code_on_timeout with the mask of the missing ranks; where peers have an
+// error of their own (peer_errors; protocol.h, kErrorPeerFailed), it records
+// that instead; a CTA that sees an error recorded by another CTA of the grid
+// stops too.
 template <typename Ready>
 __device__ inline bool wait_for_peers(const WorkspaceView& ws, const SyncParams& sync, Ready ready,
-                                      uint32_t code_on_timeout, const SyncSettings& settings) {
-  __shared__ unsigned long long missing;
+                                      uint32_t code_on_timeout, const SyncSettings& settings, bool peer_errors = true) {
+  __shared__ unsigned long long missing, failed;
   __shared__ int aborted;
   uint8_t* own = ws.row(ws.ep_rank);
   if (threadIdx.x == 0) {
     missing = 0;
+    failed = 0;
     aborted = 0;
   }
   __syncthreads();
   const int p = threadIdx.x;
   if (p < ws.ep_size && rank_active(sync, p)) {
-    const PollResult result = poll_until(own, settings.timeout_ns, [&] { return ready(p); });
+    const PollResult result = poll_until(
+        own, settings.timeout_ns, [&] { return ready(p); },
+        [&] {
+          return peer_errors && p != ws.ep_rank &&
+                 ld_acquire(header_word<uint32_t>(ws.row(p), kHdrErrorCode), settings.system) != kErrorNone;
+        });
     if (result == PollResult::kAborted) aborted = 1;
     if (result == PollResult::kTimedOut) atomicOr(&missing, 1ull << p);
+    if (result == PollResult::kPeerFailed) atomicOr(&failed, 1ull << p);
   }
   __syncthreads();
-  const uint64_t missed = missing;
-  if (missed != 0 && threadIdx.x == 0) {
+  const uint64_t missed = missing, peers_failed = failed;
+  if (threadIdx.x == 0 && peers_failed != 0) {
+    record_error(own, sync.mailbox, kErrorPeerFailed, peers_failed, code_on_timeout);
+  } else if (threadIdx.x == 0 && missed != 0) {
     record_error(own, sync.mailbox, code_on_timeout, missed, settings.timeout_ms);
   }
-  return missed == 0 && aborted == 0;
+  return missed == 0 && peers_failed == 0 && aborted == 0;
 }
 
 // wait_for_peers until the word word_of(p) reached `target` (wrap-safe) for every active rank p.

@@ -127,7 +127,7 @@ __device__ __forceinline__ uint64_t* count_word(uint8_t* own, int ep_size, int c
 // names the own rank.
 template <typename Ready>
 __device__ bool wait_for_grid(uint8_t* own, const DispatchArgs& a, Ready&& ready) {
-  const PollResult result = poll_until(own, a.sync_settings.timeout_ns, ready);
+  const PollResult result = poll_until(own, a.sync_settings.timeout_ns, ready, [] { return false; });
   if (result == PollResult::kTimedOut) {
     record_error(own, a.p.sync.mailbox, kErrorDispatchTimeout, uint64_t(1) << a.p.ws.ep_rank,
                  a.sync_settings.timeout_ms);
@@ -187,7 +187,7 @@ __device__ __noinline__ bool first_dispatch_wait(const DispatchArgs& a, uint64_t
   const bool zeroed = wait_for_peers(
       ws, a.p.sync,
       [&](int q) { return fresh_peer(init_word_of(q), *header_word<uint16_t>(own, init_stale_offset(q)), own_count); },
-      kErrorDispatchTimeout, a.sync_settings);
+      kErrorDispatchTimeout, a.sync_settings, /*peer_errors=*/false);
   const int q = threadIdx.x;
   if (blockIdx.x == 0 && q < ws.ep_size && rank_active(a.p.sync, q)) {
     *header_word<uint16_t>(own, init_seen_offset(q)) = init_tag(init_word_of(q));
