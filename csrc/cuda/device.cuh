@@ -342,20 +342,26 @@ enum class PollResult { kReady, kAborted, kTimedOut, kPeerFailed };
 // backing off as kPollFirstSleepNs/kPollMaxSleepNs say; stops early when an
 // error is recorded in the own header (by any CTA of any kernel of this rank:
 // the rank has failed, nothing it waits for may come), when one is recorded
-// by the waited-for peer (peer_failed(), called once the wait has lasted
-// kPeerErrorCheckNs: protocol.h's kErrorPeerFailed) or
+// by the waited-for peer (peer_failed(), called every kPeerErrorCheckNs of
+// the wait: protocol.h's kErrorPeerFailed) or
 // when timeout_ns have passed. The caller records the timeout, with what it
 // was waiting for.
 template <typename Ready, typename PeerFailed>
 __device__ inline PollResult poll_until(uint8_t* own, uint64_t timeout_ns, Ready&& ready, PeerFailed&& peer_failed) {
   const uint32_t* error = header_word<uint32_t>(own, kHdrErrorCode);
   const uint64_t start = global_timer_ns();
+  // One comparison a poll, as with the timeout alone: the next look at the
+  // peer's error word (every kPeerErrorCheckNs), or the timeout.
+  uint64_t look_at = min(timeout_ns, kPeerErrorCheckNs);
   unsigned sleep_ns = 0;
   while (!ready()) {
     if (ld_relaxed_gpu(error) != kErrorNone) return PollResult::kAborted;
     const uint64_t waited = global_timer_ns() - start;
-    if (waited >= timeout_ns) return PollResult::kTimedOut;
-    if (waited >= kPeerErrorCheckNs && peer_failed()) return PollResult::kPeerFailed;
+    if (waited >= look_at) {
+      if (waited >= timeout_ns) return PollResult::kTimedOut;
+      if (peer_failed()) return PollResult::kPeerFailed;
+      look_at = min(timeout_ns, waited + kPeerErrorCheckNs);
+    }
     if (sleep_ns != 0) __nanosleep(sleep_ns);
     sleep_ns = sleep_ns == 0 ? kPollFirstSleepNs : min(2 * sleep_ns, kPollMaxSleepNs);
   }
