@@ -120,6 +120,27 @@ def moe_alltoall_step(moe, ids, payloads, T):
     return moe.combine(buf, T, payload_in_workspace=True)
 
 
+def test_compiled_moe_alltoall_steps_do_not_recompile(device):
+    """A compiled step through a MoeAlltoAll, called step after step: its round
+    bookkeeping must not be a guard that every step fails (the round counter
+    was, and the twelfth step hit the recompile limit under fullgraph)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()  # the other tests' graphs counted too
+    case = Case(1, (8,), 2, 4, hidden=32, runtime_max=8, max_num_tokens=8)
+    moe = a2a.MoeAlltoAll(ep_mapping(0, 1), case.max_tokens, case.top_k, case.num_experts,
+                          hidden_size=case.hidden, device=device)
+    inputs = make_inputs(case, make_generator("steps")).to(device)
+    eager = moe_alltoall_step(moe, inputs.ids[0], inputs.payloads[0], case.T).cpu()
+    # dynamic=False: an int that changes is then a guard, not a symbol (as for
+    # an instance held by a module or a global under the default).
+    compiled = torch.compile(moe_alltoall_step, backend="eager", fullgraph=True, dynamic=False)
+    for step in range(12):
+        assert_bytes_equal(compiled(moe, inputs.ids[0], inputs.payloads[0], case.T), eager, f"step {step}")
+    assert counters["stats"]["unique_graphs"] <= 2, counters["stats"]
+
+
 @pytest.mark.parametrize("path", ["functional", "moe_alltoall"])
 def test_compiled_in_workspace_payload_copies_no_workspace(path, device):
     """Traced, the combine buffer (from moe_a2a_wrap_payload_tensor_in_workspace
@@ -300,3 +321,53 @@ def test_compile_marks_are_torchs():
     mark_static_address(ours_t)
     torch._dynamo.mark_static_address(torchs_t)
     assert vars(torchs_t) and vars(ours_t) == vars(torchs_t)
+
+
+def test_sf_layout_as_a_symbolic_int_traces():
+    """sf_layout as a plain int that torch.compile makes symbolic (dynamic=True,
+    or automatically once it changed) is specialized, not a graph break
+    (hasattr on a SymInt is not traceable)."""
+    torch._dynamo.reset()
+    T, H, k, E = 8, 64, 2, 4
+    ws = a2a.allocate_workspace(a2a.moe_a2a_get_workspace_size_per_rank(1, 16, 2 * H + 4 * k, 2 * H), ep_size=1)
+    meta = a2a.moe_a2a_initialize(ws, 0, 1, 16)
+    gen = make_generator("sf_layout")
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32, generator=gen)
+
+    def step(x, ids, sf_layout):
+        (rx, _), off, _ = a2a.moe_a2a_dispatch(ids, [x, ids], ws, meta, T, 0, 1, k, E)
+        scales = torch.zeros(128 * 4 if sf_layout == 0 else T * H // 32, dtype=torch.uint8)
+        out = a2a.moe_a2a_combine(rx, T, ws, meta, T, 0, 1, k, off, output_dtype=torch.float8_e4m3fn,
+                                  output_scales=scales, sf_layout=sf_layout)
+        return out.view(torch.uint8), scales
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True, dynamic=True)
+    for sf_layout in (0, 2):
+        for got, want in zip(compiled(x, ids, sf_layout), step(x, ids, sf_layout)):
+            assert torch.equal(got, want), f"sf_layout {sf_layout}"
+
+
+def test_payload_in_workspace_under_fake_tensor_mode_reads_no_data_pointer():
+    """Under FakeTensorMode (no torch.compile) the combine's payload_in_workspace
+    check is skipped as when traced: fake tensors have no data pointer (torch
+    warns that reading one will become an error)."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    T, H, k, E = 8, 64, 2, 4
+    ws = a2a.allocate_workspace(a2a.moe_a2a_get_workspace_size_per_rank(1, T, 2 * H + 4 * k, 2 * H), ep_size=1)
+    meta = a2a.moe_a2a_initialize(ws, 0, 1, T)
+    x = torch.randn(5, H).to(torch.bfloat16)
+    ids = torch.randint(0, E, (5, k), dtype=torch.int32)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with mode:
+            fws, fx, fids = mode.from_tensor(ws), mode.from_tensor(x), mode.from_tensor(ids)
+            (frx, _), off, _ = a2a.moe_a2a_dispatch(fids, [fx, fids], fws, meta, T, 0, 1, k, E)
+            buf = a2a.moe_a2a_wrap_payload_tensor_in_workspace(fws[0], [1, T], off, off + T * H * 2, torch.bfloat16)
+            buf.copy_(frx * 2)
+            out = a2a.moe_a2a_combine(buf, 5, fws, meta, T, 0, 1, k, off, payload_in_workspace=True)
+    assert tuple(out.shape) == (5, H) and out.dtype == torch.bfloat16

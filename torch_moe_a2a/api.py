@@ -28,14 +28,13 @@ from __future__ import annotations
 import enum
 import math
 import numbers
-import operator
 from collections.abc import Iterable
 from typing import Optional, Sequence, Union
 
 import torch
 
 from . import _C, layout
-from .arguments import ID_DTYPES, U64, check_flag, data_address, dispatch_args, rank_mask_words
+from .arguments import ID_DTYPES, U64, check_flag, data_address, dispatch_args, layout_value, rank_mask_words
 from .backend import MoeAlltoAllBackend, check_backend, pdl_default
 
 # check_errors and describe_error are part of this module's public names too.
@@ -586,13 +585,7 @@ def moe_a2a_combine(
         check_output_first("moe_a2a_combine", output, workspace)
     check_backend(backend, workspace)
     # By value, so FlashInfer's own SfLayout (or a plain int) is understood too.
-    try:
-        if isinstance(sf_layout, bool):
-            raise TypeError
-        sf_layout = operator.index(getattr(sf_layout, "value", sf_layout))
-    except TypeError:
-        raise ValueError(f"sf_layout must be an SfLayout (layout_128x4, layout_8x4, layout_linear) or its int "
-                         f"value 0, 1 or 2, got {sf_layout!r}") from None
+    sf_layout = layout_value(sf_layout)
     if bool in (type(local_num_tokens), type(runtime_max_tokens_per_rank), type(top_k),
                 type(combine_payload_offset)):  # the op reads True as 1
         expect_ints("moe_a2a_combine", local_num_tokens=local_num_tokens,
@@ -616,7 +609,9 @@ def moe_a2a_combine(
     if enable_pdl is None:
         enable_pdl = pdl_default(workspace)
     # `output`'s shape and dtype are checked by the op (check_combine).
-    compiling = torch.compiler.is_compiling()
+    # Traced (torch.compile, or a dispatch mode such as FakeTensorMode, whose
+    # tensors have no data pointer to compare): as described below.
+    compiling = tracing()
     staged = payload
     if payload_in_workspace and not compiling:
         _check_payload_in_workspace(payload, workspace, ep_rank, ep_size, runtime_max_tokens_per_rank,

@@ -5,8 +5,10 @@
 
 from __future__ import annotations
 
+import enum
+import operator
 import os
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -141,6 +143,26 @@ def dispatch_args(fn, token_selected_experts, input_payloads, workspace, metainf
             runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_n, mask,
             call_timeout(meta, timeout_s), mailbox, enable_pdl)
     return args, (eplb_n if eplb_local_stats is not None else 0)
+
+
+def layout_value(sf_layout: Any) -> int:
+    """An ``sf_layout``'s int value: SfLayout's, FlashInfer's own enum's or a
+    plain int's. A symbolic int (torch.compile made the argument dynamic) is
+    specialized: a layout is a choice of code, not a size.
+
+    Raises:
+        ValueError: anything else (a bool too: the op would read True as layout 1).
+    """
+    value = sf_layout.value if isinstance(sf_layout, enum.Enum) else sf_layout
+    if isinstance(value, torch.SymInt):
+        value = int(value)
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"sf_layout must be an SfLayout (layout_128x4, layout_8x4, layout_linear) or its int "
+                         f"value 0, 1 or 2, got {sf_layout!r}") from None
 
 
 def data_address(t: torch.Tensor) -> int:

@@ -22,7 +22,7 @@ from .api import (
     moe_a2a_sanitize_expert_ids,
     moe_a2a_wrap_payload_tensor_in_workspace,
 )
-from .arguments import COMBINE_DTYPES, check_flag
+from .arguments import COMBINE_DTYPES, check_flag, layout_value
 from .backend import MoeAlltoAllBackend, check_backend
 from .collective import Collective, as_collective, is_comm_backend
 from .compile_marks import mark_static_address
@@ -627,9 +627,8 @@ class MoeAlltoAll:
                 self.ep_rank, self.ep_size, self.top_k, self.num_experts, router_weights, self.max_tokens_per_expert,
                 enable_pdl, eplb_local_stats, self.enable_rank_mask, active_rank_mask, backend=self._backend,
                 timeout_s=self.timeout_s)
-            self._shared.rounds += 1
             self._state = _A2AState("dispatched", got.local_num_tokens, got.combine_payload_offset,
-                                    got.eplb_gathered_stats, got, self._shared.rounds, runtime_max_tokens_per_rank,
+                                    got.eplb_gathered_stats, got, self._next_round(), runtime_max_tokens_per_rank,
                                     self._shared.resets)
             self._shared.active = weakref.ref(self)
             return got
@@ -653,13 +652,12 @@ class MoeAlltoAll:
             recv_view_cache=self._recv_view_cache,
             timeout_s=self.timeout_s,
         )
-        self._shared.rounds += 1
         self._state = _A2AState(
             "dispatched",
             token_selected_experts.shape[0],
             combine_payload_offset,
             eplb_gathered_stats,
-            round=self._shared.rounds,
+            round=self._next_round(),
             runtime_max_tokens_per_rank=runtime_max_tokens_per_rank,
             resets=self._shared.resets,
         )
@@ -722,7 +720,7 @@ class MoeAlltoAll:
         dispatched = self._state.expert_major
         if dispatched is not None:
             if output_scales is not None or use_low_precision or low_precision_block_scales or \
-                    getattr(sf_layout, "value", sf_layout) != SfLayout.layout_linear.value:
+                    layout_value(sf_layout) != SfLayout.layout_linear.value:
                 raise NotImplementedError("MoeAlltoAll.combine after an expert-major dispatch: use_low_precision, "
                                           "low_precision_block_scales and quantized outputs exist for the rank-major "
                                           "combine only")
@@ -758,6 +756,17 @@ class MoeAlltoAll:
         )
         self._combined()
         return out
+
+    def _next_round(self) -> int:
+        """A dispatch's round number (_SharedWorkspace.rounds): a new one in
+        eager calls; under torch.compile the current one, since a counter
+        that every step advanced would be a guard that fails every step (a
+        recompilation a step, then the recompile limit). What it catches,
+        another instance's dispatch between this one's dispatch and combine,
+        is an eager check, as the ids checks are."""
+        if not tracing():
+            self._shared.rounds += 1
+        return self._shared.rounds
 
     def _combined(self) -> None:
         """After a combine: the round stays open for repeated combines; the
