@@ -187,18 +187,26 @@ MOE_A2A_HD uint32_t e4m3x4_from_float(float x0, float x1, float x2, float x3) {
 #endif
 }
 
-// The 4-bit code; a NaN gives the largest magnitude of its sign. The code is
-// 7 less the midpoints between neighbours that |x| lies at or below; at a
-// tie the even code (0, 2, 4, 6: an even mantissa bit) wins, hence <= at the
-// midpoints just above an even code and < at those above an odd one. A NaN
-// compares false with every midpoint. Comparisons, not a chain of branches:
-// on the GPU each lane of a warp took its own branch of the chain.
+// The 4-bit code, rounded to nearest, ties to even, saturating at 6; a NaN
+// gives the largest magnitude of its sign. Below 1 the magnitudes are 0, 0.5
+// and 1: the code is 2|x| rounded to an integer. From 1 on, the code is
+// (exponent, one mantissa bit) of |x| rounded to one mantissa bit on its
+// bits (1.0 is 254 << 22, code 2), which carries into the exponent, and
+// infinities and NaNs saturate with the rest. The same codes as comparing
+// |x| with the seven midpoints, for all 2^32 inputs, in half the
+// instructions, the fused outputs' conversion being software before
+// Blackwell.
 MOE_A2A_HD uint8_t e2m1_from_float(float x) {
-  const uint8_t sign = uint8_t((float_bits(x) >> 28) & 0x8);
-  const float a = fabsf(x);
-  const int above = int(a <= 0.25f) + int(a < 0.75f) + int(a <= 1.25f) + int(a < 1.75f) + int(a <= 2.5f) +
-                    int(a < 3.5f) + int(a <= 5.0f);
-  return uint8_t((7 - above) | sign);
+  const uint32_t u = float_bits(x);
+  const uint32_t bits = u & 0x7fffffffu;
+  uint32_t code;
+  if (bits < 0x3f800000u) {
+    code = uint32_t(rintf(bits_float(bits) * 2.0f));
+  } else {
+    const uint32_t r = (bits + 0x1fffffu + ((bits >> 22) & 1u)) >> 22;
+    code = r - 252u < 7u ? r - 252u : 7u;
+  }
+  return uint8_t(code | ((u >> 28) & 0x8));
 }
 
 MOE_A2A_HD float e2m1_to_float(uint8_t code) {
