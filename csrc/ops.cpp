@@ -4,6 +4,8 @@
 // ops from protocol.h and registers the CPU kernels.
 #include "ops.h"
 
+#include <ATen/MemoryOverlap.h>
+
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -473,6 +475,18 @@ void check_combine_output(const at::Tensor& o, const at::Tensor& workspace, cons
                     "that does not require grad, or call under torch.no_grad())");
 }
 
+// A tensor the combine writes must share no memory with what it reads or
+// writes besides: the pull reads payload rows (the own ones from the payload
+// itself) after it stored the first outputs, and would sum what it wrote.
+void check_apart(const at::Tensor& written, const std::optional<at::Tensor>& other, const char* written_name,
+                 const char* other_name) {
+  if (!other.has_value() || !other->defined()) return;
+  const at::MemOverlapStatus overlap = at::get_overlap_status(written, *other);
+  TORCH_CHECK_VALUE(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial, written_name,
+                    " must not share memory with ", other_name, ": the combine writes ", written_name,
+                    " before it has read all of ", other_name, " (pass a tensor of its own)");
+}
+
 CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
                             const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
                             int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t combine_payload_offset,
@@ -554,6 +568,7 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
     check_on_workspace_device(sc, workspace, "output_scales");
     TORCH_CHECK_VALUE(sc.is_contiguous(), "output_scales must be contiguous, got strides ", sc.strides());
     check_no_grad(sc, "output_scales");
+    check_apart(sc, payload, "output_scales", "the payload");
     const int64_t extent = sf_extent(p.sf_layout, local_num_tokens, scale_cols);
     TORCH_CHECK_VALUE(sc.numel() == extent, "output_scales must hold ", extent, " scales (", local_num_tokens,
                       " rows x ", scale_cols, " blocks of ", block, " in ", sf_layout_name(p.sf_layout),
@@ -590,6 +605,8 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
   if (output != nullptr) {
     check_combine_output(*output, workspace, p.ws, combine_output_shape(local_num_tokens, row_shape, output_dtype),
                          output_dtype);
+    check_apart(*output, payload, "output", "the payload");
+    check_apart(*output, output_scales, "output", "output_scales");
     TORCH_CHECK_VALUE(p.quant == QuantFormat::kNone || reinterpret_cast<uintptr_t>(output->data_ptr()) % 16 == 0,
                       "a quantized output must be 16-byte aligned");
     p.output = static_cast<uint8_t*>(output->data_ptr());
@@ -776,6 +793,7 @@ ExpertMajorCombineParams check_combine_expert_major(
   if (output != nullptr) {
     check_combine_output(*output, workspace, c.ws, expert_major_output_shape(local_num_tokens, row_shape),
                          output_dtype);
+    check_apart(*output, payload, "output", "the payload");
     c.output = static_cast<uint8_t*>(output->data_ptr());
   }
   return p;

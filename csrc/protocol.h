@@ -606,9 +606,9 @@ enum CombineMismatch : uint32_t {
 // Why kMismatchRegionStaged refuses a combine, for the errors of both
 // backends (after "... that staged its payload ").
 constexpr const char* kRegionStagedReason =
-    "(a payload tensor, or use_low_precision): that combine staged into the combine region only the rows its "
-    "peers pull (e4m3 rows with use_low_precision), so the region no longer holds a payload; pass the payload "
-    "as a tensor";
+    "(a payload tensor, or use_low_precision): that combine staged into the combine region its rows (of a "
+    "rank-major payload only those its peers pull, e4m3 rows with use_low_precision), so the region no longer "
+    "holds the payload written there; pass the payload as a tensor";
 
 // kMismatchExpertMajor of an expert-major combine from the own header's words
 // of the last build (kHdrExpertMajorEpoch, kHdrExpertMajorTokens,

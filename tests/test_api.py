@@ -380,6 +380,10 @@ def test_moe_alltoall_on_a_row_in_use_shares_it(device):
     with pytest.raises(ValueError, match=r"in use by another instance.*max_num_tokens"):
         a2a.MoeAlltoAll(ep_mapping(1, 2), case.max_tokens - 1, case.top_k, case.num_experts,
                         workspace=sim.workspace)
+    # A narrower view of the same rows is the same row, of another size.
+    with pytest.raises(ValueError, match=r"in use by another instance.*'size_per_rank'"):
+        a2a.MoeAlltoAll(ep_mapping(0, 2), case.max_tokens, case.top_k, case.num_experts,
+                        workspace=sim.workspace[:, : sim.workspace.shape[1] - 128])
     round_trip(moes)
 
 

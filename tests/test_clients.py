@@ -313,6 +313,9 @@ def test_checkpoint_refused_between_dispatch_and_combine(tmp_path):
         payload = (hidden * 2).view(1, 1, 64)
         assert torch.equal(moe.combine(payload, 1), payload[0])
         moe.checkpoint_prepare()
+        # Another instance on the released rows would initialize freed memory, outside the release.
+        with pytest.raises(RuntimeError, match=r"whose checkpoint_prepare\(\) released its memory"):
+            a2a.MoeAlltoAll(a2a.Mapping(), 8, 2, 4, hidden_size=64, workspace=moe.workspace)
         with pytest.raises(RuntimeError, match="rank/size 0/2 differ"):
             moe.checkpoint_restore(_FakeComm(0, 2))
         moe.checkpoint_restore(comm)

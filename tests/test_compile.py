@@ -138,6 +138,11 @@ def test_compiled_moe_alltoall_steps_do_not_recompile(device):
     compiled = torch.compile(moe_alltoall_step, backend="eager", fullgraph=True, dynamic=False)
     for step in range(12):
         assert_bytes_equal(compiled(moe, inputs.ids[0], inputs.payloads[0], case.T), eager, f"step {step}")
+    # Eager steps between compiled ones advance the eager round counter, which
+    # traced code must not read either.
+    for step in range(12):
+        fn = compiled if step % 2 else moe_alltoall_step
+        assert_bytes_equal(fn(moe, inputs.ids[0], inputs.payloads[0], case.T), eager, f"alternating step {step}")
     assert counters["stats"]["unique_graphs"] <= 2, counters["stats"]
 
 

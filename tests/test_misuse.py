@@ -1121,9 +1121,10 @@ def test_a_combine_of_the_other_layout_says_so():
     ids = torch.tensor([[0, 1]] * T, dtype=torch.int32)
     x = torch.randn(T, H, generator=make_generator("layouts"))
     em = a2a.moe_a2a_dispatch_expert_major(ids, [x], sim.workspace, sim.metainfo[0], T, 0, ep, k, E)
-    with pytest.raises(ValueError, match=r"combine_payload_offset must be the one the dispatch returned \(\d+\), got "
-                                         rf"{em.combine_payload_offset} \(the combine region of the dispatch's "
-                                         r"expert-major layout: moe_a2a_combine_expert_major combines"):
+    with pytest.raises(ValueError, match=rf"combine_payload_offset {em.combine_payload_offset} is the expert-major "
+                                         r"combine region of the dispatch \(ExpertMajorDispatch.combine_payload_offset\): "
+                                         r"moe_a2a_combine_expert_major combines an expert-major dispatch's rows \(a "
+                                         rf"rank-major combine of them takes combine_payload_offset={em.dispatch_end}, "):
         a2a.moe_a2a_combine(torch.zeros(ep, T, H), T, sim.workspace, sim.metainfo[0], T, 0, ep, k,
                             em.combine_payload_offset)
     a2a.moe_a2a_combine_expert_major(em.output_payloads[0], em, sim.workspace, sim.metainfo[0], 0, ep)
@@ -1152,3 +1153,77 @@ def test_a_combine_of_the_other_layout_says_so():
                                          rf"dispatch's {em4.dispatch_end}\)"):
         a2a.moe_a2a_combine_expert_major(em3.output_payloads[0], em3, sim.workspace, sim.metainfo[0], 0, ep)
     a2a.moe_a2a_combine_expert_major(em4.output_payloads[0], em4, sim.workspace, sim.metainfo[0], 0, ep)
+
+
+def test_expert_major_payload_in_workspace_after_a_staged_combine_is_refused(device):
+    """As for the rank-major combine: an expert-major combine that staged a
+    tensor (with a peer to pull, ep 2) wrote its rows over the region, so a
+    later combine of the round that reads the region in place is refused (at
+    once on the CPU, recorded on CUDA); in place before any staging works."""
+    ep, T, H, k, E = 2, 4, 16, 2, 4
+    size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(ep, T, H * 2, H * 2, E, k)
+    sim = a2a.SimulatedEP(ep, T, dispatch_bytes_per_token=0, combine_bytes_per_token=0, device=device,
+                          workspace_size_per_rank=size, timeout_s=5)
+    gen = make_generator("em in place after staged")
+    ids = [torch.randint(0, E, (T, k), dtype=torch.int32, generator=gen).to(device) for _ in range(ep)]
+    x = [torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device) for _ in range(ep)]
+    got = sim.run(lambda r: a2a.moe_a2a_dispatch_expert_major(ids[r], [x[r]], sim.workspace, sim.metainfo[r], T, r,
+                                                              ep, k, E))
+
+    def in_place(r):
+        view = got[r].output_payloads[0]
+        nbytes = view.numel() * view.element_size()
+        return a2a.moe_a2a_wrap_payload_tensor_in_workspace(
+            sim.workspace[r], list(view.shape[:2]), got[r].combine_payload_offset,
+            got[r].combine_payload_offset + nbytes, view.dtype)
+
+    buffers = [in_place(r).copy_(got[r].output_payloads[0]) for r in range(ep)]
+    sim.run(lambda r: a2a.moe_a2a_combine_expert_major(buffers[r], got[r], sim.workspace, sim.metainfo[r], r, ep,
+                                                       payload_in_workspace=True))
+    tensors = [got[r].output_payloads[0].clone() for r in range(ep)]
+    sim.run(lambda r: a2a.moe_a2a_combine_expert_major(tensors[r], got[r], sim.workspace, sim.metainfo[r], r, ep))
+    message = "after a combine of the same dispatch that staged its payload"
+    if device == "cpu":
+        refused(sim.workspace, lambda: a2a.moe_a2a_combine_expert_major(
+            buffers[0], got[0], sim.workspace, sim.metainfo[0], 0, ep, payload_in_workspace=True), ValueError, message,
+            "pass the payload as a tensor")
+        return
+    sim.run(lambda r: a2a.moe_a2a_combine_expert_major(buffers[r], got[r], sim.workspace, sim.metainfo[r], r, ep,
+                                                       payload_in_workspace=True))
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match=message):
+        a2a.check_errors(sim.workspace)
+
+
+@pytest.mark.parametrize("layout_kind", ["rank-major", "expert-major"])
+def test_an_output_sharing_memory_with_the_payload_is_refused(layout_kind, device):
+    """The pull reads payload rows after it stored the first outputs (the own
+    rows from the payload tensor itself): an output= that overlaps the payload
+    summed what it had written. Refused, the workspace untouched."""
+    T, H, k, E = 4, 8, 2, 4
+    gen = make_generator(("aliased output", layout_kind))
+    ids = torch.tensor([[-1, -1], [0, 1], [2, 3], [1, 1]], dtype=torch.int32).to(device)
+    x = torch.randn(T, H, generator=gen).to(device)
+    if layout_kind == "rank-major":
+        size = a2a.moe_a2a_get_workspace_size_per_rank(1, T, H * 4, H * 4)
+        sim = a2a.SimulatedEP(1, T, dispatch_bytes_per_token=0, combine_bytes_per_token=0, device=device,
+                              workspace_size_per_rank=size)
+        (rx,), off, _ = a2a.moe_a2a_dispatch(ids, [x], sim.workspace, sim.metainfo[0], T, 0, 1, k, E)
+        payload = rx.clone()
+
+        def combine(output):
+            return a2a.moe_a2a_combine(payload, T, sim.workspace, sim.metainfo[0], T, 0, 1, k, off, output=output)
+    else:
+        size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(1, T, H * 4, H * 4, E, k)
+        sim = a2a.SimulatedEP(1, T, dispatch_bytes_per_token=0, combine_bytes_per_token=0, device=device,
+                              workspace_size_per_rank=size)
+        got = a2a.moe_a2a_dispatch_expert_major(ids, [x], sim.workspace, sim.metainfo[0], T, 0, 1, k, E)
+        payload = got.output_payloads[0].clone()
+
+        def combine(output):
+            return a2a.moe_a2a_combine_expert_major(payload, got, sim.workspace, sim.metainfo[0], 0, 1, output=output)
+
+    refused(sim.workspace, lambda: combine(payload.view(-1, H)[:T]), ValueError,
+            "output must not share memory with the payload")
+    out = combine(torch.empty(T, H, device=device))
+    assert tuple(out.shape) == (T, H)

@@ -50,7 +50,7 @@ class _A2AState:
     combine_payload_offset: Optional[int] = None
     eplb_gathered_stats: Optional[torch.Tensor] = None
     expert_major: Optional[ExpertMajorDispatch] = None  # an expert-major dispatch's result
-    round: int = 0  # _SharedWorkspace.rounds after this state's dispatch
+    round: Optional[int] = 0  # _SharedWorkspace.rounds after this state's dispatch (None: a traced one)
     runtime_max_tokens_per_rank: Optional[int] = None  # the dispatch's
     resets: int = 0  # _SharedWorkspace.resets when this state began
 
@@ -74,8 +74,7 @@ class _SharedWorkspace:
     # Re-initializations of the row (reset, checkpoint_restore) through any of
     # the instances: each one ends every instance's open round.
     resets: int = 0
-    # The row the instances use and what it was initialized for: (ep_rank,
-    # ep_size, max_num_tokens, eplb_stats_num_experts, backend).
+    # The row the instances use and what it was initialized for: _geometry's.
     geometry: tuple = ()
 
     def active_instance(self) -> Optional["MoeAlltoAll"]:
@@ -89,15 +88,26 @@ class _SharedWorkspace:
 _LIVE_SHARED_WORKSPACES: "weakref.WeakSet[_SharedWorkspace]" = weakref.WeakSet()
 
 
+# What a row was initialized for, in _SharedWorkspace.geometry's order.
+_GEOMETRY = ("ep_rank", "ep_size", "size_per_rank", "row_stride", "max_num_tokens", "eplb_stats_num_experts", "backend")
+
+
+def _geometry(workspace: torch.Tensor, ep_rank: int, ep_size: int, max_num_tokens: int, eplb_n: int,
+              backend: str) -> tuple:
+    return (ep_rank, ep_size, workspace.shape[1], workspace.stride(0), max_num_tokens, eplb_n, backend)
+
+
 def _row_in_use(workspace: torch.Tensor, ep_rank: int) -> Optional[_SharedWorkspace]:
     """The shared state of the live instances of this process on ``ep_rank``'s
-    row of ``workspace``'s memory, if any (initializing the row again would
-    end their rounds under them: their peers' next calls would time out)."""
+    row of ``workspace``'s memory, through whatever view of it, if any
+    (initializing the row again would end their rounds under them: their
+    peers' next calls would time out). A meta workspace has no memory."""
+    row = workspace.data_ptr() + ep_rank * workspace.stride(0)
+    if workspace.data_ptr() == 0:
+        return None
     for shared in list(_LIVE_SHARED_WORKSPACES):
         w = shared.workspace
-        if (shared.mapped and shared.geometry[:1] == (ep_rank,) and w.device == workspace.device
-                and w.data_ptr() == workspace.data_ptr() and w.shape == workspace.shape
-                and w.stride() == workspace.stride()):
+        if shared.geometry and w.device == workspace.device and w.data_ptr() + shared.geometry[0] * w.stride(0) == row:
             return shared
     return None
 
@@ -251,7 +261,10 @@ class MoeAlltoAll:
             not a tensor), ``mapping`` inconsistent with the group,
             ``workspace=`` together with a group, a workspace too small, a
             ``workspace=`` row that a live instance of this process uses with
-            another geometry (rank, size, ``max_num_tokens``, EPLB length, backend).
+            another geometry (rank, size, row size and stride,
+            ``max_num_tokens``, EPLB length, backend), through any view.
+        RuntimeError: a ``workspace=`` row whose instance's
+            :meth:`checkpoint_prepare` released it.
         NotImplementedError: ``backend="cake"`` on a Blackwell device.
     """
 
@@ -359,21 +372,24 @@ class MoeAlltoAll:
         self.timeout_s = None if timeout_s is None else float(timeout_s)
         self._backend = backend
 
-        geometry = (self.ep_rank, self.ep_size, max_num_tokens, eplb_stats_num_experts, backend)
         in_use = None if workspace is None else _row_in_use(workspace, self.ep_rank)
         if in_use is not None:
+            geometry = _geometry(workspace, self.ep_rank, self.ep_size, max_num_tokens, eplb_stats_num_experts, backend)
             if in_use.geometry != geometry:
-                names = ("ep_rank", "ep_size", "max_num_tokens", "eplb_stats_num_experts", "backend")
                 raise ValueError(
                     f"MoeAlltoAll: rank {self.ep_rank}'s row of this workspace is in use by another instance of "
-                    f"this process, initialized for {dict(zip(names, in_use.geometry))}, not "
-                    f"{dict(zip(names, geometry))}; reinitializing it would end that instance's rounds under it")
+                    f"this process, initialized for {dict(zip(_GEOMETRY, in_use.geometry))}, not "
+                    f"{dict(zip(_GEOMETRY, geometry))}; reinitializing it would end that instance's rounds under it")
+            if not in_use.mapped:
+                raise RuntimeError(f"MoeAlltoAll: rank {self.ep_rank}'s row of this workspace belongs to an instance "
+                                   "whose checkpoint_prepare() released its memory; call checkpoint_restore first")
             self._shared = in_use
         elif workspace is not None:
             metainfo = moe_a2a_initialize(
                 workspace, self.ep_rank, self.ep_size, max_num_tokens, eplb_stats_num_experts, backend=backend
             )
-            self._shared = _SharedWorkspace(workspace, metainfo, None, geometry=geometry)
+            self._shared = _SharedWorkspace(workspace, metainfo, None, geometry=_geometry(
+                workspace, self.ep_rank, self.ep_size, max_num_tokens, eplb_stats_num_experts, backend))
         else:
             self._shared = self.get_workspace(workspace_size_per_rank, self.ep_rank, self.ep_size, max_num_tokens,
                                               mapping, eplb_stats_num_experts, backend=backend, group=group,
@@ -456,8 +472,8 @@ class MoeAlltoAll:
         entry = cls._WORKSPACE_CACHE[key] = _WorkspaceEntry(
             workspace_size_per_rank=workspace_size_per_rank, max_num_tokens=max_num_tokens, ep_rank=ep_rank,
             ep_size=ep_size, eplb_stats_num_experts=eplb_stats_num_experts, workspace=workspace, metainfo=metainfo,
-            shared=_SharedWorkspace(workspace, metainfo, coll,
-                                    geometry=(ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, backend)))
+            shared=_SharedWorkspace(workspace, metainfo, coll, geometry=_geometry(
+                workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, backend)))
         return entry
 
     @classmethod
@@ -757,15 +773,17 @@ class MoeAlltoAll:
         self._combined()
         return out
 
-    def _next_round(self) -> int:
+    def _next_round(self) -> Optional[int]:
         """A dispatch's round number (_SharedWorkspace.rounds): a new one in
-        eager calls; under torch.compile the current one, since a counter
-        that every step advanced would be a guard that fails every step (a
-        recompilation a step, then the recompile limit). What it catches,
-        another instance's dispatch between this one's dispatch and combine,
-        is an eager check, as the ids checks are."""
-        if not tracing():
-            self._shared.rounds += 1
+        eager calls; None under torch.compile, which must not read the
+        counter: eager dispatches advance it, and a traced read would be a
+        guard that fails at every step after one (a recompilation a step,
+        then the recompile limit). What it catches, another instance's
+        dispatch between this one's dispatch and combine, is an eager check
+        of eager rounds, as the ids checks are."""
+        if tracing():
+            return None
+        self._shared.rounds += 1
         return self._shared.rounds
 
     def _combined(self) -> None:
@@ -780,7 +798,8 @@ class MoeAlltoAll:
         if self._state.phase == "idle":
             raise RuntimeError(f"MoeAlltoAll.{what} called before dispatch (a combine combines the rows of the "
                                "last dispatch); call dispatch first")
-        if self._state.round != self._shared.rounds:
+        # Not traced, nor after a traced dispatch: _next_round.
+        if not tracing() and self._state.round is not None and self._state.round != self._shared.rounds:
             raise RuntimeError(f"MoeAlltoAll.{what}: another MoeAlltoAll sharing this workspace dispatched after "
                                "this instance's last dispatch, whose routes and rows are gone; dispatch again")
 

@@ -520,13 +520,17 @@ RowStatus check_row_for_combine(const CombineParams& p, int64_t max_num_tokens) 
     // dispatch n puts it (protocol.h): staged anywhere else, they would sum
     // stale rows.
     st.kind = RowStatus::kValueError;
-    st.message = "combine_payload_offset must be the one the dispatch returned (" + std::to_string(region) + "), got " +
-                 std::to_string(p.combine_offset);
     if (load<uint32_t>(row, kHdrExpertMajorEpoch) == dispatch_epoch &&
         load<int64_t>(row, kHdrExpertMajorEnd) == p.combine_offset) {
-      st.message +=
-          " (the combine region of the dispatch's expert-major layout: moe_a2a_combine_expert_major "
-          "combines an expert-major dispatch's rows)";
+      // What an expert-major dispatch returned is its own layout's offset.
+      st.message = "combine_payload_offset " + std::to_string(p.combine_offset) +
+                   " is the expert-major combine region of the dispatch (ExpertMajorDispatch.combine_payload_offset): "
+                   "moe_a2a_combine_expert_major combines an expert-major dispatch's rows (a rank-major combine of "
+                   "them takes combine_payload_offset=" +
+                   std::to_string(region) + ", its dispatch_end)";
+    } else {
+      st.message = "combine_payload_offset must be the one the dispatch returned (" + std::to_string(region) +
+                   "), got " + std::to_string(p.combine_offset);
     }
   } else if (region_staged_mismatch(load<uint32_t>(row, kHdrRegionStaged),
                                     p.payload == nullptr || p.payload == row + p.combine_offset) != 0) {
@@ -825,6 +829,15 @@ RowStatus check_row_for_combine_expert_major(const ExpertMajorCombineParams& p, 
     }
     return st;
   }
+  // The rank-major checks looked for a payload in the rank-major region; an
+  // expert-major combine's in-place payload is its own region.
+  if (build_epoch == dispatch_epoch &&
+      region_staged_mismatch(load<uint32_t>(row, kHdrRegionStaged), !em_combine_own_from_payload(p.c)) != 0) {
+    st.kind = RowStatus::kValueError;
+    st.message = std::string("payload_in_workspace after a combine of the same dispatch that staged its payload ") +
+                 kRegionStagedReason;
+    return st;
+  }
   if (expert_major_mismatch(build_epoch, build_tokens, build_end, dispatch_epoch, p.layout.tokens_per_expert,
                             p.c.combine_offset) != 0) {
     std::ostringstream os;
@@ -1004,6 +1017,7 @@ WaitResult combine_expert_major(const ExpertMajorCombineParams& ep) {
   if (em_combine_stages(p)) {
     const WaitResult staging = wait_before_staging(p, count);
     if (staging.code != kErrorNone) return staging;
+    store<uint32_t>(own, kHdrRegionStaged, 1);
     const int32_t* counts = reinterpret_cast<const int32_t*>(own + l.counts_offset);
     for (int64_t e = 0; e < ep.num_local; ++e) {
       const int64_t rows = std::min<int64_t>(std::max<int32_t>(counts[e], 0), M);

@@ -462,7 +462,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) em_combine_kernel(con
                 expert_major_mismatch(*header_word<uint32_t>(own, kHdrExpertMajorEpoch),
                                       *header_word<int32_t>(own, kHdrExpertMajorTokens),
                                       *header_word<int64_t>(own, kHdrExpertMajorEnd), dispatch_epoch,
-                                      a.p.layout.tokens_per_expert, c.combine_offset)
+                                      a.p.layout.tokens_per_expert, c.combine_offset) |
+                region_staged_mismatch(*header_word<uint32_t>(own, kHdrRegionStaged), !a.own_from_payload)
           : 0u;
   const bool checks_peer = int(threadIdx.x) < ws.ep_size && rank_active(c.sync, threadIdx.x);
   const int32_t peer_t = checks_peer ? *header_word<int32_t>(own, peer_runtime_max_offset(threadIdx.x)) : 0;
@@ -494,7 +495,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) em_combine_kernel(con
   release_share(ws, c.sync, kHdrCombineFlags, system);
 
   // 3. Acquire (as combine.cu).
-  if (!acquire_combine_flags(ws, c.sync, dispatch_epoch, this_combine, /*staged=*/false, a.sync_settings)) return;
+  if (!acquire_combine_flags(ws, c.sync, dispatch_epoch, this_combine, a.stage, a.sync_settings)) return;
 
   // 4. Pull, 5. this CTA's share of pull_done (as combine.cu).
   pull_expert_rows_any<In, Out>(a);
