@@ -102,9 +102,10 @@ def _row_in_use(workspace: torch.Tensor, ep_rank: int) -> Optional[_SharedWorksp
     row of ``workspace``'s memory, through whatever view of it, if any
     (initializing the row again would end their rounds under them: their
     peers' next calls would time out). A meta workspace has no memory."""
-    row = workspace.data_ptr() + ep_rank * workspace.stride(0)
-    if workspace.data_ptr() == 0:
+    base = workspace.data_ptr()
+    if base == 0:
         return None
+    row = base + ep_rank * workspace.stride(0)
     for shared in list(_LIVE_SHARED_WORKSPACES):
         w = shared.workspace
         if shared.geometry and w.device == workspace.device and w.data_ptr() + shared.geometry[0] * w.stride(0) == row:
@@ -372,32 +373,37 @@ class MoeAlltoAll:
         self.timeout_s = None if timeout_s is None else float(timeout_s)
         self._backend = backend
 
-        in_use = None if workspace is None else _row_in_use(workspace, self.ep_rank)
-        if in_use is not None:
-            geometry = _geometry(workspace, self.ep_rank, self.ep_size, max_num_tokens, eplb_stats_num_experts, backend)
-            if in_use.geometry != geometry:
-                raise ValueError(
-                    f"MoeAlltoAll: rank {self.ep_rank}'s row of this workspace is in use by another instance of "
-                    f"this process, initialized for {dict(zip(_GEOMETRY, in_use.geometry))}, not "
-                    f"{dict(zip(_GEOMETRY, geometry))}; reinitializing it would end that instance's rounds under it")
-            if not in_use.mapped:
-                raise RuntimeError(f"MoeAlltoAll: rank {self.ep_rank}'s row of this workspace belongs to an instance "
-                                   "whose checkpoint_prepare() released its memory; call checkpoint_restore first")
-            self._shared = in_use
-        elif workspace is not None:
-            metainfo = moe_a2a_initialize(
-                workspace, self.ep_rank, self.ep_size, max_num_tokens, eplb_stats_num_experts, backend=backend
-            )
-            self._shared = _SharedWorkspace(workspace, metainfo, None, geometry=_geometry(
-                workspace, self.ep_rank, self.ep_size, max_num_tokens, eplb_stats_num_experts, backend))
-        else:
+        if workspace is None:
             self._shared = self.get_workspace(workspace_size_per_rank, self.ep_rank, self.ep_size, max_num_tokens,
                                               mapping, eplb_stats_num_experts, backend=backend, group=group,
                                               device=device)["shared"]
+        else:
+            self._shared = self._shared_row(workspace, max_num_tokens, eplb_stats_num_experts, backend)
         mark_static_address(self.workspace)
         self._recv_counts = moe_a2a_get_recv_counts(self.workspace, self.metainfo, self.ep_rank)
         self._recv_view_cache: dict = {"_workspace": self.workspace}
         self._state = _A2AState(resets=self._shared.resets)
+
+    def _shared_row(self, workspace: torch.Tensor, max_num_tokens: int, eplb_n: int,
+                    backend: MoeAlltoAllBackend) -> _SharedWorkspace:
+        """The shared state of this rank's row of ``workspace=``: a live
+        instance's, where one of this process uses it, else a new one over the
+        row, initialized here."""
+        geometry = _geometry(workspace, self.ep_rank, self.ep_size, max_num_tokens, eplb_n, backend)
+        in_use = _row_in_use(workspace, self.ep_rank)
+        if in_use is None:
+            metainfo = moe_a2a_initialize(workspace, self.ep_rank, self.ep_size, max_num_tokens, eplb_n,
+                                          backend=backend)
+            return _SharedWorkspace(workspace, metainfo, None, geometry=geometry)
+        if in_use.geometry != geometry:
+            raise ValueError(
+                f"MoeAlltoAll: rank {self.ep_rank}'s row of this workspace is in use by another instance of "
+                f"this process, initialized for {dict(zip(_GEOMETRY, in_use.geometry))}, not "
+                f"{dict(zip(_GEOMETRY, geometry))}; reinitializing it would end that instance's rounds under it")
+        if not in_use.mapped:
+            raise RuntimeError(f"MoeAlltoAll: rank {self.ep_rank}'s row of this workspace belongs to an instance "
+                               "whose checkpoint_prepare() released its memory; call checkpoint_restore first")
+        return in_use
 
     @classmethod
     def get_workspace(

@@ -279,11 +279,26 @@ WaitResult wait_for_peer_pulls(const WorkspaceView& ws, const SyncParams& sync, 
 // Combine step 0 (protocol.h), for a combine that writes into the own
 // combine region (stages or converts): a repeated combine of the round waits
 // until every active peer finished pulling the combine before it; the
-// round's first needs not.
-WaitResult wait_before_staging(const CombineParams& p, uint32_t count) {
-  const uint8_t* own = p.ws.row(p.ws.ep_rank);
-  if (load<uint32_t>(own, kHdrDispatchEpoch) != load<uint32_t>(own, kHdrCombineEpoch)) return WaitResult{};
-  return wait_for_peer_pulls(p.ws, p.sync, count - 1, kErrorCombineTimeout);
+// round's first needs not. Then the region is marked staged (step 1), so
+// that a later combine of the round does not read it as its payload.
+WaitResult begin_staging(const CombineParams& p, uint32_t count) {
+  uint8_t* own = p.ws.row(p.ws.ep_rank);
+  if (load<uint32_t>(own, kHdrDispatchEpoch) == load<uint32_t>(own, kHdrCombineEpoch)) {
+    const WaitResult pulled = wait_for_peer_pulls(p.ws, p.sync, count - 1, kErrorCombineTimeout);
+    if (pulled.code != kErrorNone) return pulled;
+  }
+  store<uint32_t>(own, kHdrRegionStaged, 1);
+  return WaitResult{};
+}
+
+// The refusal of a combine that reads as its payload a combine region an
+// earlier combine of the round staged into (region_staged_mismatch).
+RowStatus region_staged_refusal() {
+  RowStatus st;
+  st.kind = RowStatus::kValueError;
+  st.message = std::string("payload_in_workspace after a combine of the same dispatch that staged its payload ") +
+               kRegionStagedReason;
+  return st;
 }
 
 // Combine step 5: own combine_epoch := the dispatch's, combine_count := count,
@@ -534,9 +549,7 @@ RowStatus check_row_for_combine(const CombineParams& p, int64_t max_num_tokens) 
     }
   } else if (region_staged_mismatch(load<uint32_t>(row, kHdrRegionStaged),
                                     p.payload == nullptr || p.payload == row + p.combine_offset) != 0) {
-    st.kind = RowStatus::kValueError;
-    st.message = std::string("payload_in_workspace after a combine of the same dispatch that staged its payload ") +
-                 kRegionStagedReason;
+    st = region_staged_refusal();
   }
   return st;
 }
@@ -694,9 +707,8 @@ WaitResult combine(const CombineParams& p) {
   const bool low_precision = p.low_precision != LowPrecision::kOff;
   const bool stages = combine_stages(p);
   if (stages) {
-    const WaitResult staging = wait_before_staging(p, count);
+    const WaitResult staging = begin_staging(p, count);
     if (staging.code != kErrorNone) return staging;
-    store<uint32_t>(own, kHdrRegionStaged, 1);
   }
   if (low_precision) {
     // Staged as e4m3 rows (protocol.h), from the payload or in place.
@@ -833,10 +845,7 @@ RowStatus check_row_for_combine_expert_major(const ExpertMajorCombineParams& p, 
   // expert-major combine's in-place payload is its own region.
   if (build_epoch == dispatch_epoch &&
       region_staged_mismatch(load<uint32_t>(row, kHdrRegionStaged), !em_combine_own_from_payload(p.c)) != 0) {
-    st.kind = RowStatus::kValueError;
-    st.message = std::string("payload_in_workspace after a combine of the same dispatch that staged its payload ") +
-                 kRegionStagedReason;
-    return st;
+    return region_staged_refusal();
   }
   if (expert_major_mismatch(build_epoch, build_tokens, build_end, dispatch_epoch, p.layout.tokens_per_expert,
                             p.c.combine_offset) != 0) {
@@ -1015,9 +1024,8 @@ WaitResult combine_expert_major(const ExpertMajorCombineParams& ep) {
   // peer pulls them (em_combine_stages); rows [e, i] keep their index.
   uint8_t* region = own + p.combine_offset;
   if (em_combine_stages(p)) {
-    const WaitResult staging = wait_before_staging(p, count);
+    const WaitResult staging = begin_staging(p, count);
     if (staging.code != kErrorNone) return staging;
-    store<uint32_t>(own, kHdrRegionStaged, 1);
     const int32_t* counts = reinterpret_cast<const int32_t*>(own + l.counts_offset);
     for (int64_t e = 0; e < ep.num_local; ++e) {
       const int64_t rows = std::min<int64_t>(std::max<int32_t>(counts[e], 0), M);
