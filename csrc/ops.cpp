@@ -840,7 +840,8 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
     case kErrorSequence:
       os << "every dispatch must be followed by a combine before the next dispatch, and every combine must "
             "follow a dispatch, but dispatch was called twice without a combine in between, or combine without "
-            "a preceding dispatch";
+            "a preceding dispatch; "
+         << kRecomputedDispatchHint;
       break;
     case kErrorPayloadMismatch:
       os << "peers " << rank_list(missing) << " called dispatch with other payloads than this rank's (their "

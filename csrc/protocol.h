@@ -610,6 +610,15 @@ constexpr const char* kRegionStagedReason =
     "rank-major payload only those its peers pull, e4m3 rows with use_low_precision), so the region no longer "
     "holds the payload written there; pass the payload as a tensor";
 
+// The end of both backends' errors for a dispatch that finds its round open:
+// a recomputation re-runs the forward ops of a checkpointed region in the
+// backward, and where the backward needs a dispatch's received rows but not
+// its combine's output it re-runs the dispatch alone.
+constexpr const char* kRecomputedDispatchHint =
+    "a recomputation that re-runs a dispatch without its combine does this too (activation checkpointing of a "
+    "region that holds a dispatch, under torch.compile or around a dispatch without its combine): checkpoint "
+    "with context_fn=torch_moe_a2a.checkpoint_context, which saves the exchanges instead";
+
 // kMismatchExpertMajor of an expert-major combine from the own header's words
 // of the last build (kHdrExpertMajorEpoch, kHdrExpertMajorTokens,
 // kHdrExpertMajorEnd) and the dispatch epoch pending.

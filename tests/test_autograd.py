@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import os
 import re
 from types import SimpleNamespace
@@ -535,6 +536,145 @@ def test_compiled_training_step_copies_no_workspace(layout):
         if re.search(r"empty_strided|empty\(|\.clone\(|copy_\(", line):
             assert not re.search(rf"\b({size}|{rows * size})\b", line), f"workspace-sized buffer: {line.strip()}"
     assert x.grad is not None and w.grad is not None
+
+
+# ---- activation checkpointing --------------------------------------------------------------------------
+
+
+def _checkpointed(fn, context_fn=None):
+    """``fn`` under non-reentrant activation checkpointing, with ``context_fn`` if given."""
+    from torch.utils.checkpoint import checkpoint
+
+    def wrapped(*args):
+        kwargs = {} if context_fn is None else {"context_fn": context_fn}
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+    return wrapped
+
+
+def test_checkpoint_policy_saves_exactly_the_exchanges():
+    """Every moe_a2a op is saved, every other op left to recomputation; a
+    policy of one's own decides the other ops and is never asked about an
+    exchange."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    ops = torch.ops.moe_a2a
+    for op in (ops.dispatch_owned.default, ops.combine_owned.default, ops.dispatch_round.default,
+               ops.combine_round.default, ops.dispatch_em_owned.default, ops.combine_em_round.default,
+               ops.dispatch.default, ops.combine.default):
+        assert a2a.checkpoint_policy(None, op) == CheckpointPolicy.MUST_SAVE, op
+    for op in (torch.ops.aten.mm.default, torch.ops.aten.mul.Tensor):
+        assert a2a.checkpoint_policy(None, op) == CheckpointPolicy.PREFER_RECOMPUTE, op
+
+    asked = []
+
+    def mine(ctx, op, *args, **kwargs):
+        asked.append(op)
+        return CheckpointPolicy.MUST_SAVE
+
+    tokens, top_k, num_experts, hidden = 4, 2, 4, 8
+    sim = make_sim(1, tokens, hidden, top_k)
+    gen = torch.Generator().manual_seed(21)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    x = torch.randn(tokens, hidden, generator=gen, requires_grad=True)
+    w = torch.rand(tokens, top_k, generator=gen, requires_grad=True)
+    context = functools.partial(a2a.checkpoint_context, mine)
+    out = _checkpointed(compiled_train_step, context)(x, w, ids, sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k,
+                                                      num_experts)
+    out.sum().backward()
+    assert asked and all(op.namespace == "aten" for op in asked), asked
+
+
+def _partial_layer(layout, sim, ids, x, w, tokens, top_k, num_experts, context_fn):
+    """Dispatch and expert under checkpointing (``context_fn`` None: plain
+    checkpointing), the combine outside it; returns the output."""
+    if layout == "rank-major":
+        def region(x, w):
+            recv, offset, _ = moe_a2a_dispatch_differentiable(ids, [x, ids, w], sim.workspace, sim.metainfo[0], tokens,
+                                                              0, 1, top_k, num_experts)
+            return recv[0] * recv[2][..., :1], offset
+
+        y, offset = _checkpointed(region, context_fn)(x, w)
+        return moe_a2a_combine_differentiable(y, ids, sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k,
+                                              num_experts, offset)
+
+    def region(x, w):
+        dispatched = moe_a2a_dispatch_expert_major_differentiable(ids, [x], sim.workspace, sim.metainfo[0], tokens, 0,
+                                                                  1, top_k, num_experts, router_weights=w)
+        return dispatched.output_payloads[0] * 1.5, dispatched
+
+    y, dispatched = _checkpointed(region, context_fn)(x, w)
+    return moe_a2a_combine_expert_major_differentiable(y, dispatched, ids, sim.workspace, sim.metainfo[0], 0, 1)
+
+
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+def test_a_checkpointed_dispatch_without_its_combine(layout, device):
+    """A checkpointed region that holds a dispatch and its expert but not the
+    combine: its recomputation re-runs the dispatch alone, which the next
+    exchange refuses with an error that names checkpoint_context (on the CPU,
+    which refuses it at once; CUDA records it for a later call); with
+    context_fn=checkpoint_context the dispatch is saved, and the output and
+    the gradients are bitwise those of the layer without checkpointing."""
+    tokens, top_k, num_experts, hidden = 5, 2, 4, 8
+    sim = make_sim(1, tokens, hidden, top_k, device=device) if layout == "rank-major" else \
+        make_em_sim(1, tokens, hidden, top_k, num_experts, device=device)
+    gen = torch.Generator().manual_seed(22)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen).to(device)
+    x0 = torch.randn(tokens, hidden, generator=gen).to(device)
+    w0 = torch.rand(tokens, top_k, generator=gen).to(device)
+    target = torch.randn(tokens, hidden, generator=gen).to(device)
+
+    def run(checkpointing, context_fn=None):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        if checkpointing:
+            out = _partial_layer(layout, sim, ids, x, w, tokens, top_k, num_experts, context_fn)
+        else:
+            step = compiled_train_step if layout == "rank-major" else compiled_train_step_expert_major
+            out = step(x, w, ids, sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k, num_experts)
+        (out * target).sum().backward()
+        return out.detach(), x.grad, w.grad
+
+    want = run(False)
+    if device == "cpu":
+        with pytest.raises(RuntimeError, match="checkpoint_context"):
+            run(True)
+        sim.reset()
+    for got, expected in zip(run(True, a2a.checkpoint_context), want):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+def test_compiled_checkpointed_training_step(layout):
+    """torch.compile(fullgraph=True) of a checkpointed exchange: the
+    partitioner recomputes the dispatch in the backward (its expert saved the
+    received rows) without the combine, which is refused naming
+    checkpoint_context; with context_fn=checkpoint_context the compiled
+    output and gradients equal eager's without checkpointing."""
+    torch._dynamo.reset()
+    tokens, top_k, num_experts, hidden = 5, 2, 4, 8
+    if layout == "rank-major":
+        sim, step = make_sim(1, tokens, hidden, top_k), compiled_train_step
+    else:
+        sim, step = make_em_sim(1, tokens, hidden, top_k, num_experts), compiled_train_step_expert_major
+    gen = torch.Generator().manual_seed(23)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    x0 = torch.randn(tokens, hidden, generator=gen)
+    w0 = torch.rand(tokens, top_k, generator=gen)
+
+    def run(fn):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = fn(x, w, ids, sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k, num_experts)
+        out.sum().backward()
+        return out.detach(), x.grad, w.grad
+
+    want = run(step)
+    with pytest.raises(RuntimeError, match="checkpoint_context"):
+        run(torch.compile(_checkpointed(step), backend="aot_eager", fullgraph=True))
+    sim.reset()
+    torch._dynamo.reset()
+    got = run(torch.compile(_checkpointed(step, a2a.checkpoint_context), backend="aot_eager", fullgraph=True))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=1e-6)
 
 
 # ---- determinism and the collective backward -----------------------------------------------------------

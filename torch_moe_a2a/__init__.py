@@ -39,6 +39,8 @@ from .api import (  # noqa: E402
     moe_a2a_wrap_payload_tensor_in_workspace,
 )
 from .autograd import (  # noqa: E402
+    checkpoint_context,
+    checkpoint_policy,
     moe_a2a_combine_differentiable,
     moe_a2a_combine_expert_major_differentiable,
     moe_a2a_dispatch_differentiable,
@@ -71,6 +73,8 @@ __all__ = [
     "SimulatedEP",
     "allocate_workspace",
     "check_errors",
+    "checkpoint_context",
+    "checkpoint_policy",
     "cuda_workspace_granularity",
     "get_moe_alltoall_module",
     "local_expert_range",

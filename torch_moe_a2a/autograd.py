@@ -228,9 +228,30 @@ class _EagerFunction(torch.autograd.Function):
 def _traced() -> bool:
     """Whether calls are being traced or transformed (torch.compile, a
     dispatch mode such as FakeTensorMode or make_fx's, a functorch transform):
-    then the ops run as ops, and the eager bookkeeping is skipped."""
+    then the ops run as ops (a dispatch mode sees them), and the eager
+    bookkeeping is skipped unless :func:`_recorded` says otherwise."""
     return (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
             or torch._C._are_functorch_transforms_active())
+
+
+def _checkpoint_mode() -> bool:
+    """Whether the current dispatch mode is selective activation
+    checkpointing's (torch.utils.checkpoint with a ``context_fn``): it runs
+    the ops eagerly and saves their outputs, or hands the saved ones back in
+    the recomputation, so the eager bookkeeping (the last dispatch's ids,
+    which the combine checks) runs there too."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False  # (and no dispatch-stack query, which Dynamo cannot trace)
+    from torch.utils import checkpoint
+
+    modes = tuple(m for m in (getattr(checkpoint, "_CachingTorchDispatchMode", None),
+                              getattr(checkpoint, "_CachedTorchDispatchMode", None)) if m is not None)
+    return bool(modes) and isinstance(_get_current_dispatch_mode(), modes)
+
+
+def _recorded() -> bool:
+    """Whether this call keeps the eager bookkeeping: eager, or under selective checkpointing's mode."""
+    return not _traced() or _checkpoint_mode()
 
 
 def _plain(t: Tensor) -> bool:
@@ -499,7 +520,7 @@ def _check_combine_ids(fn: str, workspace: Tensor, rank: int, ids: Tensor, num_e
     a plain one's received rows are workspace views, which the backward's
     exchange overwrites before the payload's own backward reads what it saved
     of them (an expert's input: wrong gradients, with no error)."""
-    if _traced():
+    if not _recorded():
         return
     last = last_dispatch(workspace, rank)
     if needs_backward and (last is None or last[3]):
@@ -528,6 +549,69 @@ def _check_grad_dtypes(fn: str, input_payloads: list[Tensor]) -> None:
         if isinstance(p, Tensor) and p.requires_grad and p.dtype not in GRAD_DTYPES:
             raise ValueError(f"{fn}: input_payloads[{i}] requires grad but is {p.dtype}; "
                              "gradients flow back through a combine, whose dtypes are bf16, fp16 and fp32")
+
+
+# ---- activation checkpointing ------------------------------------------------------------------
+
+
+def checkpoint_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """The selective activation checkpointing policy of the exchanges: the
+    outputs of every ``torch.ops.moe_a2a`` op are saved, never recomputed.
+
+    A recomputation re-runs the ops of a checkpointed region in the backward,
+    and where the backward needs the received rows but not the combine's
+    output (an expert that saves its input, or a region that holds a dispatch
+    but not its combine) it re-runs the dispatch alone: a dispatch without its
+    combine, which every later exchange refuses. ``torch.compile`` recomputes
+    that way inside a checkpointed region. Saving the exchanges keeps each
+    round whole; it costs the received rows' memory, and saves an all-to-all
+    in the backward.
+
+    Args:
+        ctx: the policy's context (``torch.utils.checkpoint``'s).
+        op: the op about to run or be recomputed.
+        args, kwargs: its arguments (unused).
+
+    Returns:
+        ``CheckpointPolicy.MUST_SAVE`` for an op of the ``moe_a2a`` namespace,
+        ``CheckpointPolicy.PREFER_RECOMPUTE`` for any other op.
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if _is_exchange_op(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _is_exchange_op(op: Any) -> bool:
+    return getattr(op, "namespace", None) == "moe_a2a"
+
+
+def checkpoint_context(policy: Optional[Callable[..., Any]] = None) -> tuple[Any, Any]:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``:
+    a checkpointed region that holds exchanges saves them (:func:`checkpoint_policy`)
+    and recomputes the rest, in eager mode and under ``torch.compile``.
+
+    ``checkpoint(layer, x, use_reentrant=False, context_fn=checkpoint_context)``;
+    with a policy of your own for the other ops,
+    ``context_fn=functools.partial(checkpoint_context, my_policy)``.
+
+    Args:
+        policy: the selective checkpointing policy (``(ctx, op, *args,
+            **kwargs) -> CheckpointPolicy``) of every op that is not an
+            exchange; None: recompute them (``PREFER_RECOMPUTE``).
+
+    Returns:
+        The pair of context managers of
+        ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
+    """
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    if policy is None:
+        return create_selective_checkpoint_contexts(checkpoint_policy)
+
+    def combined(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint_policy(ctx, op) if _is_exchange_op(op) else policy(ctx, op, *args, **kwargs)
+
+    return create_selective_checkpoint_contexts(combined)
 
 
 def moe_a2a_dispatch_differentiable(
@@ -591,7 +675,7 @@ def moe_a2a_dispatch_differentiable(
                              f"the ids' row of {ids_row}: size the workspace so that its dispatch and combine bytes per "
                              f"token together cover {ids_row + row} (moe_a2a_get_workspace_size_per_rank)")
     *received, counts = _call(dispatch_owned, token_selected_experts, list(input_payloads), workspace, *route)
-    if not _traced():
+    if _recorded():
         note_dispatch(workspace, ep_rank, token_selected_experts, num_experts)
     row_bytes = tuple(_row_bytes(p) for p in input_payloads)
     offset = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, row_bytes).combine_offset
@@ -1027,7 +1111,7 @@ def moe_a2a_dispatch_expert_major_differentiable(
                              "(moe_a2a_get_workspace_size_per_rank_expert_major)")
     *planes, counts, ids, pair_weights = _call(dispatch_em_owned, token_selected_experts, payloads, weights, workspace,
                                                max_tokens_per_expert, *route)
-    if not _traced():
+    if _recorded():
         note_dispatch(workspace, ep_rank, token_selected_experts, num_experts, counts)
     row_bytes = [_row_bytes(p) for p in (*payloads, token_selected_experts, weights)]
     dispatch_end = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, row_bytes).combine_offset

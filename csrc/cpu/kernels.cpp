@@ -499,7 +499,8 @@ RowStatus check_row_for_dispatch(const WorkspaceView& ws, int64_t max_num_tokens
                          ": dispatch called twice without a combine in between (dispatch and "
                          "combine must alternate on every rank); call the combine that closes the open round "
                          "(with its dispatch's sizes and combine_payload_offset; a refused combine changed "
-                         "nothing), or moe_a2a_initialize on every rank to start over");
+                         "nothing), or moe_a2a_initialize on every rank to start over; " +
+                         std::string(kRecomputedDispatchHint));
   }
   return st;
 }
