@@ -440,7 +440,7 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
   p.layout =
       call_layout(ep_size, runtime_max_tokens_per_rank, p.eplb_n, static_cast<int>(num_payloads), p.payload_row_bytes);
   check_fits(p.layout.dispatch_end, p.ws.size_per_rank);
-  p.payload_signature = payload_signature(p.layout, p.payload_row_bytes);
+  p.payload_signature = payload_signature(p.layout, p.payload_row_bytes, num_experts);
 
   p.local_num_tokens = n;
   p.runtime_max_tokens = runtime_max_tokens_per_rank;
@@ -845,7 +845,8 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
       break;
     case kErrorPayloadMismatch:
       os << "peers " << rank_list(missing) << " called dispatch with other payloads than this rank's (their "
-         << "number, row sizes or eplb_local_stats differ; they must be the same on all ranks for one call; "
+         << "number, row sizes or eplb_local_stats differ) or another num_experts (they must be the same on all "
+         << "ranks for one call; "
          << "with the differentiable functions, a rank that skipped a backward, whose exchanges are collectives, "
          << "meets its peers' backward exchange here)";
       break;

@@ -96,7 +96,7 @@
 //   fails and none waits for another). Then, likewise, the equal-payloads
 //   check: own payloads[p] == own payloads[s] (payload_signature: the
 //   payloads' row sizes and where the layout puts them, EPLB region
-//   included), else kErrorPayloadMismatch. The CPU dispatch checks after
+//   included, and num_experts), else kErrorPayloadMismatch. The CPU dispatch checks after
 //   step 4 and raises at once; the CUDA combine n checks before its step 1,
 //   with its first loads, so that the dispatch, whose end the combine waits
 //   for, spends no memory latency on it.
@@ -550,14 +550,17 @@ MOE_A2A_HD CallLayout call_layout(int64_t ep_size, int64_t runtime_max_tokens, i
 
 // The equal-payloads check's word of a call (dispatch step 2): where its
 // bytes land, as a hash (FNV-1a) of its payloads' row sizes and of the
-// layout's EPLB and plane offsets and end. Ranks whose calls share T but not
-// this word sent other payloads (their number, row sizes, or EPLB stats).
+// layout's EPLB and plane offsets and end, and which rank owns each expert
+// (num_experts: another count maps the ids to other ranks, and the rows
+// reach ranks that do not own their experts). Ranks whose calls share T but
+// not this word sent other payloads (their number, row sizes, or EPLB stats)
+// or passed another num_experts.
 MOE_A2A_HD uint32_t fnv1a_mix(uint32_t hash, int64_t value) {
   for (int b = 0; b < 8; ++b) hash = (hash ^ uint32_t((uint64_t(value) >> (8 * b)) & 0xff)) * 16777619u;
   return hash;
 }
-MOE_A2A_HD uint32_t payload_signature(const CallLayout& l, const int64_t* payload_row_bytes) {
-  uint32_t hash = fnv1a_mix(2166136261u, l.num_payloads);
+MOE_A2A_HD uint32_t payload_signature(const CallLayout& l, const int64_t* payload_row_bytes, int64_t num_experts) {
+  uint32_t hash = fnv1a_mix(fnv1a_mix(2166136261u, num_experts), l.num_payloads);
   hash = fnv1a_mix(hash, l.eplb_offset);
   for (int i = 0; i < l.num_payloads; ++i) {
     hash = fnv1a_mix(fnv1a_mix(hash, payload_row_bytes[i]), l.payload_offset[i]);

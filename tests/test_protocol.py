@@ -554,7 +554,7 @@ def test_initialize_after_a_peers_first_dispatch(history, device):
         assert_bytes_equal(outs[r].cpu(), expected[r], f"rank {r} output")
 
 
-@pytest.mark.parametrize("differs", ["runtime_max", "payload_rows", "eplb"])
+@pytest.mark.parametrize("differs", ["runtime_max", "payload_rows", "eplb", "num_experts"])
 def test_calls_differing_between_ranks_are_reported(differs, device):
     """runtime_max_tokens_per_rank must be equal on all ranks for one call
     (DESIGN section 3), and so must the payload list; a rank cannot check
@@ -565,9 +565,10 @@ def test_calls_differing_between_ranks_are_reported(differs, device):
     raises). Rank 2 differs: a smaller T (its planes then lie inside ranks 0
     and 1's route regions, so their copies may read overwritten routes: they
     stop at an entry outside the call rather than write beyond the
-    workspace), a narrower hidden state, or EPLB stats that the others do not
-    send (its planes then start after an EPLB region). After a
-    re-initialization the ranks work again."""
+    workspace), a narrower hidden state, EPLB stats that the others do not
+    send (its planes then start after an EPLB region), or another
+    num_experts (its ids map to other ranks: rows would reach ranks that do
+    not own their experts). After a re-initialization the ranks work again."""
     case = Case(3, (24, 20, 8), 2, 6, hidden=256, runtime_max=24)
     Ts = (24, 24, 8) if differs == "runtime_max" else (24, 24, 24)
     ep, eplb_n = case.ep_size, 4
@@ -580,8 +581,9 @@ def test_calls_differing_between_ranks_are_reported(differs, device):
 
     def dispatch(r):
         eplb = stats if differs == "eplb" and r == 2 else None
+        num_experts = case.num_experts + 2 if differs == "num_experts" and r == 2 else case.num_experts
         return a2a.moe_a2a_dispatch(dev.ids[r], dev.payloads[r], sim.workspace, sim.metainfo[r], Ts[r], r, ep,
-                                    case.top_k, case.num_experts, eplb_local_stats=eplb)
+                                    case.top_k, num_experts, eplb_local_stats=eplb)
 
     def message(r):
         peers = "2" if r < 2 else "0, 1"
@@ -589,7 +591,8 @@ def test_calls_differing_between_ranks_are_reported(differs, device):
             return (rf"rank {r}: peers \[{peers}\] called dispatch with another runtime_max_tokens_per_rank than "
                     rf"this rank's {Ts[r]} \(it must be equal on all ranks for one call\)")
         return (rf"rank {r}: peers \[{peers}\] called dispatch with other payloads than this rank's \(their "
-                rf"number, row sizes or eplb_local_stats differ; they must be the same on all ranks for one call; "
+                rf"number, row sizes or eplb_local_stats differ\) or another num_experts \(they must be the same on "
+                rf"all ranks for one call; "
                 rf"with the differentiable functions, a rank that skipped a backward, whose exchanges are "
                 rf"collectives, meets its peers' backward exchange here\)")
 
