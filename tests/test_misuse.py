@@ -931,6 +931,11 @@ def test_mapping_refuses_non_int_fields():
             a2a.Mapping(**kwargs)
         assert text in str(info.value), kwargs
     assert a2a.Mapping(world_size=2, rank=1, tp_size=2, moe_ep_size=-1, moe_tp_size=2).moe_ep_size == 1
+    # FlashInfer's layout (the MoE groups split the tensor-parallel group): the error says what to pass.
+    with pytest.raises(ValueError, match=r"is not divisible by 4 \(the MoE groups split the tensor-parallel group: "
+                                         r"for expert parallelism over 4 ranks pass tp_size=4"):
+        a2a.Mapping(world_size=4, rank=1, moe_ep_size=4)
+    assert a2a.Mapping(world_size=4, rank=1, tp_size=4, moe_ep_size=4).moe_ep_rank == 1
     assert a2a.Mapping(rank=3, enable_attention_dp=True).rank == 3  # the range check is FlashInfer's to skip
     for ep_rank, ep_size, text in ((0.9, 1.5, "mapping.moe_ep_rank must be an int, got 0.9"),
                                    (0, 1.0, "mapping.moe_ep_size must be an int, got 1.0"),
@@ -951,9 +956,13 @@ def test_mapping_refuses_non_int_fields():
     (dict(workspace="ws"), "MoeAlltoAll: workspace must be a tensor or None, got str"),
     (dict(mapping=None), "MoeAlltoAll: mapping must be a Mapping (an object with moe_ep_rank and moe_ep_size), "
                          "got NoneType"),
-], ids=["hidden_0", "hidden_bool", "hidden_str", "hidden_float", "dtype_str", "workspace_str", "mapping_none"])
+    (dict(top_k=5, num_experts=4), "MoeAlltoAll: num_experts must be an int >= 5, got 4"),
+    (dict(top_k=0), "MoeAlltoAll: top_k must be an int in [1, 22], got 0"),
+], ids=["hidden_0", "hidden_bool", "hidden_str", "hidden_float", "dtype_str", "workspace_str", "mapping_none",
+        "fewer_experts_than_top_k", "top_k_0"])
 def test_moe_alltoall_refuses_bad_arguments_before_it_allocates(bad, text, device):
-    """MoeAlltoAll accepted hidden_size=0 or True; '8' failed on a str
+    """MoeAlltoAll accepted hidden_size=0 or True, and fewer experts than
+    top_k (refused only by the first dispatch); '8' failed on a str
     concatenation, dtype='bfloat16', workspace='ws' and mapping=None on an
     attribute. Refused, naming the argument, before a row of a given
     workspace is initialized or a workspace allocated."""

@@ -35,9 +35,9 @@ def _unset(value: Any) -> bool:
     return type(value) is int and value == _UNSET
 
 
-def _quotient(what: str, total: int, divisor: int) -> int:
+def _quotient(what: str, total: int, divisor: int, hint: str = "") -> int:
     if total % divisor:
-        raise ValueError(f"Mapping: {what}: {total} is not divisible by {divisor}")
+        raise ValueError(f"Mapping: {what}: {total} is not divisible by {divisor}{hint}")
     return total // divisor
 
 
@@ -97,8 +97,13 @@ class Mapping:
             moe_tp_size = _quotient("tp_size / moe_cluster_size", tp_size, moe_cluster_size)
             moe_ep_size = 1
         elif _unset(moe_tp_size):
+            # FlashInfer's layout: the MoE groups split the tensor-parallel group, so an
+            # expert-parallel job of N ranks is tp_size=N, moe_ep_size=N.
             moe_tp_size = _quotient("tp_size / (moe_ep_size * moe_cluster_size)", tp_size,
-                                    _positive("moe_ep_size", moe_ep_size) * moe_cluster_size)
+                                    _positive("moe_ep_size", moe_ep_size) * moe_cluster_size,
+                                    f" (the MoE groups split the tensor-parallel group: for expert parallelism "
+                                    f"over {moe_ep_size * moe_cluster_size} ranks pass "
+                                    f"tp_size={moe_ep_size * moe_cluster_size} or a multiple of it)")
         elif _unset(moe_ep_size):
             moe_ep_size = _quotient("tp_size / (moe_tp_size * moe_cluster_size)", tp_size,
                                     _positive("moe_tp_size", moe_tp_size) * moe_cluster_size)

@@ -154,7 +154,7 @@ def _resolve_device(device: Union[torch.device, str, None]) -> torch.device:
 
 def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
-        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"MoeAlltoAll: {name} must be an int {bound}, got {value!r}")
     return value
 
@@ -191,7 +191,7 @@ class MoeAlltoAll:
             ``moe_ep_size``.
         max_num_tokens: the most tokens one rank dispatches in a call.
         top_k: experts per token, 1..22.
-        num_experts: experts in all, ``>= ep_size``.
+        num_experts: experts in all, ``>= ep_size`` and ``>= top_k``.
         workspace_size_per_rank: bytes per rank; default from ``hidden_size``
             (:meth:`get_moe_workspace_size_per_rank`).
         hidden_size: sizes the workspace when ``workspace_size_per_rank`` is not given.
@@ -301,7 +301,8 @@ class MoeAlltoAll:
             raise ValueError(f"MoeAlltoAll: moe_ep_rank {self.ep_rank} out of range [0, {self.ep_size})")
         _check_int("max_num_tokens", max_num_tokens, 1, layout.MAX_NUM_TOKENS)
         _check_int("top_k", top_k, 1, layout.MAX_TOP_K)
-        _check_int("num_experts", num_experts, max(1, self.ep_size))
+        # Both bounds of DESIGN section 3: a rank per expert at least, distinct experts per token.
+        _check_int("num_experts", num_experts, max(1, self.ep_size, top_k))
         _check_int("eplb_stats_num_experts", eplb_stats_num_experts, 0)
         if hidden_size is not None:
             _check_int("hidden_size", hidden_size, 1)
