@@ -165,6 +165,28 @@ def moe_a2a_get_workspace_size_per_rank(
     any list of up to ``MAX_PAYLOADS`` payloads whose per-token bytes add up to
     ``total_dispatch_payload_size_per_token`` (alignment pads included) and a
     combine row of ``combine_payload_size_per_token`` bytes.
+
+    Args:
+        ep_size: ranks in the EP group, 1..``layout.MAX_RANKS`` (64).
+        max_num_tokens: the most tokens one rank dispatches in a call,
+            1..``layout.MAX_NUM_TOKENS`` (2**24 - 1).
+        total_dispatch_payload_size_per_token: bytes of one token's rows over
+            all dispatch payloads, in ``[0, MAX_PAYLOADS * 2**28]``.
+        combine_payload_size_per_token: bytes of one token's combine payload
+            row, in ``[0, 2**28]``.
+        eplb_stats_num_experts: length of the EPLB stats a dispatch gathers
+            (0: none), in ``[0, 2**26]``.
+        backend: ``"trtllm"``; ``"cake"`` is refused as everywhere (:func:`moe_a2a_initialize`).
+
+    Returns:
+        The bytes per rank: the ``size_per_rank`` of the workspace
+        (:func:`~torch_moe_a2a.allocate_workspace`).
+
+    Raises:
+        ValueError: an argument that is not an int (a bool or a float
+            included) or is outside its range above; an unknown backend, or
+            ``"cake"`` off Blackwell.
+        NotImplementedError: ``"cake"`` on Blackwell.
     """
     expect_ints("moe_a2a_get_workspace_size_per_rank", ep_size=ep_size, max_num_tokens=max_num_tokens,
                 total_dispatch_payload_size_per_token=total_dispatch_payload_size_per_token,
@@ -272,6 +294,31 @@ def moe_a2a_wrap_payload_tensor_in_workspace(
     given (``payload_in_workspace=True`` included). Inductor drops the copy
     when the caller overwrites it whole, as with the expert outputs of a
     combine payload.
+
+    Args:
+        workspace: the ``[ep_size, size_per_rank]`` uint8 workspace, or one
+            1-D row of it.
+        leading_shape: the leading dimensions of the result, a list or tuple
+            (or ``torch.Size``) of positive ints.
+        slice_start, slice_end: the byte range ``[slice_start, slice_end)``,
+            counted from the start of ``workspace``.
+        dtype: the element type of the result.
+
+    Returns:
+        ``[*leading_shape, n]`` of ``dtype``, where ``n`` is the slice's
+        bytes over ``dtype``'s size times the product of ``leading_shape``:
+        a view of the workspace (valid as long as it is), or under
+        ``torch.compile`` a copy of those bytes.
+
+    Raises:
+        ValueError: ``workspace`` not a tensor, or neither 2-D uint8 nor one
+            1-D uint8 row; ``slice_start`` or ``slice_end`` not an int;
+            ``dtype`` not a ``torch.dtype``; ``leading_shape`` not a list of
+            positive ints; ``slice_start < 0`` or ``slice_end < slice_start``;
+            a slice that does not lie within one row; outside
+            ``torch.compile``, a slice that is not a whole number of
+            ``leading_shape`` rows of ``dtype`` or does not start at an
+            address aligned for ``dtype``.
     """
     fn = "moe_a2a_wrap_payload_tensor_in_workspace"
     expect_tensors(fn, workspace=workspace)
@@ -707,6 +754,38 @@ def moe_a2a_sanitize_expert_ids(
     payload of any width (usually the ``top_k`` expert ids; it must alias
     this rank's row). Rows ``[s, j]`` with ``j >= recv_counts[s]``
     get ``invalid_expert_id`` in every column; valid rows are untouched.
+
+    Args:
+        expert_ids: the receive view, as above: contiguous int32 or int64
+            ``[ep_size, runtime_max_tokens_per_rank, width]``.
+        workspace, metainfo: the workspace and this rank's
+            :func:`moe_a2a_initialize` result.
+        ep_rank: this rank; must be the metainfo's.
+        invalid_expert_id: the id written into the padding rows; must fit
+            in ``expert_ids``' dtype.
+        enable_pdl: programmatic dependent launch (None: on for compute capability 9.0+).
+        backend: ``"trtllm"``.
+
+    Returns:
+        None; ``expert_ids`` is written in place. Enqueued on the current
+        stream (no host sync on CUDA).
+
+    Raises:
+        ValueError: ``expert_ids`` or ``workspace`` not a tensor, or
+            ``workspace`` not a ``[ep_size, size_per_rank]`` uint8 workspace; a
+            ``metainfo`` that is not :func:`moe_a2a_initialize`'s; ``ep_rank``
+            other than the metainfo's; ``expert_ids`` not a contiguous 3-D
+            int32 or int64 tensor, its first dimension not the metainfo's
+            ``ep_size`` or its second not in ``[1, max_num_tokens]``;
+            ``expert_ids`` not a view of ``workspace`` (under
+            ``torch.compile``: not a receive view returned by
+            :func:`moe_a2a_dispatch`) or not within this rank's row;
+            ``invalid_expert_id`` outside int32 for int32 ids; an unknown
+            backend, or ``"cake"`` off Blackwell. CPU also: a row initialized
+            with other sizes than the metainfo's.
+        RuntimeError: CPU only: this rank's row not initialized, or an
+            earlier call's error record on it.
+        NotImplementedError: ``"cake"`` on Blackwell.
     """
     expect_tensors("moe_a2a_sanitize_expert_ids", expert_ids=expert_ids, workspace=workspace)
     check_backend(backend, workspace)
@@ -782,7 +861,23 @@ def local_expert_range(num_experts: int, ep_size: int, ep_rank: int) -> range:
 
 def moe_a2a_get_recv_counts(workspace: torch.Tensor, metainfo: torch.Tensor, ep_rank: int) -> torch.Tensor:
     """int32 ``[ep_size]`` view of rank ``ep_rank``'s header: ``[s]`` = rows received from rank ``s``
-    by the last dispatch (0 for masked-off ranks)."""
+    by the last dispatch (0 for masked-off ranks).
+
+    Args:
+        workspace, metainfo: the workspace and a rank's :func:`moe_a2a_initialize` result.
+        ep_rank: the rank whose counts to view, any rank of the workspace.
+
+    Returns:
+        The view (not a copy: the next dispatch writes into it), valid as
+        long as the workspace is; its values are those of rank ``ep_rank``'s
+        last dispatch until that rank's combine starts.
+
+    Raises:
+        ValueError: ``workspace`` not a tensor, or not the metainfo's
+            ``[ep_size, size_per_rank]``; a ``metainfo`` that is not
+            :func:`moe_a2a_initialize`'s; ``ep_rank`` outside ``[0, ep_size)``
+            (a bool included).
+    """
     expect_tensors("moe_a2a_get_recv_counts", workspace=workspace)
     meta = metainfo_values(metainfo, id(metainfo))
     check_rank_index(meta, ep_rank, workspace)
@@ -791,7 +886,22 @@ def moe_a2a_get_recv_counts(workspace: torch.Tensor, metainfo: torch.Tensor, ep_
 
 def moe_a2a_get_invalid_expert_count(workspace: torch.Tensor, metainfo: torch.Tensor, ep_rank: int) -> torch.Tensor:
     """0-d int64 view of rank ``ep_rank``'s header: expert ids ``>= num_experts`` its dispatches
-    skipped since ``moe_a2a_initialize``."""
+    skipped since ``moe_a2a_initialize``.
+
+    Args:
+        workspace, metainfo: the workspace and a rank's :func:`moe_a2a_initialize` result.
+        ep_rank: the rank whose count to view, any rank of the workspace.
+
+    Returns:
+        The view (not a copy: later dispatches add to it), valid as long as
+        the workspace is.
+
+    Raises:
+        ValueError: ``workspace`` not a tensor, or not the metainfo's
+            ``[ep_size, size_per_rank]``; a ``metainfo`` that is not
+            :func:`moe_a2a_initialize`'s; ``ep_rank`` outside ``[0, ep_size)``
+            (a bool included).
+    """
     expect_tensors("moe_a2a_get_invalid_expert_count", workspace=workspace)
     check_rank_index(metainfo_values(metainfo, id(metainfo)), ep_rank, workspace)
     return layout.region_view(workspace[ep_rank], layout.HDR_INVALID_EXPERT_COUNT, (), torch.int64)

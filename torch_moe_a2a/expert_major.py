@@ -397,7 +397,23 @@ def _check_in_workspace(payload: torch.Tensor, workspace: torch.Tensor, ep_rank:
 def moe_a2a_get_dropped_pair_count(workspace: torch.Tensor, metainfo: torch.Tensor, ep_rank: int) -> torch.Tensor:
     """0-d int64 view of rank ``ep_rank``'s header: (token, local expert) pairs its
     expert-major dispatches dropped beyond ``max_tokens_per_expert`` since
-    ``moe_a2a_initialize``."""
+    ``moe_a2a_initialize``.
+
+    Args:
+        workspace, metainfo: the workspace and a rank's
+            :func:`~torch_moe_a2a.moe_a2a_initialize` result.
+        ep_rank: the rank whose count to view, any rank of the workspace.
+
+    Returns:
+        The view (not a copy: later expert-major dispatches add to it), valid
+        as long as the workspace is.
+
+    Raises:
+        ValueError: ``workspace`` not a tensor, or not the metainfo's
+            ``[ep_size, size_per_rank]``; a ``metainfo`` that is not
+            :func:`~torch_moe_a2a.moe_a2a_initialize`'s; ``ep_rank`` outside
+            ``[0, ep_size)`` (a bool included).
+    """
     expect_tensors("moe_a2a_get_dropped_pair_count", workspace=workspace)
     check_rank_index(metainfo_values(metainfo, id(metainfo)), ep_rank, workspace)
     return layout.region_view(workspace[ep_rank], layout.HDR_DROPPED_PAIR_COUNT, (), torch.int64)

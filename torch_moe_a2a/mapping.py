@@ -162,34 +162,42 @@ class Mapping:
 
     @property
     def tp_rank(self) -> int:
+        """This rank's place in its tensor-parallel group (0 with ``auto_parallel``)."""
         return 0 if self.auto_parallel else self.rank % self.tp_size
 
     @property
     def pp_rank(self) -> int:
+        """This rank's pipeline stage (0 with ``auto_parallel``)."""
         return 0 if self.auto_parallel else self.rank // (self.tp_size * self.cp_size)
 
     @property
     def cp_rank(self) -> int:
+        """This rank's place in its context-parallel group (0 with ``auto_parallel``)."""
         return 0 if self.auto_parallel else self.rank % (self.tp_size * self.cp_size) // self.tp_size
 
     @property
     def moe_tp_rank(self) -> int:
+        """This rank's MoE tensor-parallel rank, ``tp_rank // (moe_ep_size * moe_cluster_size)``."""
         return self.tp_rank // (self.moe_ep_size * self.moe_cluster_size)
 
     @property
     def moe_cluster_rank(self) -> int:
+        """This rank's place in its MoE cluster, ``tp_rank % moe_cluster_size``."""
         return self.tp_rank % self.moe_cluster_size
 
     @property
     def moe_ep_rank(self) -> int:
+        """This rank's place in its MoE expert-parallel group, ``tp_rank % moe_ep_size`` (MoeAlltoAll's ep_rank)."""
         return self.tp_rank % self.moe_ep_size
 
     @property
     def node_rank(self) -> int:
+        """The node this rank runs on, ``rank // gpus_per_node``."""
         return self.rank // self.gpus_per_node
 
     @property
     def local_rank(self) -> int:
+        """This rank's GPU on its node, ``rank % gpus_per_node``."""
         return self.rank % self.gpus_per_node
 
     @property
@@ -199,18 +207,34 @@ class Mapping:
         return list(range(first, first + self.moe_ep_size))
 
     def has_moe_ep(self) -> bool:
+        """Whether the MoE layers are expert-parallel: ``moe_ep_size > 1``."""
         return self.moe_ep_size > 1
 
     def is_multi_node(self) -> bool:
+        """Whether the job spans more than one node: ``world_size > gpus_per_node``."""
         return self.world_size > self.gpus_per_node
 
     # ---- value semantics ----
 
     def to_dict(self) -> dict:
+        """The constructor arguments by name, in FlashInfer's order, without ``cp_config`` and ``enable_attention_dp``.
+
+        Equality and hashing compare these.
+
+        Returns:
+            A new dict; :meth:`from_dict` of it gives an equal Mapping (unless ``rank`` lies outside
+            ``[0, world_size)``, which only ``enable_attention_dp`` allows).
+        """
         return {name: getattr(self, name) for name in _FIELDS}
 
     @classmethod
     def from_dict(cls, values: dict) -> "Mapping":
+        """The :class:`Mapping` of constructor arguments by name, such as :meth:`to_dict` returns.
+
+        Raises:
+            ValueError, NotImplementedError: what the constructor raises for these values.
+            TypeError: a key that is not a constructor argument.
+        """
         return cls(**values)
 
     def __eq__(self, other: object) -> bool:

@@ -718,15 +718,36 @@ class MoeAlltoAll:
         again before the next dispatch (on every rank alike), each time
         combining the payload given then over the same routes.
 
+        Args:
+            payload: this rank's expert outputs for the received rows:
+                ``[ep_size, runtime_max_tokens_per_rank, *row_shape]`` as for
+                the functional combine, or after an expert-major dispatch
+                ``[num_local_experts, max_tokens_per_expert, *row_shape]`` as
+                for :func:`~torch_moe_a2a.moe_a2a_combine_expert_major`.
+            runtime_max_tokens_per_rank: the dispatch's.
+            payload_in_workspace: whether ``payload`` is the view
+                :meth:`get_combine_payload_tensor_in_workspace` returned,
+                read in place.
+            output_dtype, output: as in the functional combine.
+            output_scales, output_scalar_scale, sf_layout, use_low_precision,
+                low_precision_block_scales: as in the functional combine;
+                rank-major dispatches only.
+            active_rank_mask: required when the instance was built with
+                ``enable_rank_mask=True``, refused otherwise.
+            enable_pdl: programmatic dependent launch (None: on for compute capability 9.0+).
+
         Returns:
             ``[local_num_tokens, *payload.shape[2:]]``: a new tensor, or ``output``.
 
         Raises:
             RuntimeError: no dispatch before it, another instance sharing the
                 workspace dispatched since this instance's dispatch, or the
-                workspace released by :meth:`checkpoint_prepare`.
+                workspace released by :meth:`checkpoint_prepare`; what the
+                functional combine raises (peers that did not arrive within
+                the timeout).
             ValueError: another ``runtime_max_tokens_per_rank`` than the
-                dispatch's, or arguments the functional combine refuses.
+                dispatch's, an ``active_rank_mask`` the instance was not built
+                for, or arguments the functional combine refuses.
             NotImplementedError: after an expert-major dispatch, a
                 low-precision or quantized combine (the expert-major combine
                 has neither).
@@ -826,6 +847,17 @@ class MoeAlltoAll:
         one: pass a new payload as a tensor instead). Under ``torch.compile`` it is a
         tensor of its own, which combine then stages (see
         :func:`~torch_moe_a2a.moe_a2a_wrap_payload_tensor_in_workspace`).
+
+        Args:
+            runtime_max_tokens_per_rank: the round's dispatch's (checked for
+                an expert-major dispatch too, whose view does not use it).
+            hidden_size: elements of a payload row, a positive int.
+            dtype: the payload's dtype: bf16, fp16 or fp32.
+
+        Returns:
+            The view of this rank's workspace row at the dispatch's
+            ``combine_payload_offset`` (under ``torch.compile`` a copy, as
+            above).
 
         Raises:
             RuntimeError: called before :meth:`dispatch`, after another

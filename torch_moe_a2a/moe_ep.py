@@ -346,8 +346,20 @@ class NVLinkOneSidedAlltoAll:
         combine region: expert outputs written into it and passed to
         :meth:`combine` skip the staging copy. Valid until :meth:`combine`.
 
+        Args:
+            dtype: the expert outputs' dtype: bf16, fp16 or fp32.
+
+        Returns:
+            The view (:meth:`MoeAlltoAll.get_combine_payload_tensor_in_workspace`
+            flattened to rows; under ``torch.compile`` a copy, which
+            :meth:`combine` stages).
+
         Raises:
-            RuntimeError: before :meth:`dispatch`.
+            RuntimeError: before :meth:`dispatch` (or after :meth:`destroy`);
+                what :meth:`MoeAlltoAll.get_combine_payload_tensor_in_workspace`
+                raises (the workspace released, another instance's dispatch on
+                the shared workspace since this one's).
+            ValueError: ``dtype`` not bf16, fp16 or fp32.
         """
         if self._tokens_per_rank is None:
             raise RuntimeError("get_combine_input_buffer called before dispatch; call dispatch first (the buffer lies "

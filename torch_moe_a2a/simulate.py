@@ -129,6 +129,16 @@ class SimulatedEP:
         all of them afterwards, so the results are ordered like ordinary work.
         If a rank raises, the others still run to completion (their waits for
         it end at the timeout) and then the first exception raised is re-raised.
+
+        Args:
+            fn: called once per rank with the rank (an int in ``[0, ep_size)``).
+
+        Returns:
+            ``[fn(0), ..., fn(ep_size - 1)]``.
+
+        Raises:
+            BaseException: the first exception a rank's ``fn`` raised (in the
+                order they were raised), after every rank finished.
         """
         results: list[Any] = [None] * self.ep_size
         errors: list[BaseException] = []  # in the order they were raised
@@ -188,6 +198,18 @@ class SimulatedEP:
         allocates belong to the rank's graph pool and are rewritten by every
         replay. An exception raised by ``fn`` ends the capture and propagates
         (capturing launches nothing, so no peer is left waiting).
+
+        Args:
+            fn: called once per rank with the rank, inside that rank's capture.
+
+        Returns:
+            ``(graphs, results)``: the :class:`RankGraphs` to replay, and
+            ``[fn(0), ..., fn(ep_size - 1)]``.
+
+        Raises:
+            RuntimeError: simulated ranks on the CPU (CUDA graphs need a CUDA device).
+            BaseException: what ``fn`` or the capture raises, at once (the
+                later ranks are not captured).
         """
         if self.streams is None:
             raise RuntimeError("SimulatedEP.capture: CUDA graphs need simulated ranks on a CUDA device")
@@ -241,9 +263,24 @@ class SimulatedEP:
         ``(output_payloads, combine_payload_offset, eplb_gathered_stats)``.
         ``kwargs`` go to ``moe_a2a_dispatch``.
 
+        Args:
+            rank: the rank, an int in ``[0, ep_size)``.
+            token_selected_experts, input_payloads, runtime_max_tokens_per_rank,
+                top_k, num_experts: rank ``rank``'s, as for ``moe_a2a_dispatch``.
+            **kwargs: the other arguments of ``moe_a2a_dispatch`` (not the
+                workspace, metainfo, ep_rank and ep_size, which this object gives).
+
+        Returns:
+            What ``moe_a2a_dispatch`` returns: ``(output_payloads,
+            combine_payload_offset, eplb_gathered_stats)``, or an
+            :class:`~torch_moe_a2a.ExpertMajorDispatch` with ``expert_major=True``.
+
         Raises:
             ValueError: ``rank`` not an int in ``[0, ep_size)`` (a bool
                 included); what ``moe_a2a_dispatch`` raises.
+            RuntimeError: what ``moe_a2a_dispatch`` raises (peers that did not
+                arrive within the timeout, or passed another
+                ``runtime_max_tokens_per_rank`` or other payloads).
         """
         self._check_rank("SimulatedEP.dispatch_rank", rank)
         return moe_a2a_dispatch(
@@ -275,9 +312,23 @@ class SimulatedEP:
         launches may wait for a spinning peer (:meth:`combine` allocates every
         rank's output first).
 
+        Args:
+            rank: the rank, an int in ``[0, ep_size)``.
+            payload, local_num_tokens, runtime_max_tokens_per_rank, top_k,
+                combine_payload_offset: rank ``rank``'s, as for
+                ``moe_a2a_combine`` (those of its preceding dispatch).
+            **kwargs: the other arguments of ``moe_a2a_combine`` (not the
+                workspace, metainfo, ep_rank and ep_size, which this object gives).
+
+        Returns:
+            What ``moe_a2a_combine`` returns: the ``[local_num_tokens, *]``
+            output, a new tensor or ``output``.
+
         Raises:
             ValueError: ``rank`` not an int in ``[0, ep_size)`` (a bool
                 included); what ``moe_a2a_combine`` raises.
+            RuntimeError: what ``moe_a2a_combine`` raises (peers that did not
+                arrive within the timeout).
         """
         self._check_rank("SimulatedEP.combine_rank", rank)
         return moe_a2a_combine(
@@ -310,6 +361,16 @@ class SimulatedEP:
         enable_rank_mask, active_rank_mask, backend, recv_view_cache);
         ``eplb_local_stats``, ``active_rank_mask`` and ``enable_pdl`` may be
         lists indexed by rank.
+
+        Args:
+            token_selected_experts: one tensor per rank.
+            input_payloads: one list of payloads per rank.
+            runtime_max_tokens_per_rank, top_k, num_experts: shared by every
+                rank, as for ``moe_a2a_dispatch``.
+            **kwargs: as above.
+
+        Returns:
+            Each rank's result in rank order (:meth:`dispatch_rank`).
 
         Raises:
             ValueError: ``token_selected_experts``, ``input_payloads`` or a
@@ -350,6 +411,17 @@ class SimulatedEP:
         ``kwargs`` go to ``moe_a2a_combine``; ``output``, ``active_rank_mask``
         and ``enable_pdl`` may be lists indexed by rank.
 
+        Args:
+            payloads, local_num_tokens, combine_payload_offsets: one entry per
+                rank, as above.
+            runtime_max_tokens_per_rank, top_k: shared by every rank, those of
+                the dispatch.
+            **kwargs: as above. On CUDA without ``output``, every rank's
+                output is allocated before any rank launches.
+
+        Returns:
+            Each rank's output in rank order.
+
         Raises:
             ValueError: ``payloads``, ``local_num_tokens``,
                 ``combine_payload_offsets`` or a per-rank list in ``kwargs``
@@ -388,6 +460,13 @@ class SimulatedEP:
     def recv_counts(self, rank: int) -> torch.Tensor:
         """int32 ``[ep_size]`` view of rank ``rank``'s receive counts (``moe_a2a_get_recv_counts``).
 
+        Args:
+            rank: the rank, an int in ``[0, ep_size)``.
+
+        Returns:
+            The view: ``[s]`` = rows rank ``rank`` received from rank ``s`` by
+            the last dispatch.
+
         Raises:
             ValueError: ``rank`` not an int in ``[0, ep_size)`` (a bool included).
         """
@@ -408,4 +487,5 @@ class RankGraphs:
         self.graphs = graphs
 
     def replay(self) -> None:
+        """Launch every rank's graph on its rank's stream, forked from and joined into the current stream."""
         self._sim.run(lambda rank: self.graphs[rank].replay())

@@ -140,6 +140,34 @@ def allocate_workspace(
     exchange): no peer can write into a row before its owner cleared it. Each
     rank still calls ``moe_a2a_initialize`` on its own row and synchronizes
     the group before any peer's dispatch (``MoeAlltoAll`` does both).
+
+    Args:
+        size_per_rank: bytes per rank, a positive multiple of ``layout.ALIGN``.
+        group: a ``torch.distributed`` group or a ``CommBackend`` to map the
+            workspace over, or None for simulated ranks in this process.
+        ep_size: the number of rows: required without ``group`` (an int in
+            ``[1, layout.MAX_RANKS]``); with ``group``, None or the group's size.
+        device: where the workspace lives (default CPU); with ``group``, a
+            CPU or CUDA device.
+
+    Returns:
+        The zeroed ``[ep_size, size_per_rank]`` uint8 workspace.
+
+    Raises:
+        ValueError: ``size_per_rank`` not a positive int multiple of
+            ``layout.ALIGN``; without ``group``, ``ep_size`` not an int in
+            ``[1, layout.MAX_RANKS]``; with ``group``, a group size outside
+            that range, a ``device`` neither CPU nor CUDA, an ``ep_size``
+            other than the group's size, members that disagree on
+            ``size_per_rank`` or on the kind of device, and for a CUDA
+            workspace a ``MOE_A2A_HANDLE_TYPE`` that is unknown, differs
+            between members or asks for fabric handles where a member cannot
+            have them (with ``group``, every member raises when any member's
+            arguments are bad).
+        RuntimeError: a CUDA ``device`` where torch sees none; with
+            ``group``, any other failure of a member (a build without CUDA
+            for a CUDA workspace, the driver, the exchange of the rows),
+            raised on every member and naming the failed ranks.
     """
     if group is None:
         _check_size(size_per_rank)
@@ -242,7 +270,21 @@ def cuda_workspace_granularity(device: Union[torch.device, str, int, None] = Non
     the current CUDA device) is rounded up to: the driver's recommended
     allocation granularity (2 MiB on current GPUs), for every handle type the
     device may use. A ``size_per_rank`` that is a multiple of it gives a
-    contiguous workspace. RuntimeError without CUDA support."""
+    contiguous workspace. RuntimeError without CUDA support.
+
+    Args:
+        device: a CUDA device, its index, or None for the current CUDA device.
+
+    Returns:
+        The granularity in bytes: the least common multiple of the
+        descriptor handles' and, where the device supports them and the
+        driver reports one, the fabric handles' granularity.
+
+    Raises:
+        RuntimeError: a build of torch_moe_a2a without CUDA, or no CUDA
+            device visible to torch.
+        ValueError: ``device`` not a CUDA device.
+    """
     ops = _vmm_ops()
     index = _cuda_index(device)
     unit = int(ops.vmm_granularity(index, POSIX_FD))
