@@ -433,7 +433,9 @@ def moe_a2a_dispatch(
         runtime_max_tokens_per_rank: the same on every rank, ``>=
             local_num_tokens`` and ``<= max_num_tokens``; so must the payloads'
             number and row sizes be, and whether ``eplb_local_stats`` is given.
-        ep_rank, ep_size, top_k, num_experts: as at initialize; ``top_k`` 1..22.
+        ep_rank, ep_size, top_k, num_experts: as at initialize; ``top_k``
+            1..22; ``num_experts`` (which maps the ids to ranks) the same on
+            every rank.
         enable_pdl: programmatic dependent launch (None: on for compute capability 9.0+).
         eplb_local_stats: int32 ``[eplb_stats_num_experts]`` to all-gather, or None.
         enable_rank_mask, active_rank_mask: FlashInfer's fault tolerance: with
@@ -481,7 +483,7 @@ def moe_a2a_dispatch(
             ``input_payloads`` not a list or tuple of tensors), before any
             kernel runs (the workspace untouched).
         RuntimeError: peers that did not arrive within the timeout, or passed
-            another ``runtime_max_tokens_per_rank`` or other payloads (CPU: this
+            another ``runtime_max_tokens_per_rank``, other payloads or another ``num_experts`` (CPU: this
             call; CUDA: the kernel records it and the next call raises, as does
             :func:`check_errors`).
     """
