@@ -21,18 +21,31 @@ stages=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do stages+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 [ ${#stages[@]} -eq 0 ] && stages=(tests sanitizer bench cmake)
+# A misspelt stage would run nothing and report every row "not run" with exit 0.
+for s in "${stages[@]}"; do
+  case "$s" in
+  tests | sanitizer | bench | cmake | counters | replay | ab | profile) ;;
+  *)
+    echo "gpu_check.sh: unknown stage '$s' (stages: tests sanitizer bench cmake counters replay ab profile)" >&2
+    exit 2
+    ;;
+  esac
+done
 LOG=${OUT:-build/gpu-logs}
 mkdir -p "$LOG"
 export PYTHONUNBUFFERED=1 MOE_A2A_TIMEOUT_S=${MOE_A2A_TIMEOUT_S:-20}
 # Simulated ranks spin while the host launches their peers: no lazy module loads then.
 export CUDA_MODULE_LOADING=EAGER CUDA_DEVICE_MAX_CONNECTIONS=32
 
-"$PY" - <<'EOF' | tee "$LOG/env.txt"
+if ! "$PY" - <<'EOF' | tee "$LOG/env.txt"; then
 import torch, torch_moe_a2a  # noqa: F401
 p = torch.cuda.get_device_properties(0)
 print(f"torch {torch.__version__} cuda {torch.version.cuda} | {p.name} sm_{p.major}{p.minor} {p.multi_processor_count} SMs")
 print("cuda kernels registered:", torch._C._dispatch_has_kernel_for_dispatch_key("moe_a2a::dispatch", "CUDA"))
 EOF
+  echo "gpu_check.sh: the environment check above failed (no CUDA device, or the extension does not import)" >&2
+  exit 1
+fi
 
 # benchmarks/NAME.cu for this device, into build/NAME.
 build_program() {

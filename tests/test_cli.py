@@ -111,6 +111,17 @@ def test_dev_gpu_without_cuda_fails_in_one_line():
     assert proc.stderr.count("\n") == 1 and "sees no CUDA device" in proc.stderr, proc.stderr
 
 
+def test_gpu_check_refuses_an_unknown_stage(tmp_path):
+    """`./dev gpu test` (for `tests`) ran no stage, printed every row "not
+    run" and exited 0: an unknown stage now fails at once, naming the
+    stages, before any GPU work."""
+    script = pathlib.Path(__file__).parents[1] / "scripts" / "gpu_check.sh"
+    proc = subprocess.run(["bash", str(script), sys.executable, "tests", "test"], capture_output=True, text=True,
+                          timeout=60, env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert "unknown stage 'test' (stages: tests sanitizer bench cmake" in proc.stderr, proc.stderr
+
+
 def test_ep_out_of_range_is_a_usage_error(capsys):
     _assert_clean_usage_error(_cli("demo", "--ep", "100"), "ep_size must be in 1..64, got 100")
     _assert_clean_usage_error(_main(capsys, "bench", "--ep", "0"), "ep must be in 1..64, got 0")
