@@ -160,6 +160,14 @@ PYBIND11_MODULE(_C, m) {
         return moe_a2a::describe_error(ep_rank, code, missing.data(), detail);
       },
       py::arg("ep_rank"), py::arg("code"), py::arg("missing"), py::arg("detail"));
+  // The shape of a combine's output (ops.cpp): for callers that allocate it
+  // before launching (simulated ranks on CUDA), one rule with the op's.
+  m.def(
+      "combine_output_shape",
+      [](int64_t local_num_tokens, const std::vector<int64_t>& row_shape, at::ScalarType output_dtype) {
+        return moe_a2a::combine_output_shape(local_num_tokens, row_shape, output_dtype);
+      },
+      py::arg("local_num_tokens"), py::arg("row_shape"), py::arg("output_dtype"));
   m.def("receive_views", &moe_a2a::receive_views, py::arg("workspace"), py::arg("ep_rank"), py::arg("ep_size"),
         py::arg("runtime_max_tokens"), py::arg("eplb_n"), py::arg("payloads"));
   // Positional arguments in the order of the operators' schemas (schemas.h).

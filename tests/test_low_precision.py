@@ -153,6 +153,42 @@ def test_quantized_output_edges(fmt, device):
     _check_quantized(case, fmt, a2a.SfLayout.layout_linear, device, transform=_outliers(1e-30), global_scale=0.01)
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_simulated_combine_of_a_quantized_output(fmt, device):
+    """SimulatedEP.combine of a quantized output: each rank its own
+    output_scales (a per-rank list; one tensor was passed to every rank), and
+    on CUDA, where it allocates every rank's output before any rank
+    launches, the op's shape (packed fp4: [n, hidden // 2] bytes; it
+    allocated [n, hidden], which the op refused). Outputs and scales equal
+    those of moe_a2a_combine rank by rank."""
+    case = Case(2, (5, 3), 2, 4, hidden=64, runtime_max=6)
+    out_dtype, sc_dtype, block = FORMATS[fmt]
+    layout_128x4 = a2a.SfLayout.layout_128x4
+    gen = make_generator(("simulated combine", fmt))
+    inputs = make_inputs(case, gen).to(device)
+    sim = make_sim(case, device)
+    results = []
+    for via_sim in (True, False):
+        scales = [torch.zeros(reference.scale_layout_extent(int(layout_128x4), n, case.hidden // block),
+                              dtype=torch.uint8, device=device).view(sc_dtype) for n in case.tokens]
+        recv = sim.dispatch(inputs.ids, inputs.payloads, case.T, case.top_k, case.num_experts)
+        kw = dict(output_dtype=out_dtype, sf_layout=layout_128x4)
+        if via_sim:
+            outs = sim.combine([r[0][0] for r in recv], list(case.tokens), case.T, case.top_k, [r[1] for r in recv],
+                               output_scales=scales, **kw)
+        else:
+            outs = sim.run(lambda rank: a2a.moe_a2a_combine(
+                recv[rank][0][0], case.tokens[rank], sim.workspace, sim.metainfo[rank], case.T, rank, case.ep_size,
+                case.top_k, recv[rank][1], output_scales=scales[rank], **kw))
+        results.append(([o.cpu() for o in outs], [s.cpu() for s in scales]))
+    (sim_outs, sim_scales), (outs, scales) = results
+    packed = out_dtype == torch.uint8
+    for r in range(case.ep_size):
+        assert sim_outs[r].shape == (case.tokens[r], case.hidden // 2 if packed else case.hidden)
+        assert_bytes_equal(sim_outs[r], outs[r], f"rank {r} output")
+        assert_bytes_equal(sim_scales[r], scales[r], f"rank {r} output_scales")
+
+
 E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
+from . import _C
 from .api import (
     moe_a2a_combine,
     moe_a2a_dispatch,
@@ -42,7 +43,7 @@ T = TypeVar("T")
 
 # Keyword arguments of dispatch/combine that may be given per rank, as a list
 # or tuple indexed by rank (the others are shared by all ranks).
-_PER_RANK_KWARGS = frozenset({"eplb_local_stats", "active_rank_mask", "output", "enable_pdl"})
+_PER_RANK_KWARGS = frozenset({"eplb_local_stats", "active_rank_mask", "output", "output_scales", "enable_pdl"})
 
 
 # Simulated ranks on one GPU spin on their own streams at once; a GPU runs at
@@ -408,8 +409,9 @@ class SimulatedEP:
         ``combine_payload_offsets[r]`` what its dispatch returned. Returns each
         rank's ``[local_num_tokens[r], *]`` output.
 
-        ``kwargs`` go to ``moe_a2a_combine``; ``output``, ``active_rank_mask``
-        and ``enable_pdl`` may be lists indexed by rank.
+        ``kwargs`` go to ``moe_a2a_combine``; ``output``, ``output_scales``
+        (a quantized output's block scales: a tensor per rank),
+        ``active_rank_mask`` and ``enable_pdl`` may be lists indexed by rank.
 
         Args:
             payloads, local_num_tokens, combine_payload_offsets: one entry per
@@ -438,12 +440,12 @@ class SimulatedEP:
             # r's combine spins until rank r + 1's has started.
             dtype = kwargs.get("output_dtype")
             kwargs = dict(kwargs)
-            kwargs["output"] = [
-                torch.empty(
-                    (n, *p.shape[2:]), dtype=p.dtype if dtype is None else dtype, device=self.device
-                )
-                for n, p in zip(local_num_tokens, payloads)
-            ]
+            kwargs["output"] = []
+            for n, p in zip(local_num_tokens, payloads):
+                out_dtype = p.dtype if dtype is None else dtype
+                # The op's shape (packed fp4: two elements a byte).
+                shape = _C.combine_output_shape(n, list(p.shape[2:]), out_dtype)
+                kwargs["output"].append(torch.empty(shape, dtype=out_dtype, device=self.device))
 
         return self.run(
             lambda rank: self.combine_rank(
