@@ -500,8 +500,9 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
   const int64_t T = runtime_max_tokens_per_rank;
   check_runtime_max(T, max_num_tokens);
   check_top_k(top_k);
-  TORCH_CHECK_VALUE(local_num_tokens >= 0 && local_num_tokens <= T,
-                    "local_num_tokens must be in [0, runtime_max_tokens_per_rank=", T, "], got ", local_num_tokens);
+  TORCH_CHECK_VALUE(local_num_tokens >= 0 && local_num_tokens <= T, "local_num_tokens must be in [0, ",
+                    "runtime_max_tokens_per_rank=", T, "], got ", local_num_tokens,
+                    " (a combine takes its dispatch's local_num_tokens and runtime_max_tokens_per_rank)");
 
   // The payload first: output_dtype defaults to it, so an fp8 payload must
   // not read as a request for a quantized output.
@@ -588,7 +589,9 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
                     "combine_payload_offset must be the offset that this rank's preceding moe_a2a_dispatch returned "
                     "(a multiple of ",
                     kCombineOffsetAlign, ", >= ", route_end, ", the end of the route region), got ",
-                    combine_payload_offset, "; a combine needs a preceding dispatch: call moe_a2a_dispatch first");
+                    combine_payload_offset,
+                    "; pass the offset the dispatch returned (a combine needs a preceding dispatch: without one, "
+                    "call moe_a2a_dispatch first)");
   TORCH_CHECK_VALUE(combine_payload_offset <= p.ws.size_per_rank,
                     "combine_payload_offset must be <= ", p.ws.size_per_rank, " (bytes per rank), got ",
                     combine_payload_offset);
@@ -737,8 +740,9 @@ ExpertMajorCombineParams check_combine_expert_major(
   check_runtime_max(T, max_num_tokens);
   check_top_k(top_k);
   check_expert_major_sizes(ep_size, num_experts, top_k, max_tokens_per_expert);
-  TORCH_CHECK_VALUE(local_num_tokens >= 0 && local_num_tokens <= T,
-                    "local_num_tokens must be in [0, runtime_max_tokens_per_rank=", T, "], got ", local_num_tokens);
+  TORCH_CHECK_VALUE(local_num_tokens >= 0 && local_num_tokens <= T, "local_num_tokens must be in [0, ",
+                    "runtime_max_tokens_per_rank=", T, "], got ", local_num_tokens,
+                    " (a combine takes its dispatch's local_num_tokens and runtime_max_tokens_per_rank)");
   c.payload_dtype = to_dtype(payload_dtype, "payload dtype");
   c.output_dtype = to_dtype(output_dtype, "output_dtype");
   // fp32 too: the weighted sum is fp32 before its one cast.

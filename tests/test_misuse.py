@@ -136,6 +136,11 @@ BAD_COMBINES = {
     "offset": (_bad_combine(lambda a: dict(combine_payload_offset=a["combine_payload_offset"] + 128)),
                "combine_payload_offset must be the one the dispatch returned"),
     "payload_shape": (_bad_combine(lambda a: dict(payload=a["payload"][:, 1:])), "payload must be ["),
+    # Below the checks against the dispatch: the messages say what a combine takes.
+    "runtime_max": (_bad_combine(lambda a: dict(runtime_max_tokens_per_rank=a["local_num_tokens"] - 1)),
+                    "(a combine takes its dispatch's local_num_tokens and runtime_max_tokens_per_rank)"),
+    "offset_unaligned": (_bad_combine(lambda a: dict(combine_payload_offset=a["combine_payload_offset"] + 1)),
+                         "pass the offset the dispatch returned"),
 }
 
 
@@ -187,7 +192,8 @@ def test_combine_without_dispatch_and_its_offset_names_the_dispatch(device, offs
     refused(sim.workspace, lambda: a2a.moe_a2a_combine(payload, CASE.tokens[0], sim.workspace, sim.metainfo[0], CASE.T,
                                                        0, CASE.ep_size, CASE.top_k, offset),
             ValueError, "must be the offset that this rank's preceding moe_a2a_dispatch returned",
-            f"got {offset}; a combine needs a preceding dispatch: call moe_a2a_dispatch first")
+            f"got {offset}; pass the offset the dispatch returned (a combine needs a preceding dispatch: without "
+            "one, call moe_a2a_dispatch first)")
     round_trip(sim, CASE, make_inputs(CASE, gen), gen)
 
 
