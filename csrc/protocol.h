@@ -120,7 +120,8 @@
 //      payload, which saves their copy and the wait for it (at ep 1 the
 //      whole stage; the expert-major combine stages its valid rows [e, i]
 //      only when an active peer exists, and its pull reads the own pairs'
-//      rows from the payload: params.h, em_combine_stages). A
+//      rows from the payload: params.h, em_combine_stages; either combine
+//      of a payload tensor sets region_staged when it copies nothing). A
 //      low-precision combine converts every source's rows
 //      to e4m3 (from the payload or in place), r's included but on CUDA
 //      for plain e4m3 rows of a 16-bit payload (launch_combine), whose r
@@ -609,9 +610,9 @@ enum CombineMismatch : uint32_t {
 // Why kMismatchRegionStaged refuses a combine, for the errors of both
 // backends (after "... that staged its payload ").
 constexpr const char* kRegionStagedReason =
-    "(a payload tensor, or use_low_precision): that combine staged into the combine region its rows (of a "
-    "rank-major payload only those its peers pull, e4m3 rows with use_low_precision), so the region no longer "
-    "holds the payload written there; pass the payload as a tensor";
+    "(a payload tensor, or use_low_precision): such a combine stages into the combine region the rows its "
+    "peers pull (e4m3 rows with use_low_precision), so after it the region holds no payload of this round, "
+    "whatever the ranks and masks; pass the payload as a tensor";
 
 // The end of both backends' errors for a dispatch that finds its round open:
 // a recomputation re-runs the forward ops of a checkpointed region in the

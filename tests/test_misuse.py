@@ -1210,6 +1210,53 @@ def test_expert_major_payload_in_workspace_after_a_staged_combine_is_refused(dev
         a2a.check_errors(sim.workspace)
 
 
+@pytest.mark.parametrize("setup", ["ep1", "peer_masked", "ep2"])
+def test_expert_major_in_place_after_a_payload_tensor_is_refused_whoever_pulls(setup, device):
+    """An expert-major combine of a payload tensor copies nothing where no
+    peer pulls (ep 1, or every peer masked off); a later in-place combine of
+    the round was accepted there and returned what the region held, no
+    payload of this round (zeros for rows the caller never wrote), where at
+    ep 2 it was refused. Refused whoever pulls, as the rank-major combine's,
+    with the region-staged reason first (at ep 2 the message began by
+    blaming the ExpertMajorDispatch, which was the last dispatch's)."""
+    ep = 1 if setup == "ep1" else 2
+    T, H, k, E = 4, 16, 2, 4
+    size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(ep, T, H * 2, H * 2, E, k)
+    sim = a2a.SimulatedEP(ep, T, dispatch_bytes_per_token=0, combine_bytes_per_token=0, device=device,
+                          workspace_size_per_rank=size, timeout_s=5)
+    gen = make_generator(("em in place after a tensor", setup))
+    ranks = [0] if setup == "peer_masked" else list(range(ep))
+    mask = dict(enable_rank_mask=True, active_rank_mask=a2a.moe_a2a_active_rank_mask([0], ep)) \
+        if setup == "peer_masked" else {}
+    ids = [torch.randint(0, E, (T, k), dtype=torch.int32, generator=gen).to(device) for _ in range(ep)]
+    x = [torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device) for _ in range(ep)]
+
+    def each(fn):
+        return sim.run(fn) if len(ranks) == ep else [fn(0)]
+
+    got = each(lambda r: a2a.moe_a2a_dispatch_expert_major(ids[r], [x[r]], sim.workspace, sim.metainfo[r], T, r, ep,
+                                                            k, E, **mask))
+    each(lambda r: a2a.moe_a2a_combine_expert_major(got[r].output_payloads[0].clone() + 5, got[r], sim.workspace,
+                                                    sim.metainfo[r], r, ep, **mask))
+    def in_place(r):
+        view, offset = got[r].output_payloads[0], got[r].combine_payload_offset
+        return a2a.moe_a2a_wrap_payload_tensor_in_workspace(sim.workspace[r], list(view.shape[:2]), offset,
+                                                             offset + view.numel() * view.element_size(), view.dtype)
+
+    message = r"^(rank \d+: )?payload_in_workspace after a combine of the same dispatch that staged its payload"
+    if device == "cpu":
+        with pytest.raises(ValueError, match=message):
+            a2a.moe_a2a_combine_expert_major(in_place(0), got[0], sim.workspace, sim.metainfo[0], 0, ep,
+                                             payload_in_workspace=True, **mask)
+        return
+    # On CUDA every rank's kernel refuses at once (none waits for another) and records it.
+    each(lambda r: a2a.moe_a2a_combine_expert_major(in_place(r), got[r], sim.workspace, sim.metainfo[r], r, ep,
+                                                    payload_in_workspace=True, **mask))
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="after a combine of the same dispatch that staged its payload"):
+        a2a.check_errors(sim.workspace)
+
+
 @pytest.mark.parametrize("layout_kind", ["rank-major", "expert-major"])
 def test_an_output_sharing_memory_with_the_payload_is_refused(layout_kind, device):
     """The pull reads payload rows after it stored the first outputs (the own

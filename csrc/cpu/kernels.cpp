@@ -825,6 +825,14 @@ RowStatus check_row_for_combine_expert_major(const ExpertMajorCombineParams& p, 
   // to say (below); else the caller, who passed neither sizes nor a
   // combine_payload_offset, holds an earlier dispatch's result.
   const uint32_t dispatch_epoch = load<uint32_t>(row, kHdrDispatchEpoch);
+  // The rank-major checks looked for a payload in the rank-major region; an
+  // expert-major combine's in-place payload is its own region. Checked
+  // first: the rank-major checks refuse it too, and their refusal is not
+  // about which dispatch the ExpertMajorDispatch came from.
+  if (build_epoch == dispatch_epoch &&
+      region_staged_mismatch(load<uint32_t>(row, kHdrRegionStaged), !em_combine_own_from_payload(p.c)) != 0) {
+    return region_staged_refusal();
+  }
   if (st.kind == RowStatus::kValueError && build_epoch == dispatch_epoch) {
     const int64_t region = load<int64_t>(row, kHdrLastDispatchEnd);
     if (combine_mismatch(load<int32_t>(row, kHdrLastLocalTokens), load<int32_t>(row, kHdrLastRuntimeMax),
@@ -841,12 +849,6 @@ RowStatus check_row_for_combine_expert_major(const ExpertMajorCombineParams& p, 
           st.message + ")";
     }
     return st;
-  }
-  // The rank-major checks looked for a payload in the rank-major region; an
-  // expert-major combine's in-place payload is its own region.
-  if (build_epoch == dispatch_epoch &&
-      region_staged_mismatch(load<uint32_t>(row, kHdrRegionStaged), !em_combine_own_from_payload(p.c)) != 0) {
-    return region_staged_refusal();
   }
   if (expert_major_mismatch(build_epoch, build_tokens, build_end, dispatch_epoch, p.layout.tokens_per_expert,
                             p.c.combine_offset) != 0) {
@@ -1022,11 +1024,18 @@ WaitResult combine_expert_major(const ExpertMajorCombineParams& ep) {
   const int64_t M = l.tokens_per_expert;
 
   // 0. Wait (as in combine), 1. stage each local expert's valid rows where a
-  // peer pulls them (em_combine_stages); rows [e, i] keep their index.
+  // peer pulls them (em_combine_stages); rows [e, i] keep their index. A
+  // payload tensor marks the region staged whether or not a peer pulls (at
+  // ep 1 or with every peer masked off nothing is copied), as the rank-major
+  // combine's does: a later in-place combine of the round is refused
+  // whatever the ranks and the masks, not read from a region that holds no
+  // payload of this round.
   uint8_t* region = own + p.combine_offset;
-  if (em_combine_stages(p)) {
+  if (em_combine_own_from_payload(p)) {
     const WaitResult staging = begin_staging(p, count);
     if (staging.code != kErrorNone) return staging;
+  }
+  if (em_combine_stages(p)) {
     const int32_t* counts = reinterpret_cast<const int32_t*>(own + l.counts_offset);
     for (int64_t e = 0; e < ep.num_local; ++e) {
       const int64_t rows = std::min<int64_t>(std::max<int32_t>(counts[e], 0), M);

@@ -494,8 +494,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) em_combine_kernel(con
   }
   release_share(ws, c.sync, kHdrCombineFlags, system);
 
-  // 3. Acquire (as combine.cu).
-  if (!acquire_combine_flags(ws, c.sync, dispatch_epoch, this_combine, a.stage, a.sync_settings)) return;
+  // 3. Acquire (as combine.cu). A payload tensor marks the region staged
+  // whether or not a peer pulls (the CPU's begin_staging, as the rank-major
+  // combine's): a later in-place combine of the round is refused.
+  if (!acquire_combine_flags(ws, c.sync, dispatch_epoch, this_combine, a.own_from_payload, a.sync_settings)) return;
 
   // 4. Pull, 5. this CTA's share of pull_done (as combine.cu).
   pull_expert_rows_any<In, Out>(a);
