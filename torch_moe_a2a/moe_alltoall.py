@@ -607,7 +607,7 @@ class MoeAlltoAll:
                 instance was built with ``enable_rank_mask=True``).
             invalid_token_expert_id: when given, the padding rows of the
                 received expert-id payload ``input_payloads[expert_id_payload_index]``
-                (an int32 payload of any width) are overwritten with it
+                (an int32 or int64 payload of any width) are overwritten with it
                 (:func:`~torch_moe_a2a.moe_a2a_sanitize_expert_ids`). Not with
                 ``expert_major`` (its ``local_expert_ids`` have -1 padding).
             router_weights: ours, ``expert_major`` instances only:
