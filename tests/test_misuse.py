@@ -5,6 +5,7 @@ and the correct calls that follow give the reference result."""
 
 import dataclasses
 import math
+import re
 import time
 
 import pytest
@@ -1170,11 +1171,25 @@ def test_a_combine_of_the_other_layout_says_so():
     a2a.moe_a2a_combine_expert_major(em4.output_payloads[0], em4, sim.workspace, sim.metainfo[0], 0, ep)
 
 
+def _em_in_place(sim, dispatched, r):
+    """Rank r's expert outputs in place: the view of its combine region that
+    the expert-major dispatch ``dispatched`` (its ExpertMajorDispatch) lays out."""
+    view, offset = dispatched.output_payloads[0], dispatched.combine_payload_offset
+    return a2a.moe_a2a_wrap_payload_tensor_in_workspace(sim.workspace[r], list(view.shape[:2]), offset,
+                                                         offset + view.numel() * view.element_size(), view.dtype)
+
+
+# The region-staged refusal names its reason first (not the ExpertMajorDispatch's dispatch).
+REGION_STAGED = r"^(rank \d+: )?payload_in_workspace after a combine of the same dispatch that staged its payload"
+
+
 def test_expert_major_payload_in_workspace_after_a_staged_combine_is_refused(device):
     """As for the rank-major combine: an expert-major combine that staged a
     tensor (with a peer to pull, ep 2) wrote its rows over the region, so a
     later combine of the round that reads the region in place is refused (at
-    once on the CPU, recorded on CUDA); in place before any staging works."""
+    once on the CPU, with that reason first, where the message began by
+    blaming the ExpertMajorDispatch, which was the last dispatch's; recorded
+    on CUDA); in place before any staging works."""
     ep, T, H, k, E = 2, 4, 16, 2, 4
     size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(ep, T, H * 2, H * 2, E, k)
     sim = a2a.SimulatedEP(ep, T, dispatch_bytes_per_token=0, combine_bytes_per_token=0, device=device,
@@ -1185,23 +1200,17 @@ def test_expert_major_payload_in_workspace_after_a_staged_combine_is_refused(dev
     got = sim.run(lambda r: a2a.moe_a2a_dispatch_expert_major(ids[r], [x[r]], sim.workspace, sim.metainfo[r], T, r,
                                                               ep, k, E))
 
-    def in_place(r):
-        view = got[r].output_payloads[0]
-        nbytes = view.numel() * view.element_size()
-        return a2a.moe_a2a_wrap_payload_tensor_in_workspace(
-            sim.workspace[r], list(view.shape[:2]), got[r].combine_payload_offset,
-            got[r].combine_payload_offset + nbytes, view.dtype)
-
-    buffers = [in_place(r).copy_(got[r].output_payloads[0]) for r in range(ep)]
+    buffers = [_em_in_place(sim, got[r], r).copy_(got[r].output_payloads[0]) for r in range(ep)]
     sim.run(lambda r: a2a.moe_a2a_combine_expert_major(buffers[r], got[r], sim.workspace, sim.metainfo[r], r, ep,
                                                        payload_in_workspace=True))
     tensors = [got[r].output_payloads[0].clone() for r in range(ep)]
     sim.run(lambda r: a2a.moe_a2a_combine_expert_major(tensors[r], got[r], sim.workspace, sim.metainfo[r], r, ep))
     message = "after a combine of the same dispatch that staged its payload"
     if device == "cpu":
-        refused(sim.workspace, lambda: a2a.moe_a2a_combine_expert_major(
+        text = refused(sim.workspace, lambda: a2a.moe_a2a_combine_expert_major(
             buffers[0], got[0], sim.workspace, sim.metainfo[0], 0, ep, payload_in_workspace=True), ValueError, message,
             "pass the payload as a tensor")
+        assert re.match(REGION_STAGED, text), text
         return
     sim.run(lambda r: a2a.moe_a2a_combine_expert_major(buffers[r], got[r], sim.workspace, sim.metainfo[r], r, ep,
                                                        payload_in_workspace=True))
@@ -1210,50 +1219,43 @@ def test_expert_major_payload_in_workspace_after_a_staged_combine_is_refused(dev
         a2a.check_errors(sim.workspace)
 
 
-@pytest.mark.parametrize("setup", ["ep1", "peer_masked", "ep2"])
+@pytest.mark.parametrize("setup", ["ep1", "peer_masked"])
 def test_expert_major_in_place_after_a_payload_tensor_is_refused_whoever_pulls(setup, device):
     """An expert-major combine of a payload tensor copies nothing where no
     peer pulls (ep 1, or every peer masked off); a later in-place combine of
     the round was accepted there and returned what the region held, no
     payload of this round (zeros for rows the caller never wrote), where at
-    ep 2 it was refused. Refused whoever pulls, as the rank-major combine's,
-    with the region-staged reason first (at ep 2 the message began by
-    blaming the ExpertMajorDispatch, which was the last dispatch's)."""
+    ep 2 it is refused (the test above). Refused whoever pulls, as the
+    rank-major combine's."""
     ep = 1 if setup == "ep1" else 2
     T, H, k, E = 4, 16, 2, 4
     size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(ep, T, H * 2, H * 2, E, k)
     sim = a2a.SimulatedEP(ep, T, dispatch_bytes_per_token=0, combine_bytes_per_token=0, device=device,
                           workspace_size_per_rank=size, timeout_s=5)
     gen = make_generator(("em in place after a tensor", setup))
-    ranks = [0] if setup == "peer_masked" else list(range(ep))
     mask = dict(enable_rank_mask=True, active_rank_mask=a2a.moe_a2a_active_rank_mask([0], ep)) \
         if setup == "peer_masked" else {}
     ids = [torch.randint(0, E, (T, k), dtype=torch.int32, generator=gen).to(device) for _ in range(ep)]
     x = [torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device) for _ in range(ep)]
-
-    def each(fn):
-        return sim.run(fn) if len(ranks) == ep else [fn(0)]
+    # Rank 1, masked off, calls nothing.
+    each = sim.run if setup == "ep1" else (lambda fn: [fn(0)])
 
     got = each(lambda r: a2a.moe_a2a_dispatch_expert_major(ids[r], [x[r]], sim.workspace, sim.metainfo[r], T, r, ep,
                                                             k, E, **mask))
     each(lambda r: a2a.moe_a2a_combine_expert_major(got[r].output_payloads[0].clone() + 5, got[r], sim.workspace,
                                                     sim.metainfo[r], r, ep, **mask))
-    def in_place(r):
-        view, offset = got[r].output_payloads[0], got[r].combine_payload_offset
-        return a2a.moe_a2a_wrap_payload_tensor_in_workspace(sim.workspace[r], list(view.shape[:2]), offset,
-                                                             offset + view.numel() * view.element_size(), view.dtype)
-
-    message = r"^(rank \d+: )?payload_in_workspace after a combine of the same dispatch that staged its payload"
+    message = "after a combine of the same dispatch that staged its payload"
     if device == "cpu":
-        with pytest.raises(ValueError, match=message):
-            a2a.moe_a2a_combine_expert_major(in_place(0), got[0], sim.workspace, sim.metainfo[0], 0, ep,
-                                             payload_in_workspace=True, **mask)
+        text = refused(sim.workspace, lambda: a2a.moe_a2a_combine_expert_major(
+            _em_in_place(sim, got[0], 0), got[0], sim.workspace, sim.metainfo[0], 0, ep, payload_in_workspace=True,
+            **mask), ValueError, message, "pass the payload as a tensor")
+        assert re.match(REGION_STAGED, text), text
         return
-    # On CUDA every rank's kernel refuses at once (none waits for another) and records it.
-    each(lambda r: a2a.moe_a2a_combine_expert_major(in_place(r), got[r], sim.workspace, sim.metainfo[r], r, ep,
-                                                    payload_in_workspace=True, **mask))
+    # On CUDA the kernel refuses at once (it waits for no peer) and records it.
+    each(lambda r: a2a.moe_a2a_combine_expert_major(_em_in_place(sim, got[r], r), got[r], sim.workspace,
+                                                    sim.metainfo[r], r, ep, payload_in_workspace=True, **mask))
     torch.cuda.synchronize()
-    with pytest.raises(RuntimeError, match="after a combine of the same dispatch that staged its payload"):
+    with pytest.raises(RuntimeError, match=message):
         a2a.check_errors(sim.workspace)
 
 
