@@ -244,14 +244,25 @@ struct BlockScale {
   float inverse;  // what the block's elements are multiplied by before conversion
 };
 
+// NVFP4: the e4m3 scale code of a block whose largest magnitude is amax,
+// and the inverse that goes with a code. The inverse depends on the code
+// alone (a block of zeros has code 0), so that the CUDA epilogue looks it up
+// in a table of the 256 codes instead of two divisions a block.
+MOE_A2A_HD uint8_t nvfp4_scale_code(float amax, float global) {
+  return e4m3_from_float(mul_rn(global, mul_rn(amax, kInvE2m1Max)));
+}
+MOE_A2A_HD float nvfp4_inverse(uint8_t code, float global) {
+  const float decoded = e4m3_to_float(code);
+  // A block of zeros, or one whose scale underflows e4m3, encodes zeros.
+  return decoded != 0.0f ? div_rn(1.0f, mul_rn(decoded, div_rn(1.0f, global))) : 0.0f;
+}
+
 // The scale of a block whose largest magnitude is amax (global: NVFP4's global scale, > 0).
 MOE_A2A_HD BlockScale block_scale(QuantFormat f, float amax, float global) {
   BlockScale s{};
   if (f == QuantFormat::kNvfp4) {
-    s.code = e4m3_from_float(mul_rn(global, mul_rn(amax, kInvE2m1Max)));
-    const float decoded = e4m3_to_float(s.code);
-    // A block of zeros, or one whose scale underflows e4m3, encodes zeros.
-    s.inverse = (amax != 0.0f && decoded != 0.0f) ? div_rn(1.0f, mul_rn(decoded, div_rn(1.0f, global))) : 0.0f;
+    s.code = nvfp4_scale_code(amax, global);
+    s.inverse = nvfp4_inverse(s.code, global);
     return s;
   }
   s.code = ue8m0_round_up(mul_rn(amax, f == QuantFormat::kMxfp8 ? kInvE4m3Max : kInvE2m1Max));

@@ -411,7 +411,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   release_share(ws, p.sync, kHdrCombineFlags, system);
   if (blockIdx.x == 0 && threadIdx.x == 0) *combine_claim_word(own, this_combine + 1) = 0;
   if (a.prefetch) prefetch_own_rows(a, recv_count);
-  if constexpr (IsQuantized<Out>::value) zero_scale_padding(p);
+  if constexpr (IsQuantized<Out>::value) {
+    zero_scale_padding(p);
+    fill_nvfp4_inverse_table(p);  // acquire_combine_flags' barrier publishes it to the CTA
+  }
 
   // 3. Acquire: every CTA, so that each one's pull loads follow its own
   // acquire of every flag (own rank's included).

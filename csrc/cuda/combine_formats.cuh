@@ -302,6 +302,21 @@ __device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const
   }
 }
 
+// NVFP4's block inverse of each scale code (nvfp4_inverse) for this call's
+// global scale, in the CTA's shared memory: the epilogue's two fp32
+// divisions a block, each a dozen instructions, become one shared load.
+// Filled by fill_nvfp4_inverse_table before a barrier that precedes the pull.
+__device__ __forceinline__ float* nvfp4_inverse_table() {
+  __shared__ float table[256];
+  return table;
+}
+__device__ inline void fill_nvfp4_inverse_table(const CombineParams& p) {
+  if (p.quant != QuantFormat::kNvfp4) return;
+  for (int code = threadIdx.x; code < 256; code += kThreads) {
+    nvfp4_inverse_table()[code] = nvfp4_inverse(uint8_t(code), p.global_scale);
+  }
+}
+
 // The quantizing epilogue of one vector of a pull item in format kFormat:
 // vector v (kElems sums) of token t's row. The lanes holding the vectors of
 // one block (kGroup of them, adjacent: the launch makes a row's lane group
@@ -330,7 +345,13 @@ __device__ __forceinline__ void store_quantized_as(const CombineParams& p, int64
   }
 #pragma unroll
   for (int o = 1; o < kGroup; o *= 2) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
-  const BlockScale s = block_scale(kFormat, amax, p.global_scale);
+  BlockScale s;
+  if constexpr (kFormat == QuantFormat::kNvfp4) {
+    s.code = nvfp4_scale_code(amax, p.global_scale);
+    s.inverse = nvfp4_inverse_table()[s.code];
+  } else {
+    s = block_scale(kFormat, amax, p.global_scale);
+  }
   if (lane % kGroup == 0) {
     // Element and block indices in 32 bits: rows are below kMaxKernelRowBytes.
     const int cols = static_cast<int>(p.row_elems) / kBlock;
