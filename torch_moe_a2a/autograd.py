@@ -50,7 +50,6 @@ backward: the reverse), the same on every rank.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from typing import Any, Callable, Optional
@@ -102,36 +101,61 @@ def _combine(payload: Tensor, local_num_tokens: int, workspace: Tensor, offset: 
                                 mailbox, pdl, 0, None, 1.0, 2)
 
 
-@contextlib.contextmanager
-def _unrecorded():
+class _Unrecorded:
     """Where the ops here call the workspace ops: without grad mode (those
     refuse payloads that require grad under it) and below ADInplaceOrView, so
     that the workspace's version counter stays put. To autograd the ops here
     mutate nothing, and a compiled graph saves the workspace for its backward
     with its version: an exchange between the forward and the backward (a
     later layer's, or a simulated peer's on the shared tensor) must not make
-    that backward fail with "modified by an inplace operation"."""
-    with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
-        yield
+    that backward fail with "modified by an inplace operation".
+
+    A class with the grad mode set directly, not a generator context manager
+    around ``torch.no_grad()``: every op here enters it, and the generator and
+    no_grad's own Python cost more than the two switches (a few microseconds
+    an op)."""
+
+    __slots__ = ("_grad_enabled", "_below")
+
+    def __enter__(self) -> None:
+        self._grad_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        self._below = torch._C._AutoDispatchBelowADInplaceOrView()
+        self._below.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._below.__exit__(*exc)
+        torch._C._set_grad_enabled(self._grad_enabled)
 
 
-@contextlib.contextmanager
-def _tallies_kept(workspace: Tensor, rank: int):
+# The header's two tallies that a backward's round puts back, int64 words a
+# whole number of words apart: one strided view holds both, so saving them is
+# one clone and putting them back one copy.
+_TALLY_STEP, _TALLY_GAP = divmod(layout.HDR_DROPPED_PAIR_COUNT - layout.HDR_INVALID_EXPERT_COUNT, 8)
+assert _TALLY_STEP > 0 and _TALLY_GAP == 0 and layout.HDR_INVALID_EXPERT_COUNT % 8 == 0
+
+
+class _TalliesKept:
     """Where a backward's round runs its exchange: the forward's dispatch has
     counted its expert ids >= num_experts and its dropped pairs (the rank's
     header: moe_a2a_get_invalid_expert_count, moe_a2a_get_dropped_pair_count),
     and the round's dispatch of the same ids would count them again, so the
     counters are put back as the round found them, on the stream (no host
-    sync; only the rank's own kernels write them)."""
-    row = workspace.select(0, rank)
-    words = [layout.region_view(row, offset, (), torch.int64)
-             for offset in (layout.HDR_INVALID_EXPERT_COUNT, layout.HDR_DROPPED_PAIR_COUNT)]
-    saved = [word.clone() for word in words]
-    try:
-        yield
-    finally:
-        for word, value in zip(words, saved):
-            word.copy_(value)
+    sync; only the rank's own kernels write them). A class, not a generator
+    context manager, and one view of both words: each backward enters it."""
+
+    __slots__ = ("_words", "_saved")
+
+    def __init__(self, workspace: Tensor, rank: int):
+        first = layout.HDR_INVALID_EXPERT_COUNT
+        span = layout.HDR_DROPPED_PAIR_COUNT + 8 - first
+        self._words = workspace[rank, first:first + span].view(torch.int64)[::_TALLY_STEP]
+
+    def __enter__(self) -> None:
+        self._saved = self._words.clone()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._words.copy_(self._saved)
 
 
 def _row_bytes(t: Tensor) -> int:
@@ -307,7 +331,7 @@ def dispatch_owned(token_selected_experts: Tensor, input_payloads: list[Tensor],
     """The dispatch op; returns ``[*planes, recv_counts]`` (new tensors, see :func:`_owned_planes`)."""
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
-    with _unrecorded():
+    with _Unrecorded():
         _dispatch(token_selected_experts, input_payloads, workspace, route)
         planes, counts, _ = _owned_planes(workspace, input_payloads, route)
     return [*planes, counts]
@@ -321,7 +345,7 @@ def combine_owned(payload: Tensor, token_selected_experts: Tensor, workspace: Te
     """The combine op closing the round ``dispatch_owned`` opened; ``[local_num_tokens, *row]`` of payload's dtype."""
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
-    with _unrecorded():
+    with _Unrecorded():
         return _combine(payload, token_selected_experts.shape[0], workspace, combine_payload_offset, route)
 
 
@@ -334,7 +358,7 @@ def dispatch_round(rows: Tensor, token_selected_experts: Tensor, workspace: Tens
     ``[ep_size, runtime_max_tokens_per_rank, *row]``, padding rows zero."""
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
-    with _unrecorded(), _tallies_kept(workspace, ep_rank):
+    with _Unrecorded(), _TalliesKept(workspace, ep_rank):
         _dispatch(token_selected_experts, [rows], workspace, route)
         (plane,), _, offset = _owned_planes(workspace, [rows], route)
         nothing = torch.zeros((ep_size, runtime_max_tokens_per_rank, 1), dtype=torch.float32, device=rows.device)
@@ -353,7 +377,7 @@ def combine_round(payload: Tensor, token_selected_experts: Tensor, workspace: Te
              timeout_s, mailbox, enable_pdl)
     ids = token_selected_experts
     offset = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, (_row_bytes(ids),)).combine_offset
-    with _unrecorded(), _tallies_kept(workspace, ep_rank):
+    with _Unrecorded(), _TalliesKept(workspace, ep_rank):
         _dispatch(ids, [ids], workspace, route)
         return _combine(payload, ids.shape[0], workspace, offset, route)
 
@@ -855,7 +879,7 @@ def dispatch_em_owned(token_selected_experts: Tensor, input_payloads: list[Tenso
     see :func:`_owned_em`)."""
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
-    with _unrecorded():
+    with _Unrecorded():
         _, em = _dispatch_em(token_selected_experts, input_payloads, router_weights, workspace,
                              max_tokens_per_expert, route)
         planes, counts, ids, weights = _owned_em(workspace, input_payloads, em, max_tokens_per_expert, route)
@@ -873,7 +897,7 @@ def combine_em_owned(expert_outputs: Tensor, pair_weights: Tensor, expert_counts
     as the pairs' weights; ``[local_num_tokens, *row]`` of the outputs' dtype."""
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
-    with _unrecorded():
+    with _Unrecorded():
         # The combine reads each pair's weight from its expert's rank, in the region the build wrote.
         region = layout.region_view(workspace.select(0, ep_rank), weights_offset, tuple(pair_weights.shape),
                                     torch.float32)
@@ -896,7 +920,7 @@ def dispatch_em_round(rows: Tensor, slot_values: Tensor, token_selected_experts:
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
     M = max_tokens_per_expert
-    with _unrecorded(), _tallies_kept(workspace, ep_rank):
+    with _Unrecorded(), _TalliesKept(workspace, ep_rank):
         dispatch_end, em = _dispatch_em(token_selected_experts, [rows], slot_values, workspace, M, route)
         (plane,), _, _, pair_values = _owned_em(workspace, [rows], em, M, route)
         nothing = torch.zeros((_local_experts(route), M, 1), dtype=torch.float32, device=rows.device)
@@ -921,7 +945,7 @@ def combine_em_round(plane: Tensor, pair_values: Tensor, token_selected_experts:
              timeout_s, mailbox, enable_pdl)
     ids, M = token_selected_experts, max_tokens_per_expert
     local, n = _local_experts(route), ids.shape[0]
-    with _unrecorded(), _tallies_kept(workspace, ep_rank):
+    with _Unrecorded(), _TalliesKept(workspace, ep_rank):
         dispatch_end, em = _dispatch_em(ids, [], _slot_indices(ids), workspace, M, route)
         row = workspace.select(0, ep_rank)
         counts = layout.region_view(row, em.counts_offset, (local,), torch.int32)
