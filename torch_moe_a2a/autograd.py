@@ -195,13 +195,15 @@ def _zeroed_plane(row: Tensor, offset: int, leading: tuple[int, int], valid: Ten
 @dataclasses.dataclass(frozen=True)
 class _Eager:
     """What the eager path needs of an op: its Python function, its autograd
-    (as registered), and the positions of its tensor-list arguments (an
-    ``autograd.Function`` sees tensors only as direct arguments)."""
+    (as registered), and the positions of its tensor and tensor-list
+    arguments (an ``autograd.Function`` sees tensors only as direct
+    arguments)."""
 
     impl: Callable
     setup_context: Callable
     backward: Callable
-    list_args: tuple[int, ...]
+    tensor_args: tuple[int, ...]  # Tensor and List[Tensor] arguments, in order
+    list_args: tuple[int, ...]  # the List[Tensor] ones
 
 
 _IMPLS: dict[Any, Callable] = {}
@@ -223,29 +225,36 @@ def _custom_op(name: str) -> Callable:
 def _register_autograd(op, backward: Callable, setup_context: Callable) -> None:
     """``op.register_autograd``, and the same autograd for the eager path."""
     op.register_autograd(backward, setup_context=setup_context)
-    lists = tuple(i for i, a in enumerate(op._opoverload._schema.arguments) if str(a.type) == "List[Tensor]")
-    _EAGER[op] = _Eager(_IMPLS[op], setup_context, backward, lists)
+    types = [str(a.type) for a in op._opoverload._schema.arguments]
+    tensors = tuple(i for i, t in enumerate(types) if t in ("Tensor", "List[Tensor]"))
+    lists = tuple(i for i, t in enumerate(types) if t == "List[Tensor]")
+    _EAGER[op] = _Eager(_IMPLS[op], setup_context, backward, tensors, lists)
 
 
 class _EagerFunction(torch.autograd.Function):
     """An op of this module in eager mode: the forward calls its Python
-    function and its ``setup_context``, the backward its registered backward;
-    the tensor lists come flattened, with their lengths."""
+    function and its ``setup_context``, the backward its registered backward.
+    ``apply`` gets the op's arguments as they are, then their tensors (the
+    tensor lists' flattened): only the tensors as direct arguments, each of
+    the others once inside ``args`` (apply's cost grows with its arguments,
+    which are mostly the route's ints)."""
 
     @staticmethod
-    def forward(ctx, entry: _Eager, lengths: tuple[int, ...], *flat):
-        args, at = [], 0
-        for i in range(len(flat) - sum(lengths) + len(lengths)):
+    def forward(ctx, entry: _Eager, args: tuple, *tensors):
+        # The op's arguments with the tensors apply handed over.
+        args, at, lengths = list(args), 0, []
+        for i in entry.tensor_args:
             if i in entry.list_args:
-                n = lengths[entry.list_args.index(i)]
-                args.append(list(flat[at:at + n]))
+                n = len(args[i])
+                args[i] = list(tensors[at:at + n])
+                lengths.append(n)
                 at += n
             else:
-                args.append(flat[at])
+                args[i] = tensors[at]
                 at += 1
         output = entry.impl(*args)
         entry.setup_context(ctx, tuple(args), output)
-        ctx.entry, ctx.lengths, ctx.list_output = entry, lengths, isinstance(output, list)
+        ctx.entry, ctx.lengths, ctx.list_output = entry, tuple(lengths), isinstance(output, list)
         outputs = tuple(output) if ctx.list_output else (output,)
         integral = [t for t in outputs if not t.is_floating_point()]
         if integral:
@@ -256,12 +265,14 @@ class _EagerFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         entry = ctx.entry
         result = entry.backward(ctx, list(grads) if ctx.list_output else grads[0])
+        result = result if isinstance(result, tuple) else (result,)
         flat: list[Optional[Tensor]] = []
-        for i, g in enumerate(result if isinstance(result, tuple) else (result,)):
+        for i in entry.tensor_args:
+            g = result[i]
             if i in entry.list_args:
                 flat.extend([None] * ctx.lengths[entry.list_args.index(i)] if g is None else g)
             else:
-                flat.append(g if isinstance(g, Tensor) else None)  # an int list's "gradient" is []
+                flat.append(g)
         return None, None, *flat
 
 
@@ -305,18 +316,20 @@ def _call(op, *args):
     entry = _EAGER[op]
     if _traced():
         return op(*args)
-    flat, lengths = [], []
-    for i, a in enumerate(args):
+    tensors = []
+    for i in entry.tensor_args:
         if i in entry.list_args:
-            flat.extend(a)
-            lengths.append(len(a))
+            tensors.extend(args[i])
         else:
-            flat.append(a)
-    tensors = [t for t in flat if isinstance(t, Tensor)]
-    if not all(_plain(t) for t in tensors):
-        return op(*args)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _EagerFunction.apply(entry, tuple(lengths), *flat)
+            tensors.append(args[i])
+    requires_grad = False
+    for t in tensors:
+        if isinstance(t, Tensor):
+            if not _plain(t):
+                return op(*args)
+            requires_grad = requires_grad or t.requires_grad
+    if requires_grad and torch.is_grad_enabled():
+        return _EagerFunction.apply(entry, args, *tensors)
     return entry.impl(*args)
 
 
