@@ -230,6 +230,9 @@ class _Eager:
     backward: Callable
     tensor_args: tuple[int, ...]  # Tensor and List[Tensor] arguments, in order
     list_args: tuple[int, ...]  # the List[Tensor] ones
+    # Whether the backward needs a tensor for every output's gradient
+    # (autograd's zeros where an output got none); else it takes None.
+    materialize_grads: bool
 
 
 _IMPLS: dict[Any, Callable] = {}
@@ -248,13 +251,15 @@ def _custom_op(name: str) -> Callable:
     return wrap
 
 
-def _register_autograd(op, backward: Callable, setup_context: Callable) -> None:
-    """``op.register_autograd``, and the same autograd for the eager path."""
+def _register_autograd(op, backward: Callable, setup_context: Callable, materialize_grads: bool = True) -> None:
+    """``op.register_autograd``, and the same autograd for the eager path,
+    which hands ``backward`` None for an output without a gradient unless
+    ``materialize_grads`` (the registered autograd always hands it zeros)."""
     op.register_autograd(backward, setup_context=setup_context)
     types = [str(a.type) for a in op._opoverload._schema.arguments]
     tensors = tuple(i for i, t in enumerate(types) if t in ("Tensor", "List[Tensor]"))
     lists = tuple(i for i, t in enumerate(types) if t == "List[Tensor]")
-    _EAGER[op] = _Eager(_IMPLS[op], setup_context, backward, tensors, lists)
+    _EAGER[op] = _Eager(_IMPLS[op], setup_context, backward, tensors, lists, materialize_grads)
 
 
 class _EagerFunction(torch.autograd.Function):
@@ -281,6 +286,8 @@ class _EagerFunction(torch.autograd.Function):
         output = entry.impl(*args)
         entry.setup_context(ctx, tuple(args), output)
         ctx.entry, ctx.lengths, ctx.list_output = entry, tuple(lengths), isinstance(output, list)
+        if not entry.materialize_grads:
+            ctx.set_materialize_grads(False)
         outputs = tuple(output) if ctx.list_output else (output,)
         integral = [t for t in outputs if not t.is_floating_point()]
         if integral:
@@ -538,7 +545,9 @@ def _backward_combine_round(ctx, grad):
     return _call(dispatch_round, grad.contiguous(), ids, ctx.workspace, *ctx.route), None, None, *_ROUTE_GRADS
 
 
-_register_autograd(dispatch_owned, _backward_dispatch_owned, _setup_dispatch_owned)
+# The dispatches' backwards take None for a plane without a gradient (and
+# ignore the integer outputs'): no zeros filled for the ids' plane and the counts.
+_register_autograd(dispatch_owned, _backward_dispatch_owned, _setup_dispatch_owned, materialize_grads=False)
 _register_autograd(combine_owned, _backward_combine_owned, _setup_combine_owned)
 _register_autograd(dispatch_round, _backward_dispatch_round, _setup_round)
 _register_autograd(combine_round, _backward_combine_round, _setup_round)
@@ -1106,7 +1115,7 @@ def _backward_combine_em_round(ctx, grads):
     return plane, values, None, None, None, *_list_route_grads(ctx.route[1:])
 
 
-_register_autograd(dispatch_em_owned, _backward_dispatch_em_owned, _setup_dispatch_em_owned)
+_register_autograd(dispatch_em_owned, _backward_dispatch_em_owned, _setup_dispatch_em_owned, materialize_grads=False)
 _register_autograd(combine_em_owned, _backward_combine_em_owned, _setup_combine_em_owned)
 _register_autograd(dispatch_em_round, _backward_dispatch_em_round, _setup_em_round)
 _register_autograd(combine_em_round, _backward_combine_em_round, _setup_em_round)
