@@ -166,10 +166,12 @@ def _owned_planes(workspace: Tensor, payloads: list[Tensor], route: tuple) -> tu
     """New tensors with this rank's receive planes of the dispatch of
     ``payloads`` that just ran, padding rows zeroed (whatever bytes they held,
     so an expert that multiplies them by a zero gradient gets no NaN), the
-    int32 receive counts and the round's combine offset."""
+    int32 receive counts (the header's: a caller that keeps them clones them
+    before its combine, the round's last reader of them) and the round's
+    combine offset."""
     ep_rank, ep_size, runtime_max = route[0], route[1], route[3]
     call = layout.call_layout(ep_size, runtime_max, 0, [_row_bytes(p) for p in payloads])
-    counts = _rank_words(workspace, ep_rank, layout.HDR_RECV_COUNTS, ep_size, torch.int32).clone()
+    counts = _rank_words(workspace, ep_rank, layout.HDR_RECV_COUNTS, ep_size, torch.int32)
     valid = (torch.arange(runtime_max, device=workspace.device) < counts.unsqueeze(1)).unsqueeze(2)
     row = _row_start(workspace, ep_rank)
     planes = [_zeroed_plane(workspace, row + offset, (ep_size, runtime_max), valid, payload)
@@ -380,7 +382,7 @@ def dispatch_owned(token_selected_experts: Tensor, input_payloads: list[Tensor],
     with _Unrecorded():
         _dispatch(token_selected_experts, input_payloads, workspace, route)
         planes, counts, _ = _owned_planes(workspace, input_payloads, route)
-    return [*planes, counts]
+        return [*planes, counts.clone()]
 
 
 @_custom_op("combine_owned")
