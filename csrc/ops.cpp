@@ -65,13 +65,11 @@ void check_top_k(int64_t top_k) {
   TORCH_CHECK_VALUE(top_k >= 1 && top_k <= kMaxTopK, "top_k must be in [1, ", kMaxTopK, "], got ", top_k);
 }
 
-// Every rank owns at least one expert, and top-k routing picks top_k distinct
-// experts of num_experts (the CLI refuses --top-k > --experts for the same
-// reason): fewer experts than top_k is a caller's bug.
-void check_num_experts(int64_t num_experts, int64_t ep_size, int64_t top_k) {
+// Every rank owns at least one expert. Fewer experts than top_k is allowed
+// (DESIGN.md section 3's limits): a token may name an expert in several
+// slots, which the routing and the expert-major pairs already handle.
+void check_num_experts(int64_t num_experts, int64_t ep_size) {
   TORCH_CHECK_VALUE(num_experts >= ep_size, "num_experts must be >= ep_size=", ep_size, ", got ", num_experts);
-  TORCH_CHECK_VALUE(num_experts >= top_k, "num_experts must be >= top_k=", top_k,
-                    " (a token's top_k experts are distinct experts), got ", num_experts);
 }
 
 void check_eplb_n(int64_t eplb_n) {
@@ -374,7 +372,7 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
   check_max_num_tokens(max_num_tokens);
   check_runtime_max(runtime_max_tokens_per_rank, max_num_tokens);
   check_top_k(top_k);
-  check_num_experts(num_experts, ep_size, top_k);
+  check_num_experts(num_experts, ep_size);
 
   const at::Tensor& ids = token_selected_experts;
   TORCH_CHECK_VALUE(ids.defined(), "token_selected_experts must be a tensor, got an undefined tensor");
@@ -660,7 +658,7 @@ namespace {
 // local experts within kMaxLocalExperts) and M = max_tokens_per_expert (the
 // planes' rows within kMaxExpertMajorRows).
 void check_expert_major_sizes(int64_t ep_size, int64_t num_experts, int64_t top_k, int64_t max_tokens_per_expert) {
-  check_num_experts(num_experts, ep_size, top_k);
+  check_num_experts(num_experts, ep_size);
   const int64_t local = max_local_experts(num_experts, ep_size);
   TORCH_CHECK_VALUE(local <= kMaxLocalExperts, "the expert-major layout takes at most ", kMaxLocalExperts,
                     " experts per rank, got num_experts=", num_experts, " over ep_size=", ep_size, " (", local,

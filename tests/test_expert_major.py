@@ -45,6 +45,7 @@ class EmCase:
     active: Optional[tuple[int, ...]] = None  # None: every rank
     output_dtype: Optional[torch.dtype] = None
     in_workspace: bool = False
+    repeats: bool = False  # ids drawn with replacement (a token names an expert in several slots)
 
     @property
     def T(self) -> int:
@@ -63,7 +64,7 @@ class EmCase:
     def __str__(self) -> str:
         return (f"ep{self.ep_size}-tok{'_'.join(map(str, self.tokens))}-k{self.top_k}-E{self.num_experts}"
                 f"-M{self.max_tokens_per_expert}-w{int(self.weights)}-i64{int(self.ids_int64)}"
-                f"-act{self.active}-ws{int(self.in_workspace)}")
+                f"-act{self.active}-ws{int(self.in_workspace)}{'-rep' if self.repeats else ''}")
 
 
 def _grid(count: int, seed: int) -> list[EmCase]:
@@ -74,7 +75,7 @@ def _grid(count: int, seed: int) -> list[EmCase]:
         tokens = tuple(rnd.choice([0, 1, 3, 7, 16, 29]) for _ in range(ep))
         top_k = rnd.choice([1, 2, 4, 6, 8, 13, 22])
         num_experts = ep * rnd.choice([1, 2, 3]) + rnd.randrange(0, ep)  # often not divisible
-        num_experts = max(num_experts, ep, top_k)  # the ops refuse fewer experts than top_k
+        num_experts = max(num_experts, ep, top_k)  # distinct experts (GRID's repeats cases have fewer)
         T = max(1, max(tokens))
         overflow = n % 3 == 1
         M = max(1, (ep * T) // rnd.choice([4, 8, 16])) if overflow else None
@@ -93,6 +94,8 @@ GRID = [
     EmCase(2, (0, 0), 3, 5),  # nobody sends anything
     EmCase(3, (4, 0, 9), 22, 40, max_tokens_per_expert=2),  # top_k 22, heavy overflow
     EmCase(8, (3, 1, 0, 7, 2, 5, 0, 4), 8, 20, active=(0, 1, 2, 4, 5, 6, 7)),
+    EmCase(2, (5, 3), 6, 2, repeats=True),  # fewer experts than top_k: every token repeats one
+    EmCase(3, (4, 0, 6), 22, 3, max_tokens_per_expert=5, repeats=True, in_workspace=True),
     *_grid(18, 1234),
 ]
 
@@ -125,8 +128,11 @@ def make_em_sim(case: EmCase, device) -> a2a.SimulatedEP:
 def em_inputs(case: EmCase, gen: torch.Generator):
     ids, payloads, weights = [], [], []
     for n in case.tokens:
-        routing = reference.random_routing(n, case.top_k, case.num_experts, gen, invalid_fraction=0.05,
-                                           negative_fraction=0.05)
+        if case.repeats:
+            routing = torch.randint(0, case.num_experts, (n, case.top_k), generator=gen, dtype=torch.int32)
+        else:
+            routing = reference.random_routing(n, case.top_k, case.num_experts, gen, invalid_fraction=0.05,
+                                               negative_fraction=0.05)
         ids.append(routing.long() if case.ids_int64 else routing)
         p = [random_values((n, case.hidden), case.hidden_dtype, gen)]
         if case.extra:

@@ -191,7 +191,7 @@ class MoeAlltoAll:
             ``moe_ep_size``.
         max_num_tokens: the most tokens one rank dispatches in a call.
         top_k: experts per token, 1..22.
-        num_experts: experts in all, ``>= ep_size`` and ``>= top_k``.
+        num_experts: experts in all, ``>= ep_size``.
         workspace_size_per_rank: bytes per rank; default from ``hidden_size``
             (:meth:`get_moe_workspace_size_per_rank`).
         hidden_size: sizes the workspace when ``workspace_size_per_rank`` is not given.
@@ -301,8 +301,8 @@ class MoeAlltoAll:
             raise ValueError(f"MoeAlltoAll: moe_ep_rank {self.ep_rank} out of range [0, {self.ep_size})")
         _check_int("max_num_tokens", max_num_tokens, 1, layout.MAX_NUM_TOKENS)
         _check_int("top_k", top_k, 1, layout.MAX_TOP_K)
-        # Both bounds of DESIGN section 3: a rank per expert at least, distinct experts per token.
-        _check_int("num_experts", num_experts, max(1, self.ep_size, top_k))
+        # DESIGN section 3's bound: an expert per rank at least (fewer experts than top_k are allowed).
+        _check_int("num_experts", num_experts, max(1, self.ep_size))
         _check_int("eplb_stats_num_experts", eplb_stats_num_experts, 0)
         if hidden_size is not None:
             _check_int("hidden_size", hidden_size, 1)
