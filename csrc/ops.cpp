@@ -120,7 +120,8 @@ WorkspaceView check_workspace(const at::Tensor& workspace, int64_t ep_rank, int6
 void check_no_grad(const at::Tensor& t, const std::string& arg) {
   TORCH_CHECK_VALUE(!(t.requires_grad() && at::GradMode::is_enabled()), arg,
                     " requires grad, but dispatch and combine have no backward: for training use "
-                    "moe_a2a_dispatch_differentiable and moe_a2a_combine_differentiable; else call under "
+                    "moe_a2a_dispatch_differentiable and moe_a2a_combine_differentiable (or their _expert_major_ "
+                    "twins); else call under "
                     "torch.no_grad() (or torch.inference_mode()), or pass a tensor that does not require grad "
                     "(.detach())");
 }
@@ -149,17 +150,18 @@ void check_outside_workspace(const at::Tensor& t, const WorkspaceView& ws, const
 // device, contiguous, no grad, of shape [rows, per_row, *row_shape];
 // `dims` names the two leading dimensions for the message.
 const uint8_t* checked_combine_payload(const at::Tensor& t, at::ScalarType payload_dtype, const at::Tensor& workspace,
-                                       int64_t rows, int64_t per_row, at::IntArrayRef row_shape, const char* dims) {
-  TORCH_CHECK_VALUE(t.scalar_type() == payload_dtype, "payload must be ", dtype_name(payload_dtype), ", got ",
+                                       int64_t rows, int64_t per_row, at::IntArrayRef row_shape, const char* dims,
+                                       const char* name) {
+  TORCH_CHECK_VALUE(t.scalar_type() == payload_dtype, name, " must be ", dtype_name(payload_dtype), ", got ",
                     dtype_name(t.scalar_type()));
-  check_on_workspace_device(t, workspace, "payload");
+  check_on_workspace_device(t, workspace, name);
   std::vector<int64_t> expected{rows, per_row};
   expected.insert(expected.end(), row_shape.begin(), row_shape.end());
-  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected), "payload must be [", dims, ", *row_shape] with ", dims,
+  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected), name, " must be [", dims, ", *row_shape] with ", dims,
                     " = ", rows, ", ", per_row, ", got shape ", t.sizes());
-  TORCH_CHECK_VALUE(t.is_contiguous(), "payload must be contiguous, got strides ", t.strides(),
-                    " (pass payload.contiguous())");
-  check_no_grad(t, "payload");
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides(), " (pass ", name,
+                    ".contiguous())");
+  check_no_grad(t, name);
   // A payload of 0-byte rows (a size of 0 in row_shape) has no data pointer,
   // and a null payload means one already in the workspace (combine_stages):
   // such a tensor gets an address no kernel reads from (every row copies and
@@ -577,7 +579,7 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
 
   if (payload.has_value() && payload->defined()) {
     p.payload = checked_combine_payload(*payload, payload_dtype, workspace, ep_size, T, row_shape,
-                                        "ep_size, runtime_max_tokens_per_rank");
+                                        "ep_size, runtime_max_tokens_per_rank", "payload");
   }
 
   const int64_t route_end = route_region_end(ep_size, T);
@@ -741,15 +743,15 @@ ExpertMajorCombineParams check_combine_expert_major(
   TORCH_CHECK_VALUE(local_num_tokens >= 0 && local_num_tokens <= T, "local_num_tokens must be in [0, ",
                     "runtime_max_tokens_per_rank=", T, "], got ", local_num_tokens,
                     " (a combine takes its dispatch's local_num_tokens and runtime_max_tokens_per_rank)");
-  c.payload_dtype = to_dtype(payload_dtype, "payload dtype");
+  c.payload_dtype = to_dtype(payload_dtype, "expert_outputs dtype");
   c.output_dtype = to_dtype(output_dtype, "output_dtype");
   // fp32 too: the weighted sum is fp32 before its one cast.
   TORCH_CHECK_VALUE(output_dtype == payload_dtype || output_dtype == at::kBFloat16 || output_dtype == at::kFloat,
-                    "output_dtype must be the payload dtype (", dtype_name(payload_dtype),
+                    "output_dtype must be the expert_outputs dtype (", dtype_name(payload_dtype),
                     "), torch.bfloat16 or torch.float32, got ", dtype_name(output_dtype));
   const int64_t element_size = static_cast<int64_t>(c10::elementSize(payload_dtype));
   for (const int64_t d : row_shape) {
-    TORCH_CHECK_VALUE(d >= 0, "row_shape (the payload's trailing shape) must have sizes >= 0, got ", row_shape);
+    TORCH_CHECK_VALUE(d >= 0, "row_shape (the expert_outputs' trailing shape) must have sizes >= 0, got ", row_shape);
   }
   const int64_t row_bytes = row_bytes_of(row_shape, element_size);
   TORCH_CHECK_VALUE(row_bytes >= 0 && row_bytes <= kMaxRowBytes, "a combine row must have at most ", kMaxRowBytes,
@@ -759,7 +761,7 @@ ExpertMajorCombineParams check_combine_expert_major(
 
   if (payload.has_value() && payload->defined()) {
     c.payload = checked_combine_payload(*payload, payload_dtype, workspace, p.num_local, max_tokens_per_expert,
-                                        row_shape, "num_local_experts, max_tokens_per_expert");
+                                        row_shape, "num_local_experts, max_tokens_per_expert", "expert_outputs");
   }
 
   // The regions the pulls read follow dispatch_end, and the combine region

@@ -492,7 +492,7 @@ def test_combine_needs_expert_major_dispatch(device):
                                             case.num_experts, router_weights=weights)
     y = torch.zeros(got.output_payloads[0].shape, dtype=got.output_payloads[0].dtype)
     bad = got._replace(max_tokens_per_expert=got.max_tokens_per_expert - 1)
-    with pytest.raises(ValueError, match="payload must be"):
+    with pytest.raises(ValueError, match="expert_outputs must be"):
         a2a.moe_a2a_combine_expert_major(y, bad, sim.workspace, sim.metainfo[0], 0, 1)
     with pytest.raises(ValueError, match="max_tokens_per_expert"):
         a2a.moe_a2a_combine_expert_major(y[:, :-1].contiguous(), bad, sim.workspace, sim.metainfo[0], 0, 1)
