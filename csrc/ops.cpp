@@ -797,7 +797,7 @@ ExpertMajorCombineParams check_combine_expert_major(
   if (output != nullptr) {
     check_combine_output(*output, workspace, c.ws, expert_major_output_shape(local_num_tokens, row_shape),
                          output_dtype);
-    check_apart(*output, payload, "output", "the payload");
+    check_apart(*output, payload, "output", "expert_outputs");
     c.output = static_cast<uint8_t*>(output->data_ptr());
   }
   return p;

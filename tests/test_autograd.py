@@ -762,7 +762,8 @@ def test_expert_major_gradients_equal_the_reference(dtype, max_tokens_per_expert
     reference's dispatch of (rank, token) rows with the slot index as weight).
     The same inputs again, after other traffic, give bitwise the same."""
     ep_size, tokens, top_k, num_experts, hidden = 3, (7, 0, 5), 3, 6, 16
-    M = max_tokens_per_expert or a2a.expert_major.default_max_tokens_per_expert(ep_size, max(tokens))
+    M = max_tokens_per_expert or a2a.expert_major.default_max_tokens_per_expert(ep_size, max(tokens), top_k,
+                                                                                num_experts)
     sim = make_em_sim(ep_size, max(tokens), hidden, top_k, num_experts, max_tokens_per_expert)
     ids, xs, ws, targets = _random_layer(ep_size, tokens, top_k, num_experts, hidden, dtype, seed=31)
     got = _expert_major_layer(sim, ids, xs, ws, targets, num_experts, max_tokens_per_expert)

@@ -55,7 +55,8 @@ class EmCase:
     def M(self) -> int:
         if self.max_tokens_per_expert is not None:
             return self.max_tokens_per_expert
-        return a2a.expert_major.default_max_tokens_per_expert(self.ep_size, self.T)
+        return a2a.expert_major.default_max_tokens_per_expert(self.ep_size, self.T, self.top_k,
+                                                               self.num_experts)
 
     @property
     def user_bytes(self) -> int:
@@ -389,6 +390,28 @@ def test_moe_layer_equals_dense(ep_size, tokens, num_experts, top_k, device):
                                                               ep_size))
     for r in range(ep_size):
         torch.testing.assert_close(outs[r].cpu(), moe.dense(xs[r]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("top_k,num_experts", [(4, 2), (22, 3)])
+def test_default_rows_per_expert_keep_every_slot_with_fewer_experts_than_top_k(top_k, num_experts, device):
+    """With fewer experts than top_k no token can name distinct experts, and
+    the distinct-experts default (ep_size * T rows) dropped pairs at full
+    load; the default is then every slot of every token: a routing that puts
+    every slot of every token on expert 0 keeps all its pairs."""
+    ep, T = 2, 4
+    case = EmCase(ep, (T, T), top_k, num_experts, extra=False, repeats=True)
+    assert case.M == ep * T * top_k
+    sim = make_em_sim(case, device)
+    ids = torch.zeros(T, top_k, dtype=torch.int32, device=device)
+    x = torch.randn(T, case.hidden, generator=make_generator(("all on one", top_k))).to(case.hidden_dtype).to(device)
+    got = sim.run(lambda r: a2a.moe_a2a_dispatch_expert_major(ids, [x], sim.workspace, sim.metainfo[r], T, r, ep,
+                                                              top_k, num_experts))
+    assert got[0].expert_counts.cpu()[0].item() == ep * T * top_k
+    assert [a2a.moe_a2a_get_dropped_pair_count(sim.workspace, sim.metainfo[r], r) for r in range(ep)] == [0, 0]
+    outs = sim.run(lambda r: a2a.moe_a2a_combine_expert_major(got[r].output_payloads[0], got[r], sim.workspace,
+                                                              sim.metainfo[r], r, ep))
+    # Each token's top_k unweighted pairs of its own row: top_k times the row, summed in fp32.
+    torch.testing.assert_close(outs[0].float().cpu(), (x.float() * top_k).to(case.hidden_dtype).float().cpu())
 
 
 # ---- bad input ------------------------------------------------------------------------

@@ -226,7 +226,7 @@ def check_expert_major(p: Problem, device: str) -> None:
     gen = make_generator(p.seed)
     M = p.max_tokens_per_expert
     if M is None:
-        M = a2a.expert_major.default_max_tokens_per_expert(ep, T)
+        M = a2a.expert_major.default_max_tokens_per_expert(ep, T, p.top_k, p.num_experts)
     size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(
         ep, p.max_num_tokens, p.dispatch_bytes, p.combine_bytes, p.num_experts, p.top_k, M)
     sim = a2a.SimulatedEP(ep, p.max_num_tokens, dispatch_bytes_per_token=0, combine_bytes_per_token=0,

@@ -1180,7 +1180,8 @@ def moe_a2a_dispatch_expert_major_differentiable(
     weights = (torch.ones((n, top_k), dtype=torch.float32, device=workspace.device) if router_weights is None
                else router_weights.to(torch.float32).contiguous())
     if max_tokens_per_expert is None:
-        max_tokens_per_expert = expert_major.default_max_tokens_per_expert(ep_size, runtime_max_tokens_per_rank)
+        max_tokens_per_expert = expert_major.default_max_tokens_per_expert(ep_size, runtime_max_tokens_per_rank,
+                                                                           top_k, num_experts)
     payloads = list(input_payloads)
     route = _route_args(fn, token_selected_experts, [*payloads, token_selected_experts, weights], workspace,
                         metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts, enable_pdl,

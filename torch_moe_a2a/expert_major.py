@@ -80,10 +80,15 @@ class ExpertMajorDispatch(NamedTuple):
     dispatch_end: int
 
 
-def default_max_tokens_per_expert(ep_size: int, runtime_max_tokens_per_rank: int) -> int:
-    """The worst case of pairs per local expert with distinct experts per token:
-    every token of every rank (``ep_size * runtime_max_tokens_per_rank``)."""
-    return ep_size * runtime_max_tokens_per_rank
+def default_max_tokens_per_expert(ep_size: int, runtime_max_tokens_per_rank: int, top_k: int,
+                                  num_experts: int) -> int:
+    """The default rows per local expert: the most pairs one expert can get
+    when each token names distinct experts, every token of every rank
+    (``ep_size * runtime_max_tokens_per_rank``); with fewer experts than
+    ``top_k``, where no token can, every slot of every token (``ep_size *
+    runtime_max_tokens_per_rank * top_k``), so that the default drops no pair."""
+    per_token = top_k if num_experts < top_k else 1
+    return ep_size * runtime_max_tokens_per_rank * per_token
 
 
 def moe_a2a_get_workspace_size_per_rank_expert_major(
@@ -109,7 +114,9 @@ def moe_a2a_get_workspace_size_per_rank_expert_major(
         combine_payload_size_per_token: bytes of an expert-output row.
         num_experts, top_k: of the calls.
         max_tokens_per_expert: rows per local expert; default the worst case
-            ``ep_size * max_num_tokens``.
+            with distinct experts per token, ``ep_size * max_num_tokens``
+            (times ``top_k`` with fewer experts than ``top_k``:
+            :func:`default_max_tokens_per_expert`).
 
     Returns:
         Enough for any expert-major call with ``runtime_max_tokens_per_rank <=
@@ -127,7 +134,7 @@ def moe_a2a_get_workspace_size_per_rank_expert_major(
                 **({} if max_tokens_per_expert is None else {"max_tokens_per_expert": max_tokens_per_expert}))
     check_backend(backend, None)
     if max_tokens_per_expert is None:
-        max_tokens_per_expert = default_max_tokens_per_expert(ep_size, max_num_tokens)
+        max_tokens_per_expert = default_max_tokens_per_expert(ep_size, max_num_tokens, top_k, num_experts)
     return _ops.expert_major_workspace_size_per_rank.default(
         ep_size, max_num_tokens, total_dispatch_payload_size_per_token, combine_payload_size_per_token,
         eplb_stats_num_experts, num_experts, top_k, max_tokens_per_expert)
@@ -177,7 +184,8 @@ def moe_a2a_dispatch_expert_major(
             unweighted.
         max_tokens_per_expert: rows per local expert, the same on every rank;
             default ``ep_size * runtime_max_tokens_per_rank`` (no drops with
-            distinct experts per token). Pairs beyond it are dropped and
+            distinct experts per token), times ``top_k`` with fewer experts
+            than ``top_k`` (no drops). Pairs beyond it are dropped and
             counted (:func:`moe_a2a_get_dropped_pair_count`).
 
     Returns:
@@ -213,7 +221,8 @@ def moe_a2a_dispatch_expert_major(
                 or not 1 <= runtime_max_tokens_per_rank <= max_num_tokens:
             raise ValueError(f"runtime_max_tokens_per_rank must be an int in [1, max_num_tokens={max_num_tokens}], "
                              f"got {runtime_max_tokens_per_rank!r}")
-        max_tokens_per_expert = default_max_tokens_per_expert(ep_size, int(runtime_max_tokens_per_rank))
+        max_tokens_per_expert = default_max_tokens_per_expert(ep_size, int(runtime_max_tokens_per_rank), top_k,
+                                                              num_experts)
     user_rows = [_row_bytes(p) for p in input_payloads]
     # Refused before the dispatch runs: what the build would refuse after it.
     check_expert_major_fits(workspace, ep_size, runtime_max_tokens_per_rank, top_k, num_experts,

@@ -232,8 +232,10 @@ class MoeAlltoAll:
             from ``hidden_size`` uses
             :meth:`get_moe_workspace_size_per_rank_expert_major`.
         max_tokens_per_expert: ours, with ``expert_major``: rows per local
-            expert (default the worst case, ``ep_size *
-            runtime_max_tokens_per_rank``; sizing: ``ep_size * max_num_tokens``).
+            expert (default the worst case with distinct experts per token,
+            ``ep_size * runtime_max_tokens_per_rank``; sizing: ``ep_size *
+            max_num_tokens``; each times ``top_k`` with fewer experts than
+            ``top_k``).
 
     Workspace ownership. Without ``workspace=``, instances of one geometry
     (``workspace_size_per_rank``, ``ep_rank``, ``ep_size``,
@@ -542,7 +544,8 @@ class MoeAlltoAll:
         """Sizing for ``expert_major=True`` instances: hidden states of ``dtype``
         (default 16-bit) and ``extra_payload_bytes_per_token`` dispatched, hidden
         states combined, ``max_tokens_per_expert`` rows per expert (default
-        ``ep_size * max_num_tokens``); the expert ids and router weights that
+        ``ep_size * max_num_tokens``, times ``top_k`` with fewer experts than
+        ``top_k``); the expert ids and router weights that
         travel too are counted
         (:func:`~torch_moe_a2a.moe_a2a_get_workspace_size_per_rank_expert_major`)."""
         hidden_bytes = hidden_size * (2 if dtype is None else dtype.itemsize)

@@ -108,6 +108,7 @@ class MoEEpCommParams:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"MoEEpCommParams.{name} must be a positive int, got {value!r}")
+        # FlashInfer's MoEEpCommParams refuses it too (the ops below accept fewer experts than top_k).
         if self.top_k > self.num_experts:
             raise ValueError(f"MoEEpCommParams.top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
         expect_ints("MoEEpCommParams", invalid_expert_id=self.invalid_expert_id)
