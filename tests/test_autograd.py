@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import assert_bytes_equal
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -998,18 +999,110 @@ def test_a_differentiable_expert_major_combine_after_a_plain_dispatch_is_refused
     assert out.shape == (tokens, hidden) and not out.requires_grad
 
 
-def test_router_weights_that_require_grad_are_named_by_the_plain_expert_major_dispatch():
-    """They travel as a payload, and the refusal named them input_payloads[2]
-    where the caller passed one payload."""
+def _plain_and_differentiable(expert_major: bool, plain: bool, gen_seed: int = 25):
+    """One eager round trip of every rank with inputs that require grad,
+    through the plain functions or the differentiable ones: each rank's
+    output, input gradient (and router weights' gradient, expert-major)."""
+    ep, tokens, top_k, num_experts, hidden = 2, 5, 2, 4, 8
+    gen = torch.Generator().manual_seed(gen_seed)
+    sim = (make_em_sim(ep, tokens, hidden, top_k, num_experts) if expert_major
+           else make_sim(ep, tokens, hidden, top_k))
+    ids = [reference.random_routing(tokens, top_k, num_experts, gen) for _ in range(ep)]
+    xs = [torch.randn(tokens, hidden, generator=gen, requires_grad=True) for _ in range(ep)]
+    ws = [torch.rand(tokens, top_k, generator=gen, requires_grad=True) for _ in range(ep)]
+    args = lambda r: (sim.workspace, sim.metainfo[r])  # noqa: E731
+
+    def dispatch(r):
+        if expert_major:
+            f = a2a.moe_a2a_dispatch_expert_major if plain else moe_a2a_dispatch_expert_major_differentiable
+            return f(ids[r], [xs[r]], *args(r), tokens, r, ep, top_k, num_experts, router_weights=ws[r])
+        f = a2a.moe_a2a_dispatch if plain else moe_a2a_dispatch_differentiable
+        return f(ids[r], [xs[r]], *args(r), tokens, r, ep, top_k, num_experts)
+
+    got = sim.run(dispatch)
+
+    def combine(r):
+        if expert_major:
+            y = got[r].output_payloads[0] * 3.0
+            if plain:
+                return a2a.moe_a2a_combine_expert_major(y, got[r], *args(r), r, ep)
+            return moe_a2a_combine_expert_major_differentiable(y, got[r], ids[r], *args(r), r, ep)
+        y = got[r][0][0] * 3.0
+        if plain:
+            return a2a.moe_a2a_combine(y, tokens, *args(r), tokens, r, ep, top_k, got[r][1])
+        return moe_a2a_combine_differentiable(y, ids[r], *args(r), tokens, r, ep, top_k, num_experts, got[r][1])
+
+    outs = sim.run(combine)
+    sim.run(lambda r: outs[r].sum().backward())  # the backward is a collective too
+    planes = [g.output_payloads[0] if expert_major else g[0][0] for g in got]
+    return sim, outs, xs, ws, planes
+
+
+@pytest.mark.parametrize("expert_major", [False, True], ids=["rank_major", "expert_major"])
+def test_plain_functions_with_inputs_that_require_grad_are_differentiable(expert_major):
+    """DESIGN.md section 3: dispatch and combine are differentiable. The plain
+    functions, called eagerly under grad mode with payloads (or router
+    weights) that require grad, run as the differentiable ones: the same
+    outputs and gradients, bitwise, and received rows that are new tensors
+    (not workspace views, which the backward's exchange overwrites)."""
+    sim, outs, xs, ws, planes = _plain_and_differentiable(expert_major, plain=True)
+    _, ref_outs, ref_xs, ref_ws, _ = _plain_and_differentiable(expert_major, plain=False)
+    for r in range(len(outs)):
+        assert_bytes_equal(outs[r].detach(), ref_outs[r].detach(), f"rank {r} output")
+        assert_bytes_equal(xs[r].grad, ref_xs[r].grad, f"rank {r} input gradient")
+        if expert_major:
+            assert_bytes_equal(ws[r].grad, ref_ws[r].grad, f"rank {r} router weights' gradient")
+        assert planes[r].untyped_storage().data_ptr() != sim.workspace.untyped_storage().data_ptr()
+
+
+def test_moe_alltoall_with_payloads_that_require_grad():
+    """MoeAlltoAll's dispatch and combine go through the plain functions: with
+    a payload that requires grad they train as the differentiable ones
+    (gradient as the dense sum's), and invalid_token_expert_id, which cleans
+    the workspace's ids that such a dispatch does not return, is refused."""
     tokens, top_k, num_experts, hidden = 4, 2, 4, 8
-    gen = torch.Generator().manual_seed(25)
+    gen = torch.Generator().manual_seed(28)
+    a2a_layer = a2a.MoeAlltoAll(a2a.Mapping(world_size=1, rank=0, moe_ep_size=1), tokens, top_k, num_experts,
+                                hidden_size=hidden, dtype=torch.float32)
     ids = reference.random_routing(tokens, top_k, num_experts, gen)
-    sim = make_em_sim(1, tokens, hidden, top_k, num_experts)
-    w = torch.rand(tokens, top_k, generator=gen, requires_grad=True)
-    with pytest.raises(ValueError, match="moe_a2a_dispatch_expert_major: router_weights requires grad, but this "
-                                         "dispatch has no backward"):
-        a2a.moe_a2a_dispatch(ids, [torch.randn(tokens, hidden, generator=gen)], sim.workspace, sim.metainfo[0],
-                             tokens, 0, 1, top_k, num_experts, expert_major=True, router_weights=w)
+    x = torch.randn(tokens, hidden, generator=gen, requires_grad=True)
+    with pytest.raises(ValueError, match="invalid_token_expert_id is not taken with payloads that require grad"):
+        a2a_layer.dispatch(ids, [x, ids], tokens, invalid_token_expert_id=-1, expert_id_payload_index=1)
+    (recv,) = a2a_layer.dispatch(ids, [x], tokens)
+    out = a2a_layer.combine(recv * 2.0, tokens)
+    out.sum().backward()
+    # One rank: each token comes back once, doubled.
+    assert_bytes_equal(out.detach(), x.detach() * 2.0, "output")
+    assert_bytes_equal(x.grad, torch.full_like(x, 2.0), "input gradient")
+
+
+def test_plain_combine_with_grad_after_a_plain_dispatch_is_refused():
+    """An expert output that requires grad (its parameters do) after a dispatch
+    of payloads that did not: the dispatch's received rows are workspace
+    views, which the combine's backward would overwrite before the expert's
+    backward reads them, so the combine is refused, naming the fix; its
+    options that the differentiable combine lacks are refused by name."""
+    ep, tokens, top_k, num_experts, hidden = 1, 4, 2, 4, 8
+    gen = torch.Generator().manual_seed(27)
+    sim = make_sim(ep, tokens, hidden, top_k)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    weight = torch.tensor(2.0, requires_grad=True)
+    (recv,), offset, _ = a2a.moe_a2a_dispatch(ids, [x], sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k,
+                                              num_experts)
+    with pytest.raises(ValueError, match="moe_a2a_combine: the payload requires grad, but this rank's last "
+                                         "dispatch on the workspace was not a rank-major dispatch of payloads"):
+        a2a.moe_a2a_combine(recv * weight, tokens, sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k, offset)
+    with torch.no_grad():
+        a2a.moe_a2a_combine(recv * weight, tokens, sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k, offset)
+    (recv,), offset, _ = a2a.moe_a2a_dispatch(ids, [x.requires_grad_()], sim.workspace, sim.metainfo[0], tokens, 0,
+                                              1, top_k, num_experts)
+    with pytest.raises(ValueError, match="moe_a2a_combine: output is not taken with a payload that requires grad"):
+        a2a.moe_a2a_combine(recv * weight, tokens, sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k, offset,
+                            output=torch.empty(tokens, hidden))
+    out = a2a.moe_a2a_combine(recv * weight, tokens, sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k, offset)
+    out.sum().backward()
+    assert x.grad is not None and weight.grad is not None
 
 
 def test_a_non_contiguous_payload_combines_as_its_contiguous_copy():

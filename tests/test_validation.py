@@ -108,9 +108,6 @@ def _other_workspace_dtype(env, args):
 
 
 DISPATCH_BAD = [
-    ("payload_requires_grad", _payloads(lambda e: [e.payloads[0].float().requires_grad_().to(e.payloads[0].dtype),
-                                                   *e.payloads[1:]]),
-     r"input_payloads\[0\] requires grad, but dispatch and combine have no backward"),
     ("ids_int16", _ids(lambda e: e.ids.to(torch.int16)), r"(?i)token_selected_experts must be torch.int32 or torch.int64"),
     ("ids_1d", _ids(lambda e: e.ids[:, 0].contiguous()), r"(?i)token_selected_experts|top_k|dim|shape"),
     ("ids_wrong_top_k", _ids(lambda e: torch.cat([e.ids, e.ids[:, :1]], 1)), r"(?i)token_selected_experts|top_k"),
@@ -298,9 +295,11 @@ COMBINE_BAD = [
      r"output must not require grad"),
     ("output_with_history", lambda ce, args: args.update(output=_grad_output(ce) * 2), ValueError,
      r"output must not require grad"),
-    # No backward: a payload that requires grad would lose its gradient.
+    # A payload that requires grad combines as the differentiable combine,
+    # which needs a dispatch of payloads that required grad before it (this
+    # one's was not: its received rows are workspace views).
     ("payload_requires_grad", _payload(lambda ce: ce.payload.float().requires_grad_().to(ce.payload.dtype)),
-     ValueError, r"payload requires grad, but dispatch and combine have no backward"),
+     ValueError, r"the payload requires grad, but this rank's last dispatch on the workspace was not"),
     ("mask_without_enable", lambda ce, args: args.update(active_rank_mask=a2a.moe_a2a_active_rank_mask([0], 1)),
      BAD, r"(?i)mask"),
     ("cake_backend", _set(backend="cake"), ValueError, r"(?i)cake|capability|blackwell"),

@@ -33,7 +33,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import _C, layout
+from . import _C, autograd, layout
 from .arguments import ID_DTYPES, U64, check_flag, data_address, dispatch_args, layout_value, rank_mask_words
 from .backend import MoeAlltoAllBackend, check_backend, pdl_default
 
@@ -426,8 +426,10 @@ def moe_a2a_dispatch(
             workspace's device. Negative ids are skipped; ids ``>= num_experts``
             are skipped and counted (:func:`moe_a2a_get_invalid_expert_count`).
         input_payloads: a list or tuple of 1 to 8 contiguous tensors
-            ``[local_num_tokens, *]`` of any dtype on the workspace's device;
-            none may require grad while grad mode is on.
+            ``[local_num_tokens, *]`` of any dtype on the workspace's device.
+            If any requires grad under grad mode (eager calls), the call runs
+            as :func:`~torch_moe_a2a.moe_a2a_dispatch_differentiable` and
+            returns its received rows (new tensors), no EPLB statistics.
         workspace, metainfo: the workspace and this rank's
             :func:`moe_a2a_initialize` result.
         runtime_max_tokens_per_rank: the same on every rank, ``>=
@@ -496,6 +498,13 @@ def moe_a2a_dispatch(
             enable_rank_mask, active_rank_mask, backend=backend, timeout_s=timeout_s)
     if router_weights is not None or max_tokens_per_expert is not None:
         raise ValueError("router_weights and max_tokens_per_expert are options of expert_major=True")
+    if isinstance(input_payloads, (list, tuple)) and autograd.wants_grad(*input_payloads):
+        # Eager, payloads that require grad: the differentiable dispatch (autograd.py).
+        check_backend(backend, workspace if isinstance(workspace, torch.Tensor) else None)
+        return autograd.dispatch_with_grad(
+            "moe_a2a_dispatch", token_selected_experts, input_payloads, workspace, metainfo,
+            runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts, enable_pdl, eplb_local_stats,
+            enable_rank_mask, active_rank_mask, timeout_s)
     if bool in (type(runtime_max_tokens_per_rank), type(top_k), type(num_experts)):  # the op reads True as 1
         expect_ints("moe_a2a_dispatch", runtime_max_tokens_per_rank=runtime_max_tokens_per_rank, top_k=top_k,
                     num_experts=num_experts)
@@ -570,7 +579,11 @@ def moe_a2a_combine(
             ``payload_in_workspace=True`` it is the view
             ``MoeAlltoAll.get_combine_payload_tensor_in_workspace`` returns,
             read in place; else a contiguous tensor whose valid rows the op
-            copies into the workspace. It may not require grad while grad mode is on.
+            copies into the workspace. If it requires grad under grad mode
+            (eager calls), the call runs as
+            :func:`~torch_moe_a2a.moe_a2a_combine_differentiable` with the ids
+            of this rank's last dispatch, which must have been one of payloads
+            that required grad.
         local_num_tokens, runtime_max_tokens_per_rank, top_k,
             combine_payload_offset: those of this rank's preceding dispatch
             (the offset it returned).
@@ -633,6 +646,15 @@ def moe_a2a_combine(
     if output is not None:
         check_output_first("moe_a2a_combine", output, workspace)
     check_backend(backend, workspace)
+    if autograd.wants_grad(payload):
+        # Eager, a payload that requires grad: the differentiable combine (autograd.py).
+        return autograd.combine_with_grad(
+            "moe_a2a_combine", payload, local_num_tokens, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank,
+            ep_size, top_k, combine_payload_offset, enable_pdl, enable_rank_mask, active_rank_mask, timeout_s,
+            payload_in_workspace=payload_in_workspace, output=output is not None,
+            output_dtype=output_dtype is not None and output_dtype != payload.dtype,
+            output_scales=output_scales is not None, use_low_precision=use_low_precision is not False,
+            low_precision_block_scales=low_precision_block_scales is not False)
     # By value, so FlashInfer's own SfLayout (or a plain int) is understood too.
     sf_layout = layout_value(sf_layout)
     if bool in (type(local_num_tokens), type(runtime_max_tokens_per_rank), type(top_k),

@@ -172,7 +172,11 @@ def moe_a2a_dispatch_expert_major(
             as a payload, which the receiving rank reads to group the rows.
         input_payloads: a list or tuple of 0 to 7 contiguous
             ``[local_num_tokens, *]`` tensors (6 with ``router_weights``: the
-            ids and the weights are payloads too).
+            ids and the weights are payloads too). If any of them or
+            ``router_weights`` requires grad under grad mode (eager calls), the
+            call runs as
+            :func:`~torch_moe_a2a.moe_a2a_dispatch_expert_major_differentiable`
+            (new tensors, no EPLB statistics).
         workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size,
             top_k, num_experts, enable_pdl, eplb_local_stats, enable_rank_mask,
             active_rank_mask, backend, timeout_s: as for the rank-major dispatch.
@@ -199,6 +203,15 @@ def moe_a2a_dispatch_expert_major(
     """
     fn = "moe_a2a_dispatch_expert_major"
     check_ids_and_weights(fn, token_selected_experts, workspace, router_weights, top_k)
+    from . import autograd  # imports this module
+
+    if isinstance(input_payloads, (list, tuple)) and autograd.wants_grad(router_weights, *input_payloads):
+        # Eager, payloads or weights that require grad: the differentiable dispatch (autograd.py).
+        autograd._refuse_with_grad(fn, "a payload (or router_weights)", eplb_local_stats=eplb_local_stats is not None)
+        return autograd.moe_a2a_dispatch_expert_major_differentiable(
+            token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank,
+            ep_size, top_k, num_experts, router_weights, max_tokens_per_expert, enable_pdl, enable_rank_mask,
+            active_rank_mask, timeout_s=timeout_s)
     if router_weights is not None and router_weights.requires_grad and torch.is_grad_enabled():
         # Named here: the op would name them as the payload they travel as.
         raise ValueError(f"{fn}: router_weights requires grad, but this dispatch has no backward: for training use "
@@ -328,7 +341,12 @@ def moe_a2a_combine_expert_major(
     Args:
         expert_outputs: ``[num_local_experts, max_tokens_per_expert, *row_shape]``
             bf16, fp16 or fp32: row ``[e, i]`` is local expert ``e``'s output for
-            its i-th row of ``dispatched`` (padding rows are ignored). With
+            its i-th row of ``dispatched`` (padding rows are ignored). If it
+            (or ``dispatched.router_weights``) requires grad under grad mode
+            (eager calls), the call runs as
+            :func:`~torch_moe_a2a.moe_a2a_combine_expert_major_differentiable`
+            with the ids of this rank's last dispatch, which must have been a
+            differentiable one. With
             ``payload_in_workspace=True`` it is the view of the expert-major
             combine region (:meth:`MoeAlltoAll.get_combine_payload_tensor_in_workspace`,
             or :func:`~torch_moe_a2a.moe_a2a_wrap_payload_tensor_in_workspace` at
@@ -357,6 +375,16 @@ def moe_a2a_combine_expert_major(
         RuntimeError: peers that did not arrive within the timeout.
     """
     expect_tensors("moe_a2a_combine_expert_major", expert_outputs=expert_outputs, workspace=workspace)
+    from . import autograd  # imports this module
+
+    if isinstance(dispatched, ExpertMajorDispatch) and autograd.wants_grad(expert_outputs, dispatched.router_weights):
+        # Eager, outputs or weights that require grad: the differentiable combine (autograd.py).
+        check_backend(backend, workspace)
+        return autograd.combine_expert_major_with_grad(
+            "moe_a2a_combine_expert_major", expert_outputs, dispatched, workspace, metainfo, ep_rank, ep_size,
+            enable_pdl, enable_rank_mask, active_rank_mask, timeout_s, payload_in_workspace=payload_in_workspace,
+            output=output is not None,
+            output_dtype=output_dtype is not None and output_dtype != expert_outputs.dtype)
     if output is not None:
         check_output_first("moe_a2a_combine_expert_major", output, workspace)
     if not isinstance(dispatched, ExpertMajorDispatch):

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Optional, Union
 
 import torch
 
-from . import layout
+from . import autograd, layout
 from .api import (
     SfLayout,
     moe_a2a_combine,
@@ -640,6 +640,12 @@ class MoeAlltoAll:
                                "dispatch and combine; instances of one geometry share one workspace and take turns")
         if invalid_token_expert_id is not None:
             _check_sanitize_request(input_payloads, expert_id_payload_index, invalid_token_expert_id)
+            if autograd.wants_grad(*input_payloads):
+                # Such a dispatch returns new tensors (the differentiable one's), which the sanitizing of the
+                # workspace's ids would not reach.
+                raise ValueError("MoeAlltoAll.dispatch: invalid_token_expert_id is not taken with payloads that "
+                                 "require grad (the dispatch then returns new tensors, padding rows zero); leave it "
+                                 "at None, or dispatch under torch.no_grad()")
         if eplb_local_stats is not None and not self.enable_eplb:
             raise ValueError("eplb_local_stats given but the instance was constructed with eplb_stats_num_experts=0")
         if active_rank_mask is not None and not self.enable_rank_mask:
