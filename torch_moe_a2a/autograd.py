@@ -1312,7 +1312,7 @@ def wants_grad(*tensors: Any) -> bool:
             and not tracing())
 
 
-def _refuse_with_grad(fn: str, what: str, **options: Any) -> None:
+def refuse_options_with_grad(fn: str, what: str, **options: Any) -> None:
     """A ValueError naming the first option given (truthy) that the
     differentiable function does not take."""
     for name, given in options.items():
@@ -1345,7 +1345,7 @@ def dispatch_with_grad(fn: str, token_selected_experts: Tensor, input_payloads: 
                        timeout_s: Optional[float]) -> tuple[list[Tensor], int, None]:
     """moe_a2a_dispatch of payloads that require grad: moe_a2a_dispatch_differentiable,
     its received rows (new tensors, padding zeroed) in the plain result's place."""
-    _refuse_with_grad(fn, "a payload", eplb_local_stats=eplb_local_stats is not None)
+    refuse_options_with_grad(fn, "a payload", eplb_local_stats=eplb_local_stats is not None)
     received, offset, _ = moe_a2a_dispatch_differentiable(
         token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size,
         top_k, num_experts, enable_pdl, enable_rank_mask, active_rank_mask, timeout_s=timeout_s)
@@ -1359,7 +1359,7 @@ def combine_with_grad(fn: str, payload: Tensor, local_num_tokens: int, workspace
     """moe_a2a_combine of a payload that requires grad: moe_a2a_combine_differentiable
     over the routes of the rank's last dispatch (``plain_options``: the
     plain combine's options, each refused where given)."""
-    _refuse_with_grad(fn, "a payload", **plain_options)
+    refuse_options_with_grad(fn, "a payload", **plain_options)
     ids, num_experts = _round_ids(fn, workspace, ep_rank, expert_major=False)
     if local_num_tokens != ids.shape[0]:
         raise ValueError(f"{fn}: local_num_tokens must be that of this rank's last dispatch ({ids.shape[0]}), "
@@ -1377,7 +1377,7 @@ def combine_expert_major_with_grad(fn: str, expert_outputs: Tensor, dispatched: 
     """moe_a2a_combine_expert_major of expert outputs (or dispatched router
     weights) that require grad: moe_a2a_combine_expert_major_differentiable
     with the expert ids of the rank's last dispatch."""
-    _refuse_with_grad(fn, "expert_outputs (or router weights)", **plain_options)
+    refuse_options_with_grad(fn, "expert_outputs (or router weights)", **plain_options)
     ids, _ = _round_ids(fn, workspace, ep_rank, expert_major=True)
     return moe_a2a_combine_expert_major_differentiable(expert_outputs, dispatched, ids, workspace, metainfo, ep_rank,
                                                        ep_size, enable_pdl, enable_rank_mask, active_rank_mask,

@@ -207,7 +207,8 @@ def moe_a2a_dispatch_expert_major(
 
     if isinstance(input_payloads, (list, tuple)) and autograd.wants_grad(router_weights, *input_payloads):
         # Eager, payloads or weights that require grad: the differentiable dispatch (autograd.py).
-        autograd._refuse_with_grad(fn, "a payload (or router_weights)", eplb_local_stats=eplb_local_stats is not None)
+        check_backend(backend, workspace)
+        autograd.refuse_options_with_grad(fn, "a payload (or router_weights)", eplb_local_stats=eplb_local_stats is not None)
         return autograd.moe_a2a_dispatch_expert_major_differentiable(
             token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank,
             ep_size, top_k, num_experts, router_weights, max_tokens_per_expert, enable_pdl, enable_rank_mask,
