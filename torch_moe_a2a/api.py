@@ -55,6 +55,7 @@ from .fastpath import (
     run_dispatch,
     traced_receive_views,
     tracing,
+    wants_grad,
     wrong_type,
 )
 from .layout import MOE_A2A_RANK_MASK_WORDS
@@ -498,7 +499,7 @@ def moe_a2a_dispatch(
             enable_rank_mask, active_rank_mask, backend=backend, timeout_s=timeout_s)
     if router_weights is not None or max_tokens_per_expert is not None:
         raise ValueError("router_weights and max_tokens_per_expert are options of expert_major=True")
-    if isinstance(input_payloads, (list, tuple)) and autograd.wants_grad(*input_payloads):
+    if isinstance(input_payloads, (list, tuple)) and wants_grad(*input_payloads):
         # Eager, payloads that require grad: the differentiable dispatch (autograd.py).
         check_backend(backend, workspace if isinstance(workspace, torch.Tensor) else None)
         return autograd.dispatch_with_grad(
@@ -646,7 +647,7 @@ def moe_a2a_combine(
     if output is not None:
         check_output_first("moe_a2a_combine", output, workspace)
     check_backend(backend, workspace)
-    if autograd.wants_grad(payload):
+    if wants_grad(payload):
         # Eager, a payload that requires grad: the differentiable combine (autograd.py).
         return autograd.combine_with_grad(
             "moe_a2a_combine", payload, local_num_tokens, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank,

@@ -61,7 +61,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import _C, expert_major, layout
 from .arguments import COMBINE_DTYPES, dispatch_args
 from .expert_major import ExpertMajorDispatch
-from .fastpath import direct_call_ok, expect_tensor_list, expect_tensors, last_dispatch, note_dispatch, tracing
+from .fastpath import direct_call_ok, expect_tensor_list, expect_tensors, last_dispatch, note_dispatch
 
 _ops = torch.ops.moe_a2a
 # The payload dtypes that get gradients: the combine's.
@@ -1299,20 +1299,14 @@ def moe_a2a_combine_expert_major_differentiable(
 # The plain functions (moe_a2a_dispatch, moe_a2a_combine and their expert-major
 # forms) return and take workspace views and have no backward of their own.
 # Called eagerly, under grad mode, with a tensor that requires grad, they run
-# as the differentiable functions here instead (DESIGN.md section 3,
+# as the differentiable functions here instead (fastpath.wants_grad; DESIGN.md section 3,
 # 'Gradients'): the dispatch's received rows are then new tensors, and the
 # combine takes the expert ids of the rank's last dispatch, which it
 # recorded. Traced calls keep the plain ops' refusal, which names the
 # differentiable functions: a trace does not record its dispatch's ids.
 
 
-def wants_grad(*tensors: Any) -> bool:
-    """Whether an eager call under grad mode got a tensor that requires grad."""
-    return (torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
-            and not tracing())
-
-
-def refuse_options_with_grad(fn: str, what: str, **options: Any) -> None:
+def _refuse_options_with_grad(fn: str, what: str, **options: Any) -> None:
     """A ValueError naming the first option given (truthy) that the
     differentiable function does not take."""
     for name, given in options.items():
@@ -1327,7 +1321,7 @@ def _round_ids(fn: str, workspace: Tensor, rank: int, expert_major: bool) -> tup
     have been a differentiable one of the same layout (a plain dispatch's
     received rows are workspace views, which a backward's exchange overwrites
     before the expert's backward reads what it saved of them)."""
-    last = last_dispatch(workspace, rank) if isinstance(workspace, Tensor) else None
+    last = last_dispatch(workspace, rank)
     if last is None or last[3] or (last[1] is not None) != expert_major:
         kind = "an expert-major" if expert_major else "a rank-major"
         raise ValueError(f"{fn}: the payload requires grad, but this rank's last dispatch on the workspace was not "
@@ -1345,11 +1339,27 @@ def dispatch_with_grad(fn: str, token_selected_experts: Tensor, input_payloads: 
                        timeout_s: Optional[float]) -> tuple[list[Tensor], int, None]:
     """moe_a2a_dispatch of payloads that require grad: moe_a2a_dispatch_differentiable,
     its received rows (new tensors, padding zeroed) in the plain result's place."""
-    refuse_options_with_grad(fn, "a payload", eplb_local_stats=eplb_local_stats is not None)
+    _refuse_options_with_grad(fn, "a payload", eplb_local_stats=eplb_local_stats is not None)
     received, offset, _ = moe_a2a_dispatch_differentiable(
         token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size,
         top_k, num_experts, enable_pdl, enable_rank_mask, active_rank_mask, timeout_s=timeout_s)
     return received, offset, None
+
+
+def dispatch_expert_major_with_grad(fn: str, token_selected_experts: Tensor, input_payloads: list[Tensor],
+                                    workspace: Tensor, metainfo: Tensor, runtime_max_tokens_per_rank: int,
+                                    ep_rank: int, ep_size: int, top_k: int, num_experts: int,
+                                    router_weights: Optional[Tensor], max_tokens_per_expert: Optional[int],
+                                    enable_pdl: Optional[bool], eplb_local_stats: Optional[Tensor],
+                                    enable_rank_mask: bool, active_rank_mask: Optional[Tensor],
+                                    timeout_s: Optional[float]) -> ExpertMajorDispatch:
+    """moe_a2a_dispatch_expert_major of payloads (or router weights) that
+    require grad: moe_a2a_dispatch_expert_major_differentiable."""
+    _refuse_options_with_grad(fn, "a payload (or router_weights)", eplb_local_stats=eplb_local_stats is not None)
+    return moe_a2a_dispatch_expert_major_differentiable(
+        token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size,
+        top_k, num_experts, router_weights, max_tokens_per_expert, enable_pdl, enable_rank_mask, active_rank_mask,
+        timeout_s=timeout_s)
 
 
 def combine_with_grad(fn: str, payload: Tensor, local_num_tokens: int, workspace: Tensor, metainfo: Tensor,
@@ -1359,7 +1369,7 @@ def combine_with_grad(fn: str, payload: Tensor, local_num_tokens: int, workspace
     """moe_a2a_combine of a payload that requires grad: moe_a2a_combine_differentiable
     over the routes of the rank's last dispatch (``plain_options``: the
     plain combine's options, each refused where given)."""
-    refuse_options_with_grad(fn, "a payload", **plain_options)
+    _refuse_options_with_grad(fn, "a payload", **plain_options)
     ids, num_experts = _round_ids(fn, workspace, ep_rank, expert_major=False)
     if local_num_tokens != ids.shape[0]:
         raise ValueError(f"{fn}: local_num_tokens must be that of this rank's last dispatch ({ids.shape[0]}), "
@@ -1377,7 +1387,7 @@ def combine_expert_major_with_grad(fn: str, expert_outputs: Tensor, dispatched: 
     """moe_a2a_combine_expert_major of expert outputs (or dispatched router
     weights) that require grad: moe_a2a_combine_expert_major_differentiable
     with the expert ids of the rank's last dispatch."""
-    refuse_options_with_grad(fn, "expert_outputs (or router weights)", **plain_options)
+    _refuse_options_with_grad(fn, "expert_outputs (or router weights)", **plain_options)
     ids, _ = _round_ids(fn, workspace, ep_rank, expert_major=True)
     return moe_a2a_combine_expert_major_differentiable(expert_outputs, dispatched, ids, workspace, metainfo, ep_rank,
                                                        ep_size, enable_pdl, enable_rank_mask, active_rank_mask,

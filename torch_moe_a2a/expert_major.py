@@ -31,6 +31,7 @@ from .fastpath import (
     note_plain_dispatch,
     run_dispatch,
     tracing,
+    wants_grad,
 )
 from .metainfo import call_timeout, check_rank, check_rank_index, metainfo_values
 
@@ -203,16 +204,15 @@ def moe_a2a_dispatch_expert_major(
     """
     fn = "moe_a2a_dispatch_expert_major"
     check_ids_and_weights(fn, token_selected_experts, workspace, router_weights, top_k)
-    from . import autograd  # imports this module
+    if isinstance(input_payloads, (list, tuple)) and wants_grad(router_weights, *input_payloads):
+        # Eager, payloads or weights that require grad: the differentiable dispatch.
+        from . import autograd  # imports this module
 
-    if isinstance(input_payloads, (list, tuple)) and autograd.wants_grad(router_weights, *input_payloads):
-        # Eager, payloads or weights that require grad: the differentiable dispatch (autograd.py).
         check_backend(backend, workspace)
-        autograd.refuse_options_with_grad(fn, "a payload (or router_weights)", eplb_local_stats=eplb_local_stats is not None)
-        return autograd.moe_a2a_dispatch_expert_major_differentiable(
-            token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank,
-            ep_size, top_k, num_experts, router_weights, max_tokens_per_expert, enable_pdl, enable_rank_mask,
-            active_rank_mask, timeout_s=timeout_s)
+        return autograd.dispatch_expert_major_with_grad(
+            fn, token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank,
+            ep_size, top_k, num_experts, router_weights, max_tokens_per_expert, enable_pdl, eplb_local_stats,
+            enable_rank_mask, active_rank_mask, timeout_s)
     if router_weights is not None and router_weights.requires_grad and torch.is_grad_enabled():
         # Named here: the op would name them as the payload they travel as.
         raise ValueError(f"{fn}: router_weights requires grad, but this dispatch has no backward: for training use "
@@ -376,10 +376,10 @@ def moe_a2a_combine_expert_major(
         RuntimeError: peers that did not arrive within the timeout.
     """
     expect_tensors("moe_a2a_combine_expert_major", expert_outputs=expert_outputs, workspace=workspace)
-    from . import autograd  # imports this module
+    if isinstance(dispatched, ExpertMajorDispatch) and wants_grad(expert_outputs, dispatched.router_weights):
+        # Eager, outputs or weights that require grad: the differentiable combine.
+        from . import autograd  # imports this module
 
-    if isinstance(dispatched, ExpertMajorDispatch) and autograd.wants_grad(expert_outputs, dispatched.router_weights):
-        # Eager, outputs or weights that require grad: the differentiable combine (autograd.py).
         check_backend(backend, workspace)
         return autograd.combine_expert_major_with_grad(
             "moe_a2a_combine_expert_major", expert_outputs, dispatched, workspace, metainfo, ep_rank, ep_size,

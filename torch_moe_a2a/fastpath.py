@@ -165,6 +165,14 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
+def wants_grad(*tensors: Any) -> bool:
+    """Whether an eager call under grad mode got a tensor that requires grad:
+    the plain functions then run as the differentiable ones (autograd.py).
+    Grad mode first: under inference it is one call."""
+    return (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+            and not tracing())
+
+
 def run_dispatch(fn: str, args: tuple, build_views: bool, traced: bool) -> Optional[tuple]:
     """Run the dispatch op on ``args`` (:func:`~torch_moe_a2a.arguments.dispatch_args`):
     through ``_C.dispatch`` when :func:`direct_call_ok`, else through ``torch.ops``.

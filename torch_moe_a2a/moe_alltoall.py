@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Optional, Union
 
 import torch
 
-from . import autograd, layout
+from . import layout
 from .api import (
     SfLayout,
     moe_a2a_combine,
@@ -33,7 +33,7 @@ from .expert_major import (
     moe_a2a_dispatch_expert_major,
     moe_a2a_get_workspace_size_per_rank_expert_major,
 )
-from .fastpath import tracing
+from .fastpath import tracing, wants_grad
 from .mapping import ep_group_color
 from .metainfo import check_timeout, reinitialize_row
 from .workspace import (
@@ -640,7 +640,7 @@ class MoeAlltoAll:
                                "dispatch and combine; instances of one geometry share one workspace and take turns")
         if invalid_token_expert_id is not None:
             _check_sanitize_request(input_payloads, expert_id_payload_index, invalid_token_expert_id)
-            if autograd.wants_grad(*input_payloads):
+            if wants_grad(*input_payloads):
                 # Such a dispatch returns new tensors (the differentiable one's), which the sanitizing of the
                 # workspace's ids would not reach.
                 raise ValueError("MoeAlltoAll.dispatch: invalid_token_expert_id is not taken with payloads that "
