@@ -659,7 +659,7 @@ namespace {
 // The expert-major arguments both expert-major ops share: num_experts (its
 // local experts within kMaxLocalExperts) and M = max_tokens_per_expert (the
 // planes' rows within kMaxExpertMajorRows).
-void check_expert_major_sizes(int64_t ep_size, int64_t num_experts, int64_t top_k, int64_t max_tokens_per_expert) {
+void check_expert_major_sizes(int64_t ep_size, int64_t num_experts, int64_t max_tokens_per_expert) {
   check_num_experts(num_experts, ep_size);
   const int64_t local = max_local_experts(num_experts, ep_size);
   TORCH_CHECK_VALUE(local <= kMaxLocalExperts, "the expert-major layout takes at most ", kMaxLocalExperts,
@@ -683,7 +683,7 @@ ExpertMajorBuildParams check_expert_major_build(const at::Tensor& workspace, int
   const int64_t T = runtime_max_tokens_per_rank;
   check_runtime_max(T, max_num_tokens);
   check_top_k(top_k);
-  check_expert_major_sizes(ep_size, num_experts, top_k, max_tokens_per_expert);
+  check_expert_major_sizes(ep_size, num_experts, max_tokens_per_expert);
   check_eplb_n(eplb_n);
   TORCH_CHECK_VALUE(id_bytes == int64_t(sizeof(int32_t)) || id_bytes == int64_t(sizeof(int64_t)),
                     "id_bytes must be 4 (int32 ids) or 8 (int64 ids), got ", id_bytes);
@@ -739,7 +739,7 @@ ExpertMajorCombineParams check_combine_expert_major(
   const int64_t T = runtime_max_tokens_per_rank;
   check_runtime_max(T, max_num_tokens);
   check_top_k(top_k);
-  check_expert_major_sizes(ep_size, num_experts, top_k, max_tokens_per_expert);
+  check_expert_major_sizes(ep_size, num_experts, max_tokens_per_expert);
   TORCH_CHECK_VALUE(local_num_tokens >= 0 && local_num_tokens <= T, "local_num_tokens must be in [0, ",
                     "runtime_max_tokens_per_rank=", T, "], got ", local_num_tokens,
                     " (a combine takes its dispatch's local_num_tokens and runtime_max_tokens_per_rank)");
@@ -1155,7 +1155,7 @@ int64_t expert_major_workspace_size_op(int64_t ep_size, int64_t max_num_tokens,
   workspace_size_per_rank_op(ep_size, max_num_tokens, total_dispatch_payload_size_per_token,
                              combine_payload_size_per_token, eplb_stats_num_experts);
   check_top_k(top_k);
-  check_expert_major_sizes(ep_size, num_experts, top_k, max_tokens_per_expert);
+  check_expert_major_sizes(ep_size, num_experts, max_tokens_per_expert);
   return expert_major_workspace_size_per_rank(ep_size, max_num_tokens, total_dispatch_payload_size_per_token,
                                               combine_payload_size_per_token, eplb_stats_num_experts, num_experts,
                                               top_k, max_tokens_per_expert);
