@@ -999,17 +999,17 @@ def test_a_differentiable_expert_major_combine_after_a_plain_dispatch_is_refused
     assert out.shape == (tokens, hidden) and not out.requires_grad
 
 
-def _plain_and_differentiable(expert_major: bool, plain: bool, gen_seed: int = 25):
+def _plain_and_differentiable(expert_major: bool, plain: bool, device, gen_seed: int = 25):
     """One eager round trip of every rank with inputs that require grad,
     through the plain functions or the differentiable ones: each rank's
     output, input gradient (and router weights' gradient, expert-major)."""
     ep, tokens, top_k, num_experts, hidden = 2, 5, 2, 4, 8
     gen = torch.Generator().manual_seed(gen_seed)
-    sim = (make_em_sim(ep, tokens, hidden, top_k, num_experts) if expert_major
-           else make_sim(ep, tokens, hidden, top_k))
-    ids = [reference.random_routing(tokens, top_k, num_experts, gen) for _ in range(ep)]
-    xs = [torch.randn(tokens, hidden, generator=gen, requires_grad=True) for _ in range(ep)]
-    ws = [torch.rand(tokens, top_k, generator=gen, requires_grad=True) for _ in range(ep)]
+    sim = (make_em_sim(ep, tokens, hidden, top_k, num_experts, device=device) if expert_major
+           else make_sim(ep, tokens, hidden, top_k, device=device))
+    ids = [reference.random_routing(tokens, top_k, num_experts, gen).to(device) for _ in range(ep)]
+    xs = [torch.randn(tokens, hidden, generator=gen).to(device).requires_grad_() for _ in range(ep)]
+    ws = [torch.rand(tokens, top_k, generator=gen).to(device).requires_grad_() for _ in range(ep)]
     args = lambda r: (sim.workspace, sim.metainfo[r])  # noqa: E731
 
     def dispatch(r):
@@ -1039,14 +1039,14 @@ def _plain_and_differentiable(expert_major: bool, plain: bool, gen_seed: int = 2
 
 
 @pytest.mark.parametrize("expert_major", [False, True], ids=["rank_major", "expert_major"])
-def test_plain_functions_with_inputs_that_require_grad_are_differentiable(expert_major):
+def test_plain_functions_with_inputs_that_require_grad_are_differentiable(expert_major, device):
     """DESIGN.md section 3: dispatch and combine are differentiable. The plain
     functions, called eagerly under grad mode with payloads (or router
     weights) that require grad, run as the differentiable ones: the same
     outputs and gradients, bitwise, and received rows that are new tensors
     (not workspace views, which the backward's exchange overwrites)."""
-    sim, outs, xs, ws, planes = _plain_and_differentiable(expert_major, plain=True)
-    _, ref_outs, ref_xs, ref_ws, _ = _plain_and_differentiable(expert_major, plain=False)
+    sim, outs, xs, ws, planes = _plain_and_differentiable(expert_major, True, device)
+    _, ref_outs, ref_xs, ref_ws, _ = _plain_and_differentiable(expert_major, False, device)
     for r in range(len(outs)):
         assert_bytes_equal(outs[r].detach(), ref_outs[r].detach(), f"rank {r} output")
         assert_bytes_equal(xs[r].grad, ref_xs[r].grad, f"rank {r} input gradient")
@@ -1055,7 +1055,7 @@ def test_plain_functions_with_inputs_that_require_grad_are_differentiable(expert
         assert planes[r].untyped_storage().data_ptr() != sim.workspace.untyped_storage().data_ptr()
 
 
-def test_moe_alltoall_with_payloads_that_require_grad():
+def test_moe_alltoall_with_payloads_that_require_grad(device):
     """MoeAlltoAll's dispatch and combine go through the plain functions: with
     a payload that requires grad they train as the differentiable ones
     (gradient as the dense sum's), and invalid_token_expert_id, which cleans
@@ -1063,9 +1063,9 @@ def test_moe_alltoall_with_payloads_that_require_grad():
     tokens, top_k, num_experts, hidden = 4, 2, 4, 8
     gen = torch.Generator().manual_seed(28)
     a2a_layer = a2a.MoeAlltoAll(a2a.Mapping(world_size=1, rank=0, moe_ep_size=1), tokens, top_k, num_experts,
-                                hidden_size=hidden, dtype=torch.float32)
-    ids = reference.random_routing(tokens, top_k, num_experts, gen)
-    x = torch.randn(tokens, hidden, generator=gen, requires_grad=True)
+                                hidden_size=hidden, dtype=torch.float32, device=device)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen).to(device)
+    x = torch.randn(tokens, hidden, generator=gen).to(device).requires_grad_()
     with pytest.raises(ValueError, match="invalid_token_expert_id is not taken with payloads that require grad"):
         a2a_layer.dispatch(ids, [x, ids], tokens, invalid_token_expert_id=-1, expert_id_payload_index=1)
     (recv,) = a2a_layer.dispatch(ids, [x], tokens)
