@@ -961,8 +961,14 @@ def test_mapping_refuses_non_int_fields():
                          "got NoneType"),
     (dict(num_experts=0), "MoeAlltoAll: num_experts must be an int >= "),
     (dict(top_k=0), "MoeAlltoAll: top_k must be an int in [1, 22], got 0"),
+    (dict(workspace_size_per_rank="1048576"), "MoeAlltoAll: workspace_size_per_rank must be an int multiple of 128, "
+                                              "got '1048576'"),
+    (dict(workspace_size_per_rank=1048576.0), "MoeAlltoAll: workspace_size_per_rank must be an int multiple of 128, "
+                                              "got 1048576.0"),
+    (dict(workspace_size_per_rank=1048577), "MoeAlltoAll: workspace_size_per_rank must be an int multiple of 128, "
+                                            "got 1048577"),
 ], ids=["hidden_0", "hidden_bool", "hidden_str", "hidden_float", "dtype_str", "workspace_str", "mapping_none",
-        "no_experts", "top_k_0"])
+        "no_experts", "top_k_0", "size_str", "size_float", "size_unaligned"])
 def test_moe_alltoall_refuses_bad_arguments_before_it_allocates(bad, text, device):
     """MoeAlltoAll accepted hidden_size=0 or True; '8' failed on a str
     concatenation, dtype='bfloat16', workspace='ws' and mapping=None on an
@@ -982,6 +988,30 @@ def test_moe_alltoall_refuses_bad_arguments_before_it_allocates(bad, text, devic
     assert text in str(info.value)
     assert a2a.MoeAlltoAll._WORKSPACE_CACHE == cached
     round_trip(sim, CASE, make_inputs(CASE, make_generator(("moe_alltoall arguments", text))), make_generator(6))
+
+
+@pytest.mark.parametrize("bad", ["1048576", 1048576.0, True, 0, 1048577, layout.HEADER_BYTES - layout.ALIGN])
+@pytest.mark.parametrize("call", ["constructor", "get_workspace"])
+def test_moe_alltoall_names_a_bad_workspace_size_per_rank(bad, call, device):
+    """Without hidden_size, a workspace_size_per_rank the ops do not take was
+    refused as allocate_workspace's size_per_rank or the op's
+    workspace.shape[1], names the caller never used; a str, beside
+    hidden_size, failed on a comparison (TypeError)."""
+    cached = dict(a2a.MoeAlltoAll._WORKSPACE_CACHE)
+    text = (f"workspace_size_per_rank must be an int multiple of {layout.ALIGN} and at least {layout.HEADER_BYTES} "
+            f"(the workspace header), got {bad!r}; MoeAlltoAll.get_moe_workspace_size_per_rank")
+    with pytest.raises(ValueError) as info:
+        if call == "constructor":
+            a2a.MoeAlltoAll(ep_mapping(0, 1), 8, 2, 4, workspace_size_per_rank=bad, device=device)
+        else:
+            a2a.MoeAlltoAll.get_workspace(bad, 0, 1, 8, ep_mapping(0, 1), device=device)
+    assert str(info.value).startswith(f"MoeAlltoAll{'.get_workspace' if call == 'get_workspace' else ''}: {text}")
+    assert a2a.MoeAlltoAll._WORKSPACE_CACHE == cached
+    # Beside hidden_size, a str is named too; a size too small for it is refused with the size it needs.
+    with pytest.raises(ValueError, match="MoeAlltoAll: workspace_size_per_rank must be an int multiple of 128, got '8'"):
+        a2a.MoeAlltoAll(ep_mapping(0, 1), 8, 2, 4, workspace_size_per_rank="8", hidden_size=64, device=device)
+    with pytest.raises(ValueError, match=r"workspace_size_per_rank 1024 is too small for hidden_size 64 .* needed"):
+        a2a.MoeAlltoAll(ep_mapping(0, 1), 8, 2, 4, workspace_size_per_rank=1024, hidden_size=64, device=device)
 
 
 # ---- arguments of the wrong kind ----------------------------------------------------------------------

@@ -159,6 +159,19 @@ def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> i
     return value
 
 
+def _check_size_per_rank(fn: str, value: Any, header: bool = True) -> None:
+    """ValueError naming ``workspace_size_per_rank`` unless it is a size the
+    ops take (``header``: at least the header too): the op's own refusal names
+    ``workspace.shape[1]``, allocate_workspace's ``size_per_rank``, and a str
+    failed on a comparison."""
+    low = layout.HEADER_BYTES if header else layout.ALIGN
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or value % layout.ALIGN:
+        at_least = f" and at least {layout.HEADER_BYTES} (the workspace header)" if header else ""
+        raise ValueError(f"{fn}: workspace_size_per_rank must be an int multiple of {layout.ALIGN}{at_least}, got "
+                         f"{value!r}; MoeAlltoAll.get_moe_workspace_size_per_rank gives the size for a hidden size, "
+                         "or pass hidden_size= without workspace_size_per_rank")
+
+
 def _mapping_ep(fn: str, mapping: Any) -> tuple[int, int]:
     """``(moe_ep_rank, moe_ep_size)`` of ``mapping``, each an int (a float
     would be truncated, a bool read as 0 or 1).
@@ -260,8 +273,10 @@ class MoeAlltoAll:
     Raises:
         ValueError: arguments out of range or of the wrong type (``mapping``
             without int ``moe_ep_rank`` and ``moe_ep_size``, ``hidden_size``
-            not a positive int, ``dtype`` not a ``torch.dtype``, ``workspace``
-            not a tensor), ``mapping`` inconsistent with the group,
+            not a positive int, ``workspace_size_per_rank`` not an int
+            multiple of ``layout.ALIGN`` of at least ``layout.HEADER_BYTES``,
+            ``dtype`` not a ``torch.dtype``, ``workspace`` not a tensor),
+            ``mapping`` inconsistent with the group,
             ``workspace=`` together with a group, a workspace too small, a
             ``workspace=`` row that a live instance of this process uses with
             another geometry (rank, size, row size and stride,
@@ -308,6 +323,9 @@ class MoeAlltoAll:
         _check_int("eplb_stats_num_experts", eplb_stats_num_experts, 0)
         if hidden_size is not None:
             _check_int("hidden_size", hidden_size, 1)
+        if workspace_size_per_rank is not None:
+            # With hidden_size, a size below what it needs is refused below, naming both.
+            _check_size_per_rank("MoeAlltoAll", workspace_size_per_rank, header=hidden_size is None)
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise ValueError(f"MoeAlltoAll: dtype must be a torch.dtype or None, got {dtype!r}")
         if workspace is not None and not isinstance(workspace, torch.Tensor):
@@ -447,11 +465,13 @@ class MoeAlltoAll:
 
         Raises:
             ValueError: ``mapping`` without int ``moe_ep_rank`` and ``moe_ep_size``, or ``mapping`` or the group
-                of another rank or size; ``ep_size > 1`` without a group.
+                of another rank or size; ``workspace_size_per_rank`` not an int multiple of ``layout.ALIGN`` of at
+                least ``layout.HEADER_BYTES``; ``ep_size > 1`` without a group.
         """
         if _mapping_ep("MoeAlltoAll.get_workspace", mapping) != (ep_rank, ep_size):
             raise ValueError(f"MoeAlltoAll.get_workspace: the mapping's (moe_ep_rank, moe_ep_size) = "
                              f"({mapping.moe_ep_rank}, {mapping.moe_ep_size}) differ from ({ep_rank}, {ep_size})")
+        _check_size_per_rank("MoeAlltoAll.get_workspace", workspace_size_per_rank)
         device = _resolve_device(device)
         if group is None and ep_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             group = torch.distributed.group.WORLD
