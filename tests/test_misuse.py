@@ -595,7 +595,8 @@ def test_expert_major_dispatch_names_the_argument_at_fault(device):
 def test_moe_alltoall_combine_view_checks_its_arguments(device):
     """get_combine_payload_tensor_in_workspace: a T other than the round's
     dispatch's gave a view of the wrong rows (above max_num_tokens too), a
-    float hidden_size or a dtype's name failed deep in torch."""
+    float hidden_size or a dtype's name failed deep in torch; a hidden_size
+    too large for the workspace failed in the wrap, naming a byte slice."""
     moe = a2a.MoeAlltoAll(ep_mapping(0, 1), 8, 2, 4, hidden_size=64, device=device)
     ids = torch.randint(0, 4, (4, 2), dtype=torch.int32, device=device)
     moe.dispatch(ids, [torch.ones(4, 64, dtype=torch.bfloat16, device=device)], 4)
@@ -607,7 +608,11 @@ def test_moe_alltoall_combine_view_checks_its_arguments(device):
                         ((4, -8, torch.bfloat16), "hidden_size must be a positive int, got -8"),
                         ((4, 64, "bfloat16"), "dtype must be a torch.dtype, got 'bfloat16'"),
                         # A view the combine then refused.
-                        ((4, 64, torch.float64), "dtype must be torch.bfloat16, torch.float16 or torch.float32")):
+                        ((4, 64, torch.float64), "dtype must be torch.bfloat16, torch.float16 or torch.float32"),
+                        # Rows beyond the workspace's row: the wrap's "slice ... does not lie within one row".
+                        ((4, 1 << 20, torch.bfloat16), "a [1, 4, 1048576] torch.bfloat16 payload (8388608 bytes) "
+                                                       "does not fit this rank's combine region"),
+                        ((4, 1024, torch.float32), "size the workspace for this hidden_size and dtype")):
         refused(moe.workspace, lambda: get(*args), ValueError, match)
     view = get(4, 64, torch.bfloat16)
     view.fill_(1)

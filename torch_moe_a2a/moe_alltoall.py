@@ -894,7 +894,8 @@ class MoeAlltoAll:
                 workspace released.
             ValueError: ``runtime_max_tokens_per_rank`` other than the
                 round's dispatch's, ``hidden_size`` not a positive int,
-                ``dtype`` not one the combine sums (bf16, fp16, fp32).
+                ``dtype`` not one the combine sums (bf16, fp16, fp32), a
+                view larger than the combine region up to the row's end.
         """
         fn = "MoeAlltoAll.get_combine_payload_tensor_in_workspace"
         self._check_mapped("get_combine_payload_tensor_in_workspace")
@@ -915,6 +916,14 @@ class MoeAlltoAll:
         if self._state.expert_major is not None:
             leading = list(self._state.expert_major.local_expert_ids.shape)
         nbytes = leading[0] * leading[1] * hidden_size * dtype.itemsize
+        # Else the wrap below refused a slice "not within one row", naming neither hidden_size nor the fix.
+        room = self.workspace.shape[1] - offset
+        if nbytes > room:
+            raise ValueError(f"{fn}: a {[*leading, hidden_size]} {dtype} payload ({nbytes} bytes) does not fit this "
+                             f"rank's combine region, {room} bytes from the dispatch's combine_payload_offset "
+                             f"{offset} to the end of the {self.workspace.shape[1]}-byte row: size the workspace "
+                             "for this hidden_size and dtype (MoeAlltoAll(hidden_size=, dtype=) or "
+                             "get_moe_workspace_size_per_rank)")
         return moe_a2a_wrap_payload_tensor_in_workspace(
             self.workspace[self.ep_rank], leading, offset, offset + nbytes, dtype
         )
