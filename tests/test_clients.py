@@ -650,6 +650,44 @@ def test_one_sided_round_trip_and_misuse(device):
     a2a.MoeAlltoAll.clear_workspace_cache()
 
 
+@pytest.mark.parametrize("call, match", [
+    (lambda c, x, ids, w: c.dispatch(x, ids, w, max_tokens_per_rank="6"),
+     "NVLinkOneSidedAlltoAll.dispatch: max_tokens_per_rank must be an int, got '6'"),
+    (lambda c, x, ids, w: c.dispatch(x, ids, w, max_tokens_per_rank=6.0),
+     "NVLinkOneSidedAlltoAll.dispatch: max_tokens_per_rank must be an int, got 6.0"),
+    (lambda c, x, ids, w: c.dispatch(x.tolist(), ids, w),
+     "NVLinkOneSidedAlltoAll.dispatch: hidden_states must be a tensor, got list"),
+    (lambda c, x, ids, w: c.dispatch(x, ids, w[:2]),
+     r"NVLinkOneSidedAlltoAll.dispatch: topk_weights must have a row per token, \[local_num_tokens=5 "
+     r"\(topk_ids' rows\), \*\], got shape \(2, 2\)"),
+    (lambda c, x, ids, w: c.dispatch(x, ids, w, hidden_states_scale=torch.ones(4, 2, device=x.device)),
+     r"hidden_states_scale must have a row per token, \[local_num_tokens=5"),
+    (lambda c, x, ids, w: c.dispatch(x[0], ids, w), r"hidden_states must have a row per token, .* got shape \(64,\)"),
+    (lambda c, x, ids, w: c.combine(c.dispatch(x, ids, w).hidden_states.tolist()),
+     "NVLinkOneSidedAlltoAll.combine: expert_output must be a tensor, got list"),
+], ids=["tokens_str", "tokens_float", "hidden_list", "weights_rows", "scale_rows", "hidden_1d", "combine_list"])
+def test_one_sided_names_its_own_arguments(call, match, device):
+    """A str max_tokens_per_rank failed on a comparison (TypeError), a float
+    was refused as runtime_max_tokens_per_rank, a list expert_output failed on
+    .dim() (AttributeError), and the rows were refused as input_payloads[i], a
+    list the caller never built. Each now names the argument; the instance
+    then makes a round trip."""
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    comm = _one_sided(device)
+    gen = make_generator(("one-sided arguments", match))
+    x = torch.randn((5, 64), generator=gen).to(torch.bfloat16).to(device)
+    ids = torch.randint(0, 4, (5, 2), generator=gen, dtype=torch.int32).to(device)
+    w = torch.rand((5, 2), generator=gen).to(device)
+    with pytest.raises(ValueError, match=match):
+        call(comm, x, ids, w)
+    if "combine" not in match:  # a refused combine leaves its dispatch's round open; a refused dispatch none
+        comm.dispatch(x, ids, w)
+    got = comm.combine(torch.ones(8, 64, dtype=torch.bfloat16, device=device))  # 8: params.max_tokens_per_rank
+    assert torch.equal(got.cpu(), torch.ones(5, 64, dtype=torch.bfloat16))
+    comm.destroy()
+    a2a.MoeAlltoAll.clear_workspace_cache()
+
+
 def test_one_sided_int64_ids_beyond_int32_stay_invalid(device):
     """int64 ids travel as int32: one beyond int32 becomes the nearest int32, an
     invalid id too (the plain conversion made 2**32 + 1 expert 1, routed and

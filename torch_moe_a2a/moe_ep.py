@@ -24,7 +24,7 @@ import torch
 
 from .api import moe_a2a_get_workspace_size_per_rank
 from .arguments import ID_DTYPES
-from .fastpath import expect_ints
+from .fastpath import expect_ints, expect_tensors
 from .mapping import Mapping
 from .moe_alltoall import MoeAlltoAll
 
@@ -303,8 +303,10 @@ class NVLinkOneSidedAlltoAll:
 
         Raises:
             RuntimeError: a dispatch without a combine since the last one; after :meth:`destroy`.
-            ValueError: ``max_tokens_per_rank`` outside ``(0, params.max_tokens_per_rank]``;
-                ``topk_ids`` not an integer tensor; what :meth:`MoeAlltoAll.dispatch` refuses.
+            ValueError: ``max_tokens_per_rank`` not an int in ``(0, params.max_tokens_per_rank]``;
+                ``topk_ids`` not an integer tensor; ``hidden_states`` (or a given
+                ``hidden_states_scale``, ``topk_weights``) not a tensor with a row
+                per row of ``topk_ids``; what :meth:`MoeAlltoAll.dispatch` refuses.
         """
         alltoall = self.alltoall
         if self._tokens_per_rank is not None:
@@ -312,12 +314,24 @@ class NVLinkOneSidedAlltoAll:
                                "round (a refused combine changed nothing)")
         limit = self.params.max_tokens_per_rank
         tokens_per_rank = limit if max_tokens_per_rank is None else max_tokens_per_rank
+        # A str failed on the comparison below; a float or a bool was refused as runtime_max_tokens_per_rank.
+        expect_ints("NVLinkOneSidedAlltoAll.dispatch", max_tokens_per_rank=tokens_per_rank)
         if not 0 < tokens_per_rank <= limit:
             raise ValueError(f"max_tokens_per_rank={tokens_per_rank} must be in (0, {limit}]")
         if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in ID_DTYPES:
             # A float id would be truncated to another expert by the conversion below.
             raise ValueError(f"topk_ids must be an int32 or int64 tensor, got "
                              f"{getattr(topk_ids, 'dtype', type(topk_ids).__name__)}")
+        # By this method's names: MoeAlltoAll's refusals name input_payloads[i], a list this caller never built.
+        rows = {"hidden_states": hidden_states, "hidden_states_scale": hidden_states_scale,
+                "topk_weights": topk_weights}
+        for name, value in rows.items():
+            if value is None and name != "hidden_states":
+                continue
+            expect_tensors("NVLinkOneSidedAlltoAll.dispatch", **{name: value})
+            if topk_ids.dim() >= 1 and (value.dim() < 1 or value.shape[0] != topk_ids.shape[0]):
+                raise ValueError(f"NVLinkOneSidedAlltoAll.dispatch: {name} must have a row per token, [local_num_tokens"
+                                 f"={topk_ids.shape[0]} (topk_ids' rows), *], got shape {tuple(value.shape)}")
         if topk_ids.dtype == torch.int64:
             # Clamped, not wrapped: an id beyond int32 stays an invalid one (at
             # least num_experts, or negative) for the routing and the receivers,
@@ -392,7 +406,7 @@ class NVLinkOneSidedAlltoAll:
 
         Raises:
             RuntimeError: before :meth:`dispatch`.
-            ValueError: ``expert_output`` neither 2-D nor 3-D, or 2-D with
+            ValueError: ``expert_output`` not a tensor, neither 2-D nor 3-D, or 2-D with
                 another row count than ``ep_size * tokens_per_rank``; what
                 :meth:`MoeAlltoAll.combine` refuses.
         """
@@ -401,6 +415,7 @@ class NVLinkOneSidedAlltoAll:
         if tokens_per_rank is None:
             raise RuntimeError("combine called before dispatch; call dispatch first: each combine closes the round of one "
                                "dispatch")
+        expect_tensors("NVLinkOneSidedAlltoAll.combine", expert_output=expert_output)  # else an AttributeError
         if expert_output.dim() not in (2, 3):
             raise ValueError(f"expert_output must be 2D or 3D, got shape {tuple(expert_output.shape)}")
         if expert_output.dim() == 2 and expert_output.shape[0] != self.ep_size * tokens_per_rank:
