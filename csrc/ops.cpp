@@ -1025,6 +1025,25 @@ void sanitize_expert_ids_cpu(const at::Tensor& workspace, int64_t ep_rank, int64
 void expert_major_build_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
                             int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
                             int64_t max_tokens_per_expert, int64_t eplb_n, at::IntArrayRef payload_row_bytes,
+                            int64_t id_bytes, bool has_weights, int64_t mailbox, bool enable_pdl);
+
+void dispatch_expert_major_cpu(const at::Tensor& token_selected_experts, at::TensorList input_payloads,
+                               const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                               int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
+                               const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
+                               at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
+                               int64_t max_tokens_per_expert, at::IntArrayRef payload_row_bytes, bool has_weights) {
+  dispatch_cpu(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
+               runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_stats_num_experts,
+               active_rank_mask, timeout_s, mailbox, enable_pdl);
+  expert_major_build_cpu(workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
+                         max_tokens_per_expert, eplb_local_stats.has_value() ? eplb_stats_num_experts : 0,
+                         payload_row_bytes, token_selected_experts.element_size(), has_weights, mailbox, enable_pdl);
+}
+
+void expert_major_build_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                            int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
+                            int64_t max_tokens_per_expert, int64_t eplb_n, at::IntArrayRef payload_row_bytes,
                             int64_t id_bytes, bool has_weights, int64_t mailbox, bool enable_pdl) {
   const ExpertMajorBuildParams p = check_expert_major_build(
       workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
@@ -1257,6 +1276,7 @@ constexpr char kOpCombine[] = "moe_a2a::combine";
 constexpr char kOpCombineInto[] = "moe_a2a::combine_into";
 constexpr char kOpSanitize[] = "moe_a2a::sanitize_expert_ids";
 constexpr char kOpExpertMajorBuild[] = "moe_a2a::expert_major_build";
+constexpr char kOpDispatchExpertMajor[] = "moe_a2a::dispatch_expert_major";
 constexpr char kOpCombineExpertMajor[] = "moe_a2a::combine_expert_major";
 constexpr char kOpCombineExpertMajorInto[] = "moe_a2a::combine_expert_major_into";
 
@@ -1276,6 +1296,7 @@ TORCH_LIBRARY(moe_a2a, m) {
   m.def(kSchemaSanitize, {at::Tag::pt2_compliant_tag});
   m.def(kSchemaCheckExpertIds, {at::Tag::pt2_compliant_tag});
   m.def(kSchemaExpertMajorBuild, {at::Tag::pt2_compliant_tag});
+  m.def(kSchemaDispatchExpertMajor, {at::Tag::pt2_compliant_tag});
   m.def(kSchemaCombineExpertMajor, {at::Tag::pt2_compliant_tag});
   m.def(kSchemaCombineExpertMajorInto, {at::Tag::pt2_compliant_tag});
   m.def(kSchemaExpertMajorLayout, &expert_major_layout_op, {at::Tag::pt2_compliant_tag});
@@ -1292,6 +1313,7 @@ TORCH_LIBRARY_IMPL(moe_a2a, CPU, m) {
   m.impl("sanitize_expert_ids", &sanitize_expert_ids_cpu);
   m.impl("check_expert_ids", &check_expert_ids_host);
   m.impl("expert_major_build", &expert_major_build_cpu);
+  m.impl("dispatch_expert_major", &dispatch_expert_major_cpu);
   m.impl("combine_expert_major", &combine_expert_major_cpu);
   m.impl("combine_expert_major_into", &combine_expert_major_into_cpu);
 }
@@ -1306,6 +1328,8 @@ TORCH_LIBRARY_IMPL(moe_a2a, ADInplaceOrView, m) {
   m.impl("sanitize_expert_ids", TORCH_FN((BumpWrittenVersions<kOpSanitize, SanitizeSignature, 0>::call)));
   m.impl("expert_major_build",
          TORCH_FN((BumpWrittenVersions<kOpExpertMajorBuild, ExpertMajorBuildSignature, 0>::call)));
+  m.impl("dispatch_expert_major",
+         TORCH_FN((BumpWrittenVersions<kOpDispatchExpertMajor, DispatchExpertMajorSignature, 2>::call)));
   m.impl("combine_expert_major",
          TORCH_FN((BumpWrittenVersions<kOpCombineExpertMajor, CombineExpertMajorSignature, 2>::call)));
   m.impl("combine_expert_major_into",

@@ -387,7 +387,9 @@ constexpr int64_t kHdrInitStale = kHdrCombineSignatures + 2 * 4 * kMaxRanks;
 constexpr int64_t kHdrInitSeen = kHdrInitStale + 2 * kMaxRanks;
 // CUDA dispatch scratch of large calls, own, per CTA b of the grid (grids have
 // at most kMaxDispatchCtas CTAs; see csrc/cuda/dispatch.cu, steps 1a and 3).
-// Never reset: the epoch tells this call's words from older ones.
+// Never reset: the epoch tells this call's words from older ones. A small
+// expert-major dispatch's sources write their pair counts here (the
+// expert-major receive layout below).
 //   counts[b * ep_size + d]  (epoch << 32) | the tokens of chunk b that go to
 //              rank d, written by CTA b once it has counted them; a later CTA
 //              sums those of the chunks before its own for its first slots
@@ -753,6 +755,49 @@ MOE_A2A_HD int64_t workspace_size_per_rank(int64_t ep_size, int64_t max_num_toke
 //   plane p   [local_experts][M][row_bytes_p]: the user payloads' rows
 //   combine   [local_experts][M][combine_row_bytes]: the expert outputs,
 //             staged by the expert-major combine (or written in place)
+//
+// The expert-major dispatch (op dispatch_expert_major) is that rank-major
+// dispatch followed by expert_major_build, except for a CUDA call whose T
+// the small rank-major call takes (T <= a warp's tokens per CTA of the
+// largest grid, the same on every rank, so every rank runs the same
+// protocol) and whose E <= 1024: there one grid writes each pair's row,
+// pair map entry, id and weight straight into the destination's regions
+// above, with the same rows i (csrc/cuda/dispatch.cu,
+// em_dispatch_small_kernel). Dispatch n on rank s, small:
+//   0. as dispatch step 0a; then
+//   1. the CTA that counts every token writes, for every active rank r and
+//      expert e, the pairs of e it sends into r's count scratch word
+//      [s * E + e] (the large calls' kHdrDispatchCounts words), then, after
+//      a barrier, releases word [R * E + s] := n << 32 in r's (a store: one
+//      writer), with r's recv_count[s], runtime_max[s] and payloads[s] as
+//      dispatch step 2. Nothing reads the count scratch but this dispatch,
+//      so this precedes step 0b's wait; a large call's words there hold an
+//      older epoch in their high half, so no stale word reads as n;
+//   2. acquire-wait until pull_done >= flag_target(own combine_count) in
+//      every active peer, always (not only where regions overlap): the
+//      round's last combine pulls through the destinations' weights planes,
+//      which this call rewrites, where the rank-major dispatch writes only
+//      rows of planes that combine does not read. Then the own route
+//      entries (d, t) (slot t: the pair map's row of a token is its index)
+//      and, at each destination d, the pair map row [s, t] past the token's
+//      pairs there (kNoPair);
+//   3. acquire-wait until word [R * E + p] >> 32 == n for every active p;
+//      row i of pair (t, k) of expert e at d = the counts of e of the
+//      active sources below s + the own pairs of e before (t, k) in (t, k)
+//      order (the CPU's i); write the pair map entry, id and weight of every
+//      pair at d, then its rows (dropped pairs, i >= M, only kNoPair);
+//   4. the own counts (min(pairs of e over every active source, M)), drops
+//      and padding from the own count scratch;
+//   5. as dispatch steps 3-5 (the flags are the rank-major dispatch's), and
+//      the build's record (kHdrExpertMajor*).
+// Why this is safe: a peer reads d's pair map row [s, t] only in its own
+// combine, after this call's flags; the weights planes and the regions a
+// grown layout covers are rewritten only after step 2's wait, as the
+// rank-major dispatch's step 0b; counts, ids, weights and padding of d's own
+// experts are written by d itself before its own flag, and by the sources
+// into rows i < the counts (disjoint from the padding); the count scratch is
+// written by dispatch n of the sources only after their combine n - 1,
+// which followed every rank's dispatch n - 1 (so d had read it).
 constexpr int64_t kMaxLocalExperts = 1024;
 // Pair rows e * M + i and received rows s * T + j are int32 entries.
 constexpr int64_t kMaxExpertMajorRows = (int64_t(1) << 31) - 1;

@@ -78,6 +78,18 @@ constexpr const char* kSchemaExpertMajorBuild =
     "int runtime_max_tokens_per_rank, int top_k, int num_experts, int max_tokens_per_expert, int eplb_n, "
     "int[] payload_row_bytes, int id_bytes, bool has_weights, int mailbox, bool enable_pdl) -> ()";
 
+// An expert-major dispatch in one op: dispatch's arguments (input_payloads:
+// the user payloads, the ids, then with has_weights the fp32 weights) and
+// the build's (max_tokens_per_expert, the user payloads' row sizes). The
+// result equals dispatch followed by expert_major_build; a small CUDA call
+// writes each pair's row into its expert-major row in one grid.
+constexpr const char* kSchemaDispatchExpertMajor =
+    "dispatch_expert_major(Tensor token_selected_experts, Tensor[] input_payloads, Tensor(a!) workspace, "
+    "int ep_rank, int ep_size, int max_num_tokens, int runtime_max_tokens_per_rank, int top_k, "
+    "int num_experts, Tensor? eplb_local_stats, int eplb_stats_num_experts, int[] active_rank_mask, "
+    "float timeout_s, int mailbox, bool enable_pdl, int max_tokens_per_expert, int[] payload_row_bytes, "
+    "bool has_weights) -> ()";
+
 // The expert-major combine: payload [num_local_experts, max_tokens_per_expert,
 // *row_shape] (or None: already at combine_payload_offset, the build's
 // ExpertMajorLayout::combine_offset); out[t] = the fp32 sum over the token's
@@ -122,6 +134,9 @@ using DispatchSignature = void(const at::Tensor&, at::TensorList, const at::Tens
 using CombineSignature = at::Tensor(MOE_A2A_COMBINE_TYPES);
 using CombineIntoSignature = void(MOE_A2A_COMBINE_TYPES, const at::Tensor&);
 #undef MOE_A2A_COMBINE_TYPES
+using DispatchExpertMajorSignature = void(const at::Tensor&, at::TensorList, const at::Tensor&, int64_t, int64_t,
+                                          int64_t, int64_t, int64_t, int64_t, const std::optional<at::Tensor>&, int64_t,
+                                          at::IntArrayRef, double, int64_t, bool, int64_t, at::IntArrayRef, bool);
 using ExpertMajorBuildSignature = void(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                                        int64_t, at::IntArrayRef, int64_t, bool, int64_t, bool);
 #define MOE_A2A_COMBINE_EM_TYPES                                                                                 \

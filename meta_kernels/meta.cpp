@@ -78,6 +78,14 @@ void expert_major_build_meta(const at::Tensor& workspace, int64_t, int64_t, int6
   check_meta("expert_major_build", "workspace", workspace);
 }
 
+void dispatch_expert_major_meta(const at::Tensor& token_selected_experts, at::TensorList input_payloads,
+                                const at::Tensor& workspace, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                const std::optional<at::Tensor>& eplb_local_stats, int64_t, at::IntArrayRef, double,
+                                int64_t, bool, int64_t, at::IntArrayRef, bool) {
+  dispatch_meta(token_selected_experts, input_payloads, workspace, 0, 0, 0, 0, 0, 0, eplb_local_stats, 0, {}, 0.0, 0,
+                false);
+}
+
 at::Tensor combine_expert_major_meta(const std::optional<at::Tensor>& payload, c10::SymInt local_num_tokens,
                                      const at::Tensor& workspace, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                                      int64_t, int64_t, int64_t, c10::SymIntArrayRef row_shape, at::ScalarType,
@@ -111,6 +119,7 @@ TORCH_LIBRARY_IMPL(moe_a2a, Meta, m) {
   m.impl("sanitize_expert_ids", &sanitize_expert_ids_meta);
   m.impl("check_expert_ids", &check_expert_ids_meta);
   m.impl("expert_major_build", &expert_major_build_meta);
+  m.impl("dispatch_expert_major", &dispatch_expert_major_meta);
   m.impl("combine_expert_major", &combine_expert_major_meta);
   m.impl("combine_expert_major_into", &combine_expert_major_into_meta);
 }

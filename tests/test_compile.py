@@ -298,7 +298,7 @@ def test_compiled_expert_major_equals_eager(ep_size, device):
         out, codes = run_and_get_code(compiled, *args(0))
         assert_bytes_equal(out, eager[0], "compiled vs eager")
         _assert_no_workspace_copy(codes, sim.workspace)
-        assert "moe_a2a.expert_major_build" in "\n".join(codes)
+        assert "moe_a2a.dispatch_expert_major" in "\n".join(codes)
     for _ in range(2):
         outs = sim.run(lambda r: compiled(*args(r)))
         for r in range(ep_size):

@@ -97,6 +97,7 @@ GRID = [
     EmCase(8, (3, 1, 0, 7, 2, 5, 0, 4), 8, 20, active=(0, 1, 2, 4, 5, 6, 7)),
     EmCase(2, (5, 3), 6, 2, repeats=True),  # fewer experts than top_k: every token repeats one
     EmCase(3, (4, 0, 6), 22, 3, max_tokens_per_expert=5, repeats=True, in_workspace=True),
+    EmCase(3, (7, 2, 4), 6, 2051, max_tokens_per_expert=2),  # beyond 1024 experts: on CUDA dispatch + build
     *_grid(18, 1234),
 ]
 
@@ -276,6 +277,43 @@ def test_expert_major_then_rank_major_rounds(device):
     for r in range(3):
         assert_bytes_equal(outs[r].cpu(), expected[r], f"rank {r} rank-major after expert-major")
     em_round(sim, case, gen, dropped)
+
+
+def test_small_and_large_calls_share_the_dispatch_scratch(device):
+    """On CUDA an expert-major call of at most 1024 experts and a T that the
+    small rank-major call takes runs one kernel whose ranks exchange their
+    pair counts through the header words a large rank-major dispatch uses
+    for its own CTAs (protocol.h); with more experts the dispatch and the
+    build run. Both kinds of expert-major call, a large rank-major round
+    between them and again after it, on one workspace: every result equal
+    to the reference."""
+    small = EmCase(2, (8, 5), 4, 16, max_tokens_per_expert=9)
+    large = EmCase(2, (6, 8), 8, 1030, max_tokens_per_expert=9)  # more experts than the one-kernel call takes
+    tokens, hidden, top_k = 5000, 4, 2  # on an H200 a large rank-major call (chunks of more than a warp's tokens)
+    rank_major = a2a.moe_a2a_get_workspace_size_per_rank(2, tokens, 4 * hidden + 4 * top_k, 4 * hidden)
+    size = max(em_workspace_size(small), em_workspace_size(large), rank_major)
+    sim = a2a.SimulatedEP(2, tokens, dispatch_bytes_per_token=0, combine_bytes_per_token=0, device=device,
+                          workspace_size_per_rank=size)
+    gen = make_generator(31)
+    dropped = em_round(sim, small, gen, [0, 0])
+    ids = [reference.random_routing(tokens, top_k, 8, gen) for _ in range(2)]
+    xs = [torch.randn(tokens, hidden, generator=gen) for _ in range(2)]
+
+    def rank_major_round(r):
+        dev = sim.workspace.device
+        recv, offset, _ = a2a.moe_a2a_dispatch(ids[r].to(dev), [xs[r].to(dev)], sim.workspace, sim.metainfo[r],
+                                               tokens, r, 2, top_k, 8)
+        return a2a.moe_a2a_combine(recv[0].clone(), tokens, sim.workspace, sim.metainfo[r], tokens, r, 2, top_k,
+                                   offset)
+
+    outs = sim.run(rank_major_round)
+    ref = reference.reference_dispatch(ids, [[x] for x in xs], ep_size=2, num_experts=8,
+                                       runtime_max_tokens_per_rank=tokens)
+    expected = reference.reference_combine([r[0] for r in ref.recv], ref, [tokens, tokens])
+    for r in range(2):
+        assert_bytes_equal(outs[r].cpu(), expected[r], f"rank {r} rank-major round")
+    dropped = em_round(sim, large, gen, dropped)
+    em_round(sim, small, gen, dropped)
 
 
 def test_rank_and_expert_major_combines_mixed_are_reported(device):

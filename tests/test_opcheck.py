@@ -159,7 +159,7 @@ class ExpertMajorEnv:
 
     M = 6
 
-    def __init__(self, device):
+    def __init__(self, device, dispatched=True):
         self.device = device
         user = [s.row_bytes for s in CASE.payload_specs()]
         self.user_rows = [user[0], *user[3:]]
@@ -171,10 +171,17 @@ class ExpertMajorEnv:
         inputs = make_inputs(CASE, make_generator(5)).to(device)
         p = inputs.payloads[0]
         self.ids = inputs.ids[0]
-        ops.dispatch.default(self.ids, [p[0], *p[3:], p[1], p[2]], self.workspace, 0, 1, CASE.max_tokens, CASE.T,
-                             CASE.top_k, CASE.num_experts, None, 0, [], TIMEOUT_FROM_ENV, self.mailbox, False)
+        # The user payloads, the ids, the fp32 weights: an expert-major dispatch's.
+        self.payloads = [p[0], *p[3:], p[1], p[2]]
+        if dispatched:
+            ops.dispatch.default(*self.dispatch_args()[:15])
         self.dispatch_end = layout.call_layout(1, CASE.T, 0, [*self.user_rows, CASE.top_k * 4, CASE.top_k * 4])
         self.dispatch_end = self.dispatch_end.combine_offset
+
+    def dispatch_args(self):
+        """dispatch_expert_major's arguments (dispatch's are the first 15)."""
+        return (self.ids, self.payloads, self.workspace, 0, 1, CASE.max_tokens, CASE.T, CASE.top_k, CASE.num_experts,
+                None, 0, [], TIMEOUT_FROM_ENV, self.mailbox, False, self.M, self.user_rows, True)
 
     def build_args(self):
         return (self.workspace, 0, 1, CASE.max_tokens, CASE.T, CASE.top_k, CASE.num_experts, self.M, 0,
@@ -191,6 +198,11 @@ class ExpertMajorEnv:
 def test_opcheck_expert_major_build(device):
     env = ExpertMajorEnv(device)
     _opcheck(ops.expert_major_build.default, env.build_args())
+
+
+def test_opcheck_dispatch_expert_major(device):
+    env = ExpertMajorEnv(device, dispatched=False)
+    _opcheck(ops.dispatch_expert_major.default, env.dispatch_args())
 
 
 def test_opcheck_combine_expert_major(device):

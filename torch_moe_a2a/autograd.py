@@ -854,7 +854,7 @@ def moe_a2a_combine_differentiable(
 # is a ``dispatch_em_round`` of the output gradient, that of
 # ``dispatch_em_owned`` a ``combine_em_round`` of the planes' gradients.
 #
-# Finding a pair's top-k slot: ``expert_major_build`` writes each pair's
+# Finding a pair's top-k slot: the expert-major dispatch writes each pair's
 # router weight into the weights region, so a dispatch whose router weights are
 # the slot indices (exact in fp32) makes it write every pair's slot there.
 # ``combine_em_round`` reads them, then sets that region to 1.0 (an
@@ -867,13 +867,13 @@ def _dispatch_em(ids: Tensor, payloads: list[Tensor], weights: Tensor, workspace
     """The rank-major dispatch of ``[*payloads, ids, weights]`` (``weights``
     fp32 ``[local_num_tokens, top_k]``), then the build of the expert-major
     layout; returns the dispatch's end and the layout."""
-    ep_rank, ep_size, max_num_tokens, runtime_max, top_k, num_experts, _, _, mailbox, pdl = route
-    _dispatch(ids, [*payloads, ids, weights], workspace, route)
+    ep_rank, ep_size, max_num_tokens, runtime_max, top_k, num_experts, mask, timeout_s, mailbox, pdl = route
     user_rows = [_row_bytes(p) for p in payloads]
+    _ops.dispatch_expert_major.default(ids, [*payloads, ids, weights], workspace, ep_rank, ep_size, max_num_tokens,
+                                       runtime_max, top_k, num_experts, None, 0, mask, timeout_s, mailbox, pdl,
+                                       max_tokens_per_expert, user_rows, True)
     dispatch_end = layout.call_layout(ep_size, runtime_max, 0, [*user_rows, _row_bytes(ids),
                                                                  _row_bytes(weights)]).combine_offset
-    _ops.expert_major_build.default(workspace, ep_rank, ep_size, max_num_tokens, runtime_max, top_k, num_experts,
-                                    max_tokens_per_expert, 0, user_rows, ids.element_size(), True, mailbox, pdl)
     em = layout.expert_major_layout(dispatch_end, ep_size, runtime_max, top_k,
                                     layout.max_local_experts(num_experts, ep_size), max_tokens_per_expert, user_rows)
     return dispatch_end, em

@@ -3,12 +3,13 @@ dispatch into ``[num_local_experts, max_tokens_per_expert, *]`` workspace
 views with per-expert counts, ready for a grouped GEMM, and the weighted
 combine from that layout.
 
-Composed from three operators: the rank-major ``dispatch`` (the user payloads,
-the expert ids and the router weights as payloads), ``expert_major_build``
-(a local pass that regroups the received rows by local expert,
-deterministically, in the own row) and ``combine_expert_major`` (the combine
-protocol, pulling each (token, expert) pair's row through the pair map of the
-expert's rank). Everything runs on the device, on the current stream: no host
+Two operators: ``dispatch_expert_major`` (the rank-major dispatch of the user
+payloads, the expert ids and the router weights as payloads, then
+``expert_major_build``, a local pass that regroups the received rows by local
+expert, deterministically, in the own row; on CUDA a small call writes each
+pair's row into its expert-major row in one kernel instead, with the same
+result) and ``combine_expert_major`` (the combine protocol, pulling each
+(token, expert) pair's row through the pair map of the expert's rank). Everything runs on the device, on the current stream: no host
 sync, CUDA-graph capturable, traceable by ``torch.compile``.
 """
 
@@ -29,7 +30,6 @@ from .fastpath import (
     expect_tensor_list,
     expect_tensors,
     note_plain_dispatch,
-    run_dispatch,
     tracing,
     wants_grad,
 )
@@ -227,8 +227,7 @@ def moe_a2a_dispatch_expert_major(
     args, call_eplb_n = dispatch_args(
         fn, token_selected_experts, payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size,
         top_k, num_experts, enable_pdl, eplb_local_stats, enable_rank_mask, active_rank_mask, backend, timeout_s)
-    _, _, max_num_tokens, _, _, mailbox, _ = metainfo_values(metainfo, id(metainfo))
-    enable_pdl = args[-1]  # resolved by dispatch_args
+    max_num_tokens = metainfo_values(metainfo, id(metainfo))[2]
     if max_tokens_per_expert is None:
         # T first: the default is ep_size * T, whose error would name max_tokens_per_expert.
         if not isinstance(runtime_max_tokens_per_rank, numbers.Integral) or isinstance(runtime_max_tokens_per_rank, bool) \
@@ -242,13 +241,9 @@ def moe_a2a_dispatch_expert_major(
     check_expert_major_fits(workspace, ep_size, runtime_max_tokens_per_rank, top_k, num_experts,
                             max_tokens_per_expert, call_eplb_n, user_rows, token_selected_experts.element_size(),
                             router_weights is not None)
-    run_dispatch(fn, args, False, tracing())
+    _ops.dispatch_expert_major.default(*args, max_tokens_per_expert, user_rows, router_weights is not None)
     call = layout.call_layout(ep_size, runtime_max_tokens_per_rank, call_eplb_n, [_row_bytes(p) for p in payloads])
     dispatch_end = call.combine_offset
-    _ops.expert_major_build.default(
-        workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
-        max_tokens_per_expert, call_eplb_n, user_rows, token_selected_experts.element_size(),
-        router_weights is not None, mailbox, enable_pdl)
     em = layout.expert_major_layout(dispatch_end, ep_size, runtime_max_tokens_per_rank, top_k,
                                     layout.max_local_experts(num_experts, ep_size), max_tokens_per_expert, user_rows)
     local = layout.experts_per_rank(num_experts, ep_size)[ep_rank]

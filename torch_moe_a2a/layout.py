@@ -92,7 +92,7 @@ HDR_PULL_DONE = 68  # uint32: flag_target(n) once combine n pulled (protocol.h, 
 HDR_COMBINE_CLAIMS = 72  # CUDA grid scratch, uint32 [2]: [n & 1] the pull tasks claimed by combine n
 HDR_LAST_DISPATCH_END = 80  # dispatch step 0 (protocol.h)
 HDR_DISPATCH_CLAIM0 = 88  # CUDA grid scratch: claim counter 0 of large dispatches
-# Expert-major layout (protocol.h, ExpertMajorLayout), own words written by expert_major_build:
+# Expert-major layout (protocol.h, ExpertMajorLayout), own words written by the expert-major dispatch:
 HDR_DROPPED_PAIR_COUNT = 96  # int64, cumulative: pairs beyond max_tokens_per_expert
 HDR_EXPERT_MAJOR_END = 104  # int64: the last build's expert-major combine offset
 HDR_EXPERT_MAJOR_EPOCH = 112  # uint32: the dispatch epoch of the last build

@@ -877,6 +877,377 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   }
 }
 
+// ---- expert-major small calls: each pair's row straight into its slot ---------------------
+
+// A small expert-major call (protocol.h, "the expert-major dispatch"; the
+// launcher decides) in one grid: the rank-major small call's chunks of at
+// most a warp's tokens, each routed by a group of CTAs that share its rows'
+// copies (a token has up to top_k pairs' rows to write), with each pair's
+// row written into the destination's expert-major plane instead of a
+// rank-major row, so that no build kernel follows. A pair's row counts the
+// pairs of every lower source, so every rank publishes its per-expert pair
+// counts before any row (the last CTA, which counts every token); a thread
+// per pair finds its destination, route entry and pair map index while the
+// counts travel; then warp 0 gives the chunk's pairs their rows in (token,
+// slot) order (__match_any_sync over the experts, as the build), the first
+// CTA of the group writes the pairs' entries, ids and weights, and the
+// group copies each token's rows to its kept pairs' rows, every segment
+// loaded once. The last CTA writes the own counts, drops and padding.
+//
+// Experts of a call that the small expert-major dispatch takes (two shared
+// int32 counters each).
+constexpr int64_t kEmSmallExperts = 1024;
+
+struct EmSmallArgs {
+  DispatchArgs d;  // d.plan[i]: user payload i's copy to the expert-major planes
+  ExpertMajorLayout l;
+  int num_user;          // user payloads: the first num_user of d.p.payload
+  const float* weights;  // [n, top_k] fp32, or nullptr (weights 1)
+  int64_t first_expert;  // the own rank's experts [first_expert, first_expert + num_local)
+  int64_t num_local;
+  int32_t expert_base, expert_extra;  // num_experts / ep_size and % ep_size: rank d's first expert
+  // CTAs per chunk: each routes the chunk, the first writes its routes, pair
+  // map entries, ids and weights, and they share its rows' copies (a chunk's
+  // pairs' rows are top_k times its tokens' bytes: a CTA per chunk alone
+  // would copy them on the grid of the rank-major call).
+  int copy_ctas;
+};
+
+// Rank r's count scratch (the large calls' kHdrDispatchCounts words, which
+// a small call does not use): word [s * E + e] = the pairs of expert e that
+// rank s sends, then word [R * E + s] = s's epoch << 32 once they are written
+// (released). The large calls' words there hold an older epoch in their high
+// half, so no stale word reads as this call's.
+__device__ __forceinline__ uint64_t* em_count_word(uint8_t* row, int64_t num_experts, int s, int64_t e) {
+  return header_word<uint64_t>(row, kHdrDispatchCounts + int64_t(sizeof(uint64_t)) * (int64_t(s) * num_experts + e));
+}
+__device__ __forceinline__ uint64_t* em_counted_word(uint8_t* row, int ep_size, int64_t num_experts, int s) {
+  return em_count_word(row, num_experts, ep_size, s);  // [R * E + s]
+}
+__device__ __forceinline__ void st_release_word(uint64_t* p, uint64_t v, bool system) {
+  if (system) {
+    asm volatile("st.release.sys.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  } else {
+    asm volatile("st.release.gpu.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  }
+}
+
+// The first expert of rank d (the contract's contiguous ranges).
+__device__ __forceinline__ int32_t em_first_expert(const EmSmallArgs& a, int d) {
+  return d * a.expert_base + min(d, a.expert_extra);
+}
+
+template <typename Id>
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
+    em_dispatch_small_kernel(const __grid_constant__ EmSmallArgs a) {
+  const DispatchParams& p = a.d.p;
+  const WorkspaceView& ws = p.ws;
+  const ExpertMajorLayout& l = a.l;
+  __shared__ int32_t next[kEmSmallExperts];         // own pairs of e before the chunk, then its next row
+  __shared__ int32_t total[kEmSmallExperts];        // own pairs of e (the last CTA's count is every token's)
+  __shared__ uint32_t dest_tokens[kMaxRanks];       // tokens that go to rank d (the last CTA's: receive counts)
+  __shared__ int32_t chunk_e[kWarpSize][kMaxTopK];  // expert of (token, slot), -1: no pair
+  __shared__ int32_t pair_at[kWarpSize][kMaxTopK];  // kept pairs of each token: row e * M + i at pair_rank
+  __shared__ uint8_t pair_rank[kWarpSize][kMaxTopK];
+  __shared__ uint8_t pair_q[kWarpSize][kMaxTopK];  // the pair's index in the token's pair map row at its rank
+  const int ep_size = ws.ep_size;
+  const int lane = lane_id();
+  const int warp = warp_id();
+  const int64_t E = p.num_experts, K = p.top_k, M = l.tokens_per_expert, T = p.runtime_max_tokens;
+
+  wait_for_previous_grid();
+  uint8_t* own = ws.row(ws.ep_rank);
+  const int64_t n = p.local_num_tokens;
+  const int copy_rank = int(blockIdx.x) % a.copy_ctas;
+  const int64_t begin = min(n, int64_t(blockIdx.x / a.copy_ctas) * a.d.tokens_per_cta);
+  const int64_t end = min(n, begin + a.d.tokens_per_cta);
+  const int count = int(end - begin);
+  const bool owns_last_chunk = blockIdx.x == gridDim.x - 1;  // counts every token: end == n
+  const bool writes_chunk = copy_rank == 0;                  // the chunk's routes, pair maps, ids, weights
+  const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
+  const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
+  const int64_t last_dispatch_end = *header_word<int64_t>(own, kHdrLastDispatchEnd);
+  const int32_t last_runtime_max = *header_word<int32_t>(own, kHdrLastRuntimeMax);
+  const uint64_t own_init = *header_word<uint64_t>(own, kHdrMagic);
+  const uint32_t error_code = load_error_code(own);
+
+  // 1. Counts per expert (and the last CTA's tokens per destination).
+  for (int64_t e = threadIdx.x; e < E; e += kThreads) {
+    next[e] = 0;
+    total[e] = 0;
+  }
+  if (threadIdx.x < kMaxRanks) dest_tokens[threadIdx.x] = 0;
+  __syncthreads();
+  // A thread an id, all loads at once (T * top_k < 2^31: 32-bit indices).
+  uint32_t invalid = 0;
+  const Id* ids = static_cast<const Id*>(p.token_selected_experts);
+  const uint64_t active = p.sync.active_mask[0];
+  const uint32_t k_width = uint32_t(K), id_count = uint32_t(end) * k_width;
+  for (uint32_t x = threadIdx.x; x < id_count; x += kThreads) {
+    const uint32_t t = x / k_width, k = x - t * k_width;
+    const Id e = ids[x];
+    int32_t kept = -1;
+    if (e >= 0 && e < E) {
+      const int d = a.d.rank_map.rank(uint32_t(e));
+      if ((active >> d) & 1) {
+        kept = int32_t(e);
+        atomicAdd(&total[e], 1);
+        if (t < begin) atomicAdd(&next[e], 1);
+        if (owns_last_chunk) {
+          // The token's first pair at d counts it once (d's receive count).
+          bool first = true;
+          for (uint32_t k2 = 0; k2 < k && first; ++k2) {
+            const Id e2 = ids[t * k_width + k2];
+            first = !(e2 >= 0 && e2 < E && a.d.rank_map.rank(uint32_t(e2)) == d);
+          }
+          if (first) atomicAdd(&dest_tokens[d], 1u);
+        }
+      }
+    } else if (e >= E && t >= begin && writes_chunk) {
+      ++invalid;
+    }
+    if (t >= begin) chunk_e[t - begin][k] = kept;
+  }
+
+  if (!may_proceed(own, p.sync.mailbox, error_code, dispatch_epoch == combine_epoch)) return;
+  const uint32_t epoch = dispatch_epoch + 1;
+  // Step 0a before anything goes into a peer's row; the counts go before
+  // the pulls' wait (no combine reads the count scratch), so that their
+  // exchange overlaps it.
+  if (first_dispatch(own_init) && !first_dispatch_wait(a.d, own_init)) return;
+  if (invalid != 0) {
+    atomicAdd(header_word<unsigned long long>(own, kHdrInvalidExpertCount), static_cast<unsigned long long>(invalid));
+  }
+
+  // The last CTA publishes the counts (then, after a barrier, one released
+  // word a rank), the receive counts and the call's header words.
+  if (owns_last_chunk) {
+    const uint32_t words = uint32_t(ep_size) * uint32_t(E);
+    for (uint32_t x = threadIdx.x; x < words; x += kThreads) {
+      const int r = int(x / uint32_t(E));
+      const uint32_t e = x - uint32_t(r) * uint32_t(E);
+      if (rank_active(p.sync, r)) *em_count_word(ws.row(r), E, ws.ep_rank, e) = uint32_t(total[e]);
+    }
+    if (threadIdx.x < ep_size) {
+      const int d = threadIdx.x;
+      if (rank_active(p.sync, d)) {
+        *header_word<int32_t>(ws.row(d), recv_count_offset(ws.ep_rank)) = static_cast<int32_t>(dest_tokens[d]);
+        *header_word<int32_t>(ws.row(d), peer_runtime_max_offset(ws.ep_rank)) = static_cast<int32_t>(T);
+        *header_word<uint32_t>(ws.row(d), peer_payloads_offset(ws.ep_rank)) = p.payload_signature;
+      } else {
+        *header_word<int32_t>(own, recv_count_offset(d)) = 0;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < ep_size && rank_active(p.sync, threadIdx.x)) {
+      st_release_word(em_counted_word(ws.row(threadIdx.x), ep_size, E, ws.ep_rank), uint64_t(epoch) << 32,
+                      a.d.sync_settings.system);
+    }
+  }
+
+  // Before any row of a peer: the peers' pulls of the round's last combine
+  // read the destinations' weights planes (and, where this call's regions
+  // cover that combine's, those).
+  if (!wait_for_pulls(a.d)) return;
+
+  // 1b. A thread a pair of the chunk: its destination, its index q among the
+  // token's pairs there in ascending (expert, slot) order, and, for the
+  // token's first pair at each destination, the route entry and the pair map
+  // past the token's pairs there.
+  const int64_t source_row = int64_t(ws.ep_rank) * T;
+  const int pairs = count * int(K);
+  int32_t* route = reinterpret_cast<int32_t*>(own + p.layout.route_offset);
+  for (int x = threadIdx.x; x < pairs; x += kThreads) {
+    const int c = x / int(K), k = x - c * int(K);
+    const int32_t e = chunk_e[c][k];
+    if (e < 0) {
+      if (k == 0 && writes_chunk) {
+        // A token without a pair still ends its route; so does the lowest slot's thread of every token.
+        int dests = 0;
+        for (int k2 = 0; k2 < K; ++k2) {
+          const int32_t e2 = chunk_e[c][k2];
+          if (e2 < 0) continue;
+          const int d2 = a.d.rank_map.rank(uint32_t(e2));
+          bool first = true;
+          for (int k3 = 0; k3 < k2 && first; ++k3) {
+            first = !(chunk_e[c][k3] >= 0 && a.d.rank_map.rank(uint32_t(chunk_e[c][k3])) == d2);
+          }
+          dests += first;
+        }
+        if (dests < kMaxTopK) route[(begin + c) * kMaxTopK + dests] = kRouteEnd;
+      }
+      continue;
+    }
+    const int d = a.d.rank_map.rank(uint32_t(e));
+    int q = 0, at_d = 0, lower_dests = 0, dests = 0;
+    bool first_at_d = true;
+    for (int k2 = 0; k2 < K; ++k2) {
+      const int32_t e2 = chunk_e[c][k2];
+      if (e2 < 0) continue;
+      const int d2 = a.d.rank_map.rank(uint32_t(e2));
+      if (d2 == d) {
+        ++at_d;
+        q += (e2 < e || (e2 == e && k2 < k)) ? 1 : 0;
+        if (k2 < k) first_at_d = false;
+      }
+      bool first = true;  // k2 is the token's first slot at d2
+      for (int k3 = 0; k3 < k2 && first; ++k3) {
+        first = !(chunk_e[c][k3] >= 0 && a.d.rank_map.rank(uint32_t(chunk_e[c][k3])) == d2);
+      }
+      dests += first;
+      lower_dests += first && d2 < d;
+    }
+    pair_rank[c][k] = static_cast<uint8_t>(d);
+    pair_q[c][k] = static_cast<uint8_t>(q);
+    if (writes_chunk && first_at_d) {
+      route[(begin + c) * kMaxTopK + lower_dests] = route_entry(d, begin + c);
+      int32_t* entries = reinterpret_cast<int32_t*>(ws.row(d) + l.pair_map_offset) + (source_row + begin + c) * K;
+      for (int q2 = at_d; q2 < K; ++q2) entries[q2] = kNoPair;
+    }
+    if (writes_chunk && k == 0 && dests < kMaxTopK) route[(begin + c) * kMaxTopK + dests] = kRouteEnd;
+  }
+
+  // 2. Every rank's counts of this epoch, then next[e] := the chunk's first row of e.
+  const bool counted = wait_for_words(
+      ws, p.sync, [&](int q) { return reinterpret_cast<uint32_t*>(em_counted_word(own, ep_size, E, q)) + 1; }, epoch,
+      kErrorDispatchTimeout, a.d.sync_settings);
+  if (!counted) return;
+  // One independent load a thread and a shared add: the lower sources' counts in one memory latency.
+  for (uint32_t x = threadIdx.x; x < uint32_t(ws.ep_rank) * uint32_t(E); x += kThreads) {
+    const int q = int(x / uint32_t(E));
+    const uint32_t e = x - uint32_t(q) * uint32_t(E);
+    const int32_t c = rank_active(p.sync, q) ? int32_t(uint32_t(*em_count_word(own, E, q, e))) : 0;
+    if (c != 0) atomicAdd(&next[e], c);
+  }
+  __syncthreads();
+
+  // 3a. Warp 0: each pair's row i, in (token, slot) order (the CPU's running count).
+  if (warp == 0) {
+    for (int x0 = 0; x0 < pairs; x0 += kWarpSize) {
+      const int x = x0 + lane;
+      const int c = x / int(K), k = x - c * int(K);
+      const int32_t e = x < pairs ? chunk_e[c][k] : -2;
+      const uint32_t peers = __match_any_sync(kFullWarp, e);
+      if (e >= 0) {
+        const int64_t i = int64_t(next[e]) + __popc(peers & lanes_below());
+        const int64_t le = e - em_first_expert(a, pair_rank[c][k]);
+        pair_at[c][k] = i < M ? static_cast<int32_t>(le * M + i) : kNoPair;
+      }
+      __syncwarp();
+      if (e >= 0 && (peers >> lane) == 1u) next[e] += __popc(peers);  // the group's highest lane
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+  // 3b. A thread a pair: its pair map entry, id and weight at the destination.
+  if (writes_chunk) {
+    for (int x = threadIdx.x; x < pairs; x += kThreads) {
+      const int c = x / int(K), k = x - c * int(K);
+      const int32_t e = chunk_e[c][k];
+      if (e < 0) continue;
+      const int d = pair_rank[c][k];
+      uint8_t* dest = ws.row(d);
+      const int32_t at = pair_at[c][k];
+      if (at >= 0) {
+        reinterpret_cast<int32_t*>(dest + l.ids_offset)[at] = static_cast<int32_t>(e - em_first_expert(a, d));
+        reinterpret_cast<float*>(dest + l.weights_offset)[at] =
+            a.weights != nullptr ? a.weights[(begin + c) * K + k] : 1.0f;
+      }
+      reinterpret_cast<int32_t*>(dest + l.pair_map_offset)[(source_row + begin + c) * K + pair_q[c][k]] = at;
+    }
+  }
+  // 3c. Each token's kept pairs first (slot order), kRouteEnd after them.
+  __syncthreads();
+  if (threadIdx.x < count) {
+    const int c = threadIdx.x;
+    int kept = 0;
+    for (int k = 0; k < K; ++k) {
+      if (chunk_e[c][k] >= 0 && pair_at[c][k] >= 0) {
+        pair_at[c][kept] = pair_at[c][k];
+        pair_rank[c][kept] = pair_rank[c][k];
+        ++kept;
+      }
+    }
+    if (kept < kMaxTopK) pair_at[c][kept] = kRouteEnd;
+  }
+  __syncthreads();
+  // 3d. The chunk's rows to their pairs' rows, payload by payload, a segment loaded once.
+  for (int i = 0; i < a.num_user; ++i) {
+    const int64_t bytes = p.payload_row_bytes[i];
+    if (bytes == 0) continue;
+    const CopyPlan& plan = a.d.plan[i];
+    const int groups = kThreads >> plan.lane_bits;
+    const int lane_in_group = threadIdx.x & (plan.lanes - 1);
+    const int first = copy_rank * groups + (threadIdx.x >> plan.lane_bits);
+    const int stride = a.copy_ctas * groups;
+    for (int item = first; item < count * plan.segments; item += stride) {
+      const int c = plan.segments == 1 ? item : item / plan.segments;
+      const int segment = plan.segments == 1 ? 0 : item % plan.segments;
+      copy_segment_any(
+          p.payload[i] + (begin + c) * bytes, plan, segment, lane_in_group,
+          [&](int q) { return pair_at[c][q] == kRouteEnd ? kRouteEnd : q; },
+          [&](int32_t q) { return ws.row(pair_rank[c][q]) + l.payload_offset[i] + int64_t(pair_at[c][q]) * bytes; });
+    }
+  }
+
+  // 4. The last CTA (whose total[] is published, so free): the own counts,
+  // padding and drops from every source's counts, one load a thread, then a
+  // thread per expert and a warp per expert's padding.
+  if (owns_last_chunk) {
+    int32_t* counts = reinterpret_cast<int32_t*>(own + l.counts_offset);
+    int32_t* own_ids = reinterpret_cast<int32_t*>(own + l.ids_offset);
+    float* own_weights = reinterpret_cast<float*>(own + l.weights_offset);
+    for (int64_t le = threadIdx.x; le < a.num_local; le += kThreads) total[le] = 0;
+    __syncthreads();
+    const uint32_t local = uint32_t(a.num_local);
+    for (uint32_t x = threadIdx.x; x < uint32_t(ep_size) * local; x += kThreads) {
+      const int q = int(x / local);
+      const uint32_t le = x - uint32_t(q) * local;
+      const int32_t c = rank_active(p.sync, q) ? int32_t(uint32_t(*em_count_word(own, E, q, a.first_expert + le))) : 0;
+      if (c != 0) atomicAdd(&total[le], c);
+    }
+    __syncthreads();
+    for (int64_t le = threadIdx.x; le < a.num_local; le += kThreads) {
+      const int64_t pairs_e = total[le];
+      counts[le] = static_cast<int32_t>(min(pairs_e, M));
+      if (pairs_e > M) {
+        atomicAdd(header_word<unsigned long long>(own, kHdrDroppedPairCount),
+                  static_cast<unsigned long long>(pairs_e - M));
+      }
+    }
+    for (int64_t le = warp; le < a.num_local; le += kWarps) {
+      for (int64_t i = min(int64_t(total[le]), M) + lane; i < M; i += kWarpSize) {
+        own_ids[le * M + i] = kNoPair;
+        own_weights[le * M + i] = 0.0f;
+      }
+    }
+  }
+
+  // EPLB row s into every active destination, spread over the grid.
+  if (p.eplb_local_stats != nullptr) write_eplb_rows(p);
+
+  // 5. Release this CTA's shares; CTA 0 waits and writes the header words.
+  const bool system = a.d.sync_settings.system;
+  __syncthreads();
+  release_share(ws, p.sync, kHdrDispatchFlags, system);
+  if (blockIdx.x != 0) return;
+  const bool arrived = wait_for_flags(ws, p.sync, kHdrDispatchFlags, epoch, kErrorDispatchTimeout, a.d.sync_settings);
+  allow_dependent_launch();
+  if (!arrived) return;
+  if (threadIdx.x == 0) {
+    *header_word<int32_t>(own, kHdrLastLocalTokens) = static_cast<int32_t>(n);
+    *header_word<int32_t>(own, kHdrLastRuntimeMax) = static_cast<int32_t>(T);
+    *header_word<int32_t>(own, kHdrLastTopK) = static_cast<int32_t>(K);
+    *header_word<int64_t>(own, kHdrLastDispatchEnd) = p.layout.dispatch_end;
+    *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
+    *header_word<uint32_t>(own, kHdrRegionStaged) = 0;
+    *header_word<int64_t>(own, kHdrExpertMajorEnd) = l.combine_offset;
+    *header_word<int32_t>(own, kHdrExpertMajorTokens) = static_cast<int32_t>(M);
+    *header_word<uint32_t>(own, kHdrExpertMajorEpoch) = epoch;
+    if (first_dispatch(own_init)) mark_in_use(own);
+  }
+}
+
 }  // namespace
 
 cudaError_t dispatch_ctas_per_sm(int* ctas_per_sm) {
@@ -885,6 +1256,8 @@ cudaError_t dispatch_ctas_per_sm(int* ctas_per_sm) {
   if (err == cudaSuccess) err = lower_to_occupancy(dispatch_small_kernel<int64_t>, ctas_per_sm);
   if (err == cudaSuccess) err = lower_to_occupancy(dispatch_kernel<false>, ctas_per_sm);
   if (err == cudaSuccess) err = lower_to_occupancy(dispatch_kernel<true>, ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy(em_dispatch_small_kernel<int32_t>, ctas_per_sm);
+  if (err == cudaSuccess) err = lower_to_occupancy(em_dispatch_small_kernel<int64_t>, ctas_per_sm);
   return err;
 }
 
@@ -931,6 +1304,59 @@ cudaError_t launch_dispatch(const DispatchParams& p, const LaunchConfig& config,
   }
   return a.claim_bits > 0 ? launch_kernel(dispatch_kernel<true>, grid, kThreads, stream, pdl, a)
                           : launch_kernel(dispatch_kernel<false>, grid, kThreads, stream, pdl, a);
+}
+
+cudaError_t launch_dispatch_expert_major(const DispatchParams& p, const ExpertMajorBuildParams& b,
+                                         const LaunchConfig& config, cudaStream_t stream) {
+  const int64_t n = p.local_num_tokens, E = p.num_experts, ep = p.ws.ep_size;
+  const ExpertMajorLayout& l = b.layout;
+  int64_t token_bytes = 0;
+  for (int i = 0; i < b.num_payloads; ++i) token_bytes += p.payload_row_bytes[i];
+  const int64_t warp_chunks = (n + kWarpSize - 1) / kWarpSize;
+  const int small_grid =
+      std::min(spinning_grid_size(config, std::max(n * token_bytes, warp_chunks * kMinBytesPerCta)), kMaxDispatchCtas);
+  const int64_t chunk = (n + small_grid - 1) / small_grid;
+  // The small path: chunks of at most a warp's tokens, the experts' counters
+  // in shared memory, every rank's counts and flags in the count scratch.
+  // Every rank takes the same path (the counts are an exchange), so it is
+  // chosen by what all ranks share: T, the payloads' sizes, E and the
+  // device; n <= T tokens then never need chunks of more than a warp's.
+  const int64_t most_ctas =
+      std::min(spinning_grid_size(config, std::numeric_limits<int64_t>::max() / 2), kMaxDispatchCtas);
+  const bool small = p.runtime_max_tokens <= kWarpSize * most_ctas && E <= kEmSmallExperts &&
+                     ep * (E + 1) <= int64_t(kMaxDispatchCtas) * kMaxRanks;
+  if (!small) {
+    cudaError_t err = launch_dispatch(p, config, stream);
+    return err != cudaSuccess ? err : launch_expert_major_build(b, config, stream);
+  }
+  if (chunk > kWarpSize) return cudaErrorInvalidValue;  // n <= T: not reached
+  EmSmallArgs a{};
+  a.d.p = p;
+  a.d.sync_settings = make_sync_settings(p.sync.timeout_s, config);
+  a.d.tokens_per_cta = chunk;
+  a.d.rank_map = make_rank_map(E, ep);
+  const uint64_t rows_bits = address_bits(p.ws.base) | uint64_t(p.ws.row_stride);
+  for (int i = 0; i < b.num_payloads; ++i) {
+    if (p.payload_row_bytes[i] > kMaxKernelRowBytes) return cudaErrorInvalidValue;
+    a.d.plan[i] =
+        make_copy_plan(p.payload_row_bytes[i], rows_bits | uint64_t(l.payload_offset[i]) | address_bits(p.payload[i]));
+  }
+  a.l = l;
+  a.num_user = b.num_payloads;
+  a.weights = b.weights_offset >= 0 ? reinterpret_cast<const float*>(p.payload[b.num_payloads + 1]) : nullptr;
+  a.first_expert = b.first_expert;
+  a.num_local = b.num_local;
+  a.expert_base = static_cast<int32_t>(E / ep);
+  a.expert_extra = static_cast<int32_t>(E % ep);
+  // The rank-major call's chunks, each copied by as many CTAs as a grid
+  // sized by the pairs' rows gives it.
+  const int chunks = n > 0 ? static_cast<int>((n + chunk - 1) / chunk) : 1;
+  const int pair_grid = std::min(spinning_grid_size(config, n * token_bytes * p.top_k), kMaxDispatchCtas);
+  a.copy_ctas = std::max(1, pair_grid / chunks);
+  const int grid = chunks * a.copy_ctas;
+  const bool pdl = p.sync.enable_pdl && config.pdl_supported;
+  return p.ids_int64 ? launch_kernel(em_dispatch_small_kernel<int64_t>, grid, kThreads, stream, pdl, a)
+                     : launch_kernel(em_dispatch_small_kernel<int32_t>, grid, kThreads, stream, pdl, a);
 }
 
 }  // namespace gpu

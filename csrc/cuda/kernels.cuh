@@ -74,6 +74,12 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
 // that read and write the own row only.
 cudaError_t launch_expert_major_build(const ExpertMajorBuildParams& p, const LaunchConfig& config, cudaStream_t stream);
 
+// An expert-major dispatch: the rank-major dispatch of the user payloads,
+// the ids and the weights (p) followed by the build (b), or for a small call
+// one grid that writes each pair's row into its expert-major row directly.
+cudaError_t launch_dispatch_expert_major(const DispatchParams& p, const ExpertMajorBuildParams& b,
+                                         const LaunchConfig& config, cudaStream_t stream);
+
 // The expert-major combine: combine's protocol, staging p.c.payload's valid
 // rows and pulling every pair's weighted row through its rank's pair map.
 cudaError_t launch_combine_expert_major(const ExpertMajorCombineParams& p, const LaunchConfig& config,

@@ -206,6 +206,25 @@ void expert_major_build_cuda(const at::Tensor& workspace, int64_t ep_rank, int64
                                                 c10::cuda::getCurrentCUDAStream()));
 }
 
+void dispatch_expert_major_cuda(const at::Tensor& token_selected_experts, at::TensorList input_payloads,
+                                const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                                int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
+                                const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
+                                at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
+                                int64_t max_tokens_per_expert, at::IntArrayRef payload_row_bytes, bool has_weights) {
+  const DispatchParams p = check_dispatch(
+      token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
+      top_k, num_experts, eplb_local_stats, eplb_stats_num_experts, active_rank_mask, timeout_s, mailbox, enable_pdl);
+  const ExpertMajorBuildParams b = check_expert_major_build(
+      workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
+      max_tokens_per_expert, eplb_local_stats.has_value() ? eplb_stats_num_experts : 0, payload_row_bytes,
+      token_selected_experts.element_size(), has_weights, mailbox, enable_pdl);
+  raise_if_mailbox_error(mailbox, ep_rank);
+  const c10::cuda::CUDAGuard guard(workspace.device());
+  C10_CUDA_CHECK(gpu::launch_dispatch_expert_major(p, b, launch_config(workspace, ep_size, p.sync.timeout_s),
+                                                   c10::cuda::getCurrentCUDAStream()));
+}
+
 // Called with the workspace's device current and params.c.output set.
 void enqueue_combine_expert_major(const ExpertMajorCombineParams& p, const at::Tensor& workspace) {
   C10_CUDA_CHECK(gpu::launch_combine_expert_major(p, launch_config(workspace, p.c.ws.ep_size, p.c.sync.timeout_s),
@@ -272,6 +291,7 @@ TORCH_LIBRARY_IMPL(moe_a2a, CUDA, m) {
   m.impl("sanitize_expert_ids", &sanitize_expert_ids_cuda);
   m.impl("check_expert_ids", &check_expert_ids_cuda);
   m.impl("expert_major_build", &expert_major_build_cuda);
+  m.impl("dispatch_expert_major", &dispatch_expert_major_cuda);
   m.impl("combine_expert_major", &combine_expert_major_cuda);
   m.impl("combine_expert_major_into", &combine_expert_major_into_cuda);
 }
