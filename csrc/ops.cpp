@@ -1025,7 +1025,13 @@ void sanitize_expert_ids_cpu(const at::Tensor& workspace, int64_t ep_rank, int64
 void expert_major_build_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
                             int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
                             int64_t max_tokens_per_expert, int64_t eplb_n, at::IntArrayRef payload_row_bytes,
-                            int64_t id_bytes, bool has_weights, int64_t mailbox, bool enable_pdl);
+                            int64_t id_bytes, bool has_weights, int64_t mailbox, bool enable_pdl) {
+  const ExpertMajorBuildParams p = check_expert_major_build(
+      workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
+      max_tokens_per_expert, eplb_n, payload_row_bytes, id_bytes, has_weights, mailbox, enable_pdl);
+  raise_row_status(cpu::check_row_for_expert_major_build(p, max_num_tokens), ep_rank);
+  cpu::expert_major_build(p);
+}
 
 void dispatch_expert_major_cpu(const at::Tensor& token_selected_experts, at::TensorList input_payloads,
                                const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
@@ -1039,17 +1045,6 @@ void dispatch_expert_major_cpu(const at::Tensor& token_selected_experts, at::Ten
   expert_major_build_cpu(workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
                          max_tokens_per_expert, eplb_local_stats.has_value() ? eplb_stats_num_experts : 0,
                          payload_row_bytes, token_selected_experts.element_size(), has_weights, mailbox, enable_pdl);
-}
-
-void expert_major_build_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
-                            int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
-                            int64_t max_tokens_per_expert, int64_t eplb_n, at::IntArrayRef payload_row_bytes,
-                            int64_t id_bytes, bool has_weights, int64_t mailbox, bool enable_pdl) {
-  const ExpertMajorBuildParams p = check_expert_major_build(
-      workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
-      max_tokens_per_expert, eplb_n, payload_row_bytes, id_bytes, has_weights, mailbox, enable_pdl);
-  raise_row_status(cpu::check_row_for_expert_major_build(p, max_num_tokens), ep_rank);
-  cpu::expert_major_build(p);
 }
 
 // The CPU expert-major combine of checked params (their output set).

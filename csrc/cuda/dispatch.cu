@@ -966,8 +966,6 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   const bool writes_chunk = copy_rank == 0;                  // the chunk's routes, pair maps, ids, weights
   const uint32_t dispatch_epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
   const uint32_t combine_epoch = *header_word<uint32_t>(own, kHdrCombineEpoch);
-  const int64_t last_dispatch_end = *header_word<int64_t>(own, kHdrLastDispatchEnd);
-  const int32_t last_runtime_max = *header_word<int32_t>(own, kHdrLastRuntimeMax);
   const uint64_t own_init = *header_word<uint64_t>(own, kHdrMagic);
   const uint32_t error_code = load_error_code(own);
 
