@@ -726,6 +726,54 @@ ExpertMajorBuildParams check_expert_major_build(const at::Tensor& workspace, int
   return p;
 }
 
+ExpertMajorDispatchParams check_dispatch_expert_major(
+    const at::Tensor& token_selected_experts, at::TensorList input_payloads, const at::Tensor& workspace,
+    int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k,
+    int64_t num_experts, const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
+    at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl, int64_t max_tokens_per_expert,
+    at::IntArrayRef payload_row_bytes, bool has_weights) {
+  ExpertMajorDispatchParams p{};
+  p.dispatch = check_dispatch(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
+                              runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_stats_num_experts,
+                              active_rank_mask, timeout_s, mailbox, enable_pdl);
+  p.build = check_expert_major_build(workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k,
+                                     num_experts, max_tokens_per_expert,
+                                     eplb_local_stats.has_value() ? eplb_stats_num_experts : 0, payload_row_bytes,
+                                     token_selected_experts.element_size(), has_weights, mailbox, enable_pdl);
+  // The build's layout (and on CUDA the one-kernel call's copies) take the
+  // rows as payload_row_bytes says; the one-kernel call reads the ids and
+  // the weights from their tensors, the build from their received planes.
+  const int64_t users = p.build.num_payloads;
+  const int64_t expected = users + 1 + (has_weights ? 1 : 0);
+  TORCH_CHECK_VALUE(p.dispatch.num_payloads == expected, "dispatch_expert_major: input_payloads must be the ", users,
+                    " user payloads of payload_row_bytes, the expert ids",
+                    has_weights ? " and the fp32 router weights" : "", " (", expected, " tensors), got ",
+                    p.dispatch.num_payloads);
+  for (int64_t i = 0; i < users; ++i) {
+    TORCH_CHECK_VALUE(p.dispatch.payload_row_bytes[i] == payload_row_bytes[i], "dispatch_expert_major: input_payloads[",
+                      i, "] has rows of ", p.dispatch.payload_row_bytes[i], " bytes, payload_row_bytes[", i, "] says ",
+                      payload_row_bytes[i]);
+  }
+  // The ids' payload is token_selected_experts (the one-kernel call routes by
+  // the latter, the build by the former's received plane; its values are
+  // not compared here, which would read them on the host).
+  const at::Tensor& ids = input_payloads[users];
+  TORCH_CHECK_VALUE(
+      ids.sizes() == token_selected_experts.sizes() && ids.scalar_type() == token_selected_experts.scalar_type(),
+      "dispatch_expert_major: input_payloads[", users, "] must be token_selected_experts (the expert ids), got ",
+      dtype_name(ids.scalar_type()), " ", ids.sizes());
+  if (has_weights) {
+    const at::Tensor& w = input_payloads[users + 1];
+    TORCH_CHECK_VALUE(w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(0) == token_selected_experts.size(0) &&
+                          w.size(1) == top_k,
+                      "dispatch_expert_major: input_payloads[", users + 1,
+                      "] must be the fp32 [local_num_tokens, top_k] router weights, got ", dtype_name(w.scalar_type()),
+                      " ", w.sizes());
+  }
+  p.dispatch.payload_signature = fnv1a_mix(p.dispatch.payload_signature, max_tokens_per_expert);
+  return p;
+}
+
 ExpertMajorCombineParams check_combine_expert_major(
     const std::optional<at::Tensor>& payload, int64_t local_num_tokens, const at::Tensor& workspace, int64_t ep_rank,
     int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
@@ -849,8 +897,8 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
       break;
     case kErrorPayloadMismatch:
       os << "peers " << rank_list(missing) << " called dispatch with other payloads than this rank's (their "
-         << "number, row sizes or eplb_local_stats differ) or another num_experts (they must be the same on all "
-         << "ranks for one call; "
+         << "number, row sizes or eplb_local_stats differ), another num_experts or, expert-major, another "
+         << "max_tokens_per_expert (they must be the same on all ranks for one call; "
          << "with the differentiable functions, a rank that skipped a backward, whose exchanges are collectives, "
          << "meets its peers' backward exchange here)";
       break;
@@ -1039,12 +1087,16 @@ void dispatch_expert_major_cpu(const at::Tensor& token_selected_experts, at::Ten
                                const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
                                at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
                                int64_t max_tokens_per_expert, at::IntArrayRef payload_row_bytes, bool has_weights) {
-  dispatch_cpu(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
-               runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_stats_num_experts,
-               active_rank_mask, timeout_s, mailbox, enable_pdl);
-  expert_major_build_cpu(workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
-                         max_tokens_per_expert, eplb_local_stats.has_value() ? eplb_stats_num_experts : 0,
-                         payload_row_bytes, token_selected_experts.element_size(), has_weights, mailbox, enable_pdl);
+  const ExpertMajorDispatchParams p = check_dispatch_expert_major(
+      token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
+      top_k, num_experts, eplb_local_stats, eplb_stats_num_experts, active_rank_mask, timeout_s, mailbox, enable_pdl,
+      max_tokens_per_expert, payload_row_bytes, has_weights);
+  // As dispatch_cpu, then expert_major_build_cpu.
+  raise_if_mailbox_error(mailbox, ep_rank);
+  raise_row_status(cpu::check_row_for_dispatch(p.dispatch.ws, max_num_tokens, eplb_stats_num_experts), ep_rank);
+  raise_if_wait_failed(cpu::dispatch(p.dispatch), ep_rank);
+  raise_row_status(cpu::check_row_for_expert_major_build(p.build, max_num_tokens), ep_rank);
+  cpu::expert_major_build(p.build);
 }
 
 // The CPU expert-major combine of checked params (their output set).

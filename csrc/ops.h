@@ -89,6 +89,25 @@ ExpertMajorBuildParams check_expert_major_build(const at::Tensor& workspace, int
                                                 int64_t eplb_n, at::IntArrayRef payload_row_bytes, int64_t id_bytes,
                                                 bool has_weights, int64_t mailbox, bool enable_pdl);
 
+// dispatch_expert_major: the arguments of kSchemaDispatchExpertMajor, in
+// order, as the dispatch's params and the build's, checked against each
+// other: input_payloads are the user payloads of payload_row_bytes, the
+// expert ids (token_selected_experts itself) and with has_weights the fp32
+// [local_num_tokens, top_k] weights. The dispatch's payload_signature covers
+// max_tokens_per_expert too: ranks whose M differ lay out and write their
+// expert-major rows at other offsets, which the combine's peer check
+// reports like any other payload mismatch.
+struct ExpertMajorDispatchParams {
+  DispatchParams dispatch;
+  ExpertMajorBuildParams build;
+};
+ExpertMajorDispatchParams check_dispatch_expert_major(
+    const at::Tensor& token_selected_experts, at::TensorList input_payloads, const at::Tensor& workspace,
+    int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k,
+    int64_t num_experts, const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
+    at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl, int64_t max_tokens_per_expert,
+    at::IntArrayRef payload_row_bytes, bool has_weights);
+
 // combine_expert_major / combine_expert_major_into: the arguments of
 // kSchemaCombineExpertMajor, in order, and the destination tensor of the
 // _into op (nullptr for the other: params.c.output is then set by the caller

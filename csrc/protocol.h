@@ -96,7 +96,9 @@
 //   fails and none waits for another). Then, likewise, the equal-payloads
 //   check: own payloads[p] == own payloads[s] (payload_signature: the
 //   payloads' row sizes and where the layout puts them, EPLB region
-//   included, and num_experts), else kErrorPayloadMismatch. The CPU dispatch checks after
+//   included, and num_experts; an expert-major dispatch mixes in
+//   max_tokens_per_expert, whose planes' offsets follow from it), else
+//   kErrorPayloadMismatch. The CPU dispatch checks after
 //   step 4 and raises at once; the CUDA combine n checks before its step 1,
 //   with its first loads, so that the dispatch, whose end the combine waits
 //   for, spends no memory latency on it.
@@ -759,8 +761,9 @@ MOE_A2A_HD int64_t workspace_size_per_rank(int64_t ep_size, int64_t max_num_toke
 // The expert-major dispatch (op dispatch_expert_major) is that rank-major
 // dispatch followed by expert_major_build, except for a CUDA call whose T
 // the small rank-major call takes (T <= a warp's tokens per CTA of the
-// largest grid, the same on every rank, so every rank runs the same
-// protocol) and whose E <= 1024: there one grid writes each pair's row,
+// largest grid: every rank runs the same protocol where the ranks' devices
+// hold as many CTAs, as one GPU's simulated ranks and GPUs of one model do)
+// and whose E <= 1024: there one grid writes each pair's row,
 // pair map entry, id and weight straight into the destination's regions
 // above, with the same rows i (csrc/cuda/dispatch.cu,
 // em_dispatch_small_kernel). Dispatch n on rank s, small:
@@ -797,7 +800,12 @@ MOE_A2A_HD int64_t workspace_size_per_rank(int64_t ep_size, int64_t max_num_toke
 // experts are written by d itself before its own flag, and by the sources
 // into rows i < the counts (disjoint from the padding); the count scratch is
 // written by dispatch n of the sources only after their combine n - 1,
-// which followed every rank's dispatch n - 1 (so d had read it).
+// which followed every rank's dispatch n - 1 (so d had read it). Ranks whose
+// T or E differ (which the contract rules out) may take the two paths: the
+// one-kernel ranks then wait for counts that do not come and time out, and
+// so do the others for their flags, where the dispatch + build path alone
+// reports the mismatch without waiting; the count words carry no epoch, so a
+// large call's CTAs never read one as theirs.
 constexpr int64_t kMaxLocalExperts = 1024;
 // Pair rows e * M + i and received rows s * T + j are int32 entries.
 constexpr int64_t kMaxExpertMajorRows = (int64_t(1) << 31) - 1;

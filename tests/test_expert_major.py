@@ -316,6 +316,64 @@ def test_small_and_large_calls_share_the_dispatch_scratch(device):
     em_round(sim, small, gen, dropped)
 
 
+def _direct_op_env(device):
+    """One rank sized for expert-major calls of a 16-element fp32 hidden payload, top-2 of 4 experts."""
+    size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(1, 4, 64, 64, 4, 2, 4)
+    workspace = torch.zeros(1, size, dtype=torch.uint8, device=device)
+    metainfo = a2a.moe_a2a_initialize(workspace, 0, 1, 4)
+    gen = make_generator(41)
+    ids = reference.random_routing(4, 2, 4, gen).to(device)
+    x = torch.randn(4, 16, generator=gen).to(device)
+    w = torch.rand(4, 2, generator=gen).to(device)
+    return workspace, int(metainfo[layout.META_MAILBOX_ADDR]), ids, x, w
+
+
+@pytest.mark.parametrize("what", ["row size", "payload count", "ids", "weights dtype"])
+def test_dispatch_expert_major_op_checks_its_payloads_against_its_rows(what, device):
+    """The op lays out the expert-major planes by payload_row_bytes and (on
+    CUDA, for small calls) copies the rows by the tensors: payloads that do
+    not match what it is told are refused before anything is written (an
+    understated row size would copy past the planes)."""
+    workspace, mailbox, ids, x, w = _direct_op_env(device)
+    payloads, rows, has_weights = [x, ids, w], [64], True
+    if what == "row size":
+        rows = [32]
+    elif what == "payload count":
+        payloads = [x, ids]
+    elif what == "ids":
+        payloads = [x, ids[:, :1].contiguous(), w]
+    else:
+        payloads = [x, ids, w.double()]
+    before = workspace.clone()
+    with pytest.raises(ValueError, match="dispatch_expert_major: input_payloads"):
+        torch.ops.moe_a2a.dispatch_expert_major.default(ids, payloads, workspace, 0, 1, 4, 4, 2, 4, None, 0, [], 5.0,
+                                                        mailbox, False, 4, rows, has_weights)
+    assert torch.equal(workspace, before)
+
+
+def test_ranks_with_other_rows_per_expert_are_reported(device):
+    """max_tokens_per_expert must be the same on every rank of a call (it
+    places every expert-major plane): ranks whose M differ are reported as
+    dispatching other payloads (CPU: by the dispatch; CUDA: by the combine)."""
+    case = EmCase(2, (4, 3), 2, 4, max_tokens_per_expert=4, extra=False, weights=False)
+    sim = make_em_sim(case, device)
+    ids, payloads, _ = em_inputs(case, make_generator(43))
+    dev = sim.workspace.device
+
+    def round_trip(r):
+        got = a2a.moe_a2a_dispatch_expert_major(ids[r].to(dev), [payloads[r][0].to(dev)], sim.workspace,
+                                                sim.metainfo[r], case.T, r, 2, case.top_k, case.num_experts,
+                                                max_tokens_per_expert=4 - r)
+        return a2a.moe_a2a_combine_expert_major(got.output_payloads[0].clone(), got, sim.workspace, sim.metainfo[r],
+                                                r, 2)
+
+    with pytest.raises(RuntimeError, match="max_tokens_per_expert"):
+        sim.run(round_trip)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            a2a.check_errors(sim.workspace)
+
+
 def test_rank_and_expert_major_combines_mixed_are_reported(device):
     """After an expert-major dispatch rank 2 closes the round with the
     rank-major combine, ranks 0 and 1 with the expert-major one: each would

@@ -591,8 +591,8 @@ def test_calls_differing_between_ranks_are_reported(differs, device):
             return (rf"rank {r}: peers \[{peers}\] called dispatch with another runtime_max_tokens_per_rank than "
                     rf"this rank's {Ts[r]} \(it must be equal on all ranks for one call\)")
         return (rf"rank {r}: peers \[{peers}\] called dispatch with other payloads than this rank's \(their "
-                rf"number, row sizes or eplb_local_stats differ\) or another num_experts \(they must be the same on "
-                rf"all ranks for one call; "
+                rf"number, row sizes or eplb_local_stats differ\), another num_experts or, expert-major, another "
+                rf"max_tokens_per_expert \(they must be the same on all ranks for one call; "
                 rf"with the differentiable functions, a rank that skipped a backward, whose exchanges are "
                 rf"collectives, meets its peers' backward exchange here\)")
 

@@ -1318,7 +1318,8 @@ cudaError_t launch_dispatch_expert_major(const DispatchParams& p, const ExpertMa
   // in shared memory, every rank's counts and flags in the count scratch.
   // Every rank takes the same path (the counts are an exchange), so it is
   // chosen by what all ranks share: T, the payloads' sizes, E and the
-  // device; n <= T tokens then never need chunks of more than a warp's.
+  // device's residency (one GPU's simulated ranks, or GPUs of one model);
+  // n <= T tokens then never need chunks of more than a warp's.
   const int64_t most_ctas =
       std::min(spinning_grid_size(config, std::numeric_limits<int64_t>::max() / 2), kMaxDispatchCtas);
   const bool small = p.runtime_max_tokens <= kWarpSize * most_ctas && E <= kEmSmallExperts &&

@@ -212,16 +212,14 @@ void dispatch_expert_major_cuda(const at::Tensor& token_selected_experts, at::Te
                                 const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
                                 at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
                                 int64_t max_tokens_per_expert, at::IntArrayRef payload_row_bytes, bool has_weights) {
-  const DispatchParams p = check_dispatch(
+  const ExpertMajorDispatchParams p = check_dispatch_expert_major(
       token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
-      top_k, num_experts, eplb_local_stats, eplb_stats_num_experts, active_rank_mask, timeout_s, mailbox, enable_pdl);
-  const ExpertMajorBuildParams b = check_expert_major_build(
-      workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
-      max_tokens_per_expert, eplb_local_stats.has_value() ? eplb_stats_num_experts : 0, payload_row_bytes,
-      token_selected_experts.element_size(), has_weights, mailbox, enable_pdl);
+      top_k, num_experts, eplb_local_stats, eplb_stats_num_experts, active_rank_mask, timeout_s, mailbox, enable_pdl,
+      max_tokens_per_expert, payload_row_bytes, has_weights);
   raise_if_mailbox_error(mailbox, ep_rank);
   const c10::cuda::CUDAGuard guard(workspace.device());
-  C10_CUDA_CHECK(gpu::launch_dispatch_expert_major(p, b, launch_config(workspace, ep_size, p.sync.timeout_s),
+  C10_CUDA_CHECK(gpu::launch_dispatch_expert_major(p.dispatch, p.build,
+                                                   launch_config(workspace, ep_size, p.dispatch.sync.timeout_s),
                                                    c10::cuda::getCurrentCUDAStream()));
 }
 
