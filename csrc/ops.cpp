@@ -1011,17 +1011,23 @@ void initialize_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_siz
   cpu::initialize(p);
 }
 
+// The CPU dispatch of checked params (dispatch and dispatch_expert_major).
+void run_dispatch_cpu(const DispatchParams& p, int64_t max_num_tokens, int64_t eplb_stats_num_experts,
+                      int64_t mailbox) {
+  raise_if_mailbox_error(mailbox, p.ws.ep_rank);
+  raise_row_status(cpu::check_row_for_dispatch(p.ws, max_num_tokens, eplb_stats_num_experts), p.ws.ep_rank);
+  raise_if_wait_failed(cpu::dispatch(p), p.ws.ep_rank);
+}
+
 void dispatch_cpu(const at::Tensor& token_selected_experts, at::TensorList input_payloads, const at::Tensor& workspace,
                   int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
                   int64_t top_k, int64_t num_experts, const std::optional<at::Tensor>& eplb_local_stats,
                   int64_t eplb_stats_num_experts, at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox,
                   bool enable_pdl) {
-  const DispatchParams p = check_dispatch(
-      token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
-      top_k, num_experts, eplb_local_stats, eplb_stats_num_experts, active_rank_mask, timeout_s, mailbox, enable_pdl);
-  raise_if_mailbox_error(mailbox, ep_rank);
-  raise_row_status(cpu::check_row_for_dispatch(p.ws, max_num_tokens, eplb_stats_num_experts), ep_rank);
-  raise_if_wait_failed(cpu::dispatch(p), ep_rank);
+  run_dispatch_cpu(check_dispatch(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
+                                  runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats,
+                                  eplb_stats_num_experts, active_rank_mask, timeout_s, mailbox, enable_pdl),
+                   max_num_tokens, eplb_stats_num_experts, mailbox);
 }
 
 void run_combine_cpu(const CombineParams& p, int64_t max_num_tokens, int64_t mailbox) {
@@ -1070,15 +1076,21 @@ void sanitize_expert_ids_cpu(const at::Tensor& workspace, int64_t ep_rank, int64
   cpu::sanitize_expert_ids(p);
 }
 
+// The CPU build of checked params (expert_major_build and dispatch_expert_major).
+void run_expert_major_build_cpu(const ExpertMajorBuildParams& p, int64_t max_num_tokens) {
+  raise_row_status(cpu::check_row_for_expert_major_build(p, max_num_tokens), p.ws.ep_rank);
+  cpu::expert_major_build(p);
+}
+
 void expert_major_build_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
                             int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
                             int64_t max_tokens_per_expert, int64_t eplb_n, at::IntArrayRef payload_row_bytes,
                             int64_t id_bytes, bool has_weights, int64_t mailbox, bool enable_pdl) {
-  const ExpertMajorBuildParams p = check_expert_major_build(
-      workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
-      max_tokens_per_expert, eplb_n, payload_row_bytes, id_bytes, has_weights, mailbox, enable_pdl);
-  raise_row_status(cpu::check_row_for_expert_major_build(p, max_num_tokens), ep_rank);
-  cpu::expert_major_build(p);
+  run_expert_major_build_cpu(
+      check_expert_major_build(workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k,
+                               num_experts, max_tokens_per_expert, eplb_n, payload_row_bytes, id_bytes, has_weights,
+                               mailbox, enable_pdl),
+      max_num_tokens);
 }
 
 void dispatch_expert_major_cpu(const at::Tensor& token_selected_experts, at::TensorList input_payloads,
@@ -1091,12 +1103,8 @@ void dispatch_expert_major_cpu(const at::Tensor& token_selected_experts, at::Ten
       token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
       top_k, num_experts, eplb_local_stats, eplb_stats_num_experts, active_rank_mask, timeout_s, mailbox, enable_pdl,
       max_tokens_per_expert, payload_row_bytes, has_weights);
-  // As dispatch_cpu, then expert_major_build_cpu.
-  raise_if_mailbox_error(mailbox, ep_rank);
-  raise_row_status(cpu::check_row_for_dispatch(p.dispatch.ws, max_num_tokens, eplb_stats_num_experts), ep_rank);
-  raise_if_wait_failed(cpu::dispatch(p.dispatch), ep_rank);
-  raise_row_status(cpu::check_row_for_expert_major_build(p.build, max_num_tokens), ep_rank);
-  cpu::expert_major_build(p.build);
+  run_dispatch_cpu(p.dispatch, max_num_tokens, eplb_stats_num_experts, mailbox);
+  run_expert_major_build_cpu(p.build, max_num_tokens);
 }
 
 // The CPU expert-major combine of checked params (their output set).

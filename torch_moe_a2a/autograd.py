@@ -864,9 +864,9 @@ def moe_a2a_combine_differentiable(
 
 def _dispatch_em(ids: Tensor, payloads: list[Tensor], weights: Tensor, workspace: Tensor, max_tokens_per_expert: int,
                  route: tuple) -> tuple[int, layout.ExpertMajorLayout]:
-    """The rank-major dispatch of ``[*payloads, ids, weights]`` (``weights``
-    fp32 ``[local_num_tokens, top_k]``), then the build of the expert-major
-    layout; returns the dispatch's end and the layout."""
+    """The expert-major dispatch (``dispatch_expert_major``) of
+    ``[*payloads, ids, weights]`` (``weights`` fp32 ``[local_num_tokens,
+    top_k]``); returns the rank-major dispatch's end and the layout."""
     ep_rank, ep_size, max_num_tokens, runtime_max, top_k, num_experts, mask, timeout_s, mailbox, pdl = route
     user_rows = [_row_bytes(p) for p in payloads]
     _ops.dispatch_expert_major.default(ids, [*payloads, ids, weights], workspace, ep_rank, ep_size, max_num_tokens,

@@ -9,8 +9,9 @@ payloads, the expert ids and the router weights as payloads, then
 expert, deterministically, in the own row; on CUDA a small call writes each
 pair's row into its expert-major row in one kernel instead, with the same
 result) and ``combine_expert_major`` (the combine protocol, pulling each
-(token, expert) pair's row through the pair map of the expert's rank). Everything runs on the device, on the current stream: no host
-sync, CUDA-graph capturable, traceable by ``torch.compile``.
+(token, expert) pair's row through the pair map of the expert's rank).
+Everything runs on the device, on the current stream: no host sync,
+CUDA-graph capturable, traceable by ``torch.compile``.
 """
 
 from __future__ import annotations
