@@ -61,11 +61,44 @@ struct CombineArgs {
   bool prefetch;       // step 3a
   bool stage_vectors;  // the low-precision staging by 4-element vectors (stage_rows_e4m3)
   bool one_task;       // no warp has a second pull task: step 5 before the output stores (not quantized)
+  // item / pull_segments as (umulhi(item, magic) + item) >> shift where the
+  // call's items are below 2^31 (launch_combine), else 0 (a 64-bit division).
+  uint32_t segments_magic;
+  int segments_shift;
 };
 
 // The own claim word of combine `count` (protocol.h, kHdrCombineClaims).
 __device__ __forceinline__ uint32_t* combine_claim_word(uint8_t* own, uint32_t count) {
   return header_word<uint32_t>(own, kHdrCombineClaims + int64_t(sizeof(uint32_t)) * (count & 1u));
+}
+
+// The pull's row base for each value of a route entry's rank field (all 256
+// of its 8 bits, kRouteEnd's 255 among them): the rank's combine region, or
+// for the own rank with own_from_payload the payload tensor (both indexed by
+// source_row + slot); nullptr for a rank outside the call or masked off since
+// the dispatch. Every CTA fills it while it waits for the peers' flags
+// (wait_for_peers' barrier publishes it), so that a destination row's
+// address costs a pull item one shared load and a multiply-add instead of
+// the route checks, the rank mask and the own-row branch. Same build, same
+// call, ep 8 x 4096 tokens on an H200: e4m3 1440 -> 1381 us, block-scaled
+// 1639 -> 1575 (docs/performance.md, 'Combine variants').
+constexpr int kRouteRankValues = 256;
+static_assert(uint32_t(kRouteEnd) >> kRouteRankShift == kRouteRankValues - 1 && kMaxRanks < kRouteRankValues,
+              "a rank field of 8 bits, kRouteEnd's naming no rank");
+__device__ __forceinline__ const uint8_t** pull_row_bases() {
+  __shared__ const uint8_t* bases[kRouteRankValues];
+  return bases;
+}
+__device__ inline void fill_pull_row_bases(const CombineArgs& a) {
+  const CombineParams& p = a.p;
+  const WorkspaceView& ws = p.ws;
+  for (int d = threadIdx.x; d < kRouteRankValues; d += kThreads) {
+    const uint8_t* base = nullptr;
+    if (d < ws.ep_size && rank_active(p.sync, d)) {
+      base = d == ws.ep_rank && a.own_from_payload && p.payload != nullptr ? p.payload : ws.row(d) + p.combine_offset;
+    }
+    pull_row_bases()[d] = base;
+  }
 }
 
 // 1. Stage: the first rows[s] rows of payload[s] for every active source s
@@ -136,20 +169,18 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
   const int task_bits = kLog2WarpSize - a.pull_lane_bits;  // items per warp task: 1 << task_bits
   const int lane_in_group = lane & (lanes - 1);
   const int64_t items = p.local_num_tokens * segments;
-  // The row of a route entry (the own rank's rows from the payload when
-  // own_from_payload: step 1 did not stage them); nullptr for a rank masked
-  // off since the dispatch, which was not waited for: its rows are not final
-  // (as on the CPU). An entry outside this call's planes (route_in_call's
-  // case: a combine whose sizes differ from its dispatch's never gets here)
-  // is skipped rather than read out of bounds.
+  // The row of a route entry (pull_row_bases: the own rank's rows from the
+  // payload when own_from_payload, step 1 did not stage them; or, e4m3 rows
+  // in place, unconverted in the own region); nullptr for a rank masked off
+  // since the dispatch, which was not waited for: its rows are not final (as
+  // on the CPU). An entry outside this call's planes (route_in_call's case:
+  // a combine whose sizes differ from its dispatch's never gets here) is
+  // skipped rather than read out of bounds.
+  const uint8_t* const* bases = pull_row_bases();
   const auto row_of = [&](int32_t entry) -> const uint8_t* {
-    const int d = route_rank(entry);
-    if (!route_in_call(entry, ws.ep_size, T) || !rank_active(p.sync, d)) return nullptr;
-    const int64_t row = source_row + route_slot(entry);
-    // The own rows that step 1 left out: in the payload tensor, or (e4m3
-    // rows in place) unconverted in the own region.
-    if (d == ws.ep_rank && a.own_from_payload && p.payload != nullptr) return p.payload + row * a.row_bytes;
-    return ws.row(d) + p.combine_offset + row * a.row_bytes;
+    const uint8_t* base = bases[route_rank(entry)];
+    const int64_t slot = route_slot(entry);
+    return base == nullptr || slot >= T ? nullptr : base + (source_row + slot) * a.row_bytes;
   };
   // An item is token t's segment: this lane's first vector of it is `first`.
   struct Item {
@@ -157,6 +188,11 @@ __device__ void pull_rows(const CombineArgs& a, uint32_t count) {
     int first;
   };
   const auto item_at = [&](int64_t item) {
+    if (a.segments_magic != 0) {
+      const uint32_t n = uint32_t(item);
+      const uint32_t row = (__umulhi(n, a.segments_magic) + n) >> a.segments_shift;
+      return Item{int64_t(row), int(n - row * uint32_t(segments)) * lanes * kUnroll + lane_in_group};
+    }
     const int segment = segments == 1 ? 0 : static_cast<int>(item % segments);
     return Item{segments == 1 ? item : item / segments, segment * lanes * kUnroll + lane_in_group};
   };
@@ -415,6 +451,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
     zero_scale_padding(p);
     fill_nvfp4_inverse_table(p);  // acquire_combine_flags' barrier publishes it to the CTA
   }
+  fill_pull_row_bases(a);  // published as the table above
 
   // 3. Acquire: every CTA, so that each one's pull loads follow its own
   // acquire of every flag (own rank's included).
@@ -540,6 +577,17 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
   a.pull_lane_bits = log2_exact(pull_lanes);
   const int64_t per_segment = int64_t(pull_lanes) * unroll;
   a.pull_segments = static_cast<int>((vectors + per_segment - 1) / per_segment);
+  // The items' division by pull_segments as a multiply-high (the magic
+  // number of a division by a constant; correct for dividends and divisors
+  // below 2^31): a 64-bit division a pull item cost about 1% of the e4m3
+  // combine at ep 8 x 4096 tokens on an H200 (same-build A/B: 1381 -> 1366 us).
+  if (a.pull_segments > 0 && p.local_num_tokens * a.pull_segments < (int64_t(1) << 31)) {
+    int shift = 0;
+    while ((int64_t(1) << shift) < a.pull_segments) ++shift;
+    const uint64_t d = uint64_t(a.pull_segments);
+    a.segments_shift = shift;
+    a.segments_magic = uint32_t((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d) / d + 1);
+  }
 
   // Pull: a row written per token (and as many read per destination); staging
   // copies about as many rows again.
