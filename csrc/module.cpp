@@ -12,11 +12,18 @@
 //     from Python (several microseconds for their sixteen arguments).
 //     Python takes this path only where no __torch_function__ override
 //     could want to see the call, and torch.compile always traces torch.ops.
+//   * dispatch_owned / combine_owned / dispatch_round / combine_round: the
+//     whole bodies of the training path's ops (torch_moe_a2a/autograd.py),
+//     one call each: at small sizes their Python-level tensor calls (views,
+//     the padding mask, clones, the tallies kept) cost more than the exchange.
+#include <algorithm>
+#include <numeric>
 #include <optional>
 #include <tuple>
 #include <vector>
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/GradMode.h>
 #include <torch/extension.h>
 
 #include "ops.h"
@@ -72,25 +79,34 @@ class RegionViews {
 // call_layout, the one the kernels used.
 using ReceiveViews = std::tuple<std::vector<at::Tensor>, int64_t, std::optional<at::Tensor>>;
 
+// A payload's row in bytes: its element size times its trailing sizes (also
+// with zero tokens; 1 element for a 1-D payload), as the call layout counts it.
+int64_t payload_row_bytes(const at::Tensor& payload) {
+  int64_t elems = 1;
+  for (int64_t d = 1; d < payload.dim(); ++d) elems *= payload.size(d);
+  return elems * static_cast<int64_t>(payload.element_size());
+}
+
+// payload.shape[1:] after `leading` ([ep_size, runtime_max]): a receive plane's shape.
+std::vector<int64_t> plane_shape(std::vector<int64_t> leading, const at::Tensor& payload) {
+  const at::IntArrayRef trailing = payload.sizes();
+  leading.insert(leading.end(), trailing.begin() + std::min<size_t>(1, trailing.size()), trailing.end());
+  return leading;
+}
+
 ReceiveViews receive_views(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t runtime_max_tokens,
                            int64_t eplb_n, const std::vector<at::Tensor>& payloads) {
   TORCH_CHECK_VALUE(payloads.size() <= static_cast<size_t>(kMaxPayloads), "receive_views: at most ", kMaxPayloads,
                     " payloads, got ", payloads.size());
   int64_t row_bytes[kMaxPayloads] = {};
-  for (size_t i = 0; i < payloads.size(); ++i) {
-    int64_t elems = 1;  // of a row: the trailing sizes (also with zero tokens)
-    for (int64_t d = 1; d < payloads[i].dim(); ++d) elems *= payloads[i].size(d);
-    row_bytes[i] = elems * static_cast<int64_t>(payloads[i].element_size());
-  }
+  for (size_t i = 0; i < payloads.size(); ++i) row_bytes[i] = payload_row_bytes(payloads[i]);
   const CallLayout call =
       call_layout(ep_size, runtime_max_tokens, eplb_n, static_cast<int>(payloads.size()), row_bytes);
   RegionViews regions(workspace);
   std::vector<at::Tensor> views;
   views.reserve(payloads.size());
   for (size_t i = 0; i < payloads.size(); ++i) {
-    std::vector<int64_t> shape{ep_size, runtime_max_tokens};
-    const at::IntArrayRef trailing = payloads[i].sizes();
-    shape.insert(shape.end(), trailing.begin() + std::min<size_t>(1, trailing.size()), trailing.end());
+    const std::vector<int64_t> shape = plane_shape({ep_size, runtime_max_tokens}, payloads[i]);
     views.push_back(regions.view(ep_rank, call.payload_offset[i], shape, payloads[i].scalar_type()));
   }
   std::optional<at::Tensor> eplb;
@@ -144,6 +160,214 @@ at::Tensor combine(const std::optional<at::Tensor>& payload, int64_t local_num_t
   return *output;
 }
 
+// ---- the training path's op bodies (torch_moe_a2a/autograd.py) --------------
+// The bodies of the ops dispatch_owned, combine_owned, dispatch_round and
+// combine_round, each one call: the same workspace ops (through the
+// dispatcher, as dispatch and combine above) and the same tensor ops as the
+// Python bodies there, which remain for tensors with __torch_function__
+// overrides, and so bit for bit the same results.
+
+// The ops' route arguments, in the schemas' order (autograd.py's `route`).
+struct Route {
+  int64_t ep_rank, ep_size, max_num_tokens, runtime_max_tokens, top_k, num_experts;
+  std::vector<int64_t> active_rank_mask;
+  double timeout_s;
+  int64_t mailbox;
+  bool enable_pdl;
+};
+
+// Where the bodies run (autograd.py's _Unrecorded): without grad mode (the
+// workspace ops refuse payloads that require grad under it) and below
+// ADInplaceOrView, so that the workspace's version counter stays put: to
+// autograd the training ops mutate nothing, and a compiled graph that saved
+// the workspace for its backward must not see it "modified by an inplace
+// operation" by an exchange in between.
+struct Unrecorded {
+  c10::AutoGradMode grad_mode{false};
+  at::AutoDispatchBelowADInplaceOrView below_ad_inplace_or_view;
+};
+
+// Where rank `rank`'s row starts in the uint8 workspace's storage (bytes).
+int64_t row_start(const at::Tensor& workspace, int64_t rank) {
+  return workspace.storage_offset() + rank * workspace.stride(0);
+}
+
+void route_dispatch(const at::Tensor& ids, const std::vector<at::Tensor>& payloads, const at::Tensor& workspace,
+                    const Route& r) {
+  dispatch(ids, payloads, workspace, r.ep_rank, r.ep_size, r.max_num_tokens, r.runtime_max_tokens, r.top_k,
+           r.num_experts, std::nullopt, 0, r.active_rank_mask, r.timeout_s, r.mailbox, r.enable_pdl, false);
+}
+
+// The combine of `payload` ([ep_size, runtime_max, *row]) in its own dtype.
+at::Tensor route_combine(const at::Tensor& payload, int64_t local_num_tokens, const at::Tensor& workspace,
+                         int64_t combine_payload_offset, const Route& r) {
+  const at::IntArrayRef sizes = payload.sizes();
+  const std::vector<int64_t> row_shape(sizes.begin() + std::min<size_t>(2, sizes.size()), sizes.end());
+  return combine(payload, local_num_tokens, workspace, r.ep_rank, r.ep_size, r.max_num_tokens, r.runtime_max_tokens,
+                 r.top_k, combine_payload_offset, row_shape, payload.scalar_type(), payload.scalar_type(),
+                 r.active_rank_mask, r.timeout_s, r.mailbox, r.enable_pdl, 0, std::nullopt, 1.0, 2, std::nullopt);
+}
+
+// The integer dtype of each word width, for a plane zeroed as words.
+at::ScalarType word_type(int64_t width) {
+  switch (width) {
+    case 2:
+      return at::kShort;
+    case 4:
+      return at::kInt;
+    case 8:
+      return at::kLong;
+    default:
+      return at::kByte;
+  }
+}
+
+// A new tensor with the plane of `payload`'s rows at byte `start` of the
+// workspace's storage, plane_shape({ep_size, runtime_max}, payload), the rows
+// where `valid` ([ep_size, runtime_max, 1] bool) is false zeroed (whatever
+// bytes they held, so that an expert that multiplies them by a zero gradient
+// gets no NaN).
+at::Tensor zeroed_plane(const at::Tensor& workspace, int64_t start, int64_t ep_size, int64_t runtime_max,
+                        const at::Tensor& valid, const at::Tensor& payload) {
+  const std::vector<int64_t> shape = plane_shape({ep_size, runtime_max}, payload);
+  const int64_t row_bytes = payload_row_bytes(payload);
+  if (row_bytes == 0) {  // no bytes to view as the dtype (a size of 0 in the row's shape)
+    return at::zeros(shape, at::TensorOptions().dtype(payload.scalar_type()).device(workspace.device()));
+  }
+  // Zeroed as words, one path for every dtype (all-zero bytes are a zero of
+  // each): the widest integer words that divide the row and its start, for
+  // on the CPU a where over bytes runs ten times slower than over int64s.
+  const int64_t width = std::gcd(std::gcd(row_bytes, start), int64_t{8});
+  at::Tensor plane =
+      workspace.as_strided({ep_size, runtime_max, row_bytes}, {runtime_max * row_bytes, row_bytes, 1}, start);
+  if (width > 1) plane = plane.view(word_type(width));
+  return at::where(valid, plane, at::Scalar(int64_t{0})).view(payload.scalar_type()).view(shape);
+}
+
+// This rank's receive planes of the dispatch of `payloads` that just ran, as
+// new tensors with their padding rows zeroed, the int32 [ep_size] receive
+// counts (a view of the header, the round's combine its last reader) and the
+// round's combine offset, from protocol.h's call_layout (the kernels').
+struct OwnedPlanes {
+  std::vector<at::Tensor> planes;
+  at::Tensor counts;
+  int64_t combine_offset;
+};
+
+OwnedPlanes owned_planes(const at::Tensor& workspace, const std::vector<at::Tensor>& payloads, const Route& r) {
+  // The dispatch that ran has refused more payloads than a call lays out.
+  TORCH_INTERNAL_ASSERT(payloads.size() <= static_cast<size_t>(kMaxPayloads));
+  int64_t row_bytes[kMaxPayloads] = {};
+  for (size_t i = 0; i < payloads.size(); ++i) row_bytes[i] = payload_row_bytes(payloads[i]);
+  const CallLayout call = call_layout(r.ep_size, r.runtime_max_tokens, 0, static_cast<int>(payloads.size()), row_bytes);
+  const int64_t row = row_start(workspace, r.ep_rank);
+  OwnedPlanes owned;
+  owned.counts = workspace.as_strided({4 * r.ep_size}, {1}, row + kHdrRecvCounts).view(at::kInt);
+  const at::Tensor valid =
+      at::arange(r.runtime_max_tokens, at::TensorOptions().dtype(at::kLong).device(workspace.device()))
+          .lt(owned.counts.unsqueeze(1))
+          .unsqueeze(2);
+  owned.planes.reserve(payloads.size() + 1);
+  for (size_t i = 0; i < payloads.size(); ++i) {
+    owned.planes.push_back(
+        zeroed_plane(workspace, row + call.payload_offset[i], r.ep_size, r.runtime_max_tokens, valid, payloads[i]));
+  }
+  owned.combine_offset = call.combine_offset;
+  return owned;
+}
+
+// `body()` with the header's two tallies put back as it found them
+// (autograd.py's _TalliesKept): the forward's dispatch has counted its expert
+// ids >= num_experts and its dropped pairs, and a backward's round dispatches
+// the same ids again. Saved and restored on the stream (no host sync; only the
+// rank's own kernels write them), also when `body` throws.
+template <typename Body>
+at::Tensor with_tallies_kept(const at::Tensor& workspace, int64_t rank, const Body& body) {
+  constexpr int64_t gap = kHdrDroppedPairCount - kHdrInvalidExpertCount;
+  static_assert(gap >= 8, "the two int64 tallies do not overlap");
+  // Both words as the rows of one [2, 8] byte view: one clone, one copy.
+  const at::Tensor words = workspace.as_strided({2, 8}, {gap, 1}, row_start(workspace, rank) + kHdrInvalidExpertCount);
+  const at::Tensor saved = words.clone();
+  at::Tensor result;
+  try {
+    result = body();
+  } catch (...) {
+    words.copy_(saved);
+    throw;
+  }
+  words.copy_(saved);
+  return result;
+}
+
+// dispatch_owned: the dispatch, then [*planes, counts] (new tensors).
+std::vector<at::Tensor> dispatch_owned(const at::Tensor& token_selected_experts,
+                                       const std::vector<at::Tensor>& input_payloads, const at::Tensor& workspace,
+                                       int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                                       int64_t runtime_max_tokens, int64_t top_k, int64_t num_experts,
+                                       std::vector<int64_t> active_rank_mask, double timeout_s, int64_t mailbox,
+                                       bool enable_pdl) {
+  const Route route{
+      ep_rank,   ep_size, max_num_tokens, runtime_max_tokens, top_k, num_experts, std::move(active_rank_mask),
+      timeout_s, mailbox, enable_pdl};
+  const Unrecorded unrecorded;
+  route_dispatch(token_selected_experts, input_payloads, workspace, route);
+  OwnedPlanes owned = owned_planes(workspace, input_payloads, route);
+  owned.planes.push_back(owned.counts.clone());
+  return std::move(owned.planes);
+}
+
+// combine_owned: the combine closing the round dispatch_owned opened.
+at::Tensor combine_owned(const at::Tensor& payload, const at::Tensor& token_selected_experts,
+                         const at::Tensor& workspace, int64_t combine_payload_offset, int64_t ep_rank, int64_t ep_size,
+                         int64_t max_num_tokens, int64_t runtime_max_tokens, int64_t top_k, int64_t num_experts,
+                         std::vector<int64_t> active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl) {
+  const Route route{
+      ep_rank,   ep_size, max_num_tokens, runtime_max_tokens, top_k, num_experts, std::move(active_rank_mask),
+      timeout_s, mailbox, enable_pdl};
+  const Unrecorded unrecorded;
+  return route_combine(payload, token_selected_experts.size(0), workspace, combine_payload_offset, route);
+}
+
+// dispatch_round: a dispatch of `rows`, then a combine of one fp32 zero per
+// received row (closing the round); the received plane, padding rows zero.
+at::Tensor dispatch_round(const at::Tensor& rows, const at::Tensor& token_selected_experts, const at::Tensor& workspace,
+                          int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens,
+                          int64_t top_k, int64_t num_experts, std::vector<int64_t> active_rank_mask, double timeout_s,
+                          int64_t mailbox, bool enable_pdl) {
+  const Route route{
+      ep_rank,   ep_size, max_num_tokens, runtime_max_tokens, top_k, num_experts, std::move(active_rank_mask),
+      timeout_s, mailbox, enable_pdl};
+  const Unrecorded unrecorded;
+  return with_tallies_kept(workspace, ep_rank, [&] {
+    const std::vector<at::Tensor> payloads{rows};
+    route_dispatch(token_selected_experts, payloads, workspace, route);
+    OwnedPlanes owned = owned_planes(workspace, payloads, route);
+    const at::Tensor nothing =
+        at::zeros({ep_size, runtime_max_tokens, 1}, at::TensorOptions().dtype(at::kFloat).device(rows.device()));
+    route_combine(nothing, rows.size(0), workspace, owned.combine_offset, route);
+    return owned.planes[0];
+  });
+}
+
+// combine_round: a dispatch of the expert ids alone (their routes), then a
+// combine of `payload`.
+at::Tensor combine_round(const at::Tensor& payload, const at::Tensor& token_selected_experts,
+                         const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                         int64_t runtime_max_tokens, int64_t top_k, int64_t num_experts,
+                         std::vector<int64_t> active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl) {
+  const Route route{
+      ep_rank,   ep_size, max_num_tokens, runtime_max_tokens, top_k, num_experts, std::move(active_rank_mask),
+      timeout_s, mailbox, enable_pdl};
+  const at::Tensor& ids = token_selected_experts;
+  const int64_t ids_row = payload_row_bytes(ids);
+  const int64_t offset = call_layout(ep_size, runtime_max_tokens, 0, 1, &ids_row).combine_offset;
+  const Unrecorded unrecorded;
+  return with_tallies_kept(workspace, ep_rank, [&] {
+    route_dispatch(ids, {ids}, workspace, route);
+    return route_combine(payload, ids.size(0), workspace, offset, route);
+  });
+}
+
 }  // namespace
 }  // namespace moe_a2a
 
@@ -175,4 +399,10 @@ PYBIND11_MODULE(_C, m) {
   // other Python threads (simulated ranks) drive.
   m.def("dispatch", &moe_a2a::dispatch, py::call_guard<py::gil_scoped_release>());
   m.def("combine", &moe_a2a::combine, py::call_guard<py::gil_scoped_release>());
+  // The training ops' bodies (torch_moe_a2a/autograd.py), their arguments in
+  // the order of those ops' schemas; without the GIL for the same reason.
+  m.def("dispatch_owned", &moe_a2a::dispatch_owned, py::call_guard<py::gil_scoped_release>());
+  m.def("combine_owned", &moe_a2a::combine_owned, py::call_guard<py::gil_scoped_release>());
+  m.def("dispatch_round", &moe_a2a::dispatch_round, py::call_guard<py::gil_scoped_release>());
+  m.def("combine_round", &moe_a2a::combine_round, py::call_guard<py::gil_scoped_release>());
 }

@@ -9,6 +9,7 @@ own forward and backward in its own thread (SimulatedEP.run)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import functools
@@ -1273,6 +1274,92 @@ def test_received_rows_are_new_tensors_with_zero_padding():
         for plane, want in zip(received, ref.recv[rank]):
             assert torch.equal(plane, want)
             assert plane.untyped_storage().data_ptr() != workspace
+
+
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    """A torch function mode that changes nothing but makes the training ops
+    that run under it take their Python bodies (fastpath.direct_call_ok)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+C_BODIES = ("dispatch_owned", "combine_owned", "dispatch_round", "combine_round")
+
+
+def test_the_c_bodies_equal_the_python_bodies_bit_for_bit(device, monkeypatch):
+    """A training step with first and second order gradients, the training
+    ops run by their C++ bodies (_C.dispatch_owned, ...), by their Python
+    bodies (direct_call_ok False) and under a torch function mode (the
+    forward's ops by their Python bodies: the backward runs without the mode):
+    bitwise the same received planes (padding rows zero over poisoned
+    workspace bytes, payloads zeroed as words of every width, one of zero
+    columns), counts, outputs, gradients and header tallies (ids >=
+    num_experts counted once), and the workspace's version counter still
+    where it was."""
+    ep_size, tokens, top_k, num_experts, runtime_max = 2, (5, 3), 2, 4, 6
+    gen = torch.Generator().manual_seed(31)
+    # Row bytes 6, 20, 8 (the ids, inserted third), 2 (1-D), 3 and 0: zeroed
+    # as words of 2, 4, 8, 2 and 1 bytes, and none.
+    shapes = [((3,), torch.bfloat16), ((5,), torch.float32), ((), torch.float16), ((3,), torch.uint8),
+              ((0,), torch.float32)]
+    ids = [reference.random_routing(n, top_k, num_experts, gen) for n in tokens]
+    ids[0][1, 0], ids[1][2, 1] = num_experts, num_experts + 3
+    inputs = [[(torch.randn(n, *shape, generator=gen) * 4).to(dtype) for shape, dtype in shapes] for n in tokens]
+    grad_out = [torch.randn(n, 5, generator=gen).to(device) for n in tokens]
+    sim = a2a.SimulatedEP(ep_size, runtime_max, dispatch_bytes_per_token=128, combine_bytes_per_token=128,
+                          device=device)
+    calls = dict.fromkeys(C_BODIES, 0)
+    for name in C_BODIES:
+        def counted(*args, _body=getattr(a2a_autograd._C, name), _name=name):
+            calls[_name] += 1
+            return _body(*args)
+        monkeypatch.setattr(a2a_autograd._C, name, counted)
+
+    def step(rank, mode):
+        with mode:
+            i = ids[rank].to(device)
+            payloads = [p.to(device) for p in inputs[rank]]
+            payloads.insert(2, i)
+            for p in payloads:
+                if p.dtype in (torch.bfloat16, torch.float32):  # the fp16 payload needs no gradient
+                    p.requires_grad_()
+            version = sim.workspace._version
+            counted_before = int(a2a.moe_a2a_get_invalid_expert_count(sim.workspace, sim.metainfo[rank], rank))
+            recv, offset, counts = moe_a2a_dispatch_differentiable(i, payloads, sim.workspace, sim.metainfo[rank],
+                                                                   runtime_max, rank, ep_size, top_k, num_experts)
+            y = recv[1] * recv[0][..., :1].float() + recv[5].sum(-1, keepdim=True)
+            out = moe_a2a_combine_differentiable(y, i, sim.workspace, sim.metainfo[rank], runtime_max, rank, ep_size,
+                                                 top_k, num_experts, offset)
+            leaves = [payloads[0], payloads[1], payloads[5]]
+            grads = torch.autograd.grad(out, leaves, grad_out[rank], create_graph=True)
+            second = torch.autograd.grad(sum((g.float() * g.float()).sum() for g in grads), leaves[:2])
+            counted = int(a2a.moe_a2a_get_invalid_expert_count(sim.workspace, sim.metainfo[rank], rank))
+            assert sim.workspace._version == version
+            return [t.detach() for t in (*recv, counts, out, *grads, *second)], counted - counted_before
+
+    def run(mode=contextlib.nullcontext):
+        calls.update(dict.fromkeys(C_BODIES, 0))
+        # Every receive row (padding included) and the combine region hold NaN bytes.
+        sim.workspace[:, a2a.layout.HEADER_BYTES:].fill_(0xFF)
+        return sim.run(lambda rank: step(rank, mode()))
+
+    got = run()
+    # A forward's two ops, then a round of each kind in each backward.
+    assert calls == {"dispatch_owned": ep_size, "combine_owned": ep_size, "dispatch_round": 2 * ep_size,
+                     "combine_round": 2 * ep_size}, calls
+    under_mode = run(_PassThrough)
+    assert calls["dispatch_owned"] == calls["combine_owned"] == 0, calls
+    with monkeypatch.context() as patched:
+        patched.setattr(a2a_autograd, "direct_call_ok", lambda *tensors: False)
+        python = run()
+    assert not any(calls.values()), calls
+    for want, what in ((python, "python bodies"), (under_mode, "under a torch function mode")):
+        for rank in range(ep_size):
+            assert got[rank][1] == want[rank][1] == 1  # one id >= num_experts a rank, counted once
+            assert len(got[rank][0]) == len(want[rank][0])
+            for k, (g, w) in enumerate(zip(got[rank][0], want[rank][0])):
+                assert_bytes_equal(g, w, f"{what}: rank {rank}, result {k}")
 
 
 @pytest.mark.parametrize("layout", ["rank-major", "expert-major"])

@@ -377,6 +377,10 @@ def dispatch_owned(token_selected_experts: Tensor, input_payloads: list[Tensor],
                    num_experts: int, active_rank_mask: list[int], timeout_s: float, mailbox: int,
                    enable_pdl: bool) -> list[Tensor]:
     """The dispatch op; returns ``[*planes, recv_counts]`` (new tensors, see :func:`_owned_planes`)."""
+    if direct_call_ok(token_selected_experts, workspace, *input_payloads):
+        return _C.dispatch_owned(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
+                                 runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask, timeout_s,
+                                 mailbox, enable_pdl)
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
     with _Unrecorded():
@@ -391,6 +395,10 @@ def combine_owned(payload: Tensor, token_selected_experts: Tensor, workspace: Te
                   num_experts: int, active_rank_mask: list[int], timeout_s: float, mailbox: int,
                   enable_pdl: bool) -> Tensor:
     """The combine op closing the round ``dispatch_owned`` opened; ``[local_num_tokens, *row]`` of payload's dtype."""
+    if direct_call_ok(payload, token_selected_experts, workspace):
+        return _C.combine_owned(payload, token_selected_experts, workspace, combine_payload_offset, ep_rank, ep_size,
+                                max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
+                                timeout_s, mailbox, enable_pdl)
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
     with _Unrecorded():
@@ -404,6 +412,10 @@ def dispatch_round(rows: Tensor, token_selected_experts: Tensor, workspace: Tens
     """A dispatch of ``rows`` ``[local_num_tokens, *row]`` then a combine of one
     fp32 zero per row (closing the round); returns the received plane
     ``[ep_size, runtime_max_tokens_per_rank, *row]``, padding rows zero."""
+    if direct_call_ok(rows, token_selected_experts, workspace):
+        return _C.dispatch_round(rows, token_selected_experts, workspace, ep_rank, ep_size, max_num_tokens,
+                                 runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask, timeout_s,
+                                 mailbox, enable_pdl)
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
     with _Unrecorded(), _TalliesKept(workspace, ep_rank):
@@ -421,6 +433,10 @@ def combine_round(payload: Tensor, token_selected_experts: Tensor, workspace: Te
     """A dispatch of the expert ids alone (the routes of these ids) then a
     combine of ``payload`` ``[ep_size, runtime_max_tokens_per_rank, *row]``;
     returns ``[local_num_tokens, *row]``."""
+    if direct_call_ok(payload, token_selected_experts, workspace):
+        return _C.combine_round(payload, token_selected_experts, workspace, ep_rank, ep_size, max_num_tokens,
+                                runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask, timeout_s,
+                                mailbox, enable_pdl)
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
     ids = token_selected_experts
