@@ -38,6 +38,18 @@ tensors) :func:`_call` runs the op's Python function under an
 whichever path a call takes. Traced calls (``torch.compile``, ``make_fx``,
 ``FakeTensorMode``, opcheck) call the ops.
 
+The rank-major four's bodies are C++, one call each (``_C.dispatch_owned``,
+``_C.combine_owned``, ``_C.dispatch_round``, ``_C.combine_round``;
+csrc/module.cpp): their workspace ops called through the C++ dispatcher as
+``_C.dispatch`` and ``_C.combine`` call them, the received planes copied out
+with their padding rows zeroed, the tallies put back, without grad mode and
+below ADInplaceOrView, and without the GIL (simulated ranks are threads that
+wait for each other inside an op). At small sizes the Python bodies' dozen
+torch calls an op cost more than the exchange. Each op's Python function
+calls its C++ body, eager or traced, wherever no ``__torch_function__``
+override could want to see the calls inside it (``direct_call_ok``); under
+one it runs the Python body below, the same calls with the same results.
+
 The workspace stays an ordinary argument (no workspace copy under
 ``torch.compile``); the ops write into it where the dispatcher does not look,
 which is sound because no traced op reads the workspace between them: what a
@@ -72,7 +84,11 @@ GRAD_DTYPES = COMBINE_DTYPES
 # num_experts, the rank-mask words, timeout_s, mailbox, enable_pdl.
 
 
-# The workspace ops are called as the eager public functions call them:
+# ---- the Python bodies ----------------------------------------------------------------------------------
+# The rank-major ops run these where a __torch_function__ override could want
+# to see their calls (elsewhere their C++ bodies, which make the same calls);
+# the expert-major ops' bodies always use the helpers here. The workspace ops
+# are called as the eager public functions call them:
 # through _C (the same operators through the C++ dispatcher, so dispatch
 # modes, backends and the profiler see them) where no __torch_function__
 # override could want to see the call, else through torch.ops. _C skips the
