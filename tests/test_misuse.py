@@ -870,6 +870,66 @@ def test_differentiable_functions_refuse_non_tensors(device):
     assert torch.allclose(out.cpu(), h.cpu() * top_k)
 
 
+@pytest.mark.parametrize("kind", [float, str, type(None)])
+def test_differentiable_functions_take_int_sizes(kind, device):
+    """A float or a str among the sizes, ranks or the combine offset of a
+    differentiable function reached the ops as pybind's TypeError listing
+    their signatures (or a select()'s, for the expert-major combine's rank),
+    and an expert-major dispatch given a float runtime_max_tokens_per_rank
+    (or 0) blamed max_tokens_per_expert, its default. Each refused before
+    anything runs, naming the argument, as the plain functions do (a rank or
+    size that differs from the metainfo's by value is named by its check)."""
+    sim = make_sim(CASE, device)
+    dev = make_inputs(CASE, make_generator("differentiable int sizes")).to(device)
+    ws, ep = sim.workspace, CASE.ep_size
+    x = dev.payloads[0][0].float().requires_grad_()
+    sizes = dict(runtime_max_tokens_per_rank=CASE.T, ep_rank=0, ep_size=ep, top_k=CASE.top_k,
+                 num_experts=CASE.num_experts)
+    for name, value in sizes.items():
+        bad = kind() if kind is type(None) else kind(value)
+        args = list({**sizes, name: bad}.values())
+        named = kind is float or name not in ("ep_rank", "ep_size")
+        for dispatch in (a2a.moe_a2a_dispatch_differentiable, a2a.moe_a2a_dispatch_expert_major_differentiable,
+                         a2a.moe_a2a_dispatch):
+            fn = "moe_a2a_dispatch_differentiable" if dispatch is a2a.moe_a2a_dispatch else dispatch.__name__
+            refused(ws, lambda: dispatch(dev.ids[0], [x], ws, sim.metainfo[0], *args), ValueError,
+                    f"{fn}: {name} must be an int, got {bad!r}" if named else "do not match the metainfo")
+        refused(ws, lambda: a2a.moe_a2a_combine_differentiable(x[None].expand(ep, -1, -1), dev.ids[0], ws,
+                                                               sim.metainfo[0], *args, 0), ValueError,
+                f"moe_a2a_combine_differentiable: {name} must be an int, got {bad!r}" if named
+                else "do not match the metainfo")
+    bad = kind() if kind is type(None) else kind(0)
+    refused(ws, lambda: a2a.moe_a2a_combine_differentiable(x[None].expand(ep, -1, -1), dev.ids[0], ws,
+                                                           sim.metainfo[0], *sizes.values(), bad), ValueError,
+            f"moe_a2a_combine_differentiable: combine_payload_offset must be an int, got {bad!r}")
+    refused(ws, lambda: a2a.moe_a2a_dispatch_expert_major_differentiable(
+        dev.ids[0], [x], ws, sim.metainfo[0], 0, 0, ep, CASE.top_k, CASE.num_experts), ValueError,
+        f"runtime_max_tokens_per_rank must be an int in [1, max_num_tokens={CASE.max_tokens}], got 0")
+    # The plain combine of a payload that requires grad (it runs as the differentiable one).
+    refused(ws, lambda: a2a.moe_a2a_combine(x[None].expand(ep, -1, -1), bad, ws, sim.metainfo[0], CASE.T, 0, ep,
+                                            CASE.top_k, 0), ValueError,
+            f"moe_a2a_combine: local_num_tokens must be an int, got {bad!r}")
+    round_trip(sim, CASE, make_inputs(CASE, make_generator("differentiable int sizes, after")), make_generator(5))
+
+    # The expert-major combine's rank, inside an open round: refused, then the round closes.
+    T, hidden, top_k, experts = 4, 8, 2, 4
+    size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(1, T, hidden * 4 + top_k * 8, 4 * top_k + hidden * 4,
+                                                                experts, top_k)
+    workspace = torch.zeros(1, size, dtype=torch.uint8, device=device)
+    metainfo = a2a.moe_a2a_initialize(workspace, 0, 1, T)
+    gen = make_generator("expert-major differentiable int rank")
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(T)]).int().to(device)
+    h = torch.randn((T, hidden), generator=gen).to(device).requires_grad_()
+    d = a2a.moe_a2a_dispatch_expert_major_differentiable(ids, [h], workspace, metainfo, T, 0, 1, top_k, experts)
+    if kind is float:  # (others differ from the metainfo's by value)
+        for name, rank, size_ in (("ep_rank", 0.0, 1), ("ep_size", 0, 1.0)):
+            refused(workspace, lambda: a2a.moe_a2a_combine_expert_major_differentiable(
+                d.output_payloads[0], d, ids, workspace, metainfo, rank, size_), ValueError,
+                f"moe_a2a_combine_expert_major_differentiable: {name} must be an int")
+    out = a2a.moe_a2a_combine_expert_major_differentiable(d.output_payloads[0], d, ids, workspace, metainfo, 0, 1)
+    assert torch.allclose(out.detach().cpu(), h.detach().cpu() * top_k)
+
+
 def test_dispatch_takes_a_list_or_tuple_of_payloads(device):
     """input_payloads=None failed on a star-unpacking ("Value after * must be
     an iterable"), a generator was used up by a first look at it and reported

@@ -73,7 +73,14 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import _C, expert_major, layout
 from .arguments import COMBINE_DTYPES, dispatch_args
 from .expert_major import ExpertMajorDispatch
-from .fastpath import direct_call_ok, expect_tensor_list, expect_tensors, last_dispatch, note_dispatch
+from .fastpath import (
+    direct_call_ok,
+    expect_ints,
+    expect_tensor_list,
+    expect_tensors,
+    last_dispatch,
+    note_dispatch,
+)
 
 _ops = torch.ops.moe_a2a
 # The payload dtypes that get gradients: the combine's.
@@ -597,7 +604,21 @@ def _route_args(fn, token_selected_experts, input_payloads, workspace, metainfo,
     args, _ = dispatch_args(fn, token_selected_experts, input_payloads, workspace, metainfo,
                             runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts, enable_pdl, None,
                             enable_rank_mask, active_rank_mask, "trtllm", timeout_s)
+    # After dispatch_args, whose metainfo check names a bool rank as the plain functions' does.
+    if not (type(runtime_max_tokens_per_rank) is int and type(ep_rank) is int and type(ep_size) is int
+            and type(top_k) is int and type(num_experts) is int):
+        _expect_ints(fn, runtime_max_tokens_per_rank=runtime_max_tokens_per_rank, ep_rank=ep_rank, ep_size=ep_size,
+                     top_k=top_k, num_experts=num_experts)
     return (*args[3:9], list(args[11]), *args[12:])
+
+
+def _expect_ints(fn: str, **arguments: Any) -> None:
+    """ValueError naming the first argument that is not an int (a traced
+    call's SymInt is one). Without it a float or a str reached the ops as
+    pybind's TypeError listing their signatures, or the expert-major default
+    of max_tokens_per_expert (ep_size * runtime_max_tokens_per_rank), whose
+    error then named that argument instead."""
+    expect_ints(fn, **{name: value for name, value in arguments.items() if not isinstance(value, torch.SymInt)})
 
 
 def _needs_backward(tensors) -> bool:
@@ -848,6 +869,8 @@ def moe_a2a_combine_differentiable(
     """
     fn = "moe_a2a_combine_differentiable"
     expect_tensors(fn, payload=payload)
+    if type(combine_payload_offset) is not int:
+        _expect_ints(fn, combine_payload_offset=combine_payload_offset)
     route = _route_args(fn, token_selected_experts, [payload], workspace, metainfo, runtime_max_tokens_per_rank,
                         ep_rank, ep_size, top_k, num_experts, enable_pdl, enable_rank_mask, active_rank_mask,
                         timeout_s)
@@ -1208,16 +1231,18 @@ def moe_a2a_dispatch_expert_major_differentiable(
     _check_grad_dtypes(fn, input_payloads)
     expert_major.check_ids_and_weights(fn, token_selected_experts, workspace, router_weights, top_k)
     n = token_selected_experts.shape[0]
+    if type(top_k) is not int:  # the weights' shape below
+        _expect_ints(fn, top_k=top_k)
     # Without router weights, weights of 1: the build writes those anyway.
     weights = (torch.ones((n, top_k), dtype=torch.float32, device=workspace.device) if router_weights is None
                else router_weights.to(torch.float32).contiguous())
-    if max_tokens_per_expert is None:
-        max_tokens_per_expert = expert_major.default_max_tokens_per_expert(ep_size, runtime_max_tokens_per_rank,
-                                                                           top_k, num_experts)
     payloads = list(input_payloads)
     route = _route_args(fn, token_selected_experts, [*payloads, token_selected_experts, weights], workspace,
                         metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts, enable_pdl,
                         enable_rank_mask, active_rank_mask, timeout_s)
+    if max_tokens_per_expert is None:
+        max_tokens_per_expert = expert_major.default_rows_per_expert(ep_size, runtime_max_tokens_per_rank, route[2],
+                                                                     top_k, num_experts)
     expert_major.check_expert_major_fits(workspace, ep_size, runtime_max_tokens_per_rank, top_k, num_experts,
                                          max_tokens_per_expert, 0, [_row_bytes(p) for p in payloads],
                                          token_selected_experts.element_size(), True)
@@ -1402,6 +1427,8 @@ def combine_with_grad(fn: str, payload: Tensor, local_num_tokens: int, workspace
     over the routes of the rank's last dispatch (``plain_options``: the
     plain combine's options, each refused where given)."""
     _refuse_options_with_grad(fn, "a payload", **plain_options)
+    if type(local_num_tokens) is not int:
+        _expect_ints(fn, local_num_tokens=local_num_tokens)
     ids, num_experts = _round_ids(fn, workspace, ep_rank, expert_major=False)
     if local_num_tokens != ids.shape[0]:
         raise ValueError(f"{fn}: local_num_tokens must be that of this rank's last dispatch ({ids.shape[0]}), "

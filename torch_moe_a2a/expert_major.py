@@ -93,6 +93,19 @@ def default_max_tokens_per_expert(ep_size: int, runtime_max_tokens_per_rank: int
     return ep_size * runtime_max_tokens_per_rank * per_token
 
 
+def default_rows_per_expert(ep_size: int, runtime_max_tokens_per_rank: int, max_num_tokens: int, top_k: int,
+                            num_experts: int) -> int:
+    """:func:`default_max_tokens_per_expert` of a dispatch given no
+    ``max_tokens_per_expert``, after checking ``runtime_max_tokens_per_rank``:
+    the default is ``ep_size`` times it, whose error would name
+    ``max_tokens_per_expert``."""
+    if not isinstance(runtime_max_tokens_per_rank, numbers.Integral) or isinstance(runtime_max_tokens_per_rank, bool) \
+            or not 1 <= runtime_max_tokens_per_rank <= max_num_tokens:
+        raise ValueError(f"runtime_max_tokens_per_rank must be an int in [1, max_num_tokens={max_num_tokens}], "
+                         f"got {runtime_max_tokens_per_rank!r}")
+    return default_max_tokens_per_expert(ep_size, int(runtime_max_tokens_per_rank), top_k, num_experts)
+
+
 def moe_a2a_get_workspace_size_per_rank_expert_major(
     ep_size: int,
     max_num_tokens: int,
@@ -228,15 +241,9 @@ def moe_a2a_dispatch_expert_major(
     args, call_eplb_n = dispatch_args(
         fn, token_selected_experts, payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size,
         top_k, num_experts, enable_pdl, eplb_local_stats, enable_rank_mask, active_rank_mask, backend, timeout_s)
-    max_num_tokens = metainfo_values(metainfo, id(metainfo))[2]
     if max_tokens_per_expert is None:
-        # T first: the default is ep_size * T, whose error would name max_tokens_per_expert.
-        if not isinstance(runtime_max_tokens_per_rank, numbers.Integral) or isinstance(runtime_max_tokens_per_rank, bool) \
-                or not 1 <= runtime_max_tokens_per_rank <= max_num_tokens:
-            raise ValueError(f"runtime_max_tokens_per_rank must be an int in [1, max_num_tokens={max_num_tokens}], "
-                             f"got {runtime_max_tokens_per_rank!r}")
-        max_tokens_per_expert = default_max_tokens_per_expert(ep_size, int(runtime_max_tokens_per_rank), top_k,
-                                                              num_experts)
+        max_tokens_per_expert = default_rows_per_expert(ep_size, runtime_max_tokens_per_rank,
+                                                        metainfo_values(metainfo, id(metainfo))[2], top_k, num_experts)
     user_rows = [_row_bytes(p) for p in input_payloads]
     # Refused before the dispatch runs: what the build would refuse after it.
     check_expert_major_fits(workspace, ep_size, runtime_max_tokens_per_rank, top_k, num_experts,
