@@ -147,6 +147,11 @@ def test_ep_out_of_range_is_a_usage_error(capsys):
     (["bench", "--max-gib", "inf"], "--max-gib must be a finite number > 0, got inf"),
     (["demo", "--seed", str(2**64)], "seed must be in -9223372036854775808..9223372036854775807"),
     (["demo", "--hidden", str(2**40)], "hidden must be in 1..134217728"),
+    # Ignored before: these modes skip no point by memory, and the error table reads no sizes and writes no JSON.
+    (["bench", "--expert-major", "--max-gib", "1"], "--expert-major takes no --max-gib"),
+    (["bench", "--training", "--max-gib", "0.5"], "--training takes no --max-gib"),
+    (["bench", "--low-precision-error", "--ep", "2"], "--low-precision-error prints a fixed table: it takes no --ep"),
+    (["bench", "--low-precision-error", "--json", "out.json", "--iters", "3"], "it takes no --iters, --json"),
     # Ignored before: --smoke ran its own points.
     (["bench", "--smoke", "--ep", "2"], "--smoke runs its own points: it takes no --ep, --tokens or --preset"),
     (["bench", "--smoke", "--preset", "mixtral"], "--smoke runs its own points"),

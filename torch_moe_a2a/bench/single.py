@@ -913,7 +913,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda if available, else cpu")
     p.add_argument("--max-gib", type=positive_float("--max-gib"), default=None,
-                   help="skip points needing more memory than this (default 60 on CUDA, 4 on the CPU)")
+                   help="skip points needing more memory than this (default 60 on CUDA, 4 on the CPU); the "
+                   "sweep and --combine-variants")
     p.add_argument("--graph", choices=("per-rank", "all-ranks"), default="per-rank",
                    help="per-rank (default): the sweep above, one CUDA graph per rank; all-ranks (CUDA): the "
                    "latency per replay of one graph holding every rank's call of one op, next to its launch "
@@ -984,6 +985,17 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"{' and '.join(modes)} are modes of their own: pick one")
     if modes and (args.fp8 or args.smoke or args.plot or args.graph != "per-rank"):
         parser.error(f"{modes[0]} takes no --fp8, --smoke, --plot or --graph")
+    # Options a mode does not read are refused, not ignored: a --max-gib meant
+    # to keep a run within memory, or a --json file never written.
+    if args.max_gib is not None and (args.expert_major or args.training or args.graph == "all-ranks"):
+        parser.error(f"{modes[0] if modes else '--graph all-ranks'} takes no --max-gib: it skips no point by its "
+                     "memory (pick smaller --ep and --tokens)")
+    if args.low_precision_error:
+        given = [flag for flag, value in (("--ep", args.ep), ("--tokens", args.tokens), ("--iters", args.iters),
+                                          ("--warmup", args.warmup), ("--preset", args.preset),
+                                          ("--json", args.json), ("--max-gib", args.max_gib)) if value is not None]
+        if given:
+            parser.error(f"--low-precision-error prints a fixed table: it takes no {', '.join(given)}")
     if args.smoke and (args.ep is not None or args.tokens is not None or args.preset is not None):
         parser.error("--smoke runs its own points: it takes no --ep, --tokens or --preset")  # they were ignored
     if args.peer and args.graph != "all-ranks":
