@@ -930,6 +930,18 @@ def test_differentiable_functions_take_int_sizes(kind, device):
     assert torch.allclose(out.detach().cpu(), h.detach().cpu() * top_k)
 
 
+@pytest.mark.parametrize("policy", ["must_save", torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE])
+def test_checkpoint_context_takes_a_callable_policy(policy):
+    """A policy that is not a function (a CheckpointPolicy value, a str) was
+    accepted, and the checkpointed region's first op then failed on calling
+    it ("'str' object is not callable"), in the forward. Refused at once,
+    naming policy."""
+    with pytest.raises(ValueError, match=r"checkpoint_context: policy must be a function \(ctx, op, \*args, "
+                                         r"\*\*kwargs\) -> CheckpointPolicy, or None, got"):
+        a2a.checkpoint_context(policy)
+    assert len(a2a.checkpoint_context(lambda ctx, op, *args, **kwargs: None)) == 2
+
+
 def test_dispatch_takes_a_list_or_tuple_of_payloads(device):
     """input_payloads=None failed on a star-unpacking ("Value after * must be
     an iterable"), a generator was used up by a first look at it and reported

@@ -745,11 +745,19 @@ def checkpoint_context(policy: Optional[Callable[..., Any]] = None) -> tuple[Any
     Returns:
         The pair of context managers of
         ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
+
+    Raises:
+        ValueError: ``policy`` neither callable nor None (a
+            ``CheckpointPolicy`` value, say).
     """
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     if policy is None:
         return create_selective_checkpoint_contexts(checkpoint_policy)
+    if not callable(policy):
+        # Else the first op of the region failed on calling it ("'str' object is not callable"), in the forward.
+        raise ValueError("checkpoint_context: policy must be a function (ctx, op, *args, **kwargs) -> "
+                         f"CheckpointPolicy, or None, got {policy!r}")
 
     def combined(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         return checkpoint_policy(ctx, op) if _is_exchange_op(op) else policy(ctx, op, *args, **kwargs)
