@@ -529,10 +529,11 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
                       dtype_name(output_dtype));
     p.output_dtype = DType::kBFloat16;
   } else {
-    p.output_dtype = to_dtype(output_dtype, "output_dtype");
+    // The rule first: to_dtype's message would list dtypes this payload's combine refuses.
     TORCH_CHECK_VALUE(output_dtype == payload_dtype || output_dtype == at::kBFloat16,
                       "output_dtype must be the payload dtype (", dtype_name(payload_dtype),
                       ") or torch.bfloat16, got ", dtype_name(output_dtype));
+    p.output_dtype = to_dtype(output_dtype, "output_dtype");
   }
 
   const int64_t element_size = static_cast<int64_t>(c10::elementSize(payload_dtype));
@@ -792,11 +793,12 @@ ExpertMajorCombineParams check_combine_expert_major(
                     "runtime_max_tokens_per_rank=", T, "], got ", local_num_tokens,
                     " (a combine takes its dispatch's local_num_tokens and runtime_max_tokens_per_rank)");
   c.payload_dtype = to_dtype(payload_dtype, "expert_outputs dtype");
-  c.output_dtype = to_dtype(output_dtype, "output_dtype");
-  // fp32 too: the weighted sum is fp32 before its one cast.
+  // fp32 too: the weighted sum is fp32 before its one cast. The rule before
+  // to_dtype, whose message would list dtypes this payload's combine refuses.
   TORCH_CHECK_VALUE(output_dtype == payload_dtype || output_dtype == at::kBFloat16 || output_dtype == at::kFloat,
                     "output_dtype must be the expert_outputs dtype (", dtype_name(payload_dtype),
                     "), torch.bfloat16 or torch.float32, got ", dtype_name(output_dtype));
+  c.output_dtype = to_dtype(output_dtype, "output_dtype");
   const int64_t element_size = static_cast<int64_t>(c10::elementSize(payload_dtype));
   for (const int64_t d : row_shape) {
     TORCH_CHECK_VALUE(d >= 0, "row_shape (the expert_outputs' trailing shape) must have sizes >= 0, got ", row_shape);

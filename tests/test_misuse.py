@@ -1125,9 +1125,12 @@ def test_dispatch_refuses_arguments_of_the_wrong_kind(name, bad, text, device):
     ("use_low_precision", 0.5, "moe_a2a_combine: use_low_precision must be True or False, got 0.5"),
     ("low_precision_block_scales", "yes", "moe_a2a_combine: low_precision_block_scales must be True or False"),
     ("output_dtype", "bfloat16", "moe_a2a_combine: output_dtype must be a torch.dtype or None, got 'bfloat16'"),
+    # Listed torch.float16 among the dtypes a combine takes (none but the payload's and bf16 here).
+    ("output_dtype", torch.int32, "output_dtype must be the payload dtype (torch.bfloat16) or torch.bfloat16, got "
+                                  "torch.int32"),
     ("sf_layout", True, "sf_layout must be an SfLayout"),
 ], ids=["tokens_bool", "top_k_bool", "low_precision_str", "low_precision_float", "block_scales_str",
-        "output_dtype_str", "sf_layout_bool"])
+        "output_dtype_str", "output_dtype_int", "sf_layout_bool"])
 def test_combine_refuses_arguments_of_the_wrong_kind(name, bad, text, device):
     """use_low_precision='no' ran the lossy e4m3 combine (any truthy value
     did), output_dtype='bfloat16' failed in pybind with a cut message, True
@@ -1159,6 +1162,11 @@ def test_expert_major_combine_names_a_bad_output_dtype(device):
     refused(sim.workspace, lambda: a2a.moe_a2a_combine_expert_major(y, got, sim.workspace, sim.metainfo[0], 0, 1,
                                                                      output_dtype="bfloat16"),
             ValueError, "moe_a2a_combine_expert_major: output_dtype must be a torch.dtype or None, got 'bfloat16'")
+    # It listed torch.float16 among the dtypes, which a bf16 payload's combine refuses.
+    refused(sim.workspace, lambda: a2a.moe_a2a_combine_expert_major(y, got, sim.workspace, sim.metainfo[0], 0, 1,
+                                                                     output_dtype=torch.int32),
+            ValueError, "output_dtype must be the expert_outputs dtype (torch.bfloat16), torch.bfloat16 or "
+                        "torch.float32, got torch.int32")
     out = a2a.moe_a2a_combine_expert_major(y, got, sim.workspace, sim.metainfo[0], 0, 1)
     assert out.shape == x.shape
 
