@@ -824,6 +824,22 @@ def test_dispatch_payload_layouts_that_are_fine(layout, device):
 # ---- arguments of the wrong kind, named --------------------------------------------------------------
 
 
+def _em_differentiable_round(device, seed: str, requires_grad: bool = False):
+    """An open expert-major round of one rank (T 4, hidden 8, top-2 of 4
+    experts, distinct experts per token, so each pair brings its row back
+    once): (workspace, metainfo, ids, hidden rows, top_k, the dispatch)."""
+    T, hidden, top_k, experts = 4, 8, 2, 4
+    size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(1, T, hidden * 4 + top_k * 8, 4 * top_k + hidden * 4,
+                                                                experts, top_k)
+    workspace = torch.zeros(1, size, dtype=torch.uint8, device=device)
+    metainfo = a2a.moe_a2a_initialize(workspace, 0, 1, T)
+    gen = make_generator(seed)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(T)]).int().to(device)
+    h = torch.randn((T, hidden), generator=gen).to(device).requires_grad_(requires_grad)
+    d = a2a.moe_a2a_dispatch_expert_major_differentiable(ids, [h], workspace, metainfo, T, 0, 1, top_k, experts)
+    return workspace, metainfo, ids, h, top_k, d
+
+
 def test_check_errors_refuses_a_non_tensor_workspace(device):
     """check_errors(None) failed on None.dim() (AttributeError)."""
     sim = make_sim(CASE, device)
@@ -854,16 +870,7 @@ def test_differentiable_functions_refuse_non_tensors(device):
     round_trip(sim, CASE, make_inputs(CASE, make_generator("differentiable, after")), make_generator(4))
 
     # The expert-major combine, inside an open round: refused, then the round closes.
-    T, hidden, top_k, experts = 4, 8, 2, 4
-    size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(1, T, hidden * 4 + top_k * 8, 4 * top_k + hidden * 4,
-                                                                experts, top_k)
-    workspace = torch.zeros(1, size, dtype=torch.uint8, device=device)
-    metainfo = a2a.moe_a2a_initialize(workspace, 0, 1, T)
-    gen = make_generator("expert-major differentiable non-tensors")
-    # distinct experts per token: each of a token's top_k pairs brings its row back once
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(T)]).int().to(device)
-    h = torch.randn((T, hidden), generator=gen).to(device)
-    d = a2a.moe_a2a_dispatch_expert_major_differentiable(ids, [h], workspace, metainfo, T, 0, 1, top_k, experts)
+    workspace, metainfo, ids, h, top_k, d = _em_differentiable_round(device, "expert-major differentiable non-tensors")
     refused(workspace, lambda: a2a.moe_a2a_combine_expert_major_differentiable(None, d, ids, workspace, metainfo, 0, 1),
             ValueError, "moe_a2a_combine_expert_major_differentiable: expert_outputs must be a tensor, got NoneType")
     out = a2a.moe_a2a_combine_expert_major_differentiable(d.output_payloads[0], d, ids, workspace, metainfo, 0, 1)
@@ -912,15 +919,8 @@ def test_differentiable_functions_take_int_sizes(kind, device):
     round_trip(sim, CASE, make_inputs(CASE, make_generator("differentiable int sizes, after")), make_generator(5))
 
     # The expert-major combine's rank, inside an open round: refused, then the round closes.
-    T, hidden, top_k, experts = 4, 8, 2, 4
-    size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(1, T, hidden * 4 + top_k * 8, 4 * top_k + hidden * 4,
-                                                                experts, top_k)
-    workspace = torch.zeros(1, size, dtype=torch.uint8, device=device)
-    metainfo = a2a.moe_a2a_initialize(workspace, 0, 1, T)
-    gen = make_generator("expert-major differentiable int rank")
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(T)]).int().to(device)
-    h = torch.randn((T, hidden), generator=gen).to(device).requires_grad_()
-    d = a2a.moe_a2a_dispatch_expert_major_differentiable(ids, [h], workspace, metainfo, T, 0, 1, top_k, experts)
+    workspace, metainfo, ids, h, top_k, d = _em_differentiable_round(device, "expert-major differentiable int rank",
+                                                                     requires_grad=True)
     if kind is float:  # (others differ from the metainfo's by value)
         for name, rank, size_ in (("ep_rank", 0.0, 1), ("ep_size", 0, 1.0)):
             refused(workspace, lambda: a2a.moe_a2a_combine_expert_major_differentiable(
