@@ -150,6 +150,7 @@ def test_ep_out_of_range_is_a_usage_error(capsys):
     # Ignored before: these modes skip no point by memory, and the error table reads no sizes and writes no JSON.
     (["bench", "--expert-major", "--max-gib", "1"], "--expert-major takes no --max-gib"),
     (["bench", "--training", "--max-gib", "0.5"], "--training takes no --max-gib"),
+    (["bench", "--graph", "all-ranks", "--max-gib", "2"], "--graph all-ranks takes no --max-gib"),
     (["bench", "--low-precision-error", "--ep", "2"], "--low-precision-error prints a fixed table: it takes no --ep"),
     (["bench", "--low-precision-error", "--json", "out.json", "--iters", "3"], "it takes no --iters, --json"),
     # Ignored before: --smoke ran its own points.
