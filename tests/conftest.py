@@ -83,6 +83,8 @@ def random_values(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t`` (CPU, contiguous), so fp8 and NaN patterns compare exactly."""
     t = t.detach().cpu().contiguous()
+    if t.numel() == 0:  # counts as contiguous whatever its strides, which view() may then refuse
+        return torch.empty(0, dtype=torch.uint8)
     if t.dim() == 0:
         t = t.reshape(1)
     return t.view(torch.uint8)

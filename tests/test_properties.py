@@ -3,7 +3,10 @@ token counts with zeros, top_k, num_experts not divisible by ep_size, payload
 counts, dtypes and trailing shapes, expert ids with negative and out-of-range
 values, int32 and int64 ids, rank masks, rounds on one workspace) and checks
 every dispatch and combine, rank-major and expert-major, bitwise against the
-reference on simulated ranks; a failure is shrunk to a small problem.
+reference on simulated ranks; then the differentiable functions over the same
+problems, their gradients against the reference exchanges of the gradients
+(bitwise; the expert-major pair weights' dot products within fp32 rounding).
+A failure is shrunk to a small problem.
 
 By default each test runs a fixed, derandomized set of examples, so CI sees
 the same cases on every run. ``MOE_A2A_PROPERTY_EXAMPLES=N`` runs N examples
@@ -300,3 +303,217 @@ def test_rank_major_rounds_match_the_reference(device, p):
 @given(p=problems(expert_major=True))
 def test_expert_major_rounds_match_the_reference(device, p):
     check_expert_major(p, device)
+
+
+# ---- gradients ---------------------------------------------------------------------------------------
+# The differentiable functions over the same drawn problems: one combine per
+# round (the differentiable combine has no output dtype of its own), then the
+# backward of the combine and that of the dispatch, each a collective of its
+# own (torch.autograd.grad on every active rank). The floating payloads
+# (bf16, fp16, fp32) require grad; the others travel along without one.
+
+
+def floating(p: Problem) -> list[int]:
+    return [i for i, (dtype, _) in enumerate(p.payloads) if dtype in COMBINE_DTYPES]
+
+
+def backward_bytes(p: Problem) -> tuple[int, int]:
+    """Dispatch and combine bytes per token that also fit the backwards'
+    rounds: the output gradient dispatched beside the ids (expert-major: and
+    the slots), then the floating gradients (expert-major: and a column per
+    slot) combined as one fp32 row."""
+    packed = 4 * (sum(math.prod(p.payloads[i][1]) for i in floating(p)) + p.top_k)
+    return (p.dispatch_bytes + p.combine_bytes + p.top_k * p.ids_dtype.itemsize,
+            max(p.combine_bytes, packed) + 4)
+
+
+def padding_zeroed(plane: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``plane`` ``[ep_size or L, rows, *]`` with rows ``j >= counts[s]`` zero."""
+    valid = torch.arange(plane.shape[1])[None, :] < counts.cpu().long()[:, None]
+    return torch.where(valid.reshape(*valid.shape, *[1] * (plane.dim() - 2)), plane,
+                       torch.zeros((), dtype=plane.dtype))
+
+
+def check_rank_major_gradients(p: Problem, device: str) -> None:
+    ep, T = p.ep_size, p.runtime_max
+    active = list(range(ep)) if p.active is None else list(p.active)
+    gen = make_generator(p.seed)
+    dispatch_bytes, combine_bytes = backward_bytes(p)
+    sim = a2a.SimulatedEP(ep, p.max_num_tokens, dispatch_bytes_per_token=dispatch_bytes,
+                          combine_bytes_per_token=combine_bytes, device=device)
+    grads = floating(p)
+    for tokens in p.rounds:
+        ids, payloads = round_inputs(p, tokens, gen)
+        poison_call_regions(sim.workspace, gen)
+        dev_ids = [t.to(device) for t in ids]
+        leaves = [[t.to(device).requires_grad_(i in grads) for i, t in enumerate(ps)] for ps in payloads]
+        results = sim.run(lambda r: None if r not in active else a2a.moe_a2a_dispatch_differentiable(
+            dev_ids[r], leaves[r], sim.workspace, sim.metainfo[r], T, r, ep, p.top_k, p.num_experts,
+            **mask_kwargs(p)))
+        ref = reference.reference_dispatch(ids, payloads, ep_size=ep, num_experts=p.num_experts,
+                                           runtime_max_tokens_per_rank=T, active_ranks=p.active)
+        for d in active:
+            received, _, counts = results[d]
+            assert torch.equal(counts.cpu(), ref.recv_counts[d]), f"rank {d}: counts {counts.tolist()}"
+            for i in range(len(p.payloads)):
+                assert_bytes_equal(received[i], padding_zeroed(ref.recv[d][i], counts), f"rank {d} payload {i}")
+
+        # The combine of expert outputs with poisoned padding rows (ignored, zero gradient).
+        clean = [random_values((ep, T, *p.combine_shape), p.combine_dtype, gen) for _ in range(ep)]
+        expert_out = {d: poison_padding(clean[d], ref.recv_counts[d], gen).to(device).requires_grad_()
+                      for d in active}
+        combined = sim.run(lambda r: None if r not in active else a2a.moe_a2a_combine_differentiable(
+            expert_out[r], dev_ids[r], sim.workspace, sim.metainfo[r], T, r, ep, p.top_k, p.num_experts,
+            results[r][1], **mask_kwargs(p)))
+        for r, want in enumerate(reference.reference_combine(clean, ref, list(tokens))):
+            if r in active:
+                assert_bytes_equal(combined[r], want, f"rank {r} combine")
+
+        # Its backward: the output gradient dispatched along the same routes.
+        grad_out = [random_values((n, *p.combine_shape), p.combine_dtype, gen) for n in tokens]
+        got = sim.run(lambda r: None if r not in active else torch.autograd.grad(
+            combined[r], expert_out[r], grad_out[r].to(device))[0])
+        ref_grad = reference.reference_dispatch(ids, [[g] for g in grad_out], ep_size=ep, num_experts=p.num_experts,
+                                                runtime_max_tokens_per_rank=T, active_ranks=p.active)
+        for d in active:
+            assert_bytes_equal(got[d], padding_zeroed(ref_grad.recv[d][0], ref.recv_counts[d]),
+                               f"rank {d}: expert outputs' gradient")
+
+        # The dispatch's backward: the received rows' gradients (padding rows
+        # poisoned: ignored) combined along the same routes, each in its payload's dtype.
+        if not grads:
+            continue
+        grad_recv = [[random_values((ep, T, *p.payloads[i][1]), p.payloads[i][0], gen) for i in grads]
+                     for _ in range(ep)]
+        got = sim.run(lambda r: None if r not in active else torch.autograd.grad(
+            [results[r][0][i] for i in grads], [leaves[r][i] for i in grads],
+            [poison_padding(g, ref.recv_counts[r], gen).to(device) for g in grad_recv[r]]))
+        for j, i in enumerate(grads):
+            want = reference.reference_combine([g[j] for g in grad_recv], ref, list(tokens))
+            for r in active:
+                assert_bytes_equal(got[r][j], want[r], f"rank {r}: payload {i}'s gradient")
+
+
+def check_expert_major_gradients(p: Problem, device: str) -> None:
+    ep, T = p.ep_size, p.runtime_max
+    active = list(range(ep)) if p.active is None else list(p.active)
+    gen = make_generator(p.seed)
+    M = p.max_tokens_per_expert
+    if M is None:
+        M = a2a.expert_major.default_max_tokens_per_expert(ep, T, p.top_k, p.num_experts)
+    dispatch_bytes, combine_bytes = backward_bytes(p)
+    size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(
+        ep, p.max_num_tokens, dispatch_bytes, combine_bytes, p.num_experts, p.top_k, M)
+    sim = a2a.SimulatedEP(ep, p.max_num_tokens, dispatch_bytes_per_token=0, combine_bytes_per_token=0,
+                          device=device, workspace_size_per_rank=size)
+    grads = floating(p)
+    for tokens in p.rounds:
+        ids, payloads = round_inputs(p, tokens, gen)
+        weights = [torch.rand((n, p.top_k), generator=gen) + 0.25 for n in tokens] if p.weights else None
+        poison_call_regions(sim.workspace, gen)
+        dev_ids = [t.to(device) for t in ids]
+        leaves = [[t.to(device).requires_grad_(i in grads) for i, t in enumerate(ps)] for ps in payloads]
+        dev_weights = [None if weights is None else w.to(device).requires_grad_() for w in (weights or [None] * ep)]
+        results = sim.run(lambda r: None if r not in active else a2a.moe_a2a_dispatch_expert_major_differentiable(
+            dev_ids[r], leaves[r], sim.workspace, sim.metainfo[r], T, r, ep, p.top_k, p.num_experts,
+            router_weights=dev_weights[r], max_tokens_per_expert=p.max_tokens_per_expert, **mask_kwargs(p)))
+
+        def ref_dispatch(planes, router_weights):
+            return reference.reference_dispatch_expert_major(ids, planes, router_weights, ep_size=ep,
+                                                             num_experts=p.num_experts, max_tokens_per_expert=M,
+                                                             active_ranks=p.active)
+
+        ref = ref_dispatch(payloads, weights)
+        for d in active:
+            res = results[d]
+            assert torch.equal(res.expert_counts.cpu(), ref.counts[d]), f"rank {d}: counts"
+            for i in range(len(p.payloads)):
+                assert_bytes_equal(res.output_payloads[i], ref.planes[d][i], f"rank {d} payload {i}")
+            if p.weights:
+                assert_bytes_equal(res.router_weights, ref.weights[d], f"rank {d}: pair weights")
+
+        # The weighted combine of expert outputs with poisoned padding rows
+        # (ignored, zero gradient); the backward of the combine alone (the
+        # pair weights' gradient stops there).
+        clean, expert_out = [], {}
+        for d in range(ep):
+            first, last = layout.expert_range(p.num_experts, ep, d)
+            clean.append(random_values((last - first, M, *p.combine_shape), p.combine_dtype, gen))
+            if d in active:
+                expert_out[d] = poison_padding(clean[d], ref.counts[d], gen).to(device).requires_grad_()
+        combined = sim.run(lambda r: None if r not in active else a2a.moe_a2a_combine_expert_major_differentiable(
+            expert_out[r], results[r], dev_ids[r], sim.workspace, sim.metainfo[r], r, ep, **mask_kwargs(p)))
+        for r, want in enumerate(reference.reference_combine_expert_major(clean, ref)):
+            if r in active:
+                assert_bytes_equal(combined[r], want, f"rank {r} combine")
+        grad_out = [random_values((n, *p.combine_shape), p.combine_dtype, gen) for n in tokens]
+        got = sim.run(lambda r: None if r not in active else torch.autograd.grad(
+            combined[r], [expert_out[r]] + ([results[r].router_weights] if p.weights else []),
+            grad_out[r].to(device)))
+        G = ref_dispatch([[g] for g in grad_out], None)
+        for d in active:
+            valid = (torch.arange(M)[None, :] < ref.counts[d].long()[:, None]).reshape(-1, M, *[1] * len(p.combine_shape))
+            w = ref.weights[d].reshape(valid.shape)
+            rows = G.planes[d][0].float()
+            want = torch.where(valid, w * rows, 0.0).to(p.combine_dtype)
+            assert_bytes_equal(got[d][0], want, f"rank {d}: expert outputs' gradient")
+            if p.weights:
+                dots = torch.where(valid, rows * torch.where(valid, clean[d], 0).float(), 0.0)
+                dots = dots.reshape(*dots.shape[:2], -1).sum(dim=2)
+                torch.testing.assert_close(got[d][1].cpu(), dots, rtol=1e-5, atol=1e-5,
+                                           msg=lambda m, d=d: f"rank {d}: pair weights' gradient: {m}")
+
+        # The dispatch's backward: the planes' gradients and the pair weights'
+        # (padding rows poisoned: ignored) combined back to the sources'
+        # tokens, unweighted, in the combine's order.
+        if not grads and not p.weights:
+            continue
+        grad_planes, grad_pairs, outputs = [], [], {}
+        for d in range(ep):
+            first, last = layout.expert_range(p.num_experts, ep, d)
+            grad_planes.append([random_values((last - first, M, *p.payloads[i][1]), p.payloads[i][0], gen)
+                                for i in grads])
+            grad_pairs.append(random_values((last - first, M), torch.float32, gen))
+            if d in active:
+                outputs[d] = [results[d].output_payloads[i] for i in grads]
+                given = [poison_padding(g, ref.counts[d], gen).to(device) for g in grad_planes[d]]
+                if p.weights:
+                    outputs[d].append(results[d].router_weights)
+                    given.append(poison_padding(grad_pairs[d], ref.counts[d], gen).to(device))
+                outputs[d] = (outputs[d], given)
+        got = sim.run(lambda r: None if r not in active else torch.autograd.grad(
+            outputs[r][0], [leaves[r][i] for i in grads] + ([dev_weights[r]] if p.weights else []), outputs[r][1]))
+        unweighted = ref_dispatch(payloads, None)
+        for j, i in enumerate(grads):
+            want = reference.reference_combine_expert_major([g[j] for g in grad_planes], unweighted)
+            for r in active:
+                assert_bytes_equal(got[r][j], want[r], f"rank {r}: payload {i}'s gradient")
+        if p.weights:
+            # Each router weight gets its pair's gradient (0 where the pair was
+            # dropped or not sent): the pairs found by a dispatch of (rank,
+            # token) rows with the slot index as the weight.
+            sources = [torch.stack([torch.full((n,), s), torch.arange(n)], dim=1).int() for s, n in enumerate(tokens)]
+            slots = [torch.arange(p.top_k, dtype=torch.float32).expand(n, p.top_k) for n in tokens]
+            pairs = ref_dispatch([[s] for s in sources], slots)
+            want = [torch.zeros(n, p.top_k) for n in tokens]
+            for d in active:
+                valid = torch.arange(M)[None, :] < ref.counts[d].long()[:, None]
+                for (s, t), k, value in zip(pairs.planes[d][0][valid].tolist(), pairs.weights[d][valid].long().tolist(),
+                                            grad_pairs[d][valid]):
+                    want[s][t, k] = value
+            for r in active:
+                assert_bytes_equal(got[r][-1], want[r], f"rank {r}: router weights' gradient")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@PROPERTY_SETTINGS
+@given(p=problems(expert_major=False))
+def test_rank_major_gradients_match_the_reference(device, p):
+    check_rank_major_gradients(p, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@PROPERTY_SETTINGS
+@given(p=problems(expert_major=True))
+def test_expert_major_gradients_match_the_reference(device, p):
+    check_expert_major_gradients(p, device)
