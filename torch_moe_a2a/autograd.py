@@ -1149,7 +1149,7 @@ def _backward_combine_em_owned(ctx, grad):
     its token's gradient for its weight; zeros in padding rows."""
     ids, outputs, pair_weights, counts = ctx.saved_tensors
     plane, _ = _call(dispatch_em_round, grad.contiguous(), torch.zeros(ids.shape, dtype=torch.float32, device=grad.device),
-                                 ids, ctx.workspace, *ctx.route)
+                     ids, ctx.workspace, *ctx.route)
     valid = _valid_pairs(counts, ctx.route[0])
     rows = valid.view(*valid.shape, *([1] * (plane.dim() - 2)))
     weight = pair_weights.view(rows.shape)
@@ -1168,7 +1168,7 @@ def _backward_dispatch_em_round(ctx, grads):
     (ids,) = ctx.saved_tensors
     plane_grad, values_grad = grads
     rows, slots = _call(combine_em_round, plane_grad.contiguous(), values_grad.float().contiguous(), ids, ctx.workspace,
-                                   *ctx.route)
+                        *ctx.route)
     return rows, slots, None, None, None, *_list_route_grads(ctx.route[1:])
 
 
@@ -1176,7 +1176,7 @@ def _backward_combine_em_round(ctx, grads):
     (ids,) = ctx.saved_tensors
     rows_grad, slots_grad = grads
     plane, values = _call(dispatch_em_round, rows_grad.contiguous(), slots_grad.float().contiguous(), ids, ctx.workspace,
-                                      *ctx.route)
+                          *ctx.route)
     return plane, values, None, None, None, *_list_route_grads(ctx.route[1:])
 
 
@@ -1356,8 +1356,8 @@ def moe_a2a_combine_expert_major_differentiable(
                                     layout.max_local_experts(d.num_experts, ep_size), d.max_tokens_per_expert,
                                     user_rows)
     return _call(combine_em_owned, expert_outputs, weights.to(torch.float32).contiguous(), d.expert_counts,
-                            token_selected_experts, workspace, d.max_tokens_per_expert, d.dispatch_end,
-                            d.combine_payload_offset, em.weights_offset, *route)
+                 token_selected_experts, workspace, d.max_tokens_per_expert, d.dispatch_end,
+                 d.combine_payload_offset, em.weights_offset, *route)
 
 
 # ---- the plain functions with tensors that require grad ----------------------
