@@ -570,6 +570,9 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
     check_on_workspace_device(sc, workspace, "output_scales");
     TORCH_CHECK_VALUE(sc.is_contiguous(), "output_scales must be contiguous, got strides ", sc.strides());
     check_no_grad(sc, "output_scales");
+    // As for `output`: the peers write the workspace during the call, and
+    // scales written into it would overwrite rows or header words they use.
+    check_outside_workspace(sc, p.ws, "output_scales");
     check_apart(sc, payload, "output_scales", "the payload");
     const int64_t extent = sf_extent(p.sf_layout, local_num_tokens, scale_cols);
     TORCH_CHECK_VALUE(sc.numel() == extent, "output_scales must hold ", extent, " scales (", local_num_tokens,

@@ -792,6 +792,32 @@ def test_combine_output_in_the_workspace_is_refused(device):
     close_round(sim, CASE, inputs, results, gen)
 
 
+@pytest.mark.parametrize("where", ["header", "receive_view"])
+def test_combine_output_scales_in_the_workspace_is_refused(where, device):
+    """A quantized combine's output_scales inside the workspace (the own
+    row's header, or a receive view of this round) would overwrite words the
+    ranks use; it is refused before anything runs, and the round then closes
+    as usual."""
+    gen = make_generator(("output_scales in workspace", where))
+    sim = make_sim(CASE, device)
+    inputs = make_inputs(CASE, gen)
+    dev = inputs.to(device)
+    results = dispatch_all(sim, CASE, dev)
+    n = CASE.tokens[0]
+    blocks = CASE.hidden // 32  # MXFP8: a ue8m0 scale per 32 elements, linear layout
+    if where == "header":
+        scales = sim.workspace[0, : n * blocks].view(n, blocks)
+    else:
+        # the first bytes of this rank's received hidden rows from itself
+        scales = results[0][0][0][0, :n].view(torch.uint8).reshape(-1)[: n * blocks].view(n, blocks)
+    payload = random_tensor((CASE.ep_size, CASE.T, CASE.hidden), CASE.hidden_dtype, gen).to(device)
+    refused(sim.workspace, lambda: a2a.moe_a2a_combine(payload, n, sim.workspace, sim.metainfo[0], CASE.T, 0,
+                                                       CASE.ep_size, CASE.top_k, results[0][1],
+                                                       output_dtype=torch.float8_e4m3fn, output_scales=scales),
+            ValueError, "output_scales lies in the workspace")
+    close_round(sim, CASE, inputs, results, gen)
+
+
 def _unaligned(t, gen):
     """``t``'s values in a contiguous tensor that starts 1 element past an aligned allocation."""
     flat = random_tensor((t.numel() + 1,), t.dtype, gen)
