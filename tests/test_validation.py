@@ -404,7 +404,7 @@ def test_sanitize_rejects(device):
     past_end = torch.empty(0, dtype=torch.int32, device=ids_view.device).set_(
         ids_view.untyped_storage(), ids_view.storage_offset(), (1, 1, env.workspace.shape[1]))
     expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(
-        past_end, env.workspace, env.metainfo, 0, -1), ValueError, r"(?i)too small|width")
+        past_end, env.workspace, env.metainfo, 0, -1), ValueError, r"expert_ids must lie within rank 0's row")
     # The raw op, as a C++ caller drives it: its T is bounded by the
     # max_num_tokens it is given, which on the CPU must be the row's.
     offset = ids_view.storage_offset() * ids_view.element_size() - env.workspace.storage_offset()
@@ -416,6 +416,27 @@ def test_sanitize_rejects(device):
         expect_error(env.workspace, lambda: raw(env.workspace, 0, 1, 4 * max_tokens, T, offset, k, -1, 4, False),
                      ValueError, r"(?i)metainfo does not match the workspace")
     a2a.moe_a2a_combine(out[0], 6, env.workspace, env.metainfo, env.case.T, 0, 1, env.case.top_k, off)
+
+
+@pytest.mark.parametrize("view_rank,call_rank", [(1, 0), (0, 1)])
+def test_sanitize_names_expert_ids_of_another_ranks_row(view_rank, call_rank, device):
+    """A receive view of one rank's row sanitized with another rank's
+    metainfo and ep_rank is refused naming expert_ids and the calling rank's
+    row (not the op's internal offset); the round then closes as usual."""
+    gen = make_generator(("sanitize another row", view_rank))
+    case = Case(2, (5, 3), 2, 4, hidden=32, runtime_max=8)
+    sim = make_sim(case, device)
+    inputs = make_inputs(case, gen)
+    dev = inputs.to(device)
+    results = sim.run(lambda r: a2a.moe_a2a_dispatch(dev.ids[r], dev.payloads[r], sim.workspace, sim.metainfo[r],
+                                                     case.T, r, 2, case.top_k, case.num_experts))
+    foreign = results[view_rank][0][1]
+    expect_error(sim.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(
+        foreign, sim.workspace, sim.metainfo[call_rank], call_rank, -1), ValueError,
+        rf"moe_a2a_sanitize_expert_ids: expert_ids must lie within rank {call_rank}'s row of the workspace")
+    sim.run(lambda r: a2a.moe_a2a_combine(results[r][0][0].clone(), case.tokens[r], sim.workspace, sim.metainfo[r],
+                                          case.T, r, 2, case.top_k, results[r][1]))
+    round_trip(sim, case, make_inputs(case, gen), gen)
 
 
 def test_wrap_payload_rejects_slice_outside_row(device):

@@ -816,7 +816,8 @@ def moe_a2a_sanitize_expert_ids(
     check_backend(backend, workspace)
     meta = metainfo_values(metainfo, id(metainfo))
     if meta[0] != ep_rank:
-        raise ValueError(f"ep_rank {ep_rank} does not match the metainfo's ep_rank {meta[0]}")
+        raise ValueError(f"moe_a2a_sanitize_expert_ids: ep_rank {ep_rank!r} does not match the metainfo's ep_rank "
+                         f"{meta[0]}")
     if expert_ids.dim() != 3 or expert_ids.dtype not in ID_DTYPES or not expert_ids.is_contiguous():
         raise ValueError(
             "expert_ids must be the contiguous int32 or int64 [ep_size, runtime_max_tokens_per_rank, width] "
@@ -841,6 +842,13 @@ def moe_a2a_sanitize_expert_ids(
         # its offsets and strides are bytes).
         row_start = workspace.storage_offset() + ep_rank * workspace.stride(0)
         offset = expert_ids.storage_offset() * expert_ids.element_size() - row_start
+        # Checked here, naming expert_ids: the op sees only the offset, an
+        # argument this function's caller never passes.
+        if offset < 0 or offset + expert_ids.numel() * expert_ids.element_size() > workspace.shape[1]:
+            raise ValueError(f"moe_a2a_sanitize_expert_ids: expert_ids must lie within rank {ep_rank}'s row of the "
+                             "workspace (a receive view of this rank's moe_a2a_dispatch); it starts at byte "
+                             f"{offset} of that {workspace.shape[1]}-byte row and holds "
+                             f"{expert_ids.numel() * expert_ids.element_size()} bytes")
     if enable_pdl is None:
         enable_pdl = pdl_default(workspace)
     _ops.sanitize_expert_ids.default(
