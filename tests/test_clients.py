@@ -19,6 +19,7 @@ from conftest import (
     assert_bytes_equal,
     ep_mapping,
     make_generator,
+    random_values,
     run_ranks,
 )
 
@@ -389,6 +390,40 @@ def test_sf_layout_is_flashinfers_int_enum():
 
     assert issubclass(a2a.SfLayout, enum.IntEnum)
     assert {m.name: int(m) for m in a2a.SfLayout} == {"layout_128x4": 0, "layout_8x4": 1, "layout_linear": 2}
+
+
+@pytest.mark.parametrize("path", ["functional", "moe_alltoall"])
+def test_sf_layout_none_is_linear_as_in_flashinfer(path, device):
+    """FlashInfer's combine op takes Optional[SfLayout] and reads None as
+    linear; its moe_a2a_combine and MoeAlltoAll.combine pass sf_layout
+    through. An MXFP8 combine with sf_layout=None gives the bytes of one with
+    layout_linear (scales poisoned before each)."""
+    from torch_moe_a2a.arguments import LAYOUT_LINEAR
+
+    assert LAYOUT_LINEAR == a2a.SfLayout.layout_linear
+    gen = make_generator(("sf_layout None", path))
+    tokens, T, hidden, top_k, num_experts = 5, 8, 64, 2, 4
+    x = random_values((tokens, hidden), torch.bfloat16, gen).to(device)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen).to(device)
+    if path == "moe_alltoall":
+        moe = a2a.MoeAlltoAll(ep_mapping(0, 1), T, top_k, num_experts, hidden_size=hidden, device=device)
+    else:
+        size = a2a.moe_a2a_get_workspace_size_per_rank(1, T, hidden * 2 + top_k * 4, hidden * 2)
+        workspace = a2a.allocate_workspace(size, ep_size=1, device=device)
+        metainfo = a2a.moe_a2a_initialize(workspace, 0, 1, T)
+    results = []
+    for sf_layout in (a2a.SfLayout.layout_linear, None):
+        scales = torch.full((tokens, hidden // 32), 0xAB, dtype=torch.uint8, device=device)
+        if path == "moe_alltoall":
+            recv = moe.dispatch(ids, [x, ids], T)
+            out = moe.combine(recv[0].clone(), T, False, torch.float8_e4m3fn, scales, 1.0, sf_layout)
+        else:
+            recv, offset, _ = a2a.moe_a2a_dispatch(ids, [x, ids], workspace, metainfo, T, 0, 1, top_k, num_experts)
+            out = a2a.moe_a2a_combine(recv[0].clone(), tokens, workspace, metainfo, T, 0, 1, top_k, offset, False,
+                                      torch.float8_e4m3fn, scales, 1.0, sf_layout)
+        results.append((out.view(torch.uint8).cpu(), scales.cpu()))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert not bool((results[1][1] == 0xAB).any()), "the scales were not written"
 
 
 def test_rank_mask_enabled_needs_a_mask(device):

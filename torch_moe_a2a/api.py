@@ -605,7 +605,8 @@ def moe_a2a_combine(
             dtype (bf16 with ``use_low_precision``) and then quantized
             (csrc/quantize.h).
         output_scalar_scale: NVFP4's global scale (> 0); ignored otherwise.
-        sf_layout: the layout of ``output_scales`` (:class:`SfLayout`).
+        sf_layout: the layout of ``output_scales`` (:class:`SfLayout`; None reads as ``layout_linear``, as
+            in FlashInfer).
         output: a contiguous ``[local_num_tokens, *row_shape]`` tensor of
             ``output_dtype`` (``[local_num_tokens, hidden // 2]`` for packed
             fp4, 16-byte aligned when quantized) on the workspace's device to

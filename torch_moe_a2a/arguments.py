@@ -25,6 +25,9 @@ ID_DTYPES = (torch.int32, torch.int64)
 # Payload dtypes the combine sums.
 COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+# SfLayout.layout_linear's value (api.SfLayout, FlashInfer's): what sf_layout=None means.
+LAYOUT_LINEAR = 2
+
 
 def check_flag(name: str, value) -> None:
     """A yes/no argument: a bool (or an int 0 or 1); a string such as 'no'
@@ -147,12 +150,17 @@ def dispatch_args(fn, token_selected_experts, input_payloads, workspace, metainf
 
 def layout_value(sf_layout: Any) -> int:
     """An ``sf_layout``'s int value: SfLayout's, FlashInfer's own enum's or a
-    plain int's. A symbolic int (torch.compile made the argument dynamic) is
-    specialized: a layout is a choice of code, not a size.
+    plain int's; None is the linear layout, as FlashInfer's combine reads it
+    (its op takes ``Optional[SfLayout]``, and its ``moe_a2a_combine`` and
+    ``MoeAlltoAll.combine`` pass the argument through). A symbolic int
+    (torch.compile made the argument dynamic) is specialized: a layout is a
+    choice of code, not a size.
 
     Raises:
         ValueError: anything else (a bool too: the op would read True as layout 1).
     """
+    if sf_layout is None:
+        return LAYOUT_LINEAR
     value = sf_layout.value if isinstance(sf_layout, enum.Enum) else sf_layout
     if isinstance(value, torch.SymInt):
         value = int(value)
@@ -161,8 +169,8 @@ def layout_value(sf_layout: Any) -> int:
             raise TypeError
         return operator.index(value)
     except TypeError:
-        raise ValueError(f"sf_layout must be an SfLayout (layout_128x4, layout_8x4, layout_linear) or its int "
-                         f"value 0, 1 or 2, got {sf_layout!r}") from None
+        raise ValueError(f"sf_layout must be an SfLayout (layout_128x4, layout_8x4, layout_linear), its int "
+                         f"value 0, 1 or 2, or None (linear), got {sf_layout!r}") from None
 
 
 def data_address(t: torch.Tensor) -> int:
