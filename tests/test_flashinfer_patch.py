@@ -95,6 +95,20 @@ def test_patch_without_flashinfer_raises(monkeypatch):
         a2a.patch_flashinfer()
 
 
+@pytest.mark.parametrize("error", ["OSError('libcuda.so.1: cannot open shared object file')",
+                                   "RuntimeError('no CUDA driver')"], ids=["OSError", "RuntimeError"])
+def test_patch_with_a_flashinfer_that_fails_to_import_raises_import_error(stand_in, tmp_path, error):
+    """A FlashInfer whose all-to-all module fails at import (a CUDA library
+    missing on this machine) is reported as the ImportError the docstring and
+    the README's example catch, with the cause named, and nothing is patched."""
+    (tmp_path / "flashinfer/comm/trtllm_moe_alltoall.py").write_text(f"raise {error}\n")
+    with pytest.raises(ImportError, match=r"patch_flashinfer needs FlashInfer installed: importing "
+                                          r"flashinfer\.comm\.trtllm_moe_alltoall failed") as info:
+        a2a.patch_flashinfer()
+    assert error.split("(")[0] == type(info.value.__cause__).__name__
+    assert not flashinfer_patch.flashinfer_patched()
+
+
 def test_patch_refuses_an_unknown_flashinfer(stand_in, tmp_path):
     (tmp_path / "flashinfer/comm/__init__.py").write_text("")
     (tmp_path / "flashinfer/comm/trtllm_moe_alltoall.py").write_text("def moe_a2a_dispatch():\n    pass\n")

@@ -45,7 +45,10 @@ _replaced: list[tuple[ModuleType, str, Any]] = []
 def _flashinfer_module() -> ModuleType:
     try:
         return importlib.import_module(FLASHINFER_MODULE)
-    except ImportError as e:
+    # Not only ImportError: FlashInfer's comm modules load CUDA libraries at
+    # import, which fail with OSError or RuntimeError on a machine without
+    # them; the caller's `except ImportError` (README) must see that too.
+    except Exception as e:
         raise ImportError(
             f"patch_flashinfer needs FlashInfer installed: importing {FLASHINFER_MODULE} failed ({e}). Without "
             "FlashInfer, import the same names from torch_moe_a2a instead"
@@ -64,7 +67,8 @@ def patch_flashinfer() -> list[str]:
 
     Raises:
         ImportError: FlashInfer (``flashinfer.comm.trtllm_moe_alltoall``) does
-            not import, or lacks one of the names it replaces
+            not import (whatever its import raised, a missing CUDA library
+            too, is the cause), or lacks one of the names it replaces
             (``REPLACEMENTS``; ``moe_a2a_active_rank_mask`` came with
             FlashInfer's rank masks): then nothing is patched.
     """
