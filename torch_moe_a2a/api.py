@@ -34,7 +34,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import _C, autograd, layout
-from .arguments import ID_DTYPES, U64, check_flag, data_address, dispatch_args, layout_value, rank_mask_words
+from .arguments import ID_DTYPES, LAYOUT_LINEAR, U64, check_flag, data_address, dispatch_args, layout_value, rank_mask_words
 from .backend import MoeAlltoAllBackend, check_backend, pdl_default
 
 # check_errors and describe_error are part of this module's public names too.
@@ -80,7 +80,7 @@ class SfLayout(enum.IntEnum):
 
     layout_128x4 = 0
     layout_8x4 = 1
-    layout_linear = 2
+    layout_linear = LAYOUT_LINEAR  # what sf_layout=None means (arguments.layout_value)
 
 
 # ---------------------------------------------------------------------------
