@@ -609,13 +609,18 @@ def test_moe_alltoall_checks_sanitize_arguments_before_it_dispatches(device):
     ids_index = next(i for i, p in enumerate(payloads) if p.dtype == torch.int32)
     other = next(i for i, p in enumerate(payloads) if p.dtype != torch.int32)
     ids = payloads[ids_index]
-    for index, invalid_id, match in ((None, -1, "required"), (len(payloads), -1, "index"), (-1, -1, "index"),
-                                     (other, -1, "int32"), (ids_index, 2**40, "int32")):
+    n = len(payloads)
+    for index, invalid_id, match in ((None, -1, "required"), (n, -1, "index"), (-n - 1, -1, "index"),
+                                     (True, -1, "index"), (1.0, -1, "index"), (other, -1, "int32"),
+                                     (ids_index, 2**40, "int32")):
         expect_error(moe.workspace, lambda: moe.dispatch(ids, payloads, 4, invalid_token_expert_id=invalid_id,
                                                          expert_id_payload_index=index), ValueError, match)
-    recv = moe.dispatch(ids, payloads, 4, invalid_token_expert_id=-1, expert_id_payload_index=ids_index)
-    assert tuple(recv[ids_index].shape) == (1, 4, ids.shape[1])
-    moe.combine(torch.ones(1, 4, 64, dtype=torch.bfloat16, device=device), 4)
+    # A list index, as in FlashInfer: negative ones count from the end.
+    for index in (ids_index, ids_index - n):
+        recv = moe.dispatch(ids, payloads, 8, invalid_token_expert_id=-7, expert_id_payload_index=index)
+        assert tuple(recv[ids_index].shape) == (1, 8, ids.shape[1])
+        assert torch.equal(recv[ids_index][0, 4:].cpu(), torch.full((4, ids.shape[1]), -7, dtype=ids.dtype))
+        moe.combine(torch.ones(1, 8, 64, dtype=torch.bfloat16, device=device), 8)
 
 
 @pytest.mark.parametrize("top_k,num_experts,match", [

@@ -630,7 +630,8 @@ class MoeAlltoAll:
                 instance was built with ``enable_rank_mask=True``).
             invalid_token_expert_id: when given, the padding rows of the
                 received expert-id payload ``input_payloads[expert_id_payload_index]``
-                (an int32 or int64 payload of any width) are overwritten with it
+                (an int32 or int64 payload of any width; the index is a list
+                index, -1 the last payload, as in FlashInfer) are overwritten with it
                 (:func:`~torch_moe_a2a.moe_a2a_sanitize_expert_ids`). Not with
                 ``expert_major`` (its ``local_expert_ids`` have -1 padding).
             router_weights: ours, ``expert_major`` instances only:
@@ -1037,9 +1038,10 @@ def _check_sanitize_request(input_payloads: list, index: Optional[int], invalid_
     receive views returned."""
     if index is None:
         raise ValueError("expert_id_payload_index is required when invalid_token_expert_id is set")
-    if not isinstance(index, int) or not 0 <= index < len(input_payloads):
-        raise ValueError(f"expert_id_payload_index must index input_payloads (0..{len(input_payloads) - 1}), "
-                         f"got {index!r}")
+    n = len(input_payloads)
+    # A list index, as FlashInfer uses it (recv_tensors[expert_id_payload_index]): -1 names the last payload.
+    if isinstance(index, bool) or not isinstance(index, numbers.Integral) or not -n <= index < n:
+        raise ValueError(f"expert_id_payload_index must index input_payloads ({-n}..{n - 1}), got {index!r}")
     ids = input_payloads[index]
     if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 2:
         raise ValueError("expert_id_payload_index must name an int32 or int64 [local_num_tokens, width] payload, "
