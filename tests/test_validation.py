@@ -391,6 +391,10 @@ def test_sanitize_rejects(device):
         ids_view, env.workspace, env.metainfo, 0, -1, backend="cake"), ValueError, r"(?i)cake|capability")
     expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(None, env.workspace, env.metainfo, 0, -1),
                  ValueError, r"expert_ids must be a tensor, got NoneType")
+    for bad in (True, -1.5, "-1", None):
+        expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(ids_view, env.workspace, env.metainfo, 0,
+                                                                            bad),
+                     ValueError, rf"moe_a2a_sanitize_expert_ids: invalid_expert_id must be an int, got {bad!r}")
     expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(ids_view, None, env.metainfo, 0, -1),
                  ValueError, r"workspace must be a tensor, got NoneType")
     # Reshaped views of the plane: more rows than the workspace was initialized for.

@@ -806,7 +806,7 @@ def moe_a2a_sanitize_expert_ids(
             ``expert_ids`` not a view of ``workspace`` (under
             ``torch.compile``: not a receive view returned by
             :func:`moe_a2a_dispatch`) or not within this rank's row;
-            ``invalid_expert_id`` outside int32 for int32 ids; an unknown
+            ``invalid_expert_id`` not an int, or outside int32 for int32 ids; an unknown
             backend, or ``"cake"`` off Blackwell. CPU also: a row initialized
             with other sizes than the metainfo's.
         RuntimeError: CPU only: this rank's row not initialized, or an
@@ -819,6 +819,9 @@ def moe_a2a_sanitize_expert_ids(
     if meta[0] != ep_rank:
         raise ValueError(f"moe_a2a_sanitize_expert_ids: ep_rank {ep_rank!r} does not match the metainfo's ep_rank "
                          f"{meta[0]}")
+    if type(invalid_expert_id) is not int and not isinstance(invalid_expert_id, torch.SymInt):
+        # Else the op reads True as 1, and a float fails in the dispatcher's schema check, which names no function.
+        expect_ints("moe_a2a_sanitize_expert_ids", invalid_expert_id=invalid_expert_id)
     if expert_ids.dim() != 3 or expert_ids.dtype not in ID_DTYPES or not expert_ids.is_contiguous():
         raise ValueError(
             "expert_ids must be the contiguous int32 or int64 [ep_size, runtime_max_tokens_per_rank, width] "
