@@ -294,3 +294,73 @@ def test_no_group_outlives_the_exit_hooks(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True", "False"], proc.stdout + proc.stderr
+
+
+def _ranks_reached(ids: torch.Tensor, experts_per_rank: int) -> torch.Tensor:
+    """Per token, the distinct ranks its expert ids reach (ids all valid)."""
+    return (ids // experts_per_rank).sort(dim=1).values.diff(dim=1).ne(0).sum(dim=1) + 1
+
+
+def _failed_combine_worker(rank: int, world: int, init_file: str, wrapper: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        tokens, hidden, top_k, num_experts = 6, 32, 2, 2 * world
+        gen = make_generator(f"failed combine {rank}")
+        x = torch.randn((tokens, hidden), generator=gen).to(torch.bfloat16)
+        ids = torch.randint(0, num_experts, (tokens, top_k), generator=gen, dtype=torch.int32)
+        if wrapper == "MoeAlltoAll":
+            moe = a2a.MoeAlltoAll(ep_mapping(rank, world), tokens, top_k, num_experts, hidden_size=hidden,
+                                  group=dist.group.WORLD, device="cpu", timeout_s=10)
+            alltoall = moe
+
+            def dispatch():
+                return moe.dispatch(ids, [x], tokens)[0]
+
+            def combine(rows):
+                return moe.combine(rows, tokens)
+        else:
+            from torch_moe_a2a.moe_ep import BootstrapConfig, MoEEpCommParams, NVLinkOneSidedAlltoAll
+
+            params = MoEEpCommParams(num_experts=num_experts, top_k=top_k, max_tokens_per_rank=tokens,
+                                     hidden_size=hidden)
+            moe = NVLinkOneSidedAlltoAll(BootstrapConfig(world_size=world, rank=rank, process_group=dist.group.WORLD),
+                                         params, device="cpu")
+            alltoall = moe.alltoall
+
+            def dispatch():
+                return moe.dispatch(x, ids).hidden_states.view(world, tokens, hidden)
+
+            def combine(rows):
+                return moe.combine(rows)
+
+        rows = dispatch()
+        # Rank 1 combines fp32 rows, rank 0 bf16 ones: every rank's combine fails and records it.
+        with pytest.raises(RuntimeError, match="called the same combine with other rows"):
+            combine(rows.float() if rank == 1 else rows)
+        # The workspace stays failed: the next dispatch says so and asks for the
+        # re-initialization, not for a combine, which would fail on the record too.
+        with pytest.raises(RuntimeError, match=rf"{wrapper}.dispatch: an earlier call of the open round failed, and "
+                                               r"its record stands: .*other rows.*MoeAlltoAll.reset\(\)"):
+            dispatch()
+        alltoall.reset()
+        rows = dispatch()
+        out = combine((rows.float() * 3).to(torch.bfloat16))
+        expected = (x.float() * 3 * _ranks_reached(ids, num_experts // world)[:, None]).to(torch.bfloat16)
+        assert torch.equal(out, expected)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("wrapper", ["MoeAlltoAll", "NVLinkOneSidedAlltoAll"])
+def test_dispatch_after_a_failed_combine_asks_for_reset(wrapper, tmp_path):
+    """A combine that failed (here: the ranks combined rows of other dtypes)
+    leaves the round open and the workspace failed: the wrapper's next
+    dispatch raises the error record, which asks for a re-initialization
+    (reset()), instead of asking for the combine that closes the round; after
+    reset() on every rank (NVLinkOneSidedAlltoAll: through its alltoall) the
+    round trip works again."""
+    from conftest import run_ranks
+
+    run_ranks(_failed_combine_worker, 2, (str(tmp_path / "init"), wrapper), report_dir=tmp_path, timeout_s=120)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -50,9 +50,39 @@ def check_errors(workspace: torch.Tensor) -> None:
         RuntimeError: a rank's error record, described.
     """
     expect_tensors("check_errors", workspace=workspace)
+    for rank, message in enumerate(_records(workspace, "check_errors")):
+        if message is not None:
+            raise RuntimeError(message)
+
+
+def row_error(workspace: torch.Tensor, ep_rank: int) -> Optional[str]:
+    """The description of rank ``ep_rank``'s error record, or None where its
+    row holds none (or is not initialized); the text :func:`check_errors`
+    raises. On CUDA a sync with the current stream, as there.
+
+    Args:
+        workspace: the ``[ep_size, size_per_rank]`` uint8 workspace.
+        ep_rank: the row to read, in ``[0, ep_size)``.
+
+    Returns:
+        The record's message, or None.
+
+    Raises:
+        ValueError: ``workspace`` not a uint8 ``[ep_size, size_per_rank]``
+            tensor, or ``ep_rank`` not one of its rows.
+    """
+    expect_tensors("row_error", workspace=workspace)
+    records = _records(workspace, "row_error")
+    if isinstance(ep_rank, bool) or not isinstance(ep_rank, int) or not 0 <= ep_rank < len(records):
+        raise ValueError(f"row_error: ep_rank must be a row of the workspace, in [0, {len(records)}), got {ep_rank!r}")
+    return records[ep_rank]
+
+
+def _records(workspace: torch.Tensor, fn: str) -> list[Optional[str]]:
+    """Every row's error record, described (None: no record, or a row not initialized)."""
     if workspace.dim() != 2 or workspace.dtype != torch.uint8 or workspace.shape[1] < layout.HEADER_BYTES:
         raise ValueError(
-            f"workspace must be a uint8 [ep_size, size_per_rank] tensor, got {workspace.dtype} "
+            f"{fn}: workspace must be a uint8 [ep_size, size_per_rank] tensor, got {workspace.dtype} "
             f"{tuple(workspace.shape)}"
         )
     # The error record lies among the fixed words, which end where the flags begin.
@@ -64,9 +94,13 @@ def check_errors(workspace: torch.Tensor) -> None:
         _header_field(headers, layout.HDR_ERROR_MISSING + 8 * w, torch.int64)
         for w in range(MOE_A2A_RANK_MASK_WORDS)
     ]
+    records: list[Optional[str]] = []
     for rank in range(workspace.shape[0]):
         code = codes[rank] & 0xFFFFFFFF
         initialized = magic[rank] % (1 << layout.INIT_TAG_SHIFT) == layout.MAGIC
         if initialized and code != layout.ERROR_NONE:
             words = [m[rank] % _U64 for m in missing]
-            raise RuntimeError(describe_error(rank, code, words, details[rank] & 0xFFFFFFFF))
+            records.append(describe_error(rank, code, words, details[rank] & 0xFFFFFFFF))
+        else:
+            records.append(None)
+    return records

@@ -26,7 +26,7 @@ from .arguments import COMBINE_DTYPES, check_flag, layout_value
 from .backend import MoeAlltoAllBackend, check_backend
 from .collective import Collective, as_collective, is_comm_backend
 from .compile_marks import mark_static_address
-from .errors import check_errors
+from .errors import check_errors, row_error
 from .expert_major import (
     ExpertMajorDispatch,
     moe_a2a_combine_expert_major,
@@ -602,6 +602,29 @@ class MoeAlltoAll:
         if self._state.resets != self._shared.resets:  # through another instance sharing the workspace
             self._state = _A2AState(resets=self._shared.resets)
 
+    def _raise_open_round(self, fn: str, message: str) -> None:
+        """Refuse ``fn``, a dispatch while this instance's round is open: with
+        ``message`` where nothing failed (a refused combine changed nothing,
+        and the combine may be called again), but with the own row's error
+        record where a call of the round failed (a peer that did not arrive,
+        rows that differ): the workspace then stays failed, no combine closes
+        the round, and only a re-initialization of every rank (:meth:`reset`)
+        does.
+
+        Raises:
+            RuntimeError: always.
+        """
+        record = row_error(self.workspace, self.ep_rank)
+        if record is not None:
+            raise RuntimeError(f"{fn}: an earlier call of the open round failed, and its record stands: {record}")
+        raise RuntimeError(message)
+
+    def _round_open(self) -> bool:
+        """Whether this instance's last dispatch awaits its first combine (a
+        re-initialization through any instance sharing the row ended it)."""
+        self._check_mapped("dispatch")
+        return self._state.phase == "dispatched"
+
     def _row_initialized(self) -> None:
         """After the own row's re-initialization: every instance's round on it is over."""
         self._shared.resets += 1
@@ -645,16 +668,18 @@ class MoeAlltoAll:
             :class:`~torch_moe_a2a.ExpertMajorDispatch`.
 
         Raises:
-            RuntimeError: two dispatches without a combine, another instance
-                sharing the workspace between its dispatch and combine, or the
-                workspace released by :meth:`checkpoint_prepare`.
+            RuntimeError: two dispatches without a combine (where a call of
+                the open round failed: its error record, which asks for
+                :meth:`reset`), another instance sharing the workspace between
+                its dispatch and combine, or the workspace released by
+                :meth:`checkpoint_prepare`.
             ValueError: arguments the functional dispatch refuses; EPLB stats or
                 a rank mask the instance was not built for.
         """
         self._check_mapped("dispatch")
         if self._state.phase == "dispatched":
-            raise RuntimeError("MoeAlltoAll.dispatch called twice without combine; call combine to close the open round "
-                               "(a refused combine changed nothing)")
+            self._raise_open_round("MoeAlltoAll.dispatch", "MoeAlltoAll.dispatch called twice without combine; call "
+                                   "combine to close the open round (a refused combine changed nothing)")
         other = self._shared.active_instance()
         if other is not None and other is not self:
             raise RuntimeError("MoeAlltoAll.dispatch: another MoeAlltoAll sharing this workspace is between its "

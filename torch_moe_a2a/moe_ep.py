@@ -302,7 +302,9 @@ class NVLinkOneSidedAlltoAll:
             :class:`MoEEpDispatchResult`, rows ``[s * tokens_per_rank + j]`` from rank ``s``.
 
         Raises:
-            RuntimeError: a dispatch without a combine since the last one; after :meth:`destroy`.
+            RuntimeError: a dispatch without a combine since the last one
+                (where a call of that round failed: its error record, which
+                asks for ``alltoall.reset()``); after :meth:`destroy`.
             ValueError: ``max_tokens_per_rank`` not an int in ``(0, params.max_tokens_per_rank]``;
                 ``topk_ids`` not an integer tensor; ``hidden_states`` (or a given
                 ``hidden_states_scale``, ``topk_weights``) not a tensor with a row
@@ -310,8 +312,13 @@ class NVLinkOneSidedAlltoAll:
         """
         alltoall = self.alltoall
         if self._tokens_per_rank is not None:
-            raise RuntimeError("dispatch called twice without an intervening combine; call combine to close the open "
-                               "round (a refused combine changed nothing)")
+            if alltoall._round_open():
+                alltoall._raise_open_round(
+                    "NVLinkOneSidedAlltoAll.dispatch", "dispatch called twice without an intervening combine; call "
+                    "combine to close the open round (a refused combine changed nothing)")
+            # A re-initialization (alltoall.reset() after a failed call, checkpoint_restore) ended the round.
+            self._tokens_per_rank = None
+            self._combine_buffer = None
         limit = self.params.max_tokens_per_rank
         tokens_per_rank = limit if max_tokens_per_rank is None else max_tokens_per_rank
         # A str failed on the comparison below; a float or a bool was refused as runtime_max_tokens_per_rank.
