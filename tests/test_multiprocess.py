@@ -364,3 +364,47 @@ def test_dispatch_after_a_failed_combine_asks_for_reset(wrapper, tmp_path):
     from conftest import run_ranks
 
     run_ranks(_failed_combine_worker, 2, (str(tmp_path / "init"), wrapper), report_dir=tmp_path, timeout_s=120)
+
+
+def _two_groups_worker(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        # Global rank 0 is rank 0 of 2 in both groups, whose other members differ.
+        groups = {"A": dist.new_group([0, 1]), "B": dist.new_group([0, 2])}
+        members = {"A": (0, 1), "B": (0, 2)}
+        tokens, hidden, top_k, num_experts = 5, 16, 2, 4
+        instances = {}
+        for name in ("A", "B"):
+            if rank in members[name]:
+                place = members[name].index(rank)
+                instances[name] = a2a.MoeAlltoAll(ep_mapping(place, 2), tokens, top_k, num_experts,
+                                                  hidden_size=hidden, group=groups[name], device="cpu", timeout_s=10)
+        if rank == 0:
+            assert instances["A"].workspace.data_ptr() != instances["B"].workspace.data_ptr(), \
+                "the instance over group B took the workspace mapped over group A"
+        for name, moe in instances.items():
+            gen = make_generator(f"two groups {name} {rank}")
+            x = torch.randn((tokens, hidden), generator=gen).to(torch.bfloat16)
+            ids = torch.randint(0, num_experts, (tokens, top_k), generator=gen, dtype=torch.int32)
+            (rows,) = moe.dispatch(ids, [x], tokens)
+            out = moe.combine((rows.float() * 3).to(torch.bfloat16), tokens)
+            expected = (x.float() * 3 * _ranks_reached(ids, num_experts // 2)[:, None]).to(torch.bfloat16)
+            assert torch.equal(out, expected), f"group {name}"
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_instances_over_groups_of_other_members_do_not_share_a_workspace(tmp_path):
+    """A process that is rank 0 of 2 in two groups of other members (global
+    ranks [0, 1] and [0, 2]) builds a MoeAlltoAll of one geometry over each:
+    each maps its own workspace over its group, and both round trips give the
+    reference output. The workspace cache keyed by the geometry alone gave
+    the second instance the first group's workspace: global rank 2 waited
+    alone in the allocation, and rank 0's round trip over group B wrote into
+    rank 1's memory."""
+    from conftest import run_ranks
+
+    run_ranks(_two_groups_worker, 3, (str(tmp_path / "init"),), report_dir=tmp_path, timeout_s=120)

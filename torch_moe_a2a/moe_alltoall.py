@@ -24,7 +24,7 @@ from .api import (
 )
 from .arguments import COMBINE_DTYPES, check_flag, layout_value
 from .backend import MoeAlltoAllBackend, check_backend
-from .collective import Collective, as_collective, is_comm_backend
+from .collective import Collective, TorchGroupCollective, as_collective, is_comm_backend
 from .compile_marks import mark_static_address
 from .errors import check_errors, row_error
 from .expert_major import (
@@ -252,8 +252,9 @@ class MoeAlltoAll:
 
     Workspace ownership. Without ``workspace=``, instances of one geometry
     (``workspace_size_per_rank``, ``ep_rank``, ``ep_size``,
-    ``max_num_tokens``, ``eplb_stats_num_experts``, ``backend``, device) share
-    one workspace and one metainfo, as FlashInfer's do: the first allocates
+    ``max_num_tokens``, ``eplb_stats_num_experts``, ``backend``, device, and
+    the members of a ``torch.distributed`` group) share one workspace and
+    one metainfo, as FlashInfer's do: the first allocates
     it (collectively over the group: every rank constructs its instances in
     the same order), the process-wide cache owns it, and the rest reuse it;
     instances sharing it take turns (a dispatch while another instance is
@@ -287,7 +288,7 @@ class MoeAlltoAll:
     """
 
     # (workspace_size_per_rank, ep_rank, ep_size, max_num_tokens,
-    # eplb_stats_num_experts, backend, device) -> get_workspace's entry.
+    # eplb_stats_num_experts, backend, device, group members) -> get_workspace's entry.
     _WORKSPACE_CACHE: ClassVar[dict[tuple, "_WorkspaceEntry"]] = {}
 
     def __init__(
@@ -452,7 +453,8 @@ class MoeAlltoAll:
             group: ours, keyword-only: a ``torch.distributed`` group or a
                 FlashInfer ``CommBackend`` to map the workspace over (default:
                 the default group when ``torch.distributed`` is initialized and
-                ``ep_size > 1``).
+                ``ep_size > 1``). A group's members are part of the geometry;
+                a CommBackend's are not known here, as in FlashInfer.
             device: ours, keyword-only: where the workspace lives (default: the
                 current CUDA device if there is one, else the CPU).
 
@@ -483,7 +485,8 @@ class MoeAlltoAll:
             if (coll.rank, coll.size) != (ep_rank, ep_size):
                 raise ValueError(f"MoeAlltoAll: the mapping's (moe_ep_rank, moe_ep_size) = ({ep_rank}, "
                                  f"{ep_size}) differ from the group's (rank, size) = ({coll.rank}, {coll.size})")
-        key = (workspace_size_per_rank, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, backend, device)
+        key = (workspace_size_per_rank, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, backend, device,
+               _group_members(coll))
         entry = cls._WORKSPACE_CACHE.get(key)
         if entry is not None:
             return entry
@@ -1049,6 +1052,17 @@ class MoeAlltoAll:
         metainfo, which CUDA graphs baked in, stays valid), finished on the device."""
         reinitialize_row(self.workspace, self.metainfo)
         _synchronize(self.workspace)
+
+
+def _group_members(coll: Optional[Collective]) -> Optional[tuple[int, ...]]:
+    """The global ranks of a ``torch.distributed`` group, part of the workspace
+    cache's key: a process may be rank r of n in several groups (of other
+    members), and a workspace mapped over one of them is not the other's.
+    None for no group and for a CommBackend, whose members it does not tell
+    (FlashInfer's cache, keyed by the geometry alone)."""
+    if isinstance(coll, TorchGroupCollective):
+        return tuple(torch.distributed.get_process_group_ranks(coll.group))
+    return None
 
 
 def _synchronize(workspace: torch.Tensor) -> None:
