@@ -328,3 +328,16 @@ def test_cuda_group_workspace_needs_a_cuda_build(tmp_path):
             a2a.cuda_workspace_granularity()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("call", ["allocate_workspace", "MoeAlltoAll"])
+def test_a_group_this_process_is_not_in_is_named_as_such(call):
+    """dist.new_group returns GroupMember.NON_GROUP_MEMBER to the processes
+    outside the group; passed on as group=, it is refused as what it is, not
+    as an int that is no ProcessGroup."""
+    group = dist.GroupMember.NON_GROUP_MEMBER
+    with pytest.raises(ValueError, match=r"GroupMember.NON_GROUP_MEMBER .*this process is not a member"):
+        if call == "allocate_workspace":
+            a2a.allocate_workspace(4096, group=group)
+        else:
+            a2a.MoeAlltoAll(ep_mapping(0, 2), 8, 2, 4, hidden_size=64, group=group, device="cpu")

@@ -110,7 +110,9 @@ def as_collective(group: Any, device: Optional[torch.device] = None) -> Collecti
     """The :class:`Collective` of a ``torch.distributed`` group or a CommBackend.
 
     Raises:
-        ValueError: ``group`` is neither.
+        ValueError: ``group`` is neither; ``torch.distributed``'s
+            ``GroupMember.NON_GROUP_MEMBER``, what ``new_group`` returns to a
+            process outside the group.
     """
     if isinstance(group, (TorchGroupCollective, CommBackendCollective)):
         return group
@@ -118,6 +120,11 @@ def as_collective(group: Any, device: Optional[torch.device] = None) -> Collecti
 
     if dist.is_available() and isinstance(group, dist.ProcessGroup):
         return TorchGroupCollective(group, device)
+    if dist.is_available() and type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER:
+        # Else refused below as an int, which names the type, not the mistake.
+        raise ValueError(f"group is torch.distributed.GroupMember.NON_GROUP_MEMBER ({group}), what new_group returns "
+                         "to a process outside the group: this process is not a member; only the group's members "
+                         "map a workspace over it")
     if is_comm_backend(group):
         return CommBackendCollective(group)
     raise ValueError(f"group must be a torch.distributed ProcessGroup or an object with FlashInfer's CommBackend "
