@@ -334,15 +334,26 @@ def _failed_combine_worker(rank: int, world: int, init_file: str, wrapper: str) 
             def combine(rows):
                 return moe.combine(rows)
 
+        def record(what):
+            return rf"an earlier call on this workspace failed, and its record stands: .*{what}.*MoeAlltoAll.reset\(\)"
+
         rows = dispatch()
         # Rank 1 combines fp32 rows, rank 0 bf16 ones: every rank's combine fails and records it.
         with pytest.raises(RuntimeError, match="called the same combine with other rows"):
             combine(rows.float() if rank == 1 else rows)
         # The workspace stays failed: the next dispatch says so and asks for the
         # re-initialization, not for a combine, which would fail on the record too.
-        with pytest.raises(RuntimeError, match=rf"{wrapper}.dispatch: an earlier call of the open round failed, and "
-                                               r"its record stands: .*other rows.*MoeAlltoAll.reset\(\)"):
+        with pytest.raises(RuntimeError, match=rf"{wrapper}.dispatch: {record('other rows')}"):
             dispatch()
+        alltoall.reset()
+        # A dispatch that failed (rank 1 sends rows of half the size) leaves no
+        # round open: the combine after it raises the record too, not "call dispatch first".
+        full_x, x = x, (x[:, : hidden // 2].contiguous() if rank == 1 else x)
+        with pytest.raises(RuntimeError, match="called dispatch with other payloads"):
+            dispatch()
+        x = full_x
+        with pytest.raises(RuntimeError, match=rf"{wrapper}.combine: {record('other payloads')}"):
+            combine(rows)
         alltoall.reset()
         rows = dispatch()
         out = combine((rows.float() * 3).to(torch.bfloat16))
@@ -354,13 +365,14 @@ def _failed_combine_worker(rank: int, world: int, init_file: str, wrapper: str) 
 
 
 @pytest.mark.parametrize("wrapper", ["MoeAlltoAll", "NVLinkOneSidedAlltoAll"])
-def test_dispatch_after_a_failed_combine_asks_for_reset(wrapper, tmp_path):
+def test_calls_after_a_failed_one_ask_for_reset(wrapper, tmp_path):
     """A combine that failed (here: the ranks combined rows of other dtypes)
     leaves the round open and the workspace failed: the wrapper's next
     dispatch raises the error record, which asks for a re-initialization
-    (reset()), instead of asking for the combine that closes the round; after
-    reset() on every rank (NVLinkOneSidedAlltoAll: through its alltoall) the
-    round trip works again."""
+    (reset()), instead of asking for the combine that closes the round.
+    Likewise a combine after a failed dispatch raises the record, not "call
+    dispatch first". After reset() on every rank (NVLinkOneSidedAlltoAll:
+    through its alltoall) the round trip works again."""
     from conftest import run_ranks
 
     run_ranks(_failed_combine_worker, 2, (str(tmp_path / "init"), wrapper), report_dir=tmp_path, timeout_s=120)

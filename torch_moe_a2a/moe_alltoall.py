@@ -605,21 +605,20 @@ class MoeAlltoAll:
         if self._state.resets != self._shared.resets:  # through another instance sharing the workspace
             self._state = _A2AState(resets=self._shared.resets)
 
-    def _raise_open_round(self, fn: str, message: str) -> None:
-        """Refuse ``fn``, a dispatch while this instance's round is open: with
-        ``message`` where nothing failed (a refused combine changed nothing,
-        and the combine may be called again), but with the own row's error
-        record where a call of the round failed (a peer that did not arrive,
-        rows that differ): the workspace then stays failed, no combine closes
-        the round, and only a re-initialization of every rank (:meth:`reset`)
-        does.
+    def _raise_out_of_order(self, fn: str, message: str) -> None:
+        """Refuse ``fn``, called out of the order dispatch -> combine: with
+        ``message`` where nothing failed (a refused call changed nothing),
+        but with the own row's error record where a call failed (a peer that
+        did not arrive, rows that differ): the workspace then stays failed,
+        and neither the dispatch nor the combine that ``message`` asks for
+        works before a re-initialization of every rank (:meth:`reset`).
 
         Raises:
             RuntimeError: always.
         """
         record = row_error(self.workspace, self.ep_rank)
         if record is not None:
-            raise RuntimeError(f"{fn}: an earlier call of the open round failed, and its record stands: {record}")
+            raise RuntimeError(f"{fn}: an earlier call on this workspace failed, and its record stands: {record}")
         raise RuntimeError(message)
 
     def _round_open(self) -> bool:
@@ -671,9 +670,8 @@ class MoeAlltoAll:
             :class:`~torch_moe_a2a.ExpertMajorDispatch`.
 
         Raises:
-            RuntimeError: two dispatches without a combine (where a call of
-                the open round failed: its error record, which asks for
-                :meth:`reset`), another instance sharing the workspace between
+            RuntimeError: two dispatches without a combine (where a call
+                failed: its error record, which asks for :meth:`reset`), another instance sharing the workspace between
                 its dispatch and combine, or the workspace released by
                 :meth:`checkpoint_prepare`.
             ValueError: arguments the functional dispatch refuses; EPLB stats or
@@ -681,7 +679,7 @@ class MoeAlltoAll:
         """
         self._check_mapped("dispatch")
         if self._state.phase == "dispatched":
-            self._raise_open_round("MoeAlltoAll.dispatch", "MoeAlltoAll.dispatch called twice without combine; call "
+            self._raise_out_of_order("MoeAlltoAll.dispatch", "MoeAlltoAll.dispatch called twice without combine; call "
                                    "combine to close the open round (a refused combine changed nothing)")
         other = self._shared.active_instance()
         if other is not None and other is not self:
@@ -798,8 +796,9 @@ class MoeAlltoAll:
             ``[local_num_tokens, *payload.shape[2:]]``: a new tensor, or ``output``.
 
         Raises:
-            RuntimeError: no dispatch before it, another instance sharing the
-                workspace dispatched since this instance's dispatch, or the
+            RuntimeError: no dispatch before it (where a call failed: its
+                error record, which asks for :meth:`reset`), another instance
+                sharing the workspace dispatched since this instance's dispatch, or the
                 workspace released by :meth:`checkpoint_prepare`; what the
                 functional combine raises (peers that did not arrive within
                 the timeout).
@@ -882,8 +881,8 @@ class MoeAlltoAll:
     def _check_round(self, what: str) -> None:
         """Raises unless this instance's last dispatch is the workspace's last one."""
         if self._state.phase == "idle":
-            raise RuntimeError(f"MoeAlltoAll.{what} called before dispatch (a combine combines the rows of the "
-                               "last dispatch); call dispatch first")
+            self._raise_out_of_order(f"MoeAlltoAll.{what}", f"MoeAlltoAll.{what} called before dispatch (a combine "
+                                     "combines the rows of the last dispatch); call dispatch first")
         # Not traced, nor after a traced dispatch: _next_round.
         if not tracing() and self._state.round is not None and self._state.round != self._shared.rounds:
             raise RuntimeError(f"MoeAlltoAll.{what}: another MoeAlltoAll sharing this workspace dispatched after "

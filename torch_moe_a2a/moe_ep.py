@@ -303,8 +303,8 @@ class NVLinkOneSidedAlltoAll:
 
         Raises:
             RuntimeError: a dispatch without a combine since the last one
-                (where a call of that round failed: its error record, which
-                asks for ``alltoall.reset()``); after :meth:`destroy`.
+                (where a call failed: its error record, which asks for
+                ``alltoall.reset()``); after :meth:`destroy`.
             ValueError: ``max_tokens_per_rank`` not an int in ``(0, params.max_tokens_per_rank]``;
                 ``topk_ids`` not an integer tensor; ``hidden_states`` (or a given
                 ``hidden_states_scale``, ``topk_weights``) not a tensor with a row
@@ -313,7 +313,7 @@ class NVLinkOneSidedAlltoAll:
         alltoall = self.alltoall
         if self._tokens_per_rank is not None:
             if alltoall._round_open():
-                alltoall._raise_open_round(
+                alltoall._raise_out_of_order(
                     "NVLinkOneSidedAlltoAll.dispatch", "dispatch called twice without an intervening combine; call "
                     "combine to close the open round (a refused combine changed nothing)")
             # A re-initialization (alltoall.reset() after a failed call, checkpoint_restore) ended the round.
@@ -412,7 +412,8 @@ class NVLinkOneSidedAlltoAll:
             ``[local_num_tokens, hidden]``: ``output``, or a new tensor.
 
         Raises:
-            RuntimeError: before :meth:`dispatch`.
+            RuntimeError: before :meth:`dispatch` (where a call failed: its
+                error record, which asks for ``alltoall.reset()``).
             ValueError: ``expert_output`` not a tensor, neither 2-D nor 3-D, or 2-D with
                 another row count than ``ep_size * tokens_per_rank``; what
                 :meth:`MoeAlltoAll.combine` refuses.
@@ -420,8 +421,8 @@ class NVLinkOneSidedAlltoAll:
         alltoall = self.alltoall
         tokens_per_rank = self._tokens_per_rank
         if tokens_per_rank is None:
-            raise RuntimeError("combine called before dispatch; call dispatch first: each combine closes the round of one "
-                               "dispatch")
+            alltoall._raise_out_of_order("NVLinkOneSidedAlltoAll.combine", "combine called before dispatch; call "
+                                         "dispatch first: each combine closes the round of one dispatch")
         expect_tensors("NVLinkOneSidedAlltoAll.combine", expert_output=expert_output)  # else an AttributeError
         if expert_output.dim() not in (2, 3):
             raise ValueError(f"expert_output must be 2D or 3D, got shape {tuple(expert_output.shape)}")
