@@ -50,7 +50,7 @@ def check_errors(workspace: torch.Tensor) -> None:
         RuntimeError: a rank's error record, described.
     """
     expect_tensors("check_errors", workspace=workspace)
-    for rank, message in enumerate(_records(workspace, "check_errors")):
+    for message in _records(workspace, "check_errors"):
         if message is not None:
             raise RuntimeError(message)
 

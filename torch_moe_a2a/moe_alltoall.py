@@ -671,8 +671,9 @@ class MoeAlltoAll:
 
         Raises:
             RuntimeError: two dispatches without a combine (where a call
-                failed: its error record, which asks for :meth:`reset`), another instance sharing the workspace between
-                its dispatch and combine, or the workspace released by
+                failed: its error record, which asks for :meth:`reset`),
+                another instance sharing the workspace between its dispatch
+                and combine, or the workspace released by
                 :meth:`checkpoint_prepare`.
             ValueError: arguments the functional dispatch refuses; EPLB stats or
                 a rank mask the instance was not built for.
@@ -680,7 +681,7 @@ class MoeAlltoAll:
         self._check_mapped("dispatch")
         if self._state.phase == "dispatched":
             self._raise_out_of_order("MoeAlltoAll.dispatch", "MoeAlltoAll.dispatch called twice without combine; call "
-                                   "combine to close the open round (a refused combine changed nothing)")
+                                     "combine to close the open round (a refused combine changed nothing)")
         other = self._shared.active_instance()
         if other is not None and other is not self:
             raise RuntimeError("MoeAlltoAll.dispatch: another MoeAlltoAll sharing this workspace is between its "
@@ -798,8 +799,9 @@ class MoeAlltoAll:
         Raises:
             RuntimeError: no dispatch before it (where a call failed: its
                 error record, which asks for :meth:`reset`), another instance
-                sharing the workspace dispatched since this instance's dispatch, or the
-                workspace released by :meth:`checkpoint_prepare`; what the
+                sharing the workspace dispatched since this instance's
+                dispatch, or the workspace released by
+                :meth:`checkpoint_prepare`; what the
                 functional combine raises (peers that did not arrive within
                 the timeout).
             ValueError: another ``runtime_max_tokens_per_rank`` than the
