@@ -5,6 +5,7 @@ and through MoeAlltoAll(group=...) match the reference computed here."""
 import datetime
 import os
 import re
+import signal
 import stat
 import time
 
@@ -362,6 +363,60 @@ def _failed_combine_worker(rank: int, world: int, init_file: str, wrapper: str) 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _survivors_worker(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        survivors = dist.new_group([0, 1])  # made while every process lives: new_group is collective
+        tokens, hidden, top_k, num_experts = 6, 32, 2, 2 * world
+        gen = make_generator(f"survivors {rank}")
+        x = torch.randn((tokens, hidden), generator=gen).to(torch.bfloat16)
+        ids = torch.randint(0, num_experts, (tokens, top_k), generator=gen, dtype=torch.int32)
+        moe = a2a.MoeAlltoAll(ep_mapping(rank, world), tokens, top_k, num_experts, hidden_size=hidden,
+                              group=dist.group.WORLD, device="cpu", timeout_s=3, enable_rank_mask=True)
+        unmasked = a2a.MoeAlltoAll(ep_mapping(rank, world), tokens, top_k, num_experts, hidden_size=hidden,
+                                   group=dist.group.WORLD, device="cpu", timeout_s=3)
+        assert unmasked.workspace is moe.workspace
+
+        def round_trip(active):
+            mask = a2a.moe_a2a_active_rank_mask(active, world)
+            rows = moe.dispatch(ids, [x], tokens, active_rank_mask=mask)[0]
+            out = moe.combine((rows.float() * 3).to(torch.bfloat16), tokens, active_rank_mask=mask)
+            # Each token's row times 3 from every distinct active rank its experts reach.
+            reached = torch.stack([(ids // (num_experts // world) == r).any(dim=1) for r in active]).sum(dim=0)
+            assert torch.equal(out, (x.float() * 3 * reached[:, None]).to(torch.bfloat16))
+
+        round_trip([0, 1, 2])
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        # Rank 2 is gone: a call that waits for it times out, naming it, and
+        # the instance's group can no longer synchronize a reset.
+        with pytest.raises(RuntimeError, match=r"peers \[2\] did not arrive"):
+            round_trip([0, 1, 2])
+        with pytest.raises(ValueError, match="enable_rank_mask=True"):
+            unmasked.reset(group=survivors)
+        # Its survivors reset together and go on with it masked off.
+        moe.reset(group=survivors)
+        round_trip([0, 1])
+        round_trip([0, 1])
+        dist.barrier(group=survivors)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # three processes
+def test_survivors_of_a_dead_peer_reset_and_go_on_masking_it_off(tmp_path):
+    """A peer process killed (SIGKILL) after a round trip: the survivors' next
+    call times out naming it, they reset over a group of their own
+    (reset(group=...); the instance's group includes the dead process) and
+    their round trips with the dead rank masked off match the reference. An
+    instance without rank masks refuses such a reset."""
+    from conftest import run_ranks
+
+    run_ranks(_survivors_worker, 3, (str(tmp_path / "init"),), report_dir=tmp_path, timeout_s=120,
+              exit_codes={2: -signal.SIGKILL})
 
 
 @pytest.mark.parametrize("wrapper", ["MoeAlltoAll", "NVLinkOneSidedAlltoAll"])

@@ -1022,7 +1022,7 @@ class MoeAlltoAll:
         self._shared.mapped = True
         self._row_initialized()
 
-    def reset(self) -> None:
+    def reset(self, *, group: Any = None) -> None:
         """Re-initialize the workspace after a failure (a timed-out peer), collectively.
 
         With a group: every rank calls it; the group synchronizes (no rank is
@@ -1035,11 +1035,30 @@ class MoeAlltoAll:
         It ends the open round of every instance sharing the workspace (their
         next call is a dispatch).
 
+        Args:
+            group: ours, keyword-only: the members that reset together when
+                some of the instance's group cannot (a process that exited,
+                whose peers' calls timed out naming it): a ``torch.distributed``
+                group or a FlashInfer ``CommBackend`` of the survivors, this
+                process among them, which synchronize in place of the
+                instance's group. Every survivor calls it; their later calls
+                mask the others off (``active_rank_mask``), so the instance
+                must have been built with ``enable_rank_mask=True`` when the
+                group is smaller than ``ep_size``. Default: the instance's group.
+
         Raises:
             RuntimeError: the workspace was released by :meth:`checkpoint_prepare`.
+            ValueError: ``group`` neither kind of group, a group of more members
+                than ``ep_size``, or one of fewer without ``enable_rank_mask``.
         """
         self._check_mapped("reset")
         coll = self._shared.collective
+        if group is not None:
+            coll = as_collective(group, self.workspace.device)
+            if coll.size > self.ep_size or (coll.size < self.ep_size and not self.enable_rank_mask):
+                raise ValueError(f"MoeAlltoAll.reset: group has {coll.size} members for an instance of ep_size "
+                                 f"{self.ep_size}; a group of survivors resets an instance built with "
+                                 "enable_rank_mask=True, whose calls then mask the others off")
         _synchronize(self.workspace)
         if coll is not None:
             coll.barrier()
