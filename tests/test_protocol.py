@@ -176,6 +176,37 @@ def test_bad_expert_ids_are_skipped_and_counted(invalid_fraction, negative_fract
             assert int(got) == totals[r], f"rank {r}"
 
 
+@pytest.mark.parametrize("value,enabled", [("1", True), ("0", False), ("", False), ("true", True), (" On ", True),
+                                           ("false", False), ("off", False), ("No", False), ("2", None),
+                                           ("debug", None)])
+def test_debug_mode_values(value, enabled, monkeypatch, device):
+    """MOE_A2A_DEBUG reads as a flag: 1/true/yes/on check the ids on the host
+    (an id >= num_experts refused before any kernel runs), 0/false/no/off
+    and unset do not (the op skips and counts it); anything else is refused
+    naming the variable."""
+    monkeypatch.setenv("MOE_A2A_DEBUG", value)
+    case = Case(1, (6,), 2, 4)
+    sim = make_sim(case, device)
+    inputs = make_inputs(case, make_generator(f"debug {value}")).to(device)
+    ids = inputs.ids[0].clone()
+    ids[3, 1] = case.num_experts
+
+    def dispatch():
+        return a2a.moe_a2a_dispatch(ids, inputs.payloads[0], sim.workspace, sim.metainfo[0], 6, 0, 1, 2, 4)
+
+    if enabled is None or enabled:
+        message = (rf"MOE_A2A_DEBUG must be 1 or 0 .*, got {re.escape(repr(value))}" if enabled is None else
+                   rf"MOE_A2A_DEBUG: token_selected_experts\[3, 1\] = {case.num_experts} is >= num_experts")
+        snap = ws_snapshot(sim.workspace)
+        with pytest.raises(ValueError, match=message):
+            dispatch()
+        assert_ws_unchanged(sim.workspace, snap)
+    else:
+        out = dispatch()
+        a2a.moe_a2a_combine(out[0][0], 6, sim.workspace, sim.metainfo[0], 6, 0, 1, 2, out[1])
+        assert int(a2a.moe_a2a_get_invalid_expert_count(sim.workspace, sim.metainfo[0], 0)) == 1
+
+
 def test_debug_mode_rejects_out_of_range_ids(monkeypatch, device):
     monkeypatch.setenv("MOE_A2A_DEBUG", "1")
     case = Case(1, (6,), 2, 4)

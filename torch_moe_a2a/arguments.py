@@ -90,13 +90,30 @@ _DEBUG_KEY = "MOE_A2A_DEBUG"
 _DEBUG_RAW_KEY = os.environ.encodekey(_DEBUG_KEY) if hasattr(os.environ, "encodekey") else None
 
 
+# Its values, as a flag reads: "false" or "off" enabled the check when every
+# value other than "" and "0" did.
+_DEBUG_VALUES = {"": False, "0": False, "false": False, "no": False, "off": False,
+                 "1": True, "true": True, "yes": True, "on": True}
+
+
 def _debug_enabled() -> bool:
+    """Whether MOE_A2A_DEBUG asks for the host check of the ids.
+
+    Raises:
+        ValueError: a value that is none of 1/0, true/false, yes/no, on/off
+            (any case, spaces around them ignored).
+    """
     if isinstance(_ENVIRON_DATA, dict) and _DEBUG_RAW_KEY is not None:
         raw = _ENVIRON_DATA.get(_DEBUG_RAW_KEY)
         value = "0" if raw is None else os.environ.decodevalue(raw)
     else:
         value = os.environ.get(_DEBUG_KEY, "0")
-    return value not in ("", "0")
+    enabled = _DEBUG_VALUES.get(value)
+    if enabled is None:
+        enabled = _DEBUG_VALUES.get(value.strip().lower())
+        if enabled is None:
+            raise ValueError(f"MOE_A2A_DEBUG must be 1 or 0 (or true/false, yes/no, on/off), got {value!r}")
+    return enabled
 
 
 # MOE_A2A_DEBUG=1: refuse expert ids >= num_experts on the host before each
