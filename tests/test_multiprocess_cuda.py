@@ -421,6 +421,51 @@ def test_killed_process_makes_survivors_raise(world, kill_point, tmp_path):
         assert seconds < FAULT_RAISE_WITHIN_S, f"rank {r} took {seconds:.1f} s to raise"
 
 
+def _survivors_worker(rank, world, init_file, out_dir, devices):
+    device = _init(rank, world, init_file, devices)
+    survivors = [r for r in range(world) if r != VICTIM_RANK]
+    group = dist.new_group(survivors)  # made while every process lives: new_group is collective
+    case = CASES[world]
+    inputs = _Inputs(case, f"survivors-{world}", eplb=False)
+    gen = make_generator(f"survivors-poison-{world}-{rank}")
+    _, size = _workspace_size(case, device)
+    moe = a2a.MoeAlltoAll(ep_mapping(rank, world), case.max_tokens, case.top_k, case.num_experts,
+                          workspace_size_per_rank=size, enable_rank_mask=True, group=dist.group.WORLD,
+                          device=device, timeout_s=FAULT_TIMEOUT_S)
+    everyone = a2a.moe_a2a_active_rank_mask(list(range(world)), world)
+    _quiesce_and_poison(moe.workspace, rank, device, gen)
+    got = _moe_round(case, inputs.rounds[0], None, rank, moe, device, gen, mask=everyone)
+    _check_round(case, inputs.rounds[0], None, rank, *got, "round before the fault")
+    dist.barrier()  # the last collective of the whole group
+    if rank == VICTIM_RANK:
+        os._exit(KILLED_EXIT)
+    x = inputs.rounds[1]
+    with pytest.raises(RuntimeError, match=rf"peers \[{VICTIM_RANK}\] did not arrive"):
+        moe.dispatch(x.ids[rank].to(device), [p.to(device) for p in x.payloads[rank]], case.T,
+                     active_rank_mask=everyone)
+        _sync(device)
+        moe.check()
+    moe.reset(group=group)
+    mask = a2a.moe_a2a_active_rank_mask(survivors, world)
+    got = _moe_round(case, x, None, rank, moe, device, gen, mask=mask)
+    _check_round(case, x, None, rank, *got, "survivors' round", active=survivors)
+    moe.check()
+    dist.barrier(group=group)
+    _done(out_dir, rank)
+    # No destroy_process_group: its peers include a dead process.
+
+
+@pytest.mark.parametrize("world", _worlds(3))
+def test_survivors_reset_and_mask_off_a_dead_process(world, tmp_path):
+    """Rank 1 exits after a round trip; the survivors' next dispatch times
+    out naming it, they reset over a group of their own (made before the
+    fault) and their round trip with rank 1 masked off matches the reference."""
+    run_ranks(_survivors_worker, world, (str(tmp_path / "init"), str(tmp_path), _rank_devices(world)),
+              report_dir=tmp_path, timeout_s=PROCESS_TIMEOUT_S, env=RANK_ENV, exit_codes={VICTIM_RANK: KILLED_EXIT})
+    for r in range(world):
+        assert (tmp_path / f"rank{r}.json").exists() == (r != VICTIM_RANK), f"rank {r}"
+
+
 # ---- allocation itself (CUDA only) ---------------------------------------------------------
 
 
