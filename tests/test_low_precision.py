@@ -307,6 +307,14 @@ def _scales(n, dtype=torch.uint8, device="cpu"):
     (dict(output_dtype=FP8, output_scales=10, sf_layout="linear"), "sf_layout must be an SfLayout"),
     (dict(use_low_precision=True, output_dtype=torch.float32), "combines into torch.bfloat16"),
     (dict(low_precision_block_scales=True), "requires use_low_precision=True"),
+    # No number: float() raised a TypeError naming neither function nor argument
+    # for None, and read "2" and True as scales.
+    (dict(output_dtype=torch.uint8, output_scales=(20, FP8), output_scalar_scale=None),
+     "moe_a2a_combine: output_scalar_scale .* must be a float, got None"),
+    (dict(output_dtype=torch.uint8, output_scales=(20, FP8), output_scalar_scale="2"),
+     "moe_a2a_combine: output_scalar_scale .* got '2'"),
+    (dict(output_scalar_scale=True), "moe_a2a_combine: output_scalar_scale .* got True"),
+    (dict(output_scalar_scale=None), "moe_a2a_combine: output_scalar_scale .* got None"),
 ])
 def test_bad_combinations_raise_before_any_kernel(kwargs, match, device):
     sim, offset, payload = _dispatched(device)

@@ -604,7 +604,8 @@ def moe_a2a_combine(
             with ``use_low_precision``); the sum is rounded to the payload
             dtype (bf16 with ``use_low_precision``) and then quantized
             (csrc/quantize.h).
-        output_scalar_scale: NVFP4's global scale (> 0); ignored otherwise.
+        output_scalar_scale: NVFP4's global scale (> 0); its value is ignored
+            otherwise, but it must be a real number in every call.
         sf_layout: the layout of ``output_scales`` (:class:`SfLayout`; None reads as ``layout_linear``, as
             in FlashInfer).
         output: a contiguous ``[local_num_tokens, *row_shape]`` tensor of
@@ -635,7 +636,8 @@ def moe_a2a_combine(
         current stream (no host sync on CUDA).
 
     Raises:
-        ValueError: arguments out of range, bad combinations (a quantized
+        ValueError: arguments out of range or of the wrong type (an
+            ``output_scalar_scale`` that is no real number), bad combinations (a quantized
             ``output_dtype`` without ``output_scales`` or with scales of
             another dtype or extent, rows the block does not divide), or
             sizes and offset that are not those of the preceding dispatch
@@ -670,6 +672,8 @@ def moe_a2a_combine(
         check_flag("moe_a2a_combine: low_precision_block_scales", low_precision_block_scales)
     if output_dtype is not None and not isinstance(output_dtype, torch.dtype):
         raise ValueError(f"moe_a2a_combine: output_dtype must be a torch.dtype or None, got {output_dtype!r}")
+    if type(output_scalar_scale) is not float:  # the usual float costs one test
+        output_scalar_scale = _scalar_scale("moe_a2a_combine", output_scalar_scale)
     if low_precision_block_scales and not use_low_precision:
         raise ValueError("low_precision_block_scales=True requires use_low_precision=True")
     low_precision = (_LOW_PRECISION_BLOCK_SCALED if low_precision_block_scales else
@@ -718,7 +722,7 @@ def moe_a2a_combine(
         enable_pdl,
         low_precision,
         output_scales,
-        float(output_scalar_scale),
+        output_scalar_scale,
         sf_layout,
     )
     if not compiling and direct_call_ok(workspace, payload, output, output_scales):
@@ -736,6 +740,24 @@ def moe_a2a_combine(
         return _ops.combine.default(*args)
     _ops.combine_into.default(*args, output)
     return output
+
+
+def _scalar_scale(fn: str, value) -> float:
+    """``output_scalar_scale`` as a float: a real number (an int, a numpy
+    float, a one-element tensor) converts; None, a bool or a string does not,
+    though ``float()`` would read ``True`` and ``"2"`` as scales and raise a
+    TypeError that names neither the function nor the argument for None.
+
+    Raises:
+        ValueError: ``value`` is not a real number.
+    """
+    if value is None or isinstance(value, (bool, str, bytes)):
+        raise ValueError(f"{fn}: output_scalar_scale (NVFP4's global scale) must be a float, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several elements
+        raise ValueError(f"{fn}: output_scalar_scale (NVFP4's global scale) must be a float, got "
+                         f"{value!r}") from None
 
 
 def _check_payload_in_workspace(
