@@ -657,6 +657,36 @@ def test_moe_alltoall_expert_major(device):
         assert_bytes_equal(outs[r].cpu(), expected[r], f"rank {r}")
 
 
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(use_low_precision=True), NotImplementedError, "rank-major combine only"),
+    (dict(output_dtype=torch.float8_e4m3fn, output_scales=torch.zeros(8, dtype=torch.uint8)), NotImplementedError,
+     "rank-major combine only"),
+    # Not a flag: 'no' read as yes, and the refusal named an option the caller turned off.
+    (dict(use_low_precision="no"), ValueError, "MoeAlltoAll.combine: use_low_precision must be True or False"),
+    (dict(low_precision_block_scales="off"), ValueError,
+     "MoeAlltoAll.combine: low_precision_block_scales must be True or False"),
+])
+def test_moe_alltoall_expert_major_refuses_low_precision(kwargs, error, match, device):
+    """After an expert-major dispatch, MoeAlltoAll.combine refuses the options of
+    the rank-major combine before any kernel runs, flags that are no flags as
+    the functional combine does; the round stays open for the combine after."""
+    case = EmCase(1, (5,), 2, 4, hidden=32, extra=False)
+    a2a.MoeAlltoAll.clear_workspace_cache()  # a workspace of its own: no round another test left open
+    moe = a2a.MoeAlltoAll(ep_mapping(0, 1), case.T, case.top_k, case.num_experts, hidden_size=case.hidden,
+                          device=device, expert_major=True)
+    ids, payloads, weights = em_inputs(case, make_generator(("expert-major refusals", match)))
+    got = moe.dispatch(ids[0].to(device), [payloads[0][0].to(device)], case.T, router_weights=weights[0].to(device))
+    before = ws_snapshot(moe.workspace)
+    with pytest.raises(error, match=match):
+        moe.combine(got.output_payloads[0], case.T, **kwargs)
+    assert_ws_unchanged(moe.workspace, before)
+    out = moe.combine(got.output_payloads[0], case.T)
+    ref = reference.reference_dispatch_expert_major(ids, [[p[0]] for p in payloads], weights, ep_size=1,
+                                                    num_experts=case.num_experts, max_tokens_per_expert=case.M)
+    assert_bytes_equal(out.cpu(), reference.reference_combine_expert_major([p[0] for p in ref.planes], ref)[0],
+                       "the combine after the refusal")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_expert_major_cuda_graph_replays():
     """Each simulated rank's expert-major step (dispatch, a stand-in expert on the

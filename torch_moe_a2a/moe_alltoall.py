@@ -822,6 +822,12 @@ class MoeAlltoAll:
             raise ValueError("active_rank_mask requires the instance to be constructed with enable_rank_mask=True")
         dispatched = self._state.expert_major
         if dispatched is not None:
+            # The flags first, as the functional combine checks them: 'no' is
+            # truthy and would read as a request for the low-precision combine.
+            for name, flag in (("use_low_precision", use_low_precision),
+                               ("low_precision_block_scales", low_precision_block_scales)):
+                if flag is not False and flag is not True:
+                    check_flag(f"MoeAlltoAll.combine: {name}", flag)
             if output_scales is not None or use_low_precision or low_precision_block_scales or \
                     layout_value(sf_layout) != SfLayout.layout_linear.value:
                 raise NotImplementedError("MoeAlltoAll.combine after an expert-major dispatch: use_low_precision, "
