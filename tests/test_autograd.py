@@ -1102,7 +1102,12 @@ def test_plain_combine_with_grad_after_a_plain_dispatch_is_refused():
     with pytest.raises(ValueError, match="moe_a2a_combine: output is not taken with a payload that requires grad"):
         a2a.moe_a2a_combine(recv * weight, tokens, sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k, offset,
                             output=torch.empty(tokens, hidden))
-    out = a2a.moe_a2a_combine(recv * weight, tokens, sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k, offset)
+    # The flags are read as the plain combine reads them: 'no' is no flag, 0 is off.
+    with pytest.raises(ValueError, match="moe_a2a_combine: use_low_precision must be True or False, got 'no'"):
+        a2a.moe_a2a_combine(recv * weight, tokens, sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k, offset,
+                            use_low_precision="no")
+    out = a2a.moe_a2a_combine(recv * weight, tokens, sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k, offset,
+                              use_low_precision=0, low_precision_block_scales=0)
     out.sum().backward()
     assert x.grad is not None and weight.grad is not None
 

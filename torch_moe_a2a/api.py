@@ -650,6 +650,10 @@ def moe_a2a_combine(
     if output is not None:
         check_output_first("moe_a2a_combine", output, workspace)
     check_backend(backend, workspace)
+    if use_low_precision is not False and use_low_precision is not True:  # 'no' would read as yes
+        check_flag("moe_a2a_combine: use_low_precision", use_low_precision)
+    if low_precision_block_scales is not False and low_precision_block_scales is not True:
+        check_flag("moe_a2a_combine: low_precision_block_scales", low_precision_block_scales)
     if wants_grad(payload):
         # Eager, a payload that requires grad: the differentiable combine (autograd.py).
         return autograd.combine_with_grad(
@@ -657,8 +661,8 @@ def moe_a2a_combine(
             ep_size, top_k, combine_payload_offset, enable_pdl, enable_rank_mask, active_rank_mask, timeout_s,
             payload_in_workspace=payload_in_workspace, output=output is not None,
             output_dtype=output_dtype is not None and output_dtype != payload.dtype,
-            output_scales=output_scales is not None, use_low_precision=use_low_precision is not False,
-            low_precision_block_scales=low_precision_block_scales is not False)
+            output_scales=output_scales is not None, use_low_precision=bool(use_low_precision),
+            low_precision_block_scales=bool(low_precision_block_scales))
     # By value, so FlashInfer's own SfLayout (or a plain int) is understood too.
     sf_layout = layout_value(sf_layout)
     if bool in (type(local_num_tokens), type(runtime_max_tokens_per_rank), type(top_k),
@@ -666,10 +670,6 @@ def moe_a2a_combine(
         expect_ints("moe_a2a_combine", local_num_tokens=local_num_tokens,
                     runtime_max_tokens_per_rank=runtime_max_tokens_per_rank, top_k=top_k,
                     combine_payload_offset=combine_payload_offset)
-    if use_low_precision is not False and use_low_precision is not True:  # 'no' would read as yes
-        check_flag("moe_a2a_combine: use_low_precision", use_low_precision)
-    if low_precision_block_scales is not False and low_precision_block_scales is not True:
-        check_flag("moe_a2a_combine: low_precision_block_scales", low_precision_block_scales)
     if output_dtype is not None and not isinstance(output_dtype, torch.dtype):
         raise ValueError(f"moe_a2a_combine: output_dtype must be a torch.dtype or None, got {output_dtype!r}")
     if type(output_scalar_scale) is not float:  # the usual float costs one test
