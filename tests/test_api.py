@@ -619,3 +619,35 @@ def test_int64_expert_ids_route_as_int32(ep_size, device):
         assert_bytes_equal(a, b, "combine output")
     for r in range(ep_size):
         assert torch.equal(results[0].counts[r], results[1].counts[r])
+
+
+def test_a_default_device_leaves_the_host_tensors_on_the_cpu():
+    """Model code builds its layers under ``with torch.device("cuda")`` (or
+    ``torch.set_default_device``): the metainfo and the rank mask are still
+    the CPU tensors the ops read on the host, and a round trip built there
+    works. The meta device stands for the GPU here."""
+    gen = make_generator("default-device")
+    ep_size, tokens, hidden, num_experts, top_k = 2, 6, 16, 4, 2
+    ids = [torch.randint(0, num_experts, (tokens, top_k), generator=gen, dtype=torch.int32) for _ in range(ep_size)]
+    x = [torch.randn(tokens, hidden, generator=gen, device="cpu") for _ in range(ep_size)]
+    with torch.device("meta"):
+        mask = a2a.moe_a2a_active_rank_mask([0, 1], ep_size)
+        sim = a2a.SimulatedEP(ep_size, tokens, dispatch_bytes_per_token=4 * hidden,
+                              combine_bytes_per_token=4 * hidden, timeout_s=10)
+        moe = a2a.MoeAlltoAll(a2a.Mapping(), tokens, top_k, num_experts, hidden_size=hidden, device="cpu",
+                              dtype=torch.float32)
+    assert mask.device.type == "cpu" and mask.tolist()[0] == 3
+    assert all(m.device.type == "cpu" for m in sim.metainfo) and moe.metainfo.device.type == "cpu"
+
+    def rank_round_trip(r):
+        recv, offset, _ = sim.dispatch_rank(r, ids[r], [x[r]], tokens, top_k, num_experts)
+        return sim.combine_rank(r, recv[0] * 2, tokens, tokens, top_k, offset)
+
+    with torch.device("meta"):
+        outs = sim.run(rank_round_trip)
+        (recv,) = moe.dispatch(ids[0], [x[0]], tokens)
+        out = moe.combine(recv * 2, tokens)
+    destinations = [(i // 2).sort(dim=1).values.diff(dim=1).ne(0).sum(dim=1) + 1 for i in ids]  # experts 0-1: rank 0
+    for r in range(ep_size):
+        torch.testing.assert_close(outs[r], x[r] * 2 * destinations[r][:, None], rtol=0, atol=0)
+    torch.testing.assert_close(out, x[0] * 2, rtol=0, atol=0)

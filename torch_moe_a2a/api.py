@@ -266,7 +266,9 @@ def moe_a2a_initialize(
     values[layout.META_MAILBOX_ADDR] = mailbox
     # At least 1 us: 0 means "none".
     values[layout.META_TIMEOUT_US] = 0 if timeout_s is None else max(1, round(timeout_s * 1e6))
-    metainfo = torch.tensor(values, dtype=torch.int64)
+    # On the CPU whatever torch.set_default_device (or a `with torch.device(...)`
+    # block around model construction) says: the ops read it on the host.
+    metainfo = torch.tensor(values, dtype=torch.int64, device="cpu")
     metainfo_values(metainfo, id(metainfo))  # warm the cache
     return metainfo
 
@@ -394,7 +396,8 @@ def moe_a2a_active_rank_mask(active_ranks: Union[Sequence[int], torch.Tensor], e
             raise ValueError(f"active_ranks[{i}]: rank {rank} out of range [0, {ep_size})")
         mask |= 1 << rank
     words = [(mask >> (64 * w)) & (U64 - 1) for w in range(MOE_A2A_RANK_MASK_WORDS)]
-    return torch.tensor(words, dtype=torch.uint64)
+    # The CPU mask the docs promise, whatever the default device.
+    return torch.tensor(words, dtype=torch.uint64, device="cpu")
 
 
 def moe_a2a_dispatch(
