@@ -8,7 +8,10 @@ same seeded inputs of all ranks."""
 
 from __future__ import annotations
 
+import copy
 import datetime
+import io
+import pickle
 
 import pytest
 import torch
@@ -776,3 +779,47 @@ def test_one_sided_dispatch_bytes_per_token(fmt, expected):
     scales, by FlashInfer's format names (hidden 64)."""
     params = MoEEpCommParams(num_experts=4, top_k=2, max_tokens_per_rank=8, hidden_size=64, dispatch_format=fmt)
     assert params.dispatch_bytes_per_token == expected
+
+
+def test_copies_of_an_instance_share_its_workspace():
+    """copy.deepcopy of a model that holds a MoeAlltoAll (a reference or EMA
+    copy) gives instances on the same workspace, so the copies' round trips
+    meet their peers; a copy opens no round of its own; pickling (torch.save
+    of the model) is refused with an error that names the class."""
+    ep_size, tokens, hidden, num_experts, top_k = 2, 5, 8, 4, 2
+    sim = a2a.SimulatedEP(ep_size, tokens, dispatch_bytes_per_token=4 * hidden,
+                          combine_bytes_per_token=4 * hidden, timeout_s=5)
+    layers = [torch.nn.Module() for _ in range(ep_size)]
+    for r, layer in enumerate(layers):
+        layer.a2a = a2a.MoeAlltoAll(ep_mapping(r, ep_size), tokens, top_k, num_experts, workspace=sim.workspace,
+                                    timeout_s=5)
+    copies = copy.deepcopy(layers)
+    assert all(c.a2a.workspace is layer.a2a.workspace for c, layer in zip(copies, layers))
+    gen = make_generator("deepcopy")
+    ids = [torch.randint(0, num_experts, (tokens, top_k), generator=gen, dtype=torch.int32) for _ in range(ep_size)]
+    x = [torch.randn(tokens, hidden, generator=gen) for _ in range(ep_size)]
+
+    def round_trip(rank, holders):
+        (recv,) = holders[rank].a2a.dispatch(ids[rank], [x[rank]], tokens)
+        return holders[rank].a2a.combine(recv * 3, tokens)
+
+    for holders in (copies, layers, copies):
+        outs = sim.run(lambda r, holders=holders: round_trip(r, holders))
+        for r in range(ep_size):
+            reached = (ids[r] // 2).sort(dim=1).values.diff(dim=1).ne(0).sum(dim=1) + 1  # experts 0-1: rank 0
+            torch.testing.assert_close(outs[r], x[r] * 3 * reached[:, None], rtol=0, atol=0)
+
+    # A shallow copy taken inside a round has none open: the original closes it.
+    moe = _ep1("cpu")
+    ids1, hidden1 = torch.tensor([[0, 1]], dtype=torch.int32), torch.ones((1, 64), dtype=torch.bfloat16)
+    moe.dispatch(ids1, [hidden1], 1)
+    shallow = copy.copy(moe)
+    with pytest.raises(RuntimeError, match="MoeAlltoAll.combine called before dispatch"):
+        shallow.combine(torch.zeros((1, 1, 64), dtype=torch.bfloat16), 1)
+    with pytest.raises(RuntimeError, match="another MoeAlltoAll sharing this workspace"):
+        shallow.dispatch(ids1, [hidden1], 1)
+    assert moe.combine(torch.ones((1, 1, 64), dtype=torch.bfloat16), 1).sum() == 64
+    with pytest.raises(TypeError, match="MoeAlltoAll cannot be pickled"):
+        pickle.dumps(moe)
+    with pytest.raises(TypeError, match="MoeAlltoAll cannot be pickled"):
+        torch.save(layers[0], io.BytesIO())

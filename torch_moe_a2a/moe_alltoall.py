@@ -267,6 +267,14 @@ class MoeAlltoAll:
     before its owner zeroed it. Without a group (``ep_size == 1``) it is a
     plain zeroed tensor.
 
+    Copies: ``copy.copy`` and ``copy.deepcopy`` of an instance (or of a
+    model that holds one) give a new instance on the same workspace, as one
+    built with the same geometry would share it, with no round open; a
+    private copy of the workspace would be memory no peer writes into, and
+    its calls would wait for peers that never come. Pickling
+    (``torch.save`` of a model that holds one included) raises TypeError:
+    the workspace is memory mapped into this process and its peers.
+
     The workspace is marked static (as ``torch._dynamo.mark_static_address`` does) so
     CUDA-graph trees (``mode="reduce-overhead"``) accept the in-place
     mutations of the ops (docs/DESIGN.md section 4).
@@ -405,6 +413,34 @@ class MoeAlltoAll:
         self._recv_counts = moe_a2a_get_recv_counts(self.workspace, self.metainfo, self.ep_rank)
         self._recv_view_cache: dict = {"_workspace": self.workspace}
         self._state = _A2AState(resets=self._shared.resets)
+
+    def __copy__(self) -> "MoeAlltoAll":
+        """A new instance on this one's workspace, as the class docstring says.
+
+        Returns:
+            An instance of this geometry and options sharing the workspace and
+            the metainfo, with no round open (its first call is a dispatch).
+        """
+        copied = object.__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        # Per-instance state: the open round and the receive views of its dispatches.
+        copied._recv_view_cache = {"_workspace": self.workspace}
+        copied._state = _A2AState(resets=self._shared.resets)
+        return copied
+
+    def __deepcopy__(self, memo: dict) -> "MoeAlltoAll":
+        """As :meth:`__copy__`: the workspace is the ranks' meeting place, not data to duplicate."""
+        return self.__copy__()
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        """Pickling is refused.
+
+        Raises:
+            TypeError: always; the workspace is memory of this process and its peers.
+        """
+        raise TypeError("MoeAlltoAll cannot be pickled: its workspace is memory mapped into this process (and its "
+                        "peers); build an instance in the process that needs one, and leave it out of what "
+                        "torch.save stores (a state_dict, not the module)")
 
     def _shared_row(self, workspace: torch.Tensor, max_num_tokens: int, eplb_n: int,
                     backend: MoeAlltoAllBackend) -> _SharedWorkspace:
