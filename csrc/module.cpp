@@ -26,6 +26,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/extension.h>
 
+#include "cpu/kernels.h"
 #include "ops.h"
 #include "protocol.h"
 #include "schemas.h"
@@ -368,6 +369,43 @@ at::Tensor combine_round(const at::Tensor& payload, const at::Tensor& token_sele
   });
 }
 
+// ---- Ctrl-C during a CPU wait (cpu::InterruptHooks) ----
+
+// Python runs signal handlers in its main thread only: that thread's ident
+// (threading.main_thread()), read at import.
+unsigned long g_main_thread = 0;
+// The exception a signal handler raised during a wait, until the op raises it
+// (only the main thread sets and takes it).
+PyObject* g_interrupt_type = nullptr;
+PyObject* g_interrupt_value = nullptr;
+PyObject* g_interrupt_traceback = nullptr;
+
+// cpu::InterruptHooks::pending: runs the main thread's pending signal
+// handlers (a wait of another thread answers false at once). A handler that
+// raises (the default SIGINT one: KeyboardInterrupt) ends the wait; its
+// exception is kept for raise_interrupted.
+bool interrupt_pending() {
+  if (PyThread_get_thread_ident() != g_main_thread || !Py_IsInitialized()) return false;
+  pybind11::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() == 0) return false;
+  PyErr_Fetch(&g_interrupt_type, &g_interrupt_value, &g_interrupt_traceback);
+  return true;
+}
+
+// cpu::InterruptHooks::raise: the kept exception leaves the op (through
+// pybind11 and torch.ops alike, which pass a pybind11::error_already_set on),
+// with the record as a note (Python 3.11+) that says what the workspace is now.
+void raise_interrupted(const std::string& record) {
+  if (PyThread_get_thread_ident() != g_main_thread) return;
+  pybind11::gil_scoped_acquire gil;
+  if (g_interrupt_type == nullptr) return;
+  PyErr_Restore(g_interrupt_type, g_interrupt_value, g_interrupt_traceback);
+  g_interrupt_type = g_interrupt_value = g_interrupt_traceback = nullptr;
+  pybind11::error_already_set error;
+  if (pybind11::hasattr(error.value(), "add_note")) error.value().attr("add_note")(record);
+  throw error;
+}
+
 }  // namespace
 }  // namespace moe_a2a
 
@@ -405,4 +443,24 @@ PYBIND11_MODULE(_C, m) {
   m.def("combine_owned", &moe_a2a::combine_owned, py::call_guard<py::gil_scoped_release>());
   m.def("dispatch_round", &moe_a2a::dispatch_round, py::call_guard<py::gil_scoped_release>());
   m.def("combine_round", &moe_a2a::combine_round, py::call_guard<py::gil_scoped_release>());
+  // Ctrl-C ends the CPU waits of the main thread (csrc/cpu/kernels.h).
+  moe_a2a::g_main_thread = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
+  moe_a2a::cpu::set_interrupt_hooks({&moe_a2a::interrupt_pending, &moe_a2a::raise_interrupted});
+  // SimulatedEP.run, interrupted: ends every rank's call (cpu::record_interrupted_rows).
+  m.def(
+      "record_interrupted_rows",
+      [](const at::Tensor& workspace) {
+        // The workspace SimulatedEP allocated: [ep_size, size_per_rank] uint8 CPU rows.
+        TORCH_CHECK_VALUE(workspace.device().is_cpu() && workspace.dim() == 2 && workspace.scalar_type() == at::kByte &&
+                              workspace.stride(1) == 1 && workspace.size(1) >= moe_a2a::kHeaderBytes,
+                          "record_interrupted_rows: a CPU uint8 [ep_size, size_per_rank] workspace expected, got ",
+                          workspace.scalar_type(), " ", workspace.sizes(), " on ", workspace.device());
+        moe_a2a::WorkspaceView ws{};
+        ws.base = static_cast<uint8_t*>(workspace.data_ptr());
+        ws.row_stride = workspace.stride(0);
+        ws.size_per_rank = workspace.size(1);
+        ws.ep_size = static_cast<int>(workspace.size(0));
+        moe_a2a::cpu::record_interrupted_rows(ws);
+      },
+      py::arg("workspace"));
 }

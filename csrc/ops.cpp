@@ -912,6 +912,14 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
          << "arrive; seen while this rank waited for them in its "
          << (detail == kErrorDispatchTimeout ? "dispatch" : "combine") << ")";
       break;
+    case kErrorInterrupted:
+      if (rank_list(missing) == "[]") {
+        os << "interrupted inside a call (SimulatedEP.run, stopped by KeyboardInterrupt, ended its ranks' calls)";
+      } else {
+        os << "interrupted (KeyboardInterrupt or another signal's exception) while it waited for peers "
+           << rank_list(missing) << " in its " << (detail == kErrorDispatchTimeout ? "dispatch" : "combine");
+      }
+      break;
     case kErrorCombineRowsMismatch:
       os << "peers " << rank_list(missing) << " called the same combine with other rows than this rank's (their "
          << "payload dtype, row size or use_low_precision differ, or one rank combined expert-major and another "
@@ -971,7 +979,11 @@ void raise_if_mailbox_error(int64_t mailbox, int64_t ep_rank) {
 
 void raise_if_wait_failed(const WaitResult& result, int64_t ep_rank) {
   if (result.code == kErrorNone) return;
-  TORCH_CHECK(false, describe_error(ep_rank, result.code, result.missing, result.detail));
+  const std::string record = describe_error(ep_rank, result.code, result.missing, result.detail);
+  if (result.code == kErrorInterrupted) {
+    cpu::raise_interrupted(record);  // the Python exception that interrupted the wait, where there is one
+  }
+  TORCH_CHECK(false, record);
 }
 
 void check_expert_ids_host(const at::Tensor& token_selected_experts, int64_t num_experts) {

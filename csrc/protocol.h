@@ -311,6 +311,13 @@ enum ErrorCode : uint32_t {
   // words, which an initialization after a failure ends: the peer's error is
   // still in its row until then.
   kErrorPeerFailed = 8,
+  // The call was interrupted while it waited for the peers in its mask (a
+  // signal whose Python handler raised, KeyboardInterrupt at Ctrl-C: the
+  // CPU waits of a Python process's main thread look for one; detail: the
+  // timeout code of the wait), or, with no peers named, SimulatedEP.run was
+  // and recorded it in every row so that every rank's wait ends. The peers
+  // see a failed rank (kErrorPeerFailed).
+  kErrorInterrupted = 9,
 };
 // A healthy round's waits end within microseconds: only a longer wait reads
 // the peers' error words, in their rows (remote memory on other GPUs).

@@ -6,6 +6,9 @@ and the correct calls that follow give the reference result."""
 import dataclasses
 import math
 import re
+import signal
+import sys
+import threading
 import time
 
 import pytest
@@ -405,6 +408,73 @@ def test_timeout_bounds_direct_calls(where, phase, monkeypatch, device):
     sim.reset()
     assert all(torch.equal(a, b) for a, b in zip(metainfo, sim.metainfo))
     a2a.check_errors(sim.workspace)  # the recorded timeout is cleared
+    round_trip(sim, CASE, make_inputs(CASE, gen), gen)
+
+
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt in the main thread (Python's default,
+    whatever the test runner installed) for the test's duration."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_once_rank0_waits(sim):
+    """Starts a thread that sends the main thread SIGINT once rank 0's dispatch
+    has released its flag to rank 1 (it then waits for its peers)."""
+    def send():
+        while header_i32(sim.workspace, 1, layout.HDR_DISPATCH_FLAGS) == 0:  # flags[0] of rank 1's header
+            time.sleep(0.001)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    return sender
+
+
+@pytest.mark.parametrize("where", ["call", "simulated_ep"])
+def test_ctrl_c_ends_a_wait(where, sigint_raises):
+    """Ctrl-C during a wait of 60 s raises KeyboardInterrupt at once: in a
+    call of the main thread (as one rank per process makes them), the op's
+    wait ends and records the interruption in its row; in SimulatedEP.run,
+    whose main thread waits for the ranks' threads, every rank's wait ends
+    and every rank has returned when it raises. Either way the workspace is
+    failed, as after a timeout, until a reset, after which the ranks work."""
+    gen = make_generator(("ctrl-c", where))
+    sim = make_sim(CASE, "cpu", timeout_s=60)
+    x = make_inputs(CASE, gen)
+    returned = [False] * CASE.ep_size
+
+    def rank(r):  # rank 2 never comes; in SimulatedEP.run rank 1 dispatches too
+        try:
+            if r == 0 or (where == "simulated_ep" and r == 1):
+                a2a.moe_a2a_dispatch(x.ids[r], x.payloads[r], sim.workspace, sim.metainfo[r], CASE.T, r,
+                                     CASE.ep_size, CASE.top_k, CASE.num_experts)
+        finally:
+            returned[r] = True
+
+    sender = _ctrl_c_once_rank0_waits(sim)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt) as info:
+        rank(0) if where == "call" else sim.run(rank)
+    elapsed = time.monotonic() - start
+    sender.join()
+    assert elapsed < 10, f"Ctrl-C ended the wait after {elapsed:.2f} s"
+    codes = [header_i32(sim.workspace, r, layout.HDR_ERROR_CODE) for r in range(CASE.ep_size)]
+    if where == "call":
+        assert codes[0] == layout.ERROR_INTERRUPTED, codes
+        if sys.version_info >= (3, 11):  # exceptions take notes from 3.11
+            note = " ".join(getattr(info.value, "__notes__", []))
+            assert "rank 0: interrupted" in note and "waited for peers [1, 2] in its dispatch" in note, note
+            assert "until every rank calls moe_a2a_initialize again" in note, note
+    else:
+        assert all(returned), returned
+        assert codes == [layout.ERROR_PEER_FAILED, layout.ERROR_PEER_FAILED, layout.ERROR_INTERRUPTED], codes
+    with pytest.raises(RuntimeError, match="an earlier call on this workspace failed.*rank 0: "):
+        a2a.moe_a2a_dispatch(x.ids[0], x.payloads[0], sim.workspace, sim.metainfo[0], CASE.T, 0, CASE.ep_size,
+                             CASE.top_k, CASE.num_experts)
+    sim.reset()
     round_trip(sim, CASE, make_inputs(CASE, gen), gen)
 
 

@@ -22,6 +22,7 @@ decisions and their measured effect').
 
 from __future__ import annotations
 
+import signal
 import threading
 from typing import Any, Callable, Optional, TypeVar
 
@@ -130,6 +131,10 @@ class SimulatedEP:
         all of them afterwards, so the results are ordered like ordinary work.
         If a rank raises, the others still run to completion (their waits for
         it end at the timeout) and then the first exception raised is re-raised.
+        CPU: interrupted in the main thread (Ctrl-C), it records the
+        interruption in every row of the workspace, which ends every rank's
+        wait within milliseconds, waits for the ranks' ``fn`` to return and
+        re-raises; the workspace then stays failed until :meth:`reset`.
 
         Args:
             fn: called once per rank with the rank (an int in ``[0, ep_size)``).
@@ -140,10 +145,17 @@ class SimulatedEP:
         Raises:
             BaseException: the first exception a rank's ``fn`` raised (in the
                 order they were raised), after every rank finished.
+            KeyboardInterrupt: the main thread's, after every rank finished
+                (CPU, as above).
         """
         results: list[Any] = [None] * self.ep_size
         errors: list[BaseException] = []  # in the order they were raised
         lock = threading.Lock()
+
+        # Set when a rank's fn has returned: after an interrupted join, Thread.join
+        # may return while the thread still runs (CPython 3.11's join marks a
+        # thread stopped when a signal handler raised inside it).
+        finished = [threading.Event() for _ in range(self.ep_size)]
 
         def call(rank: int) -> None:
             try:
@@ -151,13 +163,35 @@ class SimulatedEP:
             except BaseException as e:  # noqa: BLE001 - re-raised below, after every rank finished
                 with lock:
                     errors.append(e)
+            finally:
+                finished[rank].set()
 
         if self.streams is None:
             threads = [threading.Thread(target=call, args=(r,), name=f"moe_a2a_rank{r}") for r in range(self.ep_size)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            # The rank threads start with SIGINT blocked and keep it so (a
+            # thread inherits the mask): Ctrl-C then reaches this thread, whose
+            # join it interrupts (delivered to a rank thread, it would wake
+            # nobody), and never falls between two starts.
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                try:
+                    for t in threads:
+                        t.start()
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+                for t in threads:
+                    t.join()
+            except BaseException:
+                # Interrupted (KeyboardInterrupt in join): the ranks' calls would
+                # go on waiting for each other until their timeout, and a reset()
+                # meanwhile would re-initialize rows under them. An error record
+                # in every row ends every wait within about a millisecond (a
+                # failed peer), so the ranks are done when this raises.
+                _C.record_interrupted_rows(self.workspace)
+                for t, event in zip(threads, finished):
+                    if t.ident is not None:  # started
+                        event.wait()
+                raise
         else:
             current = torch.cuda.current_stream(self.device)
             for rank, stream in enumerate(self.streams):

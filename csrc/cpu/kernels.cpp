@@ -10,6 +10,7 @@
 #include "kernels.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <sstream>
@@ -37,6 +38,12 @@ constexpr int kSpinRounds = 256;
 constexpr int kYieldRounds = 64;
 constexpr std::chrono::microseconds kFirstSleep{20};
 constexpr std::chrono::microseconds kMaxSleep{1000};
+// How often a sleeping wait asks InterruptHooks::pending: Ctrl-C ends it
+// within about this long, at the cost of taking the GIL that often.
+constexpr std::chrono::milliseconds kInterruptCheckInterval{20};
+
+std::atomic<bool (*)()> g_interrupt_pending{nullptr};
+std::atomic<void (*)(const std::string&)> g_interrupt_raise{nullptr};
 
 template <typename T>
 T load(const uint8_t* row, int64_t offset) {
@@ -152,8 +159,10 @@ WaitResult wait_for_peers(const WorkspaceView& ws, const SyncParams& sync, Ready
   }
   const auto start = std::chrono::steady_clock::now();
   auto sleep = kFirstSleep;
+  auto next_interrupt_check = start + kInterruptCheckInterval;
   for (int round = 0;; ++round) {
-    const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
+    const auto now = std::chrono::steady_clock::now();
+    const std::chrono::duration<double> waited = now - start;
     const bool look = peer_errors && waited.count() * 1e9 >= double(kPeerErrorCheckNs);
     bool any_pending = false;
     uint64_t failed[kRankMaskWords] = {};
@@ -177,6 +186,13 @@ WaitResult wait_for_peers(const WorkspaceView& ws, const SyncParams& sync, Ready
     if (any_failed) return record_error(ws, kErrorPeerFailed, failed, code_on_timeout);
     if (waited.count() >= sync.timeout_s) {
       return record_error(ws, code_on_timeout, pending, timeout_ms(sync.timeout_s));
+    }
+    if (now >= next_interrupt_check) {
+      next_interrupt_check = now + kInterruptCheckInterval;
+      bool (*interrupt_pending)() = g_interrupt_pending.load(std::memory_order_acquire);
+      if (interrupt_pending != nullptr && interrupt_pending()) {
+        return record_error(ws, kErrorInterrupted, pending, code_on_timeout);
+      }
     }
     if (round < kSpinRounds) continue;
     if (round < kSpinRounds + kYieldRounds) {
@@ -1064,6 +1080,28 @@ WaitResult combine_expert_major(const ExpertMajorCombineParams& ep) {
   }
   finish_combine(own, count);
   return result;
+}
+
+void set_interrupt_hooks(InterruptHooks hooks) {
+  g_interrupt_raise.store(hooks.raise, std::memory_order_release);
+  g_interrupt_pending.store(hooks.pending, std::memory_order_release);
+}
+
+void raise_interrupted(const std::string& record) {
+  void (*raise)(const std::string&) = g_interrupt_raise.load(std::memory_order_acquire);
+  if (raise != nullptr) raise(record);
+}
+
+void record_interrupted_rows(const WorkspaceView& ws) {
+  const uint64_t none[kRankMaskWords] = {};
+  for (int r = 0; r < ws.ep_size; ++r) {
+    uint32_t* code = reinterpret_cast<uint32_t*>(ws.row(r) + kHdrErrorCode);
+    if (!row_initialized(load<uint64_t>(ws.row(r), kHdrMagic))) continue;  // no rank uses it
+    if (__atomic_load_n(code, __ATOMIC_ACQUIRE) != kErrorNone) continue;   // its own record says more
+    WorkspaceView own = ws;
+    own.ep_rank = r;
+    record_error(own, kErrorInterrupted, none, 0);
+  }
 }
 
 }  // namespace cpu

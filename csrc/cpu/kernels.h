@@ -79,5 +79,28 @@ void expert_major_build(const ExpertMajorBuildParams& p);
 // product rounded to fp32, then added), cast once.
 WaitResult combine_expert_major(const ExpertMajorCombineParams& p);
 
+// Interruption of the waits (Ctrl-C). A wait that has slept for a while asks
+// `pending` about every kInterruptCheckInterval whether its caller wants to
+// stop; on true it records kErrorInterrupted (the peers it waited for) in the
+// own header, as a failure, and returns it; ops.cpp then calls `raise` with
+// the record's text, which throws the exception that stopped the wait (and
+// returns where it has none: the op then raises the record as a
+// RuntimeError). Both null by default (the C++ library); the Python extension
+// installs its own (csrc/module.cpp: the main thread's pending signals, whose
+// handler's KeyboardInterrupt then leaves the op).
+struct InterruptHooks {
+  bool (*pending)();
+  void (*raise)(const std::string& record);
+};
+void set_interrupt_hooks(InterruptHooks hooks);
+void raise_interrupted(const std::string& record);
+
+// Records kErrorInterrupted, naming no peer, in the header of every row of
+// `ws` that holds no error yet: every wait of a rank inside a call ends
+// within about kPeerErrorCheckNs (a failed peer), and every later call is
+// refused until the rows are initialized again (SimulatedEP.run, interrupted
+// while its ranks run).
+void record_interrupted_rows(const WorkspaceView& ws);
+
 }  // namespace cpu
 }  // namespace moe_a2a
