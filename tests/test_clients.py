@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import gc
 import io
 import pickle
 
@@ -823,3 +824,28 @@ def test_copies_of_an_instance_share_its_workspace():
         pickle.dumps(moe)
     with pytest.raises(TypeError, match="MoeAlltoAll cannot be pickled"):
         torch.save(layers[0], io.BytesIO())
+
+
+def test_a_round_left_open_by_a_deleted_instance_asks_for_reset():
+    """An instance deleted between its dispatch and its combine (an exception
+    in the experts, then the layer built again) leaves the shared workspace's
+    round open: the instance that shares it next is told to reset(), which
+    starts over, instead of being sent between 'combine first' and
+    'dispatch first'."""
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    gen = make_generator("abandoned-round")
+    ids = torch.randint(0, 4, (8, 2), generator=gen, dtype=torch.int32)
+    hidden = torch.randn((8, 64), generator=gen).to(torch.bfloat16)
+    first = _ep1("cpu")
+    first.dispatch(ids, [hidden], 8)
+    del first
+    gc.collect()
+    second = _ep1("cpu")
+    for call in (lambda: second.dispatch(ids, [hidden], 8),
+                 lambda: second.combine(torch.zeros((1, 8, 64), dtype=torch.bfloat16), 8)):
+        with pytest.raises(RuntimeError, match=r"deleted \(or garbage collected\) before its combine.*call reset\(\)"):
+            call()
+    second.reset()
+    (recv,) = second.dispatch(ids, [hidden], 8)
+    torch.testing.assert_close(second.combine(recv * 2, 8), hidden * 2, rtol=0, atol=0)
+    a2a.MoeAlltoAll.clear_workspace_cache()

@@ -657,6 +657,19 @@ class MoeAlltoAll:
             raise RuntimeError(f"{fn}: an earlier call on this workspace failed, and its record stands: {record}")
         raise RuntimeError(message)
 
+    def _check_abandoned_round(self, fn: str) -> None:
+        """Refuse ``fn`` where the instance that opened the workspace's round
+        was deleted before its combine: no instance can close that round (the
+        op would ask for the combine, this class for a dispatch first).
+
+        Raises:
+            RuntimeError: such a round is open; it names :meth:`reset`.
+        """
+        if self._shared.active is not None and self._shared.active() is None:
+            raise RuntimeError(f"{fn}: the MoeAlltoAll that made the last dispatch on this workspace was deleted (or "
+                               "garbage collected) before its combine, and no other instance can close its round; "
+                               "call reset() on every rank, once no rank is inside a call, to start over")
+
     def _round_open(self) -> bool:
         """Whether this instance's last dispatch awaits its first combine (a
         re-initialization through any instance sharing the row ended it)."""
@@ -709,7 +722,8 @@ class MoeAlltoAll:
             RuntimeError: two dispatches without a combine (where a call
                 failed: its error record, which asks for :meth:`reset`),
                 another instance sharing the workspace between its dispatch
-                and combine, or the workspace released by
+                and combine, a round that a deleted instance left open (which
+                asks for :meth:`reset`), or the workspace released by
                 :meth:`checkpoint_prepare`.
             ValueError: arguments the functional dispatch refuses; EPLB stats or
                 a rank mask the instance was not built for.
@@ -718,6 +732,7 @@ class MoeAlltoAll:
         if self._state.phase == "dispatched":
             self._raise_out_of_order("MoeAlltoAll.dispatch", "MoeAlltoAll.dispatch called twice without combine; call "
                                      "combine to close the open round (a refused combine changed nothing)")
+        self._check_abandoned_round("MoeAlltoAll.dispatch")
         other = self._shared.active_instance()
         if other is not None and other is not self:
             raise RuntimeError("MoeAlltoAll.dispatch: another MoeAlltoAll sharing this workspace is between its "
@@ -834,7 +849,8 @@ class MoeAlltoAll:
 
         Raises:
             RuntimeError: no dispatch before it (where a call failed: its
-                error record, which asks for :meth:`reset`), another instance
+                error record, which asks for :meth:`reset`; where a deleted
+                instance left its round open, that), another instance
                 sharing the workspace dispatched since this instance's
                 dispatch, or the workspace released by
                 :meth:`checkpoint_prepare`; what the
@@ -925,6 +941,7 @@ class MoeAlltoAll:
     def _check_round(self, what: str) -> None:
         """Raises unless this instance's last dispatch is the workspace's last one."""
         if self._state.phase == "idle":
+            self._check_abandoned_round(f"MoeAlltoAll.{what}")
             self._raise_out_of_order(f"MoeAlltoAll.{what}", f"MoeAlltoAll.{what} called before dispatch (a combine "
                                      "combines the rows of the last dispatch); call dispatch first")
         # Not traced, nor after a traced dispatch: _next_round.
