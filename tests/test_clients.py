@@ -303,6 +303,28 @@ def test_checkpoint_needs_a_group(device):
         moe.checkpoint_prepare()
 
 
+def test_a_group_workspace_built_under_the_meta_device(tmp_path):
+    """Large models are built under ``with torch.device("meta")`` (deferred
+    initialization), their MoeAlltoAll with them: mapped over a group there,
+    the workspace is the CPU one it is elsewhere and round-trips (the
+    bootstrap's exchange keeps its buffers on the CPU, whatever the default
+    device)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        a2a.MoeAlltoAll.clear_workspace_cache()
+        with torch.device("meta"):
+            moe = a2a.MoeAlltoAll(a2a.Mapping(), 8, 2, 4, hidden_size=64, device="cpu", group=dist.group.WORLD)
+        assert moe.workspace.device.type == "cpu" and moe.metainfo.device.type == "cpu"
+        gen = make_generator("meta-group")
+        ids = torch.randint(0, 4, (8, 2), generator=gen, dtype=torch.int32)
+        hidden = torch.randn((8, 64), generator=gen).to(torch.bfloat16)
+        (recv,) = moe.dispatch(ids, [hidden], 8)
+        torch.testing.assert_close(moe.combine(recv * 2, 8), hidden * 2, rtol=0, atol=0)
+    finally:
+        a2a.MoeAlltoAll.clear_workspace_cache()
+        dist.destroy_process_group()
+
+
 def test_checkpoint_refused_between_dispatch_and_combine(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:

@@ -70,7 +70,9 @@ class TorchGroupCollective:
     def allgather(self, data: bytes) -> list[bytes]:
         # Tensor collectives need one shape on every member: lengths first.
         lengths = [int(t) for t in self._gather(torch.tensor([len(data)], dtype=torch.int64, device=self.device))]
-        buffer = torch.zeros(max(max(lengths), 1), dtype=torch.uint8)
+        # On the CPU whatever the default device (a model built under `with
+        # torch.device("meta")` builds its MoeAlltoAll there too); moved below.
+        buffer = torch.zeros(max(max(lengths), 1), dtype=torch.uint8, device="cpu")
         if data:
             buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         return [bytes(t[:n].tolist()) for t, n in zip(self._gather(buffer.to(self.device)), lengths)]
