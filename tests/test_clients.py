@@ -13,6 +13,7 @@ import datetime
 import gc
 import io
 import pickle
+import threading
 
 import pytest
 import torch
@@ -870,4 +871,25 @@ def test_a_round_left_open_by_a_deleted_instance_asks_for_reset():
     second.reset()
     (recv,) = second.dispatch(ids, [hidden], 8)
     torch.testing.assert_close(second.combine(recv * 2, 8), hidden * 2, rtol=0, atol=0)
+    a2a.MoeAlltoAll.clear_workspace_cache()
+
+
+def test_threads_building_one_geometry_share_one_workspace():
+    """Layers built by a thread pool: instances of one geometry built at once
+    in several threads share one workspace, as built one after the other."""
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    built = [None] * 4
+    start = threading.Barrier(len(built))
+
+    def build(i):
+        start.wait()
+        built[i] = a2a.MoeAlltoAll(a2a.Mapping(), 16, 2, 4, hidden_size=4096, device="cpu")
+
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(len(built))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(m is not None and m.workspace is built[0].workspace for m in built)
+    assert all(m.metainfo is built[0].metainfo for m in built)
     a2a.MoeAlltoAll.clear_workspace_cache()

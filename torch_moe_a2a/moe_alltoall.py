@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import numbers
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Union
@@ -83,6 +84,9 @@ class _SharedWorkspace:
     def __post_init__(self) -> None:
         _LIVE_SHARED_WORKSPACES.add(self)
 
+
+# Held while MoeAlltoAll.get_workspace looks up and fills the workspace cache.
+_WORKSPACE_CACHE_LOCK = threading.Lock()
 
 # Every shared workspace alive, for the exit hook below and _row_in_use.
 _LIVE_SHARED_WORKSPACES: "weakref.WeakSet[_SharedWorkspace]" = weakref.WeakSet()
@@ -479,7 +483,8 @@ class MoeAlltoAll:
     ) -> dict:
         """FlashInfer's workspace cache: the workspace of this geometry, allocated
         and initialized by the first call (collectively over ``group``: every
-        rank calls it in the same order), the same one after.
+        rank calls it in the same order), the same one after, also for
+        threads of this process that call it at once.
 
         Args:
             workspace_size_per_rank, ep_rank, ep_size, max_num_tokens,
@@ -523,26 +528,30 @@ class MoeAlltoAll:
                                  f"{ep_size}) differ from the group's (rank, size) = ({coll.rank}, {coll.size})")
         key = (workspace_size_per_rank, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, backend, device,
                _group_members(coll))
-        entry = cls._WORKSPACE_CACHE.get(key)
-        if entry is not None:
+        # Threads that build instances of one geometry at once (layers built by
+        # a thread pool) must find one workspace: the lookup and the allocation
+        # are one step, else each thread that missed the cache allocated its own.
+        with _WORKSPACE_CACHE_LOCK:
+            entry = cls._WORKSPACE_CACHE.get(key)
+            if entry is not None:
+                return entry
+            if coll is None and ep_size > 1:
+                raise ValueError(
+                    f"ep_size {ep_size} > 1 needs a shared workspace: pass workspace= (simulated "
+                    "ranks in this process), group= or mnnvl_config= (one rank per process)"
+                )
+            workspace = allocate_workspace(workspace_size_per_rank, group=coll, ep_size=ep_size, device=device)
+            metainfo = moe_a2a_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts,
+                                          backend=backend)
+            if coll is not None:
+                _synchronize(workspace)
+                coll.barrier()
+            entry = cls._WORKSPACE_CACHE[key] = _WorkspaceEntry(
+                workspace_size_per_rank=workspace_size_per_rank, max_num_tokens=max_num_tokens, ep_rank=ep_rank,
+                ep_size=ep_size, eplb_stats_num_experts=eplb_stats_num_experts, workspace=workspace,
+                metainfo=metainfo, shared=_SharedWorkspace(workspace, metainfo, coll, geometry=_geometry(
+                    workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, backend)))
             return entry
-        if coll is None and ep_size > 1:
-            raise ValueError(
-                f"ep_size {ep_size} > 1 needs a shared workspace: pass workspace= (simulated "
-                "ranks in this process), group= or mnnvl_config= (one rank per process)"
-            )
-        workspace = allocate_workspace(workspace_size_per_rank, group=coll, ep_size=ep_size, device=device)
-        metainfo = moe_a2a_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts,
-                                      backend=backend)
-        if coll is not None:
-            _synchronize(workspace)
-            coll.barrier()
-        entry = cls._WORKSPACE_CACHE[key] = _WorkspaceEntry(
-            workspace_size_per_rank=workspace_size_per_rank, max_num_tokens=max_num_tokens, ep_rank=ep_rank,
-            ep_size=ep_size, eplb_stats_num_experts=eplb_stats_num_experts, workspace=workspace, metainfo=metainfo,
-            shared=_SharedWorkspace(workspace, metainfo, coll, geometry=_geometry(
-                workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, backend)))
-        return entry
 
     @classmethod
     def clear_workspace_cache(cls) -> None:
