@@ -341,3 +341,30 @@ def test_a_group_this_process_is_not_in_is_named_as_such(call):
             a2a.allocate_workspace(4096, group=group)
         else:
             a2a.MoeAlltoAll(ep_mapping(0, 2), 8, 2, 4, hidden_size=64, group=group, device="cpu")
+
+
+def test_a_dead_mappings_callback_leaves_a_newer_mapping_at_its_address(tmp_path):
+    """A shared CPU workspace's record (what checkpoint_prepare releases) is
+    forgotten when its mapping dies, by a weak-reference callback that runs
+    after the memory is unmapped: a workspace another thread mapped at the
+    same address in between keeps its record."""
+
+    class Newer:  # stands in for that other thread's mapping
+        pass
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    base = None
+    try:
+        workspace = a2a.allocate_workspace(a2a.moe_a2a_get_workspace_size_per_rank(1, 4, 64, 64),
+                                           group=dist.group.WORLD)
+        base = workspace.untyped_storage().data_ptr()
+        record = ws._CPU_MAPPINGS[base]  # kept, or its callback would die with it
+        newer = Newer()
+        ws._CPU_MAPPINGS[base] = weakref.ref(newer)
+        del workspace
+        gc.collect()
+        assert record() is None  # the mapping died and its callback ran
+        assert ws._CPU_MAPPINGS.get(base) is not None and ws._CPU_MAPPINGS[base]() is newer
+    finally:
+        ws._CPU_MAPPINGS.pop(base, None)
+        dist.destroy_process_group()

@@ -535,8 +535,17 @@ def _map_shared_file(coll: Collective, address: bytes, total: int, own_fd: int, 
     # frombuffer keeps `mapping` alive for as long as the tensor (and its views) live.
     workspace = torch.frombuffer(mapping, dtype=torch.uint8).view(coll.size, size_per_rank)
     base = workspace.untyped_storage().data_ptr()
-    _CPU_MAPPINGS[base] = weakref.ref(mapping, lambda _, base=base: _CPU_MAPPINGS.pop(base, None))
+    _CPU_MAPPINGS[base] = weakref.ref(mapping, lambda ref, base=base: _forget_mapping(base, ref))
     return workspace
+
+
+def _forget_mapping(base: int, ref: weakref.ref) -> None:
+    """Weak-reference callback of a dead mapping: forget its entry, unless a
+    newer mapping at the same address replaced it (the memory is unmapped
+    before the callback runs, so another thread may map a workspace there
+    first)."""
+    if _CPU_MAPPINGS.get(base) is ref:
+        del _CPU_MAPPINGS[base]
 
 
 # Storage address -> weak reference to the mapping of a shared CPU workspace
