@@ -1455,3 +1455,30 @@ def test_compiled_forwards_then_one_backward():
     got = two_layers(torch.compile(compiled_train_step, fullgraph=True))
     for g, e in zip(got, want):
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "vmap"])
+def test_torch_func_transforms_are_refused_by_name(transform):
+    """torch.func transforms over the differentiable exchanges are refused
+    before any exchange runs, naming what to use instead (torch's own error
+    spoke of an autograd.Function's setup_context); the workspace then
+    round-trips as before."""
+    sim = make_sim(1, 4, 8, 2)
+    gen = torch.Generator().manual_seed(41)
+    ids = reference.random_routing(4, 2, 4, gen)
+    x = torch.randn(4, 8, generator=gen)
+
+    def step(x):
+        (recv,), offset, _ = moe_a2a_dispatch_differentiable(ids, [x], sim.workspace, sim.metainfo[0], 4, 0, 1, 2, 4)
+        return moe_a2a_combine_differentiable(recv * 2, ids, sim.workspace, sim.metainfo[0], 4, 0, 1, 2, 4, offset)
+
+    run = {"grad": lambda: torch.func.grad(lambda x: step(x).sum())(x),
+           "vjp": lambda: torch.func.vjp(step, x),
+           "vmap": lambda: torch.func.vmap(step)(x.unsqueeze(0))}[transform]
+    version = sim.workspace._version
+    with pytest.raises(NotImplementedError, match="do not support torch.func transforms .* torch.autograd"):
+        run()
+    assert sim.workspace._version == version
+    x.requires_grad_()
+    step(x).sum().backward()  # one rank: each token's row comes back once, times 2
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))

@@ -371,6 +371,12 @@ def _call(op, *args):
     """``op(*args)``; in eager mode through :class:`_EagerFunction` (or the
     op's Python function alone where no input requires grad), the same
     computation without the dispatcher's Python cost."""
+    if torch._C._are_functorch_transforms_active():
+        # Else torch's error about autograd.Function's setup_context, which names nothing of ours.
+        raise NotImplementedError(
+            "the differentiable exchanges do not support torch.func transforms (grad, vjp, jacrev, vmap, ...): "
+            "they are collectives that every rank runs once, writing a shared workspace; compute gradients with "
+            "torch.autograd (loss.backward() or torch.autograd.grad)")
     entry = _EAGER[op]
     if _traced():
         return op(*args)
