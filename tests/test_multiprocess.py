@@ -397,6 +397,8 @@ def _survivors_worker(rank: int, world: int, init_file: str) -> None:
             round_trip([0, 1, 2])
         with pytest.raises(ValueError, match="enable_rank_mask=True"):
             unmasked.reset(group=survivors)
+        with pytest.raises(RuntimeError, match=r"the group's barrier failed.*reset\(group=\.\.\.\)"):
+            moe.reset()
         # Its survivors reset together and go on with it masked off.
         moe.reset(group=survivors)
         round_trip([0, 1])

@@ -1115,7 +1115,9 @@ class MoeAlltoAll:
                 group is smaller than ``ep_size``. Default: the instance's group.
 
         Raises:
-            RuntimeError: the workspace was released by :meth:`checkpoint_prepare`.
+            RuntimeError: the workspace was released by :meth:`checkpoint_prepare`;
+                the group's first barrier failed (a member that exited), with
+                the group's error as the cause: nothing was re-initialized.
             ValueError: ``group`` neither kind of group, a group of more members
                 than ``ep_size``, or one of fewer without ``enable_rank_mask``.
         """
@@ -1129,7 +1131,12 @@ class MoeAlltoAll:
                                  "enable_rank_mask=True, whose calls then mask the others off")
         _synchronize(self.workspace)
         if coll is not None:
-            coll.barrier()
+            try:
+                coll.barrier()
+            except Exception as e:  # the group's own error (gloo: 'Connection closed by peer') names no way out
+                raise RuntimeError("MoeAlltoAll.reset: the group's barrier failed, so nothing was re-initialized: "
+                                   "every member must call reset(); where a member exited, its survivors reset "
+                                   "over a group of their own, reset(group=...)") from e
         self._initialize_own_row()
         if coll is not None:
             coll.barrier()
