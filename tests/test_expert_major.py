@@ -687,6 +687,28 @@ def test_moe_alltoall_expert_major_refuses_low_precision(kwargs, error, match, d
                        "the combine after the refusal")
 
 
+def test_moe_alltoall_expert_major_takes_sf_layout_as_the_rank_major_combine(device):
+    """sf_layout without output_scales changes nothing in a rank-major
+    combine; after an expert-major dispatch it was refused as a quantized
+    output. It is taken there too (a bad value is refused, as by the
+    rank-major combine)."""
+    case = EmCase(1, (5,), 2, 4, hidden=32, extra=False)
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    moe = a2a.MoeAlltoAll(ep_mapping(0, 1), case.T, case.top_k, case.num_experts, hidden_size=case.hidden,
+                          device=device, expert_major=True)
+    ids, payloads, weights = em_inputs(case, make_generator("expert-major sf_layout"))
+    ref = reference.reference_dispatch_expert_major(ids, [[p[0]] for p in payloads], weights, ep_size=1,
+                                                    num_experts=case.num_experts, max_tokens_per_expert=case.M)
+    want = reference.reference_combine_expert_major([p[0] for p in ref.planes], ref)[0]
+    got = moe.dispatch(ids[0].to(device), [payloads[0][0].to(device)], case.T, router_weights=weights[0].to(device))
+    before = ws_snapshot(moe.workspace)
+    with pytest.raises(ValueError, match="sf_layout must be an SfLayout"):
+        moe.combine(got.output_payloads[0], case.T, sf_layout="128x4")
+    assert_ws_unchanged(moe.workspace, before)
+    out = moe.combine(got.output_payloads[0], case.T, sf_layout=a2a.SfLayout.layout_128x4)
+    assert_bytes_equal(out.cpu(), want, "the combine with sf_layout=layout_128x4")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_expert_major_cuda_graph_replays():
     """Each simulated rank's expert-major step (dispatch, a stand-in expert on the

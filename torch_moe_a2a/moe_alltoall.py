@@ -848,7 +848,9 @@ class MoeAlltoAll:
             output_dtype, output: as in the functional combine.
             output_scales, output_scalar_scale, sf_layout, use_low_precision,
                 low_precision_block_scales: as in the functional combine;
-                rank-major dispatches only.
+                rank-major dispatches only (after an expert-major one,
+                ``sf_layout`` without ``output_scales`` is taken and, as
+                there, changes nothing).
             active_rank_mask: required when the instance was built with
                 ``enable_rank_mask=True``, refused otherwise.
             enable_pdl: programmatic dependent launch (None: on for compute capability 9.0+).
@@ -889,8 +891,10 @@ class MoeAlltoAll:
                                ("low_precision_block_scales", low_precision_block_scales)):
                 if flag is not False and flag is not True:
                     check_flag(f"MoeAlltoAll.combine: {name}", flag)
-            if output_scales is not None or use_low_precision or low_precision_block_scales or \
-                    layout_value(sf_layout) != SfLayout.layout_linear.value:
+            # Checked as the rank-major combine checks it, and as there of no
+            # effect without output_scales (refused below).
+            layout_value(sf_layout)
+            if output_scales is not None or use_low_precision or low_precision_block_scales:
                 raise NotImplementedError("MoeAlltoAll.combine after an expert-major dispatch: use_low_precision, "
                                           "low_precision_block_scales and quantized outputs exist for the rank-major "
                                           "combine only")
