@@ -279,13 +279,19 @@ def test_wrappers_say_how_to_recover():
     x = torch.randn((5, 64), generator=gen).to(torch.bfloat16)
     ids = torch.randint(0, 4, (5, 2), generator=gen, dtype=torch.int32)
     moe = a2a.MoeAlltoAll(a2a.Mapping(), 8, 2, 4, hidden_size=64, device="cpu")
+    snap = ws_snapshot(moe.workspace)
     with pytest.raises(RuntimeError, match="called before dispatch .*; call dispatch first"):
         moe.combine(torch.zeros(1, 8, 64, dtype=torch.bfloat16), 8)
+    assert_ws_unchanged(moe.workspace, snap)  # refused before any byte changed
     (recv,) = moe.dispatch(ids, [x], 8)
+    snap = ws_snapshot(moe.workspace)
     with pytest.raises(RuntimeError, match="called twice without combine; call combine to close the open round"):
         moe.dispatch(ids, [x], 8)
+    assert_ws_unchanged(moe.workspace, snap)  # refused before any byte changed
+    snap = ws_snapshot(moe.workspace)
     with pytest.raises(ValueError, match="combine must use the dispatch's runtime_max_tokens_per_rank=8, got 7"):
         moe.combine(recv[:, :7].clone(), 7)  # another runtime_max_tokens_per_rank than the dispatch's
+    assert_ws_unchanged(moe.workspace, snap)  # refused before any byte changed
     out = moe.combine((recv.float() * 3).to(torch.bfloat16), 8)  # one rank: the only destination is this rank
     assert torch.equal(out, (x.float() * 3).to(torch.bfloat16))
     out = moe.combine((recv.float() * 5).to(torch.bfloat16), 8)  # FlashInfer's repeated combine
@@ -293,8 +299,10 @@ def test_wrappers_say_how_to_recover():
     twin = a2a.MoeAlltoAll(a2a.Mapping(), 8, 2, 4, hidden_size=64, device="cpu")  # shares moe's workspace
     assert twin.workspace.data_ptr() == moe.workspace.data_ptr()
     (twin_recv,) = twin.dispatch(ids, [x], 8)
+    snap = ws_snapshot(moe.workspace)
     with pytest.raises(RuntimeError, match="dispatched after this instance's last dispatch.*; dispatch again"):
         moe.combine((recv.float() * 3).to(torch.bfloat16), 8)
+    assert_ws_unchanged(moe.workspace, snap)  # refused before any byte changed
     twin.combine(twin_recv, 8)
 
     params = MoEEpCommParams(num_experts=4, top_k=2, max_tokens_per_rank=8, hidden_size=64)
@@ -324,17 +332,21 @@ def test_workspace_sized_without_the_dispatch_payloads(device):
     ids = torch.randint(0, experts, (tokens, top_k), generator=gen, dtype=torch.int32).to(device)
     weights = torch.rand((tokens, top_k), generator=gen).to(device)
     recv, offset, _ = a2a.moe_a2a_dispatch(ids, [x, ids, weights], workspace, metainfo, tokens, 0, 1, top_k, experts)
+    snap = ws_snapshot(workspace)
     with pytest.raises(ValueError, match=r"workspace too small: this combine's rows .* start at byte \d+, after this "
                        r"round's dispatch planes.*moe_a2a_get_workspace_size_per_rank.*close the round with a "
                        r"combine whose rows fit"):
         a2a.moe_a2a_combine(recv[0], tokens, workspace, metainfo, tokens, 0, 1, top_k, offset)
+    assert_ws_unchanged(workspace, snap)  # refused before any byte changed
     narrow = recv[0][..., : hidden // 2].contiguous()  # rows of half the bytes fit after the dispatch planes
     out = a2a.moe_a2a_combine(narrow, tokens, workspace, metainfo, tokens, 0, 1, top_k, offset)
     assert torch.equal(out.cpu(), x[:, : hidden // 2].cpu())  # one rank: each token's only destination
     # The way out the error names where no rows would do: a payload of 0 columns only closes the round.
     recv, offset, _ = a2a.moe_a2a_dispatch(ids, [x, ids, weights], workspace, metainfo, tokens, 0, 1, top_k, experts)
+    snap = ws_snapshot(workspace)
     with pytest.raises(ValueError, match=r"a payload of 0 columns always fits and only closes the round"):
         a2a.moe_a2a_combine(recv[0], tokens, workspace, metainfo, tokens, 0, 1, top_k, offset)
+    assert_ws_unchanged(workspace, snap)  # refused before any byte changed
     empty = torch.zeros(1, tokens, 0, dtype=torch.bfloat16, device=device)
     assert a2a.moe_a2a_combine(empty, tokens, workspace, metainfo, tokens, 0, 1, top_k, offset).shape == (tokens, 0)
     recv, offset, _ = a2a.moe_a2a_dispatch(ids, [x], workspace, metainfo, tokens, 0, 1, top_k, experts)
@@ -358,11 +370,13 @@ def test_expert_major_combine_rows_larger_than_sized(device):
     weights = torch.rand((tokens, top_k), generator=gen).to(device)
     d = a2a.moe_a2a_dispatch(ids, [x], workspace, metainfo, tokens, 0, 1, top_k, experts, expert_major=True,
                              router_weights=weights)
+    snap = ws_snapshot(workspace)
     with pytest.raises(ValueError, match=r"workspace too small: this combine's rows \(num_local_experts x "
                        r"max_tokens_per_expert x 1024 bytes\) start at byte \d+, after this round's expert-major "
                        r"planes.*moe_a2a_get_workspace_size_per_rank_expert_major.*close the round with a combine "
                        r"whose rows fit"):
         a2a.moe_a2a_combine_expert_major(d.output_payloads[0].float(), d, workspace, metainfo, 0, 1)
+    assert_ws_unchanged(workspace, snap)  # refused before any byte changed
     out = a2a.moe_a2a_combine_expert_major(d.output_payloads[0], d, workspace, metainfo, 0, 1)
     expected = (weights.float().sum(1, keepdim=True) * x.float()).to(torch.bfloat16)
     torch.testing.assert_close(out.float().cpu(), expected.float().cpu(), rtol=2e-2, atol=2e-2)
@@ -1343,37 +1357,47 @@ def test_a_combine_of_the_other_layout_says_so():
     ids = torch.tensor([[0, 1]] * T, dtype=torch.int32)
     x = torch.randn(T, H, generator=make_generator("layouts"))
     em = a2a.moe_a2a_dispatch_expert_major(ids, [x], sim.workspace, sim.metainfo[0], T, 0, ep, k, E)
+    snap = ws_snapshot(sim.workspace)
     with pytest.raises(ValueError, match=rf"combine_payload_offset {em.combine_payload_offset} is the expert-major "
                                          r"combine region of the dispatch \(ExpertMajorDispatch.combine_payload_offset\): "
                                          r"moe_a2a_combine_expert_major combines an expert-major dispatch's rows \(a "
                                          rf"rank-major combine of them takes combine_payload_offset={em.dispatch_end}, "):
         a2a.moe_a2a_combine(torch.zeros(ep, T, H), T, sim.workspace, sim.metainfo[0], T, 0, ep, k,
                             em.combine_payload_offset)
+    assert_ws_unchanged(sim.workspace, snap)  # refused before any byte changed
     a2a.moe_a2a_combine_expert_major(em.output_payloads[0], em, sim.workspace, sim.metainfo[0], 0, ep)
     # A rank-major round (other sizes, so another layout), then the stale expert-major result.
     got = a2a.moe_a2a_dispatch(ids[:4], [x[:4]], sim.workspace, sim.metainfo[0], 4, 0, ep, k, E)
+    snap = ws_snapshot(sim.workspace)
     with pytest.raises(ValueError, match=r"the expert-major combine needs an expert-major dispatch before it"):
         a2a.moe_a2a_combine_expert_major(em.output_payloads[0], em, sim.workspace, sim.metainfo[0], 0, ep)
+    assert_ws_unchanged(sim.workspace, snap)  # refused before any byte changed
     a2a.moe_a2a_combine(got[0][0], 4, sim.workspace, sim.metainfo[0], 4, 0, ep, k, got[1])
     # Expert-major rounds of other sizes, then of other payloads: an earlier round's result after a dispatch.
     em2 = a2a.moe_a2a_dispatch_expert_major(ids[:4], [x[:4]], sim.workspace, sim.metainfo[0], 4, 0, ep, k, E)
+    snap = ws_snapshot(sim.workspace)
     with pytest.raises(ValueError, match=r"must be given the last dispatch's ExpertMajorDispatch, not an earlier one "
                                          r"\(combine must use the dispatch's sizes: the dispatch had \(local_num_tokens=4"):
         a2a.moe_a2a_combine_expert_major(em.output_payloads[0], em, sim.workspace, sim.metainfo[0], 0, ep)
+    assert_ws_unchanged(sim.workspace, snap)  # refused before any byte changed
     a2a.moe_a2a_combine_expert_major(em2.output_payloads[0], em2, sim.workspace, sim.metainfo[0], 0, ep)
     em3 = a2a.moe_a2a_dispatch_expert_major(ids[:4], [x[:4, :8].contiguous()], sim.workspace, sim.metainfo[0], 4, 0, ep, k, E)
+    snap = ws_snapshot(sim.workspace)
     with pytest.raises(ValueError, match=r"must be given the last dispatch's ExpertMajorDispatch: the last dispatch "
                                          rf"had \(max_tokens_per_expert=4, combine_payload_offset="
                                          rf"{em3.combine_payload_offset}\), the one given has \(max_tokens_per_expert=4, "
                                          rf"combine_payload_offset={em2.combine_payload_offset}\)"):
         a2a.moe_a2a_combine_expert_major(em2.output_payloads[0], em2, sim.workspace, sim.metainfo[0], 0, ep)
+    assert_ws_unchanged(sim.workspace, snap)  # refused before any byte changed
     a2a.moe_a2a_combine_expert_major(em3.output_payloads[0], em3, sim.workspace, sim.metainfo[0], 0, ep)
     em4 = a2a.moe_a2a_dispatch_expert_major(ids[:4], [x[:4], x[:4]], sim.workspace, sim.metainfo[0], 4, 0, ep, k, E)
     assert em4.dispatch_end != em3.dispatch_end
+    snap = ws_snapshot(sim.workspace)
     with pytest.raises(ValueError, match=r"must be given the last dispatch's ExpertMajorDispatch: the one given is "
                                          rf"laid out for another dispatch \(dispatch_end {em3.dispatch_end}, the last "
                                          rf"dispatch's {em4.dispatch_end}\)"):
         a2a.moe_a2a_combine_expert_major(em3.output_payloads[0], em3, sim.workspace, sim.metainfo[0], 0, ep)
+    assert_ws_unchanged(sim.workspace, snap)  # refused before any byte changed
     a2a.moe_a2a_combine_expert_major(em4.output_payloads[0], em4, sim.workspace, sim.metainfo[0], 0, ep)
 
 
