@@ -10,8 +10,9 @@ A failure is shrunk to a small problem.
 
 By default each test runs a fixed, derandomized set of examples, so CI sees
 the same cases on every run. ``MOE_A2A_PROPERTY_EXAMPLES=N`` runs N examples
-per test, drawn afresh on every run (hypothesis prints the seed of a failure,
-``@seed(...)`` replays it): for long runs, on the CPU or on a GPU.
+per test, drawn afresh on every run (a failure prints the
+``@reproduce_failure(...)`` decorator that replays it): for long runs, on the
+CPU or on a GPU.
 """
 
 from __future__ import annotations
