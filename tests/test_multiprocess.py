@@ -375,9 +375,9 @@ def _survivors_worker(rank: int, world: int, init_file: str) -> None:
         x = torch.randn((tokens, hidden), generator=gen).to(torch.bfloat16)
         ids = torch.randint(0, num_experts, (tokens, top_k), generator=gen, dtype=torch.int32)
         moe = a2a.MoeAlltoAll(ep_mapping(rank, world), tokens, top_k, num_experts, hidden_size=hidden,
-                              group=dist.group.WORLD, device="cpu", timeout_s=3, enable_rank_mask=True)
+                              group=dist.group.WORLD, device="cpu", timeout_s=2, enable_rank_mask=True)
         unmasked = a2a.MoeAlltoAll(ep_mapping(rank, world), tokens, top_k, num_experts, hidden_size=hidden,
-                                   group=dist.group.WORLD, device="cpu", timeout_s=3)
+                                   group=dist.group.WORLD, device="cpu", timeout_s=2)
         assert unmasked.workspace is moe.workspace
 
         def round_trip(active):
