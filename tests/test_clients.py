@@ -620,6 +620,16 @@ def test_moe_alltoall_module_names_flashinfers_layout_entries(name):
     assert not hasattr(module, name)
 
 
+def test_moe_alltoall_module_cache_clear_as_in_flashinfer():
+    """FlashInfer's get_moe_alltoall_module has cache_clear() (its module is
+    cached per device), which callers written against it call before
+    rebuilding; ours has it too, and the module after it is the same one."""
+    module = a2a.get_moe_alltoall_module()
+    assert a2a.get_moe_alltoall_module.cache_clear() is None
+    assert a2a.get_moe_alltoall_module() is module
+    assert module.moe_a2a_get_aux_data_size(2, 8) > 0
+
+
 @pytest.mark.parametrize("backend, error", [("cake", ValueError), ("nccl", ValueError)])
 def test_moe_alltoall_module_refuses_other_backends(backend, error):
     with pytest.raises(error, match="backend"):

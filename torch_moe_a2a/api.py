@@ -150,6 +150,15 @@ def get_moe_alltoall_module(backend: MoeAlltoAllBackend = "trtllm") -> MoeAlltoA
     return _MODULE
 
 
+def _clear_module_cache() -> None:
+    """``get_moe_alltoall_module.cache_clear()``, which FlashInfer's function
+    has (its module is cached per device) and callers written against it
+    call: there is nothing to clear here, the one module is no build."""
+
+
+get_moe_alltoall_module.cache_clear = _clear_module_cache  # type: ignore[attr-defined]
+
+
 def moe_a2a_get_workspace_size_per_rank(
     ep_size: int,
     max_num_tokens: int,
