@@ -51,6 +51,7 @@ from .fastpath import (
     expect_ints,
     expect_tensor_list,
     expect_tensors,
+    expect_traced_ints,
     note_plain_dispatch,
     run_dispatch,
     traced_receive_views,
@@ -853,9 +854,8 @@ def moe_a2a_sanitize_expert_ids(
     if meta[0] != ep_rank:
         raise ValueError(f"moe_a2a_sanitize_expert_ids: ep_rank {ep_rank!r} does not match the metainfo's ep_rank "
                          f"{meta[0]}")
-    if type(invalid_expert_id) is not int and not isinstance(invalid_expert_id, torch.SymInt):
-        # Else the op reads True as 1, and a float fails in the dispatcher's schema check, which names no function.
-        expect_ints("moe_a2a_sanitize_expert_ids", invalid_expert_id=invalid_expert_id)
+    if type(invalid_expert_id) is not int:  # else the op reads True as 1
+        expect_traced_ints("moe_a2a_sanitize_expert_ids", invalid_expert_id=invalid_expert_id)
     if expert_ids.dim() != 3 or expert_ids.dtype not in ID_DTYPES or not expert_ids.is_contiguous():
         raise ValueError(
             "expert_ids must be the contiguous int32 or int64 [ep_size, runtime_max_tokens_per_rank, width] "

@@ -75,9 +75,9 @@ from .arguments import COMBINE_DTYPES, dispatch_args
 from .expert_major import ExpertMajorDispatch
 from .fastpath import (
     direct_call_ok,
-    expect_ints,
     expect_tensor_list,
     expect_tensors,
+    expect_traced_ints,
     last_dispatch,
     note_dispatch,
 )
@@ -613,18 +613,9 @@ def _route_args(fn, token_selected_experts, input_payloads, workspace, metainfo,
     # After dispatch_args, whose metainfo check names a bool rank as the plain functions' does.
     if not (type(runtime_max_tokens_per_rank) is int and type(ep_rank) is int and type(ep_size) is int
             and type(top_k) is int and type(num_experts) is int):
-        _expect_ints(fn, runtime_max_tokens_per_rank=runtime_max_tokens_per_rank, ep_rank=ep_rank, ep_size=ep_size,
-                     top_k=top_k, num_experts=num_experts)
+        expect_traced_ints(fn, runtime_max_tokens_per_rank=runtime_max_tokens_per_rank, ep_rank=ep_rank,
+                           ep_size=ep_size, top_k=top_k, num_experts=num_experts)
     return (*args[3:9], list(args[11]), *args[12:])
-
-
-def _expect_ints(fn: str, **arguments: Any) -> None:
-    """ValueError naming the first argument that is not an int (a traced
-    call's SymInt is one). Without it a float or a str reached the ops as
-    pybind's TypeError listing their signatures, or the expert-major default
-    of max_tokens_per_expert (ep_size * runtime_max_tokens_per_rank), whose
-    error then named that argument instead."""
-    expect_ints(fn, **{name: value for name, value in arguments.items() if not isinstance(value, torch.SymInt)})
 
 
 def _needs_backward(tensors) -> bool:
@@ -884,7 +875,7 @@ def moe_a2a_combine_differentiable(
     fn = "moe_a2a_combine_differentiable"
     expect_tensors(fn, payload=payload)
     if type(combine_payload_offset) is not int:
-        _expect_ints(fn, combine_payload_offset=combine_payload_offset)
+        expect_traced_ints(fn, combine_payload_offset=combine_payload_offset)
     route = _route_args(fn, token_selected_experts, [payload], workspace, metainfo, runtime_max_tokens_per_rank,
                         ep_rank, ep_size, top_k, num_experts, enable_pdl, enable_rank_mask, active_rank_mask,
                         timeout_s)
@@ -1246,7 +1237,7 @@ def moe_a2a_dispatch_expert_major_differentiable(
     expert_major.check_ids_and_weights(fn, token_selected_experts, workspace, router_weights, top_k)
     n = token_selected_experts.shape[0]
     if type(top_k) is not int:  # the weights' shape below
-        _expect_ints(fn, top_k=top_k)
+        expect_traced_ints(fn, top_k=top_k)
     # Without router weights, weights of 1: the build writes those anyway.
     weights = (torch.ones((n, top_k), dtype=torch.float32, device=workspace.device) if router_weights is None
                else router_weights.to(torch.float32).contiguous())
@@ -1442,7 +1433,7 @@ def combine_with_grad(fn: str, payload: Tensor, local_num_tokens: int, workspace
     plain combine's options, each refused where given)."""
     _refuse_options_with_grad(fn, "a payload", **plain_options)
     if type(local_num_tokens) is not int:
-        _expect_ints(fn, local_num_tokens=local_num_tokens)
+        expect_traced_ints(fn, local_num_tokens=local_num_tokens)
     ids, num_experts = _round_ids(fn, workspace, ep_rank, expert_major=False)
     if local_num_tokens != ids.shape[0]:
         raise ValueError(f"{fn}: local_num_tokens must be that of this rank's last dispatch ({ids.shape[0]}), "

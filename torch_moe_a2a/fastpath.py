@@ -52,6 +52,14 @@ def expect_ints(fn: str, **arguments: Any) -> None:
             raise ValueError(f"{fn}: {name} must be an int, got {value!r}")
 
 
+def expect_traced_ints(fn: str, **arguments: Any) -> None:
+    """:func:`expect_ints` for arguments that a traced call passes as SymInts
+    (each counts as an int). Without it a float or a str reached the ops as
+    pybind's or the dispatcher's TypeError, which names no function, or
+    failed in an argument derived from it, whose name the error then gave."""
+    expect_ints(fn, **{name: value for name, value in arguments.items() if not isinstance(value, torch.SymInt)})
+
+
 def expect_tensor_list(fn: str, name: str, values: Any) -> None:
     """ValueError unless ``values`` is a list or tuple of tensors, naming
     ``name`` (and the index of the first element that is not a tensor). Not
