@@ -95,14 +95,21 @@ std::vector<int64_t> plane_shape(std::vector<int64_t> leading, const at::Tensor&
   return leading;
 }
 
+// protocol.h's call_layout of a dispatch of `payloads` (the kernels' offsets);
+// at most kMaxPayloads of them (the callers check or know it).
+CallLayout payload_layout(int64_t ep_size, int64_t runtime_max_tokens, int64_t eplb_n,
+                          const std::vector<at::Tensor>& payloads) {
+  TORCH_INTERNAL_ASSERT(payloads.size() <= static_cast<size_t>(kMaxPayloads));
+  int64_t row_bytes[kMaxPayloads] = {};
+  for (size_t i = 0; i < payloads.size(); ++i) row_bytes[i] = payload_row_bytes(payloads[i]);
+  return call_layout(ep_size, runtime_max_tokens, eplb_n, static_cast<int>(payloads.size()), row_bytes);
+}
+
 ReceiveViews receive_views(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t runtime_max_tokens,
                            int64_t eplb_n, const std::vector<at::Tensor>& payloads) {
   TORCH_CHECK_VALUE(payloads.size() <= static_cast<size_t>(kMaxPayloads), "receive_views: at most ", kMaxPayloads,
                     " payloads, got ", payloads.size());
-  int64_t row_bytes[kMaxPayloads] = {};
-  for (size_t i = 0; i < payloads.size(); ++i) row_bytes[i] = payload_row_bytes(payloads[i]);
-  const CallLayout call =
-      call_layout(ep_size, runtime_max_tokens, eplb_n, static_cast<int>(payloads.size()), row_bytes);
+  const CallLayout call = payload_layout(ep_size, runtime_max_tokens, eplb_n, payloads);
   RegionViews regions(workspace);
   std::vector<at::Tensor> views;
   views.reserve(payloads.size());
@@ -257,10 +264,7 @@ struct OwnedPlanes {
 
 OwnedPlanes owned_planes(const at::Tensor& workspace, const std::vector<at::Tensor>& payloads, const Route& r) {
   // The dispatch that ran has refused more payloads than a call lays out.
-  TORCH_INTERNAL_ASSERT(payloads.size() <= static_cast<size_t>(kMaxPayloads));
-  int64_t row_bytes[kMaxPayloads] = {};
-  for (size_t i = 0; i < payloads.size(); ++i) row_bytes[i] = payload_row_bytes(payloads[i]);
-  const CallLayout call = call_layout(r.ep_size, r.runtime_max_tokens, 0, static_cast<int>(payloads.size()), row_bytes);
+  const CallLayout call = payload_layout(r.ep_size, r.runtime_max_tokens, 0, payloads);
   const int64_t row = row_start(workspace, r.ep_rank);
   OwnedPlanes owned;
   owned.counts = workspace.as_strided({4 * r.ep_size}, {1}, row + kHdrRecvCounts).view(at::kInt);

@@ -6,6 +6,7 @@
 
 #include <ATen/MemoryOverlap.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -913,7 +914,7 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
          << (detail == kErrorDispatchTimeout ? "dispatch" : "combine") << ")";
       break;
     case kErrorInterrupted:
-      if (rank_list(missing) == "[]") {
+      if (std::all_of(missing, missing + kRankMaskWords, [](uint64_t word) { return word == 0; })) {
         os << "interrupted inside a call (SimulatedEP.run, stopped by KeyboardInterrupt, ended its ranks' calls)";
       } else {
         os << "interrupted (KeyboardInterrupt or another signal's exception) while it waited for peers "
