@@ -1007,8 +1007,8 @@ def test_differentiable_functions_take_int_sizes(kind, device):
         args = list({**sizes, name: bad}.values())
         named = kind is float or name not in ("ep_rank", "ep_size")
         for dispatch in (a2a.moe_a2a_dispatch_differentiable, a2a.moe_a2a_dispatch_expert_major_differentiable,
-                         a2a.moe_a2a_dispatch):
-            fn = "moe_a2a_dispatch_differentiable" if dispatch is a2a.moe_a2a_dispatch else dispatch.__name__
+                         a2a.moe_a2a_dispatch, a2a.moe_a2a_dispatch_expert_major):
+            fn = dispatch.__name__  # the plain functions run as the differentiable ones, under their own names
             refused(ws, lambda: dispatch(dev.ids[0], [x], ws, sim.metainfo[0], *args), ValueError,
                     f"{fn}: {name} must be an int, got {bad!r}" if named else "do not match the metainfo")
         refused(ws, lambda: a2a.moe_a2a_combine_differentiable(x[None].expand(ep, -1, -1), dev.ids[0], ws,
@@ -1037,6 +1037,34 @@ def test_differentiable_functions_take_int_sizes(kind, device):
                 d.output_payloads[0], d, ids, workspace, metainfo, rank, size_), ValueError,
                 f"moe_a2a_combine_expert_major_differentiable: {name} must be an int")
     out = a2a.moe_a2a_combine_expert_major_differentiable(d.output_payloads[0], d, ids, workspace, metainfo, 0, 1)
+    assert torch.allclose(out.detach().cpu(), h.detach().cpu() * top_k)
+
+
+def test_plain_functions_with_grad_name_themselves(device):
+    """The plain functions given tensors that require grad run as the
+    differentiable ones, and their argument errors named the differentiable
+    function, which the caller never called. Each names itself now."""
+    sim = make_sim(CASE, device)
+    dev = make_inputs(CASE, make_generator("plain with grad, names")).to(device)
+    ws, ep = sim.workspace, CASE.ep_size
+    xs = [dev.payloads[r][0].clone().requires_grad_() for r in range(ep)]  # bf16 rows, as the workspace is sized
+    got = sim.run(lambda r: a2a.moe_a2a_dispatch(dev.ids[r], [xs[r]], ws, sim.metainfo[r], CASE.T, r, ep, CASE.top_k,
+                                                 CASE.num_experts))
+    # Inside the open round: a combine with a float top_k, refused before anything runs.
+    refused(ws, lambda: a2a.moe_a2a_combine(got[0][0][0], dev.ids[0].shape[0], ws, sim.metainfo[0], CASE.T, 0, ep,
+                                            float(CASE.top_k), got[0][1]), ValueError,
+            "moe_a2a_combine: top_k must be an int")
+    outs = sim.run(lambda r: a2a.moe_a2a_combine(got[r][0][0], dev.ids[r].shape[0], ws, sim.metainfo[r], CASE.T, r,
+                                                 ep, CASE.top_k, got[r][1]))
+    assert all(o.requires_grad for o in outs)
+
+    workspace, metainfo, ids, h, top_k, d = _em_differentiable_round(device, "plain expert-major with grad, names",
+                                                                     requires_grad=True)
+    message = refused(workspace, lambda: a2a.moe_a2a_combine_expert_major(d.output_payloads[0], d, workspace,
+                                                                          metainfo, 0.0, 1), ValueError,
+                      "moe_a2a_combine_expert_major: ep_rank must be an int")
+    assert "differentiable" not in message.split(":")[0]
+    out = a2a.moe_a2a_combine_expert_major(d.output_payloads[0], d, workspace, metainfo, 0, 1)
     assert torch.allclose(out.detach().cpu(), h.detach().cpu() * top_k)
 
 

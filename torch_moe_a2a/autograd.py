@@ -805,9 +805,20 @@ def moe_a2a_dispatch_differentiable(
             payload that requires grad and is not bf16, fp16 or fp32.
         RuntimeError: peers that did not arrive within the timeout.
     """
-    expect_tensor_list("moe_a2a_dispatch_differentiable", "input_payloads", input_payloads)
-    _check_grad_dtypes("moe_a2a_dispatch_differentiable", input_payloads)
-    route = _route_args("moe_a2a_dispatch_differentiable", token_selected_experts, input_payloads, workspace, metainfo,
+    return _dispatch_differentiable("moe_a2a_dispatch_differentiable", token_selected_experts, input_payloads,
+                                    workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size, top_k,
+                                    num_experts, enable_pdl, enable_rank_mask, active_rank_mask, timeout_s=timeout_s)
+
+
+def _dispatch_differentiable(fn: str, token_selected_experts: Tensor, input_payloads: list[Tensor], workspace: Tensor,
+                             metainfo: Tensor, runtime_max_tokens_per_rank: int, ep_rank: int, ep_size: int,
+                             top_k: int, num_experts: int, enable_pdl: Optional[bool], enable_rank_mask: bool,
+                             active_rank_mask: Optional[Tensor],
+                             timeout_s: Optional[float]) -> tuple[list[Tensor], int, Tensor]:
+    """moe_a2a_dispatch_differentiable, its errors naming ``fn`` (the plain dispatch runs as it)."""
+    expect_tensor_list(fn, "input_payloads", input_payloads)
+    _check_grad_dtypes(fn, input_payloads)
+    route = _route_args(fn, token_selected_experts, input_payloads, workspace, metainfo,
                         runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts, enable_pdl,
                         enable_rank_mask, active_rank_mask, timeout_s)
     floating = [p for p in input_payloads if p.dtype in GRAD_DTYPES]
@@ -817,7 +828,7 @@ def moe_a2a_dispatch_differentiable(
         dtype = _grad_dtype(p.dtype for p in floating)
         row = dtype.itemsize * sum(math.prod(p.shape[1:]) for p in floating)
         ids_row = _row_bytes(token_selected_experts)
-        _check_backward_fits("moe_a2a_dispatch_differentiable", workspace,
+        _check_backward_fits(fn, workspace,
                              _round_end(ep_size, runtime_max_tokens_per_rank, (ids_row,), row),
                              f"it combines the floating payloads' gradients as one row of {row} bytes ({dtype}) after "
                              f"the ids' row of {ids_row}: size the workspace so that its dispatch and combine bytes per "
@@ -872,7 +883,18 @@ def moe_a2a_combine_differentiable(
             gradient after a plain dispatch.
         RuntimeError: as :func:`~torch_moe_a2a.moe_a2a_combine`.
     """
-    fn = "moe_a2a_combine_differentiable"
+    return _combine_differentiable("moe_a2a_combine_differentiable", payload, token_selected_experts, workspace,
+                                   metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts,
+                                   combine_payload_offset, enable_pdl, enable_rank_mask, active_rank_mask,
+                                   timeout_s=timeout_s)
+
+
+def _combine_differentiable(fn: str, payload: Tensor, token_selected_experts: Tensor, workspace: Tensor,
+                            metainfo: Tensor, runtime_max_tokens_per_rank: int, ep_rank: int, ep_size: int, top_k: int,
+                            num_experts: int, combine_payload_offset: int, enable_pdl: Optional[bool],
+                            enable_rank_mask: bool, active_rank_mask: Optional[Tensor],
+                            timeout_s: Optional[float]) -> Tensor:
+    """moe_a2a_combine_differentiable, its errors naming ``fn`` (the plain combine runs as it)."""
     expect_tensors(fn, payload=payload)
     if type(combine_payload_offset) is not int:
         expect_traced_ints(fn, combine_payload_offset=combine_payload_offset)
@@ -1231,7 +1253,22 @@ def moe_a2a_dispatch_expert_major_differentiable(
             payload that requires grad and is not bf16, fp16 or fp32.
         RuntimeError: peers that did not arrive within the timeout.
     """
-    fn = "moe_a2a_dispatch_expert_major_differentiable"
+    return _dispatch_expert_major_differentiable("moe_a2a_dispatch_expert_major_differentiable",
+                                                 token_selected_experts, input_payloads, workspace, metainfo,
+                                                 runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts,
+                                                 router_weights, max_tokens_per_expert, enable_pdl, enable_rank_mask,
+                                                 active_rank_mask, timeout_s=timeout_s)
+
+
+def _dispatch_expert_major_differentiable(fn: str, token_selected_experts: Tensor, input_payloads: list[Tensor],
+                                          workspace: Tensor, metainfo: Tensor, runtime_max_tokens_per_rank: int,
+                                          ep_rank: int, ep_size: int, top_k: int, num_experts: int,
+                                          router_weights: Optional[Tensor], max_tokens_per_expert: Optional[int],
+                                          enable_pdl: Optional[bool], enable_rank_mask: bool,
+                                          active_rank_mask: Optional[Tensor],
+                                          timeout_s: Optional[float]) -> ExpertMajorDispatch:
+    """moe_a2a_dispatch_expert_major_differentiable, its errors naming ``fn``
+    (the plain expert-major dispatch runs as it)."""
     expect_tensor_list(fn, "input_payloads", input_payloads)
     _check_grad_dtypes(fn, input_payloads)
     expert_major.check_ids_and_weights(fn, token_selected_experts, workspace, router_weights, top_k)
@@ -1318,7 +1355,19 @@ def moe_a2a_combine_expert_major_differentiable(
             dispatch, and, where the outputs or weights need a gradient, a
             plain dispatch before it (its views the backward overwrites).
     """
-    fn = "moe_a2a_combine_expert_major_differentiable"
+    return _combine_expert_major_differentiable("moe_a2a_combine_expert_major_differentiable", expert_outputs,
+                                                dispatched, token_selected_experts, workspace, metainfo, ep_rank,
+                                                ep_size, enable_pdl, enable_rank_mask, active_rank_mask,
+                                                timeout_s=timeout_s)
+
+
+def _combine_expert_major_differentiable(fn: str, expert_outputs: Tensor, dispatched: ExpertMajorDispatch,
+                                         token_selected_experts: Tensor, workspace: Tensor, metainfo: Tensor,
+                                         ep_rank: int, ep_size: int, enable_pdl: Optional[bool],
+                                         enable_rank_mask: bool, active_rank_mask: Optional[Tensor],
+                                         timeout_s: Optional[float]) -> Tensor:
+    """moe_a2a_combine_expert_major_differentiable, its errors naming ``fn``
+    (the plain expert-major combine runs as it)."""
     expect_tensors(fn, expert_outputs=expert_outputs)
     if not isinstance(dispatched, ExpertMajorDispatch):
         raise ValueError(f"dispatched must be the ExpertMajorDispatch that moe_a2a_dispatch_expert_major_differentiable"
@@ -1402,8 +1451,8 @@ def dispatch_with_grad(fn: str, token_selected_experts: Tensor, input_payloads: 
     """moe_a2a_dispatch of payloads that require grad: moe_a2a_dispatch_differentiable,
     its received rows (new tensors, padding zeroed) in the plain result's place."""
     _refuse_options_with_grad(fn, "a payload", eplb_local_stats=eplb_local_stats is not None)
-    received, offset, _ = moe_a2a_dispatch_differentiable(
-        token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size,
+    received, offset, _ = _dispatch_differentiable(
+        fn, token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size,
         top_k, num_experts, enable_pdl, enable_rank_mask, active_rank_mask, timeout_s=timeout_s)
     return received, offset, None
 
@@ -1418,8 +1467,8 @@ def dispatch_expert_major_with_grad(fn: str, token_selected_experts: Tensor, inp
     """moe_a2a_dispatch_expert_major of payloads (or router weights) that
     require grad: moe_a2a_dispatch_expert_major_differentiable."""
     _refuse_options_with_grad(fn, "a payload (or router_weights)", eplb_local_stats=eplb_local_stats is not None)
-    return moe_a2a_dispatch_expert_major_differentiable(
-        token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size,
+    return _dispatch_expert_major_differentiable(
+        fn, token_selected_experts, input_payloads, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size,
         top_k, num_experts, router_weights, max_tokens_per_expert, enable_pdl, enable_rank_mask, active_rank_mask,
         timeout_s=timeout_s)
 
@@ -1438,9 +1487,9 @@ def combine_with_grad(fn: str, payload: Tensor, local_num_tokens: int, workspace
     if local_num_tokens != ids.shape[0]:
         raise ValueError(f"{fn}: local_num_tokens must be that of this rank's last dispatch ({ids.shape[0]}), "
                          f"got {local_num_tokens}")
-    return moe_a2a_combine_differentiable(payload, ids, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank,
-                                          ep_size, top_k, num_experts, combine_payload_offset, enable_pdl,
-                                          enable_rank_mask, active_rank_mask, timeout_s=timeout_s)
+    return _combine_differentiable(fn, payload, ids, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank, ep_size,
+                                   top_k, num_experts, combine_payload_offset, enable_pdl, enable_rank_mask,
+                                   active_rank_mask, timeout_s=timeout_s)
 
 
 def combine_expert_major_with_grad(fn: str, expert_outputs: Tensor, dispatched: ExpertMajorDispatch,
@@ -1453,6 +1502,6 @@ def combine_expert_major_with_grad(fn: str, expert_outputs: Tensor, dispatched: 
     with the expert ids of the rank's last dispatch."""
     _refuse_options_with_grad(fn, "expert_outputs (or router weights)", **plain_options)
     ids, _ = _round_ids(fn, workspace, ep_rank, expert_major=True)
-    return moe_a2a_combine_expert_major_differentiable(expert_outputs, dispatched, ids, workspace, metainfo, ep_rank,
-                                                       ep_size, enable_pdl, enable_rank_mask, active_rank_mask,
-                                                       timeout_s=timeout_s)
+    return _combine_expert_major_differentiable(fn, expert_outputs, dispatched, ids, workspace, metainfo, ep_rank,
+                                                ep_size, enable_pdl, enable_rank_mask, active_rank_mask,
+                                                timeout_s=timeout_s)
