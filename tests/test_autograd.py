@@ -1245,6 +1245,83 @@ def test_a_forward_whose_backward_does_not_fit_is_refused_before_it_runs(layout)
         dispatch(xs)  # no backward to come: the forward fits
 
 
+def test_dispatch_backward_combines_only_the_payloads_that_require_grad():
+    """A floating payload that needs no gradient (router weights sent beside
+    the rows for the experts) is left out of the dispatch's backward. The
+    backward used to combine every floating payload's gradient, packed: fp32
+    weights widened the bf16 hidden gradient's rows to fp32, twice their
+    bytes, plus a column per top-k slot of zeros. Now its combine takes the
+    bf16 rows alone (the combines' payload shapes, from the profiler), and
+    the hidden gradient is bitwise the one of the packed fp32 combine (the
+    weights requiring grad too)."""
+    # One rank, called on this thread: the profiler records this thread's ops.
+    ep_size, tokens, top_k, num_experts, hidden = 1, 6, 2, 4, 16
+    gen = torch.Generator().manual_seed(29)
+    ids = [reference.random_routing(tokens, top_k, num_experts, gen) for _ in range(ep_size)]
+    xs = [torch.randn(tokens, hidden, generator=gen, dtype=torch.bfloat16) for _ in range(ep_size)]
+    ws = [torch.rand(tokens, top_k, generator=gen) for _ in range(ep_size)]
+    grads = [torch.randn(tokens, hidden, generator=gen, dtype=torch.bfloat16) for _ in range(ep_size)]
+
+    def train(weights_require_grad):
+        sim = make_sim(ep_size, tokens, hidden, top_k)
+        leaves = [x.clone().requires_grad_() for x in xs]
+
+        def step(rank):
+            w = ws[rank].clone().requires_grad_(weights_require_grad)
+            (rx, _, rw), offset, _ = moe_a2a_dispatch_differentiable(
+                ids[rank], [leaves[rank], ids[rank], w], sim.workspace, sim.metainfo[rank], tokens, rank, ep_size,
+                top_k, num_experts)
+            y = (rx.float() * (1 + rw.sum(-1, keepdim=True))).to(rx.dtype)
+            out = moe_a2a_combine_differentiable(y, ids[rank], sim.workspace, sim.metainfo[rank], tokens, rank,
+                                                 ep_size, top_k, num_experts, offset)
+            out.backward(grads[rank])
+
+        with torch.profiler.profile(record_shapes=True) as prof:
+            step(0)
+        widths = {e.input_shapes[0][-1] for e in prof.events() if e.name == "moe_a2a::combine"}
+        return [x.grad for x in leaves], widths
+
+    got, widths = train(weights_require_grad=False)
+    # The forward's combine and the backward's: rows of hidden elements; the closing combine's one fp32 zero.
+    assert widths == {hidden, 1}
+    want, packed = train(weights_require_grad=True)
+    assert packed == {hidden, 1, hidden + top_k}
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16 and torch.equal(g, w)
+
+
+def test_expert_major_dispatch_backward_combines_only_the_payloads_that_require_grad():
+    """The expert-major form: a floating payload that needs no gradient is
+    left out of the backward's fp32 row (the hidden gradient beside a column
+    per top-k slot), where it took its columns of zeros; the hidden gradient
+    is bitwise the one of the wider row."""
+    tokens, top_k, num_experts, hidden, extra = 6, 2, 4, 16, 3
+    gen = torch.Generator().manual_seed(31)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    x = torch.randn(tokens, hidden, generator=gen, dtype=torch.bfloat16)
+    side = torch.randn(tokens, extra, generator=gen)
+    w = torch.rand(tokens, top_k, generator=gen)
+    grad = torch.randn(tokens, hidden, generator=gen, dtype=torch.bfloat16)
+
+    def train(side_requires_grad):
+        sim = make_em_sim(1, tokens, hidden + extra, top_k, num_experts)
+        leaf = x.clone().requires_grad_()
+        with torch.profiler.profile(record_shapes=True) as prof:
+            d = moe_a2a_dispatch_expert_major_differentiable(
+                ids, [leaf, side.clone().requires_grad_(side_requires_grad)], sim.workspace, sim.metainfo[0], tokens,
+                0, 1, top_k, num_experts, router_weights=w)
+            y = (d.output_payloads[0].float() * 3).to(torch.bfloat16)
+            moe_a2a_combine_expert_major_differentiable(y, d, ids, sim.workspace, sim.metainfo[0], 0, 1).backward(grad)
+        widths = {e.input_shapes[0][-1] for e in prof.events() if e.name == "moe_a2a::combine_expert_major"}
+        return leaf.grad, widths
+
+    got, widths = train(side_requires_grad=False)
+    assert widths == {hidden, 1, hidden + top_k}
+    want, wider = train(side_requires_grad=True)
+    assert wider == {hidden, 1, hidden + extra + top_k}
+    assert torch.equal(got, want)
+
+
 def test_received_rows_are_new_tensors_with_zero_padding():
     """After a dispatch that filled every receive row with NaN, the
     differentiable dispatch's received planes equal the reference's whole

@@ -539,16 +539,26 @@ def _setup_dispatch_owned(ctx, inputs, output):
     ids, payloads, workspace, *route = inputs
     _keep_route(ctx, ids, workspace, tuple(route))
     ctx.payloads = [(p.dtype, tuple(p.shape[1:])) for p in payloads]
+    ctx.differentiated = [i for i, p in enumerate(payloads) if _differentiated(p)]
+
+
+def _differentiated(payload: Tensor) -> bool:
+    """Whether a dispatch's backward combines this payload's gradient: a
+    floating payload that requires grad (a router weight sent beside the rows
+    without a gradient of its own would otherwise widen every gradient row to
+    fp32)."""
+    return payload.requires_grad and payload.dtype in GRAD_DTYPES
 
 
 def _backward_dispatch_owned(ctx, grads):
-    """All floating payloads' gradients in one ``combine_round``: packed as the
-    rows of one payload of their promoted dtype (the combine sums in fp32 and
-    casts once, so this rounds as one combine per payload would)."""
+    """The gradients of the payloads that require grad in one
+    ``combine_round``: packed as the rows of one payload of their promoted
+    dtype (the combine sums in fp32 and casts once, so this rounds as one
+    combine per payload would)."""
     (ids,) = ctx.saved_tensors
     route = ctx.route
     ep_size, runtime_max = route[1], route[3]
-    floating = [i for i, (dtype, _) in enumerate(ctx.payloads) if dtype in GRAD_DTYPES]
+    floating = ctx.differentiated
     result: list[Optional[Tensor]] = [None] * len(ctx.payloads)
     if floating:
         dtype = _grad_dtype(ctx.payloads[i][0] for i in floating)
@@ -557,7 +567,8 @@ def _backward_dispatch_owned(ctx, grads):
             shape = (ep_size, runtime_max, math.prod(ctx.payloads[i][1]))
             g = grads[i]
             parts.append(ids.new_zeros(shape, dtype=dtype) if g is None else g.reshape(shape).to(dtype))
-        summed = _call(combine_round, torch.cat(parts, dim=2), ids, ctx.workspace, *route)
+        packed = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=2)
+        summed = _call(combine_round, packed, ids, ctx.workspace, *route)
         start = 0
         for i, part in zip(floating, parts):
             width = part.shape[2]
@@ -821,18 +832,19 @@ def _dispatch_differentiable(fn: str, token_selected_experts: Tensor, input_payl
     route = _route_args(fn, token_selected_experts, input_payloads, workspace, metainfo,
                         runtime_max_tokens_per_rank, ep_rank, ep_size, top_k, num_experts, enable_pdl,
                         enable_rank_mask, active_rank_mask, timeout_s)
-    floating = [p for p in input_payloads if p.dtype in GRAD_DTYPES]
+    floating = [p for p in input_payloads if _differentiated(p)]
     if _needs_backward(floating):
-        # The backward (combine_round): the ids' plane, then one row of every
-        # floating payload's gradient in their promoted dtype.
+        # The backward (combine_round): the ids' plane, then one row of the
+        # gradients of the payloads that require grad, in their promoted dtype.
         dtype = _grad_dtype(p.dtype for p in floating)
         row = dtype.itemsize * sum(math.prod(p.shape[1:]) for p in floating)
         ids_row = _row_bytes(token_selected_experts)
         _check_backward_fits(fn, workspace,
                              _round_end(ep_size, runtime_max_tokens_per_rank, (ids_row,), row),
-                             f"it combines the floating payloads' gradients as one row of {row} bytes ({dtype}) after "
-                             f"the ids' row of {ids_row}: size the workspace so that its dispatch and combine bytes per "
-                             f"token together cover {ids_row + row} (moe_a2a_get_workspace_size_per_rank)")
+                             f"it combines the gradients of the payloads that require grad as one row of {row} bytes "
+                             f"({dtype}) after the ids' row of {ids_row}: size the workspace so that its dispatch and "
+                             f"combine bytes per token together cover {ids_row + row} "
+                             "(moe_a2a_get_workspace_size_per_rank)")
     *received, counts = _call(dispatch_owned, token_selected_experts, list(input_payloads), workspace, *route)
     if _recorded():
         note_dispatch(workspace, ep_rank, token_selected_experts, num_experts)
@@ -1135,14 +1147,16 @@ def _setup_dispatch_em_owned(ctx, inputs, output):
     ids, payloads, _, workspace, M, *route = inputs
     _setup_em(ctx, ids, workspace, M, tuple(route))
     ctx.payloads = [(p.dtype, tuple(p.shape[1:])) for p in payloads]
+    ctx.differentiated = [i for i, p in enumerate(payloads) if _differentiated(p)]
 
 
 def _backward_dispatch_em_owned(ctx, grads):
-    """The floating planes' gradients (as fp32 columns of one plane) and the
-    pair weights' gradient in one ``combine_em_round``."""
+    """The gradients of the planes whose payloads require grad (as fp32
+    columns of one plane) and the pair weights' gradient in one
+    ``combine_em_round``."""
     (ids,) = ctx.saved_tensors
     local, M = _local_experts(ctx.route[1:]), ctx.route[0]
-    floating = [i for i, (dtype, _) in enumerate(ctx.payloads) if dtype in GRAD_DTYPES]
+    floating = ctx.differentiated
     parts = [ids.new_zeros((local, M, math.prod(ctx.payloads[i][1])), dtype=torch.float32) if grads[i] is None
              else grads[i].reshape(local, M, -1).float() for i in floating]
     plane = torch.cat(parts, dim=2) if parts else ids.new_zeros((local, M, 0), dtype=torch.float32)
@@ -1288,17 +1302,17 @@ def _dispatch_expert_major_differentiable(fn: str, token_selected_experts: Tenso
     expert_major.check_expert_major_fits(workspace, ep_size, runtime_max_tokens_per_rank, top_k, num_experts,
                                          max_tokens_per_expert, 0, [_row_bytes(p) for p in payloads],
                                          token_selected_experts.element_size(), True)
-    floating = [p for p in payloads if p.dtype in GRAD_DTYPES]
+    floating = [p for p in payloads if _differentiated(p)]
     if _needs_backward([*floating, router_weights]):
-        # The backward (combine_em_round): the ids and the slots as weights,
-        # then one fp32 row of the floating planes' gradients and a column per slot.
+        # The backward (combine_em_round): the ids and the slots as weights, then one
+        # fp32 row of the gradients of the planes that require grad and a column per slot.
         row = 4 * (sum(math.prod(p.shape[1:]) for p in floating) + top_k)
         needed = _em_round_end(ep_size, runtime_max_tokens_per_rank, top_k, num_experts, max_tokens_per_expert, [],
                                _row_bytes(token_selected_experts), row)
         _check_backward_fits(fn, workspace, needed,
-                             f"it combines the floating planes' gradients and the pair weights' as one fp32 row of "
-                             f"{row} bytes a pair: size the workspace with combine bytes per token of at least {row} "
-                             "(moe_a2a_get_workspace_size_per_rank_expert_major)")
+                             f"it combines the gradients of the planes that require grad and the pair weights' as "
+                             f"one fp32 row of {row} bytes a pair: size the workspace with combine bytes per token of "
+                             f"at least {row} (moe_a2a_get_workspace_size_per_rank_expert_major)")
     *planes, counts, ids, pair_weights = _call(dispatch_em_owned, token_selected_experts, payloads, weights, workspace,
                                                max_tokens_per_expert, *route)
     if _recorded():
