@@ -510,6 +510,60 @@ def test_mapping_cp_with_moe_ep_is_not_implemented():
         a2a.Mapping(world_size=4, rank=0, tp_size=2, cp_size=2, moe_ep_size=2)
 
 
+@pytest.mark.parametrize("rank", [-1, 4, 5, 1.5, "1"])
+def test_mapping_rank_checks_as_flashinfers(rank):
+    """FlashInfer's tests/comm/test_mapping_rank.py (flashinfer-ai/flashinfer
+    62bb4395): a bad rank is refused in FlashInfer's words, in the
+    constructor and on assignment, and an assignment that raised leaves the
+    mapping and its groups unchanged; a good assignment moves the groups."""
+    with pytest.raises(ValueError, match="Rank should be an integer between 0 and 3"):
+        a2a.Mapping(world_size=4, tp_size=2, pp_size=2, rank=rank)
+    mapping = a2a.Mapping(world_size=4, tp_size=2, pp_size=2, rank=1)
+    with pytest.raises(ValueError, match="Rank should be an integer between 0 and 3"):
+        mapping.rank = rank
+    assert mapping.rank == 1 and mapping.tp_group == [0, 1] and mapping.pp_group == [1, 3]
+    mapping.rank = 3
+    assert mapping.tp_group == [2, 3] and mapping.pp_group == [1, 3] and mapping.tp_rank == 1
+    with pytest.raises(ValueError, match="Rank should be an integer between 0 and 0"):
+        a2a.Mapping(rank=-1)
+    # enable_attention_dp skips the range check, on assignment too.
+    dp = a2a.Mapping(world_size=4, tp_size=2, pp_size=2, rank=4, enable_attention_dp=True)
+    dp.rank = 5
+    assert dp.rank == 5
+
+
+@pytest.mark.parametrize("dim", ["tp_size", "pp_size", "cp_size"])
+def test_mapping_auto_parallel_in_flashinfers_words(dim):
+    """FlashInfer's tests/comm/test_mapping.py and test_mapping_validation.py:
+    with auto_parallel a size other than 1 is refused, the message naming
+    "auto parallel" and the size."""
+    with pytest.raises(ValueError, match="auto parallel") as info:
+        a2a.Mapping(world_size=1, rank=0, auto_parallel=True, **{dim: 4})
+    assert dim in str(info.value)
+    mapping = a2a.Mapping(world_size=1, rank=0, tp_size=1, pp_size=1, cp_size=1, auto_parallel=True)
+    assert (mapping.tp_rank, mapping.pp_rank, mapping.cp_rank) == (0, 0, 0)
+
+
+def test_mapping_groups_and_helpers_as_flashinfers():
+    """The groups and helpers of FlashInfer's Mapping (flashinfer/comm/mapping.py,
+    from TensorRT-LLM's), which code written against it reads: the examples
+    of its docstring (16 ranks, tp 8 as moe_tp 2 x moe_ep 4, pp 2)."""
+    m = a2a.Mapping(world_size=16, rank=13, gpus_per_node=8, tp_size=8, pp_size=2, moe_ep_size=4)
+    assert m.tp_groups == [list(range(0, 8)), list(range(8, 16))]
+    assert m.pp_groups == [[i, i + 8] for i in range(8)]
+    assert m.moe_tp_groups == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert m.moe_ep_groups == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert (m.tp_group, m.pp_group, m.cp_group) == (list(range(8, 16)), [5, 13], [13])
+    assert (m.moe_tp_group, m.moe_ep_group, m.moe_cluster_group) == ([9, 13], [12, 13, 14, 15], [12, 13, 14, 15])
+    assert (m.has_tp(), m.has_pp(), m.has_cp(), m.has_moe_tp(), m.has_moe_ep(), m.has_moe_cluster()) == (
+        True, True, False, True, True, False)
+    assert (m.is_first_pp_rank(), m.is_last_pp_rank(), m.is_second_last_pp_rank()) == (False, True, False)
+    assert (m.prev_pp_rank(), m.next_pp_rank(), m.get_node_rank(13), m.get_local_rank(13)) == (5, 5, 1, 5)
+    assert m.pp_layers(7) == [4, 5, 6] and m.ep_experts(16) == [4, 5, 6, 7]
+    cp = a2a.Mapping(world_size=8, rank=5, tp_size=2, pp_size=2, cp_size=2)
+    assert cp.cp_groups == [[0, 2], [1, 3], [4, 6], [5, 7]] and cp.cp_group == [5, 7]
+
+
 def test_ep_group_split_of_a_larger_world():
     """MoeAlltoAll splits a job-wide CommBackend into this rank's EP group:
     with moe_tp 2 x moe_ep 4 in tp 8 (x pp 2), the ranks of one color are exactly

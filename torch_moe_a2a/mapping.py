@@ -121,8 +121,9 @@ class Mapping:
             raise ValueError(f"Mapping: attn_cp_size must be 1, got {attn_cp_size} (attn_tp_size {attn_tp_size})")
         if auto_parallel:
             if tp_size != 1 or pp_size != 1 or cp_size != 1:
-                raise ValueError("Mapping: with auto_parallel, tp_size, pp_size and cp_size must be 1, got "
-                                 f"{tp_size}, {pp_size}, {cp_size}")
+                # "auto parallel" as FlashInfer's message words it (its tests match on it).
+                raise ValueError("Mapping: when auto parallel is enabled (auto_parallel=True), tp_size, pp_size "
+                                 f"and cp_size must be 1, got {tp_size}, {pp_size}, {cp_size}")
         elif tp_size * pp_size * cp_size != world_size:
             raise ValueError(f"Mapping: world_size {world_size} must equal tp_size * pp_size * cp_size = "
                              f"{tp_size} * {pp_size} * {cp_size}")
@@ -137,14 +138,10 @@ class Mapping:
         if moe_cluster_size > 1 and moe_ep_size != 1:
             raise ValueError(f"Mapping: moe_cluster_size {moe_cluster_size} > 1 needs moe_ep_size 1, "
                              f"got {moe_ep_size}")
-        if not isinstance(rank, int) or isinstance(rank, bool) or not (enable_attention_dp or 0 <= rank < world_size):
-            # enable_attention_dp skips the range check, not the type's: the
-            # ranks derived from a float (moe_ep_rank, ...) would be floats.
-            bound = "" if enable_attention_dp else f" in [0, {world_size})"
-            raise ValueError(f"Mapping: rank must be an int{bound}, got {rank!r}")
 
         self.world_size = world_size
-        self.rank = rank
+        self.enable_attention_dp = enable_attention_dp
+        self.rank = rank  # checked by the setter
         self.gpus_per_node = gpus_per_node
         self.cp_size = cp_size
         self.cp_config = {} if cp_config is None else cp_config
@@ -156,7 +153,46 @@ class Mapping:
         self.attn_tp_size = attn_tp_size
         self.attn_cp_size = attn_cp_size
         self.auto_parallel = auto_parallel
-        self.enable_attention_dp = enable_attention_dp
+        self._build_groups()
+
+    def _build_groups(self) -> None:
+        """Every group's global ranks, as FlashInfer's constructor lists them
+        (``tp_groups``, ``pp_groups``, ...); the ``*_group`` properties pick
+        this rank's. They depend on the sizes only, not on ``rank``."""
+        tp, cp, pp, world = self.tp_size, self.cp_size, self.pp_size, self.world_size
+        ep, cluster, moe_tp = self.moe_ep_size, self.moe_cluster_size, self.moe_tp_size
+        moe_span = moe_tp * ep * cluster  # == tp_size
+        self.pp_groups = [list(range(i, world, tp * cp)) for i in range(tp * cp)]
+        self.cp_groups = [list(range(i * tp * cp + j, (i + 1) * tp * cp + j, tp)) for i in range(pp) for j in range(tp)]
+        self.tp_groups = [list(range(i * tp * cp + j * tp, i * tp * cp + (j + 1) * tp))
+                          for i in range(pp) for j in range(cp)]
+        self.moe_tp_groups = [list(range(i * moe_span + j, (i + 1) * moe_span, cluster * ep))
+                              for i in range(pp) for j in range(cluster * ep)]
+        self.moe_cluster_groups = [list(range(i * moe_span + j * cluster * ep, i * moe_span + (j + 1) * cluster * ep))
+                                   for i in range(pp) for j in range(moe_tp)]
+        self.moe_ep_groups = [list(range(i * moe_span + j * cluster * ep + k * ep,
+                                         i * moe_span + j * cluster * ep + (k + 1) * ep))
+                              for i in range(pp) for j in range(moe_tp) for k in range(cluster)]
+
+    @property
+    def rank(self) -> int:
+        """This rank, in ``[0, world_size)``; assigning it checks it as the constructor does."""
+        return self._rank
+
+    @rank.setter
+    def rank(self, rank: int) -> None:
+        # FlashInfer checks an assigned rank as the constructor's (a wrong one
+        # raises and leaves the mapping unchanged). enable_attention_dp skips
+        # the range check, not the type's: the ranks derived from a float
+        # (moe_ep_rank, ...) would be floats.
+        if not isinstance(rank, int) or isinstance(rank, bool) or not (
+                self.enable_attention_dp or 0 <= rank < self.world_size):
+            if self.enable_attention_dp:
+                raise ValueError(f"Mapping: rank must be an int, got {rank!r}")
+            # FlashInfer's words in parentheses: its tests match on them.
+            raise ValueError(f"Mapping: rank must be an int in [0, {self.world_size}), got {rank!r} (Rank should "
+                             f"be an integer between 0 and {self.world_size - 1})")
+        self._rank = rank
 
     # ---- ranks inside the groups (FlashInfer's derivations) ----
 
@@ -200,11 +236,62 @@ class Mapping:
         """This rank's GPU on its node, ``rank % gpus_per_node``."""
         return self.rank % self.gpus_per_node
 
+    # ---- this rank's groups (FlashInfer's indexing of the lists _build_groups makes) ----
+
+    @property
+    def tp_group(self) -> list[int]:
+        """The global ranks of this rank's tensor-parallel group."""
+        return self.tp_groups[self.pp_rank * self.cp_size + self.cp_rank]
+
+    @property
+    def pp_group(self) -> list[int]:
+        """The global ranks of this rank's pipeline-parallel group."""
+        return self.pp_groups[self.cp_rank * self.tp_size + self.tp_rank]
+
+    @property
+    def cp_group(self) -> list[int]:
+        """The global ranks of this rank's context-parallel group."""
+        return self.cp_groups[self.pp_rank * self.tp_size + self.tp_rank]
+
+    @property
+    def moe_tp_group(self) -> list[int]:
+        """The global ranks of this rank's MoE tensor-parallel group."""
+        return self.moe_tp_groups[self.pp_rank * self.moe_cluster_size * self.moe_ep_size
+                                  + self.moe_cluster_rank * self.moe_ep_size + self.moe_ep_rank]
+
+    @property
+    def moe_cluster_group(self) -> list[int]:
+        """The global ranks of this rank's MoE cluster."""
+        return self.moe_cluster_groups[self.pp_rank * self.moe_tp_size + self.moe_tp_rank]
+
     @property
     def moe_ep_group(self) -> list[int]:
         """The global ranks of this rank's MoE expert-parallel group, in ``moe_ep_rank`` order."""
-        first = self.rank - self.moe_ep_rank
-        return list(range(first, first + self.moe_ep_size))
+        return self.moe_ep_groups[self.pp_rank * self.moe_tp_size * self.moe_cluster_size
+                                  + self.moe_tp_rank * self.moe_cluster_size + self.moe_cluster_rank]
+
+    # ---- FlashInfer's predicates and helpers ----
+
+    def get_node_rank(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def get_local_rank(self, rank: int) -> int:
+        return rank % self.gpus_per_node
+
+    def has_tp(self) -> bool:
+        return self.tp_size > 1
+
+    def has_pp(self) -> bool:
+        return self.pp_size > 1
+
+    def has_cp(self) -> bool:
+        return self.cp_size > 1
+
+    def has_moe_cluster(self) -> bool:
+        return self.moe_cluster_size > 1
+
+    def has_moe_tp(self) -> bool:
+        return self.moe_tp_size > 1
 
     def has_moe_ep(self) -> bool:
         """Whether the MoE layers are expert-parallel: ``moe_ep_size > 1``."""
@@ -213,6 +300,36 @@ class Mapping:
     def is_multi_node(self) -> bool:
         """Whether the job spans more than one node: ``world_size > gpus_per_node``."""
         return self.world_size > self.gpus_per_node
+
+    def is_first_pp_rank(self) -> bool:
+        return self.pp_rank == 0
+
+    def is_last_pp_rank(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def is_second_last_pp_rank(self) -> bool:
+        return self.pp_rank == self.pp_size - 2
+
+    def prev_pp_rank(self) -> int:
+        """The global rank of the previous pipeline stage's peer (wrapping around)."""
+        return (self.rank - self.tp_size * self.cp_size) % self.world_size
+
+    def next_pp_rank(self) -> int:
+        """The global rank of the next pipeline stage's peer (wrapping around)."""
+        return (self.rank + self.tp_size * self.cp_size) % self.world_size
+
+    def pp_layers(self, num_layers: int) -> list[int]:
+        """This stage's layers; with ``num_layers % pp_size = n``, the first n stages hold one more."""
+        import torch
+
+        return torch.tensor_split(torch.arange(num_layers), self.pp_size)[self.pp_rank].tolist()
+
+    def ep_experts(self, num_experts: int) -> list[int]:
+        """The experts of this rank's MoE expert-parallel slot, ``num_experts // moe_ep_size`` in a row."""
+        if self.cp_size != 1:  # FlashInfer asserts it
+            raise ValueError(f"Mapping.ep_experts: needs cp_size 1, got {self.cp_size}")
+        per_rank = num_experts // self.moe_ep_size
+        return list(range(self.moe_ep_rank * per_rank, (self.moe_ep_rank + 1) * per_rank))
 
     # ---- value semantics ----
 
