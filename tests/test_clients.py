@@ -258,6 +258,50 @@ def test_client_call_sequences(world, device, tmp_path):
     run_ranks(_clients_worker, world, (str(tmp_path / "init"), device), report_dir=tmp_path, timeout_s=300)
 
 
+def _mnnvl_config_worker(rank, world, init_file):
+    """FlashInfer's own torch.distributed CommBackend in an MnnvlConfig, as
+    code switching from ``flashinfer.comm.mnnvl`` builds it: the backend's
+    collectives, its Split into the EP groups, then a round trip over them."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        comm = a2a.TorchDistBackend()  # the default group, as FlashInfer's default
+        assert (comm.Get_rank(), comm.Get_size()) == (rank, world)
+        assert comm.allgather(("rank", rank)) == tuple(("rank", r) for r in range(world))
+        assert comm.bcast(f"from {rank}", root=world - 1) == f"from {world - 1}"
+        gen = make_generator(("mnnvl config", rank))
+        ids = torch.randint(0, 4, (5, 2), generator=gen, dtype=torch.int32)
+        hidden = torch.randn((5, 64), generator=gen).to(torch.bfloat16)
+        # moe_ep over the whole tensor-parallel group: one EP group of `world` ranks;
+        # moe_tp instead: each rank an EP group of its own (Split by color).
+        for moe_sizes, ep_size in ((dict(moe_ep_size=world), world), (dict(moe_tp_size=world), 1)):
+            a2a.MoeAlltoAll.clear_workspace_cache()
+            mapping = a2a.Mapping(world_size=world, rank=rank, tp_size=world, **moe_sizes)
+            moe = a2a.MoeAlltoAll(mapping, 8, 2, 4, hidden_size=64, mnnvl_config=a2a.MnnvlConfig(comm_backend=comm),
+                                  device="cpu")
+            assert (moe.ep_rank, moe.ep_size, moe.workspace.shape[0]) == (mapping.moe_ep_rank, ep_size, ep_size)
+            (recv,) = moe.dispatch(ids, [hidden], 5)
+            out = moe.combine(recv * 2, 5)
+            # Each token is summed once per EP rank it reached (experts 0-1 on EP rank 0 when ep_size is 2).
+            reached = (ids * ep_size // 4).sort(dim=1).values.diff(dim=1).ne(0).sum(dim=1) + 1
+            torch.testing.assert_close(out, (hidden.float() * 2 * reached[:, None]).to(torch.bfloat16), rtol=0, atol=0)
+        a2a.MoeAlltoAll.clear_workspace_cache()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mnnvl_config_and_torch_dist_backend(tmp_path):
+    """``MnnvlConfig`` and ``TorchDistBackend`` as ``flashinfer.comm.mnnvl``
+    has them (vLLM and SGLang build ``MnnvlConfig(comm_backend=...)``; the
+    names were not exported, so code switching its imports had to write its
+    own)."""
+    assert a2a.MnnvlConfig().comm_backend is None and a2a.MnnvlConfig().fabric_page_size == 1 << 29
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        a2a.TorchDistBackend()
+    run_ranks(_mnnvl_config_worker, 2, (str(tmp_path / "init"),), report_dir=tmp_path, timeout_s=300)
+
+
 # ---- in one process ---------------------------------------------------------------------
 
 

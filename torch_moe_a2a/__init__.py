@@ -56,6 +56,7 @@ from .expert_major import (  # noqa: E402
 from .flashinfer_patch import patch_flashinfer, unpatch_flashinfer  # noqa: E402
 from .layout import MOE_A2A_RANK_MASK_WORDS  # noqa: E402
 from .mapping import Mapping  # noqa: E402
+from .mnnvl import MnnvlConfig, TorchDistBackend  # noqa: E402
 from .moe_alltoall import MoeAlltoAll  # noqa: E402
 from .moe_ep import NVLinkOneSidedAlltoAll  # noqa: E402
 from .simulate import RankGraphs, SimulatedEP  # noqa: E402
@@ -66,11 +67,13 @@ __all__ = [
     "ExpertMajorDispatch",
     "MOE_A2A_RANK_MASK_WORDS",
     "Mapping",
+    "MnnvlConfig",
     "MoeAlltoAll",
     "NVLinkOneSidedAlltoAll",
     "SfLayout",
     "RankGraphs",
     "SimulatedEP",
+    "TorchDistBackend",
     "allocate_workspace",
     "check_errors",
     "checkpoint_context",
