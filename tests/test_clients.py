@@ -904,6 +904,25 @@ def test_one_sided_refuses_what_flashinfer_refuses(make, match):
         make()
 
 
+def test_one_sided_config_kernel(device):
+    """NVLinkOneSidedConfig's kernel field (flashinfer/moe_ep/backends/split/comm/
+    nvlink_one_sided/config.py, flashinfer-ai/flashinfer 201a959: the
+    communication passes it to MoeAlltoAll as backend=): "trtllm" round-trips,
+    "cake" is refused as backend="cake" is. It was an unexpected keyword."""
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    assert NVLinkOneSidedConfig().kernel == "trtllm"
+    comm = _one_sided(device, kernel="trtllm")
+    x = torch.randn((3, 64), generator=make_generator("kernel")).to(torch.bfloat16).to(device)
+    got = comm.dispatch(x, torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32, device=device))
+    assert torch.equal(comm.combine(got.hidden_states).cpu(), x.cpu())
+    comm.destroy()
+    with pytest.raises(ValueError, match='backend="cake" requires compute capability 10.0 or 10.3'):
+        _one_sided("cpu", kernel="cake")
+    with pytest.raises(ValueError, match="unknown MoE all-to-all backend 'nccl'"):
+        _one_sided("cpu", kernel="nccl")
+    a2a.MoeAlltoAll.clear_workspace_cache()
+
+
 @pytest.mark.parametrize("fmt, expected", [(None, 64 * 2), ("NVFP4", 32 + 4), ("MXFP8", 64 + 2),
                                            ("DeepSeekFp8", 64 + 4)])
 def test_one_sided_dispatch_bytes_per_token(fmt, expected):

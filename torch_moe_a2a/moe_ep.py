@@ -165,9 +165,13 @@ class NVLinkOneSidedConfig:
     ``use_low_precision_combine`` sends the combine's rows as e4m3;
     ``comm_backend`` (a FlashInfer ``CommBackend`` or a ``torch.distributed``
     group) maps the workspace, by default the bootstrap's process group.
+    ``kernel`` (the field newer FlashInfer added, second as there) is the
+    :class:`~torch_moe_a2a.MoeAlltoAll` ``backend``: ``"trtllm"``;
+    ``"cake"`` is refused as ``backend="cake"`` is.
     """
 
     backend_name: str = "nvlink_one_sided"
+    kernel: str = "trtllm"
     extra_payload_bytes_per_token: int = 0
     eplb_stats_num_experts: int = 0
     enable_rank_mask: bool = False
@@ -226,6 +230,8 @@ class NVLinkOneSidedAlltoAll:
                     eplb_stats_num_experts=self.config.eplb_stats_num_experts)
         if self.config.extra_payload_bytes_per_token < 0:
             raise ValueError("extra_payload_bytes_per_token must be non-negative")
+        # FlashInfer's config before its `kernel` field has none: the default kernels.
+        self.alltoall_backend = getattr(self.config, "kernel", NVLinkOneSidedAlltoAll.alltoall_backend)
         comm = self.config.comm_backend
         if comm is None:
             comm = getattr(bootstrap, "process_group", None)  # None: MoeAlltoAll takes the default group
