@@ -537,3 +537,38 @@ def test_training_bench_reports_a_wrong_gradient(monkeypatch, capsys):
                "--iters", "1", "--warmup", "0"])
     out = capsys.readouterr().out
     assert rc == 1 and "FAIL" in out and "ours, rank 0: gradient differs" in out, out
+
+
+def test_expert_major_bench_reports_its_rate_against_the_copy_ceiling(tmp_path, capsys):
+    """bench --expert-major measures the copy ceiling in the same run and gives
+    every point's rate as a ratio to it (DESIGN.md section 8)."""
+    from torch_moe_a2a.bench.single import main
+
+    path = tmp_path / "expert_major.json"
+    rc = main(["--expert-major", "--device", "cpu", "--preset", "mixtral", "--ep", "1", "2", "--tokens", "3",
+               "--iters", "1", "--warmup", "0", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "copy ceiling:" in out and "ours x copy" in out, out
+    rows = [line.split() for line in out.splitlines() if line[:3].strip().isdigit()]
+    assert len(rows) == 2 and all(float(r[9]) > 0 for r in rows), out  # the ratio beside the two others
+    import json
+
+    records = json.loads(path.read_text())["records"]
+    assert all(r["ours_bytes"] > 0 and r["ours_copy_ratio"] > 0 for r in records), records
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_expert_major_byte_model(ep):
+    """The expert-major round trip's bytes, term by term (docs/DESIGN.md section 8)."""
+    from torch_moe_a2a.bench import expert_major
+    from torch_moe_a2a.bench.common import PRESETS, Point
+
+    point = Point(PRESETS["mixtral"], ep, 5, fp8=False)
+    drow = 4096 * 2 + 2 * 4 + 2 * 4  # hidden bf16, int32 ids, fp32 weights
+    crow = 4096 * 2
+    tokens, sends, pairs = ep * 5, 7 * ep, 10 * ep
+    expected = (drow * (tokens + sends)  # dispatch: every row read once, written once per destination
+                + drow * sends + crow * pairs  # build: each received row read, each pair's row written
+                + (crow + 4) * pairs + crow * tokens  # combine: a row and a weight per pair read, a row per token written
+                + 2 * crow * pairs)  # staging: each pair's row read and written
+    assert expert_major.round_trip_bytes(point, sends, pairs) == expected

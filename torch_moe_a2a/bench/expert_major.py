@@ -29,6 +29,10 @@ of ``--iters`` after ``--warmup``.
 Ratios (the targets of docs/performance.md): ours / rank-major, the price of
 the layout over the bare exchange (at most 1.25x; 1.15x from 4096 tokens),
 and baseline / ours, what the layout saves over doing it by hand (above 1x).
+Ours is also given as a ratio to the device's copy bandwidth measured in the
+same run (bytes read + written by one large copy): the bytes of the
+expert-major byte model (docs/DESIGN.md section 8, round_trip_bytes) per
+second over that ceiling.
 
 Check: ours against the reference bitwise; the baseline within bf16
 rounding of ours (it rounds each rank's partial sum to bf16 before the
@@ -55,10 +59,14 @@ from ..simulate import SimulatedEP
 from .common import (
     COMBINE_ATOL,
     COMBINE_RTOL,
+    COPY_BYTES,
+    COPY_REPEATS,
+    MIB,
     SEED,
     Clock,
     Point,
     capture_graph,
+    copy_bandwidth,
     expert_owner,
     fmt,
     format_table,
@@ -85,6 +93,8 @@ ROUND_TRIPS = ("ours", "rank_major", "baseline")
 # per expert at CAPACITY_FACTOR times the mean instead, as a prefill
 # deployment does (pairs beyond it would be dropped and reported).
 MAX_WORST_CASE_PLANE_BYTES = 2 << 30
+# A router weight (fp32), which the combine reads per pair.
+WEIGHT_BYTES = 4
 CAPACITY_FACTOR = 2.0
 
 
@@ -96,6 +106,31 @@ def rows_per_expert(point: Point) -> int:
     if local * worst * p.hidden * p.dtype.itemsize <= MAX_WORST_CASE_PLANE_BYTES:
         return worst
     return min(worst, math.ceil(CAPACITY_FACTOR * ep * T * p.top_k / p.num_experts))
+
+
+def round_trip_bytes(point: Point, sends: int, pairs: int) -> int:
+    """Bytes the expert-major round trip moves, summed over ranks, by the byte
+    model of docs/DESIGN.md section 8.
+
+    Args:
+        point: the ranks, tokens per rank and the preset's rows.
+        sends: (token, distinct destination rank) pairs of all ranks.
+        pairs: (token, expert) pairs kept at their experts' ranks.
+
+    Returns:
+        The dispatch's (each row of hidden state, ids and weights read once and
+        written once per destination), the build's (each received row read,
+        each pair's row written), the combine's (a row and a weight read per
+        pair, a row written per token) and the staging's (each pair's row read
+        and written: the round trip's combine is not in place) bytes, added up.
+    """
+    drow, crow = point.dispatch_row_bytes, point.combine_row_bytes
+    tokens = point.ep * point.tokens
+    dispatch = drow * (tokens + sends)
+    build = drow * sends + crow * pairs
+    combine = (crow + WEIGHT_BYTES) * pairs + crow * tokens
+    staging = 2 * crow * pairs
+    return dispatch + build + combine + staging
 
 
 class ExpertMajorPoint:
@@ -232,7 +267,9 @@ def run_point(point: Point, device: torch.device, warmup: int, iters: int) -> di
     if error is not None:
         return {"status": "FAIL", "notes": [error]}
     clock = Clock(device)
-    result: dict[str, Any] = {"status": "ok", "notes": []}
+    sends = int(em.set.destinations.sum())
+    pairs = sum(int((ids >= 0).sum()) for ids in em.set.ids)  # every one kept: check() counted no drop
+    result: dict[str, Any] = {"status": "ok", "notes": [], "ours_bytes": round_trip_bytes(point, sends, pairs)}
     if em.max_tokens_per_expert < point.ep * point.tokens:
         result["notes"].append(f"{em.max_tokens_per_expert} rows per expert ({CAPACITY_FACTOR:g}x the mean)")
     if device.type != "cuda":
@@ -251,6 +288,14 @@ def run_point(point: Point, device: torch.device, warmup: int, iters: int) -> di
     if error is not None:
         return {**result, "status": "FAIL", "notes": [f"after the replays: {error}"]}
     return result
+
+
+def copy_ratio(rec: dict, copy_gbps: Optional[float]) -> Optional[float]:
+    """Ours' rate (the byte model's bytes per second) over the copy ceiling, None where not measured."""
+    ours, nbytes = rec.get("ours_us"), rec.get("ours_bytes")
+    if ours is None or nbytes is None or not copy_gbps:
+        return None
+    return nbytes / (ours * 1e-6) / 1e9 / copy_gbps
 
 
 def ratios(rec: dict) -> tuple[Optional[float], Optional[float]]:
@@ -273,6 +318,11 @@ def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[in
               else "eager wall time (no launch floor on the CPU)")
     print(f"expert-major round trip against rank-major, and against rank-major + a graph-safe PyTorch permutation: "
           f"{preset}, identity experts, {method}, median of {iters} after {warmup}", flush=True)
+    # The ceiling of the ratio column, measured in this run.
+    copy_bytes = COPY_BYTES[kind]
+    copy_gbps = copy_bandwidth(Clock(device), device, copy_bytes)
+    print(f"copy ceiling: {copy_gbps:.1f} GB/s (copy_ of {copy_bytes / MIB:.0f} MiB, bytes read + written, "
+          f"median of {COPY_REPEATS})", flush=True)
     def measure(point: Point) -> dict:
         try:
             return run_point(point, device, warmup, iters)
@@ -287,6 +337,7 @@ def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[in
     rows, held, over_all, saved_all = [], 0, [], []
     for rec in records:
         over, saved = ratios(rec)
+        rec["ours_copy_ratio"] = copy_ratio(rec, copy_gbps)  # for --json, beside the bytes and the time
         limit = MAX_OVER_RANK_MAJOR_LARGE if rec["tokens"] >= LARGE_TOKENS else MAX_OVER_RANK_MAJOR
         if over is not None and saved is not None:
             over_all.append(over)
@@ -295,9 +346,9 @@ def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[in
         rows.append([str(rec["ep"]), str(rec["tokens"]), rec["status"], fmt(rec.get("floor_us"), ".1f"),
                      fmt(rec.get("ours_us"), ".1f"), fmt(rec.get("rank_major_us"), ".1f"),
                      fmt(rec.get("baseline_us"), ".1f"), fmt(over, ".2f", "x"), fmt(saved, ".2f", "x"),
-                     "; ".join(rec["notes"])])
+                     fmt(rec["ours_copy_ratio"], ".3f"), "; ".join(rec["notes"])])
     print(format_table(["ep", "T", "status", "floor us", "ours us", "rank-major us", "baseline us",
-                        "ours / rank-major", "baseline / ours", "notes"], rows, left={2, 9}))
+                        "ours / rank-major", "baseline / ours", "ours x copy", "notes"], rows, left={2, 10}))
     if over_all:
         print(f"targets (ours / rank-major <= {MAX_OVER_RANK_MAJOR}x, <= {MAX_OVER_RANK_MAJOR_LARGE}x from "
               f"{LARGE_TOKENS} tokens; baseline / ours > 1x): held at {held} of {len(over_all)} points; geomean "

@@ -941,7 +941,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "grouped-GEMM user writes, per replay of a graph on CUDA (beside the launch floor), eager wall "
                    f"time on the CPU, at --ep (default {_per_device(bench_expert_major.DEFAULT_EP)}) and --tokens "
                    f"(default {_per_device(bench_expert_major.DEFAULT_TOKENS)}), first --preset (default "
-                   "deepseek-v3)")
+                   "deepseek-v3); ours also as a ratio to the copy bandwidth")
     p.add_argument("--training", action="store_true",
                    help="instead: the exchange's forward and backward (the differentiable dispatch and combine) "
                    "against all_to_all_single of the (token, expert) pairs under autograd, at --ep (default "
