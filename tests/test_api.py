@@ -25,8 +25,7 @@ POS, KW = P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY
 REQ = P.empty
 LINEAR = object()  # placeholder for SfLayout.layout_linear
 
-# (name, kind, default) in order, as FlashInfer declares them (DESIGN.md section 2,
-# seed/moe_a2a_dispatch.txt).
+# (name, kind, default) in order, as FlashInfer declares them (docs/DESIGN.md section 2).
 SIGNATURES = {
     "moe_a2a_get_workspace_size_per_rank": [
         ("ep_size", POS, REQ), ("max_num_tokens", POS, REQ), ("total_dispatch_payload_size_per_token", POS, REQ),

@@ -84,3 +84,22 @@ def test_every_row_is_public_and_spelled_out_signatures_match():
         if inspect.isclass(obj) and written == f"{name}(...)":
             continue
         assert written == _render(name, obj)
+
+
+# Paths of the workspace the repository was written in, not of the repository:
+# a reader of a clone has no such files.
+OUTSIDE_PATHS = re.compile(r"\.\./shared/|\bshared/seed/|\bseed/\w+\.txt")
+
+
+def test_no_file_names_a_file_outside_the_repository():
+    """DESIGN.md section 9: the repository's docs, code and tests refer only to its own files."""
+    root = pathlib.Path(__file__).parents[1]
+    suffixes = {".md", ".py", ".h", ".cpp", ".cu", ".cuh", ".toml", ".txt", ".sh", ".in"}
+    found = []
+    for path in sorted(root.rglob("*")):
+        parts = path.relative_to(root).parts
+        if path.is_file() and path.suffix in suffixes and not any(p.startswith(".") or p == "build" for p in parts):
+            for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if OUTSIDE_PATHS.search(line):
+                    found.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)
