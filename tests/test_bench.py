@@ -520,6 +520,25 @@ def test_training_bench_cpu(capsys):
     rows = [line.split() for line in out.splitlines() if line[:3].strip().isdigit()]
     assert rc == 0 and len(rows) == 2 and all(r[2] == "ok" for r in rows), out
     assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows), out  # ours, baseline
+    # Ours against the copy ceiling of the same run (DESIGN.md section 8).
+    assert "copy ceiling:" in out and "ours x copy" in out, out
+    assert all(float(r[6]) > 0 for r in rows), out
+
+
+def test_training_byte_model():
+    """The training step's bytes, term by term (docs/DESIGN.md section 8)."""
+    from torch_moe_a2a.bench import training
+    from torch_moe_a2a.bench.common import PRESETS, Point
+
+    point = Point(PRESETS["mixtral"], 2, 5, fp8=False)
+    drow = 4096 * 2 + 2 * 4 + 2 * 4  # hidden bf16, int32 ids, fp32 weights
+    row = 4096 * 2  # the expert outputs' rows, and the gradients' both ways
+    tokens, sends = 2 * 5, 13
+    expected = (drow * (tokens + sends)  # forward dispatch: every row read once, written once per destination
+                + row * (sends + tokens) + 2 * row * sends  # forward combine, staged
+                + row * (tokens + sends)  # the output gradient dispatched
+                + row * (sends + tokens) + 2 * row * sends)  # the received rows' gradients combined, staged
+    assert training.step_bytes(point, sends) == expected
 
 
 def test_training_bench_reports_a_wrong_gradient(monkeypatch, capsys):

@@ -946,7 +946,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead: the exchange's forward and backward (the differentiable dispatch and combine) "
                    "against all_to_all_single of the (token, expert) pairs under autograd, at --ep (default "
                    f"{_per_device(bench_training.DEFAULT_EP)}) and --tokens (default "
-                   f"{_per_device(bench_training.DEFAULT_TOKENS)}), first --preset (default deepseek-v3)")
+                   f"{_per_device(bench_training.DEFAULT_TOKENS)}), first --preset (default deepseek-v3); ours "
+                   "also as a ratio to the copy bandwidth")
     p.add_argument("--low-precision-error", action="store_true",
                    help="instead: print the error of the e4m3 combine transports against bf16 (CPU, no timing)")
 

@@ -25,6 +25,10 @@ grad_out[t] * sum(w[t]):
   ``--warmup``, each step's wall time until the device finished. Both paths
   are eager: the baseline's host syncs (the split sizes) cannot live in a
   graph, and at training sizes the host's launches are a small part;
+- ceiling: ours as a ratio to the device's copy bandwidth measured in the
+  same run (``ours x copy``): the bytes of the step's four exchanges by the
+  byte model of docs/DESIGN.md section 8 (:func:`step_bytes`) per second,
+  over that bandwidth;
 - check: both outputs and both input gradients within bf16 rounding of
   x * sum(w) and grad_out * sum(w).
 """
@@ -43,14 +47,19 @@ from ..simulate import SimulatedEP
 from .common import (
     COMBINE_ATOL,
     COMBINE_RTOL,
+    COPY_BYTES,
+    COPY_REPEATS,
+    MIB,
     PRESETS,
     SEED,
     Clock,
     Point,
+    copy_bandwidth,
     expert_owner,
     fmt,
     format_table,
     make_set,
+    op_bytes_for,
     sweep,
     wall_us,
 )
@@ -59,6 +68,29 @@ DEFAULT_EP = {"cuda": (8,), "cpu": (1, 2)}
 DEFAULT_TOKENS = {"cuda": (512, 4096), "cpu": (1, 16)}
 DEFAULT_ITERS = {"cuda": 10, "cpu": 3}
 DEFAULT_WARMUP = {"cuda": 2, "cpu": 1}
+
+
+def step_bytes(point: Point, sends: int) -> int:
+    """Bytes of a training step's exchanges, summed over ranks, by the byte
+    model of docs/DESIGN.md section 8, when the ranks send ``sends`` (token,
+    distinct destination) pairs in all.
+
+    Args:
+        point: the ranks, tokens per rank and the preset's rows.
+        sends: (token, distinct destination rank) pairs of all ranks.
+
+    Returns:
+        The forward's dispatch of the hidden states, ids and weights and its
+        staged combine of the expert outputs, then the backward's dispatch of
+        the output gradient and its staged combine of the received rows'
+        gradients: rows of the hidden states' dtype, as the combine's.
+        Not counted: what each backward round carries besides (the ids'
+        dispatch, one fp32 per row), and the copies of the received planes
+        out of the workspace.
+    """
+    ops = op_bytes_for(point, sends)
+    gradient_dispatch = point.combine_row_bytes * (point.ep * point.tokens + sends)
+    return int(ops["round-trip"] + gradient_dispatch + ops["combine"])
 
 
 class TrainingPoint:
@@ -71,6 +103,7 @@ class TrainingPoint:
         gen_dev = torch.Generator(device=device).manual_seed(SEED)
         owner = expert_owner(p.num_experts, ep)
         s = make_set(point, device, gen_cpu, gen_dev, owner)
+        self.sends = int(s.destinations.sum())
         self.hidden = [s.payloads[r][0] for r in range(ep)]
         self.ids, self.weights = s.ids, [s.payloads[r][-1] for r in range(ep)]
         self.grad_out = [torch.randn(h.shape, generator=gen_dev, device=device, dtype=h.dtype) for h in self.hidden]
@@ -180,7 +213,7 @@ def run_point(point: Point, device: torch.device, warmup: int, iters: int) -> di
             return {"status": "FAIL", "notes": [error]}
     clock = Clock(device)
     return {"status": "ok", "notes": [], "ours_us": wall_us(clock, tp.ours_step, warmup, iters),
-            "baseline_us": wall_us(clock, tp.base_step, warmup, iters)}
+            "baseline_us": wall_us(clock, tp.base_step, warmup, iters), "ours_bytes": step_bytes(point, tp.sends)}
 
 
 def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[int]], iters: Optional[int],
@@ -194,13 +227,19 @@ def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[in
     warm_up(device, preset)
     print(f"training exchange, forward + backward, against all_to_all_single of the pairs under autograd: {preset}, "
           f"median of {iters} steps after {warmup}, wall time until the device finished", flush=True)
+    # The ceiling of the 'ours x copy' column, measured in this run.
+    copy_gbps = copy_bandwidth(Clock(device), device, COPY_BYTES[kind])
+    print(f"copy ceiling: {copy_gbps:.1f} GB/s (copy_ of {COPY_BYTES[kind] / MIB:.0f} MiB, bytes read + written, "
+          f"median of {COPY_REPEATS})", flush=True)
     records = sweep(eps, tokens, preset, lambda point: run_point(point, device, warmup, iters))
     rows = []
     for rec in records:
         ep, T = rec["ep"], rec["tokens"]
-        ours, base = rec.get("ours_us"), rec.get("baseline_us")
+        ours, base, nbytes = rec.get("ours_us"), rec.get("baseline_us"), rec.get("ours_bytes")
+        rec["ours_copy_ratio"] = None if ours is None or nbytes is None else nbytes / (ours * 1e3) / copy_gbps
         rows.append([str(ep), str(T), rec["status"], fmt(ours, ".1f"), fmt(base, ".1f"),
                      fmt(None if ours is None or base is None else base / ours, ".2f", "x"),
-                     "; ".join(rec["notes"])])
-    print(format_table(["ep", "T", "status", "ours us", "baseline us", "speedup", "notes"], rows, left={2, 6}))
+                     fmt(rec["ours_copy_ratio"], ".3f"), "; ".join(rec["notes"])])
+    print(format_table(["ep", "T", "status", "ours us", "baseline us", "speedup", "ours x copy", "notes"], rows,
+                       left={2, 7}))
     return records
