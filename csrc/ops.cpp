@@ -41,6 +41,14 @@ constexpr int64_t kWorkspaceBaseAlign = 16;
 // combine_payload_offset alignment: the widest vector access of a combine row.
 constexpr int64_t kCombineOffsetAlign = 16;
 
+// Whether the builders run for a Meta kernel (TracedChecks in ops.h).
+thread_local bool t_traced_checks = false;
+
+// A tensor's data pointer, for the params; nullptr for a Meta kernel's
+// checks, whose tensors have none (a fake tensor under torch.compile raises
+// when asked for it).
+void* data_address(const at::Tensor& t) { return t_traced_checks ? nullptr : t.data_ptr(); }
+
 // torch's Python spelling ("torch.float32"), the one users wrote.
 std::string dtype_name(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
 
@@ -102,11 +110,11 @@ WorkspaceView check_workspace(const at::Tensor& workspace, int64_t ep_rank, int6
                     "workspace rows must be contiguous bytes (stride 1) that do not overlap, at a row stride "
                     "that is a multiple of ",
                     kAlign, ", got strides ", workspace.strides(), " for shape ", workspace.sizes());
-  const auto address = reinterpret_cast<uintptr_t>(workspace.data_ptr());
+  const auto address = reinterpret_cast<uintptr_t>(data_address(workspace));
   TORCH_CHECK_VALUE(address % kWorkspaceBaseAlign == 0, "workspace data must be ", kWorkspaceBaseAlign,
                     "-byte aligned, got address ", address);
   WorkspaceView view;
-  view.base = static_cast<uint8_t*>(workspace.data_ptr());
+  view.base = static_cast<uint8_t*>(data_address(workspace));
   view.row_stride = row_stride;
   view.size_per_rank = size_per_rank;
   view.ep_rank = static_cast<int>(ep_rank);
@@ -119,6 +127,7 @@ WorkspaceView check_workspace(const at::Tensor& workspace, int64_t ep_rank, int6
 // grad would lose its gradient without a word (torch only warns once a
 // backward reaches the op).
 void check_no_grad(const at::Tensor& t, const std::string& arg) {
+  if (t_traced_checks) return;
   TORCH_CHECK_VALUE(!(t.requires_grad() && at::GradMode::is_enabled()), arg,
                     " requires grad, but dispatch and combine have no backward: for training use "
                     "moe_a2a_dispatch_differentiable and moe_a2a_combine_differentiable (or their _expert_major_ "
@@ -137,7 +146,7 @@ void check_on_workspace_device(const at::Tensor& t, const at::Tensor& workspace,
 // the output, so a view of the workspace (a receive view of an earlier
 // dispatch, say) would be overwritten halfway. `t` is contiguous.
 void check_outside_workspace(const at::Tensor& t, const WorkspaceView& ws, const std::string& arg) {
-  if (t.numel() == 0) return;
+  if (t.numel() == 0 || t_traced_checks) return;
   const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
   const auto end = begin + t.nbytes();
   const auto ws_begin = reinterpret_cast<uintptr_t>(ws.base);
@@ -168,7 +177,7 @@ const uint8_t* checked_combine_payload(const at::Tensor& t, at::ScalarType paylo
   // such a tensor gets an address no kernel reads from (every row copies and
   // sums 0 elements), so that it combines as the tensor it is.
   alignas(kPlaneAlign) static const uint8_t no_bytes[1] = {};
-  return t.numel() == 0 ? no_bytes : static_cast<const uint8_t*>(t.data_ptr());
+  return t.numel() == 0 ? no_bytes : static_cast<const uint8_t*>(data_address(t));
 }
 
 // Bytes of one row of `t` (all dimensions but the first), or -1 when it
@@ -303,6 +312,9 @@ std::string seconds_text(uint32_t ms) {
 
 }  // namespace
 
+TracedChecks::TracedChecks() : outer_(t_traced_checks) { t_traced_checks = true; }
+TracedChecks::~TracedChecks() { t_traced_checks = outer_; }
+
 // ---- dtypes -------------------------------------------------------------------
 
 DType to_dtype(at::ScalarType t, const char* arg) {
@@ -414,7 +426,7 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
     TORCH_CHECK_VALUE(row_bytes >= 0 && row_bytes <= kMaxRowBytes, arg, " must have at most ", kMaxRowBytes,
                       " bytes per token, got shape ", t.sizes(), " of ", dtype_name(t.scalar_type()));
     check_no_grad(t, arg);
-    p.payload[i] = static_cast<const uint8_t*>(t.data_ptr());
+    p.payload[i] = static_cast<const uint8_t*>(data_address(t));
     p.payload_row_bytes[i] = row_bytes;
   }
 
@@ -432,7 +444,7 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
                       s.sizes());
     check_on_workspace_device(s, workspace, "eplb_local_stats");
     TORCH_CHECK_VALUE(s.is_contiguous(), "eplb_local_stats must be contiguous, got strides ", s.strides());
-    p.eplb_local_stats = static_cast<const int32_t*>(s.data_ptr());
+    p.eplb_local_stats = static_cast<const int32_t*>(data_address(s));
     p.eplb_n = eplb_stats_num_experts;
   }
 
@@ -447,7 +459,7 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
   p.runtime_max_tokens = runtime_max_tokens_per_rank;
   p.top_k = top_k;
   p.num_experts = num_experts;
-  p.token_selected_experts = ids.data_ptr();
+  p.token_selected_experts = data_address(ids);
   p.ids_int64 = ids.scalar_type() == at::kLong;
   p.num_payloads = static_cast<int>(num_payloads);
   return p;
@@ -471,7 +483,7 @@ void check_combine_output(const at::Tensor& o, const at::Tensor& workspace, cons
   // combine writes into `output` and has no backward: autograd would keep
   // the tensor's old history (or, for a leaf, miss the write) and give
   // wrong gradients without a word.
-  TORCH_CHECK_VALUE(!(o.requires_grad() && at::GradMode::is_enabled()),
+  TORCH_CHECK_VALUE(t_traced_checks || !(o.requires_grad() && at::GradMode::is_enabled()),
                     "output must not require grad: combine writes into it and has no backward (pass one "
                     "that does not require grad, or call under torch.no_grad())");
 }
@@ -481,7 +493,7 @@ void check_combine_output(const at::Tensor& o, const at::Tensor& workspace, cons
 // itself) after it stored the first outputs, and would sum what it wrote.
 void check_apart(const at::Tensor& written, const std::optional<at::Tensor>& other, const char* written_name,
                  const char* other_name) {
-  if (!other.has_value() || !other->defined()) return;
+  if (!other.has_value() || !other->defined() || t_traced_checks) return;
   const at::MemOverlapStatus overlap = at::get_overlap_status(written, *other);
   TORCH_CHECK_VALUE(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial, written_name,
                     " must not share memory with ", other_name, ": the combine writes ", written_name,
@@ -579,7 +591,7 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
     TORCH_CHECK_VALUE(sc.numel() == extent, "output_scales must hold ", extent, " scales (", local_num_tokens,
                       " rows x ", scale_cols, " blocks of ", block, " in ", sf_layout_name(p.sf_layout),
                       ", padding included), got ", sc.numel(), " (shape ", sc.sizes(), ")");
-    p.output_scales = static_cast<uint8_t*>(sc.data_ptr());
+    p.output_scales = static_cast<uint8_t*>(data_address(sc));
   }
 
   if (payload.has_value() && payload->defined()) {
@@ -615,9 +627,9 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
                          output_dtype);
     check_apart(*output, payload, "output", "the payload");
     check_apart(*output, output_scales, "output", "output_scales");
-    TORCH_CHECK_VALUE(p.quant == QuantFormat::kNone || reinterpret_cast<uintptr_t>(output->data_ptr()) % 16 == 0,
+    TORCH_CHECK_VALUE(p.quant == QuantFormat::kNone || reinterpret_cast<uintptr_t>(data_address(*output)) % 16 == 0,
                       "a quantized output must be 16-byte aligned");
-    p.output = static_cast<uint8_t*>(output->data_ptr());
+    p.output = static_cast<uint8_t*>(data_address(*output));
   }
 
   p.local_num_tokens = local_num_tokens;
@@ -852,7 +864,7 @@ ExpertMajorCombineParams check_combine_expert_major(
     check_combine_output(*output, workspace, c.ws, expert_major_output_shape(local_num_tokens, row_shape),
                          output_dtype);
     check_apart(*output, payload, "output", "expert_outputs");
-    c.output = static_cast<uint8_t*>(output->data_ptr());
+    c.output = static_cast<uint8_t*>(data_address(*output));
   }
   return p;
 }

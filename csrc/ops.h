@@ -37,6 +37,24 @@ namespace moe_a2a {
 DType to_dtype(at::ScalarType t, const char* arg);
 at::ScalarType to_scalar_type(DType d);
 
+// ---- checks of a traced call ------------------------------------------------
+// The Meta kernels (meta_kernels/meta.cpp: torch.compile, FakeTensorMode)
+// run the same builders, so that a traced call refuses what the real one
+// would, when it is traced instead of when its graph first runs. While a
+// TracedChecks lives on this thread, the builders leave out what a meta
+// tensor cannot tell: where a tensor lies (its data pointer is 0: inside the
+// workspace or not, overlaps) and autograd's state (the tracer's, not the
+// run's). The real kernels check those when the graph runs.
+struct TracedChecks {
+  TracedChecks();
+  ~TracedChecks();
+  TracedChecks(const TracedChecks&) = delete;
+  TracedChecks& operator=(const TracedChecks&) = delete;
+
+ private:
+  bool outer_;
+};
+
 // ---- validating builders ----------------------------------------------------
 // initialize: workspace [ep_size, size_per_rank] uint8 contiguous with
 // size_per_rank a multiple of kAlign and >= kHeaderBytes; ranks and

@@ -2,17 +2,23 @@
 // memory, so FakeTensor tracing (torch.compile, opcheck) needs no Python fake
 // registration. SymInt-aware: combine's output keeps symbolic sizes.
 //
-// The kernels do not validate sizes: the CPU and CUDA kernels check every
-// argument when the op really runs, and a check here would have to guard on
-// symbolic sizes for no safety gain. They check one thing the real kernels
-// never see: that every tensor is a meta tensor. A meta tensor among real
-// ones routes the whole call here, where it would otherwise move nothing and
-// return as if it had (DESIGN.md section 6: bad devices raise).
+// They refuse what the real kernels refuse, with the same errors: each runs
+// its op's validating builder (ops.h) under TracedChecks, so that a traced
+// call with a bad argument fails when it is traced, not when its compiled
+// graph first runs. Left to the real kernels: where the tensors lie and
+// autograd's state (TracedChecks), and every check of a call whose sizes are
+// symbolic (dynamic shapes): checking those would guard, and so specialize,
+// the sizes. They check one thing the real kernels never see: that every
+// tensor is a meta tensor. A meta tensor among real ones routes the whole
+// call here, where it would otherwise move nothing and return as if it had
+// (DESIGN.md section 6: bad devices raise).
 #include <optional>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
+
+#include "ops.h"
 
 namespace moe_a2a {
 namespace {
@@ -27,29 +33,80 @@ void check_meta(const char* op, const char* name, const std::optional<at::Tensor
   if (t.has_value()) check_meta(op, name, *t);
 }
 
+// Whether `t` has concrete sizes and strides (not those of a dynamic-shape trace).
+bool concrete(const at::Tensor& t) { return !t.defined() || !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides(); }
+bool concrete(const std::optional<at::Tensor>& t) { return !t.has_value() || concrete(*t); }
+bool concrete(at::TensorList ts) {
+  for (const at::Tensor& t : ts) {
+    if (!concrete(t)) return false;
+  }
+  return true;
+}
+
 int64_t alloc_mailbox_meta(const at::Tensor&) {
   return 0;  // no host mailbox exists for a meta workspace
 }
 
-void initialize_meta(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t) {}
+void initialize_meta(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                     int64_t eplb_stats_num_experts, int64_t) {
+  if (!concrete(workspace)) return;
+  const TracedChecks traced;
+  check_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts);
+}
 
 void dispatch_meta(const at::Tensor& token_selected_experts, at::TensorList input_payloads, const at::Tensor& workspace,
-                   int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                   const std::optional<at::Tensor>& eplb_local_stats, int64_t, at::IntArrayRef, double, int64_t, bool) {
+                   int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
+                   int64_t top_k, int64_t num_experts, const std::optional<at::Tensor>& eplb_local_stats,
+                   int64_t eplb_stats_num_experts, at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox,
+                   bool enable_pdl) {
   check_meta("dispatch", "token_selected_experts", token_selected_experts);
   for (const at::Tensor& payload : input_payloads) check_meta("dispatch", "an input payload", payload);
   check_meta("dispatch", "workspace", workspace);
   check_meta("dispatch", "eplb_local_stats", eplb_local_stats);
+  if (!(concrete(token_selected_experts) && concrete(input_payloads) && concrete(workspace) &&
+        concrete(eplb_local_stats))) {
+    return;
+  }
+  const TracedChecks traced;
+  check_dispatch(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
+                 runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_stats_num_experts,
+                 active_rank_mask, timeout_s, mailbox, enable_pdl);
+}
+
+// The checks of combine and combine_into (`output`: nullptr for combine).
+void check_combine_meta(const std::optional<at::Tensor>& payload, const c10::SymInt& local_num_tokens,
+                        const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                        int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t combine_payload_offset,
+                        c10::SymIntArrayRef row_shape, at::ScalarType payload_dtype, at::ScalarType output_dtype,
+                        at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
+                        int64_t low_precision, const std::optional<at::Tensor>& output_scales,
+                        double output_scalar_scale, int64_t sf_layout, const at::Tensor* output) {
+  const std::optional<int64_t> tokens = local_num_tokens.maybe_as_int();
+  const std::optional<at::IntArrayRef> shape = c10::asIntArrayRefSlowOpt(row_shape);
+  if (!(tokens.has_value() && shape.has_value() && concrete(payload) && concrete(workspace) &&
+        concrete(output_scales) && (output == nullptr || concrete(*output)))) {
+    return;
+  }
+  const TracedChecks traced;
+  check_combine(payload, *tokens, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k,
+                combine_payload_offset, *shape, payload_dtype, output_dtype, active_rank_mask, timeout_s, mailbox,
+                enable_pdl, low_precision, output_scales, output_scalar_scale, sf_layout, output);
 }
 
 at::Tensor combine_meta(const std::optional<at::Tensor>& payload, c10::SymInt local_num_tokens,
-                        const at::Tensor& workspace, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                        c10::SymIntArrayRef row_shape, at::ScalarType, at::ScalarType output_dtype, at::IntArrayRef,
-                        double, int64_t, bool, int64_t, const std::optional<at::Tensor>& output_scales, double,
-                        int64_t) {
+                        const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                        int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t combine_payload_offset,
+                        c10::SymIntArrayRef row_shape, at::ScalarType payload_dtype, at::ScalarType output_dtype,
+                        at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
+                        int64_t low_precision, const std::optional<at::Tensor>& output_scales,
+                        double output_scalar_scale, int64_t sf_layout) {
   check_meta("combine", "payload", payload);
   check_meta("combine", "workspace", workspace);
   check_meta("combine", "output_scales", output_scales);
+  check_combine_meta(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
+                     runtime_max_tokens_per_rank, top_k, combine_payload_offset, row_shape, payload_dtype, output_dtype,
+                     active_rank_mask, timeout_s, mailbox, enable_pdl, low_precision, output_scales,
+                     output_scalar_scale, sf_layout, nullptr);
   std::vector<c10::SymInt> shape{std::move(local_num_tokens)};
   shape.insert(shape.end(), row_shape.begin(), row_shape.end());
   // A packed fp4 output (ops.h, combine_output_shape): two elements per byte.
@@ -57,53 +114,123 @@ at::Tensor combine_meta(const std::optional<at::Tensor>& payload, c10::SymInt lo
   return at::empty_symint(shape, workspace.options().dtype(output_dtype));
 }
 
-void combine_into_meta(const std::optional<at::Tensor>& payload, c10::SymInt, const at::Tensor& workspace, int64_t,
-                       int64_t, int64_t, int64_t, int64_t, int64_t, c10::SymIntArrayRef, at::ScalarType, at::ScalarType,
-                       at::IntArrayRef, double, int64_t, bool, int64_t, const std::optional<at::Tensor>& output_scales,
-                       double, int64_t, const at::Tensor& output) {
+void combine_into_meta(const std::optional<at::Tensor>& payload, c10::SymInt local_num_tokens,
+                       const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                       int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t combine_payload_offset,
+                       c10::SymIntArrayRef row_shape, at::ScalarType payload_dtype, at::ScalarType output_dtype,
+                       at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
+                       int64_t low_precision, const std::optional<at::Tensor>& output_scales,
+                       double output_scalar_scale, int64_t sf_layout, const at::Tensor& output) {
   check_meta("combine_into", "payload", payload);
   check_meta("combine_into", "workspace", workspace);
   check_meta("combine_into", "output_scales", output_scales);
   check_meta("combine_into", "output", output);
+  check_combine_meta(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
+                     runtime_max_tokens_per_rank, top_k, combine_payload_offset, row_shape, payload_dtype, output_dtype,
+                     active_rank_mask, timeout_s, mailbox, enable_pdl, low_precision, output_scales,
+                     output_scalar_scale, sf_layout, &output);
 }
 
-void sanitize_expert_ids_meta(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                              bool) {}
+void sanitize_expert_ids_meta(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                              int64_t runtime_max_tokens_per_rank, int64_t offset, int64_t width,
+                              int64_t invalid_expert_id, int64_t id_bytes, bool enable_pdl) {
+  if (!concrete(workspace)) return;
+  const TracedChecks traced;
+  check_sanitize(workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, offset, width,
+                 invalid_expert_id, id_bytes, enable_pdl);
+}
 
 // A traced check has no values to read: the real kernels do it when the graph runs.
 void check_expert_ids_meta(const at::Tensor&, int64_t) {}
 
-void expert_major_build_meta(const at::Tensor& workspace, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                             int64_t, at::IntArrayRef, int64_t, bool, int64_t, bool) {
+void expert_major_build_meta(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                             int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
+                             int64_t max_tokens_per_expert, int64_t eplb_n, at::IntArrayRef payload_row_bytes,
+                             int64_t id_bytes, bool has_weights, int64_t mailbox, bool enable_pdl) {
   check_meta("expert_major_build", "workspace", workspace);
+  if (!concrete(workspace)) return;
+  const TracedChecks traced;
+  check_expert_major_build(workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
+                           max_tokens_per_expert, eplb_n, payload_row_bytes, id_bytes, has_weights, mailbox,
+                           enable_pdl);
 }
 
 void dispatch_expert_major_meta(const at::Tensor& token_selected_experts, at::TensorList input_payloads,
-                                const at::Tensor& workspace, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                const std::optional<at::Tensor>& eplb_local_stats, int64_t, at::IntArrayRef, double,
-                                int64_t, bool, int64_t, at::IntArrayRef, bool) {
-  dispatch_meta(token_selected_experts, input_payloads, workspace, 0, 0, 0, 0, 0, 0, eplb_local_stats, 0, {}, 0.0, 0,
-                false);
+                                const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                                int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
+                                const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
+                                at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
+                                int64_t max_tokens_per_expert, at::IntArrayRef payload_row_bytes, bool has_weights) {
+  check_meta("dispatch_expert_major", "token_selected_experts", token_selected_experts);
+  for (const at::Tensor& payload : input_payloads) check_meta("dispatch_expert_major", "an input payload", payload);
+  check_meta("dispatch_expert_major", "workspace", workspace);
+  check_meta("dispatch_expert_major", "eplb_local_stats", eplb_local_stats);
+  if (!(concrete(token_selected_experts) && concrete(input_payloads) && concrete(workspace) &&
+        concrete(eplb_local_stats))) {
+    return;
+  }
+  const TracedChecks traced;
+  check_dispatch_expert_major(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
+                              runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_stats_num_experts,
+                              active_rank_mask, timeout_s, mailbox, enable_pdl, max_tokens_per_expert,
+                              payload_row_bytes, has_weights);
+}
+
+// The checks of combine_expert_major and combine_expert_major_into (`output`: nullptr for the former).
+void check_combine_expert_major_meta(const std::optional<at::Tensor>& payload, const c10::SymInt& local_num_tokens,
+                                     const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                                     int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k,
+                                     int64_t num_experts, int64_t max_tokens_per_expert, int64_t dispatch_end,
+                                     int64_t combine_payload_offset, c10::SymIntArrayRef row_shape,
+                                     at::ScalarType payload_dtype, at::ScalarType output_dtype,
+                                     at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox,
+                                     bool enable_pdl, const at::Tensor* output) {
+  const std::optional<int64_t> tokens = local_num_tokens.maybe_as_int();
+  const std::optional<at::IntArrayRef> shape = c10::asIntArrayRefSlowOpt(row_shape);
+  if (!(tokens.has_value() && shape.has_value() && concrete(payload) && concrete(workspace) &&
+        (output == nullptr || concrete(*output)))) {
+    return;
+  }
+  const TracedChecks traced;
+  check_combine_expert_major(payload, *tokens, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
+                             top_k, num_experts, max_tokens_per_expert, dispatch_end, combine_payload_offset, *shape,
+                             payload_dtype, output_dtype, active_rank_mask, timeout_s, mailbox, enable_pdl, output);
 }
 
 at::Tensor combine_expert_major_meta(const std::optional<at::Tensor>& payload, c10::SymInt local_num_tokens,
-                                     const at::Tensor& workspace, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                     int64_t, int64_t, int64_t, c10::SymIntArrayRef row_shape, at::ScalarType,
-                                     at::ScalarType output_dtype, at::IntArrayRef, double, int64_t, bool) {
+                                     const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                                     int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k,
+                                     int64_t num_experts, int64_t max_tokens_per_expert, int64_t dispatch_end,
+                                     int64_t combine_payload_offset, c10::SymIntArrayRef row_shape,
+                                     at::ScalarType payload_dtype, at::ScalarType output_dtype,
+                                     at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox,
+                                     bool enable_pdl) {
   check_meta("combine_expert_major", "payload", payload);
   check_meta("combine_expert_major", "workspace", workspace);
+  check_combine_expert_major_meta(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
+                                  runtime_max_tokens_per_rank, top_k, num_experts, max_tokens_per_expert, dispatch_end,
+                                  combine_payload_offset, row_shape, payload_dtype, output_dtype, active_rank_mask,
+                                  timeout_s, mailbox, enable_pdl, nullptr);
   std::vector<c10::SymInt> shape{std::move(local_num_tokens)};
   shape.insert(shape.end(), row_shape.begin(), row_shape.end());
   return at::empty_symint(shape, workspace.options().dtype(output_dtype));
 }
 
-void combine_expert_major_into_meta(const std::optional<at::Tensor>& payload, c10::SymInt, const at::Tensor& workspace,
-                                    int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                    c10::SymIntArrayRef, at::ScalarType, at::ScalarType, at::IntArrayRef, double,
-                                    int64_t, bool, const at::Tensor& output) {
+void combine_expert_major_into_meta(const std::optional<at::Tensor>& payload, c10::SymInt local_num_tokens,
+                                    const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                                    int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k,
+                                    int64_t num_experts, int64_t max_tokens_per_expert, int64_t dispatch_end,
+                                    int64_t combine_payload_offset, c10::SymIntArrayRef row_shape,
+                                    at::ScalarType payload_dtype, at::ScalarType output_dtype,
+                                    at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox,
+                                    bool enable_pdl, const at::Tensor& output) {
   check_meta("combine_expert_major_into", "payload", payload);
   check_meta("combine_expert_major_into", "workspace", workspace);
   check_meta("combine_expert_major_into", "output", output);
+  check_combine_expert_major_meta(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
+                                  runtime_max_tokens_per_rank, top_k, num_experts, max_tokens_per_expert, dispatch_end,
+                                  combine_payload_offset, row_shape, payload_dtype, output_dtype, active_rank_mask,
+                                  timeout_s, mailbox, enable_pdl, &output);
 }
 
 }  // namespace

@@ -376,3 +376,28 @@ def test_payload_in_workspace_under_fake_tensor_mode_reads_no_data_pointer():
             buf.copy_(frx * 2)
             out = a2a.moe_a2a_combine(buf, 5, fws, meta, T, 0, 1, k, off, payload_in_workspace=True)
     assert tuple(out.shape) == (5, H) and out.dtype == torch.bfloat16
+
+
+def test_bad_argument_is_refused_while_traced():
+    """The Meta kernels refuse what the real ones refuse: a compiled call with
+    a bad argument (here top_k against the ids' columns) fails while it is
+    traced, with the op's message, and no graph is built to fail later."""
+    T, H, k, E = 8, 64, 2, 4
+    ws = a2a.allocate_workspace(a2a.moe_a2a_get_workspace_size_per_rank(1, T, 2 * H + 4 * k, 2 * H), ep_size=1)
+    meta = a2a.moe_a2a_initialize(ws, 0, 1, T)
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    ids = torch.randint(0, E, (5, k), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def step(ids, x):
+        recv, offset, _ = a2a.moe_a2a_dispatch(ids, [x, ids], ws, meta, T, 0, 1, k + 1, E)
+        return a2a.moe_a2a_combine(recv[0], 5, ws, meta, T, 0, 1, k + 1, offset)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"token_selected_experts must be 2-D \[local_num_tokens, top_k=3\]"):
+        torch.compile(step, backend=backend, fullgraph=True)(ids, x)
+    assert graphs == []

@@ -3,8 +3,10 @@ runs and leaves the workspace bytes unchanged. Calls are single-rank (ep_size 1)
 or fail validation, so nothing waits; a short timeout turns a missing check into
 a fast failure instead of a wait."""
 
+import contextlib
 import math
 import re
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -319,6 +321,79 @@ def test_combine_rejects(mutate, exc, match, device):
     # (toy check: ep_size 1, every token routed to rank 0 comes back once).
     out = a2a.moe_a2a_combine(**ce.args())
     assert tuple(out.shape) == (6, 64)
+
+
+# The bad arguments that the ops (not the Python layer) refuse: torch.compile
+# and FakeTensorMode run the Meta kernels instead, which must refuse them too,
+# or a compiled call would fail only when its graph first runs.
+TRACED_DISPATCH_BAD = {"ids_int16", "ids_1d", "ids_wrong_top_k", "top_k_0", "top_k_23", "num_experts_0",
+                       "runtime_max_0", "runtime_max_gt_max", "runtime_max_lt_local", "payloads_9", "payloads_0",
+                       "payload_leading_dim", "payload_noncontiguous", "own_rank_masked", "eplb_without_init"}
+TRACED_COMBINE_BAD = {"payload_rows", "payload_ranks", "payload_2d", "payload_int32", "payload_noncontiguous",
+                      "payload_too_wide", "local_tokens_gt_T", "runtime_max_0", "runtime_max_gt_max",
+                      "offset_past_end", "output_dtype_fp8_without_scales", "payload_fp8", "output_dtype_int32",
+                      "low_precision_fp16_output", "output_scales_unquantized", "output_scales_extent",
+                      "output_rows", "output_dtype_mismatch"}
+
+
+@contextlib.contextmanager
+def _fake_mode():
+    """FakeTensorMode, with torch's warning for a fake tensor's data pointer an
+    error: torch.compile raises there, where FakeTensorMode alone warns."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            yield mode
+
+
+def _faked(mode, args: dict) -> dict:
+    """``args`` with every tensor a fake one, but the metainfo and the rank
+    mask, which the Python layer reads as values."""
+    def fake(value):
+        if isinstance(value, torch.Tensor):
+            return mode.from_tensor(value)
+        if isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+            return [mode.from_tensor(v) for v in value]
+        return value
+    return {k: v if k in ("metainfo", "active_rank_mask") else fake(v) for k, v in args.items()}
+
+
+@pytest.mark.parametrize("mutate,match", [pytest.param(m, r, id=i) for i, m, r in DISPATCH_BAD
+                                          if i in TRACED_DISPATCH_BAD])
+def test_dispatch_rejects_when_traced(mutate, match):
+    env = make_env("cpu")
+    args = env.dispatch_args()
+    mutate(env, args)
+    with _fake_mode() as mode:
+        fake_args = _faked(mode, args)
+        with pytest.raises(BAD, match=match):
+            a2a.moe_a2a_dispatch(**fake_args)
+
+
+@pytest.mark.parametrize("mutate,exc,match", [pytest.param(m, e, r, id=i) for i, m, e, r in COMBINE_BAD
+                                              if i in TRACED_COMBINE_BAD])
+def test_combine_rejects_when_traced(mutate, exc, match):
+    ce = make_combine_env("cpu")
+    args = ce.args()
+    mutate(ce, args)
+    with _fake_mode() as mode:
+        fake_args = _faked(mode, args)
+        with pytest.raises(exc, match=match):
+            a2a.moe_a2a_combine(**fake_args)
+    # The same arguments, valid, trace: the check refuses only what the op refuses.
+    with _fake_mode() as mode:
+        out = a2a.moe_a2a_combine(**_faked(mode, ce.args()))
+    assert tuple(out.shape) == (6, 64)
+
+
+def test_valid_dispatch_traces():
+    env = make_env("cpu")
+    with _fake_mode() as mode:
+        recv, offset, _ = a2a.moe_a2a_dispatch(**_faked(mode, env.dispatch_args()))
+    assert [tuple(r.shape) for r in recv] == [(1, env.case.T, *p.shape[1:]) for p in env.payloads]
 
 
 # ---- initialize, sizes, sanitize, wrap ---------------------------------------------------------------
