@@ -443,6 +443,46 @@ def test_workspace_size_rejects(args, match):
         a2a.moe_a2a_get_workspace_size_per_rank(*args)
 
 
+# Python ints beyond int64, which no op can take, are refused by name (the
+# dispatcher's own error said "Expected a value of type 'int' ... found type 'int'").
+BEYOND_INT64 = [
+    ("size_max_num_tokens", lambda env: a2a.moe_a2a_get_workspace_size_per_rank(2, 2**63, 128, 64), "max_num_tokens"),
+    ("size_dispatch_bytes", lambda env: a2a.moe_a2a_get_workspace_size_per_rank(2, 16, 2**64, 64),
+     "total_dispatch_payload_size_per_token"),
+    ("size_negative", lambda env: a2a.moe_a2a_get_workspace_size_per_rank(2, 16, 128, -2**63 - 1),
+     "combine_payload_size_per_token"),
+    ("em_size_tokens_per_expert", lambda env: a2a.moe_a2a_get_workspace_size_per_rank_expert_major(
+        2, 16, 64, 64, 8, 2, max_tokens_per_expert=2**64), "max_tokens_per_expert"),
+    ("initialize", lambda env: a2a.moe_a2a_initialize(env.workspace, 0, 1, 2**64), "max_num_tokens"),
+    ("dispatch_top_k", lambda env: a2a.moe_a2a_dispatch(**{**env.dispatch_args(), "top_k": 2**64}), "top_k"),
+    ("dispatch_runtime_max", lambda env: a2a.moe_a2a_dispatch(
+        **{**env.dispatch_args(), "runtime_max_tokens_per_rank": 2**63}), "runtime_max_tokens_per_rank"),
+    ("simulated_ep", lambda env: a2a.SimulatedEP(2, 2**64, dispatch_bytes_per_token=1, combine_bytes_per_token=1),
+     "max_num_tokens"),
+]
+
+
+@pytest.mark.parametrize("call,name", [pytest.param(c, n, id=i) for i, c, n in BEYOND_INT64])
+def test_ints_beyond_int64_are_named(call, name):
+    env = make_env("cpu")
+    expect_error(env.workspace, lambda: call(env), ValueError, rf"\b{name} must fit in int64")
+
+
+def test_combine_int_beyond_int64_is_named():
+    ce = make_combine_env("cpu")
+    for name in ("local_num_tokens", "combine_payload_offset"):
+        args = {**ce.args(), name: 2**64}
+        expect_error(ce.env.workspace, lambda: a2a.moe_a2a_combine(**args), ValueError, rf"\b{name} must fit in int64")
+
+
+@pytest.mark.parametrize("size_per_rank,ep_size", [(2**62, 2), (2**61, 64), (2**63, 1), (2**64, 1)])
+def test_allocate_workspace_beyond_a_tensor_is_refused(size_per_rank, ep_size):
+    """Rows whose bytes no tensor can hold are refused by name, before
+    torch.zeros fails to unpack its size (a TypeError with a C++ trace)."""
+    with pytest.raises(ValueError, match=r"allocate_workspace: ep_size \* size_per_rank .* more than a tensor holds"):
+        a2a.allocate_workspace(size_per_rank, ep_size=ep_size)
+
+
 def test_workspace_size_unknown_backend():
     with pytest.raises(ValueError, match=r"(?i)backend"):
         a2a.moe_a2a_get_workspace_size_per_rank(2, 16, 128, 64, backend="bogus")

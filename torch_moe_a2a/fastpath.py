@@ -19,6 +19,10 @@ from . import _C, layout
 # What an argument of the C++ fast path must be (wrong_type).
 TENSOR, OPT_TENSOR, TENSORS, INT, FLOAT, BOOL = (
     "a tensor", "a tensor or None", "a list of tensors", "an int", "a number", "a bool")
+# The ops take int64: a Python int outside it would reach the dispatcher,
+# whose error ("Expected a value of type 'int' ... found type 'int'") names
+# the type it got as the one it wants.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def _type_ok(value: Any, kind: str) -> bool:
@@ -29,7 +33,7 @@ def _type_ok(value: Any, kind: str) -> bool:
     if kind == TENSORS:  # the container; wrong_type names a bad element
         return isinstance(value, (list, tuple))
     if kind == INT:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX
     if kind == FLOAT:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     return isinstance(value, bool)
@@ -46,10 +50,13 @@ def expect_tensors(fn: str, **arguments: Any) -> None:
 
 def expect_ints(fn: str, **arguments: Any) -> None:
     """ValueError naming the first argument that is not an int: not a bool
-    (True would count as 1), not a float, not a str; the ops check the ranges."""
+    (True would count as 1), not a float, not a str, nor beyond int64 (which
+    no op takes); the ops check the ranges."""
     for name, value in arguments.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ValueError(f"{fn}: {name} must be an int, got {value!r}")
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise ValueError(f"{fn}: {name} must fit in int64, got {value}")
 
 
 def expect_traced_ints(fn: str, **arguments: Any) -> None:
@@ -91,6 +98,8 @@ def wrong_type(fn: str, error: TypeError, **arguments: tuple[Any, str]) -> Value
     whole tensors)."""
     for name, (value, kind) in arguments.items():
         if not _type_ok(value, kind):
+            if kind == INT and isinstance(value, int) and not isinstance(value, bool):
+                return ValueError(f"{fn}: {name} must fit in int64, got {value}")
             return ValueError(f"{fn}: {name} must be {kind}, got {type(value).__name__}")
         if kind == TENSORS:
             for i, item in enumerate(value):

@@ -173,6 +173,11 @@ def allocate_workspace(
         _check_size(size_per_rank)
         if isinstance(ep_size, bool) or not isinstance(ep_size, int) or not 1 <= ep_size <= layout.MAX_RANKS:
             raise ValueError(f"ep_size must be an int in [1, {layout.MAX_RANKS}] without a group, got {ep_size!r}")
+        # A tensor's bytes are counted in int64 (the CPU buffer has PLANE_ALIGN
+        # bytes more): beyond that torch.zeros fails to unpack its size.
+        if ep_size * size_per_rank + layout.PLANE_ALIGN > (1 << 63) - 1:
+            raise ValueError(f"allocate_workspace: ep_size * size_per_rank = {ep_size} * {size_per_rank} bytes is "
+                             f"more than a tensor holds (2**63 - 1 bytes)")
         device = torch.device("cpu" if device is None else device)
         check_device_visible("allocate_workspace", device)
         return _zeros_plane_aligned(ep_size, size_per_rank, device)
