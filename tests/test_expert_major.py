@@ -794,3 +794,23 @@ def test_cuda_combine_without_expert_major_build_is_recorded():
     torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match="expert-major layout"):
         a2a.check_errors(sim.workspace)
+
+
+@pytest.mark.parametrize(("ep_size", "num_experts", "top_k", "what"), [
+    (64, 65536, 22, "ep_size * max_num_tokens = "),  # 1024 experts a rank
+    (16, 16, 22, "ep_size * max_num_tokens * top_k = "),  # fewer experts than top_k: every slot
+])
+def test_a_default_rows_per_expert_beyond_the_layout_names_the_default(ep_size, num_experts, top_k, what):
+    """A workspace size asked without max_tokens_per_expert, whose default
+    (ep_size * max_num_tokens, times top_k with fewer experts than top_k)
+    passes the layout's rows per expert, was refused naming
+    max_tokens_per_expert, which the caller never passed. It names the
+    default now and how to pass a smaller one, and a smaller one works."""
+    max_num_tokens = layout.MAX_NUM_TOKENS
+    local = layout.max_local_experts(num_experts, ep_size)
+    limit = layout.MAX_EXPERT_MAJOR_ROWS // local
+    with pytest.raises(ValueError, match="max_tokens_per_expert was not given, and its default") as info:
+        a2a.moe_a2a_get_workspace_size_per_rank_expert_major(ep_size, max_num_tokens, 64, 64, num_experts, top_k)
+    assert what in str(info.value) and f"pass max_tokens_per_expert <= {limit}" in str(info.value)
+    assert a2a.moe_a2a_get_workspace_size_per_rank_expert_major(ep_size, max_num_tokens, 64, 64, num_experts, top_k,
+                                                                limit) > 0

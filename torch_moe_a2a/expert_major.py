@@ -103,7 +103,25 @@ def default_rows_per_expert(ep_size: int, runtime_max_tokens_per_rank: int, max_
             or not 1 <= runtime_max_tokens_per_rank <= max_num_tokens:
         raise ValueError(f"runtime_max_tokens_per_rank must be an int in [1, max_num_tokens={max_num_tokens}], "
                          f"got {runtime_max_tokens_per_rank!r}")
-    return default_max_tokens_per_expert(ep_size, int(runtime_max_tokens_per_rank), top_k, num_experts)
+    return _default_within_limit(ep_size, int(runtime_max_tokens_per_rank), top_k, num_experts,
+                                 "ep_size * runtime_max_tokens_per_rank")
+
+
+def _default_within_limit(ep_size: int, tokens: int, top_k: int, num_experts: int, what: str) -> int:
+    """:func:`default_max_tokens_per_expert`, refused where it passes the
+    layout's rows per expert: the op's error would name
+    ``max_tokens_per_expert``, which the caller never passed. Other bad sizes
+    are left to the op's checks."""
+    rows = default_max_tokens_per_expert(ep_size, tokens, top_k, num_experts)
+    if type(ep_size) is int and type(num_experts) is int and 1 <= ep_size <= num_experts:
+        local = layout.max_local_experts(num_experts, ep_size)
+        limit = layout.MAX_EXPERT_MAJOR_ROWS // local
+        if local <= layout.MAX_LOCAL_EXPERTS and rows > limit:
+            times_top_k = " * top_k" if num_experts < top_k else ""
+            raise ValueError(f"max_tokens_per_expert was not given, and its default, {what}{times_top_k} = {rows}, "
+                             f"is more than the {limit} rows per expert the layout holds with {local} experts per "
+                             f"rank: pass max_tokens_per_expert <= {limit} (pairs beyond it are dropped and counted)")
+    return rows
 
 
 def moe_a2a_get_workspace_size_per_rank_expert_major(
@@ -149,7 +167,8 @@ def moe_a2a_get_workspace_size_per_rank_expert_major(
                 **({} if max_tokens_per_expert is None else {"max_tokens_per_expert": max_tokens_per_expert}))
     check_backend(backend, None)
     if max_tokens_per_expert is None:
-        max_tokens_per_expert = default_max_tokens_per_expert(ep_size, max_num_tokens, top_k, num_experts)
+        max_tokens_per_expert = _default_within_limit(ep_size, max_num_tokens, top_k, num_experts,
+                                                      "ep_size * max_num_tokens")
     return _ops.expert_major_workspace_size_per_rank.default(
         ep_size, max_num_tokens, total_dispatch_payload_size_per_token, combine_payload_size_per_token,
         eplb_stats_num_experts, num_experts, top_k, max_tokens_per_expert)
