@@ -1020,3 +1020,35 @@ def test_threads_building_one_geometry_share_one_workspace():
     assert all(m is not None and m.workspace is built[0].workspace for m in built)
     assert all(m.metainfo is built[0].metainfo for m in built)
     a2a.MoeAlltoAll.clear_workspace_cache()
+
+
+def test_eplb_none_means_no_eplb_as_in_tensorrt_llm(device):
+    """TensorRT-LLM passes ``None`` as the EPLB length when EPLB is off
+    (tensorrt_llm/_torch/modules/fused_moe/communication/nvlink_one_sided.py,
+    NVLinkOneSided: ``get_aux_data_size(ep_size, max_num_tokens, None)`` in
+    calculate_required_workspace_size, ``moe_a2a_initialize(..., None)``,
+    ``eplb_stats_num_experts = num_experts`` with ``num_experts=None``): on
+    this package's sizing, initialize and MoeAlltoAll it is 0, no EPLB."""
+    module = a2a.get_moe_alltoall_module()
+    assert module.moe_a2a_get_aux_data_size(4, 8, None) == module.moe_a2a_get_aux_data_size(4, 8)
+    assert (a2a.moe_a2a_get_workspace_size_per_rank(4, 8, 200, 128, None)
+            == a2a.moe_a2a_get_workspace_size_per_rank(4, 8, 200, 128))
+    assert (a2a.MoeAlltoAll.get_moe_workspace_size_per_rank(4, 2, 8, 64, 0, None)
+            == a2a.MoeAlltoAll.get_moe_workspace_size_per_rank(4, 2, 8, 64))
+    size = a2a.moe_a2a_get_workspace_size_per_rank(1, 4, 64 * 2 + 8, 128)
+    workspace = a2a.allocate_workspace(size, ep_size=1, device=device)
+    metainfo = a2a.moe_a2a_initialize(workspace, 0, 1, 4, None)
+    ids = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    hidden = torch.randn((1, 64), device=device).to(torch.bfloat16)
+    recv, offset, stats = a2a.moe_a2a_dispatch(ids, [hidden], workspace, metainfo, 1, 0, 1, 2, 4)
+    assert stats is None
+    out = a2a.moe_a2a_combine(recv[0].clone(), 1, workspace, metainfo, 1, 0, 1, 2, offset)
+    assert torch.equal(out, hidden)
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    moe = _ep1(device, eplb_stats_num_experts=None)
+    assert moe.eplb_stats_num_experts == 0 and not moe.enable_eplb
+    assert moe.workspace is _ep1(device).workspace  # the geometry of eplb_stats_num_experts=0
+    (recv,) = moe.dispatch(ids, [hidden], 1)
+    assert moe.eplb_gathered_stats is None
+    assert torch.equal(moe.combine(recv.clone(), 1), hidden)
+    a2a.MoeAlltoAll.clear_workspace_cache()

@@ -34,7 +34,17 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import _C, autograd, layout
-from .arguments import ID_DTYPES, LAYOUT_LINEAR, U64, check_flag, data_address, dispatch_args, layout_value, rank_mask_words
+from .arguments import (
+    ID_DTYPES,
+    LAYOUT_LINEAR,
+    U64,
+    check_flag,
+    data_address,
+    dispatch_args,
+    eplb_length,
+    layout_value,
+    rank_mask_words,
+)
 from .backend import MoeAlltoAllBackend, check_backend, pdl_default
 
 # check_errors and describe_error are part of this module's public names too.
@@ -105,7 +115,7 @@ class MoeAlltoAllModule:
         "moe_a2a_get_metainfo_index_pairs": "torch_moe_a2a.layout.META_* (this package's metainfo indices)",
     }
 
-    def moe_a2a_get_aux_data_size(self, ep_size: int, max_num_tokens: int, eplb_stats_num_experts: int = 0) -> int:
+    def moe_a2a_get_aux_data_size(self, ep_size: int, max_num_tokens: int, eplb_stats_num_experts: Optional[int] = 0) -> int:
         """Bytes per rank besides the payload planes, as FlashInfer's entry.
 
         Args:
@@ -165,7 +175,7 @@ def moe_a2a_get_workspace_size_per_rank(
     max_num_tokens: int,
     total_dispatch_payload_size_per_token: int,
     combine_payload_size_per_token: int,
-    eplb_stats_num_experts: int = 0,
+    eplb_stats_num_experts: Optional[int] = 0,
     *,
     backend: MoeAlltoAllBackend = "trtllm",
 ) -> int:
@@ -186,7 +196,7 @@ def moe_a2a_get_workspace_size_per_rank(
         combine_payload_size_per_token: bytes of one token's combine payload
             row, in ``[0, 2**28]``.
         eplb_stats_num_experts: length of the EPLB stats a dispatch gathers
-            (0: none), in ``[0, 2**26]``.
+            (0 or None: none), in ``[0, 2**26]``.
         backend: ``"trtllm"``; ``"cake"`` is refused as everywhere (:func:`moe_a2a_initialize`).
 
     Returns:
@@ -199,6 +209,7 @@ def moe_a2a_get_workspace_size_per_rank(
             ``"cake"`` off Blackwell.
         NotImplementedError: ``"cake"`` on Blackwell.
     """
+    eplb_stats_num_experts = eplb_length(eplb_stats_num_experts)
     expect_ints("moe_a2a_get_workspace_size_per_rank", ep_size=ep_size, max_num_tokens=max_num_tokens,
                 total_dispatch_payload_size_per_token=total_dispatch_payload_size_per_token,
                 combine_payload_size_per_token=combine_payload_size_per_token,
@@ -218,7 +229,7 @@ def moe_a2a_initialize(
     ep_rank: int,
     ep_size: int,
     max_num_tokens: int,
-    eplb_stats_num_experts: int = 0,
+    eplb_stats_num_experts: Optional[int] = 0,
     *,
     backend: MoeAlltoAllBackend = "trtllm",
     timeout_s: Optional[float] = None,
@@ -242,7 +253,8 @@ def moe_a2a_initialize(
 
     Args:
         workspace: ``[ep_size, size_per_rank]`` uint8, zeroed before first use.
-        ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts: as in FlashInfer.
+        ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts: as in
+            FlashInfer (``eplb_stats_num_experts=None``: 0, as TensorRT-LLM passes it).
         backend: FlashInfer's backend name; only ``"trtllm"`` is implemented.
         timeout_s: ours, keyword-only: the default bound on the waits of every
             call that passes the returned metainfo (a call's own ``timeout_s``
@@ -258,6 +270,7 @@ def moe_a2a_initialize(
             positive number of seconds up to 1e9.
     """
     expect_tensors("moe_a2a_initialize", workspace=workspace)
+    eplb_stats_num_experts = eplb_length(eplb_stats_num_experts)
     expect_ints("moe_a2a_initialize", ep_rank=ep_rank, ep_size=ep_size, max_num_tokens=max_num_tokens,
                 eplb_stats_num_experts=eplb_stats_num_experts)
     check_timeout(timeout_s)

@@ -29,6 +29,13 @@ COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LAYOUT_LINEAR = 2
 
 
+def eplb_length(value: Any) -> Any:
+    """An EPLB stats length as given: ``None`` is 0, no EPLB (TensorRT-LLM's
+    convention for its ``eplb_stats_num_experts``); anything else is returned
+    for the caller's own check."""
+    return 0 if value is None else value
+
+
 def check_flag(name: str, value) -> None:
     """A yes/no argument: a bool (or an int 0 or 1); a string such as 'no'
     would read as yes.

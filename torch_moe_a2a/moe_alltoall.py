@@ -23,7 +23,7 @@ from .api import (
     moe_a2a_sanitize_expert_ids,
     moe_a2a_wrap_payload_tensor_in_workspace,
 )
-from .arguments import COMBINE_DTYPES, check_flag, layout_value
+from .arguments import COMBINE_DTYPES, check_flag, eplb_length, layout_value
 from .backend import MoeAlltoAllBackend, check_backend
 from .collective import Collective, TorchGroupCollective, as_collective, is_comm_backend
 from .compile_marks import mark_static_address
@@ -217,7 +217,7 @@ class MoeAlltoAll:
             as in FlashInfer, ``comm_backend.Split(color, moe_ep_rank)`` gives
             this rank's EP group, over which the workspace is mapped.
         eplb_stats_num_experts: length of the EPLB stats :meth:`dispatch`
-            gathers (0: none).
+            gathers (0 or None: none).
         enable_rank_mask: whether :meth:`dispatch` / :meth:`combine` take an
             ``active_rank_mask`` (then they must).
         backend: ``"trtllm"`` (``"cake"`` is refused, as off Blackwell in FlashInfer).
@@ -312,7 +312,7 @@ class MoeAlltoAll:
         workspace_size_per_rank: Optional[int] = None,
         hidden_size: Optional[int] = None,
         mnnvl_config: Any = None,
-        eplb_stats_num_experts: int = 0,
+        eplb_stats_num_experts: Optional[int] = 0,
         enable_rank_mask: bool = False,
         *,
         backend: MoeAlltoAllBackend = "trtllm",
@@ -333,6 +333,7 @@ class MoeAlltoAll:
         _check_int("top_k", top_k, 1, layout.MAX_TOP_K)
         # DESIGN section 3's bound: an expert per rank at least (fewer experts than top_k are allowed).
         _check_int("num_experts", num_experts, max(1, self.ep_size))
+        eplb_stats_num_experts = eplb_length(eplb_stats_num_experts)
         _check_int("eplb_stats_num_experts", eplb_stats_num_experts, 0)
         if hidden_size is not None:
             _check_int("hidden_size", hidden_size, 1)
@@ -475,7 +476,7 @@ class MoeAlltoAll:
         ep_size: int,
         max_num_tokens: int,
         mapping: Any,
-        eplb_stats_num_experts: int = 0,
+        eplb_stats_num_experts: Optional[int] = 0,
         *,
         backend: MoeAlltoAllBackend = "trtllm",
         group: Any = None,
@@ -515,6 +516,8 @@ class MoeAlltoAll:
             raise ValueError(f"MoeAlltoAll.get_workspace: the mapping's (moe_ep_rank, moe_ep_size) = "
                              f"({mapping.moe_ep_rank}, {mapping.moe_ep_size}) differ from ({ep_rank}, {ep_size})")
         _check_size_per_rank("MoeAlltoAll.get_workspace", workspace_size_per_rank)
+        # None and 0 are one geometry (one cache entry): no EPLB.
+        eplb_stats_num_experts = eplb_length(eplb_stats_num_experts)
         device = _resolve_device(device)
         if group is None and ep_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             group = torch.distributed.group.WORLD
@@ -580,7 +583,7 @@ class MoeAlltoAll:
         max_num_tokens: int,
         hidden_size: int,
         extra_payload_bytes_per_token: int = 0,
-        eplb_stats_num_experts: int = 0,
+        eplb_stats_num_experts: Optional[int] = 0,
         *,
         backend: MoeAlltoAllBackend = "trtllm",
         dtype: Optional[torch.dtype] = None,
