@@ -113,6 +113,9 @@ class MoeAlltoAllModule:
         "moe_a2a_combine_into": "torch_moe_a2a.moe_a2a_combine(..., output=)",
         "moe_a2a_sanitize_expert_ids": "torch_moe_a2a.moe_a2a_sanitize_expert_ids",
         "moe_a2a_get_metainfo_index_pairs": "torch_moe_a2a.layout.META_* (this package's metainfo indices)",
+        # An early FlashInfer's name of the combine payload's view in the workspace.
+        "moe_a2a_get_combine_payload_tensor": "torch_moe_a2a.moe_a2a_wrap_payload_tensor_in_workspace (or "
+                                              "MoeAlltoAll.get_combine_payload_tensor_in_workspace)",
     }
 
     def moe_a2a_get_aux_data_size(self, ep_size: int, max_num_tokens: int, eplb_stats_num_experts: Optional[int] = 0) -> int:
