@@ -287,13 +287,13 @@ OwnedPlanes owned_planes(const at::Tensor& workspace, const std::vector<at::Tens
 // the same ids again. Saved and restored on the stream (no host sync; only the
 // rank's own kernels write them), also when `body` throws.
 template <typename Body>
-at::Tensor with_tallies_kept(const at::Tensor& workspace, int64_t rank, const Body& body) {
+auto with_tallies_kept(const at::Tensor& workspace, int64_t rank, const Body& body) -> decltype(body()) {
   constexpr int64_t gap = kHdrDroppedPairCount - kHdrInvalidExpertCount;
   static_assert(gap >= 8, "the two int64 tallies do not overlap");
   // Both words as the rows of one [2, 8] byte view: one clone, one copy.
   const at::Tensor words = workspace.as_strided({2, 8}, {gap, 1}, row_start(workspace, rank) + kHdrInvalidExpertCount);
   const at::Tensor saved = words.clone();
-  at::Tensor result;
+  decltype(body()) result;
   try {
     result = body();
   } catch (...) {
@@ -355,11 +355,15 @@ at::Tensor dispatch_round(const at::Tensor& rows, const at::Tensor& token_select
 }
 
 // combine_round: a dispatch of the expert ids alone (their routes), then a
-// combine of `payload`.
-at::Tensor combine_round(const at::Tensor& payload, const at::Tensor& token_selected_experts,
-                         const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
-                         int64_t runtime_max_tokens, int64_t top_k, int64_t num_experts,
-                         std::vector<int64_t> active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl) {
+// combine of each of `payloads` (one or more: the round's repeated combines),
+// their sums in order.
+std::vector<at::Tensor> combine_round(const std::vector<at::Tensor>& payloads, const at::Tensor& token_selected_experts,
+                                      const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
+                                      int64_t max_num_tokens, int64_t runtime_max_tokens, int64_t top_k,
+                                      int64_t num_experts, std::vector<int64_t> active_rank_mask, double timeout_s,
+                                      int64_t mailbox, bool enable_pdl) {
+  // Without a combine the round would stay open.
+  TORCH_CHECK_VALUE(!payloads.empty(), "combine_round needs at least one payload");
   const Route route{
       ep_rank,   ep_size, max_num_tokens, runtime_max_tokens, top_k, num_experts, std::move(active_rank_mask),
       timeout_s, mailbox, enable_pdl};
@@ -369,7 +373,12 @@ at::Tensor combine_round(const at::Tensor& payload, const at::Tensor& token_sele
   const Unrecorded unrecorded;
   return with_tallies_kept(workspace, ep_rank, [&] {
     route_dispatch(ids, {ids}, workspace, route);
-    return route_combine(payload, ids.size(0), workspace, offset, route);
+    std::vector<at::Tensor> sums;
+    sums.reserve(payloads.size());
+    for (const at::Tensor& payload : payloads) {
+      sums.push_back(route_combine(payload, ids.size(0), workspace, offset, route));
+    }
+    return sums;
   });
 }
 

@@ -383,8 +383,12 @@ def test_opcheck_round_ops(op):
     if op in ("dispatch_round", "combine_round"):
         sim = make_sim(1, tokens, hidden, top_k)
         route = _one_rank_route(sim, ids, torch.empty(tokens, hidden))
-        shape = (tokens, hidden) if op == "dispatch_round" else (1, tokens, hidden)
-        args = (torch.randn(shape, generator=gen, requires_grad=True), ids, sim.workspace, *route)
+        if op == "dispatch_round":
+            rows = torch.randn((tokens, hidden), generator=gen, requires_grad=True)
+        else:  # two planes of two dtypes: the round's repeated combines
+            rows = [torch.randn((1, tokens, hidden), generator=gen, requires_grad=True),
+                    torch.randn((1, tokens, 2), generator=gen).half().requires_grad_()]
+        args = (rows, ids, sim.workspace, *route)
     else:
         M = 3  # fewer rows than pairs for an expert: some dropped
         sim = make_em_sim(1, tokens, hidden, top_k, num_experts, M)
@@ -1205,20 +1209,22 @@ def test_a_backward_counts_no_invalid_id_or_dropped_pair_again(layout, device):
 
 @pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
 def test_a_forward_whose_backward_does_not_fit_is_refused_before_it_runs(layout):
-    """The dispatch's backward combines every floating payload's gradient as
-    one row of their promoted dtype, which may need more room than the
-    forward: such a forward is refused at once, naming the size, with the
-    workspace untouched (a backward refused halfway would leave its round
-    open); without grad the same forward runs."""
-    tokens, top_k, num_experts, hidden = 16, 2, 4, 256
+    """The dispatch's backward may need more room than the forward
+    (rank-major: the ids' plane beside the widest dtype's gradient rows;
+    expert-major: an fp32 row of the planes' gradients and the slots): such a
+    forward is refused at once, naming the size, with the workspace untouched
+    (a backward refused halfway would leave its round open); without grad the
+    same forward runs."""
+    tokens, top_k, num_experts, hidden = 256, 8, 16, 64
     gen = torch.Generator().manual_seed(22)
-    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen).long()
     xs = [torch.randn(tokens, hidden, generator=gen, dtype=torch.bfloat16, requires_grad=True) for _ in range(4)]
     w = torch.rand(tokens, top_k, generator=gen, requires_grad=True)
     if layout == "rank-major":
-        # Sized for the forward: four bf16 rows and the fp32 weights, a bf16
-        # row back; the backward's row is fp32, the four rows' and the weights'.
-        size = a2a.moe_a2a_get_workspace_size_per_rank(1, tokens, 4 * 2 * hidden + 4 * top_k, 2 * hidden)
+        # Sized for the forward's dispatch: four bf16 rows and the fp32
+        # weights; the backward's round dispatches the int64 ids, twice the
+        # weights' bytes, beside the four rows' bf16 gradients.
+        size = a2a.moe_a2a_get_workspace_size_per_rank(1, tokens, 4 * 2 * hidden + 4 * top_k, 0)
         sim = a2a.SimulatedEP(1, tokens, dispatch_bytes_per_token=0, combine_bytes_per_token=0,
                               workspace_size_per_rank=size)
 
@@ -1245,15 +1251,17 @@ def test_a_forward_whose_backward_does_not_fit_is_refused_before_it_runs(layout)
         dispatch(xs)  # no backward to come: the forward fits
 
 
-def test_dispatch_backward_combines_only_the_payloads_that_require_grad():
-    """A floating payload that needs no gradient (router weights sent beside
-    the rows for the experts) is left out of the dispatch's backward. The
-    backward used to combine every floating payload's gradient, packed: fp32
-    weights widened the bf16 hidden gradient's rows to fp32, twice their
-    bytes, plus a column per top-k slot of zeros. Now its combine takes the
-    bf16 rows alone (the combines' payload shapes, from the profiler), and
-    the hidden gradient is bitwise the one of the packed fp32 combine (the
-    weights requiring grad too)."""
+def test_dispatch_backward_combines_each_gradient_in_its_own_dtype():
+    """The dispatch's backward used to combine every floating payload's
+    gradient packed in their promoted dtype: fp32 router weights sent beside
+    bf16 hidden states widened the hidden gradient's rows to fp32, twice
+    their bytes, plus a column per top-k slot, whether the weights required
+    grad or not. Now a payload that needs no gradient takes no part, and each
+    dtype is a combine of its own (the round's repeated combines): the
+    combines' payload shapes (from the profiler) show the bf16 rows alone,
+    and with the weights requiring grad a combine of their top-k columns
+    beside; the hidden gradient is bitwise the same either way, and the
+    weights' gradient is the reference's."""
     # One rank, called on this thread: the profiler records this thread's ops.
     ep_size, tokens, top_k, num_experts, hidden = 1, 6, 2, 4, 16
     gen = torch.Generator().manual_seed(29)
@@ -1265,9 +1273,10 @@ def test_dispatch_backward_combines_only_the_payloads_that_require_grad():
     def train(weights_require_grad):
         sim = make_sim(ep_size, tokens, hidden, top_k)
         leaves = [x.clone().requires_grad_() for x in xs]
+        weights = [w.clone().requires_grad_(weights_require_grad) for w in ws]
 
         def step(rank):
-            w = ws[rank].clone().requires_grad_(weights_require_grad)
+            w = weights[rank]
             (rx, _, rw), offset, _ = moe_a2a_dispatch_differentiable(
                 ids[rank], [leaves[rank], ids[rank], w], sim.workspace, sim.metainfo[rank], tokens, rank, ep_size,
                 top_k, num_experts)
@@ -1279,15 +1288,19 @@ def test_dispatch_backward_combines_only_the_payloads_that_require_grad():
         with torch.profiler.profile(record_shapes=True) as prof:
             step(0)
         widths = {e.input_shapes[0][-1] for e in prof.events() if e.name == "moe_a2a::combine"}
-        return [x.grad for x in leaves], widths
+        return [x.grad for x in leaves], [w.grad for w in weights], widths
 
-    got, widths = train(weights_require_grad=False)
+    got, _, widths = train(weights_require_grad=False)
     # The forward's combine and the backward's: rows of hidden elements; the closing combine's one fp32 zero.
     assert widths == {hidden, 1}
-    want, packed = train(weights_require_grad=True)
-    assert packed == {hidden, 1, hidden + top_k}
-    for g, w in zip(got, want):
+    with_weights, weight_grads, widths = train(weights_require_grad=True)
+    assert widths == {hidden, 1, top_k}  # the weights' gradient: a combine of its own
+    for g, w in zip(got, with_weights):
         assert g.dtype == torch.bfloat16 and torch.equal(g, w)
+    # The reference: one rank's exchange moves every row to its own place, so the layer without it.
+    w = ws[0].clone().requires_grad_()
+    ((xs[0].float() * (1 + w.sum(-1, keepdim=True))).to(torch.bfloat16)).backward(grads[0])
+    assert torch.equal(weight_grads[0], w.grad)
 
 
 def test_expert_major_dispatch_backward_combines_only_the_payloads_that_require_grad():
@@ -1441,8 +1454,11 @@ def test_the_c_bodies_equal_the_python_bodies_bit_for_bit(device, monkeypatch):
         return sim.run(lambda rank: step(rank, mode()))
 
     got = run()
-    # A forward's two ops, then a round of each kind in each backward.
-    assert calls == {"dispatch_owned": ep_size, "combine_owned": ep_size, "dispatch_round": 2 * ep_size,
+    # A forward's two ops, then a round of each kind in each backward; the
+    # second order's backward of the first's combine_round, which combined
+    # the bf16 and the fp32 gradients each in a combine of its own, is a
+    # dispatch_round of each.
+    assert calls == {"dispatch_owned": ep_size, "combine_owned": ep_size, "dispatch_round": 3 * ep_size,
                      "combine_round": 2 * ep_size}, calls
     under_mode = run(_PassThrough)
     assert calls["dispatch_owned"] == calls["combine_owned"] == 0, calls

@@ -19,12 +19,15 @@ their section below):
   the rows that made each token's sum).
 - ``combine_round``: a whole round, a dispatch of the expert ids alone (which
   lays the routes again from the ids saved by the forward) then a combine of
-  the given rows: the backward of ``dispatch_owned`` (each received row's
-  gradient goes back to its source token, summed over its destination ranks in
-  the combine's fixed ascending rank order).
+  each of the given planes (repeated combines of the round): the backward of
+  ``dispatch_owned`` (each received row's gradient goes back to its source
+  token, summed over its destination ranks in the combine's fixed ascending
+  rank order), one combine per dtype of the payloads that require grad, so
+  that each gradient travels in its own dtype.
 
 ``dispatch_round`` and ``combine_round`` are each other's adjoint and each
-other's backward, which gives second-order gradients too. A backward is a whole round of its own, so it is correct
+other's backward (a ``combine_round`` of several planes: a ``dispatch_round``
+of each plane's gradient), which gives second-order gradients too. A backward is a whole round of its own, so it is correct
 whatever runs between two backward calls; it costs one more exchange per
 backward than a bare combine or dispatch would.
 
@@ -456,23 +459,26 @@ def dispatch_round(rows: Tensor, token_selected_experts: Tensor, workspace: Tens
 
 
 @_custom_op("combine_round")
-def combine_round(payload: Tensor, token_selected_experts: Tensor, workspace: Tensor, ep_rank: int, ep_size: int,
-                  max_num_tokens: int, runtime_max_tokens_per_rank: int, top_k: int, num_experts: int,
-                  active_rank_mask: list[int], timeout_s: float, mailbox: int, enable_pdl: bool) -> Tensor:
+def combine_round(payloads: list[Tensor], token_selected_experts: Tensor, workspace: Tensor, ep_rank: int,
+                  ep_size: int, max_num_tokens: int, runtime_max_tokens_per_rank: int, top_k: int, num_experts: int,
+                  active_rank_mask: list[int], timeout_s: float, mailbox: int, enable_pdl: bool) -> list[Tensor]:
     """A dispatch of the expert ids alone (the routes of these ids) then a
-    combine of ``payload`` ``[ep_size, runtime_max_tokens_per_rank, *row]``;
-    returns ``[local_num_tokens, *row]``."""
-    if direct_call_ok(payload, token_selected_experts, workspace):
-        return _C.combine_round(payload, token_selected_experts, workspace, ep_rank, ep_size, max_num_tokens,
+    combine of each of ``payloads`` (at least one, each ``[ep_size,
+    runtime_max_tokens_per_rank, *row]``; after the first, the round's
+    repeated combines); returns their sums, ``[local_num_tokens, *row]`` each."""
+    if direct_call_ok(token_selected_experts, workspace, *payloads):
+        return _C.combine_round(payloads, token_selected_experts, workspace, ep_rank, ep_size, max_num_tokens,
                                 runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask, timeout_s,
                                 mailbox, enable_pdl)
+    if not payloads:  # without a combine the round would stay open
+        raise ValueError("combine_round needs at least one payload")
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
     ids = token_selected_experts
     offset = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, (_row_bytes(ids),)).combine_offset
     with _Unrecorded(), _TalliesKept(workspace, ep_rank):
         _dispatch(ids, [ids], workspace, route)
-        return _combine(payload, ids.shape[0], workspace, offset, route)
+        return [_combine(payload, ids.shape[0], workspace, offset, route) for payload in payloads]
 
 
 # A traced graph must keep every exchange, also one whose result is unused:
@@ -499,8 +505,8 @@ def _(rows, token_selected_experts, workspace, ep_rank, ep_size, max_num_tokens,
 
 
 @combine_round.register_fake
-def _(payload, token_selected_experts, workspace, *route):
-    return payload.new_empty((token_selected_experts.shape[0], *payload.shape[2:]))
+def _(payloads, token_selected_experts, workspace, *route):
+    return [p.new_empty((token_selected_experts.shape[0], *p.shape[2:])) for p in payloads]
 
 
 # ---- their autograd ------------------------------------------------------------------------------------
@@ -517,16 +523,6 @@ def _list_route_grads(route: tuple) -> tuple:
     result: its gradients' structure must match the arguments' pytree, where an
     empty rank mask is an empty list."""
     return (*_ROUTE_GRADS[:6], None if route[6] else [], *_ROUTE_GRADS[7:])
-
-
-def _grad_dtype(dtypes) -> torch.dtype:
-    """The dtype in which a dispatch's backward combines its floating
-    payloads' gradients: their promoted dtype."""
-    dtypes = list(dtypes)
-    dtype = dtypes[0]
-    for other in dtypes[1:]:
-        dtype = torch.promote_types(dtype, other)
-    return dtype
 
 
 def _keep_route(ctx, ids: Tensor, workspace: Tensor, route: tuple) -> None:
@@ -550,31 +546,42 @@ def _differentiated(payload: Tensor) -> bool:
     return payload.requires_grad and payload.dtype in GRAD_DTYPES
 
 
+def _dtype_groups(ctx) -> dict[torch.dtype, list[int]]:
+    """The payloads that require grad by dtype (in order of first appearance),
+    their indices in order: one combine of the backward each."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i in ctx.differentiated:
+        groups.setdefault(ctx.payloads[i][0], []).append(i)
+    return groups
+
+
 def _backward_dispatch_owned(ctx, grads):
     """The gradients of the payloads that require grad in one
-    ``combine_round``: packed as the rows of one payload of their promoted
-    dtype (the combine sums in fp32 and casts once, so this rounds as one
-    combine per payload would)."""
+    ``combine_round``: a combine per dtype, each packing that dtype's
+    gradients as the rows of one payload (the combine sums in fp32 and casts
+    once, so this rounds as one combine per payload would), so that a bf16
+    hidden state's gradient travels as bf16 beside fp32 router weights'."""
     (ids,) = ctx.saved_tensors
     route = ctx.route
     ep_size, runtime_max = route[1], route[3]
-    floating = ctx.differentiated
+    groups = _dtype_groups(ctx)
     result: list[Optional[Tensor]] = [None] * len(ctx.payloads)
-    if floating:
-        dtype = _grad_dtype(ctx.payloads[i][0] for i in floating)
-        parts = []
-        for i in floating:
-            shape = (ep_size, runtime_max, math.prod(ctx.payloads[i][1]))
-            g = grads[i]
-            parts.append(ids.new_zeros(shape, dtype=dtype) if g is None else g.reshape(shape).to(dtype))
-        packed = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=2)
-        summed = _call(combine_round, packed, ids, ctx.workspace, *route)
-        start = 0
-        for i, part in zip(floating, parts):
-            width = part.shape[2]
-            g = summed[:, start:start + width].reshape(ids.shape[0], *ctx.payloads[i][1])
-            result[i] = g.to(ctx.payloads[i][0])
-            start += width
+    if groups:
+        packed = []
+        for dtype, members in groups.items():
+            parts = []
+            for i in members:
+                shape = (ep_size, runtime_max, math.prod(ctx.payloads[i][1]))
+                g = grads[i]
+                parts.append(ids.new_zeros(shape, dtype=dtype) if g is None else g.reshape(shape))
+            packed.append(parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=2))
+        sums = _call(combine_round, packed, ids, ctx.workspace, *route)
+        for members, summed in zip(groups.values(), sums):
+            start = 0
+            for i in members:
+                width = math.prod(ctx.payloads[i][1])
+                result[i] = summed[:, start:start + width].reshape(ids.shape[0], *ctx.payloads[i][1])
+                start += width
     return None, result, None, *_list_route_grads(route)
 
 
@@ -595,12 +602,14 @@ def _setup_round(ctx, inputs, output):
 
 def _backward_dispatch_round(ctx, grad):
     (ids,) = ctx.saved_tensors
-    return _call(combine_round, grad.contiguous(), ids, ctx.workspace, *ctx.route), None, None, *_ROUTE_GRADS
+    (summed,) = _call(combine_round, [grad.contiguous()], ids, ctx.workspace, *ctx.route)
+    return summed, None, None, *_ROUTE_GRADS
 
 
-def _backward_combine_round(ctx, grad):
+def _backward_combine_round(ctx, grads):
     (ids,) = ctx.saved_tensors
-    return _call(dispatch_round, grad.contiguous(), ids, ctx.workspace, *ctx.route), None, None, *_ROUTE_GRADS
+    planes = [_call(dispatch_round, g.contiguous(), ids, ctx.workspace, *ctx.route) for g in grads]
+    return planes, None, None, *_list_route_grads(ctx.route)
 
 
 # The dispatches' backwards take None for a plane without a gradient (and
@@ -834,17 +843,23 @@ def _dispatch_differentiable(fn: str, token_selected_experts: Tensor, input_payl
                         enable_rank_mask, active_rank_mask, timeout_s)
     floating = [p for p in input_payloads if _differentiated(p)]
     if _needs_backward(floating):
-        # The backward (combine_round): the ids' plane, then one row of the
-        # gradients of the payloads that require grad, in their promoted dtype.
-        dtype = _grad_dtype(p.dtype for p in floating)
-        row = dtype.itemsize * sum(math.prod(p.shape[1:]) for p in floating)
+        # The backward (combine_round): the ids' plane, then a combine per
+        # dtype of the gradients of the payloads that require grad, each into
+        # the same rows after the plane: the widest dtype's row must fit.
+        rows: dict[torch.dtype, int] = {}
+        for p in floating:
+            rows[p.dtype] = rows.get(p.dtype, 0) + p.element_size() * math.prod(p.shape[1:])
+        dtype, row = floating[0].dtype, 0
+        for d, r in rows.items():  # the widest (max with a key is not traceable by Dynamo)
+            if r > row:
+                dtype, row = d, r
         ids_row = _row_bytes(token_selected_experts)
         _check_backward_fits(fn, workspace,
                              _round_end(ep_size, runtime_max_tokens_per_rank, (ids_row,), row),
-                             f"it combines the gradients of the payloads that require grad as one row of {row} bytes "
-                             f"({dtype}) after the ids' row of {ids_row}: size the workspace so that its dispatch and "
-                             f"combine bytes per token together cover {ids_row + row} "
-                             "(moe_a2a_get_workspace_size_per_rank)")
+                             f"it combines the gradients of the payloads that require grad, a combine per dtype "
+                             f"(the widest rows: {row} bytes of {dtype}), after the ids' row of {ids_row}: size the "
+                             f"workspace so that its dispatch and combine bytes per token together cover "
+                             f"{ids_row + row} (moe_a2a_get_workspace_size_per_rank)")
     *received, counts = _call(dispatch_owned, token_selected_experts, list(input_payloads), workspace, *route)
     if _recorded():
         note_dispatch(workspace, ep_rank, token_selected_experts, num_experts)
