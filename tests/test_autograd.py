@@ -1211,7 +1211,8 @@ def test_a_backward_counts_no_invalid_id_or_dropped_pair_again(layout, device):
 def test_a_forward_whose_backward_does_not_fit_is_refused_before_it_runs(layout):
     """The dispatch's backward may need more room than the forward
     (rank-major: the ids' plane beside the widest dtype's gradient rows;
-    expert-major: an fp32 row of the planes' gradients and the slots): such a
+    expert-major: with planes of several dtypes, an fp32 row of their
+    gradients and the slots): such a
     forward is refused at once, naming the size, with the workspace untouched
     (a backward refused halfway would leave its round open); without grad the
     same forward runs."""
@@ -1233,7 +1234,11 @@ def test_a_forward_whose_backward_does_not_fit_is_refused_before_it_runs(layout)
                                                    top_k, num_experts)
         text = "size the workspace so that its dispatch and combine bytes per token together cover"
     else:
-        size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(1, tokens, 4 * 2 * hidden, 2 * hidden,
+        # Sized for the forward: three bf16 rows and an fp32 one, a bf16 row
+        # back; the backward's rows are fp32 (the planes' dtypes differ), the
+        # four rows' gradients and a column per slot.
+        xs[3] = xs[3].float()
+        size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(1, tokens, (3 * 2 + 4) * hidden, 2 * hidden,
                                                                     num_experts, top_k)
         sim = a2a.SimulatedEP(1, tokens, dispatch_bytes_per_token=0, combine_bytes_per_token=0,
                               workspace_size_per_rank=size)
@@ -1303,11 +1308,14 @@ def test_dispatch_backward_combines_each_gradient_in_its_own_dtype():
     assert torch.equal(weight_grads[0], w.grad)
 
 
-def test_expert_major_dispatch_backward_combines_only_the_payloads_that_require_grad():
-    """The expert-major form: a floating payload that needs no gradient is
-    left out of the backward's fp32 row (the hidden gradient beside a column
-    per top-k slot), where it took its columns of zeros; the hidden gradient
-    is bitwise the one of the wider row."""
+def test_expert_major_dispatch_backward_combines_gradients_in_their_dtype():
+    """The expert-major form: the backward combined one fp32 row a pair, the
+    gradients of every floating plane and a column per top-k slot. A plane
+    that needs no gradient now takes no part, and where the planes that do
+    share a dtype (a bf16 hidden state) their gradients travel in it, the
+    slots' columns in a combine of their own (the combines' payload shapes,
+    from the profiler); planes of several dtypes still share one fp32 row.
+    The hidden gradient is bitwise the same every way."""
     tokens, top_k, num_experts, hidden, extra = 6, 2, 4, 16, 3
     gen = torch.Generator().manual_seed(31)
     ids = reference.random_routing(tokens, top_k, num_experts, gen)
@@ -1329,7 +1337,7 @@ def test_expert_major_dispatch_backward_combines_only_the_payloads_that_require_
         return leaf.grad, widths
 
     got, widths = train(side_requires_grad=False)
-    assert widths == {hidden, 1, hidden + top_k}
+    assert widths == {hidden, 1, top_k}  # the bf16 rows (as the forward's), the closing zero, the slots' columns
     want, wider = train(side_requires_grad=True)
     assert wider == {hidden, 1, hidden + extra + top_k}
     assert torch.equal(got, want)

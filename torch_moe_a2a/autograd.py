@@ -1093,10 +1093,11 @@ def combine_em_round(plane: Tensor, pair_values: Tensor, token_selected_experts:
                      runtime_max_tokens_per_rank: int, top_k: int, num_experts: int, active_rank_mask: list[int],
                      timeout_s: float, mailbox: int, enable_pdl: bool) -> list[Tensor]:
     """An expert-major dispatch of the expert ids alone (the routes of these
-    ids, the slot indices as router weights), then an unweighted combine of
-    ``plane`` ``[num_local_experts, max_tokens_per_expert, *row]`` beside
-    ``pair_values`` (fp32 ``[num_local_experts, max_tokens_per_expert]``) in
-    one fp32 row; returns ``[rows, slot_values]``: each token's sum of its
+    ids, the slot indices as router weights), then unweighted combines of
+    ``plane`` ``[num_local_experts, max_tokens_per_expert, *row]`` in its
+    dtype and of ``pair_values`` (fp32 ``[num_local_experts,
+    max_tokens_per_expert]``) in a column per top-k slot (one combine of an
+    fp32 row of both where the plane is fp32); returns ``[rows, slot_values]``: each token's sum of its
     pairs' rows (``[local_num_tokens, *row]``, summed in fp32, cast once to
     the plane's dtype) and its pairs' values by top-k slot (fp32
     ``[local_num_tokens, top_k]``, 0 for a slot without a kept pair)."""
@@ -1114,9 +1115,16 @@ def combine_em_round(plane: Tensor, pair_values: Tensor, token_selected_experts:
         columns = torch.where(in_slot, pair_values.unsqueeze(2), 0.0)
         weights.fill_(1.0)
         width = math.prod(plane.shape[2:])
-        packed = torch.cat([plane.reshape(local, M, width).float(), columns], dim=2)
-        summed = _combine_em(packed, n, workspace, M, dispatch_end, em.combine_offset, route)
-    return [summed[:, :width].reshape(n, *plane.shape[2:]).to(plane.dtype).clone(), summed[:, width:].clone()]
+        rows = plane.reshape(local, M, width)
+        if plane.dtype == torch.float32:  # one dtype: one combine
+            summed = _combine_em(torch.cat([rows, columns], dim=2), n, workspace, M, dispatch_end, em.combine_offset,
+                                 route)
+            return [summed[:, :width].reshape(n, *plane.shape[2:]).clone(), summed[:, width:].clone()]
+        # A combine per dtype (the round's repeated combines): the rows in
+        # their own, which rounds as the fp32 sum cast once, then the columns.
+        summed = _combine_em(rows.contiguous(), n, workspace, M, dispatch_end, em.combine_offset, route)
+        slots = _combine_em(columns, n, workspace, M, dispatch_end, em.combine_offset, route)
+    return [summed.reshape(n, *plane.shape[2:]), slots]
 
 
 for _op in (dispatch_em_owned, combine_em_owned, dispatch_em_round, combine_em_round):
@@ -1165,16 +1173,24 @@ def _setup_dispatch_em_owned(ctx, inputs, output):
     ctx.differentiated = [i for i, p in enumerate(payloads) if _differentiated(p)]
 
 
+def _em_gradient_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
+    """The dtype in which the expert-major dispatch's backward combines the
+    gradients of its planes that require grad: theirs where they share one
+    (a bf16 hidden state's gradient travels as bf16), else fp32."""
+    return dtypes[0] if dtypes and all(d == dtypes[0] for d in dtypes) else torch.float32
+
+
 def _backward_dispatch_em_owned(ctx, grads):
-    """The gradients of the planes whose payloads require grad (as fp32
-    columns of one plane) and the pair weights' gradient in one
-    ``combine_em_round``."""
+    """The gradients of the planes whose payloads require grad (as the
+    columns of one plane, in their dtype where they share one, else fp32)
+    and the pair weights' gradient in one ``combine_em_round``."""
     (ids,) = ctx.saved_tensors
     local, M = _local_experts(ctx.route[1:]), ctx.route[0]
     floating = ctx.differentiated
-    parts = [ids.new_zeros((local, M, math.prod(ctx.payloads[i][1])), dtype=torch.float32) if grads[i] is None
-             else grads[i].reshape(local, M, -1).float() for i in floating]
-    plane = torch.cat(parts, dim=2) if parts else ids.new_zeros((local, M, 0), dtype=torch.float32)
+    dtype = _em_gradient_dtype([ctx.payloads[i][0] for i in floating])
+    parts = [ids.new_zeros((local, M, math.prod(ctx.payloads[i][1])), dtype=dtype) if grads[i] is None
+             else grads[i].reshape(local, M, -1).to(dtype) for i in floating]
+    plane = torch.cat(parts, dim=2) if parts else ids.new_zeros((local, M, 0), dtype=dtype)
     pair_grad = ids.new_zeros((local, M), dtype=torch.float32) if grads[-1] is None else grads[-1]
     summed, slot_grads = _call(combine_em_round, plane, pair_grad.float().contiguous(), ids, ctx.workspace, *ctx.route)
     result: list[Optional[Tensor]] = [None] * len(ctx.payloads)
@@ -1319,14 +1335,18 @@ def _dispatch_expert_major_differentiable(fn: str, token_selected_experts: Tenso
                                          token_selected_experts.element_size(), True)
     floating = [p for p in payloads if _differentiated(p)]
     if _needs_backward([*floating, router_weights]):
-        # The backward (combine_em_round): the ids and the slots as weights, then one
-        # fp32 row of the gradients of the planes that require grad and a column per slot.
-        row = 4 * (sum(math.prod(p.shape[1:]) for p in floating) + top_k)
+        # The backward (combine_em_round): the ids and the slots as weights,
+        # then the gradients of the planes that require grad and a column per
+        # slot: one fp32 row of both, or where the planes share another dtype,
+        # their rows in it and the columns, each a combine into the same rows.
+        elements = sum(math.prod(p.shape[1:]) for p in floating)
+        dtype = _em_gradient_dtype([p.dtype for p in floating])
+        row = 4 * (elements + top_k) if dtype == torch.float32 else max(dtype.itemsize * elements, 4 * top_k)
         needed = _em_round_end(ep_size, runtime_max_tokens_per_rank, top_k, num_experts, max_tokens_per_expert, [],
                                _row_bytes(token_selected_experts), row)
         _check_backward_fits(fn, workspace, needed,
-                             f"it combines the gradients of the planes that require grad and the pair weights' as "
-                             f"one fp32 row of {row} bytes a pair: size the workspace with combine bytes per token of "
+                             f"it combines the gradients of the planes that require grad and the pair weights' in "
+                             f"rows of up to {row} bytes a pair: size the workspace with combine bytes per token of "
                              f"at least {row} (moe_a2a_get_workspace_size_per_rank_expert_major)")
     *planes, counts, ids, pair_weights = _call(dispatch_em_owned, token_selected_experts, payloads, weights, workspace,
                                                max_tokens_per_expert, *route)
