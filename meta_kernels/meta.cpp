@@ -43,6 +43,18 @@ bool concrete(at::TensorList ts) {
   return true;
 }
 
+// A dispatch's tensors all meta (check_meta); whether their sizes are
+// concrete, so that the op's builder can check them.
+bool dispatch_tensors_meta(const char* op, const at::Tensor& token_selected_experts, at::TensorList input_payloads,
+                           const at::Tensor& workspace, const std::optional<at::Tensor>& eplb_local_stats) {
+  check_meta(op, "token_selected_experts", token_selected_experts);
+  for (const at::Tensor& payload : input_payloads) check_meta(op, "an input payload", payload);
+  check_meta(op, "workspace", workspace);
+  check_meta(op, "eplb_local_stats", eplb_local_stats);
+  return concrete(token_selected_experts) && concrete(input_payloads) && concrete(workspace) &&
+         concrete(eplb_local_stats);
+}
+
 int64_t alloc_mailbox_meta(const at::Tensor&) {
   return 0;  // no host mailbox exists for a meta workspace
 }
@@ -59,14 +71,7 @@ void dispatch_meta(const at::Tensor& token_selected_experts, at::TensorList inpu
                    int64_t top_k, int64_t num_experts, const std::optional<at::Tensor>& eplb_local_stats,
                    int64_t eplb_stats_num_experts, at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox,
                    bool enable_pdl) {
-  check_meta("dispatch", "token_selected_experts", token_selected_experts);
-  for (const at::Tensor& payload : input_payloads) check_meta("dispatch", "an input payload", payload);
-  check_meta("dispatch", "workspace", workspace);
-  check_meta("dispatch", "eplb_local_stats", eplb_local_stats);
-  if (!(concrete(token_selected_experts) && concrete(input_payloads) && concrete(workspace) &&
-        concrete(eplb_local_stats))) {
-    return;
-  }
+  if (!dispatch_tensors_meta("dispatch", token_selected_experts, input_payloads, workspace, eplb_local_stats)) return;
   const TracedChecks traced;
   check_dispatch(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
                  runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_stats_num_experts,
@@ -161,12 +166,8 @@ void dispatch_expert_major_meta(const at::Tensor& token_selected_experts, at::Te
                                 const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
                                 at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
                                 int64_t max_tokens_per_expert, at::IntArrayRef payload_row_bytes, bool has_weights) {
-  check_meta("dispatch_expert_major", "token_selected_experts", token_selected_experts);
-  for (const at::Tensor& payload : input_payloads) check_meta("dispatch_expert_major", "an input payload", payload);
-  check_meta("dispatch_expert_major", "workspace", workspace);
-  check_meta("dispatch_expert_major", "eplb_local_stats", eplb_local_stats);
-  if (!(concrete(token_selected_experts) && concrete(input_payloads) && concrete(workspace) &&
-        concrete(eplb_local_stats))) {
+  if (!dispatch_tensors_meta("dispatch_expert_major", token_selected_experts, input_payloads, workspace,
+                             eplb_local_stats)) {
     return;
   }
   const TracedChecks traced;
