@@ -525,6 +525,44 @@ def test_training_bench_cpu(capsys):
     assert all(float(r[6]) > 0 for r in rows), out
 
 
+def test_training_bench_router_grad_cpu(capsys):
+    """bench --training --router-grad: the router weights require grad on
+    both paths, their gradients checked against sum(grad_out * x)."""
+    from torch_moe_a2a.bench.single import main
+
+    rc = main(["--training", "--router-grad", "--device", "cpu", "--preset", "mixtral", "--ep", "2", "--tokens", "5",
+               "--iters", "1", "--warmup", "0"])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line[:3].strip().isdigit()]
+    assert rc == 0 and "router weights requiring grad" in out and len(rows) == 1 and rows[0][2] == "ok", out
+
+
+def test_training_bench_reports_a_wrong_router_gradient(monkeypatch, capsys):
+    from torch_moe_a2a.bench import training
+    from torch_moe_a2a.bench.single import main
+
+    step = training.TrainingPoint.ours_step
+
+    def wrong(self):
+        step(self)
+        if self.router_grad:  # (the one-rank warm-up's weights need none)
+            self.w[-1].grad.mul_(2)
+
+    monkeypatch.setattr(training.TrainingPoint, "ours_step", wrong)
+    rc = main(["--training", "--router-grad", "--device", "cpu", "--preset", "mixtral", "--ep", "2", "--tokens", "3",
+               "--iters", "1", "--warmup", "0"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "ours, rank 1: router weights' gradient differs" in out, out
+
+
+def test_router_grad_is_an_option_of_training(capsys):
+    from torch_moe_a2a.bench.single import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--router-grad", "--device", "cpu"])
+    assert info.value.code == 2 and "--router-grad is an option of --training" in capsys.readouterr().err
+
+
 def test_training_byte_model():
     """The training step's bytes, term by term (docs/DESIGN.md section 8)."""
     from torch_moe_a2a.bench import training
@@ -539,6 +577,8 @@ def test_training_byte_model():
                 + row * (tokens + sends)  # the output gradient dispatched
                 + row * (sends + tokens) + 2 * row * sends)  # the received rows' gradients combined, staged
     assert training.step_bytes(point, sends) == expected
+    weights = 2 * 4  # top-2 fp32 router weights: their gradients combined (staged) in a combine of their own
+    assert training.step_bytes(point, sends, router_grad=True) == expected + weights * (sends + tokens) + 2 * weights * sends
 
 
 def test_training_bench_reports_a_wrong_gradient(monkeypatch, capsys):

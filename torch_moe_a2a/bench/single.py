@@ -948,6 +948,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"{_per_device(bench_training.DEFAULT_EP)}) and --tokens (default "
                    f"{_per_device(bench_training.DEFAULT_TOKENS)}), first --preset (default deepseek-v3); ours "
                    "also as a ratio to the copy bandwidth")
+    p.add_argument("--router-grad", action="store_true",
+                   help="with --training: the router weights require grad too, as where the routing probabilities "
+                   "travel with the tokens (DeepEP, Megatron); both paths give them their gradient")
     p.add_argument("--low-precision-error", action="store_true",
                    help="instead: print the error of the e4m3 combine transports against bf16 (CPU, no timing)")
 
@@ -988,6 +991,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"{modes[0]} takes no --fp8, --smoke, --plot or --graph")
     # Options a mode does not read are refused, not ignored: a --max-gib meant
     # to keep a run within memory, or a --json file never written.
+    if args.router_grad and not args.training:
+        parser.error("--router-grad is an option of --training")
     if args.max_gib is not None and (args.expert_major or args.training or args.graph == "all-ranks"):
         parser.error(f"{modes[0] if modes else '--graph all-ranks'} takes no --max-gib: it skips no point by its "
                      "memory (pick smaller --ep and --tokens)")
@@ -1014,9 +1019,12 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(low_precision.error_table(), flush=True)
         return 0
     if args.expert_major or args.training:
-        mode = bench_expert_major if args.expert_major else bench_training
-        records = mode.run(device, args.ep, args.tokens, args.iters, args.warmup,
-                           preset_names(args.preset, default=["deepseek-v3"])[0])
+        preset = preset_names(args.preset, default=["deepseek-v3"])[0]
+        if args.expert_major:
+            records = bench_expert_major.run(device, args.ep, args.tokens, args.iters, args.warmup, preset)
+        else:
+            records = bench_training.run(device, args.ep, args.tokens, args.iters, args.warmup, preset,
+                                         args.router_grad)
         if args.json:
             write_json(args.json, {"device": device_name(device), "torch": torch.__version__, "records": records})
         return 0 if all(r["status"] == "ok" for r in records) else 1

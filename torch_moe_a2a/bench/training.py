@@ -25,6 +25,10 @@ grad_out[t] * sum(w[t]):
   ``--warmup``, each step's wall time until the device finished. Both paths
   are eager: the baseline's host syncs (the split sizes) cannot live in a
   graph, and at training sizes the host's launches are a small part;
+- ``--router-grad``: the router weights require grad too, as where the
+  routing probabilities travel with the tokens and are differentiated
+  through the exchange (DeepEP's and Megatron's pattern); both paths then
+  give them their gradient, checked against sum(grad_out * x);
 - ceiling: ours as a ratio to the device's copy bandwidth measured in the
   same run (``ours x copy``): the bytes of the step's four exchanges by the
   byte model of docs/DESIGN.md section 8 (:func:`step_bytes`) per second,
@@ -70,7 +74,7 @@ DEFAULT_ITERS = {"cuda": 10, "cpu": 3}
 DEFAULT_WARMUP = {"cuda": 2, "cpu": 1}
 
 
-def step_bytes(point: Point, sends: int) -> int:
+def step_bytes(point: Point, sends: int, router_grad: bool = False) -> int:
     """Bytes of a training step's exchanges, summed over ranks, by the byte
     model of docs/DESIGN.md section 8, when the ranks send ``sends`` (token,
     distinct destination) pairs in all.
@@ -78,6 +82,9 @@ def step_bytes(point: Point, sends: int) -> int:
     Args:
         point: the ranks, tokens per rank and the preset's rows.
         sends: (token, distinct destination rank) pairs of all ranks.
+        router_grad: whether the router weights require grad: the backward's
+            round then combines their fp32 gradients too, in a combine of
+            their own.
 
     Returns:
         The forward's dispatch of the hidden states, ids and weights and its
@@ -89,15 +96,19 @@ def step_bytes(point: Point, sends: int) -> int:
         out of the workspace.
     """
     ops = op_bytes_for(point, sends)
-    gradient_dispatch = point.combine_row_bytes * (point.ep * point.tokens + sends)
-    return int(ops["round-trip"] + gradient_dispatch + ops["combine"])
+    tokens = point.ep * point.tokens
+    gradient_dispatch = point.combine_row_bytes * (tokens + sends)
+    weights_row = 4 * point.preset.top_k
+    # Staged: every received row read and written once more.
+    weights_combine = weights_row * (sends + tokens) + 2 * weights_row * sends if router_grad else 0
+    return int(ops["round-trip"] + gradient_dispatch + ops["combine"] + weights_combine)
 
 
 class TrainingPoint:
     """Both paths of one point: inputs, output gradients, the workspace."""
 
-    def __init__(self, point: Point, device: torch.device):
-        self.point, self.device = point, device
+    def __init__(self, point: Point, device: torch.device, router_grad: bool = False):
+        self.point, self.device, self.router_grad = point, device, router_grad
         p, ep, T = point.preset, point.ep, point.tokens
         gen_cpu = torch.Generator().manual_seed(SEED)
         gen_dev = torch.Generator(device=device).manual_seed(SEED)
@@ -114,11 +125,15 @@ class TrainingPoint:
         self.sim = SimulatedEP(ep, T, dispatch_bytes_per_token=0, combine_bytes_per_token=0, device=device,
                                workspace_size_per_rank=size)
         self.x: list[Any] = [None] * ep
+        self.w: list[Any] = [None] * ep
         self.out: list[Any] = [None] * ep
         self.pending: list[Any] = [None] * ep
 
     def _leaf(self, r: int) -> Tensor:
+        """Rank r's hidden states as a new leaf that requires grad (and its
+        router weights as one that does with ``router_grad``)."""
         self.x[r] = self.hidden[r].detach().clone().requires_grad_()
+        self.w[r] = self.weights[r].detach().clone().requires_grad_(self.router_grad)
         return self.x[r]
 
     def _stand_in(self, r: int, rows: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
@@ -130,7 +145,7 @@ class TrainingPoint:
     def _ours_forward(self, r: int) -> None:
         p, ep, T = self.point.preset, self.point.ep, self.point.tokens
         x = self._leaf(r)
-        recv, offset, _ = moe_a2a_dispatch_differentiable(self.ids[r], [x, self.ids[r], self.weights[r]],
+        recv, offset, _ = moe_a2a_dispatch_differentiable(self.ids[r], [x, self.ids[r], self.w[r]],
                                                           self.sim.workspace, self.sim.metainfo[r], T, r, ep,
                                                           p.top_k, p.num_experts)
         self.pending[r] = (self._stand_in(r, *recv), offset)
@@ -161,7 +176,7 @@ class TrainingPoint:
             pairs = torch.argsort(flat, stable=True)
             rows = x.index_select(0, pairs // k)
             counts.append(torch.bincount(self.owner[flat[pairs]], minlength=ep).tolist())  # host sync
-            send.append((rows, self.ids[r].reshape(-1)[pairs], self.weights[r].reshape(-1)[pairs]))
+            send.append((rows, self.ids[r].reshape(-1)[pairs], self.w[r].reshape(-1)[pairs]))
             order.append(pairs)
         # all_to_all_single on one device: rank d receives every source's d-th split.
         parts = [[t.split(counts[s]) for t in send[s]] for s in range(ep)]
@@ -189,6 +204,13 @@ class TrainingPoint:
                 if got is None or not torch.allclose(got.detach().float(), want.float(), rtol=COMBINE_RTOL,
                                                      atol=COMBINE_ATOL):
                     return f"{name}, rank {r}: {what} differs from x * sum(w) beyond bf16 rounding"
+            if self.router_grad:
+                # Each weight scales its token's row once, at its expert's rank.
+                want_w = (self.grad_out[r].float() * self.hidden[r].float()).sum(dim=-1, keepdim=True)
+                got = self.w[r].grad
+                if got is None or not torch.allclose(got, want_w.expand_as(got), rtol=COMBINE_RTOL,
+                                                     atol=COMBINE_ATOL):
+                    return f"{name}, rank {r}: router weights' gradient differs from sum(grad_out * x)"
         return None
 
 
@@ -204,20 +226,21 @@ def warm_up(device: torch.device, preset: str) -> None:
     Clock(device).sync()
 
 
-def run_point(point: Point, device: torch.device, warmup: int, iters: int) -> dict:
+def run_point(point: Point, device: torch.device, warmup: int, iters: int, router_grad: bool = False) -> dict:
     """One point: both paths checked, then timed; microseconds per forward + backward step."""
-    tp = TrainingPoint(point, device)
+    tp = TrainingPoint(point, device, router_grad)
     for step, name in ((tp.ours_step, "ours"), (tp.base_step, "baseline")):
         error = tp.check(step, name)
         if error is not None:
             return {"status": "FAIL", "notes": [error]}
     clock = Clock(device)
     return {"status": "ok", "notes": [], "ours_us": wall_us(clock, tp.ours_step, warmup, iters),
-            "baseline_us": wall_us(clock, tp.base_step, warmup, iters), "ours_bytes": step_bytes(point, tp.sends)}
+            "baseline_us": wall_us(clock, tp.base_step, warmup, iters),
+            "ours_bytes": step_bytes(point, tp.sends, router_grad)}
 
 
 def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[int]], iters: Optional[int],
-        warmup: Optional[int], preset: str = "deepseek-v3") -> list[dict]:
+        warmup: Optional[int], preset: str = "deepseek-v3", router_grad: bool = False) -> list[dict]:
     """Every point of eps x tokens; prints the table and returns the records."""
     kind = device.type
     eps = list(DEFAULT_EP[kind]) if eps is None else eps
@@ -225,13 +248,14 @@ def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[in
     iters = DEFAULT_ITERS[kind] if iters is None else iters
     warmup = DEFAULT_WARMUP[kind] if warmup is None else warmup
     warm_up(device, preset)
-    print(f"training exchange, forward + backward, against all_to_all_single of the pairs under autograd: {preset}, "
-          f"median of {iters} steps after {warmup}, wall time until the device finished", flush=True)
+    print(f"training exchange, forward + backward, against all_to_all_single of the pairs under autograd: {preset}"
+          f"{', router weights requiring grad' if router_grad else ''}, median of {iters} steps after {warmup}, wall "
+          "time until the device finished", flush=True)
     # The ceiling of the 'ours x copy' column, measured in this run.
     copy_gbps = copy_bandwidth(Clock(device), device, COPY_BYTES[kind])
     print(f"copy ceiling: {copy_gbps:.1f} GB/s (copy_ of {COPY_BYTES[kind] / MIB:.0f} MiB, bytes read + written, "
           f"median of {COPY_REPEATS})", flush=True)
-    records = sweep(eps, tokens, preset, lambda point: run_point(point, device, warmup, iters))
+    records = sweep(eps, tokens, preset, lambda point: run_point(point, device, warmup, iters, router_grad))
     rows = []
     for rec in records:
         ep, T = rec["ep"], rec["tokens"]
