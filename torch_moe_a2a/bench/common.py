@@ -325,6 +325,23 @@ def copy_bandwidth(clock: Clock, device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
+def report_copy_ceiling(clock: Clock, device: torch.device, nbytes: int) -> float:
+    """:func:`copy_bandwidth`, printed as a run's ceiling line; GB/s."""
+    gbps = copy_bandwidth(clock, device, nbytes)
+    print(f"copy ceiling: {gbps:.1f} GB/s (copy_ of {nbytes / MIB:.0f} MiB, bytes read + written, median of "
+          f"{COPY_REPEATS})", flush=True)
+    return gbps
+
+
+def copy_ratio(rec: dict, copy_gbps: Optional[float]) -> Optional[float]:
+    """A record's rate (its ``ours_bytes`` in its ``ours_us``) over the copy
+    ceiling, None where not measured."""
+    ours, nbytes = rec.get("ours_us"), rec.get("ours_bytes")
+    if ours is None or nbytes is None or not copy_gbps:
+        return None
+    return nbytes / (ours * 1e-6) / 1e9 / copy_gbps
+
+
 # ---------------------------------------------------------------------------
 # inputs and byte counts
 # ---------------------------------------------------------------------------

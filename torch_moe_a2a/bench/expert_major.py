@@ -60,19 +60,18 @@ from .common import (
     COMBINE_ATOL,
     COMBINE_RTOL,
     COPY_BYTES,
-    COPY_REPEATS,
-    MIB,
     SEED,
     Clock,
     Point,
     capture_graph,
-    copy_bandwidth,
+    copy_ratio,
     expert_owner,
     fmt,
     format_table,
     geomean,
     make_set,
     release,
+    report_copy_ceiling,
     sweep,
     wall_us,
 )
@@ -290,14 +289,6 @@ def run_point(point: Point, device: torch.device, warmup: int, iters: int) -> di
     return result
 
 
-def copy_ratio(rec: dict, copy_gbps: Optional[float]) -> Optional[float]:
-    """Ours' rate (the byte model's bytes per second) over the copy ceiling, None where not measured."""
-    ours, nbytes = rec.get("ours_us"), rec.get("ours_bytes")
-    if ours is None or nbytes is None or not copy_gbps:
-        return None
-    return nbytes / (ours * 1e-6) / 1e9 / copy_gbps
-
-
 def ratios(rec: dict) -> tuple[Optional[float], Optional[float]]:
     """(ours / rank-major, baseline / ours) of one record, None where not measured."""
     ours, rank_major, base = rec.get("ours_us"), rec.get("rank_major_us"), rec.get("baseline_us")
@@ -319,10 +310,7 @@ def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[in
     print(f"expert-major round trip against rank-major, and against rank-major + a graph-safe PyTorch permutation: "
           f"{preset}, identity experts, {method}, median of {iters} after {warmup}", flush=True)
     # The ceiling of the ratio column, measured in this run.
-    copy_bytes = COPY_BYTES[kind]
-    copy_gbps = copy_bandwidth(Clock(device), device, copy_bytes)
-    print(f"copy ceiling: {copy_gbps:.1f} GB/s (copy_ of {copy_bytes / MIB:.0f} MiB, bytes read + written, "
-          f"median of {COPY_REPEATS})", flush=True)
+    copy_gbps = report_copy_ceiling(Clock(device), device, COPY_BYTES[kind])
     def measure(point: Point) -> dict:
         try:
             return run_point(point, device, warmup, iters)

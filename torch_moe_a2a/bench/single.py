@@ -92,14 +92,12 @@ from . import training as bench_training
 from .common import (
     BASELINE_OF,
     COPY_BYTES,
-    COPY_REPEATS,
     DEFAULT_ITERS,
     DEFAULT_MAX_GIB,
     DEFAULT_WARMUP,
     FP8_BLOCK,
     FP8_DTYPE,
     GIB,
-    MIB,
     NO_CUDA,
     OPS,
     PRESETS,
@@ -117,7 +115,6 @@ from .common import (
     capture_graph,
     check_output_path,
     combine_mismatch,
-    copy_bandwidth,
     device_name,
     expected_sends,
     expert_owner,
@@ -139,6 +136,7 @@ from .common import (
     recv_mismatch,
     reference_payloads,
     release,
+    report_copy_ceiling,
     routes_by_destination,
     set_bytes,
     time_ops,
@@ -1078,9 +1076,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     # code says which signal stopped it.
     with StopSignals() as stop:
         try:
-            copy_gbps = copy_bandwidth(clock, device, copy_bytes)
-            print(f"copy ceiling: {copy_gbps:.1f} GB/s (copy_ of {copy_bytes / MIB:.0f} MiB, bytes read + "
-                  f"written, median of {COPY_REPEATS})", flush=True)
+            copy_gbps = report_copy_ceiling(clock, device, copy_bytes)
             stop.check()
             # The progress display starts with the sweep; the host cost and the estimate come first.
             ctx = _Context(device, clock, iters, warmup, int(max_gib * GIB), l2, copy_gbps, QuietProgress(),

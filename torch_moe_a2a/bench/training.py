@@ -52,18 +52,17 @@ from .common import (
     COMBINE_ATOL,
     COMBINE_RTOL,
     COPY_BYTES,
-    COPY_REPEATS,
-    MIB,
     PRESETS,
     SEED,
     Clock,
     Point,
-    copy_bandwidth,
+    copy_ratio,
     expert_owner,
     fmt,
     format_table,
     make_set,
     op_bytes_for,
+    report_copy_ceiling,
     sweep,
     wall_us,
 )
@@ -252,15 +251,13 @@ def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[in
           f"{', router weights requiring grad' if router_grad else ''}, median of {iters} steps after {warmup}, wall "
           "time until the device finished", flush=True)
     # The ceiling of the 'ours x copy' column, measured in this run.
-    copy_gbps = copy_bandwidth(Clock(device), device, COPY_BYTES[kind])
-    print(f"copy ceiling: {copy_gbps:.1f} GB/s (copy_ of {COPY_BYTES[kind] / MIB:.0f} MiB, bytes read + written, "
-          f"median of {COPY_REPEATS})", flush=True)
+    copy_gbps = report_copy_ceiling(Clock(device), device, COPY_BYTES[kind])
     records = sweep(eps, tokens, preset, lambda point: run_point(point, device, warmup, iters, router_grad))
     rows = []
     for rec in records:
         ep, T = rec["ep"], rec["tokens"]
-        ours, base, nbytes = rec.get("ours_us"), rec.get("baseline_us"), rec.get("ours_bytes")
-        rec["ours_copy_ratio"] = None if ours is None or nbytes is None else nbytes / (ours * 1e3) / copy_gbps
+        ours, base = rec.get("ours_us"), rec.get("baseline_us")
+        rec["ours_copy_ratio"] = copy_ratio(rec, copy_gbps)
         rows.append([str(ep), str(T), rec["status"], fmt(ours, ".1f"), fmt(base, ".1f"),
                      fmt(None if ours is None or base is None else base / ours, ".2f", "x"),
                      fmt(rec["ours_copy_ratio"], ".3f"), "; ".join(rec["notes"])])
