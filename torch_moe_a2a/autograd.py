@@ -848,7 +848,7 @@ def _dispatch_differentiable(fn: str, token_selected_experts: Tensor, input_payl
         # the same rows after the plane: the widest dtype's row must fit.
         rows: dict[torch.dtype, int] = {}
         for p in floating:
-            rows[p.dtype] = rows.get(p.dtype, 0) + p.element_size() * math.prod(p.shape[1:])
+            rows[p.dtype] = rows.get(p.dtype, 0) + _row_bytes(p)
         dtype, row = floating[0].dtype, 0
         for d, r in rows.items():  # the widest (max with a key is not traceable by Dynamo)
             if r > row:
