@@ -15,6 +15,8 @@ import datetime
 import functools
 import os
 import re
+import threading
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -28,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_moe_a2a as a2a
 from torch_moe_a2a import autograd as a2a_autograd
-from torch_moe_a2a import reference
+from torch_moe_a2a import fastpath, reference
 from torch_moe_a2a.autograd import (
     moe_a2a_combine_differentiable,
     moe_a2a_combine_expert_major_differentiable,
@@ -1583,3 +1585,42 @@ def test_torch_func_transforms_are_refused_by_name(transform):
     x.requires_grad_()
     step(x).sum().backward()  # one rank: each token's row comes back once, times 2
     assert torch.equal(x.grad, torch.full_like(x, 2.0))
+
+
+def test_a_rank_record_survives_another_rank_purging_the_table():
+    """Simulated ranks record their dispatches from threads of their own. A
+    rank whose new workspace took a freed one's address brings that
+    address's dead entry back to life; another rank's insertion purged dead
+    entries from a snapshot and could drop the entry after the update: the
+    rank's combine then found no differentiable dispatch (a property test
+    failed once in CI). Here the update comes, from another thread, right
+    in the middle of a purge that has already found the entry dead: the
+    record must survive."""
+    ids = torch.zeros(1, 1, dtype=torch.int32)
+    ws, other = torch.zeros(2, 256, dtype=torch.uint8), torch.zeros(2, 256, dtype=torch.uint8)
+    freed = torch.zeros(1)
+    dead = weakref.ref(freed)
+    del freed
+    updater = threading.Thread(target=fastpath.note_dispatch, args=(ws, 0, ids, 8))
+
+    def midway():
+        # Evaluated by the purge after the entry it found dead: the other rank's update happens now.
+        updater.start()
+        updater.join(timeout=0.5)  # (blocked until the purge ends, where the table is locked)
+        return None
+
+    table = fastpath._LAST_DISPATCH
+    saved, purge_at = dict(table), fastpath._LAST_DISPATCH_PURGE_AT[0]
+    try:
+        table.clear()
+        table[(ws.data_ptr(), 0)] = [dead, ids, None, 8, False]  # a freed workspace's, at ws's address
+        table[(-1, 0)] = [midway, None, None, 8, False]
+        fastpath._LAST_DISPATCH_PURGE_AT[0] = 0  # the next new key purges
+        fastpath.note_dispatch(other, 0, ids, 8)
+        updater.join()
+        assert fastpath.last_dispatch(ws, 0) is not None
+        assert fastpath.last_dispatch(other, 0) is not None
+    finally:
+        table.clear()
+        table.update(saved)
+        fastpath._LAST_DISPATCH_PURGE_AT[0] = purge_at

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 import weakref
 from typing import Any, Optional
 
@@ -129,6 +130,12 @@ def direct_call_ok(*tensors: Optional[torch.Tensor]) -> bool:
 # passes).
 _LAST_DISPATCH: dict[tuple[int, int], list] = {}  # [workspace weakref, ids, counts, num_experts, plain]
 _LAST_DISPATCH_PURGE_AT = [64]
+# Held while a dispatch updates the table. Simulated ranks dispatch from
+# threads of their own: one rank's purge could find a dead entry that
+# another rank was bringing back to life (a new workspace at a freed one's
+# address) and drop it after the update, and that rank's combine then found
+# no differentiable dispatch.
+_LAST_DISPATCH_LOCK = threading.Lock()
 
 
 def note_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, num_experts: int,
@@ -138,23 +145,21 @@ def note_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, num_exp
     rows workspace views). On every eager dispatch: an existing entry is
     updated in place."""
     key = (workspace.data_ptr(), rank)
-    entry = _LAST_DISPATCH.get(key)
-    if entry is not None:
-        if entry[0]() is not workspace:  # another view of it, or a new workspace at a freed one's address
-            entry[0] = weakref.ref(workspace)
-        entry[1] = ids
-        entry[2] = counts
-        entry[3] = num_experts
-        entry[4] = plain
-        return
-    _LAST_DISPATCH[key] = [weakref.ref(workspace), ids, counts, num_experts, plain]
-    if len(_LAST_DISPATCH) >= _LAST_DISPATCH_PURGE_AT[0]:
-        # Simulated ranks dispatch from threads of their own: a snapshot of the
-        # table (list() copies it under the GIL), and pops that tolerate a
-        # key another thread has dropped.
-        for gone in [k for k, e in list(_LAST_DISPATCH.items()) if e[0]() is None]:
-            _LAST_DISPATCH.pop(gone, None)
-        _LAST_DISPATCH_PURGE_AT[0] = 2 * len(_LAST_DISPATCH) + 64
+    with _LAST_DISPATCH_LOCK:
+        entry = _LAST_DISPATCH.get(key)
+        if entry is not None:
+            if entry[0]() is not workspace:  # another view of it, or a new workspace at a freed one's address
+                entry[0] = weakref.ref(workspace)
+            entry[1] = ids
+            entry[2] = counts
+            entry[3] = num_experts
+            entry[4] = plain
+            return
+        _LAST_DISPATCH[key] = [weakref.ref(workspace), ids, counts, num_experts, plain]
+        if len(_LAST_DISPATCH) >= _LAST_DISPATCH_PURGE_AT[0]:
+            for gone in [k for k, e in _LAST_DISPATCH.items() if e[0]() is None]:
+                del _LAST_DISPATCH[gone]
+            _LAST_DISPATCH_PURGE_AT[0] = 2 * len(_LAST_DISPATCH) + 64
 
 
 def note_plain_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, num_experts: int,
