@@ -996,7 +996,15 @@ void raise_if_wait_failed(const WaitResult& result, int64_t ep_rank) {
   if (result.code == kErrorInterrupted) {
     cpu::raise_interrupted(record);  // the Python exception that interrupted the wait, where there is one
   }
-  TORCH_CHECK(false, record);
+  // A CPU call blocks its thread until the peers arrive (CUDA waits on the
+  // device): a first program that calls rank after rank from one thread
+  // meets this timeout, with the peers it has not reached yet as the missing.
+  const bool timeout = result.code == kErrorDispatchTimeout || result.code == kErrorCombineTimeout;
+  TORCH_CHECK(false, record,
+              timeout ? "; a rank's call on the CPU returns only once its active peers have made the same call, so "
+                        "ranks simulated in one process need a thread each (SimulatedEP.run gives them one): a loop "
+                        "calling rank after rank from one thread waits here"
+                      : "");
 }
 
 void check_expert_ids_host(const at::Tensor& token_selected_experts, int64_t num_experts) {

@@ -163,7 +163,8 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
 // The mailbox is not cleared: the workspace stays failed until initialize.
 void raise_if_mailbox_error(int64_t mailbox, int64_t ep_rank);
 
-// Raises RuntimeError(describe_error(...)) when `result` carries an error.
+// Raises RuntimeError(describe_error(...)) when `result` carries an error;
+// a timeout's message adds how ranks in one process must be driven.
 void raise_if_wait_failed(const WaitResult& result, int64_t ep_rank);
 
 // The kernel of check_expert_ids (schemas.h) on any device: the first id >=

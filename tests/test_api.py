@@ -3,6 +3,7 @@ SimulatedEP conveniences and MoeAlltoAll."""
 
 import inspect
 import math
+import threading
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from conftest import (
 )
 
 import torch_moe_a2a as a2a
-from torch_moe_a2a import layout
+from torch_moe_a2a import layout, reference
 
 P = inspect.Parameter
 POS, KW = P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY
@@ -406,6 +407,46 @@ def test_moe_alltoall_timeout_s(monkeypatch, device):
     assert 0.9 <= time.monotonic() - start <= 2.5
     with pytest.raises(RuntimeError, match=pattern):
         moes[0].check()
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_a_cpu_rank_loop_on_one_thread_is_told_to_use_a_thread_per_rank(monkeypatch, op):
+    """The first program many write, every rank's call in turn from one
+    thread, waits in rank 0's call for peers it has not called yet (a CPU
+    call blocks until its peers arrive); the timeout names the missing peers
+    and says how simulated ranks are driven. The record kept in the
+    workspace (check_errors) stays the plain one."""
+    monkeypatch.setenv("MOE_A2A_TIMEOUT_S", "0.3")
+    ep_size, tokens, top_k, num_experts = 3, 4, 2, 6
+    workspace = torch.zeros(ep_size, a2a.moe_a2a_get_workspace_size_per_rank(ep_size, tokens, 64, 64),
+                            dtype=torch.uint8)
+    metainfo = [a2a.moe_a2a_initialize(workspace, r, ep_size, tokens) for r in range(ep_size)]
+    gen = make_generator(4)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    x = torch.randn(tokens, 8, generator=gen)
+    hint = r"peers \[1, 2\] did not arrive within 0.3 s \(" + op + r"\); .*need a thread each \(SimulatedEP.run"
+    if op == "combine":
+        # Every rank's dispatch from its own thread, then the combines from one.
+        offsets = [None] * ep_size
+
+        def dispatch(rank):
+            _, offsets[rank], _ = a2a.moe_a2a_dispatch(ids, [x], workspace, metainfo[rank], tokens, rank, ep_size,
+                                                       top_k, num_experts)
+
+        threads = [threading.Thread(target=dispatch, args=(r,)) for r in range(ep_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        with pytest.raises(RuntimeError, match=hint):
+            a2a.moe_a2a_combine(torch.zeros(ep_size, tokens, 8), tokens, workspace, metainfo[0], tokens, 0, ep_size,
+                                top_k, offsets[0])
+    else:
+        with pytest.raises(RuntimeError, match=hint):
+            a2a.moe_a2a_dispatch(ids, [x], workspace, metainfo[0], tokens, 0, ep_size, top_k, num_experts)
+    with pytest.raises(RuntimeError, match=r"did not arrive within 0.3 s \(" + op + r"\)") as record:
+        a2a.check_errors(workspace)
+    assert "SimulatedEP.run" not in str(record.value)
 
 
 # (ep_size, runtime_max, eplb_n, payload trailing shapes and dtypes, tokens)
