@@ -1,6 +1,7 @@
 """``bench --graph all-ranks``: the worker protocol and its watchdog (CPU), and
 on CUDA a short run of ours against the reference."""
 
+import os
 import sys
 import time
 
@@ -112,8 +113,12 @@ def test_ab_table_sets_variants_side_by_side(tmp_path):
         data = {"ours": ours, "peer": None if peer is None else {"available": True, "results": peer}}
         (tmp_path / f"ab-{i}.json").write_text(json.dumps(data))
         (tmp_path / f"ab-{i}.variant").write_text(variant)
-    script = pathlib.Path(__file__).parents[1] / "benchmarks" / "ab_table.py"
-    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True)
+    root = pathlib.Path(__file__).parents[1]
+    script = root / "benchmarks" / "ab_table.py"
+    # A script's own folder heads its sys.path: the package comes from the
+    # tree under test, installed or built in place.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert "v0: MOE_A2A_AB_TREE=/tmp/old" in out.stdout and "v1: X=1" in out.stdout, out.stdout
     rows = [line.split() for line in out.stdout.splitlines() if line.split()[:2] == ["ep1_T1", "dispatch"]]
@@ -121,5 +126,5 @@ def test_ab_table_sets_variants_side_by_side(tmp_path):
     assert "v1 against v0, geomean of above-floor ratios: dispatch 2.000x" in out.stdout, out.stdout
     runs[1][0]["ep8_T16"] = result(4.0, status="FAIL")
     (tmp_path / "ab-1.json").write_text(json.dumps({"ours": runs[1][0], "peer": None}))
-    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env)
     assert out.returncode == 1 and "FAILED: X=1 at ep8_T16" in out.stdout, out.stdout
