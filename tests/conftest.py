@@ -9,9 +9,9 @@ forgot to write fails the comparison instead of passing on leftover data.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
+import multiprocessing
 import os
 import pathlib
 import sys
@@ -553,11 +553,34 @@ class MnnvlConfig:
 
 
 
-def _rank_entry(target, rank: int, world: int, report_dir: str, args: tuple) -> None:
-    """Runs in a spawned process: target(rank, world, *args); on an exception
-    its traceback goes to report_dir/rank<r>.err and the process exits with
-    code 1 at once (no teardown: a failed rank must not hang in it)."""
+# Rank processes are forked from a fork server (multiprocessing's
+# "forkserver") that imported torch and this package once: spawned ranks
+# imported torch each (about 3 s of CPU a rank, most of the multi-process
+# tests' time on a CI machine's two cores). The server is a fresh interpreter
+# started by this one, not a fork of it, so a rank inherits nothing of this
+# process's state (its CUDA context included), as with spawn. Its one other
+# thread, numpy's OpenBLAS server, is made fork-safe by OpenBLAS itself.
+RANK_START_METHOD = "forkserver"
+multiprocessing.get_context(RANK_START_METHOD).set_forkserver_preload(["torch", "torch.distributed", "torch_moe_a2a"])
+
+
+def start_ranks(fn, args: tuple, nprocs: int, join: bool = True, start_method: str = RANK_START_METHOD):
+    """torch.multiprocessing.start_processes(fn, args, nprocs): fn(rank, *args)
+    in each of nprocs processes, from the fork server unless ``start_method``
+    says otherwise; with join=False the ProcessContext to join."""
+    import torch.multiprocessing as mp
+
+    return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method=start_method)
+
+
+def _rank_entry(target, rank: int, world: int, report_dir: str, args: tuple, env: dict) -> None:
+    """Runs in a rank process: ``env`` applied to its environment (a forked
+    rank has the fork server's), then target(rank, world, *args); on an
+    exception its traceback goes to report_dir/rank<r>.err and the process
+    exits with code 1 at once (no teardown: a failed rank must not hang in
+    it)."""
     try:
+        _set_environ(env)
         target(rank, world, *args)
     except BaseException:
         pathlib.Path(report_dir, f"rank{rank}.err").write_text(traceback.format_exc())
@@ -575,17 +598,6 @@ def _set_environ(values: dict) -> None:
             os.environ[k] = v
 
 
-@contextlib.contextmanager
-def _environment(changes: dict):
-    """os.environ with ``changes`` (value None: unset) inside the block."""
-    saved = {k: os.environ.get(k) for k in changes}
-    try:
-        _set_environ(changes)
-        yield
-    finally:
-        _set_environ(saved)
-
-
 def open_fds() -> dict:
     """This process's open file descriptors: {number: what it points to}."""
     fds = {}
@@ -600,8 +612,9 @@ def open_fds() -> dict:
 def run_ranks(target, world: int, args: tuple, *, report_dir, timeout_s: float, exit_codes: Optional[dict] = None,
               env: Optional[dict] = None, grace_s: float = 30.0) -> None:
     """Run ``target(rank, world, *args)`` (a module-level function) in
-    ``world`` fresh processes (spawn: nothing of this process's CUDA state is
-    inherited; ``env`` changes their environment) and wait for all of them,
+    ``world`` fresh processes (from the fork server: nothing of this process's
+    CUDA state is inherited; ``env`` changes their environment, value None
+    unsets) and wait for all of them,
     at most ``timeout_s`` seconds, and at most ``grace_s`` more once one of
     them failed (its peers may wait for it in a collective). Kills the ones
     still running then. Raises AssertionError naming every rank that hung,
@@ -609,13 +622,12 @@ def run_ranks(target, world: int, args: tuple, *, report_dir, timeout_s: float, 
     its traceback)."""
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_entry, args=(target, r, world, str(report_dir), args), name=f"rank{r}")
+    ctx = mp.get_context(RANK_START_METHOD)
+    procs = [ctx.Process(target=_rank_entry, args=(target, r, world, str(report_dir), args, env or {}), name=f"rank{r}")
              for r in range(world)]
     expected = {r: (exit_codes or {}).get(r, 0) for r in range(world)}
-    with _environment(env or {}):
-        for p in procs:
-            p.start()
+    for p in procs:
+        p.start()
     deadline = time.monotonic() + timeout_s
     while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
         if any(p.exitcode is not None and p.exitcode != expected[r] for r, p in enumerate(procs)):

@@ -22,8 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import assert_bytes_equal
+from conftest import assert_bytes_equal, start_ranks
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -864,7 +863,7 @@ def test_processes_train_as_one(tmp_path):
     """Two processes train PROCESS_CASE's model; every rank's router and owned
     experts end where the dense model's SGD steps on all tokens take them."""
     world = 2
-    mp.spawn(_train_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    start_ranks(_train_worker, (world, str(tmp_path / "init"), str(tmp_path)), world)
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     tokens, top_k, num_experts, hidden, steps, lr, seed = PROCESS_CASE
     dense = dense_model(hidden, num_experts, top_k, seed)

@@ -12,8 +12,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import Case, PayloadSpec, assert_bytes_equal, ep_mapping, make_generator, make_inputs, open_fds
+from conftest import Case, PayloadSpec, assert_bytes_equal, ep_mapping, make_generator, make_inputs, open_fds, start_ranks
 
 import torch_moe_a2a as a2a
 from torch_moe_a2a import reference
@@ -103,7 +102,11 @@ def _doubled(t: torch.Tensor) -> torch.Tensor:
 # More than two processes start as many interpreters: slow (CI runs this file 20 times besides).
 @pytest.mark.parametrize("world", [w if w <= 2 else pytest.param(w, marks=pytest.mark.slow) for w in sorted(CASES)])
 def test_multiprocess_round_trip(world, tmp_path):
-    context = mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=False)
+    # Spawned, not forked from the fork server: a forked rank ends in
+    # os._exit, a spawned one as torchrun's ranks do, through the atexit hooks
+    # and interpreter finalization (where a gloo group destroyed too late
+    # aborts the process), so this test checks that exit too.
+    context = start_ranks(_worker, (world, str(tmp_path / "init"), str(tmp_path)), world, join=False, start_method="spawn")
     pids = [p.pid for p in context.processes]
     while not context.join():
         pass
@@ -205,7 +208,7 @@ def test_bad_arguments_on_one_member_raise_on_every_member(case, tmp_path):
     """allocate_workspace(group=...) with bad arguments on rank 1 only: both
     members raise at once (no member left waiting in a collective until the
     group's timeout), with an error that names rank 1 and its problem."""
-    mp.spawn(_bad_member_worker, args=(str(tmp_path / "init"), str(tmp_path), case), nprocs=2)
+    start_ranks(_bad_member_worker, (str(tmp_path / "init"), str(tmp_path), case), 2)
     pattern = BAD_MEMBER_ARGUMENTS[case][1]
     for rank in range(2):
         seconds, message = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
@@ -218,7 +221,7 @@ def test_members_of_two_device_kinds_raise_on_every_member(tmp_path):
     """Rank 1 asks for a CUDA workspace, rank 0 for a CPU one: the two paths
     make different collectives, so both members raise at once, naming rank 1
     (without a CUDA device: its argument check; with one: the disagreement)."""
-    mp.spawn(_bad_member_worker, args=(str(tmp_path / "init"), str(tmp_path), "cuda"), nprocs=2)
+    start_ranks(_bad_member_worker, (str(tmp_path / "init"), str(tmp_path), "cuda"), 2)
     if torch.cuda.is_available():
         pattern = r"ValueError: group members disagree on the workspace device \(ranks \[0\]: cpu; ranks \[1\]: cuda\)"
     else:
