@@ -448,6 +448,9 @@ PYBIND11_MODULE(_C, m) {
   // Positional arguments in the order of the operators' schemas (schemas.h).
   // Without the GIL, as a torch.ops call: a CPU rank waits for peers that
   // other Python threads (simulated ranks) drive.
+  // SimulatedEP.run's rank threads say so (a CPU timeout's message then
+  // leaves out how to drive ranks from threads: they are).
+  m.def("mark_simulated_rank_thread", &moe_a2a::mark_simulated_rank_thread);
   m.def("dispatch", &moe_a2a::dispatch, py::call_guard<py::gil_scoped_release>());
   m.def("combine", &moe_a2a::combine, py::call_guard<py::gil_scoped_release>());
   // The training ops' bodies (torch_moe_a2a/autograd.py), their arguments in

@@ -12,9 +12,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <mutex>
 #include <sstream>
 #include <tuple>
 #include <type_traits>
+#include <unordered_set>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -990,21 +992,71 @@ void raise_if_mailbox_error(int64_t mailbox, int64_t ep_rank) {
   TORCH_CHECK(false, describe_error(ep_rank, static_cast<uint32_t>(code), missing, static_cast<uint32_t>(detail)));
 }
 
-void raise_if_wait_failed(const WaitResult& result, int64_t ep_rank) {
+namespace {
+
+// The CPU workspace rows initialized in this process (their addresses), for
+// the message of a timeout only: a peer row among them belongs to a rank
+// simulated here, one not among them to a rank of another process. Bounded:
+// workspaces come and go, and a forgotten row only costs the message's hint.
+std::mutex g_rows_initialized_here_mutex;
+std::unordered_set<const uint8_t*> g_rows_initialized_here;
+constexpr size_t kMaxRowsRemembered = 4096;
+
+void note_row_initialized_here(const WorkspaceView& ws) {
+  std::lock_guard<std::mutex> lock(g_rows_initialized_here_mutex);
+  if (g_rows_initialized_here.size() >= kMaxRowsRemembered) g_rows_initialized_here.clear();
+  g_rows_initialized_here.insert(ws.row(ws.ep_rank));
+}
+
+bool row_initialized_here(const uint8_t* row) {
+  std::lock_guard<std::mutex> lock(g_rows_initialized_here_mutex);
+  return g_rows_initialized_here.count(row) != 0;
+}
+
+thread_local bool t_simulated_rank_thread = false;
+
+// What a CPU timeout's missing peers' rows say about its cause, as a suffix
+// of the message ("" when they say nothing).
+std::string timeout_hint(const uint64_t* missing, const WorkspaceView& ws) {
+  std::vector<int> uninitialized;
+  bool all_here = true;
+  for (int q = 0; q < ws.ep_size; ++q) {
+    if (!((missing[q >> 6] >> (q & 63)) & 1u)) continue;
+    const uint64_t word = __atomic_load_n(reinterpret_cast<const uint64_t*>(ws.row(q) + kHdrMagic), __ATOMIC_ACQUIRE);
+    if (!row_initialized(word)) uninitialized.push_back(q);
+    all_here = all_here && row_initialized_here(ws.row(q));
+  }
+  std::ostringstream os;
+  if (!uninitialized.empty()) {
+    os << "; the rows of peers [";
+    for (size_t i = 0; i < uninitialized.size(); ++i) os << (i ? ", " : "") << uninitialized[i];
+    os << "] were never initialized: every rank calls moe_a2a_initialize on its own row before the ranks' first "
+          "dispatch (allocate_workspace(group=...) with MoeAlltoAll, and SimulatedEP, do it)";
+  } else if (all_here && !t_simulated_rank_thread) {
+    // A CPU call blocks its thread until the peers arrive (CUDA waits on the
+    // device): a first program that calls rank after rank from one thread
+    // meets this timeout, with the peers it has not reached yet as the
+    // missing. Peers of other processes, or SimulatedEP.run's rank threads,
+    // are driven otherwise: for them the hint would mislead.
+    os << "; a rank's call on the CPU returns only once its active peers have made the same call, so ranks "
+          "simulated in one process need a thread each (SimulatedEP.run gives them one): a loop calling rank "
+          "after rank from one thread waits here";
+  }
+  return os.str();
+}
+
+}  // namespace
+
+void mark_simulated_rank_thread() { t_simulated_rank_thread = true; }
+
+void raise_if_wait_failed(const WaitResult& result, const WorkspaceView& ws) {
   if (result.code == kErrorNone) return;
-  const std::string record = describe_error(ep_rank, result.code, result.missing, result.detail);
+  const std::string record = describe_error(ws.ep_rank, result.code, result.missing, result.detail);
   if (result.code == kErrorInterrupted) {
     cpu::raise_interrupted(record);  // the Python exception that interrupted the wait, where there is one
   }
-  // A CPU call blocks its thread until the peers arrive (CUDA waits on the
-  // device): a first program that calls rank after rank from one thread
-  // meets this timeout, with the peers it has not reached yet as the missing.
   const bool timeout = result.code == kErrorDispatchTimeout || result.code == kErrorCombineTimeout;
-  TORCH_CHECK(false, record,
-              timeout ? "; a rank's call on the CPU returns only once its active peers have made the same call, so "
-                        "ranks simulated in one process need a thread each (SimulatedEP.run gives them one): a loop "
-                        "calling rank after rank from one thread waits here"
-                      : "");
+  TORCH_CHECK(false, record, timeout ? timeout_hint(result.missing, ws) : std::string());
 }
 
 void check_expert_ids_host(const at::Tensor& token_selected_experts, int64_t num_experts) {
@@ -1047,6 +1099,7 @@ void initialize_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_siz
   const InitParams p = check_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts);
   TORCH_CHECK_VALUE(mailbox == 0, "mailbox must be 0 for a CPU workspace (alloc_mailbox returned 0), got ", mailbox);
   cpu::initialize(p);
+  note_row_initialized_here(p.ws);
 }
 
 // The CPU dispatch of checked params (dispatch and dispatch_expert_major).
@@ -1054,7 +1107,7 @@ void run_dispatch_cpu(const DispatchParams& p, int64_t max_num_tokens, int64_t e
                       int64_t mailbox) {
   raise_if_mailbox_error(mailbox, p.ws.ep_rank);
   raise_row_status(cpu::check_row_for_dispatch(p.ws, max_num_tokens, eplb_stats_num_experts), p.ws.ep_rank);
-  raise_if_wait_failed(cpu::dispatch(p), p.ws.ep_rank);
+  raise_if_wait_failed(cpu::dispatch(p), p.ws);
 }
 
 void dispatch_cpu(const at::Tensor& token_selected_experts, at::TensorList input_payloads, const at::Tensor& workspace,
@@ -1071,7 +1124,7 @@ void dispatch_cpu(const at::Tensor& token_selected_experts, at::TensorList input
 void run_combine_cpu(const CombineParams& p, int64_t max_num_tokens, int64_t mailbox) {
   raise_if_mailbox_error(mailbox, p.ws.ep_rank);
   raise_row_status(cpu::check_row_for_combine(p, max_num_tokens), p.ws.ep_rank);
-  raise_if_wait_failed(cpu::combine(p), p.ws.ep_rank);
+  raise_if_wait_failed(cpu::combine(p), p.ws);
 }
 
 at::Tensor combine_cpu(const std::optional<at::Tensor>& payload, int64_t local_num_tokens, const at::Tensor& workspace,
@@ -1150,7 +1203,7 @@ void run_combine_expert_major_cpu(const ExpertMajorCombineParams& p, int64_t max
   const int64_t ep_rank = p.c.ws.ep_rank;
   raise_if_mailbox_error(mailbox, ep_rank);
   raise_row_status(cpu::check_row_for_combine_expert_major(p, max_num_tokens), ep_rank);
-  raise_if_wait_failed(cpu::combine_expert_major(p), ep_rank);
+  raise_if_wait_failed(cpu::combine_expert_major(p), p.c.ws);
 }
 
 at::Tensor combine_expert_major_cpu(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,

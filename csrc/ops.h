@@ -163,9 +163,16 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
 // The mailbox is not cleared: the workspace stays failed until initialize.
 void raise_if_mailbox_error(int64_t mailbox, int64_t ep_rank);
 
-// Raises RuntimeError(describe_error(...)) when `result` carries an error;
-// a timeout's message adds how ranks in one process must be driven.
-void raise_if_wait_failed(const WaitResult& result, int64_t ep_rank);
+// Raises RuntimeError(describe_error(...)) when `result`, the outcome of a
+// CPU call on `ws`, carries an error. A timeout's message adds what the
+// missing peers' rows tell: rows never initialized; or, where every one was
+// initialized in this process and the caller is not a SimulatedEP.run rank
+// thread, how ranks in one process must be driven (a thread each).
+void raise_if_wait_failed(const WaitResult& result, const WorkspaceView& ws);
+
+// Marks the calling thread as one of SimulatedEP.run's rank threads (which
+// already give each rank a thread), for raise_if_wait_failed's message.
+void mark_simulated_rank_thread();
 
 // The kernel of check_expert_ids (schemas.h) on any device: the first id >=
 // num_experts, read on the host, raises a ValueError that names its index.

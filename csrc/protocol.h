@@ -307,9 +307,10 @@ enum ErrorCode : uint32_t {
   // never arrive): the wait ends then instead of at its timeout (detail: the
   // timeout code of the wait, kErrorDispatchTimeout or kErrorCombineTimeout).
   // Looked at once a wait has lasted kPeerErrorCheckNs, by the waits for
-  // flags and pull_done; not by dispatch step 0a's wait for the peers' init
-  // words, which an initialization after a failure ends: the peer's error is
-  // still in its row until then.
+  // flags and pull_done, and by dispatch step 0a's wait for the peers' init
+  // words in the rows of current peers only (current_peer): an older
+  // initialization's error stays in a row until the initialization that wait
+  // is for.
   kErrorPeerFailed = 8,
   // The call was interrupted while it waited for the peers in its mask (a
   // signal whose Python handler raised, KeyboardInterrupt at Ctrl-C: the
@@ -472,15 +473,23 @@ MOE_A2A_HD constexpr uint64_t init_word(uint16_t tag) { return uint64_t(kMagic) 
 MOE_A2A_HD constexpr uint64_t next_init_word(uint64_t old) {
   return init_word(row_initialized(old) ? uint16_t(init_count(old) % kInitCountMax + 1) : uint16_t(1));
 }
-// Dispatch step 0a: whether the peer row whose init word is `word` may be
-// written by this rank's first dispatch since its initialize: the row is
-// initialized and not yet in use, and its tag is not `stale` (the peer's tag
-// this rank saw at its previous first dispatch) or, when this rank saw none,
-// its count equals `own_count`, this rank's own (every rank initializes
-// once per collective initialization).
+// Dispatch step 0a: whether the peer row whose init word is `word` holds the
+// peer's initialization that goes with this rank's own: the row is
+// initialized and its tag is not `stale` (the peer's tag this rank saw at its
+// previous first dispatch) or, when this rank saw none, its count equals
+// `own_count`, this rank's own (every rank initializes once per collective
+// initialization).
+MOE_A2A_HD constexpr bool current_peer(uint64_t word, uint16_t stale, uint16_t own_count) {
+  return row_initialized(word) && (stale != 0 ? init_tag(word) != stale : init_count(word) == own_count);
+}
+// Dispatch step 0a: whether that row may be written by this rank's first
+// dispatch since its initialize: current_peer and not yet in use. A current
+// peer's row that is in use with an error recorded is a failed peer: it calls
+// nothing until it is initialized again, and that initialization is not the
+// one this wait is for (its count or tag moves on), so the wait ends
+// (kErrorPeerFailed).
 MOE_A2A_HD constexpr bool fresh_peer(uint64_t word, uint16_t stale, uint16_t own_count) {
-  return row_initialized(word) && (word & kInitWordInUse) == 0 &&
-         (stale != 0 ? init_tag(word) != stale : init_count(word) == own_count);
+  return current_peer(word, stale, own_count) && (word & kInitWordInUse) == 0;
 }
 // Whether a dispatch on the row whose own init word is `own_word` is the
 // first since its initialize (dispatch step 0a): no dispatch finished and no

@@ -19,7 +19,7 @@ from conftest import (
 )
 
 import torch_moe_a2a as a2a
-from torch_moe_a2a import layout, reference
+from torch_moe_a2a import errors, layout, reference
 
 P = inspect.Parameter
 POS, KW = P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY
@@ -424,7 +424,7 @@ def test_a_cpu_rank_loop_on_one_thread_is_told_to_use_a_thread_per_rank(monkeypa
     gen = make_generator(4)
     ids = reference.random_routing(tokens, top_k, num_experts, gen)
     x = torch.randn(tokens, 8, generator=gen)
-    hint = r"peers \[1, 2\] did not arrive within 0.3 s \(" + op + r"\); .*need a thread each \(SimulatedEP.run"
+    hint = r"peers \[1, 2\] did not arrive within 0.3 s \(" + op + r"\); .*" + THREAD_HINT + r" \(SimulatedEP.run"
     if op == "combine":
         # Every rank's dispatch from its own thread, then the combines from one.
         offsets = [None] * ep_size
@@ -447,6 +447,105 @@ def test_a_cpu_rank_loop_on_one_thread_is_told_to_use_a_thread_per_rank(monkeypa
     with pytest.raises(RuntimeError, match=r"did not arrive within 0.3 s \(" + op + r"\)") as record:
         a2a.check_errors(workspace)
     assert "SimulatedEP.run" not in str(record.value)
+
+
+THREAD_HINT = "need a thread each"
+
+
+def test_a_late_first_dispatch_fails_at_once_on_a_peer_that_failed(device):
+    """Rank 0's first dispatch times out waiting for rank 1, which starts
+    late: rank 1's first dispatch then finds rank 0 failed (its error recorded
+    since the initialization both ranks made) and ends within the error
+    check's delay, naming it, instead of waiting out its own timeout for a
+    rank that calls nothing until it is initialized again."""
+    import time
+
+    ep_size, tokens, top_k, num_experts = 2, 4, 2, 4
+    sim = a2a.SimulatedEP(ep_size, tokens, dispatch_bytes_per_token=64, combine_bytes_per_token=64, device=device,
+                          timeout_s=1.0)
+    gen = make_generator(7)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen).to(device)
+    x = torch.randn(tokens, 8, generator=gen).to(device)
+
+    def dispatch(rank):
+        a2a.moe_a2a_dispatch(ids, [x], sim.workspace, sim.metainfo[rank], tokens, rank, ep_size, top_k, num_experts)
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    if device == "cpu":
+        with pytest.raises(RuntimeError, match=r"rank 0: peers \[1\] did not arrive within 1(\.0)? s"):
+            dispatch(0)
+    else:
+        dispatch(0)
+    start = time.monotonic()
+    if device == "cpu":
+        with pytest.raises(RuntimeError, match=r"rank 1: peers \[0\] failed earlier .*in its dispatch\)") as error:
+            dispatch(1)
+        assert THREAD_HINT not in str(error.value)
+    else:
+        dispatch(1)
+    assert time.monotonic() - start < 0.5
+    with pytest.raises(RuntimeError, match=r"rank 0: peers \[1\] did not arrive within 1(\.0)? s"):
+        a2a.check_errors(sim.workspace)
+    assert "failed earlier" in errors.row_error(sim.workspace, 1)
+
+
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_a_timeout_between_rank_threads_says_nothing_of_threads(op):
+    """Inside SimulatedEP.run every rank has its thread: a peer that skips a
+    call (rank 1 here) times its peers out with the plain message, not the
+    one-thread loop's hint."""
+    ep_size, tokens, top_k, num_experts = 2, 4, 2, 4
+    sim = a2a.SimulatedEP(ep_size, tokens, dispatch_bytes_per_token=64, combine_bytes_per_token=64, timeout_s=0.3)
+    gen = make_generator(5)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    x = torch.randn(tokens, 8, generator=gen)
+
+    def step(rank):
+        if op == "dispatch" and rank == 1:
+            return None
+        (rows,), offset, _ = a2a.moe_a2a_dispatch(ids, [x], sim.workspace, sim.metainfo[rank], tokens, rank, ep_size,
+                                                   top_k, num_experts)
+        if rank == 1:
+            return None
+        return a2a.moe_a2a_combine(rows.clone(), tokens, sim.workspace, sim.metainfo[rank], tokens, rank, ep_size,
+                                   top_k, offset)
+
+    with pytest.raises(RuntimeError, match=r"rank 0: peers \[1\] did not arrive within 0.3 s \(" + op + r"\)") as error:
+        sim.run(step)
+    assert THREAD_HINT not in str(error.value)
+
+
+def test_a_peer_row_never_initialized_is_named():
+    """A rank whose row was never initialized (moe_a2a_initialize forgotten
+    for it) keeps its peers' first dispatch waiting: the timeout says so."""
+    ep_size, tokens, top_k, num_experts = 3, 4, 2, 6
+    workspace = torch.zeros(ep_size, a2a.moe_a2a_get_workspace_size_per_rank(ep_size, tokens, 64, 64),
+                            dtype=torch.uint8)
+    metainfo = [a2a.moe_a2a_initialize(workspace, r, ep_size, tokens, timeout_s=0.3) for r in (0, 1)]
+    gen = make_generator(6)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    x = torch.randn(tokens, 8, generator=gen)
+    results = [None, None]
+
+    def dispatch(rank):
+        try:
+            a2a.moe_a2a_dispatch(ids, [x], workspace, metainfo[rank], tokens, rank, ep_size, top_k, num_experts)
+        except RuntimeError as e:
+            results[rank] = str(e)
+
+    threads = [threading.Thread(target=dispatch, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for rank in (0, 1):
+        assert results[rank] is not None, f"rank {rank} returned"
+        assert f"rank {rank}: peers [2] did not arrive within 0.3 s (dispatch)" in results[rank], results[rank]
+        assert "the rows of peers [2] were never initialized: every rank calls moe_a2a_initialize" in results[rank]
+        assert THREAD_HINT not in results[rank]
 
 
 # (ep_size, runtime_max, eplb_n, payload trailing shapes and dtypes, tokens)

@@ -159,6 +159,8 @@ class SimulatedEP:
 
         def call(rank: int) -> None:
             try:
+                if self.streams is None:
+                    _C.mark_simulated_rank_thread()  # a CPU timeout's message then names no thread trouble
                 results[rank] = fn(rank)
             except BaseException as e:  # noqa: BLE001 - re-raised below, after every rank finished
                 with lock:

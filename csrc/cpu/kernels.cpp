@@ -147,12 +147,17 @@ WaitResult record_error(const WorkspaceView& ws, ErrorCode code, const uint64_t*
   return result;
 }
 
+// Whether peer p's row holds an error record (a failed rank: protocol.h, kErrorPeerFailed).
+bool peer_error_recorded(const WorkspaceView& ws, int p) {
+  return __atomic_load_n(reinterpret_cast<const uint32_t*>(ws.row(p) + kHdrErrorCode), __ATOMIC_ACQUIRE) != kErrorNone;
+}
+
 // Waits until ready(p) holds for every active rank p, at most sync.timeout_s;
-// once it has waited kPeerErrorCheckNs, a peer with an error in its own row
-// ends it (kErrorPeerFailed), unless peer_errors is false (protocol.h).
-template <typename Ready>
+// once it has waited kPeerErrorCheckNs, a peer p != ep_rank not ready for
+// which failed(p) holds ends it (kErrorPeerFailed; protocol.h).
+template <typename Ready, typename Failed>
 WaitResult wait_for_peers(const WorkspaceView& ws, const SyncParams& sync, Ready ready, ErrorCode code_on_timeout,
-                          bool peer_errors = true) {
+                          Failed failed_peer) {
   uint64_t pending[kRankMaskWords] = {};
   for (int p = 0; p < ws.ep_size; ++p) {
     if (rank_active(sync, p)) pending[p / 64] |= uint64_t(1) << (p % 64);
@@ -163,7 +168,7 @@ WaitResult wait_for_peers(const WorkspaceView& ws, const SyncParams& sync, Ready
   for (int round = 0;; ++round) {
     const auto now = std::chrono::steady_clock::now();
     const std::chrono::duration<double> waited = now - start;
-    const bool look = peer_errors && waited.count() * 1e9 >= double(kPeerErrorCheckNs);
+    const bool look = waited.count() * 1e9 >= double(kPeerErrorCheckNs);
     bool any_pending = false;
     uint64_t failed[kRankMaskWords] = {};
     bool any_failed = false;
@@ -174,9 +179,7 @@ WaitResult wait_for_peers(const WorkspaceView& ws, const SyncParams& sync, Ready
         pending[p / 64] &= ~bit;
       } else {
         any_pending = true;
-        if (look && p != ws.ep_rank &&
-            __atomic_load_n(reinterpret_cast<const uint32_t*>(ws.row(p) + kHdrErrorCode), __ATOMIC_ACQUIRE) !=
-                kErrorNone) {
+        if (look && p != ws.ep_rank && failed_peer(p)) {
           failed[p / 64] |= bit;
           any_failed = true;
         }
@@ -210,7 +213,7 @@ WaitResult wait_for_words(const WorkspaceView& ws, const SyncParams& sync, WordO
                           ErrorCode code_on_timeout) {
   return wait_for_peers(
       ws, sync, [&](int p) { return epoch_reached(__atomic_load_n(word_of(p), __ATOMIC_ACQUIRE), target); },
-      code_on_timeout);
+      code_on_timeout, [&](int p) { return peer_error_recorded(ws, p); });
 }
 
 // Waits for the flags[p] (at flags_offset) of the own header: call `epoch` of every peer complete.
@@ -613,7 +616,12 @@ WaitResult dispatch(const DispatchParams& p) {
     const WaitResult zeroed = wait_for_peers(
         ws, p.sync,
         [&](int q) { return fresh_peer(init_word_of(q), load<uint16_t>(own, init_stale_offset(q)), own_count); },
-        kErrorDispatchTimeout, /*peer_errors=*/false);
+        kErrorDispatchTimeout,
+        [&](int q) {
+          // The error read after the init word (acquire): it is the current initialization's.
+          return current_peer(init_word_of(q), load<uint16_t>(own, init_stale_offset(q)), own_count) &&
+                 peer_error_recorded(ws, q);
+        });
     for (int q = 0; q < ws.ep_size; ++q) {
       if (rank_active(p.sync, q)) store<uint16_t>(own, init_seen_offset(q), init_tag(init_word_of(q)));
     }

@@ -368,16 +368,22 @@ __device__ inline PollResult poll_until(uint8_t* own, uint64_t timeout_ns, Ready
   return PollResult::kReady;
 }
 
+// Whether peer p's row holds an error record (a failed rank: protocol.h, kErrorPeerFailed).
+__device__ inline bool peer_error_recorded(const WorkspaceView& ws, int p, const SyncSettings& settings) {
+  return ld_acquire(header_word<uint32_t>(ws.row(p), kHdrErrorCode), settings.system) != kErrorNone;
+}
+
 // Waits until ready(p) holds for every active rank p (thread p polls rank
 // p), at most limits.timeout_ns. Every thread of the CTA calls it; returns
 // true in all of them when every rank was ready. On expiry the CTA records
-// code_on_timeout with the mask of the missing ranks; where peers have an
-// error of their own (peer_errors; protocol.h, kErrorPeerFailed), it records
-// that instead; a CTA that sees an error recorded by another CTA of the grid
+// code_on_timeout with the mask of the missing ranks; where peers p !=
+// ep_rank not ready are failed (failed_peer(p), looked at once a wait has
+// lasted kPeerErrorCheckNs; protocol.h, kErrorPeerFailed), it records that
+// instead; a CTA that sees an error recorded by another CTA of the grid
 // stops too.
-template <typename Ready>
+template <typename Ready, typename Failed>
 __device__ inline bool wait_for_peers(const WorkspaceView& ws, const SyncParams& sync, Ready ready,
-                                      uint32_t code_on_timeout, const SyncSettings& settings, bool peer_errors = true) {
+                                      uint32_t code_on_timeout, const SyncSettings& settings, Failed failed_peer) {
   __shared__ unsigned long long missing, failed;
   __shared__ int aborted;
   uint8_t* own = ws.row(ws.ep_rank);
@@ -390,11 +396,7 @@ __device__ inline bool wait_for_peers(const WorkspaceView& ws, const SyncParams&
   const int p = threadIdx.x;
   if (p < ws.ep_size && rank_active(sync, p)) {
     const PollResult result = poll_until(
-        own, settings.timeout_ns, [&] { return ready(p); },
-        [&] {
-          return peer_errors && p != ws.ep_rank &&
-                 ld_acquire(header_word<uint32_t>(ws.row(p), kHdrErrorCode), settings.system) != kErrorNone;
-        });
+        own, settings.timeout_ns, [&] { return ready(p); }, [&] { return p != ws.ep_rank && failed_peer(p); });
     if (result == PollResult::kAborted) aborted = 1;
     if (result == PollResult::kTimedOut) atomicOr(&missing, 1ull << p);
     if (result == PollResult::kPeerFailed) atomicOr(&failed, 1ull << p);
@@ -415,7 +417,7 @@ __device__ inline bool wait_for_words(const WorkspaceView& ws, const SyncParams&
                                       uint32_t code_on_timeout, const SyncSettings& settings) {
   return wait_for_peers(
       ws, sync, [&](int p) { return epoch_reached(ld_acquire(word_of(p), settings.system), target); }, code_on_timeout,
-      settings);
+      settings, [&](int p) { return peer_error_recorded(ws, p, settings); });
 }
 
 // wait_for_words on flags[p] of the own header: every share of call `epoch`.

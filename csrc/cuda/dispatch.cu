@@ -187,7 +187,12 @@ __device__ __noinline__ bool first_dispatch_wait(const DispatchArgs& a, uint64_t
   const bool zeroed = wait_for_peers(
       ws, a.p.sync,
       [&](int q) { return fresh_peer(init_word_of(q), *header_word<uint16_t>(own, init_stale_offset(q)), own_count); },
-      kErrorDispatchTimeout, a.sync_settings, /*peer_errors=*/false);
+      kErrorDispatchTimeout, a.sync_settings,
+      [&](int q) {
+        // The error read after the init word (acquire): it is the current initialization's.
+        return current_peer(init_word_of(q), *header_word<uint16_t>(own, init_stale_offset(q)), own_count) &&
+               peer_error_recorded(ws, q, a.sync_settings);
+      });
   const int q = threadIdx.x;
   if (blockIdx.x == 0 && q < ws.ep_size && rank_active(a.p.sync, q)) {
     *header_word<uint16_t>(own, init_seen_offset(q)) = init_tag(init_word_of(q));
