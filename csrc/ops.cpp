@@ -455,7 +455,13 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
   p.layout =
       call_layout(ep_size, runtime_max_tokens_per_rank, p.eplb_n, static_cast<int>(num_payloads), p.payload_row_bytes);
   check_fits(p.layout.dispatch_end, p.ws.size_per_rank);
+  // The active mask joins the equal-payloads check: every active rank passes
+  // the same one for a call, and a rank with another mask writes into or
+  // waits for other ranks, which then time out naming peers that did arrive.
   p.payload_signature = payload_signature(p.layout, p.payload_row_bytes, num_experts);
+  for (int w = 0; w < kRankMaskWords; ++w) {
+    p.payload_signature = fnv1a_mix(p.payload_signature, static_cast<int64_t>(p.sync.active_mask[w]));
+  }
 
   p.local_num_tokens = n;
   p.runtime_max_tokens = runtime_max_tokens_per_rank;
@@ -917,8 +923,8 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
       break;
     case kErrorPayloadMismatch:
       os << "peers " << rank_list(missing) << " called dispatch with other payloads than this rank's (their "
-         << "number, row sizes or eplb_local_stats differ), another num_experts or, expert-major, another "
-         << "max_tokens_per_expert (they must be the same on all ranks for one call; "
+         << "number, row sizes or eplb_local_stats differ), another num_experts, another active_rank_mask or, "
+         << "expert-major, another max_tokens_per_expert (they must be the same on all ranks for one call; "
          << "with the differentiable functions, a rank that skipped a backward, whose exchanges are collectives, "
          << "meets its peers' backward exchange here)";
       break;

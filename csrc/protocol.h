@@ -575,7 +575,8 @@ MOE_A2A_HD CallLayout call_layout(int64_t ep_size, int64_t runtime_max_tokens, i
 // (num_experts: another count maps the ids to other ranks, and the rows
 // reach ranks that do not own their experts). Ranks whose calls share T but
 // not this word sent other payloads (their number, row sizes, or EPLB stats)
-// or passed another num_experts.
+// or passed another num_experts (the host mixes the call's active rank mask
+// in too: ops.cpp, check_dispatch).
 MOE_A2A_HD uint32_t fnv1a_mix(uint32_t hash, int64_t value) {
   for (int b = 0; b < 8; ++b) hash = (hash ^ uint32_t((uint64_t(value) >> (8 * b)) & 0xff)) * 16777619u;
   return hash;

@@ -622,8 +622,8 @@ def test_calls_differing_between_ranks_are_reported(differs, device):
             return (rf"rank {r}: peers \[{peers}\] called dispatch with another runtime_max_tokens_per_rank than "
                     rf"this rank's {Ts[r]} \(it must be equal on all ranks for one call\)")
         return (rf"rank {r}: peers \[{peers}\] called dispatch with other payloads than this rank's \(their "
-                rf"number, row sizes or eplb_local_stats differ\), another num_experts or, expert-major, another "
-                rf"max_tokens_per_expert \(they must be the same on all ranks for one call; "
+                rf"number, row sizes or eplb_local_stats differ\), another num_experts, another active_rank_mask or, "
+                rf"expert-major, another max_tokens_per_expert \(they must be the same on all ranks for one call; "
                 rf"with the differentiable functions, a rank that skipped a backward, whose exchanges are "
                 rf"collectives, meets its peers' backward exchange here\)")
 
@@ -652,6 +652,51 @@ def test_calls_differing_between_ranks_are_reported(differs, device):
         sim.metainfo[r] = a2a.moe_a2a_initialize(sim.workspace, r, ep, case.max_tokens, eplb_n)
     a2a.check_errors(sim.workspace)
     round_trip(sim, case, make_inputs(case, gen), gen)
+
+
+def test_ranks_with_different_rank_masks_are_reported(device):
+    """Every active rank passes the same active_rank_mask for a call; rank 0
+    masks rank 2 off while ranks 1 and 2 keep it. The mask joins the
+    equal-payloads check: ranks 0 and 1, which receive each other's rows,
+    name each other's mask (not a peer that "did not arrive"), and rank 2,
+    whose wait for rank 0 cannot end, finds rank 0 failed."""
+    case = Case(3, (4, 4, 4), 2, 6, hidden=64, runtime_max=4)
+    ep = case.ep_size
+    sim = make_sim(case, device, timeout_s=20)
+    dev = make_inputs(case, make_generator(59)).to(device)
+    everyone = a2a.moe_a2a_active_rank_mask([0, 1, 2], ep)
+    masks = [everyone] * ep
+
+    def dispatch(r):
+        return a2a.moe_a2a_dispatch(dev.ids[r], dev.payloads[r], sim.workspace, sim.metainfo[r], case.T, r, ep,
+                                    case.top_k, case.num_experts, enable_rank_mask=True, active_rank_mask=masks[r])
+
+    def round_of_calls(r):
+        """The rank's dispatch and combine (on CUDA the combine's kernel makes
+        the check); the first error's text, or None."""
+        try:
+            _, offset, _ = dispatch(r)
+            payload = torch.ones(ep, case.T, case.hidden, dtype=case.hidden_dtype, device=device)
+            a2a.moe_a2a_combine(payload, case.tokens[r], sim.workspace, sim.metainfo[r], case.T, r, ep, case.top_k,
+                                offset, enable_rank_mask=True, active_rank_mask=masks[r])
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+    # A first round with equal masks: the first dispatch's wait for the
+    # peers' initializations (which a failed peer ends too) lies behind.
+    assert sim.run(round_of_calls) == [None] * ep
+    masks = [a2a.moe_a2a_active_rank_mask([0, 1], ep), everyone, everyone]
+    mismatch = r"called dispatch with other payloads than this rank's .*another active_rank_mask"
+    expected = [rf"rank 0: peers \[1\] {mismatch}", rf"rank 1: peers \[0\] {mismatch}",
+                r"rank 2: peers \[0\] failed earlier"]
+    first = sim.run(round_of_calls)
+    _wait_for_device(device)
+    for r in range(ep):
+        if device == "cpu":
+            assert first[r] is not None and re.search(expected[r], first[r]), f"rank {r}: {first[r]}"
+        with pytest.raises(RuntimeError, match=expected[r]):  # the rank stays failed
+            dispatch(r)
 
 
 @pytest.mark.parametrize("differs", ["dtype", "row_size", "low_precision", "block_scales"])
