@@ -199,7 +199,10 @@ int64_t row_bytes_of(at::IntArrayRef trailing, int64_t element_size) {
 
 void check_fits(int64_t needed, int64_t size_per_rank) {
   TORCH_CHECK_VALUE(needed <= size_per_rank, "workspace too small: this call needs ", needed,
-                    " bytes per rank, the workspace has ", size_per_rank);
+                    " bytes per rank, the workspace has ", size_per_rank,
+                    " (nothing was written); moe_a2a_get_workspace_size_per_rank (expert-major: "
+                    "moe_a2a_get_workspace_size_per_rank_expert_major) of the bytes per token of every payload the "
+                    "workspace is for gives the size it needs (MoeAlltoAll: workspace_size_per_rank=)");
 }
 
 // A combine's region [offset, end) against the workspace's bytes per rank:
@@ -551,9 +554,9 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
     p.output_dtype = DType::kBFloat16;
   } else {
     // The rule first: to_dtype's message would list dtypes this payload's combine refuses.
-    TORCH_CHECK_VALUE(output_dtype == payload_dtype || output_dtype == at::kBFloat16,
-                      "output_dtype must be the payload dtype (", dtype_name(payload_dtype),
-                      ") or torch.bfloat16, got ", dtype_name(output_dtype));
+    TORCH_CHECK_VALUE(output_dtype == payload_dtype || output_dtype == at::kBFloat16, "output_dtype must be ",
+                      payload_dtype == at::kBFloat16 ? "" : "torch.bfloat16 or ", "the payload dtype (",
+                      dtype_name(payload_dtype), "), got ", dtype_name(output_dtype));
     p.output_dtype = to_dtype(output_dtype, "output_dtype");
   }
 
@@ -669,7 +672,10 @@ SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int6
                     " and >= ", kHeaderBytes, ", got ", offset);
   TORCH_CHECK_VALUE(offset <= p.ws.size_per_rank, "offset must be <= ", p.ws.size_per_rank, " (bytes per rank), got ",
                     offset);
-  check_fits(offset + ep_size * T * width * id_bytes, p.ws.size_per_rank);
+  const int64_t end = offset + ep_size * T * width * id_bytes;
+  TORCH_CHECK_VALUE(end <= p.ws.size_per_rank, "the expert-id plane (ep_size x runtime_max_tokens_per_rank x ", width,
+                    " ids from offset ", offset, ") ends at byte ", end, ", past the workspace's ", p.ws.size_per_rank,
+                    " bytes per rank");
   p.runtime_max_tokens = T;
   p.offset = offset;
   p.width = width;
@@ -945,7 +951,9 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
       os << "peers " << rank_list(missing) << " called the same combine with other rows than this rank's (their "
          << "payload dtype, row size or use_low_precision differ, or one rank combined expert-major and another "
          << "rank-major, or with another max_tokens_per_expert or num_experts; the ranks pull each other's rows, so "
-         << "these must be the same on all ranks for one combine)";
+         << "these must be the same on all ranks for one combine; with the differentiable functions, a dispatch's "
+         << "backward combines the gradients of its payloads that require grad, so the ranks' payloads must "
+         << "require grad alike)";
       break;
     case kErrorCombineMismatch: {
       if (detail == kMismatchRegionStaged) {

@@ -12,7 +12,11 @@
 // tensor is a meta tensor. A meta tensor among real ones routes the whole
 // call here, where it would otherwise move nothing and return as if it had
 // (DESIGN.md section 6: bad devices raise).
+#include <algorithm>
 #include <optional>
+#include <sstream>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -23,14 +27,41 @@
 namespace moe_a2a {
 namespace {
 
-// Raises ValueError unless `t` is a meta tensor (see the top).
-void check_meta(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.is_meta(), "moe_a2a.", op, ": tensors on different devices: ", name, " is on ", t.device(),
-                    " while another argument is a meta tensor");
+// A tensor argument of a call, by name (tensor nullptr: an absent optional one).
+struct Named {
+  std::string name;
+  const at::Tensor* tensor;
+};
+
+Named arg(std::string name, const at::Tensor& t) { return {std::move(name), &t}; }
+Named arg(std::string name, const std::optional<at::Tensor>& t) {
+  return {std::move(name), t.has_value() ? &*t : nullptr};
 }
 
-void check_meta(const char* op, const char* name, const std::optional<at::Tensor>& t) {
-  if (t.has_value()) check_meta(op, name, *t);
+// Raises ValueError unless every tensor of `args` is a meta tensor (see the
+// top), naming where each one lies.
+void check_all_meta(const char* op, const std::vector<Named>& args) {
+  if (std::all_of(args.begin(), args.end(),
+                  [](const Named& a) { return a.tensor == nullptr || a.tensor->is_meta(); })) {
+    return;
+  }
+  // The names grouped by device, the devices in the order they first appear.
+  std::vector<std::pair<c10::Device, std::string>> groups;
+  for (const Named& a : args) {
+    if (a.tensor == nullptr) continue;
+    auto group =
+        std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == a.tensor->device(); });
+    if (group == groups.end()) {
+      groups.emplace_back(a.tensor->device(), a.name);
+    } else {
+      group->second += ", " + a.name;
+    }
+  }
+  std::ostringstream os;
+  os << "moe_a2a." << op << ": tensors on different devices (";
+  for (size_t i = 0; i < groups.size(); ++i) os << (i ? "; " : "") << groups[i].second << " on " << groups[i].first;
+  os << "): every tensor argument must be on the workspace's device";
+  TORCH_CHECK_VALUE(false, os.str());
 }
 
 // Whether `t` has concrete sizes and strides (not those of a dynamic-shape trace).
@@ -43,14 +74,17 @@ bool concrete(at::TensorList ts) {
   return true;
 }
 
-// A dispatch's tensors all meta (check_meta); whether their sizes are
+// A dispatch's tensors all meta (check_all_meta); whether their sizes are
 // concrete, so that the op's builder can check them.
 bool dispatch_tensors_meta(const char* op, const at::Tensor& token_selected_experts, at::TensorList input_payloads,
                            const at::Tensor& workspace, const std::optional<at::Tensor>& eplb_local_stats) {
-  check_meta(op, "token_selected_experts", token_selected_experts);
-  for (const at::Tensor& payload : input_payloads) check_meta(op, "an input payload", payload);
-  check_meta(op, "workspace", workspace);
-  check_meta(op, "eplb_local_stats", eplb_local_stats);
+  std::vector<Named> args{arg("token_selected_experts", token_selected_experts)};
+  for (size_t i = 0; i < input_payloads.size(); ++i) {
+    args.push_back(arg("input_payloads[" + std::to_string(i) + "]", input_payloads[i]));
+  }
+  args.push_back(arg("workspace", workspace));
+  args.push_back(arg("eplb_local_stats", eplb_local_stats));
+  check_all_meta(op, args);
   return concrete(token_selected_experts) && concrete(input_payloads) && concrete(workspace) &&
          concrete(eplb_local_stats);
 }
@@ -105,9 +139,8 @@ at::Tensor combine_meta(const std::optional<at::Tensor>& payload, c10::SymInt lo
                         at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
                         int64_t low_precision, const std::optional<at::Tensor>& output_scales,
                         double output_scalar_scale, int64_t sf_layout) {
-  check_meta("combine", "payload", payload);
-  check_meta("combine", "workspace", workspace);
-  check_meta("combine", "output_scales", output_scales);
+  check_all_meta("combine",
+                 {arg("payload", payload), arg("workspace", workspace), arg("output_scales", output_scales)});
   check_combine_meta(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
                      runtime_max_tokens_per_rank, top_k, combine_payload_offset, row_shape, payload_dtype, output_dtype,
                      active_rank_mask, timeout_s, mailbox, enable_pdl, low_precision, output_scales,
@@ -126,10 +159,8 @@ void combine_into_meta(const std::optional<at::Tensor>& payload, c10::SymInt loc
                        at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
                        int64_t low_precision, const std::optional<at::Tensor>& output_scales,
                        double output_scalar_scale, int64_t sf_layout, const at::Tensor& output) {
-  check_meta("combine_into", "payload", payload);
-  check_meta("combine_into", "workspace", workspace);
-  check_meta("combine_into", "output_scales", output_scales);
-  check_meta("combine_into", "output", output);
+  check_all_meta("combine_into", {arg("payload", payload), arg("workspace", workspace),
+                                  arg("output_scales", output_scales), arg("output", output)});
   check_combine_meta(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
                      runtime_max_tokens_per_rank, top_k, combine_payload_offset, row_shape, payload_dtype, output_dtype,
                      active_rank_mask, timeout_s, mailbox, enable_pdl, low_precision, output_scales,
@@ -152,7 +183,7 @@ void expert_major_build_meta(const at::Tensor& workspace, int64_t ep_rank, int64
                              int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
                              int64_t max_tokens_per_expert, int64_t eplb_n, at::IntArrayRef payload_row_bytes,
                              int64_t id_bytes, bool has_weights, int64_t mailbox, bool enable_pdl) {
-  check_meta("expert_major_build", "workspace", workspace);
+  check_all_meta("expert_major_build", {arg("workspace", workspace)});
   if (!concrete(workspace)) return;
   const TracedChecks traced;
   check_expert_major_build(workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
@@ -206,8 +237,7 @@ at::Tensor combine_expert_major_meta(const std::optional<at::Tensor>& payload, c
                                      at::ScalarType payload_dtype, at::ScalarType output_dtype,
                                      at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox,
                                      bool enable_pdl) {
-  check_meta("combine_expert_major", "payload", payload);
-  check_meta("combine_expert_major", "workspace", workspace);
+  check_all_meta("combine_expert_major", {arg("payload", payload), arg("workspace", workspace)});
   check_combine_expert_major_meta(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
                                   runtime_max_tokens_per_rank, top_k, num_experts, max_tokens_per_expert, dispatch_end,
                                   combine_payload_offset, row_shape, payload_dtype, output_dtype, active_rank_mask,
@@ -225,9 +255,8 @@ void combine_expert_major_into_meta(const std::optional<at::Tensor>& payload, c1
                                     at::ScalarType payload_dtype, at::ScalarType output_dtype,
                                     at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox,
                                     bool enable_pdl, const at::Tensor& output) {
-  check_meta("combine_expert_major_into", "payload", payload);
-  check_meta("combine_expert_major_into", "workspace", workspace);
-  check_meta("combine_expert_major_into", "output", output);
+  check_all_meta("combine_expert_major_into",
+                 {arg("payload", payload), arg("workspace", workspace), arg("output", output)});
   check_combine_expert_major_meta(payload, local_num_tokens, workspace, ep_rank, ep_size, max_num_tokens,
                                   runtime_max_tokens_per_rank, top_k, num_experts, max_tokens_per_expert, dispatch_end,
                                   combine_payload_offset, row_shape, payload_dtype, output_dtype, active_rank_mask,

@@ -822,6 +822,34 @@ def test_a_rank_that_skips_the_backward_times_out_its_peers():
         _layer_gradients(sim, *layer, num_experts, skip_backward={1})
 
 
+def test_ranks_whose_payloads_require_grad_differently_are_told_so():
+    """The dispatch's backward combines the gradients of the payloads that
+    require grad: where rank 0's hidden states require grad and rank 1's do
+    not, the backward combines' rows differ and the error says what must
+    match."""
+    ep_size, tokens, top_k, num_experts, hidden = 2, 4, 2, 4, 8
+    sim = a2a.SimulatedEP(ep_size, tokens, dispatch_bytes_per_token=4 * hidden + 16 * top_k,
+                          combine_bytes_per_token=4 * hidden + 4 * top_k, timeout_s=5.0)
+    gen = torch.Generator().manual_seed(14)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    xs = [torch.randn(tokens, hidden, generator=gen) for _ in range(ep_size)]
+    ws = [torch.rand(tokens, top_k, generator=gen) for _ in range(ep_size)]
+
+    def step(rank):
+        x = xs[rank].clone().requires_grad_(rank == 0)
+        w = ws[rank].clone().requires_grad_()
+        (rx, _, rw), offset, _ = a2a.moe_a2a_dispatch_differentiable(ids, [x, ids, w], sim.workspace,
+                                                                     sim.metainfo[rank], tokens, rank, ep_size,
+                                                                     top_k, num_experts)
+        out = a2a.moe_a2a_combine_differentiable(rx * rw.sum(-1, keepdim=True), ids, sim.workspace,
+                                                 sim.metainfo[rank], tokens, rank, ep_size, top_k, num_experts,
+                                                 offset)
+        out.sum().backward()
+
+    with pytest.raises(RuntimeError, match="called the same combine with other rows.*require grad alike"):
+        sim.run(step)
+
+
 # ---- one rank per process ------------------------------------------------------------------------------
 
 # tokens per rank, top_k, num_experts, hidden, steps, learning rate, model seed

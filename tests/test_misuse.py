@@ -318,6 +318,22 @@ def test_wrappers_say_how_to_recover():
     comm.destroy()
 
 
+def test_a_dispatch_that_does_not_fit_says_which_call_sizes_it(device):
+    """A dispatch whose planes exceed the workspace's row is refused before it
+    writes, naming the sizes and the calls that size a workspace."""
+    hidden, tokens, top_k, experts = 256, 64, 4, 8
+    gen = make_generator("undersized dispatch")
+    size = a2a.moe_a2a_get_workspace_size_per_rank(1, tokens, hidden, hidden * 2)
+    workspace = torch.zeros(1, size, dtype=torch.uint8, device=device)
+    metainfo = a2a.moe_a2a_initialize(workspace, 0, 1, tokens)
+    x = torch.randn((tokens, hidden * 4), generator=gen).to(torch.bfloat16).to(device)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen, dtype=torch.int32).to(device)
+    refused(workspace, lambda: a2a.moe_a2a_dispatch(ids, [x], workspace, metainfo, tokens, 0, 1, top_k, experts),
+            ValueError, "workspace too small: this call needs ", f"bytes per rank, the workspace has {size} (nothing was "
+            "written); moe_a2a_get_workspace_size_per_rank (expert-major: moe_a2a_get_workspace_size_per_rank_expert_"
+            "major) of the bytes per token of every payload the workspace is for gives the size it needs")
+
+
 def test_workspace_sized_without_the_dispatch_payloads(device):
     """A workspace sized for the hidden states alone, then dispatched with ids
     and weights as payloads too: the dispatch fits, the combine after it does
@@ -838,7 +854,7 @@ DISPATCH_LAYOUT_BAD = {
         token_selected_experts=results[0][0][1][0, : dev.ids[0].shape[0]]),
         "token_selected_experts lies in the workspace"),
     "meta_device": (_with_payload(0, lambda t, sim, results: torch.empty_like(t, device="meta")),
-                    "tensors on different devices"),
+                    "; input_payloads[0] on meta): every tensor argument must be on the workspace's device"),
 }
 
 
@@ -1264,8 +1280,7 @@ def test_dispatch_refuses_arguments_of_the_wrong_kind(name, bad, text, device):
     ("low_precision_block_scales", "yes", "moe_a2a_combine: low_precision_block_scales must be True or False"),
     ("output_dtype", "bfloat16", "moe_a2a_combine: output_dtype must be a torch.dtype or None, got 'bfloat16'"),
     # Listed torch.float16 among the dtypes a combine takes (none but the payload's and bf16 here).
-    ("output_dtype", torch.int32, "output_dtype must be the payload dtype (torch.bfloat16) or torch.bfloat16, got "
-                                  "torch.int32"),
+    ("output_dtype", torch.int32, "output_dtype must be the payload dtype (torch.bfloat16), got torch.int32"),
     ("sf_layout", True, "sf_layout must be an SfLayout"),
 ], ids=["tokens_bool", "top_k_bool", "low_precision_str", "low_precision_float", "block_scales_str",
         "output_dtype_str", "output_dtype_int", "sf_layout_bool"])
