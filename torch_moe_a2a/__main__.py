@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import layout
+from . import __version__, layout
 from .bench import distributed as bench_distributed
 from .bench import single as bench_single
 from .bench.common import NO_CUDA, int_at_least, int_in_range
@@ -37,11 +37,13 @@ DEFAULT_SIMULATED_RANKS = 4
 
 
 def package_version() -> str:
-    """The installed distribution's version; 'unknown' (and why) when the package runs from a source tree."""
+    """The running package's version (its build's, from pyproject.toml), with
+    where it runs from when that is not the installed distribution."""
     try:
-        return importlib.metadata.version(DISTRIBUTION)
+        installed = importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
-        return f"unknown ({DISTRIBUTION} is not installed)"
+        return f"{__version__} (a source tree; {DISTRIBUTION} is not installed)"
+    return __version__ if installed == __version__ else f"{__version__} (the installed distribution is {installed})"
 
 
 def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
