@@ -1042,10 +1042,10 @@ std::string timeout_hint(const uint64_t* missing, const WorkspaceView& ws) {
   }
   std::ostringstream os;
   if (!uninitialized.empty()) {
-    os << "; the rows of peers [";
+    os << "; peers [";
     for (size_t i = 0; i < uninitialized.size(); ++i) os << (i ? ", " : "") << uninitialized[i];
-    os << "] were never initialized: every rank calls moe_a2a_initialize on its own row before the ranks' first "
-          "dispatch (allocate_workspace(group=...) with MoeAlltoAll, and SimulatedEP, do it)";
+    os << "] have not initialized their rows (moe_a2a_initialize, which MoeAlltoAll and SimulatedEP call): a rank "
+          "that never does, or that exited before it did, keeps its peers' first dispatch waiting";
   } else if (all_here && !t_simulated_rank_thread) {
     // A CPU call blocks its thread until the peers arrive (CUDA waits on the
     // device): a first program that calls rank after rank from one thread

@@ -544,7 +544,7 @@ def test_a_peer_row_never_initialized_is_named():
     for rank in (0, 1):
         assert results[rank] is not None, f"rank {rank} returned"
         assert f"rank {rank}: peers [2] did not arrive within 0.3 s (dispatch)" in results[rank], results[rank]
-        assert "the rows of peers [2] were never initialized: every rank calls moe_a2a_initialize" in results[rank]
+        assert "peers [2] have not initialized their rows (moe_a2a_initialize" in results[rank], results[rank]
         assert THREAD_HINT not in results[rank]
 
 

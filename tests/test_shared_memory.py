@@ -132,8 +132,10 @@ def test_killed_member_leaves_nothing_behind(victim, point, tmp_path):
             continue
         fds, outcome = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
         assert outcome.startswith("raised "), f"rank {rank}: {outcome}"
-        if point == "after setup":
+        if point == "after setup":  # the victim died before it initialized its row
             assert f"peers [{victim}] did not arrive within" in outcome, outcome
+            assert f"peers [{victim}] have not initialized their rows" in outcome, outcome
+            assert "thread each" not in outcome, outcome  # the one-thread loop's hint is for ranks of one process
         # A live workspace's mapping keeps one descriptor (Python's mmap does); a failed setup none.
         expected_fds = "1" if point == "after setup" else "0"
         assert fds == expected_fds, f"rank {rank} holds {fds} descriptors of the shared file"
