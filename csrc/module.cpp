@@ -445,12 +445,12 @@ PYBIND11_MODULE(_C, m) {
       py::arg("local_num_tokens"), py::arg("row_shape"), py::arg("output_dtype"));
   m.def("receive_views", &moe_a2a::receive_views, py::arg("workspace"), py::arg("ep_rank"), py::arg("ep_size"),
         py::arg("runtime_max_tokens"), py::arg("eplb_n"), py::arg("payloads"));
-  // Positional arguments in the order of the operators' schemas (schemas.h).
-  // Without the GIL, as a torch.ops call: a CPU rank waits for peers that
-  // other Python threads (simulated ranks) drive.
   // SimulatedEP.run's rank threads say so (a CPU timeout's message then
   // leaves out how to drive ranks from threads: they are).
   m.def("mark_simulated_rank_thread", &moe_a2a::mark_simulated_rank_thread);
+  // Positional arguments in the order of the operators' schemas (schemas.h).
+  // Without the GIL, as a torch.ops call: a CPU rank waits for peers that
+  // other Python threads (simulated ranks) drive.
   m.def("dispatch", &moe_a2a::dispatch, py::call_guard<py::gil_scoped_release>());
   m.def("combine", &moe_a2a::combine, py::call_guard<py::gil_scoped_release>());
   // The training ops' bodies (torch_moe_a2a/autograd.py), their arguments in
