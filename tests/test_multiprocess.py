@@ -413,6 +413,51 @@ def _survivors_worker(rank: int, world: int, init_file: str) -> None:
         dist.destroy_process_group()
 
 
+def _failed_then_dead_worker(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    survivors = dist.new_group([0, 1])  # made while every process lives: new_group is collective
+    tokens, hidden, top_k, num_experts = 4, 32, 2, 2 * world
+    gen = make_generator(f"failed then dead {rank}")
+    x = torch.randn((tokens, hidden), generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, num_experts, (tokens, top_k), generator=gen, dtype=torch.int32)
+    moe = a2a.MoeAlltoAll(ep_mapping(rank, world), tokens, top_k, num_experts, hidden_size=hidden,
+                          group=dist.group.WORLD, device="cpu", timeout_s=0.5, enable_rank_mask=True)
+    if rank == 2:
+        # Its dispatch alone times out and records the error in its row; then the process dies.
+        with pytest.raises(RuntimeError, match=r"rank 2: peers \[0, 1\] did not arrive"):
+            moe.dispatch(ids, [x], tokens, active_rank_mask=a2a.moe_a2a_active_rank_mask([0, 1, 2], world))
+        dist.barrier()
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+    with pytest.raises(RuntimeError, match=r"rank 2: peers \[0, 1\] did not arrive"):
+        moe.check()  # rank 2's record, read from its row
+    moe.reset(group=survivors)
+    moe.check()  # the survivors' rows only
+    mask = a2a.moe_a2a_active_rank_mask([0, 1], world)
+    rows = moe.dispatch(ids, [x], tokens, active_rank_mask=mask)[0]
+    moe.combine(rows.clone(), tokens, active_rank_mask=mask)
+    moe.check()
+    with pytest.raises(RuntimeError, match=r"rank 2: peers \[0, 1\] did not arrive"):
+        a2a.check_errors(moe.workspace)  # the plain function reads every row
+    dist.barrier(group=survivors)
+    # A group with a dead member: no teardown (it could wait for the dead); a
+    # failure above leaves through run_ranks' entry, which exits at once too.
+    os._exit(0)
+
+
+@pytest.mark.slow  # three processes
+def test_check_after_a_survivors_reset_reads_their_rows(tmp_path):
+    """A rank whose call failed (its record in its row) and whose process then
+    died: after the survivors' reset(group=...), MoeAlltoAll.check() reads
+    their rows only, so the dead rank's old record no longer fails every
+    check; check_errors(workspace) still reads every row."""
+    from conftest import run_ranks
+
+    run_ranks(_failed_then_dead_worker, 3, (str(tmp_path / "init"),), report_dir=tmp_path, timeout_s=120,
+              exit_codes={2: -signal.SIGKILL})
+
+
 @pytest.mark.slow  # three processes
 def test_survivors_of_a_dead_peer_reset_and_go_on_masking_it_off(tmp_path):
     """A peer process killed (SIGKILL) after a round trip: the survivors' next

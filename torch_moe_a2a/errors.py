@@ -50,9 +50,15 @@ def check_errors(workspace: torch.Tensor) -> None:
         RuntimeError: a rank's error record, described.
     """
     expect_tensors("check_errors", workspace=workspace)
-    for message in _records(workspace, "check_errors"):
-        if message is not None:
-            raise RuntimeError(message)
+    raise_first_record(workspace, "check_errors")
+
+
+def raise_first_record(workspace: torch.Tensor, fn: str, ranks: Optional[Sequence[int]] = None) -> None:
+    """check_errors of the rows of ``ranks`` only (None: every row), for ``fn``."""
+    records = _records(workspace, fn)
+    for rank in range(len(records)) if ranks is None else ranks:
+        if records[rank] is not None:
+            raise RuntimeError(records[rank])
 
 
 def row_error(workspace: torch.Tensor, ep_rank: int) -> Optional[str]:

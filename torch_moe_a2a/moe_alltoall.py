@@ -25,9 +25,9 @@ from .api import (
 )
 from .arguments import COMBINE_DTYPES, check_flag, eplb_length, layout_value
 from .backend import MoeAlltoAllBackend, check_backend
-from .collective import Collective, TorchGroupCollective, as_collective, is_comm_backend
+from .collective import Collective, TorchGroupCollective, allgather_ints, as_collective, is_comm_backend
 from .compile_marks import mark_static_address
-from .errors import check_errors, row_error
+from .errors import raise_first_record, row_error
 from .expert_major import (
     ExpertMajorDispatch,
     moe_a2a_combine_expert_major,
@@ -77,6 +77,10 @@ class _SharedWorkspace:
     resets: int = 0
     # The row the instances use and what it was initialized for: _geometry's.
     geometry: tuple = ()
+    # The ranks whose rows check() reads: None, every row; after a reset over
+    # a group of survivors, theirs (a dead rank's row keeps whatever record
+    # it had when it died).
+    checked_ranks: Optional[tuple[int, ...]] = None
 
     def active_instance(self) -> Optional["MoeAlltoAll"]:
         return None if self.active is None else self.active()
@@ -641,9 +645,12 @@ class MoeAlltoAll:
         return self._recv_counts
 
     def check(self) -> None:
-        """Raise RuntimeError if any rank of the workspace recorded an error (:func:`check_errors`)."""
+        """Raise RuntimeError if any rank of the workspace recorded an error
+        (:func:`check_errors`); after :meth:`reset` over a group of survivors,
+        any of the survivors (the ranks masked off keep their rows as they
+        were)."""
         self._check_mapped("check")
-        check_errors(self.workspace)
+        raise_first_record(self.workspace, "MoeAlltoAll.check", self._shared.checked_ranks)
 
     def _check_mapped(self, what: str) -> None:
         """Raises if the workspace is released; forgets a round that a re-initialization ended."""
@@ -688,8 +695,10 @@ class MoeAlltoAll:
         self._check_mapped("dispatch")
         return self._state.phase == "dispatched"
 
-    def _row_initialized(self) -> None:
-        """After the own row's re-initialization: every instance's round on it is over."""
+    def _row_initialized(self, checked_ranks: Optional[tuple[int, ...]] = None) -> None:
+        """After the own row's re-initialization: every instance's round on it
+        is over, and check() reads the rows of ``checked_ranks`` (None: every row)."""
+        self._shared.checked_ranks = checked_ranks
         self._shared.resets += 1
         self._state = _A2AState(resets=self._shared.resets)
         self._shared.active = None
@@ -1119,7 +1128,8 @@ class MoeAlltoAll:
                 instance's group. Every survivor calls it; their later calls
                 mask the others off (``active_rank_mask``), so the instance
                 must have been built with ``enable_rank_mask=True`` when the
-                group is smaller than ``ep_size``. Default: the instance's group.
+                group is smaller than ``ep_size``, and :meth:`check` reads the
+                survivors' rows only. Default: the instance's group.
 
         Raises:
             RuntimeError: the workspace was released by :meth:`checkpoint_prepare`;
@@ -1144,10 +1154,14 @@ class MoeAlltoAll:
                 raise RuntimeError("MoeAlltoAll.reset: the group's barrier failed, so nothing was re-initialized: "
                                    "every member must call reset(); where a member exited, its survivors reset "
                                    "over a group of their own, reset(group=...)") from e
+        # Which rows check() reads from now on: a group of survivors says whose.
+        checked = None
+        if group is not None:
+            checked = tuple(sorted(v[0] for v in allgather_ints([self.ep_rank], coll)))
         self._initialize_own_row()
         if coll is not None:
             coll.barrier()
-        self._row_initialized()
+        self._row_initialized(checked if checked is not None and len(checked) < self.ep_size else None)
 
     def _initialize_own_row(self) -> None:
         """moe_a2a_initialize of the own row with the metainfo's mailbox (so the
