@@ -12,7 +12,17 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import Case, PayloadSpec, assert_bytes_equal, ep_mapping, make_generator, make_inputs, open_fds, start_ranks
+from conftest import (
+    RANK_START_METHOD,
+    Case,
+    PayloadSpec,
+    assert_bytes_equal,
+    ep_mapping,
+    make_generator,
+    make_inputs,
+    open_fds,
+    start_ranks,
+)
 
 import torch_moe_a2a as a2a
 from torch_moe_a2a import reference
@@ -102,11 +112,14 @@ def _doubled(t: torch.Tensor) -> torch.Tensor:
 # More than two processes start as many interpreters: slow (CI runs this file 20 times besides).
 @pytest.mark.parametrize("world", [w if w <= 2 else pytest.param(w, marks=pytest.mark.slow) for w in sorted(CASES)])
 def test_multiprocess_round_trip(world, tmp_path):
-    # Spawned, not forked from the fork server: a forked rank ends in
-    # os._exit, a spawned one as torchrun's ranks do, through the atexit hooks
-    # and interpreter finalization (where a gloo group destroyed too late
-    # aborts the process), so this test checks that exit too.
-    context = start_ranks(_worker, (world, str(tmp_path / "init"), str(tmp_path)), world, join=False, start_method="spawn")
+    # Two ranks spawned, not forked from the fork server: a forked rank ends
+    # in os._exit, a spawned one as torchrun's ranks do, through the atexit
+    # hooks and interpreter finalization (where a gloo group destroyed too
+    # late aborts the process), so this test checks that exit too; once is
+    # enough (a spawned rank imports torch, seconds of CPU).
+    method = "spawn" if world == 2 else RANK_START_METHOD
+    context = start_ranks(_worker, (world, str(tmp_path / "init"), str(tmp_path)), world, join=False,
+                          start_method=method)
     pids = [p.pid for p in context.processes]
     while not context.join():
         pass
