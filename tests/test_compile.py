@@ -401,3 +401,34 @@ def test_bad_argument_is_refused_while_traced():
     with pytest.raises(Exception, match=r"token_selected_experts must be 2-D \[local_num_tokens, top_k=3\]"):
         torch.compile(step, backend=backend, fullgraph=True)(ids, x)
     assert graphs == []
+
+
+@pytest.mark.parametrize("needs_grad", ["dispatch_payload", "combine_payload"])
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_plain_calls_traced_with_a_tensor_that_requires_grad(needs_grad, fullgraph):
+    """Eager, the plain functions run as the differentiable ones where a
+    payload requires grad (a combine's, only after such a dispatch). Traced,
+    the plain ops have no backward: the trace refuses the tensor, naming the
+    differentiable function, where the dispatch's gradient was lost without
+    a word and the combine's compile failed on an in-place check. Under
+    no_grad the same trace runs."""
+    T, H, k, E = 4, 8, 1, 2
+    ws = a2a.allocate_workspace(a2a.moe_a2a_get_workspace_size_per_rank(1, T, 4 * H, 4 * H), ep_size=1)
+    meta = a2a.moe_a2a_initialize(ws, 0, 1, T)
+    ids = torch.zeros(T, k, dtype=torch.int32)
+    w = torch.randn(H, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    fn = "moe_a2a_dispatch" if needs_grad == "dispatch_payload" else "moe_a2a_combine"
+
+    def step(x):
+        (rx,), offset, _ = a2a.moe_a2a_dispatch(ids, [x], ws, meta, T, 0, 1, k, E)
+        return a2a.moe_a2a_combine(rx * 3 if needs_grad == "dispatch_payload" else rx * w, T, ws, meta, T, 0, 1, k,
+                                   offset)
+
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(4), requires_grad=needs_grad == "dispatch_payload")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=rf"{fn}: a tensor that requires grad, in a traced call .*use {fn}_differentiable"):
+        torch.compile(step, backend="aot_eager", fullgraph=fullgraph)(x)
+    # Without fullgraph the graph before the refused combine ran: its dispatch's round stays open.
+    a2a.moe_a2a_initialize(ws, 0, 1, T)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(step, backend="aot_eager", fullgraph=fullgraph)(x), step(x))

@@ -530,7 +530,8 @@ def moe_a2a_dispatch(
             enable_rank_mask, active_rank_mask, backend=backend, timeout_s=timeout_s)
     if router_weights is not None or max_tokens_per_expert is not None:
         raise ValueError("router_weights and max_tokens_per_expert are options of expert_major=True")
-    if isinstance(input_payloads, (list, tuple)) and wants_grad(*input_payloads):
+    if isinstance(input_payloads, (list, tuple)) and wants_grad("moe_a2a_dispatch", "moe_a2a_dispatch_differentiable",
+                                                                 *input_payloads):
         # Eager, payloads that require grad: the differentiable dispatch (autograd.py).
         check_backend(backend, workspace if isinstance(workspace, torch.Tensor) else None)
         return autograd.dispatch_with_grad(
@@ -685,7 +686,7 @@ def moe_a2a_combine(
         check_flag("moe_a2a_combine: use_low_precision", use_low_precision)
     if low_precision_block_scales is not False and low_precision_block_scales is not True:
         check_flag("moe_a2a_combine: low_precision_block_scales", low_precision_block_scales)
-    if wants_grad(payload):
+    if wants_grad("moe_a2a_combine", "moe_a2a_combine_differentiable", payload):
         # Eager, a payload that requires grad: the differentiable combine (autograd.py).
         return autograd.combine_with_grad(
             "moe_a2a_combine", payload, local_num_tokens, workspace, metainfo, runtime_max_tokens_per_rank, ep_rank,

@@ -237,7 +237,8 @@ def moe_a2a_dispatch_expert_major(
     """
     fn = "moe_a2a_dispatch_expert_major"
     check_ids_and_weights(fn, token_selected_experts, workspace, router_weights, top_k)
-    if isinstance(input_payloads, (list, tuple)) and wants_grad(router_weights, *input_payloads):
+    if isinstance(input_payloads, (list, tuple)) and wants_grad(fn, f"{fn}_differentiable", router_weights,
+                                                                 *input_payloads):
         # Eager, payloads or weights that require grad: the differentiable dispatch.
         from . import autograd  # imports this module
 
@@ -398,7 +399,9 @@ def moe_a2a_combine_expert_major(
         RuntimeError: peers that did not arrive within the timeout.
     """
     expect_tensors("moe_a2a_combine_expert_major", expert_outputs=expert_outputs, workspace=workspace)
-    if isinstance(dispatched, ExpertMajorDispatch) and wants_grad(expert_outputs, dispatched.router_weights):
+    if isinstance(dispatched, ExpertMajorDispatch) and wants_grad(
+            "moe_a2a_combine_expert_major", "moe_a2a_combine_expert_major_differentiable", expert_outputs,
+            dispatched.router_weights):
         # Eager, outputs or weights that require grad: the differentiable combine.
         from . import autograd  # imports this module
 

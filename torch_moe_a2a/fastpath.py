@@ -187,12 +187,24 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
-def wants_grad(*tensors: Any) -> bool:
+def wants_grad(fn: str, differentiable: str, *tensors: Any) -> bool:
     """Whether an eager call under grad mode got a tensor that requires grad:
     the plain functions then run as the differentiable ones (autograd.py).
-    Grad mode first: under inference it is one call."""
-    return (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-            and not tracing())
+    Grad mode first: under inference it is one call.
+
+    Raises:
+        ValueError: such a call traced (torch.compile, make_fx, ...): traced,
+            the plain functions run the ops, which have no backward, so the
+            gradient would be lost without a word; it names ``fn`` and
+            ``differentiable``.
+    """
+    if not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)):
+        return False
+    if tracing():
+        raise ValueError(f"{fn}: a tensor that requires grad, in a traced call (torch.compile, make_fx, ...), where "
+                         f"the plain functions have no backward and the gradient would be lost: use {differentiable}, "
+                         f"or call under torch.no_grad() (or pass .detach())")
+    return True
 
 
 def run_dispatch(fn: str, args: tuple, build_views: bool, traced: bool) -> Optional[tuple]:

@@ -760,7 +760,7 @@ class MoeAlltoAll:
                                "dispatch and combine; instances of one geometry share one workspace and take turns")
         if invalid_token_expert_id is not None:
             _check_sanitize_request(input_payloads, expert_id_payload_index, invalid_token_expert_id)
-            if wants_grad(*input_payloads):
+            if wants_grad("MoeAlltoAll.dispatch", "moe_a2a_dispatch_differentiable", *input_payloads):
                 # Such a dispatch returns new tensors (the differentiable one's), which the sanitizing of the
                 # workspace's ids would not reach.
                 raise ValueError("MoeAlltoAll.dispatch: invalid_token_expert_id is not taken with payloads that "
