@@ -387,7 +387,8 @@ def test_combine_variants_print_rows_as_measured(monkeypatch):
         return run_point(*args)
 
     monkeypatch.setattr(low_precision, "_run_point", spy)
-    records = low_precision.run_variants(torch.device("cpu"), [1], [1, 2], 1, 0, ["bf16"], emit=lines.append)
+    records, facts = low_precision.run_variants(torch.device("cpu"), [1], [1, 2], 1, 0, ["bf16"], emit=lines.append)
+    assert facts["copy_bandwidth_GBps"] > 0 and facts["iters"] == 1 and facts["warmup"] == 0
     assert [r["tokens"] for r in records] == [1, 2]
 
     def rows(printed, tokens):
@@ -426,6 +427,38 @@ def test_combine_variants_interrupted_keep_the_points_measured(monkeypatch, tmp_
     data = json.loads(path.read_text())
     assert data["interrupted"] is True
     assert [(r["tokens"], r["variant"]) for r in data["records"]] == [(1, "bf16"), (1, "e4m3")]
+
+
+@pytest.mark.parametrize("mode", ["--training", "--expert-major"])
+def test_modes_interrupted_keep_the_points_measured(mode, monkeypatch, tmp_path, capsys):
+    """Ctrl-C during the second point of --training or --expert-major: the
+    first point's row and record stand, a line says the run stopped, --json
+    has the run's copy bandwidth, and the exit code is SIGINT's (128 + 2)."""
+    from torch_moe_a2a.bench import expert_major, training
+
+    module = training if mode == "--training" else expert_major
+    run_point = module.run_point
+    calls = []
+
+    def interrupted_second(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return run_point(*args, **kwargs)
+
+    monkeypatch.setattr(module, "run_point", interrupted_second)
+    path = tmp_path / "mode.json"
+    rc = single.main([mode, "--device", "cpu", "--preset", "mixtral", "--ep", "1", "--tokens", "1", "2", "3",
+                      "--iters", "1", "--warmup", "0", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 128 + signal.SIGINT, out
+    assert len(calls) == 2
+    assert re.search(r"^ *1\s+1\s+ok\s", out, re.M) and not re.search(r"^ *1\s+[23]\s", out, re.M), out
+    assert "stopped by SIGINT: 2 points not run" in out, out
+    data = json.loads(path.read_text())
+    assert data["interrupted"] is True and data["stopped_by"] == "SIGINT"
+    assert data["copy_bandwidth_GBps"] > 0 and data["iters"] == 1 and data["warmup"] == 0 and data["preset"] == "mixtral"
+    assert [(r["ep"], r["tokens"], r["status"]) for r in data["records"]] == [(1, 1, "ok")]
 
 
 def test_combine_variants_targets():

@@ -524,21 +524,41 @@ def wall_us(clock: Clock, fn: Callable[[], Any], warmup: int, iters: int) -> flo
     return statistics.median(times)
 
 
-def sweep(eps: list[int], tokens: list[int], preset: str, measure: Callable[[Point], dict]) -> list[dict]:
+def sweep(eps: list[int], tokens: list[int], preset: str, measure: Callable[[Point], dict],
+          stop: Optional["StopSignals"] = None) -> list[dict]:
     """``measure(point)`` for every point of ``eps`` x ``tokens`` of ``preset``
     (no fp8), in that order; a point that raises becomes a record with status
     'error' and the exception's first line as its note. Every record gets its
-    ``ep`` and ``tokens``."""
+    ``ep`` and ``tokens``. ``stop`` (the caller's, active): a signal ends the
+    sweep between two points, the records measured by then returned (a
+    second signal, or Ctrl-C where no handler is set, ends the point in
+    progress); its ``signum`` tells the caller."""
     records = []
-    for ep in eps:
-        for T in tokens:
-            try:
-                rec = measure(Point(PRESETS[preset], ep, T, fp8=False))
-            except Exception as e:  # noqa: BLE001 - one broken point must not hide the others
-                rec = {"status": "error", "notes": [f"{type(e).__name__}: {first_line(e)}"]}
-            rec.update(ep=ep, tokens=T)
-            records.append(rec)
+    try:
+        for ep in eps:
+            for T in tokens:
+                if stop is not None:
+                    stop.check()
+                try:
+                    rec = measure(Point(PRESETS[preset], ep, T, fp8=False))
+                except Exception as e:  # noqa: BLE001 - one broken point must not hide the others
+                    rec = {"status": "error", "notes": [f"{type(e).__name__}: {first_line(e)}"]}
+                rec.update(ep=ep, tokens=T)
+                records.append(rec)
+    except Interrupted:
+        pass  # the point in progress is dropped; the ones before it stand
+    except KeyboardInterrupt:
+        if stop is None:
+            raise
+        stop.signum = stop.signum or signal.SIGINT
     return records
+
+
+def stopped_line(stop: Optional["StopSignals"], planned: int, done: int) -> Optional[str]:
+    """The line that says a signal ended a run, and how many points it left; None if none did."""
+    if stop is None or stop.signum is None:
+        return None
+    return f"stopped by {signal.Signals(stop.signum).name}: {planned - done} points not run"
 
 
 def first_line(e: BaseException) -> str:

@@ -63,6 +63,7 @@ from .common import (
     SEED,
     Clock,
     Point,
+    StopSignals,
     capture_graph,
     copy_ratio,
     expert_owner,
@@ -72,6 +73,7 @@ from .common import (
     make_set,
     release,
     report_copy_ceiling,
+    stopped_line,
     sweep,
     wall_us,
 )
@@ -298,8 +300,11 @@ def ratios(rec: dict) -> tuple[Optional[float], Optional[float]]:
 
 
 def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[int]], iters: Optional[int],
-        warmup: Optional[int], preset: str = "deepseek-v3") -> list[dict]:
-    """Every point of eps x tokens; prints the table and the targets, returns the records."""
+        warmup: Optional[int], preset: str = "deepseek-v3",
+        stop: Optional[StopSignals] = None) -> tuple[list[dict], dict]:
+    """Every point of eps x tokens (``stop``: as :func:`sweep`'s); prints the
+    table and the targets; returns the records and the run's facts for
+    --json (copy bandwidth, iterations, warmup, preset)."""
     kind = device.type
     eps = list(DEFAULT_EP[kind]) if eps is None else eps
     tokens = list(DEFAULT_TOKENS[kind]) if tokens is None else tokens
@@ -321,7 +326,7 @@ def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[in
             # would wait for peers launched after it.
             release(device)
 
-    records = sweep(eps, tokens, preset, measure)
+    records = sweep(eps, tokens, preset, measure, stop)
     rows, held, over_all, saved_all = [], 0, [], []
     for rec in records:
         over, saved = ratios(rec)
@@ -341,4 +346,7 @@ def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[in
         print(f"targets (ours / rank-major <= {MAX_OVER_RANK_MAJOR}x, <= {MAX_OVER_RANK_MAJOR_LARGE}x from "
               f"{LARGE_TOKENS} tokens; baseline / ours > 1x): held at {held} of {len(over_all)} points; geomean "
               f"ours / rank-major {geomean(over_all):.2f}x, baseline / ours {geomean(saved_all):.2f}x")
-    return records
+    stopped = stopped_line(stop, len(eps) * len(tokens), len(records))
+    if stopped:
+        print(stopped)
+    return records, {"copy_bandwidth_GBps": copy_gbps, "iters": iters, "warmup": warmup, "preset": preset}

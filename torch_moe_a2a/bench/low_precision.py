@@ -58,6 +58,7 @@ from .common import (
     format_table,
     over_max_gib,
     release,
+    stopped_line,
 )
 from .common import fmt as cell
 
@@ -154,8 +155,10 @@ def _memory_bytes(ep: int, tokens: int, hidden: int, top_k: int) -> int:
 def run_variants(device: torch.device, eps: list[int], tokens_list: list[int], iters: int, warmup: int,
                  variants: Optional[list[str]] = None, preset: str = DEFAULT_PRESET, max_gib: Optional[float] = None,
                  stop: Optional[StopSignals] = None,
-                 emit: Callable[[str], None] = functools.partial(print, flush=True)) -> list[dict]:
-    """Time each variant at each (ep, tokens); returns one record per variant measured.
+                 emit: Callable[[str], None] = functools.partial(print, flush=True)) -> tuple[list[dict], dict]:
+    """Time each variant at each (ep, tokens); returns one record per variant
+    measured, and the run's facts for --json (copy bandwidth, iterations,
+    warmup, preset).
     The bf16 combine runs first whether asked for or not: the others are
     checked against its outputs and compared with its time. A point needing
     more than ``max_gib`` (default DEFAULT_MAX_GIB of the device) is skipped.
@@ -213,9 +216,10 @@ def run_variants(device: torch.device, eps: list[int], tokens_list: list[int], i
          + ("" if device.type == "cuda" else "; targets: CUDA runs only"))
     for line in target_lines(records):
         emit(line)
-    if stop.signum is not None:
-        emit(f"stopped by {signal.Signals(stop.signum).name}: {len(points) - done} points not run")
-    return records
+    stopped = stopped_line(stop, len(points), done)
+    if stopped:
+        emit(stopped)
+    return records, {"copy_bandwidth_GBps": copy_bps / 1e9, "iters": iters, "warmup": warmup, "preset": preset}
 
 
 def target_lines(records: list[dict]) -> list[str]:

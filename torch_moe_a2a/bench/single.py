@@ -1018,18 +1018,19 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 0
     if args.expert_major or args.training:
         preset = preset_names(args.preset, default=["deepseek-v3"])[0]
-        if args.expert_major:
-            records = bench_expert_major.run(device, args.ep, args.tokens, args.iters, args.warmup, preset)
-        else:
-            records = bench_training.run(device, args.ep, args.tokens, args.iters, args.warmup, preset,
-                                         args.router_grad)
-        if args.json:
-            write_json(args.json, {"device": device_name(device), "torch": torch.__version__, "records": records})
-        return 0 if all(r["status"] == "ok" for r in records) else 1
+        # A stop signal ends the run between two points, as the sweep's (below).
+        with StopSignals() as stop:
+            if args.expert_major:
+                records, facts = bench_expert_major.run(device, args.ep, args.tokens, args.iters, args.warmup, preset,
+                                                        stop=stop)
+            else:
+                records, facts = bench_training.run(device, args.ep, args.tokens, args.iters, args.warmup, preset,
+                                                    args.router_grad, stop=stop)
+        return _mode_end(args, device, stop, records, facts, all(r["status"] == "ok" for r in records))
     if args.combine_variants is not None:
         # A stop signal ends the run between two points, as the sweep's (below).
         with StopSignals() as stop:
-            records = low_precision.run_variants(
+            records, facts = low_precision.run_variants(
                 device, list(low_precision.DEFAULT_EP[device.type]) if args.ep is None else args.ep,
                 list(low_precision.DEFAULT_TOKENS[device.type]) if args.tokens is None else args.tokens,
                 DEFAULT_ITERS_FOR[device.type] if args.iters is None else args.iters,
@@ -1037,13 +1038,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 args.combine_variants or None,
                 preset=preset_names(args.preset, default=[low_precision.DEFAULT_PRESET])[0], max_gib=args.max_gib,
                 stop=stop)
-        interrupted = stop.signum is not None
-        if args.json:
-            write_json(args.json, {"device": device_name(device), "torch": torch.__version__,
-                                   "interrupted": interrupted, "records": records})
-        if interrupted:
-            return stop.exit_code
-        return 0 if all(r["check"] == "ok" for r in records) else 1
+        return _mode_end(args, device, stop, records, facts, all(r["check"] == "ok" for r in records))
     if args.smoke:
         names, eps, tokens = list(SMOKE_PRESETS), list(SMOKE_EP), list(SMOKE_TOKENS)
         iters = SMOKE_ITERS if args.iters is None else args.iters
@@ -1145,6 +1140,23 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return stop.exit_code
     failed = any(r["status"] in ("FAIL", "error") for r in records)
     return 1 if failed else 0
+
+
+def _mode_end(args: argparse.Namespace, device: torch.device, stop: StopSignals, records: list[dict], facts: dict,
+              ok: bool) -> int:
+    """The end of a mode of its own (--expert-major, --training,
+    --combine-variants): its --json (the run's facts, whether a signal
+    stopped it, the records), then its exit code: the signal's, else 1 where
+    a point failed."""
+    interrupted = stop.signum is not None
+    if args.json:
+        write_json(args.json, {"device": device_name(device), "torch": torch.__version__, **facts,
+                               "interrupted": interrupted,
+                               "stopped_by": signal.Signals(stop.signum).name if interrupted else None,
+                               "records": records})
+    if interrupted:
+        return stop.exit_code
+    return 0 if ok else 1
 
 
 def _release_quietly(device: torch.device) -> None:

@@ -56,6 +56,7 @@ from .common import (
     SEED,
     Clock,
     Point,
+    StopSignals,
     copy_ratio,
     expert_owner,
     fmt,
@@ -63,6 +64,7 @@ from .common import (
     make_set,
     op_bytes_for,
     report_copy_ceiling,
+    stopped_line,
     sweep,
     wall_us,
 )
@@ -239,8 +241,11 @@ def run_point(point: Point, device: torch.device, warmup: int, iters: int, route
 
 
 def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[int]], iters: Optional[int],
-        warmup: Optional[int], preset: str = "deepseek-v3", router_grad: bool = False) -> list[dict]:
-    """Every point of eps x tokens; prints the table and returns the records."""
+        warmup: Optional[int], preset: str = "deepseek-v3", router_grad: bool = False,
+        stop: Optional[StopSignals] = None) -> tuple[list[dict], dict]:
+    """Every point of eps x tokens (``stop``: as :func:`sweep`'s); prints the
+    table; returns the records and the run's facts for --json (copy
+    bandwidth, iterations, warmup, preset)."""
     kind = device.type
     eps = list(DEFAULT_EP[kind]) if eps is None else eps
     tokens = list(DEFAULT_TOKENS[kind]) if tokens is None else tokens
@@ -252,7 +257,7 @@ def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[in
           "time until the device finished", flush=True)
     # The ceiling of the 'ours x copy' column, measured in this run.
     copy_gbps = report_copy_ceiling(Clock(device), device, COPY_BYTES[kind])
-    records = sweep(eps, tokens, preset, lambda point: run_point(point, device, warmup, iters, router_grad))
+    records = sweep(eps, tokens, preset, lambda point: run_point(point, device, warmup, iters, router_grad), stop)
     rows = []
     for rec in records:
         ep, T = rec["ep"], rec["tokens"]
@@ -263,4 +268,8 @@ def run(device: torch.device, eps: Optional[list[int]], tokens: Optional[list[in
                      fmt(rec["ours_copy_ratio"], ".3f"), "; ".join(rec["notes"])])
     print(format_table(["ep", "T", "status", "ours us", "baseline us", "speedup", "ours x copy", "notes"], rows,
                        left={2, 7}))
-    return records
+    stopped = stopped_line(stop, len(eps) * len(tokens), len(records))
+    if stopped:
+        print(stopped)
+    return records, {"copy_bandwidth_GBps": copy_gbps, "iters": iters, "warmup": warmup, "preset": preset,
+                     "router_grad": router_grad}
