@@ -381,15 +381,24 @@ def _failed_combine_worker(rank: int, world: int, init_file: str, wrapper: str) 
         dist.destroy_process_group()
 
 
-def _survivors_worker(rank: int, world: int, init_file: str) -> None:
+def _group_with_survivors(rank: int, world: int, init_file: str, name: str, tokens: int, hidden: int, top_k: int,
+                           num_experts: int):
+    """The default gloo group of ``world`` processes, the group of ranks 0
+    and 1 (made while every process lives: new_group is collective), and the
+    rank's bf16 hidden states and int32 ids."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
+    survivors = dist.new_group([0, 1])
+    gen = make_generator(f"{name} {rank}")
+    x = torch.randn((tokens, hidden), generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, num_experts, (tokens, top_k), generator=gen, dtype=torch.int32)
+    return survivors, x, ids
+
+
+def _survivors_worker(rank: int, world: int, init_file: str) -> None:
+    tokens, hidden, top_k, num_experts = 6, 32, 2, 2 * world
+    survivors, x, ids = _group_with_survivors(rank, world, init_file, "survivors", tokens, hidden, top_k, num_experts)
     try:
-        survivors = dist.new_group([0, 1])  # made while every process lives: new_group is collective
-        tokens, hidden, top_k, num_experts = 6, 32, 2, 2 * world
-        gen = make_generator(f"survivors {rank}")
-        x = torch.randn((tokens, hidden), generator=gen).to(torch.bfloat16)
-        ids = torch.randint(0, num_experts, (tokens, top_k), generator=gen, dtype=torch.int32)
         moe = a2a.MoeAlltoAll(ep_mapping(rank, world), tokens, top_k, num_experts, hidden_size=hidden,
                               group=dist.group.WORLD, device="cpu", timeout_s=2, enable_rank_mask=True)
         unmasked = a2a.MoeAlltoAll(ep_mapping(rank, world), tokens, top_k, num_experts, hidden_size=hidden,
@@ -427,13 +436,9 @@ def _survivors_worker(rank: int, world: int, init_file: str) -> None:
 
 
 def _failed_then_dead_worker(rank: int, world: int, init_file: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    survivors = dist.new_group([0, 1])  # made while every process lives: new_group is collective
     tokens, hidden, top_k, num_experts = 4, 32, 2, 2 * world
-    gen = make_generator(f"failed then dead {rank}")
-    x = torch.randn((tokens, hidden), generator=gen).to(torch.bfloat16)
-    ids = torch.randint(0, num_experts, (tokens, top_k), generator=gen, dtype=torch.int32)
+    survivors, x, ids = _group_with_survivors(rank, world, init_file, "failed then dead", tokens, hidden, top_k,
+                                              num_experts)
     moe = a2a.MoeAlltoAll(ep_mapping(rank, world), tokens, top_k, num_experts, hidden_size=hidden,
                           group=dist.group.WORLD, device="cpu", timeout_s=0.5, enable_rank_mask=True)
     if rank == 2:
