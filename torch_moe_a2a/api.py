@@ -461,7 +461,8 @@ def moe_a2a_dispatch(
             the expert ids and the weights travel as payloads too).
             If any requires grad under grad mode (eager calls), the call runs
             as :func:`~torch_moe_a2a.moe_a2a_dispatch_differentiable` and
-            returns its received rows (new tensors), no EPLB statistics.
+            returns its received rows (new tensors), no EPLB statistics; a
+            traced call (torch.compile, make_fx) refuses it (ValueError).
         workspace, metainfo: the workspace and this rank's
             :func:`moe_a2a_initialize` result.
         runtime_max_tokens_per_rank: the same on every rank, ``>=
@@ -616,7 +617,7 @@ def moe_a2a_combine(
             (eager calls), the call runs as
             :func:`~torch_moe_a2a.moe_a2a_combine_differentiable` with the ids
             of this rank's last dispatch, which must have been one of payloads
-            that required grad.
+            that required grad; a traced call refuses it (ValueError).
         local_num_tokens, runtime_max_tokens_per_rank, top_k,
             combine_payload_offset: those of this rank's preceding dispatch
             (the offset it returned).
