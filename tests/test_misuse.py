@@ -776,7 +776,18 @@ METAINFO_BAD = {
                                                  "do not match the metainfo"),
     # another rank's
     "another_rank": (lambda sim: (sim.metainfo[1], 0, CASE.ep_size), "do not match the metainfo"),
+    # its timeout word written by hand: a huge one made every wait unbounded
+    "timeout_word_huge": (lambda sim: (_with_timeout_word(sim.metainfo[0], 2**63 - 1), 0, CASE.ep_size),
+                          "metainfo's timeout word is 9223372036854775807 us, outside [0, 1000000000 s]"),
+    "timeout_word_negative": (lambda sim: (_with_timeout_word(sim.metainfo[0], -5), 0, CASE.ep_size),
+                              "metainfo's timeout word is -5 us"),
 }
+
+
+def _with_timeout_word(metainfo, value):
+    edited = metainfo.clone()
+    edited[layout.META_TIMEOUT_US] = value
+    return edited
 
 
 @pytest.mark.parametrize("op", ["dispatch", "combine"])

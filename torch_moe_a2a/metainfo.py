@@ -53,6 +53,15 @@ def _read_metainfo(metainfo: Any) -> MetaValues:
             f"(magic {v[layout.META_MAGIC]:#x}, version {v[layout.META_VERSION]}; expected "
             f"{layout.MAGIC:#x}, {layout.VERSION})"
         )
+    timeout_us = v[layout.META_TIMEOUT_US]
+    if not 0 <= timeout_us <= layout.MAX_TIMEOUT_S * 1_000_000:
+        # Initialize writes 0 (no timeout of its own) or a checked timeout_s:
+        # another value was written by hand, and a huge one would make every
+        # wait unbounded.
+        raise ValueError(
+            f"metainfo's timeout word is {timeout_us} us, outside [0, {layout.MAX_TIMEOUT_S} s]: metainfo is "
+            "written by moe_a2a_initialize only (its timeout_s= sets this word)"
+        )
     return (
         v[layout.META_EP_RANK],
         v[layout.META_EP_SIZE],
@@ -60,7 +69,7 @@ def _read_metainfo(metainfo: Any) -> MetaValues:
         v[layout.META_EPLB_N],
         v[layout.META_SIZE_PER_RANK],
         v[layout.META_MAILBOX_ADDR],
-        v[layout.META_TIMEOUT_US] / 1e6 if v[layout.META_TIMEOUT_US] > 0 else ENV_TIMEOUT,
+        timeout_us / 1e6 if timeout_us > 0 else ENV_TIMEOUT,
     )
 
 
