@@ -1116,9 +1116,38 @@ void initialize_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_siz
   note_row_initialized_here(p.ws);
 }
 
+// The rows inside a CPU call of this process (their addresses).
+std::mutex g_rows_in_call_mutex;
+std::unordered_set<const uint8_t*> g_rows_in_call;
+
+// Holds the own row of `ws` for the length of a CPU call: two threads
+// driving one rank at once would pass its sequence checks together (each
+// reads the epochs before the other advances them) and return the same rows,
+// one caller's tokens lost without a word. Raises RuntimeError when another
+// call holds the row.
+class RowCall {
+ public:
+  explicit RowCall(const WorkspaceView& ws) : row_(ws.row(ws.ep_rank)) {
+    std::lock_guard<std::mutex> lock(g_rows_in_call_mutex);
+    TORCH_CHECK(g_rows_in_call.insert(row_).second, "rank ", ws.ep_rank,
+                ": another thread is inside a call on this rank's row of the workspace; a rank's calls run one at "
+                "a time, in order (each dispatch, then its combines): drive each rank from one thread");
+  }
+  ~RowCall() {
+    std::lock_guard<std::mutex> lock(g_rows_in_call_mutex);
+    g_rows_in_call.erase(row_);
+  }
+  RowCall(const RowCall&) = delete;
+  RowCall& operator=(const RowCall&) = delete;
+
+ private:
+  const uint8_t* row_;
+};
+
 // The CPU dispatch of checked params (dispatch and dispatch_expert_major).
 void run_dispatch_cpu(const DispatchParams& p, int64_t max_num_tokens, int64_t eplb_stats_num_experts,
                       int64_t mailbox) {
+  const RowCall call(p.ws);
   raise_if_mailbox_error(mailbox, p.ws.ep_rank);
   raise_row_status(cpu::check_row_for_dispatch(p.ws, max_num_tokens, eplb_stats_num_experts), p.ws.ep_rank);
   raise_if_wait_failed(cpu::dispatch(p), p.ws);
@@ -1136,6 +1165,7 @@ void dispatch_cpu(const at::Tensor& token_selected_experts, at::TensorList input
 }
 
 void run_combine_cpu(const CombineParams& p, int64_t max_num_tokens, int64_t mailbox) {
+  const RowCall call(p.ws);
   raise_if_mailbox_error(mailbox, p.ws.ep_rank);
   raise_row_status(cpu::check_row_for_combine(p, max_num_tokens), p.ws.ep_rank);
   raise_if_wait_failed(cpu::combine(p), p.ws);
@@ -1183,6 +1213,7 @@ void sanitize_expert_ids_cpu(const at::Tensor& workspace, int64_t ep_rank, int64
 
 // The CPU build of checked params (expert_major_build and dispatch_expert_major).
 void run_expert_major_build_cpu(const ExpertMajorBuildParams& p, int64_t max_num_tokens) {
+  const RowCall call(p.ws);
   raise_row_status(cpu::check_row_for_expert_major_build(p, max_num_tokens), p.ws.ep_rank);
   cpu::expert_major_build(p);
 }
@@ -1214,6 +1245,7 @@ void dispatch_expert_major_cpu(const at::Tensor& token_selected_experts, at::Ten
 
 // The CPU expert-major combine of checked params (their output set).
 void run_combine_expert_major_cpu(const ExpertMajorCombineParams& p, int64_t max_num_tokens, int64_t mailbox) {
+  const RowCall call(p.c.ws);
   const int64_t ep_rank = p.c.ws.ep_rank;
   raise_if_mailbox_error(mailbox, ep_rank);
   raise_row_status(cpu::check_row_for_combine_expert_major(p, max_num_tokens), ep_rank);

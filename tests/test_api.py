@@ -449,6 +449,44 @@ def test_a_cpu_rank_loop_on_one_thread_is_told_to_use_a_thread_per_rank(monkeypa
     assert "SimulatedEP.run" not in str(record.value)
 
 
+def test_two_threads_on_one_rank_are_refused():
+    """Two threads dispatching on rank 0 at once: one is refused, naming the
+    cause, instead of both passing the sequence check together and returning
+    the same rows (one caller's tokens lost). Rank 0's other call then
+    completes the round with rank 1."""
+    import time
+
+    ep_size, tokens, top_k, num_experts = 2, 4, 2, 4
+    sim = a2a.SimulatedEP(ep_size, tokens, dispatch_bytes_per_token=64, combine_bytes_per_token=64, timeout_s=5.0)
+    ids = torch.zeros(3, top_k, dtype=torch.int32)
+    xs = {"a": torch.full((3, 8), 1.0), "b": torch.full((3, 8), 2.0), "rank 1": torch.full((3, 8), 3.0)}
+    got, errors = {}, {}
+
+    def call(name, rank):
+        try:
+            got[name] = a2a.moe_a2a_dispatch(ids, [xs[name]], sim.workspace, sim.metainfo[rank], tokens, rank,
+                                             ep_size, top_k, num_experts)
+        except RuntimeError as e:
+            errors[name] = str(e)
+
+    zeros = [threading.Thread(target=call, args=(name, 0)) for name in ("a", "b")]
+    for t in zeros:
+        t.start()
+    # Rank 1 comes once one rank-0 call was refused: the other waits for rank 1 until then, so it is inside.
+    deadline = time.monotonic() + 4.0
+    while not errors and time.monotonic() < deadline:
+        time.sleep(0.01)
+    one = threading.Thread(target=call, args=("rank 1", 1))
+    one.start()
+    for t in [*zeros, one]:
+        t.join()
+    assert len(errors) == 1 and set(got) | set(errors) == {"a", "b", "rank 1"}, (errors, list(got))
+    refused = next(iter(errors))
+    assert "rank 0: another thread is inside a call on this rank's row" in errors[refused]
+    kept = "b" if refused == "a" else "a"
+    assert torch.equal(got[kept][0][0][0, :3], xs[kept])  # every id is expert 0: rank 0 receives its own rows
+
+
 THREAD_HINT = "need a thread each"
 
 
