@@ -139,6 +139,7 @@ from .common import (
     report_copy_ceiling,
     routes_by_destination,
     set_bytes,
+    stopped_line,
     time_ops,
     write_json,
 )
@@ -1113,8 +1114,9 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         summary = _summary(records, copy_gbps, host, host_wall, interrupted, device.type)
         summary += f"\n  time: {_duration(sweep_s)} for {len(records)} of {len(points)} points (estimated " \
                    f"{_duration(estimate_s)} for all)"
-        if interrupted:
-            summary += f"\n  stopped by {signal.Signals(stop.signum).name}: {len(points) - len(records)} points not run"
+        stopped = stopped_line(stop, len(points), len(records))
+        if stopped:
+            summary += f"\n  {stopped}"
         print(_table(records))
         print(_legend(device.type))
         print()
