@@ -448,9 +448,14 @@ def test_sanitize_any_width(width, id_dtype, device):
     wide = torch.randint(-2**40 if id_dtype == torch.int64 else -1000, 1000, (tokens, width), dtype=id_dtype,
                          generator=gen).to(device)
     recv, _, _ = a2a.moe_a2a_dispatch(ids, [wide], workspace, metainfo, 4, 0, 1, TOP_K, 8)
-    a2a.moe_a2a_sanitize_expert_ids(recv[0], workspace, metainfo, 0, -7)
+    info = torch.iinfo(id_dtype)
+    for invalid in (info.min, info.max, -7):  # the dtype's extremes, then the id checked
+        a2a.moe_a2a_sanitize_expert_ids(recv[0], workspace, metainfo, 0, invalid)
+        assert bool((recv[0][0, tokens:] == invalid).all())
     assert torch.equal(recv[0][0, :tokens].cpu(), wide.cpu())
-    assert bool((recv[0][0, tokens:] == -7).all())
+    for outside in (info.min - 1, info.max + 1):
+        with pytest.raises(ValueError, match=rf"invalid_expert_id must fit in the ids' dtype {id_dtype} .* got {outside}"):
+            a2a.moe_a2a_sanitize_expert_ids(recv[0], workspace, metainfo, 0, outside)
 
 
 # ---- FlashInfer's other behaviours ----------------------------------------------------------

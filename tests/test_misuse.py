@@ -1367,13 +1367,34 @@ def test_wrap_payload_tensor_names_its_bad_arguments():
     wrap = a2a.moe_a2a_wrap_payload_tensor_in_workspace
     for args, text in ((([1, 4], 0, 64, "float32"), "dtype must be a torch.dtype, got 'float32'"),
                        (([-1, 4], 0, 64, torch.float32), "leading_shape must be a list of positive ints, got [-1, 4]"),
-                       (([1, 4], 1, 65, torch.float32), "slice [1, 65) is not a whole number of [1, 4] rows"),
-                       (([1, 4], 0, 60, torch.float32), "slice [0, 60) is not a whole number of [1, 4] rows"),
+                       (([1, 4], 1, 65, torch.float32), "slice [1, 65) does not start at an address aligned for "
+                                                          "torch.float32 (4-byte elements)"),
+                       (([1, 4], 0, 60, torch.float32), "slice [0, 60) of 60 bytes is not a whole number of [1, 4] "
+                                                        "rows of torch.float32: its length must be a multiple of "
+                                                        "4 x 4 bytes"),
+                       (([2**40], 0, 64, torch.float32), "slice [0, 64) of 64 bytes is not a whole number of "
+                                                         "[1099511627776] rows"),
                        (([1, 4], 0.0, 64, torch.float32), "slice_start must be an int, got 0.0")):
         with pytest.raises(ValueError) as info:
             wrap(ws, *args)
         assert text in str(info.value), (args, str(info.value))
     assert wrap(ws, [1, 4], 1024 + 64, 1024 + 128, torch.float32).shape == (1, 4, 4)
+    # Rows whose bytes are not adjacent (a strided or transposed workspace)
+    # failed in torch's view() ("self.stride(-1) must be 1 to view Byte as ...").
+    for strided in (ws[:, ::2], ws[0, ::2], ws.t()):
+        with pytest.raises(ValueError, match=r"the workspace's rows must be contiguous \(stride 1 within a row\)"):
+            wrap(strided, [1, 4], 0, 64, torch.float32)
+
+
+@pytest.mark.parametrize("view", ["transposed", "strided"])
+def test_a_workspace_whose_rows_are_not_contiguous_is_named(view, device):
+    """A transposed workspace was refused as the metainfo of a workspace of
+    "2 bytes per rank", a strided one as one of half its size."""
+    sim = make_sim(CASE, device)
+    dev = make_inputs(CASE, make_generator("strided view")).to(device)
+    ws = sim.workspace.t() if view == "transposed" else sim.workspace[:, ::2]
+    refused(sim.workspace, _dispatch_call(sim, dev, workspace=ws), ValueError,
+            "the workspace's rows must be contiguous (stride 1 within a row), got strides")
 
 
 def test_a_workspace_viewed_as_another_dtype_is_named(device):

@@ -343,8 +343,9 @@ def moe_a2a_wrap_payload_tensor_in_workspace(
         ValueError: ``workspace`` not a tensor, or neither 2-D uint8 nor one
             1-D uint8 row; ``slice_start`` or ``slice_end`` not an int;
             ``dtype`` not a ``torch.dtype``; ``leading_shape`` not a list of
-            positive ints; ``slice_start < 0`` or ``slice_end < slice_start``;
-            a slice that does not lie within one row; outside
+            positive ints; a workspace whose rows are not contiguous;
+            ``slice_start < 0`` or ``slice_end < slice_start``; a slice that
+            does not lie within one row; outside
             ``torch.compile``, a slice that is not a whole number of
             ``leading_shape`` rows of ``dtype`` or does not start at an
             address aligned for ``dtype``.
@@ -363,6 +364,10 @@ def moe_a2a_wrap_payload_tensor_in_workspace(
             f"workspace must be a uint8 [ep_size, size_per_rank] tensor or one row of it, "
             f"got {workspace.dtype} {tuple(workspace.shape)}"
         )
+    if ws.shape[1] > 1 and ws.stride(1) != 1:  # a row's bytes must be adjacent to be viewed as another dtype
+        raise ValueError(f"{fn}: the workspace's rows must be contiguous (stride 1 within a row), got strides "
+                         f"{tuple(workspace.stride())} for shape {tuple(workspace.shape)}: pass the workspace that "
+                         f"allocate_workspace returned, or one row of it")
     length = slice_end - slice_start
     if slice_start < 0 or length < 0:
         raise ValueError(f"invalid slice [{slice_start}, {slice_end})")
@@ -374,10 +379,14 @@ def moe_a2a_wrap_payload_tensor_in_workspace(
         )
     itemsize, rows = dtype.itemsize, math.prod(leading_shape)
     # Not traced: torch.compile cannot trace storage_offset() (the view below refuses such a slice there).
-    if not torch.compiler.is_compiling() and (
-            (ws.storage_offset() + ws.stride(0) * rank + start) % itemsize or length % (itemsize * rows)):
-        raise ValueError(f"{fn}: slice [{slice_start}, {slice_end}) is not a whole number of {leading_shape} rows "
-                         f"of {dtype} at an address aligned for it ({itemsize}-byte elements)")
+    if not torch.compiler.is_compiling():
+        if length % (itemsize * rows):
+            raise ValueError(f"{fn}: slice [{slice_start}, {slice_end}) of {length} bytes is not a whole number of "
+                             f"{list(leading_shape)} rows of {dtype}: its length must be a multiple of "
+                             f"{rows} x {itemsize} bytes")
+        if (ws.storage_offset() + ws.stride(0) * rank + start) % itemsize:
+            raise ValueError(f"{fn}: slice [{slice_start}, {slice_end}) does not start at an address aligned for "
+                             f"{dtype} ({itemsize}-byte elements)")
     view = ws[rank].narrow(0, start, length).view(dtype).view(*leading_shape, -1)
     return view.clone() if torch.compiler.is_compiling() else view
 
@@ -861,7 +870,7 @@ def moe_a2a_sanitize_expert_ids(
             ``expert_ids`` not a view of ``workspace`` (under
             ``torch.compile``: not a receive view returned by
             :func:`moe_a2a_dispatch`) or not within this rank's row;
-            ``invalid_expert_id`` not an int, or outside int32 for int32 ids; an unknown
+            ``invalid_expert_id`` not an int, or outside the ids' dtype (int32 or int64); an unknown
             backend, or ``"cake"`` off Blackwell. CPU also: a row initialized
             with other sizes than the metainfo's.
         RuntimeError: CPU only: this rank's row not initialized, or an
@@ -881,6 +890,13 @@ def moe_a2a_sanitize_expert_ids(
             "expert_ids must be the contiguous int32 or int64 [ep_size, runtime_max_tokens_per_rank, width] "
             f"view returned by moe_a2a_dispatch, got {expert_ids.dtype} {tuple(expert_ids.shape)}"
         )
+    if type(invalid_expert_id) is int:
+        # Checked here for int64 ids too: an int outside int64 would fail the
+        # op's schema with a message that names neither the argument nor its range.
+        info = torch.iinfo(expert_ids.dtype)
+        if not info.min <= invalid_expert_id <= info.max:
+            raise ValueError(f"moe_a2a_sanitize_expert_ids: invalid_expert_id must fit in the ids' dtype "
+                             f"{expert_ids.dtype} ([{info.min}, {info.max}]), got {invalid_expert_id}")
     _, ep_size, max_num_tokens, _, _, _, _ = meta
     if expert_ids.shape[0] != ep_size or not 1 <= expert_ids.shape[1] <= max_num_tokens:
         raise ValueError(

@@ -123,8 +123,9 @@ def check_rank(meta: MetaValues, ep_rank: int, ep_size: int, workspace: torch.Te
     """A call's ep_rank, ep_size and workspace against its metainfo.
 
     Raises:
-        ValueError: ep_rank or ep_size other than the metainfo's, or a workspace
-            whose rows have another size than the one it was initialized with
+        ValueError: ep_rank or ep_size other than the metainfo's, a workspace
+            whose rows are not contiguous, or one whose rows have another
+            size than the one it was initialized with
             (the metainfo of another workspace: the op would wait for peers that
             never come, or read a layout that is not there).
     """
@@ -135,6 +136,11 @@ def check_rank(meta: MetaValues, ep_rank: int, ep_size: int, workspace: torch.Te
             f"ep_rank/ep_size ({ep_rank}, {ep_size}) do not match the metainfo "
             f"({meta[0]}, {meta[1]}) given by moe_a2a_initialize"
         )
+    if workspace.dim() == 2 and workspace.shape[1] > 1 and workspace.stride(1) != 1:
+        # A transposed or strided view: its row length is not the row's bytes either.
+        raise ValueError(f"the workspace's rows must be contiguous (stride 1 within a row), got strides "
+                         f"{tuple(workspace.stride())} for shape {tuple(workspace.shape)}: pass the workspace that "
+                         "allocate_workspace returned")
     if workspace.dim() == 2 and workspace.shape[1] != meta[4]:
         if workspace.dtype != torch.uint8:  # a view as another dtype: its row length is not the bytes'
             raise ValueError(f"workspace must be the uint8 [ep_size, size_per_rank] tensor, got {workspace.dtype}")
