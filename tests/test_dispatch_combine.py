@@ -404,7 +404,9 @@ def test_large_dispatch_shares_counts_and_tasks(name, device):
     ep = case.ep_size
     routed_words = slice(layout.HDR_DISPATCH_ROUTED, layout.HDR_DISPATCH_ROUTED + 4 * layout.MAX_DISPATCH_CTAS)
     count_words = slice(layout.HDR_DISPATCH_COUNTS, layout.HDR_DISPATCH_ROUTED)
-    for call in range(1, 4):
+    # Three calls on CUDA, whose words carry the call's number; one on the
+    # CPU, which writes none of them (its round trips are checked elsewhere).
+    for call in range(1, 4 if sim.workspace.is_cuda else 2):
         inputs = make_inputs(case, gen)
         for ids, payloads in zip(inputs.ids, inputs.payloads):
             ids[ids.shape[0] // 2 :] = -1
