@@ -418,6 +418,15 @@ nvidia-ml-py (pynvml), filelock, jinja2, packaging, numpy.
 EOF
   rm -rf "$PEER"
   mv "$new" "$PEER"
+  # Ignored by git (a checkout's own exclude file, not the project's
+  # .gitignore): untracked, not ignored, it would travel with every device
+  # call whether carried or not, and show in `git status`.
+  local exclude
+  if [[ "$PEER" == "$REPO/.peer" ]] && exclude=$(git -C "$REPO" rev-parse --git-path info/exclude 2>/dev/null); then
+    [[ "$exclude" = /* ]] || exclude=$REPO/$exclude
+    mkdir -p "$(dirname "$exclude")"
+    grep -qxF '.peer/' "$exclude" 2>/dev/null || echo '.peer/' >>"$exclude"
+  fi
   du -sh "$PEER"
   echo "flashinfer_peer: done -> $PEER"
 }
