@@ -43,7 +43,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 _EXAMPLES = os.environ.get("MOE_A2A_PROPERTY_EXAMPLES")
 PROPERTY_SETTINGS = settings(
-    max_examples=int(_EXAMPLES) if _EXAMPLES else 150,
+    max_examples=int(_EXAMPLES) if _EXAMPLES else 100,
     derandomize=not _EXAMPLES,
     deadline=None,  # simulated ranks wait for each other: times vary with the machine's load
     database=None,  # nothing written into the checkout
