@@ -70,7 +70,14 @@ from .fastpath import (
     wrong_type,
 )
 from .layout import MOE_A2A_RANK_MASK_WORDS
-from .metainfo import call_timeout, check_rank, check_rank_index, check_timeout, metainfo_values
+from .metainfo import (
+    call_timeout,
+    check_rank,
+    check_rank_index,
+    check_rows_contiguous,
+    check_timeout,
+    metainfo_values,
+)
 
 _ops = torch.ops.moe_a2a
 
@@ -364,10 +371,7 @@ def moe_a2a_wrap_payload_tensor_in_workspace(
             f"workspace must be a uint8 [ep_size, size_per_rank] tensor or one row of it, "
             f"got {workspace.dtype} {tuple(workspace.shape)}"
         )
-    if ws.shape[1] > 1 and ws.stride(1) != 1:  # a row's bytes must be adjacent to be viewed as another dtype
-        raise ValueError(f"{fn}: the workspace's rows must be contiguous (stride 1 within a row), got strides "
-                         f"{tuple(workspace.stride())} for shape {tuple(workspace.shape)}: pass the workspace that "
-                         f"allocate_workspace returned, or one row of it")
+    check_rows_contiguous(ws, workspace, f"{fn}: ", ", or one row of it")
     length = slice_end - slice_start
     if slice_start < 0 or length < 0:
         raise ValueError(f"invalid slice [{slice_start}, {slice_end})")

@@ -119,6 +119,21 @@ def call_timeout(meta: MetaValues, timeout_s) -> float:
     return timeout_s
 
 
+def check_rows_contiguous(rows: torch.Tensor, workspace: torch.Tensor, prefix: str = "", also: str = "") -> None:
+    """Whether each row of the 2-D ``rows`` (``workspace``, or a view of it
+    with a leading dimension added) is adjacent bytes, as every view of a row
+    as another dtype and every kernel needs.
+
+    Raises:
+        ValueError: it is not (a transposed or strided view), naming
+            ``workspace``'s strides, after ``prefix``; ``also`` ends the hint.
+    """
+    if rows.shape[1] > 1 and rows.stride(1) != 1:
+        raise ValueError(f"{prefix}the workspace's rows must be contiguous (stride 1 within a row), got strides "
+                         f"{tuple(workspace.stride())} for shape {tuple(workspace.shape)}: pass the workspace that "
+                         f"allocate_workspace returned{also}")
+
+
 def check_rank(meta: MetaValues, ep_rank: int, ep_size: int, workspace: torch.Tensor) -> None:
     """A call's ep_rank, ep_size and workspace against its metainfo.
 
@@ -136,11 +151,9 @@ def check_rank(meta: MetaValues, ep_rank: int, ep_size: int, workspace: torch.Te
             f"ep_rank/ep_size ({ep_rank}, {ep_size}) do not match the metainfo "
             f"({meta[0]}, {meta[1]}) given by moe_a2a_initialize"
         )
-    if workspace.dim() == 2 and workspace.shape[1] > 1 and workspace.stride(1) != 1:
+    if workspace.dim() == 2:
         # A transposed or strided view: its row length is not the row's bytes either.
-        raise ValueError(f"the workspace's rows must be contiguous (stride 1 within a row), got strides "
-                         f"{tuple(workspace.stride())} for shape {tuple(workspace.shape)}: pass the workspace that "
-                         "allocate_workspace returned")
+        check_rows_contiguous(workspace, workspace)
     if workspace.dim() == 2 and workspace.shape[1] != meta[4]:
         if workspace.dtype != torch.uint8:  # a view as another dtype: its row length is not the bytes'
             raise ValueError(f"workspace must be the uint8 [ep_size, size_per_rank] tensor, got {workspace.dtype}")
