@@ -30,8 +30,8 @@ namespace moe_a2a {
 namespace {
 
 // Largest payload / combine row (and EPLB row) accepted, in bytes. Keeps every
-// layout sum (kMaxRanks * kMaxNumTokens * row bytes over kMaxPayloads + 1
-// regions, i.e. below 2^6 * 2^24 * 2^28 * 9 < 2^62) free of int64 overflow, so
+// layout sum (kMaxRanks * kMaxNumTokens * row bytes over kMaxCallPayloads + 1
+// regions, i.e. below 2^6 * 2^24 * 2^28 * 11 < 2^62) free of int64 overflow, so
 // the size checks below cannot be fooled by a wrapped product.
 constexpr int64_t kMaxRowBytes = int64_t(1) << 28;
 
@@ -386,7 +386,8 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
                               const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
                               int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
                               const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
-                              at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl) {
+                              at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
+                              int max_payloads) {
   DispatchParams p{};
   p.ws = check_workspace(workspace, ep_rank, ep_size);
   check_max_num_tokens(max_num_tokens);
@@ -413,7 +414,7 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
                     runtime_max_tokens_per_rank, ", got ", n);
 
   const int64_t num_payloads = static_cast<int64_t>(input_payloads.size());
-  TORCH_CHECK_VALUE(num_payloads >= 1 && num_payloads <= kMaxPayloads, "input_payloads must hold 1 to ", kMaxPayloads,
+  TORCH_CHECK_VALUE(num_payloads >= 1 && num_payloads <= max_payloads, "input_payloads must hold 1 to ", max_payloads,
                     " tensors, got ", num_payloads);
   for (int64_t i = 0; i < num_payloads; ++i) {
     const at::Tensor& t = input_payloads[i];
@@ -720,10 +721,8 @@ ExpertMajorBuildParams check_expert_major_build(const at::Tensor& workspace, int
                     "id_bytes must be 4 (int32 ids) or 8 (int64 ids), got ", id_bytes);
   const int64_t routed = 1 + (has_weights ? 1 : 0);  // the ids and the weights travel as payloads too
   const int64_t n = static_cast<int64_t>(payload_row_bytes.size());
-  TORCH_CHECK_VALUE(n + routed <= kMaxPayloads, "an expert-major dispatch takes at most ", kMaxPayloads - routed,
-                    " payloads", has_weights ? " with router weights" : "", " (the expert ids",
-                    has_weights ? " and the weights" : "", " travel as payloads too), got ", n);
-  int64_t rows[kMaxPayloads] = {};
+  TORCH_CHECK_VALUE(n <= kMaxPayloads, "an expert-major dispatch takes at most ", kMaxPayloads, " payloads, got ", n);
+  int64_t rows[kMaxCallPayloads] = {};
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK_VALUE(payload_row_bytes[i] >= 0 && payload_row_bytes[i] <= kMaxRowBytes,
                       "payload_row_bytes must be in [0, ", kMaxRowBytes, "], got ", payload_row_bytes);
@@ -766,7 +765,7 @@ ExpertMajorDispatchParams check_dispatch_expert_major(
   ExpertMajorDispatchParams p{};
   p.dispatch = check_dispatch(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
                               runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_stats_num_experts,
-                              active_rank_mask, timeout_s, mailbox, enable_pdl);
+                              active_rank_mask, timeout_s, mailbox, enable_pdl, kMaxCallPayloads);
   p.build = check_expert_major_build(workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k,
                                      num_experts, max_tokens_per_expert,
                                      eplb_local_stats.has_value() ? eplb_stats_num_experts : 0, payload_row_bytes,
@@ -1313,8 +1312,8 @@ std::vector<int64_t> call_layout_op(int64_t ep_size, int64_t runtime_max_tokens_
                     "runtime_max_tokens_per_rank must be in [1, ", kMaxNumTokens, "], got ",
                     runtime_max_tokens_per_rank);
   check_eplb_n(eplb_n);
-  TORCH_CHECK_VALUE(payload_row_bytes.size() <= size_t(kMaxPayloads), "payload_row_bytes must hold at most ",
-                    kMaxPayloads, " sizes, got ", payload_row_bytes.size());
+  TORCH_CHECK_VALUE(payload_row_bytes.size() <= size_t(kMaxCallPayloads), "payload_row_bytes must hold at most ",
+                    kMaxCallPayloads, " sizes, got ", payload_row_bytes.size());
   for (const int64_t b : payload_row_bytes) {
     TORCH_CHECK_VALUE(b >= 0 && b <= kMaxRowBytes, "payload_row_bytes must be in [0, ", kMaxRowBytes, "], got ",
                       payload_row_bytes);
@@ -1379,6 +1378,7 @@ std::vector<int64_t> constants_op() {
       kRankMaskWords,
       kMaxTopK,
       kMaxPayloads,
+      kMaxCallPayloads,
       kMaxNumTokens,
       kAlign,
       kPlaneAlign,

@@ -53,9 +53,9 @@ struct DispatchParams {
   // [local_num_tokens, top_k], contiguous: int32 ids, or int64 ids (torch.topk's) when ids_int64.
   const void* token_selected_experts;
   bool ids_int64;
-  int num_payloads;                      // 1..kMaxPayloads
-  const uint8_t* payload[kMaxPayloads];  // [local_num_tokens, row_bytes], contiguous rows
-  int64_t payload_row_bytes[kMaxPayloads];
+  int num_payloads;  // 1..kMaxPayloads; kMaxCallPayloads with an expert-major call's ids and weights
+  const uint8_t* payload[kMaxCallPayloads];  // [local_num_tokens, row_bytes], contiguous rows
+  int64_t payload_row_bytes[kMaxCallPayloads];
   const int32_t* eplb_local_stats;  // [eplb_n] or nullptr
   int64_t eplb_n;                   // 0 when eplb_local_stats is nullptr
   CallLayout layout;                // offsets inside every row for this call

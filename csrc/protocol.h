@@ -229,6 +229,9 @@ constexpr int kMaxRanks = 64;
 constexpr int kRankMaskWords = (kMaxRanks + 63) / 64;
 constexpr int kMaxTopK = 22;
 constexpr int kMaxPayloads = 8;
+// The planes of one call: the user's payloads and, in an expert-major call,
+// the expert ids and the router weights, which travel as payloads too.
+constexpr int kMaxCallPayloads = kMaxPayloads + 2;
 constexpr int64_t kMaxNumTokens = (int64_t(1) << 24) - 1;  // slot fits the route entry
 constexpr int64_t kAlign = 128;
 // The payload planes' and combine region's start, and workspace_size_per_rank's
@@ -542,7 +545,7 @@ struct CallLayout {
   int64_t route_offset;
   int64_t eplb_offset;  // -1 when the call gathers no EPLB stats
   int num_payloads;
-  int64_t payload_offset[kMaxPayloads];
+  int64_t payload_offset[kMaxCallPayloads];
   int64_t combine_offset;  // combine_payload_offset
   int64_t dispatch_end;    // == combine_offset
 };
@@ -892,7 +895,9 @@ MOE_A2A_HD int64_t expert_major_workspace_size_per_rank(int64_t ep_size, int64_t
                                                         int64_t eplb_n, int64_t num_experts, int64_t top_k,
                                                         int64_t tokens_per_expert) {
   const int64_t routed_bytes = total_dispatch_bytes + top_k * (8 + 4);
-  int64_t size = workspace_size_per_rank(ep_size, max_num_tokens, routed_bytes, 0, eplb_n);
+  // workspace_size_per_rank pads kMaxPayloads planes; the ids' and the weights' two more.
+  int64_t size = workspace_size_per_rank(ep_size, max_num_tokens, routed_bytes, 0, eplb_n) +
+                 (kMaxCallPayloads - kMaxPayloads) * kPlaneAlign;
   const int64_t rows = max_local_experts(num_experts, ep_size) * tokens_per_expert;
   size += align_up(max_local_experts(num_experts, ep_size) * 4, kPlaneAlign);
   size += align_up(ep_size * max_num_tokens * top_k * 4, kPlaneAlign);

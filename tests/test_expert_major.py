@@ -41,7 +41,7 @@ class EmCase:
     max_tokens_per_expert: Optional[int] = None  # None: the default (worst case)
     weights: bool = True
     ids_int64: bool = False
-    extra: bool = True  # a second payload of random bytes (7 per token)
+    extra: int = 1  # payloads of random bytes after the hidden state, the j-th 7 + j bytes a token
     active: Optional[tuple[int, ...]] = None  # None: every rank
     output_dtype: Optional[torch.dtype] = None
     in_workspace: bool = False
@@ -60,12 +60,13 @@ class EmCase:
 
     @property
     def user_bytes(self) -> int:
-        return self.hidden * self.hidden_dtype.itemsize + (7 if self.extra else 0)
+        return self.hidden * self.hidden_dtype.itemsize + sum(7 + j for j in range(self.extra))
 
     def __str__(self) -> str:
         return (f"ep{self.ep_size}-tok{'_'.join(map(str, self.tokens))}-k{self.top_k}-E{self.num_experts}"
                 f"-M{self.max_tokens_per_expert}-w{int(self.weights)}-i64{int(self.ids_int64)}"
-                f"-act{self.active}-ws{int(self.in_workspace)}{'-rep' if self.repeats else ''}")
+                f"-act{self.active}-ws{int(self.in_workspace)}{'-rep' if self.repeats else ''}"
+                f"{'' if self.extra == 1 else f'-x{self.extra}'}")
 
 
 def _grid(count: int, seed: int) -> list[EmCase]:
@@ -98,6 +99,10 @@ GRID = [
     EmCase(2, (5, 3), 6, 2, repeats=True),  # fewer experts than top_k: every token repeats one
     EmCase(3, (4, 0, 6), 22, 3, max_tokens_per_expert=5, repeats=True, in_workspace=True),
     EmCase(3, (7, 2, 4), 6, 2051, max_tokens_per_expert=2),  # beyond 1024 experts: on CUDA dispatch + build
+    # The most payloads (the ids and the weights travel as two more): the
+    # one-kernel call on CUDA, then dispatch + build.
+    EmCase(3, (4, 0, 6), 5, 9, extra=layout.MAX_PAYLOADS - 1, ids_int64=True),
+    EmCase(3, (5, 3, 0), 3, 2051, max_tokens_per_expert=3, extra=layout.MAX_PAYLOADS - 1),
     *_grid(18, 1234),
 ]
 
@@ -137,8 +142,7 @@ def em_inputs(case: EmCase, gen: torch.Generator):
                                                negative_fraction=0.05)
         ids.append(routing.long() if case.ids_int64 else routing)
         p = [random_values((n, case.hidden), case.hidden_dtype, gen)]
-        if case.extra:
-            p.append(random_tensor((n, 7), torch.uint8, gen))
+        p += [random_tensor((n, 7 + j), torch.uint8, gen) for j in range(case.extra)]
         payloads.append(p)
         weights.append(torch.rand((n, case.top_k), generator=gen) + 0.25)
     return ids, payloads, (weights if case.weights else None)
@@ -355,7 +359,7 @@ def test_ranks_with_other_rows_per_expert_are_reported(device):
     """max_tokens_per_expert must be the same on every rank of a call (it
     places every expert-major plane): ranks whose M differ are reported as
     dispatching other payloads (CPU: by the dispatch; CUDA: by the combine)."""
-    case = EmCase(2, (4, 3), 2, 4, max_tokens_per_expert=4, extra=False, weights=False)
+    case = EmCase(2, (4, 3), 2, 4, max_tokens_per_expert=4, extra=0, weights=False)
     sim = make_em_sim(case, device)
     ids, payloads, _ = em_inputs(case, make_generator(43))
     dev = sim.workspace.device
@@ -495,7 +499,7 @@ def test_default_rows_per_expert_keep_every_slot_with_fewer_experts_than_top_k(t
     load; the default is then every slot of every token: a routing that puts
     every slot of every token on expert 0 keeps all its pairs."""
     ep, T = 2, 4
-    case = EmCase(ep, (T, T), top_k, num_experts, extra=False, repeats=True)
+    case = EmCase(ep, (T, T), top_k, num_experts, extra=0, repeats=True)
     assert case.M == ep * T * top_k
     sim = make_em_sim(case, device)
     ids = torch.zeros(T, top_k, dtype=torch.int32, device=device)
@@ -521,7 +525,7 @@ def _simple(device, M=None):
     return case, sim, ids[0].to(device), [p.to(device) for p in payloads[0]], weights[0].to(device)
 
 
-@pytest.mark.parametrize("case", [EmCase(1, (9,), 4, 6, extra=False), EmCase(3, (2, 7, 0), 3, 7, active=(1,))], ids=str)
+@pytest.mark.parametrize("case", [EmCase(1, (9,), 4, 6, extra=0), EmCase(3, (2, 7, 0), 3, 7, active=(1,))], ids=str)
 def test_combine_stages_only_for_pulling_peers(case, device):
     """A combine of an expert-output tensor with no active peer (ep 1, or every
     peer masked off) writes nothing into its combine region: its own pairs'
@@ -562,8 +566,8 @@ def test_refusals_leave_workspace_untouched(device):
         a2a.moe_a2a_dispatch_expert_major(*args, max_tokens_per_expert=0)
     with pytest.raises(ValueError, match="router_weights"):
         a2a.moe_a2a_dispatch_expert_major(*args, router_weights=weights[:, :1])
-    with pytest.raises(ValueError, match="at most 6 payloads"):
-        a2a.moe_a2a_dispatch_expert_major(ids, payloads * 4, *args[2:], router_weights=weights)
+    with pytest.raises(ValueError, match="at most 8 payloads, got 9"):
+        a2a.moe_a2a_dispatch_expert_major(ids, [payloads[0]] * 9, *args[2:], router_weights=weights)
     with pytest.raises(ValueError, match="workspace too small"):
         a2a.moe_a2a_dispatch_expert_major(*args, max_tokens_per_expert=case.M * 100)
     with pytest.raises(ValueError, match="expert_major=True"):
@@ -626,7 +630,7 @@ def test_combine_needs_expert_major_dispatch(device):
 
 
 def test_moe_alltoall_expert_major(device):
-    case = EmCase(2, (5, 3), 3, 5, hidden=16, extra=False)
+    case = EmCase(2, (5, 3), 3, 5, hidden=16, extra=0)
     ws_size = a2a.MoeAlltoAll.get_moe_workspace_size_per_rank_expert_major(2, case.top_k, case.T, case.hidden,
                                                                             case.num_experts, dtype=torch.bfloat16)
     sized = a2a.MoeAlltoAll(ep_mapping(0, 1), case.T, case.top_k, case.num_experts, hidden_size=case.hidden,
@@ -670,7 +674,7 @@ def test_moe_alltoall_expert_major_refuses_low_precision(kwargs, error, match, d
     """After an expert-major dispatch, MoeAlltoAll.combine refuses the options of
     the rank-major combine before any kernel runs, flags that are no flags as
     the functional combine does; the round stays open for the combine after."""
-    case = EmCase(1, (5,), 2, 4, hidden=32, extra=False)
+    case = EmCase(1, (5,), 2, 4, hidden=32, extra=0)
     a2a.MoeAlltoAll.clear_workspace_cache()  # a workspace of its own: no round another test left open
     moe = a2a.MoeAlltoAll(ep_mapping(0, 1), case.T, case.top_k, case.num_experts, hidden_size=case.hidden,
                           device=device, expert_major=True)
@@ -692,7 +696,7 @@ def test_moe_alltoall_expert_major_takes_sf_layout_as_the_rank_major_combine(dev
     combine; after an expert-major dispatch it was refused as a quantized
     output. It is taken there too (a bad value is refused, as by the
     rank-major combine)."""
-    case = EmCase(1, (5,), 2, 4, hidden=32, extra=False)
+    case = EmCase(1, (5,), 2, 4, hidden=32, extra=0)
     a2a.MoeAlltoAll.clear_workspace_cache()
     moe = a2a.MoeAlltoAll(ep_mapping(0, 1), case.T, case.top_k, case.num_experts, hidden_size=case.hidden,
                           device=device, expert_major=True)
@@ -714,7 +718,7 @@ def test_expert_major_cuda_graph_replays():
     """Each simulated rank's expert-major step (dispatch, a stand-in expert on the
     views, combine) captured into its own CUDA graph and replayed with fresh
     inputs in the static buffers: every replay equal to the reference."""
-    case = EmCase(4, (9, 0, 14, 5), 4, 10, max_tokens_per_expert=12, extra=False)
+    case = EmCase(4, (9, 0, 14, 5), 4, 10, max_tokens_per_expert=12, extra=0)
     ep, device = case.ep_size, "cuda"
     sim = a2a.SimulatedEP(ep, case.T, dispatch_bytes_per_token=0, combine_bytes_per_token=0, device=device,
                           workspace_size_per_rank=em_workspace_size(case), timeout_s=10.0)

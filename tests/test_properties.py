@@ -107,11 +107,9 @@ def problems(draw, expert_major: bool) -> Problem:
     num_experts = draw(st.integers(least, least + 2 * ep + 1))
     runtime_max = draw(st.integers(1, 12))
     rounds = draw(st.lists(st.tuples(*[st.integers(0, runtime_max)] * ep), min_size=1, max_size=3))
-    # expert-major: the ids and the router weights travel as payloads too
-    most_payloads = layout.MAX_PAYLOADS - (2 if expert_major else 0)
     payloads = draw(st.lists(st.tuples(st.sampled_from(PAYLOAD_DTYPES),
                                        st.lists(st.integers(0, 6), max_size=2).map(tuple)),
-                             min_size=1, max_size=most_payloads))
+                             min_size=1, max_size=layout.MAX_PAYLOADS))
     combine_dtype = draw(st.sampled_from(COMBINE_DTYPES))
     outputs = [None, combine_dtype, torch.bfloat16] + ([torch.float32] if expert_major else [])
     active = None

@@ -470,8 +470,7 @@ def moe_a2a_dispatch(
             are skipped and counted (:func:`moe_a2a_get_invalid_expert_count`).
         input_payloads: a list or tuple of 1 to 8 contiguous tensors
             ``[local_num_tokens, *]`` of any dtype on the workspace's device
-            (``expert_major=True``: 0 to 7, 0 to 6 with ``router_weights``:
-            the expert ids and the weights travel as payloads too).
+            (``expert_major=True``: 0 to 8).
             If any requires grad under grad mode (eager calls), the call runs
             as :func:`~torch_moe_a2a.moe_a2a_dispatch_differentiable` and
             returns its received rows (new tensors), no EPLB statistics; a

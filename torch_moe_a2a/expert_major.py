@@ -204,9 +204,8 @@ def moe_a2a_dispatch_expert_major(
         token_selected_experts: int32 or int64 ``[local_num_tokens, top_k]``
             (as for :func:`~torch_moe_a2a.moe_a2a_dispatch`); it also travels
             as a payload, which the receiving rank reads to group the rows.
-        input_payloads: a list or tuple of 0 to 7 contiguous
-            ``[local_num_tokens, *]`` tensors (6 with ``router_weights``: the
-            ids and the weights are payloads too). If any of them or
+        input_payloads: a list or tuple of 0 to 8 contiguous
+            ``[local_num_tokens, *]`` tensors. If any of them or
             ``router_weights`` requires grad under grad mode (eager calls), the
             call runs as
             :func:`~torch_moe_a2a.moe_a2a_dispatch_expert_major_differentiable`
@@ -328,10 +327,9 @@ def check_expert_major_fits(workspace, ep_size, T, top_k, num_experts, M, eplb_n
     if not isinstance(M, int) or isinstance(M, bool) or not 1 <= M <= layout.MAX_EXPERT_MAJOR_ROWS // local:
         raise ValueError(f"max_tokens_per_expert must be an int in [1, {layout.MAX_EXPERT_MAJOR_ROWS // local}], "
                          f"got {M!r}")
-    routed = 1 + int(has_weights)
-    if len(user_rows) + routed > layout.MAX_PAYLOADS:
-        raise ValueError(f"an expert-major dispatch takes at most {layout.MAX_PAYLOADS - routed} payloads"
-                         f"{' with router_weights' if has_weights else ''}, got {len(user_rows)}")
+    if len(user_rows) > layout.MAX_PAYLOADS:
+        raise ValueError(f"an expert-major dispatch takes at most {layout.MAX_PAYLOADS} payloads, got "
+                         f"{len(user_rows)}")
     rows = list(user_rows) + [top_k * id_bytes] + ([top_k * 4] if has_weights else [])
     if not 1 <= T <= layout.MAX_NUM_TOKENS or not 1 <= top_k <= layout.MAX_TOP_K:
         return  # the dispatch names these

@@ -14,6 +14,9 @@ MAX_RANKS = 64
 MOE_A2A_RANK_MASK_WORDS = (MAX_RANKS + 63) // 64
 MAX_TOP_K = 22
 MAX_PAYLOADS = 8
+# The planes of one call: the user's payloads and, in an expert-major call,
+# the expert ids and the router weights, which travel as payloads too.
+MAX_CALL_PAYLOADS = MAX_PAYLOADS + 2
 MAX_NUM_TOKENS = (1 << 24) - 1
 ALIGN = 128
 # A low-precision combine's e4m3 rows with block scales (csrc/protocol.h):
@@ -133,6 +136,7 @@ CONSTANTS = {
     "RANK_MASK_WORDS": MOE_A2A_RANK_MASK_WORDS,
     "MAX_TOP_K": MAX_TOP_K,
     "MAX_PAYLOADS": MAX_PAYLOADS,
+    "MAX_CALL_PAYLOADS": MAX_CALL_PAYLOADS,
     "MAX_NUM_TOKENS": MAX_NUM_TOKENS,
     "ALIGN": ALIGN,
     "PLANE_ALIGN": PLANE_ALIGN,
@@ -287,6 +291,7 @@ def expert_major_workspace_size_per_rank(
 ) -> int:
     """Mirror of ``moe_a2a::expert_major_workspace_size_per_rank`` in csrc/protocol.h."""
     size = workspace_size_per_rank(ep_size, max_num_tokens, total_dispatch_bytes + top_k * (8 + 4), 0, eplb_n)
+    size += (MAX_CALL_PAYLOADS - MAX_PAYLOADS) * PLANE_ALIGN  # the ids' and the weights' planes' pads
     local = max_local_experts(num_experts, ep_size)
     rows = local * tokens_per_expert
     size += align_up(local * 4, PLANE_ALIGN)

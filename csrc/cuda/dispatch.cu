@@ -95,7 +95,7 @@ struct DispatchArgs {
   SyncSettings sync_settings;
   int64_t tokens_per_cta;
   int claim_bits;  // dispatch_kernel: log2 of the claim counters used
-  CopyPlan plan[kMaxPayloads];
+  CopyPlan plan[kMaxCallPayloads];
 
   // Warp tasks of payload i for `count` tokens (step 3): a task is
   // kWarpSize / lanes items, a power of two.
