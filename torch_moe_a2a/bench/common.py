@@ -10,6 +10,7 @@ this module imports only public names of the rest of ``torch_moe_a2a``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -20,7 +21,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -534,7 +535,7 @@ def sweep(eps: list[int], tokens: list[int], preset: str, measure: Callable[[Poi
     second signal, or Ctrl-C where no handler is set, ends the point in
     progress); its ``signum`` tells the caller."""
     records = []
-    try:
+    with contextlib.nullcontext() if stop is None else stop.ends_sweep():
         for ep in eps:
             for T in tokens:
                 if stop is not None:
@@ -545,12 +546,6 @@ def sweep(eps: list[int], tokens: list[int], preset: str, measure: Callable[[Poi
                     rec = {"status": "error", "notes": [f"{type(e).__name__}: {first_line(e)}"]}
                 rec.update(ep=ep, tokens=T)
                 records.append(rec)
-    except Interrupted:
-        pass  # the point in progress is dropped; the ones before it stand
-    except KeyboardInterrupt:
-        if stop is None:
-            raise
-        stop.signum = stop.signum or signal.SIGINT
     return records
 
 
@@ -807,6 +802,19 @@ class StopSignals:
     def check(self) -> None:
         if self.signum is not None:
             raise Interrupted(self.signum)
+
+    @contextlib.contextmanager
+    def ends_sweep(self) -> Iterator[None]:
+        """A sweep's block, which a stop leaves quietly: the point in progress
+        is dropped and the ones before it stand. ``check()``'s Interrupted
+        ends it; so does KeyboardInterrupt (a second signal, or Ctrl-C where
+        no handler is set), recorded as SIGINT unless a signal came first."""
+        try:
+            yield
+        except Interrupted:
+            pass
+        except KeyboardInterrupt:
+            self.signum = self.signum or signal.SIGINT
 
     @property
     def exit_code(self) -> int:

@@ -34,7 +34,6 @@ holds the table of record).
 from __future__ import annotations
 
 import functools
-import signal
 import statistics
 from typing import Callable, Optional
 
@@ -49,7 +48,6 @@ from .common import (
     GIB,
     PRESETS,
     Clock,
-    Interrupted,
     StopSignals,
     capture_graph,
     copy_bandwidth,
@@ -189,7 +187,7 @@ def run_variants(device: torch.device, eps: list[int], tokens_list: list[int], i
     points = [(ep, tokens) for ep in eps for tokens in tokens_list]
     records = []
     done = 0
-    try:
+    with stop.ends_sweep():
         for ep, tokens in points:
             stop.check()
             need = _memory_bytes(ep, tokens, hidden, top_k)
@@ -206,10 +204,6 @@ def run_variants(device: torch.device, eps: list[int], tokens_list: list[int], i
             for row in rows:
                 emit(format_row(row, widths, LEFT))
             done += 1
-    except Interrupted:
-        pass  # the point in progress is dropped; the ones before it stand
-    except KeyboardInterrupt:  # a second signal, or Ctrl-C outside the main thread's handlers
-        stop.signum = stop.signum or signal.SIGINT
     emit("vs bf16: the bf16 combine's time over the variant's (above 1x: faster); bytes moved: what the CUDA "
          "kernels read and write (staging, pull, output); ratio to copy: those bytes per second over the copy "
          "bandwidth; check: the outputs against the bf16 combine's (module docstring)"

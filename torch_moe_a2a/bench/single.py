@@ -104,7 +104,6 @@ from .common import (
     SEED,
     Clock,
     InputSet,
-    Interrupted,
     OpGraphs,
     Point,
     Preset,
@@ -1071,42 +1070,40 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     # then is reported as usual (table, summary, --json, --plot), and the exit
     # code says which signal stopped it.
     with StopSignals() as stop:
-        try:
-            copy_gbps = report_copy_ceiling(clock, device, copy_bytes)
-            stop.check()
-            # The progress display starts with the sweep; the host cost and the estimate come first.
-            ctx = _Context(device, clock, iters, warmup, int(max_gib * GIB), l2, copy_gbps, QuietProgress(),
-                           graphs=device.type == "cuda", stop=stop.check)
+        with stop.ends_sweep():
             try:
-                host, host_wall = _host_cost(PRESETS[names[0]], args.fp8, device, clock, stop.check)
-            except Exception as e:  # noqa: BLE001 - reported; the sweep still runs
-                print(f"host cost: {type(e).__name__}: {first_line(e)}", flush=True)
-            line, estimate_s = _estimate_line(points, ctx, host_wall)
-            print(line, flush=True)
-            ctx.progress = progress = Progress(len(points))
-            sweep_start = time.perf_counter()
-            for point in points:
+                copy_gbps = report_copy_ceiling(clock, device, copy_bytes)
                 stop.check()
-                started = time.perf_counter()
+                # The progress display starts with the sweep; the host cost and the estimate come first.
+                ctx = _Context(device, clock, iters, warmup, int(max_gib * GIB), l2, copy_gbps, QuietProgress(),
+                               graphs=device.type == "cuda", stop=stop.check)
                 try:
-                    record = _run_point(point, ctx)
-                except Exception as e:  # noqa: BLE001 - one broken point must not hide the others
-                    record = new_record(point)
-                    record.update(status="error", notes=[f"{type(e).__name__}: {first_line(e)}"], ops={})
-                record["wall_s"] = time.perf_counter() - started  # what the next run's estimate can be checked against
-                records.append(record)
-                progress.step(point.label())
-                _release_quietly(device)
-                if not _device_alive(device):
-                    record["notes"].append("the CUDA context is broken; the sweep stops here")
-                    break
-        except Interrupted:
-            pass  # the point in progress is dropped; the ones before it stand
-        except KeyboardInterrupt:  # a second signal, or Ctrl-C outside the main thread's handlers
-            stop.signum = stop.signum or signal.SIGINT
-        finally:
-            if progress is not None:
-                progress.close()
+                    host, host_wall = _host_cost(PRESETS[names[0]], args.fp8, device, clock, stop.check)
+                except Exception as e:  # noqa: BLE001 - reported; the sweep still runs
+                    print(f"host cost: {type(e).__name__}: {first_line(e)}", flush=True)
+                line, estimate_s = _estimate_line(points, ctx, host_wall)
+                print(line, flush=True)
+                ctx.progress = progress = Progress(len(points))
+                sweep_start = time.perf_counter()
+                for point in points:
+                    stop.check()
+                    started = time.perf_counter()
+                    try:
+                        record = _run_point(point, ctx)
+                    except Exception as e:  # noqa: BLE001 - one broken point must not hide the others
+                        record = new_record(point)
+                        record.update(status="error", notes=[f"{type(e).__name__}: {first_line(e)}"], ops={})
+                    # What the next run's estimate can be checked against.
+                    record["wall_s"] = time.perf_counter() - started
+                    records.append(record)
+                    progress.step(point.label())
+                    _release_quietly(device)
+                    if not _device_alive(device):
+                        record["notes"].append("the CUDA context is broken; the sweep stops here")
+                        break
+            finally:
+                if progress is not None:
+                    progress.close()
         sweep_s = time.perf_counter() - sweep_start
         interrupted = stop.signum is not None
 
