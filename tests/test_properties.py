@@ -327,10 +327,15 @@ def backward_bytes(p: Problem) -> tuple[int, int]:
 
 
 def padding_zeroed(plane: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``plane`` ``[ep_size or L, rows, *]`` with rows ``j >= counts[s]`` zero."""
+    """``plane`` ``[ep_size or L, rows, *]`` with rows ``j >= counts[s]`` zero,
+    the other rows' bytes as they are. Zeroed as bytes: ``torch.where`` over a
+    bool plane may turn the random bytes of a bool payload (random_tensor's,
+    which the ops move unchanged) into 0 and 1 (torch 2.11 does on the CPU)."""
+    if plane.numel() == 0:
+        return plane.clone()
     valid = torch.arange(plane.shape[1])[None, :] < counts.cpu().long()[:, None]
-    return torch.where(valid.reshape(*valid.shape, *[1] * (plane.dim() - 2)), plane,
-                       torch.zeros((), dtype=plane.dtype))
+    rows = plane.contiguous().reshape(*plane.shape[:2], -1).view(torch.uint8)
+    return torch.where(valid.unsqueeze(2), rows, 0).view(plane.dtype).reshape(plane.shape)
 
 
 def check_rank_major_gradients(p: Problem, device: str) -> None:
