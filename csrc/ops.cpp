@@ -160,17 +160,23 @@ void check_outside_workspace(const at::Tensor& t, const WorkspaceView& ws, const
 
 // A combine's payload (staged from it): `payload_dtype`, on the workspace's
 // device, contiguous, no grad, of shape [rows, per_row, *row_shape];
-// `dims` names the two leading dimensions for the message.
+// `dims` names the two leading dimensions for the message, `per_row_hint`
+// (or nullptr) says where per_row comes from: a payload that differs in that
+// size alone is most often the dispatch's, combined with another size than
+// the dispatch's.
 const uint8_t* checked_combine_payload(const at::Tensor& t, at::ScalarType payload_dtype, const at::Tensor& workspace,
                                        int64_t rows, int64_t per_row, at::IntArrayRef row_shape, const char* dims,
-                                       const char* name) {
+                                       const char* per_row_hint, const char* name) {
   TORCH_CHECK_VALUE(t.scalar_type() == payload_dtype, name, " must be ", dtype_name(payload_dtype), ", got ",
                     dtype_name(t.scalar_type()));
   check_on_workspace_device(t, workspace, name);
   std::vector<int64_t> expected{rows, per_row};
   expected.insert(expected.end(), row_shape.begin(), row_shape.end());
+  const bool per_row_alone = per_row_hint != nullptr && t.dim() == int64_t(expected.size()) && t.size(0) == rows &&
+                             t.size(1) != per_row && t.sizes().slice(2) == row_shape;
   TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected), name, " must be [", dims, ", *row_shape] with ", dims,
-                    " = ", rows, ", ", per_row, ", got shape ", t.sizes());
+                    " = ", rows, ", ", per_row, ", got shape ", t.sizes(), per_row_alone ? " (" : "",
+                    per_row_alone ? per_row_hint : "", per_row_alone ? ")" : "");
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides(), " (pass ", name,
                     ".contiguous())");
   check_no_grad(t, name);
@@ -608,7 +614,10 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
 
   if (payload.has_value() && payload->defined()) {
     p.payload = checked_combine_payload(*payload, payload_dtype, workspace, ep_size, T, row_shape,
-                                        "ep_size, runtime_max_tokens_per_rank", "payload");
+                                        "ep_size, runtime_max_tokens_per_rank",
+                                        "runtime_max_tokens_per_rank must be the dispatch's: its receive planes, "
+                                        "and so the expert outputs, have that many rows a rank",
+                                        "payload");
   }
 
   const int64_t route_end = route_region_end(ep_size, T);
@@ -839,8 +848,9 @@ ExpertMajorCombineParams check_combine_expert_major(
   p.num_local = local_experts_of(ep_rank, num_experts, ep_size);
 
   if (payload.has_value() && payload->defined()) {
-    c.payload = checked_combine_payload(*payload, payload_dtype, workspace, p.num_local, max_tokens_per_expert,
-                                        row_shape, "num_local_experts, max_tokens_per_expert", "expert_outputs");
+    c.payload =
+        checked_combine_payload(*payload, payload_dtype, workspace, p.num_local, max_tokens_per_expert, row_shape,
+                                "num_local_experts, max_tokens_per_expert", nullptr, "expert_outputs");
   }
 
   // The regions the pulls read follow dispatch_end, and the combine region

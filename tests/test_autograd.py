@@ -818,8 +818,36 @@ def test_a_rank_that_skips_the_backward_times_out_its_peers():
     ep_size, tokens, top_k, num_experts, hidden = 2, (4, 4), 2, 4, 8
     sim = make_sim(ep_size, max(tokens), hidden, top_k, timeout_s=0.5)
     layer = _random_layer(ep_size, tokens, top_k, num_experts, hidden, torch.float32, seed=13)
-    with pytest.raises(RuntimeError, match=r"peers \[1\] did not arrive"):
+    with pytest.raises(RuntimeError, match=r"peers \[1\] did not arrive") as raised:
         _layer_gradients(sim, *layer, num_experts, skip_backward={1})
+    # The message names a dispatch or a combine; a note says a backward ran it.
+    assert any(note.startswith("(raised in the backward of moe_a2a_") for note in raised.value.__notes__)
+
+
+def test_a_backward_while_the_round_is_open_says_so():
+    """A backward of the dispatch's received rows before the round's combine:
+    its own dispatch meets the open round, and the error's note says that a
+    backward raised it (the message speaks of two dispatches; the caller
+    called one)."""
+    sim = make_sim(1, 8, 8, 2)
+    ids = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 3]], dtype=torch.int32)
+    x = torch.randn(4, 8, requires_grad=True)
+    (received,), offset, _ = a2a.moe_a2a_dispatch_differentiable(ids, [x], sim.workspace, sim.metainfo[0], 4, 0, 1,
+                                                                  2, 4)
+    with pytest.raises(RuntimeError, match="dispatch called twice without a combine") as raised:
+        received.sum().backward()
+    assert raised.value.__notes__ == [
+        "(raised in the backward of moe_a2a_dispatch_differentiable (a dispatch of the saved expert ids, then a "
+        "combine of the received rows' gradients); a backward exchanges too, so every rank runs the same backward "
+        "sequence, and not while a round of its own is open: after a dispatch, before its combine)"]
+    # A combine with another runtime_max_tokens_per_rank than the dispatch's
+    # is refused by the received plane's shape, and says whose size it is.
+    with pytest.raises(ValueError, match=r"got shape \[1, 4, 8\] \(runtime_max_tokens_per_rank must be the "
+                                         r"dispatch's: its receive planes"):
+        a2a.moe_a2a_combine_differentiable(received, ids, sim.workspace, sim.metainfo[0], 8, 0, 1, 2, 4, offset)
+    out = a2a.moe_a2a_combine_differentiable(received, ids, sim.workspace, sim.metainfo[0], 4, 0, 1, 2, 4, offset)
+    out.sum().backward()
+    assert x.grad is not None
 
 
 def test_ranks_whose_payloads_require_grad_differently_are_told_so():

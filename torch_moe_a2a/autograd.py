@@ -279,15 +279,35 @@ def _custom_op(name: str) -> Callable:
     return wrap
 
 
-def _register_autograd(op, backward: Callable, setup_context: Callable, materialize_grads: bool = True) -> None:
+def _register_autograd(op, backward: Callable, setup_context: Callable, what: str,
+                       materialize_grads: bool = True) -> None:
     """``op.register_autograd``, and the same autograd for the eager path,
     which hands ``backward`` None for an output without a gradient unless
-    ``materialize_grads`` (the registered autograd always hands it zeros)."""
+    ``materialize_grads`` (the registered autograd always hands it zeros).
+    ``what``: the backward's exchanges, for the note on an error they raise."""
+    backward = _noted_backward(backward, what)
     op.register_autograd(backward, setup_context=setup_context)
     types = [str(a.type) for a in op._opoverload._schema.arguments]
     tensors = tuple(i for i, t in enumerate(types) if t in ("Tensor", "List[Tensor]"))
     lists = tuple(i for i, t in enumerate(types) if t == "List[Tensor]")
     _EAGER[op] = _Eager(_IMPLS[op], setup_context, backward, tensors, lists, materialize_grads)
+
+
+def _noted_backward(backward: Callable, what: str) -> Callable:
+    """``backward``, whose RuntimeErrors (an exchange's: a timeout, a round
+    out of order) get a note that a backward raised them: their messages
+    name the dispatch or combine that failed, which the caller did not call."""
+
+    def noted(ctx, *grads):
+        try:
+            return backward(ctx, *grads)
+        except RuntimeError as e:
+            e.add_note(f"(raised in the backward of {what}; a backward exchanges too, so every rank runs the same "
+                       "backward sequence, and not while a round of its own is open: after a dispatch, before "
+                       "its combine)")
+            raise
+
+    return noted
 
 
 class _EagerFunction(torch.autograd.Function):
@@ -614,10 +634,14 @@ def _backward_combine_round(ctx, grads):
 
 # The dispatches' backwards take None for a plane without a gradient (and
 # ignore the integer outputs'): no zeros filled for the ids' plane and the counts.
-_register_autograd(dispatch_owned, _backward_dispatch_owned, _setup_dispatch_owned, materialize_grads=False)
-_register_autograd(combine_owned, _backward_combine_owned, _setup_combine_owned)
-_register_autograd(dispatch_round, _backward_dispatch_round, _setup_round)
-_register_autograd(combine_round, _backward_combine_round, _setup_round)
+_register_autograd(dispatch_owned, _backward_dispatch_owned, _setup_dispatch_owned,
+                   "moe_a2a_dispatch_differentiable (a dispatch of the saved expert ids, then a combine of the "
+                   "received rows' gradients)", materialize_grads=False)
+_register_autograd(combine_owned, _backward_combine_owned, _setup_combine_owned,
+                   "moe_a2a_combine_differentiable (a dispatch of the output's gradient, then a combine that closes "
+                   "its round)")
+_register_autograd(dispatch_round, _backward_dispatch_round, _setup_round, "a backward's dispatch (a double backward)")
+_register_autograd(combine_round, _backward_combine_round, _setup_round, "a backward's combine (a double backward)")
 
 
 # ---- the public functions ------------------------------------------------------------------------------
@@ -1244,10 +1268,16 @@ def _backward_combine_em_round(ctx, grads):
     return plane, values, None, None, None, *_list_route_grads(ctx.route[1:])
 
 
-_register_autograd(dispatch_em_owned, _backward_dispatch_em_owned, _setup_dispatch_em_owned, materialize_grads=False)
-_register_autograd(combine_em_owned, _backward_combine_em_owned, _setup_combine_em_owned)
-_register_autograd(dispatch_em_round, _backward_dispatch_em_round, _setup_em_round)
-_register_autograd(combine_em_round, _backward_combine_em_round, _setup_em_round)
+_register_autograd(dispatch_em_owned, _backward_dispatch_em_owned, _setup_dispatch_em_owned,
+                   "moe_a2a_dispatch_expert_major_differentiable (a dispatch of the saved expert ids, then a "
+                   "combine of the planes' gradients)", materialize_grads=False)
+_register_autograd(combine_em_owned, _backward_combine_em_owned, _setup_combine_em_owned,
+                   "moe_a2a_combine_expert_major_differentiable (a dispatch of the output's gradient, then a combine "
+                   "that closes its round)")
+_register_autograd(dispatch_em_round, _backward_dispatch_em_round, _setup_em_round,
+                   "an expert-major backward's dispatch (a double backward)")
+_register_autograd(combine_em_round, _backward_combine_em_round, _setup_em_round,
+                   "an expert-major backward's combine (a double backward)")
 
 
 def moe_a2a_dispatch_expert_major_differentiable(
