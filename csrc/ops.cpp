@@ -160,10 +160,10 @@ void check_outside_workspace(const at::Tensor& t, const WorkspaceView& ws, const
 
 // A combine's payload (staged from it): `payload_dtype`, on the workspace's
 // device, contiguous, no grad, of shape [rows, per_row, *row_shape];
-// `dims` names the two leading dimensions for the message, `per_row_hint`
-// (or nullptr) says where per_row comes from: a payload that differs in that
-// size alone is most often the dispatch's, combined with another size than
-// the dispatch's.
+// `dims` names the two leading dimensions for the message; `per_row_hint`
+// (or nullptr) is added where the payload differs in per_row alone: such a
+// payload is most often the dispatch's own plane, combined with a per_row
+// that is not the dispatch's.
 const uint8_t* checked_combine_payload(const at::Tensor& t, at::ScalarType payload_dtype, const at::Tensor& workspace,
                                        int64_t rows, int64_t per_row, at::IntArrayRef row_shape, const char* dims,
                                        const char* per_row_hint, const char* name) {
