@@ -418,6 +418,25 @@ class _FakeComm:
     bcast = barrier = Split = allgather
 
 
+class _ClosedComm(_FakeComm):
+    """A CommBackend whose peer has gone: its collectives fail as gloo's do."""
+
+    def allgather(self, data):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                           "[127.0.0.1]:19341")
+
+    barrier = allgather
+
+
+def test_a_failed_group_collective_names_the_rank_and_the_calls():
+    """The group's own error names neither the rank nor what it was doing:
+    allocate_workspace's first collective says both, with gloo's first line."""
+    with pytest.raises(RuntimeError, match=r"^rank 1 of a group of 2: the group's allgather failed, so a member did "
+                                           r"not take part \(it exited.*allocate_workspace\(group=\.\.\.\).*"
+                                           r"RuntimeError: \[\.\./third_party/gloo.*Connection closed by peer"):
+        a2a.allocate_workspace(1024, group=_ClosedComm(1, 2))
+
+
 def test_mnnvl_config_needs_a_comm_backend():
     with pytest.raises(ValueError, match="CommBackend"):
         a2a.MoeAlltoAll(a2a.Mapping(), 8, 2, 4, hidden_size=64, mnnvl_config=MnnvlConfig(None), device="cpu")

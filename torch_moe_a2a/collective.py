@@ -44,6 +44,18 @@ class Collective(Protocol):
         ...
 
 
+def group_failed(collective: "Collective", what: str, error: Exception) -> RuntimeError:
+    """The error of a group's own collective that failed (gloo's 'Connection
+    closed by peer' or 'Timed out waiting ... for send operation'), which
+    names neither the rank nor the step: a member exited, or did not call
+    within the group's timeout."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return RuntimeError(
+        f"rank {collective.rank} of a group of {collective.size}: the group's {what} failed, so a member did not take "
+        "part (it exited, or did not call within the group's timeout); every member makes the same calls together "
+        f"(allocate_workspace(group=...), MoeAlltoAll, its reset): {type(error).__name__}: {first}")
+
+
 class TorchGroupCollective:
     """:class:`Collective` over a ``torch.distributed`` group (None: the default group).
 
@@ -64,7 +76,10 @@ class TorchGroupCollective:
 
     def _gather(self, values: torch.Tensor) -> list[torch.Tensor]:
         gathered = [torch.empty_like(values) for _ in range(self.size)]
-        self._dist.all_gather(gathered, values, group=self.group)
+        try:
+            self._dist.all_gather(gathered, values, group=self.group)
+        except Exception as e:  # noqa: BLE001 - the group's own error, whatever its type
+            raise group_failed(self, "all_gather", e) from e
         return [t.cpu() for t in gathered]
 
     def allgather(self, data: bytes) -> list[bytes]:
@@ -78,7 +93,10 @@ class TorchGroupCollective:
         return [bytes(t[:n].tolist()) for t, n in zip(self._gather(buffer.to(self.device)), lengths)]
 
     def barrier(self) -> None:
-        self._dist.barrier(group=self.group)
+        try:
+            self._dist.barrier(group=self.group)
+        except Exception as e:  # noqa: BLE001 - the group's own error, whatever its type
+            raise group_failed(self, "barrier", e) from e
 
 
 class CommBackendCollective:
@@ -93,14 +111,20 @@ class CommBackendCollective:
             raise ValueError(f"the CommBackend reports rank {self.rank} of size {self.size}")
 
     def allgather(self, data: bytes) -> list[bytes]:
-        gathered = list(self.comm.allgather(bytes(data)))
+        try:
+            gathered = list(self.comm.allgather(bytes(data)))
+        except Exception as e:  # noqa: BLE001 - the CommBackend's own error, whatever its type
+            raise group_failed(self, "allgather", e) from e
         if len(gathered) != self.size or not all(isinstance(g, (bytes, bytearray)) for g in gathered):
             raise RuntimeError(f"the CommBackend's allgather returned {len(gathered)} entries of types "
                                f"{sorted({type(g).__name__ for g in gathered})}; expected {self.size} bytes objects")
         return [bytes(g) for g in gathered]
 
     def barrier(self) -> None:
-        self.comm.barrier()
+        try:
+            self.comm.barrier()
+        except Exception as e:  # noqa: BLE001 - the CommBackend's own error, whatever its type
+            raise group_failed(self, "barrier", e) from e
 
 
 def is_comm_backend(group: Any) -> bool:
