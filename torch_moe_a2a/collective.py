@@ -16,8 +16,9 @@ Two adapters provide it:
 
 from __future__ import annotations
 
+import contextlib
 import struct
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -44,16 +45,22 @@ class Collective(Protocol):
         ...
 
 
-def group_failed(collective: "Collective", what: str, error: Exception) -> RuntimeError:
-    """The error of a group's own collective that failed (gloo's 'Connection
-    closed by peer' or 'Timed out waiting ... for send operation'), which
-    names neither the rank nor the step: a member exited, or did not call
-    within the group's timeout."""
-    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return RuntimeError(
-        f"rank {collective.rank} of a group of {collective.size}: the group's {what} failed, so a member did not take "
-        "part (it exited, or did not call within the group's timeout); every member makes the same calls together "
-        f"(allocate_workspace(group=...), MoeAlltoAll, its reset): {type(error).__name__}: {first}")
+@contextlib.contextmanager
+def _group_call(collective: "Collective", what: str) -> Iterator[None]:
+    """A call of the group's own collective ``what``, whose error (gloo's
+    'Connection closed by peer' or 'Timed out waiting ... for send
+    operation', whatever its type) names neither the rank nor the step: a
+    member exited, or did not call within the group's timeout. Raised again
+    as a RuntimeError that says so, with the group's first line."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - the group's own error, whatever its type
+        text = str(e).strip()
+        first = text.splitlines()[0] if text else ""
+        raise RuntimeError(
+            f"rank {collective.rank} of a group of {collective.size}: the group's {what} failed, so a member did not "
+            "take part (it exited, or did not call within the group's timeout); every member makes the same calls "
+            f"together (allocate_workspace(group=...), MoeAlltoAll, its reset): {type(e).__name__}: {first}") from e
 
 
 class TorchGroupCollective:
@@ -76,10 +83,8 @@ class TorchGroupCollective:
 
     def _gather(self, values: torch.Tensor) -> list[torch.Tensor]:
         gathered = [torch.empty_like(values) for _ in range(self.size)]
-        try:
+        with _group_call(self, "all_gather"):
             self._dist.all_gather(gathered, values, group=self.group)
-        except Exception as e:  # noqa: BLE001 - the group's own error, whatever its type
-            raise group_failed(self, "all_gather", e) from e
         return [t.cpu() for t in gathered]
 
     def allgather(self, data: bytes) -> list[bytes]:
@@ -93,10 +98,8 @@ class TorchGroupCollective:
         return [bytes(t[:n].tolist()) for t, n in zip(self._gather(buffer.to(self.device)), lengths)]
 
     def barrier(self) -> None:
-        try:
+        with _group_call(self, "barrier"):
             self._dist.barrier(group=self.group)
-        except Exception as e:  # noqa: BLE001 - the group's own error, whatever its type
-            raise group_failed(self, "barrier", e) from e
 
 
 class CommBackendCollective:
@@ -111,20 +114,16 @@ class CommBackendCollective:
             raise ValueError(f"the CommBackend reports rank {self.rank} of size {self.size}")
 
     def allgather(self, data: bytes) -> list[bytes]:
-        try:
+        with _group_call(self, "allgather"):
             gathered = list(self.comm.allgather(bytes(data)))
-        except Exception as e:  # noqa: BLE001 - the CommBackend's own error, whatever its type
-            raise group_failed(self, "allgather", e) from e
         if len(gathered) != self.size or not all(isinstance(g, (bytes, bytearray)) for g in gathered):
             raise RuntimeError(f"the CommBackend's allgather returned {len(gathered)} entries of types "
                                f"{sorted({type(g).__name__ for g in gathered})}; expected {self.size} bytes objects")
         return [bytes(g) for g in gathered]
 
     def barrier(self) -> None:
-        try:
+        with _group_call(self, "barrier"):
             self.comm.barrier()
-        except Exception as e:  # noqa: BLE001 - the CommBackend's own error, whatever its type
-            raise group_failed(self, "barrier", e) from e
 
 
 def is_comm_backend(group: Any) -> bool:
