@@ -129,6 +129,10 @@ class SimulatedEP:
         order inside ``torch.cuda.stream(self.streams[rank])``; each stream
         first waits for the current stream, and the current stream waits for
         all of them afterwards, so the results are ordered like ordinary work.
+        There ``fn`` must not wait on the host for the device (``.item()``, a
+        copy from pageable host memory such as ``cpu_tensor.to("cuda")``):
+        the ranks after it are not issued yet, so such a wait in rank 1 ends
+        only once rank 0's exchange has timed out waiting for rank 1.
         If a rank raises, the others still run to completion (their waits for
         it end at the timeout) and then the first exception raised is re-raised.
         CPU: interrupted in the main thread (Ctrl-C), it records the
