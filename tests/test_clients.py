@@ -90,9 +90,10 @@ def _sglang_sequence(rank, world, device):
     size = a2a.moe_a2a_get_workspace_size_per_rank(
         ep_size=world, max_num_tokens=MAX_TOKENS, total_dispatch_payload_size_per_token=HIDDEN * 2 + TOP_K * 8,
         combine_payload_size_per_token=HIDDEN * 2)
-    # flashinfer.py:257-266: the pure-EP Mapping and the MnnvlConfig.
-    mapping = a2a.Mapping(rank=rank, tp_size=world, moe_ep_size=world, world_size=world, gpus_per_node=8,
-                          pp_size=1, cp_size=1)
+    # flashinfer.py:257-266: the pure-EP Mapping and the MnnvlConfig; gpus_per_node is the
+    # host's device count, 0 on a host without a GPU.
+    mapping = a2a.Mapping(rank=rank, tp_size=world, moe_ep_size=world, world_size=world,
+                          gpus_per_node=torch.cuda.device_count(), pp_size=1, cp_size=1)
     mnnvl_config = MnnvlConfig(comm_backend=TorchDistributedCommBackend(group))
     # flashinfer.py:274: MoeAlltoAll(...) per layer; same geometry: one workspace.
     layers = [a2a.MoeAlltoAll(mapping=mapping, max_num_tokens=MAX_TOKENS, top_k=TOP_K, num_experts=NUM_EXPERTS,
@@ -566,11 +567,24 @@ def test_mapping_derivations(kwargs, expected):
     (dict(world_size=4, rank=0, tp_size=4, moe_ep_size=3), r"not divisible by 3"),
     (dict(world_size=4, rank=4, tp_size=4), r"rank must be an int in \[0, 4\)"),
     (dict(world_size=0), r"world_size must be a positive int"),
+    (dict(world_size=2, tp_size=2, gpus_per_node=-1), r"gpus_per_node must be a non-negative int, got -1"),
     (dict(world_size=4, tp_size=2, cp_size=2, attn_cp_size=2), r"attn_cp_size must be 1"),
 ])
 def test_mapping_refuses_inconsistent_sizes(kwargs, match):
     with pytest.raises(ValueError, match=match):
         a2a.Mapping(**kwargs)
+
+
+def test_mapping_of_a_host_without_a_gpu():
+    """SGLang's and vLLM's FlashInfer paths pass gpus_per_node=torch.cuda.device_count(),
+    0 on a host without a GPU: the mapping is made (as FlashInfer's is) and only the
+    node and local ranks, which need the GPUs of a node, raise."""
+    mapping = a2a.Mapping(rank=1, tp_size=4, moe_ep_size=4, world_size=4, gpus_per_node=0, pp_size=1, cp_size=1)
+    assert (mapping.moe_ep_rank, mapping.moe_ep_size, mapping.moe_ep_group) == (1, 4, [0, 1, 2, 3])
+    assert a2a.Mapping.from_dict(mapping.to_dict()) == mapping
+    for rank_of in (lambda: mapping.local_rank, lambda: mapping.node_rank, lambda: mapping.get_local_rank(3)):
+        with pytest.raises(ValueError, match="gpus_per_node 0"):
+            rank_of()
 
 
 def test_mapping_cp_with_moe_ep_is_not_implemented():

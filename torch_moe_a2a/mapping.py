@@ -30,6 +30,12 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
+def _non_negative(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"Mapping: {name} must be a non-negative int, got {value!r}")
+    return value
+
+
 def _unset(value: Any) -> bool:
     """Whether ``value`` is the "not given" -1 itself (-1.0 compares equal and is no int)."""
     return type(value) is int and value == _UNSET
@@ -48,7 +54,10 @@ class Mapping:
         world_size: ranks in the job; must equal ``tp_size * pp_size * cp_size``
             (unless ``auto_parallel``).
         rank: this rank, in ``[0, world_size)``.
-        gpus_per_node: GPUs per node (``node_rank``, ``local_rank``).
+        gpus_per_node: GPUs per node (``node_rank``, ``local_rank``). 0 is
+            accepted, as FlashInfer does: SGLang and vLLM pass
+            ``torch.cuda.device_count()``, 0 on a host without a GPU; the
+            node and local ranks then raise.
         cp_size, tp_size, pp_size: context, tensor and pipeline parallel sizes.
         moe_cluster_size, moe_tp_size, moe_ep_size: how each tensor-parallel
             group splits for the MoE layers; ``-1`` (not given) is derived as in
@@ -63,7 +72,8 @@ class Mapping:
 
     Raises:
         ValueError: sizes that are not positive ints (-1 is "not given";
-            -1.0 or a bool is refused), do not divide, or do not multiply up
+            -1.0 or a bool is refused; gpus_per_node may be 0), do not
+            divide, or do not multiply up
             as above; a rank that is not an int (or a bool), or outside
             ``[0, world_size)``.
         NotImplementedError: ``moe_ep_size > 1`` with ``cp_size > 1`` (as in FlashInfer).
@@ -87,9 +97,10 @@ class Mapping:
         auto_parallel: bool = False,
         enable_attention_dp: bool = False,
     ):
-        for name, value in (("world_size", world_size), ("gpus_per_node", gpus_per_node), ("cp_size", cp_size),
-                            ("tp_size", tp_size), ("pp_size", pp_size)):
+        for name, value in (("world_size", world_size), ("cp_size", cp_size), ("tp_size", tp_size),
+                            ("pp_size", pp_size)):
             _positive(name, value)
+        _non_negative("gpus_per_node", gpus_per_node)
         if _unset(moe_cluster_size):
             moe_cluster_size = 1
         _positive("moe_cluster_size", moe_cluster_size)
@@ -229,12 +240,18 @@ class Mapping:
     @property
     def node_rank(self) -> int:
         """The node this rank runs on, ``rank // gpus_per_node``."""
-        return self.rank // self.gpus_per_node
+        return self.get_node_rank(self.rank)
 
     @property
     def local_rank(self) -> int:
         """This rank's GPU on its node, ``rank % gpus_per_node``."""
-        return self.rank % self.gpus_per_node
+        return self.get_local_rank(self.rank)
+
+    def _gpus_per_node(self, what: str) -> int:
+        if self.gpus_per_node == 0:
+            raise ValueError(f"Mapping: no {what} with gpus_per_node 0 (torch.cuda.device_count() on a host "
+                             f"without a GPU); pass the GPUs of a node")
+        return self.gpus_per_node
 
     # ---- this rank's groups (FlashInfer's indexing of the lists _build_groups makes) ----
 
@@ -273,10 +290,10 @@ class Mapping:
     # ---- FlashInfer's predicates and helpers ----
 
     def get_node_rank(self, rank: int) -> int:
-        return rank // self.gpus_per_node
+        return rank // self._gpus_per_node("node rank")
 
     def get_local_rank(self, rank: int) -> int:
-        return rank % self.gpus_per_node
+        return rank % self._gpus_per_node("local rank")
 
     def has_tp(self) -> bool:
         return self.tp_size > 1
