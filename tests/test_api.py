@@ -828,3 +828,26 @@ def test_a_default_device_leaves_the_host_tensors_on_the_cpu():
     for r in range(ep_size):
         torch.testing.assert_close(outs[r], x[r] * 2 * destinations[r][:, None], rtol=0, atol=0)
     torch.testing.assert_close(out, x[0] * 2, rtol=0, atol=0)
+
+
+def test_output_payload_layouts_as_flashinfers_keyword():
+    """vLLM's FlashInfer path passes ``MoeAlltoAll.dispatch(...,
+    output_payload_layouts=...)``: None, or FlashInfer's ``MoeA2APayloadLayout``
+    per payload, ``R128C4`` tiles for the scales when it asks for them. None and
+    all ``LINEAR`` dispatch as without the keyword; another layout, or a list of
+    another length, is refused before anything is sent."""
+    import enum
+
+    layout = enum.Enum("MoeA2APayloadLayout", ["LINEAR", "R128C4"])
+    gen = make_generator("payload-layouts")
+    tokens, hidden, num_experts, top_k = 4, 16, 4, 2
+    ids = torch.randint(0, num_experts, (tokens, top_k), generator=gen, dtype=torch.int32)
+    x = torch.randn(tokens, hidden, generator=gen)
+    moe = a2a.MoeAlltoAll(a2a.Mapping(), tokens, top_k, num_experts, hidden_size=hidden, device="cpu",
+                          dtype=torch.float32)
+    for layouts, error in (([layout.LINEAR, layout.R128C4], NotImplementedError), ([layout.LINEAR], ValueError)):
+        with pytest.raises(error, match="output_payload_layouts"):
+            moe.dispatch(ids, [x, ids], tokens, output_payload_layouts=layouts)
+    for layouts in (None, [layout.LINEAR, "LINEAR"]):
+        recv = moe.dispatch(ids, [x, ids], tokens, output_payload_layouts=layouts)
+        torch.testing.assert_close(moe.combine(recv[0] * 2, tokens), x * 2, rtol=0, atol=0)

@@ -8,7 +8,7 @@ import numbers
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, ClassVar, Optional, Sequence, Union
 
 import torch
 
@@ -197,6 +197,22 @@ def _mapping_ep(fn: str, mapping: Any) -> tuple[int, int]:
             raise ValueError(f"{fn}: mapping.{name} must be an int, got {value!r}")
         values.append(int(value))
     return values[0], values[1]
+
+
+def _check_payload_layouts(layouts: Optional[Sequence[Any]], num_payloads: int) -> None:
+    """FlashInfer's ``output_payload_layouts``: None, or ``LINEAR`` for every payload
+    (an enum member named so, or the name), the receive views' only layout here."""
+    if layouts is None:
+        return
+    if len(layouts) != num_payloads:
+        raise ValueError(f"MoeAlltoAll.dispatch: output_payload_layouts has {len(layouts)} entries for "
+                         f"{num_payloads} payloads")
+    for i, entry in enumerate(layouts):
+        name = getattr(entry, "name", entry)
+        if name != "LINEAR":
+            raise NotImplementedError(f"MoeAlltoAll.dispatch: output_payload_layouts[{i}] is {name!r}: only LINEAR "
+                                      "(the [ep_size, runtime_max_tokens_per_rank, *] receive views) is supported; "
+                                      "pass None and lay the received scales out after the dispatch")
 
 
 class MoeAlltoAll:
@@ -715,6 +731,7 @@ class MoeAlltoAll:
         enable_pdl: Optional[bool] = None,
         *,
         router_weights: Optional[torch.Tensor] = None,
+        output_payload_layouts: Optional[Sequence[Any]] = None,
     ) -> Union[list[torch.Tensor], ExpertMajorDispatch]:
         """:func:`~torch_moe_a2a.moe_a2a_dispatch` on this instance's workspace.
 
@@ -732,6 +749,10 @@ class MoeAlltoAll:
             router_weights: ours, ``expert_major`` instances only:
                 ``[local_num_tokens, top_k]`` router weights for the combine
                 to apply (None: unweighted).
+            output_payload_layouts: FlashInfer's keyword (vLLM passes it): None,
+                or one layout per payload, each ``LINEAR`` (FlashInfer's
+                ``MoeA2APayloadLayout.LINEAR``, or its name), the receive
+                views' layout.
 
         Returns:
             The receive views, one per payload: ``[ep_size,
@@ -747,9 +768,13 @@ class MoeAlltoAll:
                 asks for :meth:`reset`), or the workspace released by
                 :meth:`checkpoint_prepare`.
             ValueError: arguments the functional dispatch refuses; EPLB stats or
-                a rank mask the instance was not built for.
+                a rank mask the instance was not built for;
+                ``output_payload_layouts`` not one per payload.
+            NotImplementedError: an ``output_payload_layouts`` entry other than
+                ``LINEAR`` (FlashInfer's ``R128C4`` scale tiles).
         """
         self._check_mapped("dispatch")
+        _check_payload_layouts(output_payload_layouts, len(input_payloads))
         if self._state.phase == "dispatched":
             self._raise_out_of_order("MoeAlltoAll.dispatch", "MoeAlltoAll.dispatch called twice without combine; call "
                                      "combine to close the open round (a refused combine changed nothing)")
