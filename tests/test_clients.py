@@ -642,6 +642,10 @@ def test_mapping_groups_and_helpers_as_flashinfers():
     assert (m.is_first_pp_rank(), m.is_last_pp_rank(), m.is_second_last_pp_rank()) == (False, True, False)
     assert (m.prev_pp_rank(), m.next_pp_rank(), m.get_node_rank(13), m.get_local_rank(13)) == (5, 5, 1, 5)
     assert m.pp_layers(7) == [4, 5, 6] and m.ep_experts(16) == [4, 5, 6, 7]
+    # Experts that do not divide: FlashInfer's split would leave 2 of 10 out; the dispatch's ranges have them.
+    with pytest.raises(ValueError, match="local_expert_range"):
+        m.ep_experts(10)
+    assert a2a.local_expert_range(10, 4, 1) == range(3, 6)
     cp = a2a.Mapping(world_size=8, rank=5, tp_size=2, pp_size=2, cp_size=2)
     assert cp.cp_groups == [[0, 2], [1, 3], [4, 6], [5, 7]] and cp.cp_group == [5, 7]
 

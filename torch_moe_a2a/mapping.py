@@ -342,9 +342,21 @@ class Mapping:
         return torch.tensor_split(torch.arange(num_layers), self.pp_size)[self.pp_rank].tolist()
 
     def ep_experts(self, num_experts: int) -> list[int]:
-        """The experts of this rank's MoE expert-parallel slot, ``num_experts // moe_ep_size`` in a row."""
+        """The experts of this rank's MoE expert-parallel slot, ``num_experts // moe_ep_size`` in a row.
+
+        Raises:
+            ValueError: ``cp_size`` not 1 (as FlashInfer asserts); ``num_experts``
+                not a multiple of ``moe_ep_size``: FlashInfer's split leaves the
+                remainder out, while the dispatch routes it to the first ranks
+                (:func:`~torch_moe_a2a.local_expert_range` gives those).
+        """
         if self.cp_size != 1:  # FlashInfer asserts it
             raise ValueError(f"Mapping.ep_experts: needs cp_size 1, got {self.cp_size}")
+        if num_experts % self.moe_ep_size:
+            raise ValueError(f"Mapping.ep_experts: num_experts {num_experts} is not a multiple of moe_ep_size "
+                             f"{self.moe_ep_size}: FlashInfer's split would leave experts out, and the dispatch "
+                             f"gives the first {num_experts % self.moe_ep_size} ranks one more; "
+                             f"torch_moe_a2a.local_expert_range(num_experts, ep_size, ep_rank) gives a rank's experts")
         per_rank = num_experts // self.moe_ep_size
         return list(range(self.moe_ep_rank * per_rank, (self.moe_ep_rank + 1) * per_rank))
 
