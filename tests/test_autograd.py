@@ -1457,14 +1457,6 @@ def test_the_c_bodies_equal_the_python_bodies_bit_for_bit(device, monkeypatch):
     columns), counts, outputs, gradients and header tallies (ids >=
     num_experts counted once), and the workspace's version counter still
     where it was."""
-    if device == "cuda":
-        # On an H100, with torch 2.11: the host stopped in rank 1's first copy
-        # from pageable memory (now made before the ranks run) until rank 0's
-        # wait for rank 1 timed out; with the copies made before, rank 1's
-        # kernels still ran only after that timeout, in this step's forward.
-        # The first differentiable dispatch of a process did so alone; the
-        # next one, and plain dispatches of these payloads, did not.
-        pytest.skip("the first differentiable exchange of a process stalls a simulated CUDA rank")
     ep_size, tokens, top_k, num_experts, runtime_max = 2, (5, 3), 2, 4, 6
     gen = torch.Generator().manual_seed(31)
     # Row bytes 6, 20, 8 (the ids, inserted third), 2 (1-D), 3 and 0: zeroed
@@ -1489,7 +1481,8 @@ def test_the_c_bodies_equal_the_python_bodies_bit_for_bit(device, monkeypatch):
             return _body(*args)
         monkeypatch.setattr(a2a_autograd._C, name, counted)
 
-    def step(rank, mode):
+    def step(sim, rank, mode):
+        ep_size = sim.ep_size
         with mode:
             i = ids[rank].clone()
             payloads = [p.clone() for p in inputs[rank]]
@@ -1514,24 +1507,36 @@ def test_the_c_bodies_equal_the_python_bodies_bit_for_bit(device, monkeypatch):
             assert sim.workspace._version == version
             return [t.detach() for t in (*recv, counts, out, *grads, *second)], tally - counted_before
 
-    def run(mode=contextlib.nullcontext):
+    def run(sim, mode=contextlib.nullcontext):
         calls.update(dict.fromkeys(C_BODIES, 0))
         # Every receive row (padding included) and the combine region hold NaN bytes.
         sim.workspace[:, a2a.layout.HEADER_BYTES:].fill_(0xFF)
-        return sim.run(lambda rank: step(rank, mode()))
+        return sim.run(lambda rank: step(sim, rank, mode()))
 
-    got = run()
+    def run_python_bodies(sim):
+        with monkeypatch.context() as patched:
+            patched.setattr(a2a_autograd, "direct_call_ok", lambda *tensors: False)
+            return run(sim)
+
+    if device == "cuda":
+        # The step's torch kernels launched once before the ranks run
+        # (SimulatedEP.run: a kernel's first launch in a process waits on the
+        # device for every stream's work, rank 0's exchange that waits for
+        # rank 1 included), by the same step on one rank: the same planes'
+        # alignments, so the same kernels.
+        one = a2a.SimulatedEP(1, runtime_max, dispatch_bytes_per_token=128, combine_bytes_per_token=128,
+                              device=device)
+        run(one), run(one, _PassThrough), run_python_bodies(one)
+    got = run(sim)
     # A forward's two ops, then a round of each kind in each backward; the
     # second order's backward of the first's combine_round, which combined
     # the bf16 and the fp32 gradients each in a combine of its own, is a
     # dispatch_round of each.
     assert calls == {"dispatch_owned": ep_size, "combine_owned": ep_size, "dispatch_round": 3 * ep_size,
                      "combine_round": 2 * ep_size}, calls
-    under_mode = run(_PassThrough)
+    under_mode = run(sim, _PassThrough)
     assert calls["dispatch_owned"] == calls["combine_owned"] == 0, calls
-    with monkeypatch.context() as patched:
-        patched.setattr(a2a_autograd, "direct_call_ok", lambda *tensors: False)
-        python = run()
+    python = run_python_bodies(sim)
     assert not any(calls.values()), calls
     for want, what in ((python, "python bodies"), (under_mode, "under a torch function mode")):
         for rank in range(ep_size):

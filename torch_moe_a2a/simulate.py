@@ -132,7 +132,14 @@ class SimulatedEP:
         There ``fn`` must not wait on the host for the device (``.item()``, a
         copy from pageable host memory such as ``cpu_tensor.to("cuda")``):
         the ranks after it are not issued yet, so such a wait in rank 1 ends
-        only once rank 0's exchange has timed out waiting for rank 1.
+        only once rank 0's exchange has timed out waiting for rank 1. Nor may
+        it launch a kernel for the first time in the process (a torch op of
+        a dtype or layout not run before): a kernel's first launch waits for
+        every stream's queued work, rank 0's waiting exchange included, on
+        the device (on the host under ``CUDA_MODULE_LOADING=LAZY``; seen with
+        torch 2.11 and CUDA 13). Run such a step once before, on a one-rank
+        ``SimulatedEP``: the library's ops launch the same kernels there (its
+        planes have the same alignments).
         If a rank raises, the others still run to completion (their waits for
         it end at the timeout) and then the first exception raised is re-raised.
         CPU: interrupted in the main thread (Ctrl-C), it records the
