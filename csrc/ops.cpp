@@ -509,10 +509,31 @@ void check_combine_output(const at::Tensor& o, const at::Tensor& workspace, cons
 // A tensor the combine writes must share no memory with what it reads or
 // writes besides: the pull reads payload rows (the own ones from the payload
 // itself) after it stored the first outputs, and would sum what it wrote.
+// The bytes [first, last] that a tensor's elements span (numel > 0).
+std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
+  int64_t low = 0, high = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t reach = (t.size(d) - 1) * t.stride(d);
+    (reach < 0 ? low : high) += reach;
+  }
+  const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const int64_t item = t.element_size();
+  return {base + low * item, base + high * item + item - 1};
+}
+
 void check_apart(const at::Tensor& written, const std::optional<at::Tensor>& other, const char* written_name,
                  const char* other_name) {
   if (!other.has_value() || !other->defined() || t_traced_checks) return;
-  const at::MemOverlapStatus overlap = at::get_overlap_status(written, *other);
+  at::MemOverlapStatus overlap = at::get_overlap_status(written, *other);
+  // Two storage objects over the same memory (a tensor made from another's
+  // through DLPack or NumPy) are no alias to get_overlap_status: then the
+  // byte spans decide (exactly for contiguous tensors, as the combine takes).
+  if (overlap == at::MemOverlapStatus::No && written.numel() > 0 && other->numel() > 0 &&
+      written.device() == other->device() && !written.storage().is_alias_of(other->storage())) {
+    const auto [a_first, a_last] = byte_span(written);
+    const auto [b_first, b_last] = byte_span(*other);
+    if (a_first <= b_last && b_first <= a_last) overlap = at::MemOverlapStatus::Partial;
+  }
   TORCH_CHECK_VALUE(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial, written_name,
                     " must not share memory with ", other_name, ": the combine writes ", written_name,
                     " before it has read all of ", other_name, " (pass a tensor of its own)");
@@ -531,9 +552,12 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
   const int64_t T = runtime_max_tokens_per_rank;
   check_runtime_max(T, max_num_tokens);
   check_top_k(top_k);
-  TORCH_CHECK_VALUE(local_num_tokens >= 0 && local_num_tokens <= T, "local_num_tokens must be in [0, ",
-                    "runtime_max_tokens_per_rank=", T, "], got ", local_num_tokens,
-                    " (a combine takes its dispatch's local_num_tokens and runtime_max_tokens_per_rank)");
+  TORCH_CHECK_VALUE(local_num_tokens >= 0, "local_num_tokens must be >= 0, got ", local_num_tokens);
+  // Either may be the wrong one: both must be the dispatch's.
+  TORCH_CHECK_VALUE(local_num_tokens <= T, "local_num_tokens=", local_num_tokens,
+                    " exceeds runtime_max_tokens_per_rank=", T,
+                    ": a combine takes its dispatch's local_num_tokens and runtime_max_tokens_per_rank, and one of "
+                    "them is not the dispatch's");
 
   // The payload first: output_dtype defaults to it, so an fp8 payload must
   // not read as a request for a quantized output.
@@ -827,9 +851,12 @@ ExpertMajorCombineParams check_combine_expert_major(
   check_runtime_max(T, max_num_tokens);
   check_top_k(top_k);
   check_expert_major_sizes(ep_size, num_experts, max_tokens_per_expert);
-  TORCH_CHECK_VALUE(local_num_tokens >= 0 && local_num_tokens <= T, "local_num_tokens must be in [0, ",
-                    "runtime_max_tokens_per_rank=", T, "], got ", local_num_tokens,
-                    " (a combine takes its dispatch's local_num_tokens and runtime_max_tokens_per_rank)");
+  TORCH_CHECK_VALUE(local_num_tokens >= 0, "local_num_tokens must be >= 0, got ", local_num_tokens);
+  // Either may be the wrong one: both must be the dispatch's.
+  TORCH_CHECK_VALUE(local_num_tokens <= T, "local_num_tokens=", local_num_tokens,
+                    " exceeds runtime_max_tokens_per_rank=", T,
+                    ": a combine takes its dispatch's local_num_tokens and runtime_max_tokens_per_rank, and one of "
+                    "them is not the dispatch's");
   c.payload_dtype = to_dtype(payload_dtype, "expert_outputs dtype");
   // fp32 too: the weighted sum is fp32 before its one cast. The rule before
   // to_dtype, whose message would list dtypes this payload's combine refuses.

@@ -31,6 +31,7 @@ from conftest import (
     round_trip,
     ws_snapshot,
 )
+from torch.utils.dlpack import from_dlpack, to_dlpack
 
 import torch_moe_a2a as a2a
 from torch_moe_a2a import layout, reference
@@ -138,7 +139,8 @@ BAD_COMBINES = {
     "payload_shape": (_bad_combine(lambda a: dict(payload=a["payload"][:, 1:])), "payload must be ["),
     # Below the checks against the dispatch: the messages say what a combine takes.
     "runtime_max": (_bad_combine(lambda a: dict(runtime_max_tokens_per_rank=a["local_num_tokens"] - 1)),
-                    "(a combine takes its dispatch's local_num_tokens and runtime_max_tokens_per_rank)"),
+                    "a combine takes its dispatch's local_num_tokens and runtime_max_tokens_per_rank, and one of "
+                    "them is not the dispatch's"),
     "offset_unaligned": (_bad_combine(lambda a: dict(combine_payload_offset=a["combine_payload_offset"] + 1)),
                          "pass the offset the dispatch returned"),
 }
@@ -1592,7 +1594,19 @@ def test_an_output_sharing_memory_with_the_payload_is_refused(layout_kind, devic
         def combine(output):
             return a2a.moe_a2a_combine_expert_major(payload, got, sim.workspace, sim.metainfo[0], 0, 1, output=output)
 
-    refused(sim.workspace, lambda: combine(payload.view(-1, H)[:T]), ValueError,
-            f"output must not share memory with {'the payload' if layout_kind == 'rank-major' else 'expert_outputs'}")
+    message = f"output must not share memory with {'the payload' if layout_kind == 'rank-major' else 'expert_outputs'}"
+    refused(sim.workspace, lambda: combine(payload.view(-1, H)[:T]), ValueError, message)
+    # The same memory through another storage object (DLPack; NumPy's
+    # from_numpy makes one too): the payload's first rows, and rows that
+    # overlap only its last one (the payload inside a larger buffer).
+    n = payload.numel()
+    buffer = torch.zeros(n + T * H, dtype=payload.dtype, device=device)
+    buffer[:n].copy_(payload.view(-1))
+    payload = buffer[:n].view(payload.shape)
+    alias = from_dlpack(to_dlpack(buffer))
+    assert alias.untyped_storage()._cdata != buffer.untyped_storage()._cdata
+    refused(sim.workspace, lambda: combine(alias[:T * H].view(T, H)), ValueError, message)
+    refused(sim.workspace, lambda: combine(alias[n - H:n - H + T * H].view(T, H)), ValueError, message)
+    assert combine(alias[n:].view(T, H)).data_ptr() == buffer[n:].data_ptr()  # the bytes after it: apart
     out = combine(torch.empty(T, H, device=device))
     assert tuple(out.shape) == (T, H)
