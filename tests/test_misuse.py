@@ -306,6 +306,16 @@ def test_wrappers_say_how_to_recover():
         moe.combine((recv.float() * 3).to(torch.bfloat16), 8)
     assert_ws_unchanged(moe.workspace, snap)  # refused before any byte changed
     twin.combine(twin_recv, 8)
+    # A dispatch ends the repeated combines of the round before it, even one
+    # refused: a combine after it would combine that round's routes.
+    (recv,) = moe.dispatch(ids, [x], 8)
+    moe.combine(recv, 8)
+    with pytest.raises(ValueError, match="contiguous"):
+        moe.dispatch(ids, [x[:, ::2]], 8)
+    with pytest.raises(RuntimeError, match="called before dispatch .*; call dispatch first"):
+        moe.combine(recv, 8)
+    (recv,) = moe.dispatch(ids, [x], 8)
+    assert torch.equal(moe.combine(recv, 8), x)
 
     params = MoEEpCommParams(num_experts=4, top_k=2, max_tokens_per_rank=8, hidden_size=64)
     comm = a2a.NVLinkOneSidedAlltoAll(BootstrapConfig(world_size=1, rank=0), params, NVLinkOneSidedConfig(),

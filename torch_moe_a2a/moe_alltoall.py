@@ -758,7 +758,9 @@ class MoeAlltoAll:
             The receive views, one per payload: ``[ep_size,
             runtime_max_tokens_per_rank, *]`` views of the workspace, valid until
             :meth:`combine`; for an ``expert_major`` instance the
-            :class:`~torch_moe_a2a.ExpertMajorDispatch`.
+            :class:`~torch_moe_a2a.ExpertMajorDispatch`. Where a payload
+            requires grad under grad mode, new tensors instead, with
+            gradients, as the functional dispatch returns them then.
 
         Raises:
             RuntimeError: two dispatches without a combine (where a call
@@ -774,10 +776,14 @@ class MoeAlltoAll:
                 ``LINEAR`` (FlashInfer's ``R128C4`` scale tiles).
         """
         self._check_mapped("dispatch")
-        _check_payload_layouts(output_payload_layouts, len(input_payloads))
         if self._state.phase == "dispatched":
             self._raise_out_of_order("MoeAlltoAll.dispatch", "MoeAlltoAll.dispatch called twice without combine; call "
                                      "combine to close the open round (a refused combine changed nothing)")
+        # A dispatch ends the last round's combines, refused or not: a combine
+        # after a refused dispatch would combine the round before it.
+        if self._state.phase == "combined":
+            self._state = _A2AState(resets=self._shared.resets)
+        _check_payload_layouts(output_payload_layouts, len(input_payloads))
         self._check_abandoned_round("MoeAlltoAll.dispatch")
         other = self._shared.active_instance()
         if other is not None and other is not self:
@@ -870,7 +876,8 @@ class MoeAlltoAll:
         """:func:`~torch_moe_a2a.moe_a2a_combine` for the tokens of the last :meth:`dispatch`
         (``low_precision_block_scales``: ours, as there). It may be called
         again before the next dispatch (on every rank alike), each time
-        combining the payload given then over the same routes.
+        combining the payload given then over the same routes; a dispatch
+        call ends that, also one that raises.
 
         Args:
             payload: this rank's expert outputs for the received rows:
@@ -893,10 +900,14 @@ class MoeAlltoAll:
             enable_pdl: programmatic dependent launch (None: on for compute capability 9.0+).
 
         Returns:
-            ``[local_num_tokens, *payload.shape[2:]]``: a new tensor, or ``output``.
+            ``[local_num_tokens, *payload.shape[2:]]``: a new tensor, or
+            ``output``; differentiable where the payload requires grad under
+            grad mode (after a dispatch of payloads that did), as the
+            functional combine.
 
         Raises:
-            RuntimeError: no dispatch before it (where a call failed: its
+            RuntimeError: no dispatch before it, or a refused one since the
+                last (where a call failed: its
                 error record, which asks for :meth:`reset`; where a deleted
                 instance left its round open, that), another instance
                 sharing the workspace dispatched since this instance's
