@@ -1230,6 +1230,55 @@ def test_a_combine_with_another_num_experts_than_its_dispatch_is_refused():
 
 
 @pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+def test_ids_written_in_place_after_their_dispatch_are_refused(layout):
+    """The combine's backward routes the gradient by the dispatch's ids: the
+    same ids tensor written in place between the dispatch and the combine (a
+    remap of a reused buffer) gave the right output and wrong gradients of
+    the experts' weights, the payloads needing none. Refused, as other ids
+    are, by the tensor's version counter; a plain combine closes the round,
+    and a dispatch of the new ids then trains."""
+    tokens, top_k, num_experts, hidden = 5, 2, 4, 8
+    gen = torch.Generator().manual_seed(29)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    weight = torch.tensor(2.0, requires_grad=True)
+    if layout == "rank-major":
+        sim = make_sim(1, tokens, hidden, top_k)
+        args = (sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k)
+
+        def combine(ids, *, plain=False):
+            if plain:
+                return a2a.moe_a2a_combine(recv[0].detach(), tokens, *args[:5], top_k, offset)
+            return moe_a2a_combine_differentiable(recv[0] * weight, ids, *args, num_experts, offset)
+
+        recv, offset, _ = moe_a2a_dispatch_differentiable(ids, [x], *args, num_experts)
+    else:
+        sim = make_em_sim(1, tokens, hidden, top_k, num_experts)
+        args = (sim.workspace, sim.metainfo[0])
+
+        def combine(ids, *, plain=False):
+            rows = got.output_payloads[0]
+            if plain:
+                return a2a.moe_a2a_combine_expert_major(rows.detach(), got, *args, 0, 1)
+            return moe_a2a_combine_expert_major_differentiable(rows * weight, got, ids, *args, 0, 1)
+
+        got = moe_a2a_dispatch_expert_major_differentiable(ids, [x], *args, tokens, 0, 1, top_k, num_experts)
+    ids.copy_((ids + 1) % num_experts)
+    with pytest.raises(ValueError, match="ids of this rank's preceding dispatch .* were written in place since "
+                                         "that dispatch: the combine's backward would send the output gradient"):
+        combine(ids)
+    with pytest.raises(ValueError, match="written in place since"):  # its values put back: still refused
+        combine(ids.copy_((ids - 1) % num_experts))
+    combine(ids, plain=True)
+    if layout == "rank-major":
+        recv, offset, _ = moe_a2a_dispatch_differentiable(ids, [x], *args, num_experts)
+    else:
+        got = moe_a2a_dispatch_expert_major_differentiable(ids, [x], *args, tokens, 0, 1, top_k, num_experts)
+    combine(ids).sum().backward()
+    assert weight.grad is not None
+
+
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
 def test_a_backward_counts_no_invalid_id_or_dropped_pair_again(layout, device):
     """The backward's exchanges dispatch the forward's ids again: the header's
     counters of ids >= num_experts and of dropped pairs still count them once."""

@@ -693,13 +693,22 @@ def _check_backward_fits(fn: str, workspace: Tensor, needed: int, what: str) -> 
                          f"the workspace has {workspace.shape[1]}; {what}")
 
 
+# The ids of a rank's last dispatch, written in place since (fastpath.last_dispatch).
+_IDS_CHANGED = ("{fn}: the expert ids of this rank's preceding dispatch (its token_selected_experts tensor) were "
+                "written in place since that dispatch: the combine's backward would send the output gradient along "
+                "other routes than the forward's (wrong gradients); keep them unchanged until the combine (change "
+                "a clone). To go on, close this round with a combine of a payload that needs no gradient (detached) "
+                "and dispatch again")
+
+
 def _check_combine_ids(fn: str, workspace: Tensor, rank: int, ids: Tensor, num_experts: int,
                        counts: Optional[Tensor] = None, needs_backward: bool = False) -> None:
     """``ids`` and ``num_experts`` (and ``counts``, expert-major) must be those
     of this rank's last dispatch on ``workspace`` (fastpath.note_dispatch: the
     backward lays its routes from ``ids`` and ``num_experts``, the forward
-    follows the dispatch's). The same tensor costs nothing; another one is
-    compared by value, in either id width (a host sync, off the usual path).
+    follows the dispatch's). The same tensor, not written in place since
+    (its version counter), costs nothing; another one is compared by value,
+    in either id width (a host sync, off the usual path).
     A combine that ``needs_backward`` must follow a differentiable dispatch:
     a plain one's received rows are workspace views, which the backward's
     exchange overwrites before the payload's own backward reads what it saved
@@ -713,6 +722,8 @@ def _check_combine_ids(fn: str, workspace: Tensor, rank: int, ids: Tensor, num_e
                          "backward overwrites before the expert's backward reads what it saved of them (wrong "
                          "gradients); dispatch with the differentiable function, whose received rows are new "
                          "tensors")
+    if last is not None and last[4]:
+        raise ValueError(_IDS_CHANGED.format(fn=fn))
     dispatched = None if last is None else last[0]
     if dispatched is not None and dispatched is not ids and not (
             dispatched.shape == ids.shape and dispatched.device == ids.device
@@ -1414,7 +1425,9 @@ def moe_a2a_combine_expert_major_differentiable(
             bf16, fp16 or fp32 (padding rows are ignored and get a zero gradient).
         dispatched: this rank's :func:`moe_a2a_dispatch_expert_major_differentiable`
             result; its ``router_weights`` are the weights applied (a tensor
-            computed from them may stand in, of the same shape).
+            computed from them may stand in, of the same shape:
+            ``dispatched._replace(router_weights=...)``, a NamedTuple's copy
+            with that field replaced).
         token_selected_experts: the ids of that dispatch (its routes; the
             backward dispatches the output gradient along them).
         workspace, metainfo, ep_rank, ep_size, enable_pdl, enable_rank_mask,
@@ -1519,6 +1532,8 @@ def _round_ids(fn: str, workspace: Tensor, rank: int, expert_major: bool) -> tup
                          "that the combine's backward would overwrite before the expert's backward reads them "
                          "(wrong gradients). Dispatch payloads that require grad (or call "
                          "moe_a2a_dispatch_differentiable), or combine under torch.no_grad()")
+    if last[4]:
+        raise ValueError(_IDS_CHANGED.format(fn=fn))
     return last[0], last[2]
 
 

@@ -128,7 +128,9 @@ def direct_call_ok(*tensors: Optional[torch.Tensor]) -> bool:
 # grows, entries whose workspace tensor is gone are dropped (an entry stays
 # valid while its address is in use, whatever view of the workspace a call
 # passes).
-_LAST_DISPATCH: dict[tuple[int, int], list] = {}  # [workspace weakref, ids, counts, num_experts, plain]
+# The ids' version counter is kept too: ids changed in place since (the same
+# tensor object, other routes) are refused like other ids.
+_LAST_DISPATCH: dict[tuple[int, int], list] = {}  # [workspace weakref, ids, counts, num_experts, plain, version]
 _LAST_DISPATCH_PURGE_AT = [64]
 # Held while a dispatch updates the table. Simulated ranks dispatch from
 # threads of their own: one rank's purge could find a dead entry that
@@ -145,6 +147,7 @@ def note_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, num_exp
     rows workspace views). On every eager dispatch: an existing entry is
     updated in place."""
     key = (workspace.data_ptr(), rank)
+    version = _version(ids)
     with _LAST_DISPATCH_LOCK:
         entry = _LAST_DISPATCH.get(key)
         if entry is not None:
@@ -154,8 +157,9 @@ def note_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, num_exp
             entry[2] = counts
             entry[3] = num_experts
             entry[4] = plain
+            entry[5] = version
             return
-        _LAST_DISPATCH[key] = [weakref.ref(workspace), ids, counts, num_experts, plain]
+        _LAST_DISPATCH[key] = [weakref.ref(workspace), ids, counts, num_experts, plain, version]
         if len(_LAST_DISPATCH) >= _LAST_DISPATCH_PURGE_AT[0]:
             for gone in [k for k, e in _LAST_DISPATCH.items() if e[0]() is None]:
                 del _LAST_DISPATCH[gone]
@@ -171,13 +175,22 @@ def note_plain_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, n
         note_dispatch(workspace, rank, ids, num_experts, counts, plain=True)
 
 
+def _version(t: torch.Tensor) -> Optional[int]:
+    """``t``'s version counter (bumped by every in-place write); None for an
+    inference tensor, which has none."""
+    return None if t.is_inference() else t._version
+
+
 def last_dispatch(workspace: torch.Tensor,
-                  rank: int) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], int, bool]]:
+                  rank: int) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], int, bool, bool]]:
     """The ids, counts (expert-major; else None), num_experts and plainness
-    of ``rank``'s last eager dispatch on ``workspace``; None if none is
-    recorded (none, or only plain ones since the process started)."""
+    of ``rank``'s last eager dispatch on ``workspace``, and whether the ids
+    were written in place since; None if none is recorded (none, or only
+    plain ones since the process started)."""
     entry = _LAST_DISPATCH.get((workspace.data_ptr(), rank))
-    return None if entry is None else (entry[1], entry[2], entry[3], entry[4])
+    if entry is None:
+        return None
+    return entry[1], entry[2], entry[3], entry[4], entry[5] is not None and _version(entry[1]) != entry[5]
 
 
 def tracing() -> bool:
