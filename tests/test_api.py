@@ -256,6 +256,23 @@ def test_simulated_ep_reraises_first_exception(device):
     assert sim.run(lambda r: r * 10) == [0, 10]
 
 
+def test_simulated_ranks_run_in_the_callers_grad_mode(device):
+    """Grad and inference modes are per thread: CPU ranks run in threads of
+    their own, which took the default modes, so a layer run under
+    torch.no_grad() still recorded its graph."""
+    sim = make_sim(Case(2, (1, 1), 1, 2), device)
+
+    def modes(rank):
+        return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    assert sim.run(modes) == [(True, False)] * 2
+    with torch.no_grad():
+        assert sim.run(modes) == [(False, False)] * 2
+    with torch.inference_mode():
+        assert sim.run(modes) == [(False, True)] * 2
+    assert sim.run(modes) == [(True, False)] * 2
+
+
 # ---- MoeAlltoAll ---------------------------------------------------------------------------------------
 
 

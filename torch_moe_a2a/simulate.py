@@ -125,7 +125,9 @@ class SimulatedEP:
     def run(self, fn: Callable[[int], T]) -> list[T]:
         """Call ``fn(rank)`` for every rank concurrently and return the results in rank order.
 
-        CPU: one thread per rank. CUDA: ``fn(rank)`` runs on the host in rank
+        CPU: one thread per rank, in the caller's grad and inference modes
+        (``torch.no_grad()`` around ``run`` holds in every rank's ``fn``).
+        CUDA: ``fn(rank)`` runs on the host in rank
         order inside ``torch.cuda.stream(self.streams[rank])``; each stream
         first waits for the current stream, and the current stream waits for
         all of them afterwards, so the results are ordered like ordinary work.
@@ -167,12 +169,16 @@ class SimulatedEP:
         # may return while the thread still runs (CPython 3.11's join marks a
         # thread stopped when a signal handler raised inside it).
         finished = [threading.Event() for _ in range(self.ep_size)]
+        # The caller's grad and inference modes, which are per thread: a run
+        # under torch.no_grad() runs every rank's fn without grad.
+        grad_enabled, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
         def call(rank: int) -> None:
             try:
                 if self.streams is None:
                     _C.mark_simulated_rank_thread()  # a CPU timeout's message then names no thread trouble
-                results[rank] = fn(rank)
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
+                    results[rank] = fn(rank)
             except BaseException as e:  # noqa: BLE001 - re-raised below, after every rank finished
                 with lock:
                     errors.append(e)
