@@ -474,7 +474,9 @@ def moe_a2a_dispatch(
             If any requires grad under grad mode (eager calls), the call runs
             as :func:`~torch_moe_a2a.moe_a2a_dispatch_differentiable` and
             returns its received rows (new tensors), no EPLB statistics; a
-            traced call (torch.compile, make_fx) refuses it (ValueError).
+            traced call (torch.compile, make_fx) refuses it (ValueError;
+            under ``torch.compile(fullgraph=True)`` the cause of Dynamo's
+            ``Unsupported`` error).
         workspace, metainfo: the workspace and this rank's
             :func:`moe_a2a_initialize` result.
         runtime_max_tokens_per_rank: the same on every rank, ``>=
@@ -629,7 +631,8 @@ def moe_a2a_combine(
             (eager calls), the call runs as
             :func:`~torch_moe_a2a.moe_a2a_combine_differentiable` with the ids
             of this rank's last dispatch, which must have been one of payloads
-            that required grad; a traced call refuses it (ValueError).
+            that required grad; a traced call refuses it (ValueError, as
+            for dispatch).
         local_num_tokens, runtime_max_tokens_per_rank, top_k,
             combine_payload_offset: those of this rank's preceding dispatch
             (the offset it returned).
@@ -663,9 +666,12 @@ def moe_a2a_combine(
             the sums are fp32 and the output bf16 (or quantized). Every
             rank's combine of a round must agree on it, on
             ``low_precision_block_scales`` and on the payload's dtype and row
-            shape (the peers read this rank's rows in that form): a rank
-            that differs is not detected and gives wrong sums. The output
-            format may differ between ranks.
+            shape (the peers read this rank's rows in that form): on the
+            CPU a rank whose dtype, row size or transport differs makes every
+            rank's combine raise RuntimeError, naming the peers; on CUDA it
+            is not detected (the check would cost the small combines 0.2-1
+            us) and gives wrong sums. The output format may differ between
+            ranks.
         enable_pdl, enable_rank_mask, active_rank_mask, backend, timeout_s: as for dispatch.
         low_precision_block_scales: with ``use_low_precision``, every 128
             elements of a row travel with a power-of-two scale (the smallest
