@@ -676,8 +676,11 @@ def moe_a2a_combine(
         low_precision_block_scales: with ``use_low_precision``, every 128
             elements of a row travel with a power-of-two scale (the smallest
             that keeps the block within +-448), so that rows beyond e4m3's
-            range keep e4m3's relative precision (docs/internals.md, 'Low
-            precision and quantized outputs', has the measured error).
+            range keep e4m3's relative precision: elements within about
+            2^14 of their block's largest do; smaller ones lose mantissa bits
+            and, below about 2^-18 of it, round to zero (an inf makes the
+            block's other elements zero). docs/internals.md, 'Low precision
+            and quantized outputs', has the measured error.
 
     Returns:
         ``[local_num_tokens, *row_shape]`` of ``output_dtype``: for each token
