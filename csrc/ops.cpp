@@ -506,11 +506,8 @@ void check_combine_output(const at::Tensor& o, const at::Tensor& workspace, cons
                     "that does not require grad, or call under torch.no_grad())");
 }
 
-// A tensor the combine writes must share no memory with what it reads or
-// writes besides: the pull reads payload rows (the own ones from the payload
-// itself) after it stored the first outputs, and would sum what it wrote.
 // The bytes [first, last] that a tensor's elements span (numel > 0).
-std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
+static std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
   int64_t low = 0, high = 0;
   for (int64_t d = 0; d < t.dim(); ++d) {
     const int64_t reach = (t.size(d) - 1) * t.stride(d);
@@ -521,6 +518,9 @@ std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
   return {base + low * item, base + high * item + item - 1};
 }
 
+// A tensor the combine writes must share no memory with what it reads or
+// writes besides: the pull reads payload rows (the own ones from the payload
+// itself) after it stored the first outputs, and would sum what it wrote.
 void check_apart(const at::Tensor& written, const std::optional<at::Tensor>& other, const char* written_name,
                  const char* other_name) {
   if (!other.has_value() || !other->defined() || t_traced_checks) return;
