@@ -1270,12 +1270,24 @@ def test_ids_written_in_place_after_their_dispatch_are_refused(layout):
     with pytest.raises(ValueError, match="written in place since"):  # its values put back: still refused
         combine(ids.copy_((ids - 1) % num_experts))
     combine(ids, plain=True)
-    if layout == "rank-major":
-        recv, offset, _ = moe_a2a_dispatch_differentiable(ids, [x], *args, num_experts)
-    else:
-        got = moe_a2a_dispatch_expert_major_differentiable(ids, [x], *args, tokens, 0, 1, top_k, num_experts)
+
+    def dispatch(ids):
+        nonlocal recv, offset, got
+        if layout == "rank-major":
+            recv, offset, _ = moe_a2a_dispatch_differentiable(ids, [x], *args, num_experts)
+        else:
+            got = moe_a2a_dispatch_expert_major_differentiable(ids, [x], *args, tokens, 0, 1, top_k, num_experts)
+
+    recv = offset = got = None
+    dispatch(ids)
     combine(ids).sum().backward()
     assert weight.grad is not None
+    # The ids a row of a larger buffer whose other row is written: the
+    # version counter is the buffer's, so it is not read as the ids' writes.
+    rows = torch.stack([ids, ids])
+    dispatch(rows[0])
+    rows[1].copy_((ids + 1) % num_experts)
+    combine(rows[0]).sum().backward()
 
 
 @pytest.mark.parametrize("layout", ["rank-major", "expert-major"])

@@ -706,9 +706,11 @@ def _check_combine_ids(fn: str, workspace: Tensor, rank: int, ids: Tensor, num_e
     """``ids`` and ``num_experts`` (and ``counts``, expert-major) must be those
     of this rank's last dispatch on ``workspace`` (fastpath.note_dispatch: the
     backward lays its routes from ``ids`` and ``num_experts``, the forward
-    follows the dispatch's). The same tensor, not written in place since
-    (its version counter), costs nothing; another one is compared by value,
-    in either id width (a host sync, off the usual path).
+    follows the dispatch's). The same tensor costs nothing, but where the
+    combine ``needs_backward`` it must not have been written in place since
+    (its version counter; a tensor that is part of a larger storage is not
+    checked so); another one is compared by value, in either id width (a
+    host sync, off the usual path).
     A combine that ``needs_backward`` must follow a differentiable dispatch:
     a plain one's received rows are workspace views, which the backward's
     exchange overwrites before the payload's own backward reads what it saved
@@ -722,7 +724,7 @@ def _check_combine_ids(fn: str, workspace: Tensor, rank: int, ids: Tensor, num_e
                          "backward overwrites before the expert's backward reads what it saved of them (wrong "
                          "gradients); dispatch with the differentiable function, whose received rows are new "
                          "tensors")
-    if last is not None and last[4]:
+    if needs_backward and last is not None and last[4]:
         raise ValueError(_IDS_CHANGED.format(fn=fn))
     dispatched = None if last is None else last[0]
     if dispatched is not None and dispatched is not ids and not (

@@ -128,8 +128,9 @@ def direct_call_ok(*tensors: Optional[torch.Tensor]) -> bool:
 # grows, entries whose workspace tensor is gone are dropped (an entry stays
 # valid while its address is in use, whatever view of the workspace a call
 # passes).
-# The ids' version counter is kept too: ids changed in place since (the same
-# tensor object, other routes) are refused like other ids.
+# The ids' version counter is kept too (fastpath._version): ids written in
+# place since (the same tensor object, other routes) are refused like other
+# ids where the combine needs a backward.
 _LAST_DISPATCH: dict[tuple[int, int], list] = {}  # [workspace weakref, ids, counts, num_experts, plain, version]
 _LAST_DISPATCH_PURGE_AT = [64]
 # Held while a dispatch updates the table. Simulated ranks dispatch from
@@ -176,9 +177,13 @@ def note_plain_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, n
 
 
 def _version(t: torch.Tensor) -> Optional[int]:
-    """``t``'s version counter (bumped by every in-place write); None for an
-    inference tensor, which has none."""
-    return None if t.is_inference() else t._version
+    """``t``'s version counter, which every in-place write to its storage
+    through any view moves, where the tensor is its whole storage; else None:
+    an inference tensor has none, and for a part of a larger storage a write
+    to another part would move it too."""
+    if t.is_inference() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return None
+    return t._version
 
 
 def last_dispatch(workspace: torch.Tensor,
@@ -190,7 +195,7 @@ def last_dispatch(workspace: torch.Tensor,
     entry = _LAST_DISPATCH.get((workspace.data_ptr(), rank))
     if entry is None:
         return None
-    return entry[1], entry[2], entry[3], entry[4], entry[5] is not None and _version(entry[1]) != entry[5]
+    return entry[1], entry[2], entry[3], entry[4], entry[5] is not None and entry[1]._version != entry[5]
 
 
 def tracing() -> bool:
