@@ -22,6 +22,7 @@ decisions and their measured effect').
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 from typing import Any, Callable, Optional, TypeVar
@@ -126,7 +127,8 @@ class SimulatedEP:
         """Call ``fn(rank)`` for every rank concurrently and return the results in rank order.
 
         CPU: one thread per rank, in the caller's grad and inference modes
-        (``torch.no_grad()`` around ``run`` holds in every rank's ``fn``).
+        (``torch.no_grad()`` around ``run`` holds in every rank's ``fn``; other
+        per-thread state, such as autocast, is not carried over).
         CUDA: ``fn(rank)`` runs on the host in rank
         order inside ``torch.cuda.stream(self.streams[rank])``; each stream
         first waits for the current stream, and the current stream waits for
@@ -169,15 +171,19 @@ class SimulatedEP:
         # may return while the thread still runs (CPython 3.11's join marks a
         # thread stopped when a signal handler raised inside it).
         finished = [threading.Event() for _ in range(self.ep_size)]
-        # The caller's grad and inference modes, which are per thread: a run
-        # under torch.no_grad() runs every rank's fn without grad.
-        grad_enabled, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        # The caller's grad and inference modes, which are per thread, for the
+        # CPU ranks' threads: a run under torch.no_grad() runs every rank's fn
+        # without grad. (Inference mode implies no grad.)
+        modes = torch.inference_mode if torch.is_inference_mode_enabled() else functools.partial(
+            torch.set_grad_enabled, torch.is_grad_enabled())
 
         def call(rank: int) -> None:
             try:
                 if self.streams is None:
                     _C.mark_simulated_rank_thread()  # a CPU timeout's message then names no thread trouble
-                with torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
+                    with modes():
+                        results[rank] = fn(rank)
+                else:
                     results[rank] = fn(rank)
             except BaseException as e:  # noqa: BLE001 - re-raised below, after every rank finished
                 with lock:
