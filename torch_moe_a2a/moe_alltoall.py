@@ -877,7 +877,7 @@ class MoeAlltoAll:
         (``low_precision_block_scales``: ours, as there). It may be called
         again before the next dispatch (on every rank alike), each time
         combining the payload given then over the same routes; a dispatch
-        call ends that, also one that raises.
+        call ends that, also one that raises (in eager mode).
 
         Args:
             payload: this rank's expert outputs for the received rows:
