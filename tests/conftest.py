@@ -303,6 +303,7 @@ def round_trip(
     *,
     runtime_max: Optional[int] = None,
     payload_in_workspace: bool = False,
+    region_as_tensor: bool = False,
     output_dtype: Optional[torch.dtype] = None,
     use_output: bool = False,
     eplb_stats: Optional[list[torch.Tensor]] = None,
@@ -319,7 +320,9 @@ def round_trip(
     ``combine_kwargs(rank)``: more keyword arguments of rank's combine;
     ``low_precision`` goes to reference_combine; ``expected(rank, ref_out)``
     maps the reference's output to the one expected (a quantization);
-    ``transform`` is applied to every rank's expert outputs (special values)."""
+    ``transform`` is applied to every rank's expert outputs (special values).
+    ``region_as_tensor``: the expert outputs written into the combine region,
+    whose view is passed as a tensor (``payload_in_workspace`` False)."""
     ep, device = case.ep_size, sim.workspace.device
     T = case.T if runtime_max is None else runtime_max
     tokens = [int(t.shape[0]) for t in inputs.ids]
@@ -381,7 +384,7 @@ def round_trip(
         # toy_moe is not under test, so it runs in one place), then its padding
         # rows are poisoned: combine must read valid rows only.
         expert_out = poison_padding(moe(r, recv[r], counts[r]), counts[r], gen)
-        if payload_in_workspace:
+        if payload_in_workspace or region_as_tensor:
             payloads[r] = combine_payload_in_workspace(
                 sim, r, offsets[r], (ep, T, case.hidden), case.hidden_dtype, expert_out.to(device)
             )

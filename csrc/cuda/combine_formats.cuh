@@ -295,7 +295,11 @@ __device__ void stage_rows_e4m3(const CombineParams& p, int64_t row_bytes, const
   // H200 the block-scaled staging by steps took 1778 us against 1638 by rows
   // (two warps writing the halves of a group's codes and of the sectors
   // between groups); at 128 tokens (680 rows on 512 warps) 79.6 against 86.3.
-  if (p.payload != nullptr && first_row[p.ws.ep_size] <= 2 * int64_t(gridDim.x) * kWarps) {
+  // Not where the payload is the combine region itself (converted in place,
+  // as without a payload): a row's steps on other warps would store codes
+  // over the elements of an earlier step before it loaded them.
+  const uint8_t* region = p.ws.row(p.ws.ep_rank) + p.combine_offset;
+  if (p.payload != nullptr && p.payload != region && first_row[p.ws.ep_size] <= 2 * int64_t(gridDim.x) * kWarps) {
     stage_items_e4m3<In, true>(p, row_bytes, first_row, vectors);
   } else {
     stage_items_e4m3<In, false>(p, row_bytes, first_row, vectors);
