@@ -676,6 +676,14 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
                       "a quantized output must be 16-byte aligned");
     p.output = static_cast<uint8_t*>(data_address(*output));
   }
+  // A quantized output's pull reads the own rows from a payload it stages
+  // (not one in the combine region) with the widest vectors, which its
+  // epilogue assumes: such a payload must be 16-byte aligned too.
+  TORCH_CHECK_VALUE(p.quant == QuantFormat::kNone || lp || p.payload == nullptr ||
+                        p.payload == p.ws.row(p.ws.ep_rank) + combine_payload_offset ||
+                        reinterpret_cast<uintptr_t>(p.payload) % 16 == 0,
+                    "a quantized output needs a 16-byte aligned payload, got one at an address ",
+                    reinterpret_cast<uintptr_t>(p.payload) % 16, " bytes past a multiple of 16 (pass payload.clone())");
 
   p.local_num_tokens = local_num_tokens;
   p.runtime_max_tokens = T;

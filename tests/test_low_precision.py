@@ -362,6 +362,24 @@ def test_quantized_output_tensor(device):
                  output=torch.empty(5, 64, dtype=torch.uint8, device=device))
 
 
+def test_quantized_output_of_a_misaligned_payload_is_refused(device):
+    """A quantized output's pull reads the own rows from the payload with
+    16-byte vectors: a payload at 2 bytes past a multiple of 16 failed on CUDA
+    with "invalid argument" after the checks, its peers left to time out.
+    Refused before anything runs, as a misaligned output is; its aligned copy
+    combines."""
+    sim, offset, payload = _dispatched(device)
+    flat = torch.zeros(payload.numel() + 8, dtype=payload.dtype, device=device)
+    misaligned = flat[1:1 + payload.numel()].view(payload.shape).copy_(payload)
+    assert misaligned.data_ptr() % 16 == 2
+    before = ws_snapshot(sim.workspace)
+    with pytest.raises(ValueError, match="a quantized output needs a 16-byte aligned payload, got one at an address 2 "
+                                         "bytes past"):
+        _combine(sim, offset, misaligned, output_dtype=FP8, output_scales=_scales(10, device=device))
+    assert_ws_unchanged(sim.workspace, before)
+    _combine(sim, offset, misaligned.clone(), output_dtype=FP8, output_scales=_scales(10, device=device))
+
+
 def test_workspace_size_covers_low_precision():
     """The sizing function needs nothing more: e4m3 rows (with their block
     scales) fit in the payload rows they replace at every FlashInfer shape."""
