@@ -757,6 +757,13 @@ ExpertMajorBuildParams check_expert_major_build(const at::Tensor& workspace, int
   check_runtime_max(T, max_num_tokens);
   check_top_k(top_k);
   check_expert_major_sizes(ep_size, num_experts, max_tokens_per_expert);
+  // The build counts a local expert's pairs of the call in 32 bits (up to
+  // every source's T tokens with all top_k slots on it).
+  TORCH_CHECK_VALUE(ep_size * T * top_k <= kMaxExpertMajorRows,
+                    "an expert-major dispatch counts a local expert's pairs of the call in 32 bits: ep_size * "
+                    "runtime_max_tokens_per_rank * top_k = ",
+                    ep_size * T * top_k, " exceeds ", kMaxExpertMajorRows,
+                    "; dispatch fewer tokens a call, or rank-major");
   check_eplb_n(eplb_n);
   TORCH_CHECK_VALUE(id_bytes == int64_t(sizeof(int32_t)) || id_bytes == int64_t(sizeof(int64_t)),
                     "id_bytes must be 4 (int32 ids) or 8 (int64 ids), got ", id_bytes);

@@ -27,7 +27,7 @@ from conftest import (
 )
 
 import torch_moe_a2a as a2a
-from torch_moe_a2a import layout, reference
+from torch_moe_a2a import expert_major, layout, reference
 
 
 @dataclass(frozen=True)
@@ -818,3 +818,28 @@ def test_a_default_rows_per_expert_beyond_the_layout_names_the_default(ep_size, 
     assert what in str(info.value) and f"pass max_tokens_per_expert <= {limit}" in str(info.value)
     assert a2a.moe_a2a_get_workspace_size_per_rank_expert_major(ep_size, max_num_tokens, 64, 64, num_experts, top_k,
                                                                 limit) > 0
+
+
+def test_a_call_whose_pairs_a_32_bit_count_cannot_hold_is_refused():
+    """The build counts a local expert's pairs of the call in 32 bits (the
+    CUDA build's shared counters; the pair rows e * M + i are int32): a call
+    in which one expert may get more (ep_size * T * top_k of them) wrapped
+    the count and wrote rows before the planes. Refused by the op, before the
+    dispatch writes anything, and by the Python dispatch's own check; one
+    token fewer a rank passes to the next check (the workspace's size)."""
+    ep_size, top_k, num_experts = 64, 22, 64
+    T = layout.MAX_EXPERT_MAJOR_ROWS // (ep_size * top_k) + 1
+    workspace = torch.zeros(ep_size, 532480, dtype=torch.uint8)
+
+    def build(runtime_max):
+        torch.ops.moe_a2a.expert_major_build(workspace, 0, ep_size, T, runtime_max, top_k, num_experts, 1, 0, [16],
+                                             4, False, 0, False)
+
+    message = (r"counts a local expert's pairs of the call in 32 bits: ep_size \* runtime_max_tokens_per_rank \* "
+               rf"top_k = {ep_size * T * top_k} exceeds {layout.MAX_EXPERT_MAJOR_ROWS}")
+    with pytest.raises(ValueError, match=message):
+        build(T)
+    with pytest.raises(ValueError, match="workspace too small"):
+        build(T - 1)
+    with pytest.raises(ValueError, match=message):
+        expert_major.check_expert_major_fits(workspace, ep_size, T, top_k, num_experts, 1, 0, [16], 4, False)
