@@ -411,13 +411,20 @@ __device__ inline bool wait_for_peers(const WorkspaceView& ws, const SyncParams&
   return missed == 0 && peers_failed == 0 && aborted == 0;
 }
 
-// wait_for_peers until the word word_of(p) reached `target` (wrap-safe) for every active rank p.
-template <typename WordOf>
+// wait_for_peers until the word word_of(p) reached `target` (wrap-safe) for
+// every active rank p; with kExact, until it equals `target`: scratch words
+// that are never reset and hold their writer's epoch, where a word written
+// 2^31 or more calls ago (or 0 since initialize) reads as reached.
+template <bool kExact = false, typename WordOf>
 __device__ inline bool wait_for_words(const WorkspaceView& ws, const SyncParams& sync, WordOf word_of, uint32_t target,
                                       uint32_t code_on_timeout, const SyncSettings& settings) {
   return wait_for_peers(
-      ws, sync, [&](int p) { return epoch_reached(ld_acquire(word_of(p), settings.system), target); }, code_on_timeout,
-      settings, [&](int p) { return peer_error_recorded(ws, p, settings); });
+      ws, sync,
+      [&](int p) {
+        const uint32_t word = ld_acquire(word_of(p), settings.system);
+        return kExact ? word == target : epoch_reached(word, target);
+      },
+      code_on_timeout, settings, [&](int p) { return peer_error_recorded(ws, p, settings); });
 }
 
 // wait_for_words on flags[p] of the own header: every share of call `epoch`.

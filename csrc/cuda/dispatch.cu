@@ -165,7 +165,8 @@ __device__ __noinline__ void publish_and_sum_counts(uint8_t* own, const Dispatch
 __device__ __noinline__ void wait_all_routed(uint8_t* own, const DispatchArgs& a, uint32_t epoch, int* failed) {
   for (int c = threadIdx.x; c < int(gridDim.x); c += kThreads) {
     const uint32_t* routed = routed_word(own, c);
-    if (!wait_for_grid(own, a, [&] { return epoch_reached(ld_acquire_gpu(routed), epoch); })) {
+    // Equal, not reached: the word is never reset (protocol.h, routed[b]).
+    if (!wait_for_grid(own, a, [&] { return ld_acquire_gpu(routed) == epoch; })) {
       *failed = 1;
       return;
     }
@@ -1111,7 +1112,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   }
 
   // 2. Every rank's counts of this epoch, then next[e] := the chunk's first row of e.
-  const bool counted = wait_for_words(
+  const bool counted = wait_for_words</*kExact=*/true>(
       ws, p.sync, [&](int q) { return reinterpret_cast<uint32_t*>(em_counted_word(own, ep_size, E, q)) + 1; }, epoch,
       kErrorDispatchTimeout, a.d.sync_settings);
   if (!counted) return;
