@@ -456,6 +456,9 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
                       s.sizes());
     check_on_workspace_device(s, workspace, "eplb_local_stats");
     TORCH_CHECK_VALUE(s.is_contiguous(), "eplb_local_stats must be contiguous, got strides ", s.strides());
+    // As the payloads: the peers write the gathered stats (an earlier call's
+    // view of them, say) while this call reads the local ones.
+    check_outside_workspace(s, p.ws, "eplb_local_stats");
     p.eplb_local_stats = static_cast<const int32_t*>(data_address(s));
     p.eplb_n = eplb_stats_num_experts;
   }

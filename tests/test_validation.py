@@ -174,6 +174,19 @@ def test_dispatch_rejects_eplb_length_mismatch(length, device):
     expect_error(env.workspace, lambda: a2a.moe_a2a_dispatch(**args), BAD, r"(?i)eplb")
 
 
+def test_dispatch_rejects_eplb_stats_in_the_workspace(device):
+    """The gathered stats of an earlier dispatch (a workspace view that the
+    peers write during the next call) passed as the next call's local ones:
+    refused, as a payload in the workspace is."""
+    env = make_env(device, eplb_n=4)
+    _, off, gathered = a2a.moe_a2a_dispatch(**dict(env.dispatch_args(),
+                                                   eplb_local_stats=torch.ones(4, dtype=torch.int32, device=device)))
+    a2a.moe_a2a_combine(torch.zeros(1, env.case.T, env.case.hidden, device=device), 6, env.workspace, env.metainfo,
+                        env.case.T, 0, 1, env.case.top_k, off)
+    args = dict(env.dispatch_args(), eplb_local_stats=gathered[0])
+    expect_error(env.workspace, lambda: a2a.moe_a2a_dispatch(**args), BAD, "eplb_local_stats lies in the workspace")
+
+
 def test_dispatch_rejects_eplb_wrong_dtype(device):
     env = make_env(device, eplb_n=4)
     args = env.dispatch_args()
