@@ -57,8 +57,11 @@ std::string dtype_name(at::ScalarType t) { return "torch." + std::string(c10::ge
 // ---- argument checks shared by the builders ----------------------------------
 
 void check_ranks(int64_t ep_rank, int64_t ep_size) {
-  TORCH_CHECK_VALUE(ep_size >= 1 && ep_size <= kMaxRanks, "ep_size must be in [1, ", kMaxRanks, "], got ", ep_size);
-  TORCH_CHECK_VALUE(ep_rank >= 0 && ep_rank < ep_size, "ep_rank must be in [0, ep_size=", ep_size, "), got ", ep_rank);
+  // The order named: (ep_rank, ep_size) swapped is the common mistake.
+  TORCH_CHECK_VALUE(ep_size >= 1 && ep_size <= kMaxRanks, "ep_size must be in [1, ", kMaxRanks, "], got ", ep_size,
+                    " (the calls take ep_rank, then ep_size)");
+  TORCH_CHECK_VALUE(ep_rank >= 0 && ep_rank < ep_size, "ep_rank must be in [0, ep_size=", ep_size, "), got ", ep_rank,
+                    " (the calls take ep_rank, then ep_size)");
 }
 
 void check_max_num_tokens(int64_t max_num_tokens) {
