@@ -26,8 +26,9 @@ from setuptools import build_meta as _setuptools
 INSTALL_TORCH_FIRST = (
     "torch-moe-a2a compiles against the torch installed in the environment it is "
     "installed into, and that environment has no torch (looked in: {where}). "
-    "Install torch first, e.g. `pip install torch==2.13.0` (or the CUDA build you "
-    "run with), then `pip install .` again. A frontend that builds in an environment "
+    "Install torch first, e.g. `pip install torch==2.13.0` (PyPI's CUDA build; on a "
+    "machine without a GPU the CPU build: `pip install torch==2.13.0 --index-url "
+    "https://download.pytorch.org/whl/cpu`), then `pip install .` again. A frontend that builds in an environment "
     "of its own (`python -m build`, uv, pip's venv-isolation feature) cannot show "
     "this backend the target's torch: build without isolation there "
     "(`--no-build-isolation`; `python -m build --no-isolation`)."

@@ -106,7 +106,7 @@ cmd_env() {
   local so="$PEER/site/flashinfer/data/aot/$MODULE/$MODULE.so"
   if [[ ! -f "$so" || ! -d "$PEER/site/tvm_ffi" ]]; then
     # A line that fails, so `eval "$(... env)" && cmd` stops here.
-    printf 'echo "flashinfer_peer: %s is missing or incomplete (run: bash scripts/flashinfer_peer.sh prepare, and carry .peer)" >&2; false\n' "$PEER"
+    printf 'echo "flashinfer_peer: %s is missing or incomplete (run bash scripts/flashinfer_peer.sh prepare on a machine with pip, then copy .peer to this one)" >&2; false\n' "$PEER"
     return 0
   fi
   cat <<EOF

@@ -63,9 +63,11 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: cuda if available, else cpu")
     p.add_argument("--rounds", type=int_at_least(1, "rounds"), default=3,
                    help="round trips, each checked; time is the fastest (default 3)")
-    p.add_argument("--seed", type=int_in_range(-(2**63), 2**63 - 1, "seed"), default=0)
+    p.add_argument("--seed", type=int_in_range(-(2**63), 2**63 - 1, "seed"), default=0,
+                   help="seed of the random tokens and routes (default 0)")
     p.add_argument("--init-method", default="env://",
-                   help="torch.distributed rendezvous under torchrun (default env://: MASTER_ADDR/MASTER_PORT)")
+                   help="torch.distributed rendezvous under torchrun (default env://: MASTER_ADDR/MASTER_PORT); "
+                        "without torchrun the ranks are simulated in this process and it is not used")
 
 
 def _check_demo_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, ep: int) -> None:
