@@ -69,6 +69,16 @@ void check_max_num_tokens(int64_t max_num_tokens) {
                     kMaxNumTokens, "], got ", max_num_tokens);
 }
 
+// A combine's local_num_tokens against its runtime_max_tokens_per_rank (T).
+void check_local_num_tokens(int64_t local_num_tokens, int64_t T) {
+  TORCH_CHECK_VALUE(local_num_tokens >= 0, "local_num_tokens must be >= 0, got ", local_num_tokens);
+  // Either may be the wrong one: both must be the dispatch's.
+  TORCH_CHECK_VALUE(local_num_tokens <= T, "local_num_tokens=", local_num_tokens,
+                    " exceeds runtime_max_tokens_per_rank=", T,
+                    ": a combine takes its dispatch's local_num_tokens and runtime_max_tokens_per_rank, and one of "
+                    "them is not the dispatch's");
+}
+
 void check_runtime_max(int64_t runtime_max, int64_t max_num_tokens) {
   TORCH_CHECK_VALUE(runtime_max >= 1 && runtime_max <= max_num_tokens,
                     "runtime_max_tokens_per_rank must be in [1, max_num_tokens=", max_num_tokens, "], got ",
@@ -558,12 +568,7 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
   const int64_t T = runtime_max_tokens_per_rank;
   check_runtime_max(T, max_num_tokens);
   check_top_k(top_k);
-  TORCH_CHECK_VALUE(local_num_tokens >= 0, "local_num_tokens must be >= 0, got ", local_num_tokens);
-  // Either may be the wrong one: both must be the dispatch's.
-  TORCH_CHECK_VALUE(local_num_tokens <= T, "local_num_tokens=", local_num_tokens,
-                    " exceeds runtime_max_tokens_per_rank=", T,
-                    ": a combine takes its dispatch's local_num_tokens and runtime_max_tokens_per_rank, and one of "
-                    "them is not the dispatch's");
+  check_local_num_tokens(local_num_tokens, T);
 
   // The payload first: output_dtype defaults to it, so an fp8 payload must
   // not read as a request for a quantized output.
@@ -872,12 +877,7 @@ ExpertMajorCombineParams check_combine_expert_major(
   check_runtime_max(T, max_num_tokens);
   check_top_k(top_k);
   check_expert_major_sizes(ep_size, num_experts, max_tokens_per_expert);
-  TORCH_CHECK_VALUE(local_num_tokens >= 0, "local_num_tokens must be >= 0, got ", local_num_tokens);
-  // Either may be the wrong one: both must be the dispatch's.
-  TORCH_CHECK_VALUE(local_num_tokens <= T, "local_num_tokens=", local_num_tokens,
-                    " exceeds runtime_max_tokens_per_rank=", T,
-                    ": a combine takes its dispatch's local_num_tokens and runtime_max_tokens_per_rank, and one of "
-                    "them is not the dispatch's");
+  check_local_num_tokens(local_num_tokens, T);
   c.payload_dtype = to_dtype(payload_dtype, "expert_outputs dtype");
   // fp32 too: the weighted sum is fp32 before its one cast. The rule before
   // to_dtype, whose message would list dtypes this payload's combine refuses.
