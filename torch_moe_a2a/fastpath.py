@@ -178,12 +178,18 @@ def note_plain_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, n
 
 def _version(t: torch.Tensor) -> Optional[int]:
     """``t``'s version counter, which every in-place write to its storage
-    through any view moves, where the tensor is its whole storage; else None:
-    an inference tensor has none, and for a part of a larger storage a write
-    to another part would move it too."""
-    if t.is_inference() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        return None
-    return t._version
+    through any view moves; None for an inference tensor, which has none."""
+    return None if t.is_inference() else t._version
+
+
+def _written_since(t: torch.Tensor, version: Optional[int]) -> bool:
+    """Whether ``t`` was written in place since its counter read ``version``,
+    as far as the counter tells: only where the tensor is its whole storage
+    (for a part of a larger one, a write to another part moves it too). The
+    storage is looked at here, off the dispatch's path: only once the
+    counter moved."""
+    return (version is not None and t._version != version
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
 
 def last_dispatch(workspace: torch.Tensor,
@@ -195,7 +201,7 @@ def last_dispatch(workspace: torch.Tensor,
     entry = _LAST_DISPATCH.get((workspace.data_ptr(), rank))
     if entry is None:
         return None
-    return entry[1], entry[2], entry[3], entry[4], entry[5] is not None and entry[1]._version != entry[5]
+    return entry[1], entry[2], entry[3], entry[4], _written_since(entry[1], entry[5])
 
 
 def tracing() -> bool:
