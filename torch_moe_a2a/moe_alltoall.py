@@ -437,7 +437,7 @@ class MoeAlltoAll:
         mark_static_address(self.workspace)
         self._recv_counts = moe_a2a_get_recv_counts(self.workspace, self.metainfo, self.ep_rank)
         self._recv_view_cache: dict = {"_workspace": self.workspace}
-        self._state = _A2AState(resets=self._shared.resets)
+        self._forget_round()
 
     def __copy__(self) -> "MoeAlltoAll":
         """A new instance on this one's workspace, as the class docstring says.
@@ -450,7 +450,7 @@ class MoeAlltoAll:
         copied.__dict__.update(self.__dict__)
         # Per-instance state: the open round and the receive views of its dispatches.
         copied._recv_view_cache = {"_workspace": self.workspace}
-        copied._state = _A2AState(resets=self._shared.resets)
+        copied._forget_round()
         return copied
 
     def __deepcopy__(self, memo: dict) -> "MoeAlltoAll":
@@ -674,7 +674,12 @@ class MoeAlltoAll:
             raise RuntimeError(f"MoeAlltoAll.{what}: the workspace's memory was released by checkpoint_prepare(); "
                                "call checkpoint_restore(comm_backend) first")
         if self._state.resets != self._shared.resets:  # through another instance sharing the workspace
-            self._state = _A2AState(resets=self._shared.resets)
+            self._forget_round()
+
+    def _forget_round(self) -> None:
+        """No round open on this instance (its next call is a dispatch), as of
+        the row's current initialization."""
+        self._state = _A2AState(resets=self._shared.resets)
 
     def _raise_out_of_order(self, fn: str, message: str) -> None:
         """Refuse ``fn``, called out of the order dispatch -> combine: with
@@ -716,7 +721,7 @@ class MoeAlltoAll:
         is over, and check() reads the rows of ``checked_ranks`` (None: every row)."""
         self._shared.checked_ranks = checked_ranks
         self._shared.resets += 1
-        self._state = _A2AState(resets=self._shared.resets)
+        self._forget_round()
         self._shared.active = None
 
     def dispatch(
@@ -782,7 +787,7 @@ class MoeAlltoAll:
         # A dispatch ends the last round's combines, refused or not: a combine
         # after a refused dispatch would combine the round before it.
         if self._state.phase == "combined":
-            self._state = _A2AState(resets=self._shared.resets)
+            self._forget_round()
         _check_payload_layouts(output_payload_layouts, len(input_payloads))
         self._check_abandoned_round("MoeAlltoAll.dispatch")
         other = self._shared.active_instance()
