@@ -316,12 +316,6 @@ def check_ids_and_weights(fn: str, token_selected_experts: torch.Tensor, workspa
                              f"{tuple(getattr(router_weights, 'shape', ()))}")
 
 
-def _too_many_pairs(ep_size: int, T: int, top_k: int) -> str:
-    return (f"an expert-major dispatch counts a local expert's pairs of the call in 32 bits: ep_size * "
-            f"runtime_max_tokens_per_rank * top_k = {ep_size * T * top_k} exceeds {layout.MAX_EXPERT_MAJOR_ROWS}; "
-            "dispatch fewer tokens a call, or rank-major")
-
-
 def check_expert_major_fits(workspace, ep_size, T, top_k, num_experts, M, eplb_n, user_rows, id_bytes,
                             has_weights) -> None:
     """The expert-major layout's limits and fit, checked before the dispatch
@@ -340,7 +334,9 @@ def check_expert_major_fits(workspace, ep_size, T, top_k, num_experts, M, eplb_n
     if not 1 <= T <= layout.MAX_NUM_TOKENS or not 1 <= top_k <= layout.MAX_TOP_K:
         return  # the dispatch names these
     if ep_size * T * top_k > layout.MAX_EXPERT_MAJOR_ROWS:
-        raise ValueError(_too_many_pairs(ep_size, T, top_k))
+        raise ValueError(f"an expert-major dispatch counts a local expert's pairs of the call in 32 bits: ep_size * "
+                         f"runtime_max_tokens_per_rank * top_k = {ep_size * T * top_k} exceeds "
+                         f"{layout.MAX_EXPERT_MAJOR_ROWS}; dispatch fewer tokens a call, or rank-major")
     call = layout.call_layout(ep_size, T, eplb_n, rows)
     em = layout.expert_major_layout(call.combine_offset, ep_size, T, top_k, local, M, user_rows)
     if em.combine_offset > workspace.shape[1]:
