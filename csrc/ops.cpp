@@ -1013,6 +1013,10 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
          << "require grad alike)";
       break;
     case kErrorCombineMismatch: {
+      if ((detail & kMismatchRankMajorAfterExpertMajor) != 0) {
+        os << "moe_a2a_combine: " << kRankMajorAfterExpertMajorReason;
+        break;
+      }
       if (detail == kMismatchRegionStaged) {
         os << "combine read its payload from the combine region (payload_in_workspace) after a combine of the "
               "same dispatch that staged its payload "

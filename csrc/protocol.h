@@ -629,7 +629,24 @@ enum CombineMismatch : uint32_t {
   // the rows an earlier combine of the round staged (kHdrRegionStaged), not a
   // payload.
   kMismatchRegionStaged = 32,
+  // A rank-major combine after an expert-major dispatch (kHdrExpertMajorEpoch
+  // is the pending dispatch's): its staging would write the expert-major
+  // regions that begin at dispatch_end, which the round's expert-major
+  // combines read.
+  kMismatchRankMajorAfterExpertMajor = 64,
 };
+
+// Why kMismatchRankMajorAfterExpertMajor refuses a combine, for the errors of both backends.
+constexpr const char* kRankMajorAfterExpertMajorReason =
+    "the last dispatch was expert-major: close its round with moe_a2a_combine_expert_major (a rank-major "
+    "combine would stage its rows over the expert-major regions that begin at the dispatch's dispatch_end, "
+    "which the round's expert-major combines read)";
+
+// kMismatchRankMajorAfterExpertMajor of a rank-major combine, from the own
+// header's kHdrExpertMajorEpoch and the dispatch epoch pending.
+MOE_A2A_HD uint32_t rank_major_after_expert_major(uint32_t expert_major_epoch, uint32_t dispatch_epoch) {
+  return expert_major_epoch == dispatch_epoch ? uint32_t(kMismatchRankMajorAfterExpertMajor) : 0u;
+}
 
 // Why kMismatchRegionStaged refuses a combine, for the errors of both
 // backends (after "... that staged its payload ").

@@ -9,7 +9,6 @@ equal to the dense layer within fp32 rounding."""
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -378,44 +377,56 @@ def test_ranks_with_other_rows_per_expert_are_reported(device):
             a2a.check_errors(sim.workspace)
 
 
-def test_rank_and_expert_major_combines_mixed_are_reported(device):
-    """After an expert-major dispatch rank 2 closes the round with the
-    rank-major combine, ranks 0 and 1 with the expert-major one: each would
-    read the other's combine region in its own layout. Every rank fails,
-    naming the peers (protocol.h, the equal-rows check: the CPU's; the
-    CUDA combine does not make it)."""
-    if device != "cpu":
-        pytest.skip("the CUDA combine does not check its peers' rows (protocol.h, the equal-rows check)")
+def test_a_rank_major_combine_after_an_expert_major_dispatch_is_refused(device):
+    """A rank-major combine after an expert-major dispatch would stage its rows
+    over the expert-major regions that begin at the dispatch's dispatch_end,
+    which the round's expert-major combines read: it is refused, before or
+    after an expert-major combine of the round. On the CPU before it writes
+    anything, and the round's expert-major combines stay the reference's; on
+    CUDA the kernel records it at once, waiting for no peer."""
     case = EmCase(3, (6, 2, 5), 4, 7, max_tokens_per_expert=3)
     sim = make_em_sim(case, device)
-    ids, payloads, _ = em_inputs(case, make_generator(13))
-    dev_ids = [t.to(device) for t in ids]
-    dev_payloads = [[p.to(device) for p in ps] for ps in payloads]
+    gen = make_generator("rank-major after expert-major")
+    ids, payloads, weights = em_inputs(case, gen)
+    results = sim.run(lambda r: a2a.moe_a2a_dispatch_expert_major(
+        ids[r].to(device), [p.to(device) for p in payloads[r]], sim.workspace, sim.metainfo[r], case.T, r,
+        case.ep_size, case.top_k, case.num_experts, router_weights=weights[r].to(device),
+        max_tokens_per_expert=case.max_tokens_per_expert))
+    ref = reference.reference_dispatch_expert_major(ids, payloads, weights, ep_size=case.ep_size,
+                                                    num_experts=case.num_experts, max_tokens_per_expert=case.M)
+    outputs = [random_values(tuple(ref.planes[d][0].shape), case.hidden_dtype, gen) for d in range(case.ep_size)]
+    expected = reference.reference_combine_expert_major(outputs, ref)
+    rows = [torch.full((case.ep_size, case.T, case.hidden), 100.0, dtype=case.hidden_dtype, device=device)
+            for _ in range(case.ep_size)]
 
-    def round_of_calls(r):
-        got = a2a.moe_a2a_dispatch(dev_ids[r], dev_payloads[r], sim.workspace, sim.metainfo[r], case.T, r, 3,
-                                   case.top_k, case.num_experts, expert_major=True,
-                                   max_tokens_per_expert=case.max_tokens_per_expert)
-        try:
-            if r == 2:
-                rows = torch.ones(3, case.T, case.hidden, dtype=case.hidden_dtype, device=device)
-                a2a.moe_a2a_combine(rows, case.tokens[r], sim.workspace, sim.metainfo[r], case.T, r, 3, case.top_k,
-                                    got.dispatch_end)
-            else:
-                a2a.moe_a2a_combine_expert_major(got.output_payloads[0].clone(), got, sim.workspace, sim.metainfo[r],
-                                                 r, 3)
-        except RuntimeError as e:
-            return str(e)
-        return None
+    def rank_major(r):
+        return a2a.moe_a2a_combine(rows[r], case.tokens[r], sim.workspace, sim.metainfo[r], case.T, r, case.ep_size,
+                                   case.top_k, results[r].dispatch_end)
 
-    first = sim.run(round_of_calls)
-    for r in range(3):
-        peers = "2" if r < 2 else "0, 1"
-        message = rf"rank {r}: peers \[{peers}\] called the same combine with other rows than this rank's"
-        assert first[r] is not None and re.search(message, first[r]), f"rank {r}: {first[r]}"
+    def expert_major(r):
+        return a2a.moe_a2a_combine_expert_major(outputs[r].to(device), results[r], sim.workspace, sim.metainfo[r], r,
+                                                case.ep_size)
+
+    message = ("moe_a2a_combine: the last dispatch was expert-major: close its round with "
+               "moe_a2a_combine_expert_major")
+    if device == "cuda":
+        sim.run(rank_major)
+        torch.cuda.synchronize()
         with pytest.raises(RuntimeError, match=message):
-            a2a.moe_a2a_dispatch(dev_ids[r], dev_payloads[r], sim.workspace, sim.metainfo[r], case.T, r, 3,
-                                 case.top_k, case.num_experts, expert_major=True)
+            a2a.check_errors(sim.workspace)
+        return
+    for after_a_combine in (False, True):  # as the round's first combine, then as a repeated one
+        if after_a_combine:
+            combined = sim.run(expert_major)
+            for r in range(case.ep_size):
+                assert_bytes_equal(combined[r], expected[r], f"rank {r}")
+        snap = ws_snapshot(sim.workspace)
+        with pytest.raises(ValueError, match=f"rank 0: {message}"):
+            rank_major(0)
+        assert_ws_unchanged(sim.workspace, snap)
+    combined = sim.run(expert_major)
+    for r in range(case.ep_size):
+        assert_bytes_equal(combined[r], expected[r], f"rank {r} after the refusals")
 
 
 # ---- an end-to-end MoE layer ---------------------------------------------------------

@@ -1439,10 +1439,11 @@ def test_moe_alltoall_checks_its_group_and_device_on_a_cached_workspace():
 
 
 def test_a_combine_of_the_other_layout_says_so():
-    """A rank-major combine given an expert-major dispatch's combine_payload_offset,
-    and an expert-major combine given an earlier round's ExpertMajorDispatch,
-    name what is wrong (both read as a bad combine_payload_offset, which the
-    second caller never passed); each refusal leaves the round open."""
+    """A rank-major combine after an expert-major dispatch (here given its
+    combine_payload_offset), and an expert-major combine given an earlier
+    round's ExpertMajorDispatch, name what is wrong (not a bad
+    combine_payload_offset, which the second caller never passed); each
+    refusal leaves the round open."""
     ep, T, H, k, E = 1, 8, 16, 2, 4
     size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(ep, T, H * 4, H * 4, E, k)
     sim = a2a.SimulatedEP(ep, T, dispatch_bytes_per_token=0, combine_bytes_per_token=0,
@@ -1451,10 +1452,9 @@ def test_a_combine_of_the_other_layout_says_so():
     x = torch.randn(T, H, generator=make_generator("layouts"))
     em = a2a.moe_a2a_dispatch_expert_major(ids, [x], sim.workspace, sim.metainfo[0], T, 0, ep, k, E)
     snap = ws_snapshot(sim.workspace)
-    with pytest.raises(ValueError, match=rf"combine_payload_offset {em.combine_payload_offset} is the expert-major "
-                                         r"combine region of the dispatch \(ExpertMajorDispatch.combine_payload_offset\): "
-                                         r"moe_a2a_combine_expert_major combines an expert-major dispatch's rows \(a "
-                                         rf"rank-major combine of them takes combine_payload_offset={em.dispatch_end}, "):
+    with pytest.raises(ValueError, match=r"rank 0: moe_a2a_combine: the last dispatch was expert-major: close its "
+                                         r"round with moe_a2a_combine_expert_major \(a rank-major combine would stage "
+                                         r"its rows over the expert-major regions"):
         a2a.moe_a2a_combine(torch.zeros(ep, T, H), T, sim.workspace, sim.metainfo[0], T, 0, ep, k,
                             em.combine_payload_offset)
     assert_ws_unchanged(sim.workspace, snap)  # refused before any byte changed

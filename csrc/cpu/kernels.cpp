@@ -524,7 +524,10 @@ RowStatus check_row_for_dispatch(const WorkspaceView& ws, int64_t max_num_tokens
   return st;
 }
 
-RowStatus check_row_for_combine(const CombineParams& p, int64_t max_num_tokens) {
+// The checks of a combine's row against its dispatch's words, shared by the
+// rank-major combine (rank_major: its layout must be the dispatch's too) and
+// the expert-major one (its own layout checks follow).
+static RowStatus check_combine_row(const CombineParams& p, int64_t max_num_tokens, bool rank_major) {
   const WorkspaceView& ws = p.ws;
   RowStatus st = check_config(ws, max_num_tokens, /*eplb_n=*/-1);
   if (st.kind != RowStatus::kOk) return st;
@@ -535,6 +538,11 @@ RowStatus check_row_for_combine(const CombineParams& p, int64_t max_num_tokens) 
     return runtime_error("rank " + std::to_string(ws.ep_rank) +
                          ": combine called without a preceding dispatch (every combine combines the rows of the "
                          "last dispatch); call moe_a2a_dispatch first");
+  }
+  if (rank_major && rank_major_after_expert_major(load<uint32_t>(row, kHdrExpertMajorEpoch), dispatch_epoch) != 0) {
+    st.kind = RowStatus::kValueError;
+    st.message = "rank " + std::to_string(ws.ep_rank) + ": moe_a2a_combine: " + kRankMajorAfterExpertMajorReason;
+    return st;
   }
   const int32_t last_tokens = load<int32_t>(row, kHdrLastLocalTokens);
   const int32_t last_max = load<int32_t>(row, kHdrLastRuntimeMax);
@@ -555,23 +563,17 @@ RowStatus check_row_for_combine(const CombineParams& p, int64_t max_num_tokens) 
     // dispatch n puts it (protocol.h): staged anywhere else, they would sum
     // stale rows.
     st.kind = RowStatus::kValueError;
-    if (load<uint32_t>(row, kHdrExpertMajorEpoch) == dispatch_epoch &&
-        load<int64_t>(row, kHdrExpertMajorEnd) == p.combine_offset) {
-      // What an expert-major dispatch returned is its own layout's offset.
-      st.message = "combine_payload_offset " + std::to_string(p.combine_offset) +
-                   " is the expert-major combine region of the dispatch (ExpertMajorDispatch.combine_payload_offset): "
-                   "moe_a2a_combine_expert_major combines an expert-major dispatch's rows (a rank-major combine of "
-                   "them takes combine_payload_offset=" +
-                   std::to_string(region) + ", its dispatch_end)";
-    } else {
-      st.message = "combine_payload_offset must be the one the dispatch returned (" + std::to_string(region) +
-                   "), got " + std::to_string(p.combine_offset);
-    }
+    st.message = "combine_payload_offset must be the one the dispatch returned (" + std::to_string(region) + "), got " +
+                 std::to_string(p.combine_offset);
   } else if (region_staged_mismatch(load<uint32_t>(row, kHdrRegionStaged),
                                     p.payload == nullptr || p.payload == row + p.combine_offset) != 0) {
     st = region_staged_refusal();
   }
   return st;
+}
+
+RowStatus check_row_for_combine(const CombineParams& p, int64_t max_num_tokens) {
+  return check_combine_row(p, max_num_tokens, /*rank_major=*/true);
 }
 
 RowStatus check_row_for_sanitize(const WorkspaceView& ws, int64_t max_num_tokens) {
@@ -838,7 +840,7 @@ RowStatus check_row_for_expert_major_build(const ExpertMajorBuildParams& p, int6
 RowStatus check_row_for_combine_expert_major(const ExpertMajorCombineParams& p, int64_t max_num_tokens) {
   CombineParams c = p.c;
   c.combine_offset = p.dispatch_end;  // what combine_mismatch compares with kHdrLastDispatchEnd
-  RowStatus st = check_row_for_combine(c, max_num_tokens);
+  RowStatus st = check_combine_row(c, max_num_tokens, /*rank_major=*/false);
   if (st.kind != RowStatus::kOk && st.kind != RowStatus::kValueError) return st;
   const uint8_t* row = p.c.ws.row(p.c.ws.ep_rank);
   const uint32_t build_epoch = load<uint32_t>(row, kHdrExpertMajorEpoch);

@@ -400,7 +400,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
                              *header_word<int64_t>(own, kHdrLastDispatchEnd), p.local_num_tokens, p.runtime_max_tokens,
                              p.top_k, p.combine_offset) |
                 region_staged_mismatch(*header_word<uint32_t>(own, kHdrRegionStaged),
-                                       p.payload == nullptr || p.payload == own + p.combine_offset)
+                                       p.payload == nullptr || p.payload == own + p.combine_offset) |
+                rank_major_after_expert_major(*header_word<uint32_t>(own, kHdrExpertMajorEpoch), dispatch_epoch)
           : 0;
   // The T and the payload signature of every active peer's dispatch against
   // the own dispatch's (thread q: peer q), written before the dispatch flags
