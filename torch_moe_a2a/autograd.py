@@ -1429,7 +1429,9 @@ def moe_a2a_combine_expert_major_differentiable(
             result; its ``router_weights`` are the weights applied (a tensor
             computed from them may stand in, of the same shape:
             ``dispatched._replace(router_weights=...)``, a NamedTuple's copy
-            with that field replaced).
+            with that field replaced). They are written into the workspace,
+            where the peers read them, so the round's later combines apply
+            them too.
         token_selected_experts: the ids of that dispatch (its routes; the
             backward dispatches the output gradient along them).
         workspace, metainfo, ep_rank, ep_size, enable_pdl, enable_rank_mask,

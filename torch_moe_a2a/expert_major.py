@@ -394,6 +394,10 @@ def moe_a2a_combine_expert_major(
         to fp32) added for each of its pairs in ascending destination rank, then
         local expert, then top-k slot order, cast once; zeros for a token with no
         pair. Dropped pairs contribute nothing. Bitwise the same on every device.
+        ``w``: the pair's weight in the workspace, which the dispatch wrote (1
+        without router weights), whatever ``dispatched.router_weights`` was
+        rebound to since, or which a differentiable combine of the round wrote
+        before (the weights it multiplied by).
 
     Raises:
         ValueError: arguments out of range or not those of the dispatch (CPU: at
