@@ -19,8 +19,8 @@ every tensor this module returns from dispatch, ``moe_a2a_get_recv_counts``,
 ``moe_a2a_get_invalid_expert_count`` and ``moe_a2a_wrap_payload_tensor_in_workspace``
 is a view of it and stays valid as long as the workspace does. The contents of
 the receive views, counts and EPLB stats are only meaningful from the dispatch
-that wrote them until this rank's combine: once the combine has started, a
-peer's next dispatch may overwrite them (DESIGN.md section 5).
+that wrote them until this rank's last combine of the round: once it has
+started, a peer's next dispatch may overwrite them (DESIGN.md section 5).
 """
 
 from __future__ import annotations
@@ -522,8 +522,8 @@ def moe_a2a_dispatch(
           ``eplb_local_stats`` is given, else None.
 
         The views are the workspace's memory (the caller owns neither): their
-        contents are this call's until this rank's combine starts, when a
-        peer's next dispatch may overwrite them. Copy what must outlive the
+        contents are this call's until this rank's last combine of the
+        round starts, when a peer's next dispatch may overwrite them. Copy what must outlive the
         combine before calling it. No host sync on CUDA: the call is enqueued
         on the current stream.
 
@@ -989,7 +989,7 @@ def moe_a2a_get_recv_counts(workspace: torch.Tensor, metainfo: torch.Tensor, ep_
     Returns:
         The view (not a copy: the next dispatch writes into it), valid as
         long as the workspace is; its values are those of rank ``ep_rank``'s
-        last dispatch until that rank's combine starts.
+        last dispatch until that rank's last combine of the round starts.
 
     Raises:
         ValueError: ``workspace`` not a tensor, or not the metainfo's

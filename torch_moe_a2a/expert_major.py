@@ -43,7 +43,7 @@ class ExpertMajorDispatch(NamedTuple):
     """What an expert-major dispatch returns; pass it whole to :func:`moe_a2a_combine_expert_major`.
 
     Every tensor is a view of this rank's workspace row, valid until this
-    rank's combine starts (as the rank-major receive views).
+    rank's last combine of the round starts (as the rank-major receive views).
 
     Attributes:
         output_payloads: per input payload, ``[num_local_experts,

@@ -1028,7 +1028,10 @@ class MoeAlltoAll:
         ``payload_in_workspace=True`` to skip the staging copy. Valid from
         :meth:`dispatch` to the round's last :meth:`combine` (rows rewritten
         between two combines of a round race the peers' reads of the earlier
-        one: pass a new payload as a tensor instead). Under ``torch.compile`` it is a
+        one: pass a new payload as a tensor instead). After a combine of the
+        round that staged its payload (a tensor, or ``use_low_precision``)
+        the region holds the staged rows, and a combine from it is refused:
+        pass the payload as a tensor. Under ``torch.compile`` it is a
         tensor of its own, which combine then stages (see
         :func:`~torch_moe_a2a.moe_a2a_wrap_payload_tensor_in_workspace`).
 
