@@ -735,6 +735,16 @@ def test_dispatch_modes_trace_the_receive_views(device):
             cache.clear()
             got = run(ids, x, *fresh(storage_offset))
             assert torch.equal(got, expected)
+    # A fake or symbolic trace makes its inputs fake, the metainfo too, whose
+    # values the call needs as constants: the message says to close over it.
+    ws, meta = fresh()
+    for mode in ("fake", "symbolic"):
+        with pytest.raises(ValueError, match="metainfo is a fake tensor .* from outside the traced function "
+                                             r"\(close over it\)"):
+            make_fx(step, tracing_mode=mode)(*inputs(), ws, meta)
+        traced = make_fx(lambda ids, x, ws: step(ids, x, ws, meta), tracing_mode=mode)(*inputs(), ws)
+        ids, x = inputs()
+        assert torch.equal(traced(ids, x, ws), 3.0 * x)
 
 
 # ---- the two eager paths --------------------------------------------------------------------

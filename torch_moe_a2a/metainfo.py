@@ -8,6 +8,7 @@ import weakref
 from typing import Any, Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from . import layout
 from .compile_marks import constant_result
@@ -45,6 +46,14 @@ def _read_metainfo(metainfo: Any) -> MetaValues:
         raise ValueError(
             f"metainfo must be the CPU int64 [{layout.META_COUNT}] tensor returned by "
             f"moe_a2a_initialize, got {what}"
+        )
+    if is_fake(metainfo):
+        # Its values configure the call (ranks, sizes, the mailbox): a trace
+        # needs them as constants, which a fake tensor does not hold.
+        raise ValueError(
+            "metainfo is a fake tensor (an input of a make_fx or FakeTensorMode trace): its values are the "
+            "call's configuration, which a trace needs as constants; pass the real tensor moe_a2a_initialize "
+            "returned from outside the traced function (close over it), as torch.compile does"
         )
     v = metainfo.tolist()
     if v[layout.META_MAGIC] != layout.MAGIC or v[layout.META_VERSION] != layout.VERSION:
