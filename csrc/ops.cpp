@@ -188,8 +188,8 @@ const uint8_t* checked_combine_payload(const at::Tensor& t, at::ScalarType paylo
   const bool per_row_alone = per_row_hint != nullptr && t.dim() == int64_t(expected.size()) && t.size(0) == rows &&
                              t.size(1) != per_row && t.sizes().slice(2) == row_shape;
   TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected), name, " must be [", dims, ", *row_shape] with ", dims,
-                    " = ", rows, ", ", per_row, ", got shape ", t.sizes(), per_row_alone ? " (" : "",
-                    per_row_alone ? per_row_hint : "", per_row_alone ? ")" : "");
+                    " = ", rows, ", ", per_row, " and row_shape = ", row_shape, ", got shape ", t.sizes(),
+                    per_row_alone ? " (" : "", per_row_alone ? per_row_hint : "", per_row_alone ? ")" : "");
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides(), " (pass ", name,
                     ".contiguous())");
   check_no_grad(t, name);
@@ -506,7 +506,9 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
 void check_combine_output(const at::Tensor& o, const at::Tensor& workspace, const WorkspaceView& ws,
                           const std::vector<int64_t>& expected, at::ScalarType output_dtype) {
   TORCH_CHECK_VALUE(o.defined(), "output must be a tensor, got an undefined tensor");
-  TORCH_CHECK_VALUE(o.scalar_type() == output_dtype, "output must be ", dtype_name(output_dtype), ", got ",
+  TORCH_CHECK_VALUE(o.scalar_type() == output_dtype, "output must be ", dtype_name(output_dtype),
+                    " (the call's output_dtype, by default the payload's; for a ", dtype_name(o.scalar_type()),
+                    " output pass output_dtype=", dtype_name(o.scalar_type()), " where the call allows it), got ",
                     dtype_name(o.scalar_type()));
   check_on_workspace_device(o, workspace, "output");
   TORCH_CHECK_VALUE(o.sizes() == at::IntArrayRef(expected),

@@ -304,7 +304,8 @@ COMBINE_BAD = [
      BAD, r"(?i)output"),
     ("output_dtype_mismatch", lambda ce, args: args.update(output=torch.empty(6, 64, dtype=torch.float32,
                                                                               device=ce.env.device)),
-     BAD, r"(?i)output|dtype"),
+     ValueError, r"output must be torch.bfloat16 \(the call's output_dtype, by default the payload's; for a "
+     r"torch.float32 output pass output_dtype=torch.float32 where the call allows it\), got torch.float32"),
     # combine writes into output and has no backward (under torch.no_grad it is accepted).
     ("output_requires_grad", lambda ce, args: args.update(output=_grad_output(ce)), ValueError,
      r"output must not require grad"),
@@ -334,6 +335,21 @@ def test_combine_rejects(mutate, exc, match, device):
     # (toy check: ep_size 1, every token routed to rank 0 comes back once).
     out = a2a.moe_a2a_combine(**ce.args())
     assert tuple(out.shape) == (6, 64)
+
+
+def test_a_direct_combine_op_names_the_row_shape_its_payload_must_have():
+    """torch.ops.moe_a2a.combine takes the row shape as an argument of its own:
+    a payload whose rows differ from it hears which row_shape it must have."""
+    T, hidden = 6, 9
+    size = a2a.moe_a2a_get_workspace_size_per_rank(2, T, 64, 64)
+    workspace = torch.empty(2, size, dtype=torch.uint8, device="meta")
+    payload = torch.empty(2, T, 7, dtype=torch.bfloat16, device="meta")
+    offset = layout.call_layout(2, T, 0, [64]).combine_offset
+    with pytest.raises(ValueError, match=re.escape("payload must be [ep_size, runtime_max_tokens_per_rank, "
+                                                   f"*row_shape] with ep_size, runtime_max_tokens_per_rank = 2, "
+                                                   f"{T} and row_shape = [{hidden}], got shape [2, {T}, 7]")):
+        torch.ops.moe_a2a.combine(payload, 3, workspace, 0, 2, T, T, 2, offset, [hidden], torch.bfloat16,
+                                  torch.bfloat16, [], 5.0, 0, False, 0, None, 1.0, 0)
 
 
 # The bad arguments that the ops (not the Python layer) refuse: torch.compile
