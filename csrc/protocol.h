@@ -86,8 +86,9 @@
 //      own flag tells it that every CTA of its grid has read what it reads
 //      of the own header and released)
 //   5. own kHdrLast* words and dispatch_epoch := n, own region_staged
-//      := 0; the first dispatch: own init word marked in use (also by every
-//      recorded error)
+//      := 0, own expert-major epoch := n - 1 (stale_expert_major_epoch; an
+//      expert-major call's build then writes n); the first dispatch: own
+//      init word marked in use (also by every recorded error)
 //   The equal-T check: own runtime_max[p] == own runtime_max[s] for every
 //   active peer p, else kErrorRuntimeMaxMismatch with the mask of those
 //   peers (the contract wants T equal on all ranks for one call: a peer with
@@ -364,8 +365,10 @@ constexpr int64_t kHdrDispatchClaim0 = 88;  // uint32
 //   dropped  int64, cumulative since initialize: (token, local expert) pairs
 //            beyond max_tokens_per_expert, dropped (as ids >= num_experts are)
 //   end      int64: the ExpertMajorLayout::combine_offset of the last build
-//   epoch    uint32: the dispatch epoch of the last build (a combine of
-//            another round finds no build of its own)
+//   epoch    uint32: the dispatch epoch of the last build, or the last
+//            dispatch's minus one after a rank-major dispatch (a combine of
+//            another round finds no build of its own, and a rank-major
+//            combine of an expert-major round is told apart)
 //   tokens   int32: the max_tokens_per_expert of the last build
 constexpr int64_t kHdrDroppedPairCount = 96;    // int64
 constexpr int64_t kHdrExpertMajorEnd = 104;     // int64
@@ -638,9 +641,17 @@ enum CombineMismatch : uint32_t {
 
 // Why kMismatchRankMajorAfterExpertMajor refuses a combine, for the errors of both backends.
 constexpr const char* kRankMajorAfterExpertMajorReason =
-    "the last dispatch was expert-major: close its round with moe_a2a_combine_expert_major (a rank-major "
-    "combine would stage its rows over the expert-major regions that begin at the dispatch's dispatch_end, "
+    "the last dispatch's rows are laid out expert-major (moe_a2a_dispatch_expert_major, or an "
+    "expert_major_build after the dispatch): close its round with moe_a2a_combine_expert_major (a rank-major "
+    "combine would stage or read rows where the expert-major regions begin, at the dispatch's dispatch_end, "
     "which the round's expert-major combines read)";
+
+// What a rank-major dispatch n writes into kHdrExpertMajorEpoch (the build of
+// an expert-major one then writes n): a value no build of call n wrote, so
+// that the word names the last dispatch's layout also once the epochs wrap
+// (a word left from 2^32 dispatches before, or 0 from initialize, would
+// otherwise read as this call's).
+MOE_A2A_HD constexpr uint32_t stale_expert_major_epoch(uint32_t dispatch_epoch) { return dispatch_epoch - 1u; }
 
 // kMismatchRankMajorAfterExpertMajor of a rank-major combine, from the own
 // header's kHdrExpertMajorEpoch and the dispatch epoch pending.

@@ -73,7 +73,8 @@ ERROR_INTERRUPTED = 9  # a wait ended by a signal's exception (Ctrl-C); no peers
 # What differs for ERROR_COMBINE_MISMATCH: bit i of its detail names
 # COMBINE_MISMATCH_FIELDS[i] (protocol.h: CombineMismatch).
 COMBINE_MISMATCH_FIELDS = ("local_num_tokens", "runtime_max_tokens_per_rank", "top_k", "combine_payload_offset",
-                           "expert-major layout", "payload (the combine region holds a low-precision combine's rows)")
+                           "expert-major layout", "payload (the combine region holds a low-precision combine's rows)",
+                           "layout (a rank-major combine after an expert-major dispatch)")
 
 # ---- rank header byte offsets ---------------------------------------------------
 HDR_MAGIC = 0

@@ -717,6 +717,8 @@ WaitResult dispatch(const DispatchParams& p) {
   if (agreed.code != kErrorNone) return agreed;
   store<uint32_t>(own, kHdrDispatchEpoch, epoch);
   store<uint32_t>(own, kHdrRegionStaged, 0);
+  // Not (yet) an expert-major dispatch: its build writes epoch afterwards.
+  store<uint32_t>(own, kHdrExpertMajorEpoch, stale_expert_major_epoch(epoch));
   if (first) mark_in_use(own);
   return result;
 }

@@ -559,6 +559,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
     *header_word<int64_t>(own, kHdrLastDispatchEnd) = p.layout.dispatch_end;
     *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
     *header_word<uint32_t>(own, kHdrRegionStaged) = 0;
+    // Not (yet) an expert-major dispatch: its build writes epoch afterwards.
+    *header_word<uint32_t>(own, kHdrExpertMajorEpoch) = stale_expert_major_epoch(epoch);
     if (first_dispatch(own_init)) mark_in_use(own);
   }
 }
@@ -879,6 +881,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     *header_word<int64_t>(own, kHdrLastDispatchEnd) = p.layout.dispatch_end;
     *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
     *header_word<uint32_t>(own, kHdrRegionStaged) = 0;
+    // Not (yet) an expert-major dispatch: its build writes epoch afterwards.
+    *header_word<uint32_t>(own, kHdrExpertMajorEpoch) = stale_expert_major_epoch(epoch);
     if (first_dispatch(own_init)) mark_in_use(own);
   }
 }
