@@ -507,8 +507,7 @@ void check_combine_output(const at::Tensor& o, const at::Tensor& workspace, cons
                           const std::vector<int64_t>& expected, at::ScalarType output_dtype) {
   TORCH_CHECK_VALUE(o.defined(), "output must be a tensor, got an undefined tensor");
   TORCH_CHECK_VALUE(o.scalar_type() == output_dtype, "output must be ", dtype_name(output_dtype),
-                    " (the call's output_dtype, by default the payload's; for a ", dtype_name(o.scalar_type()),
-                    " output pass output_dtype=", dtype_name(o.scalar_type()), " where the call allows it), got ",
+                    ", the dtype of the call's result (output_dtype where the call takes it), got ",
                     dtype_name(o.scalar_type()));
   check_on_workspace_device(o, workspace, "output");
   TORCH_CHECK_VALUE(o.sizes() == at::IntArrayRef(expected),
@@ -1008,8 +1007,8 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
       break;
     case kErrorCombineRowsMismatch:
       os << "peers " << rank_list(missing) << " called the same combine with other rows than this rank's (their "
-         << "payload dtype, row size or use_low_precision differ, or one rank combined expert-major and another "
-         << "rank-major, or with another max_tokens_per_expert or num_experts; the ranks pull each other's rows, so "
+         << "payload dtype, row size or use_low_precision differ, or, expert-major, their max_tokens_per_expert or "
+         << "num_experts; the ranks pull each other's rows, so "
          << "these must be the same on all ranks for one combine; with the differentiable functions, a dispatch's "
          << "backward combines the gradients of its payloads that require grad, so the ranks' payloads must "
          << "require grad alike)";

@@ -304,8 +304,8 @@ COMBINE_BAD = [
      BAD, r"(?i)output"),
     ("output_dtype_mismatch", lambda ce, args: args.update(output=torch.empty(6, 64, dtype=torch.float32,
                                                                               device=ce.env.device)),
-     ValueError, r"output must be torch.bfloat16 \(the call's output_dtype, by default the payload's; for a "
-     r"torch.float32 output pass output_dtype=torch.float32 where the call allows it\), got torch.float32"),
+     ValueError, r"output must be torch.bfloat16, the dtype of the call's result \(output_dtype where the call "
+     r"takes it\), got torch.float32"),
     # combine writes into output and has no backward (under torch.no_grad it is accepted).
     ("output_requires_grad", lambda ce, args: args.update(output=_grad_output(ce)), ValueError,
      r"output must not require grad"),

@@ -53,7 +53,7 @@ def _read_metainfo(metainfo: Any) -> MetaValues:
         raise ValueError(
             "metainfo is a fake tensor (an input of a make_fx or FakeTensorMode trace): its values are the "
             "call's configuration, which a trace needs as constants; pass the real tensor moe_a2a_initialize "
-            "returned from outside the traced function (close over it), as torch.compile does"
+            "returned from outside the traced function (close over it); torch.compile takes it as an argument"
         )
     v = metainfo.tolist()
     if v[layout.META_MAGIC] != layout.MAGIC or v[layout.META_VERSION] != layout.VERSION:
