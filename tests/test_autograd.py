@@ -1064,11 +1064,11 @@ def test_a_differentiable_expert_major_combine_after_a_plain_dispatch_is_refused
 
 def test_rebound_router_weights_are_the_rounds_weights_for_its_later_combines():
     """A differentiable expert-major combine given rebound router weights
-    (``dispatched._replace(router_weights=...)``) writes them into the
-    workspace, where the peers read each pair's weight: the round's later
-    combines, plain ones with the dispatch's own result included, apply them
-    too (docs/DESIGN.md, the expert-major combine); the next dispatch writes
-    its own."""
+    (``dispatched._replace(router_weights=...)``), the round's first combine,
+    writes them into the workspace, where the peers read each pair's weight:
+    the round's later combines, plain ones with the dispatch's own result
+    included, apply them too (docs/DESIGN.md, the expert-major combine); the
+    next dispatch writes its own."""
     tokens, top_k, num_experts, hidden = 4, 2, 4, 8
     gen = torch.Generator().manual_seed(31)
     ids = reference.random_routing(tokens, top_k, num_experts, gen)
@@ -1085,15 +1085,17 @@ def test_rebound_router_weights_are_the_rounds_weights_for_its_later_combines():
         with torch.no_grad():
             return a2a.moe_a2a_combine_expert_major(d.output_payloads[0].detach().clone(), d, *args, 0, 1)
 
-    for _ in range(2):  # the second round: its dispatch writes its own weights again
-        d = moe_a2a_dispatch_expert_major_differentiable(ids, [x], *args, tokens, 0, 1, top_k, num_experts,
-                                                         router_weights=w)
-        torch.testing.assert_close(plain_combine(d), expected(1))
-        y = moe_a2a_combine_expert_major_differentiable(d.output_payloads[0] * 1.0,
-                                                        d._replace(router_weights=d.router_weights * 2), ids, *args,
-                                                        0, 1)
-        torch.testing.assert_close(y, expected(2))
-        torch.testing.assert_close(plain_combine(d), expected(2))
+    def dispatch():
+        return moe_a2a_dispatch_expert_major_differentiable(ids, [x], *args, tokens, 0, 1, top_k, num_experts,
+                                                            router_weights=w)
+
+    d = dispatch()
+    y = moe_a2a_combine_expert_major_differentiable(d.output_payloads[0] * 1.0,
+                                                    d._replace(router_weights=d.router_weights * 2), ids, *args, 0, 1)
+    torch.testing.assert_close(y, expected(2))
+    torch.testing.assert_close(plain_combine(d), expected(2))
+    d = dispatch()
+    torch.testing.assert_close(plain_combine(d), expected(1))
 
 
 def _plain_and_differentiable(expert_major: bool, plain: bool, device, gen_seed: int = 25):

@@ -1431,7 +1431,9 @@ def moe_a2a_combine_expert_major_differentiable(
             ``dispatched._replace(router_weights=...)``, a NamedTuple's copy
             with that field replaced). They are written into the workspace,
             where the peers read them, so the round's later combines apply
-            them too.
+            them too; weights other than the dispatch's must be given to the
+            round's first combine (a peer may still be reading the weights
+            of an earlier one).
         token_selected_experts: the ids of that dispatch (its routes; the
             backward dispatches the output gradient along them).
         workspace, metainfo, ep_rank, ep_size, enable_pdl, enable_rank_mask,

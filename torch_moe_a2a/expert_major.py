@@ -397,7 +397,7 @@ def moe_a2a_combine_expert_major(
         ``w``: the pair's weight in the workspace, which the dispatch wrote (1
         without router weights), whatever ``dispatched.router_weights`` was
         rebound to since, or which a differentiable combine of the round wrote
-        before (the weights it multiplied by).
+        before it (the weights that combine multiplied by).
 
     Raises:
         ValueError: arguments out of range or not those of the dispatch (CPU: at
