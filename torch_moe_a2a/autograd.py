@@ -731,7 +731,11 @@ def _check_combine_ids(fn: str, workspace: Tensor, rank: int, ids: Tensor, num_e
             dispatched.shape == ids.shape and dispatched.device == ids.device
             and torch.equal(dispatched.long(), ids.long())):
         raise ValueError(f"{fn}: token_selected_experts must be the expert ids of this rank's preceding dispatch "
-                         "(the backward dispatches the output gradient along their routes), got other ids")
+                         "(the backward dispatches the output gradient along their routes), got other ids (a "
+                         "checkpointed region that holds a combine without its dispatch re-runs the combine in the "
+                         "backward, after later dispatches: checkpoint with "
+                         "context_fn=torch_moe_a2a.checkpoint_context). To go on, close this round with a combine of "
+                         "the dispatch's ids and dispatch again")
     if last is not None and num_experts != last[2]:
         raise ValueError(f"{fn}: num_experts must be that of this rank's preceding dispatch ({last[2]}; the "
                          f"backward dispatches the output gradient along its routes), got {num_experts}")
@@ -1429,11 +1433,11 @@ def moe_a2a_combine_expert_major_differentiable(
             result; its ``router_weights`` are the weights applied (a tensor
             computed from them may stand in, of the same shape:
             ``dispatched._replace(router_weights=...)``, a NamedTuple's copy
-            with that field replaced). They are written into the workspace,
-            where the peers read them, so the round's later combines apply
-            them too; weights other than the dispatch's must be given to the
-            round's first combine (a peer may still be reading the weights
-            of an earlier one).
+            with that field replaced). They are written into the workspace
+            before the combine runs, where the peers read them, so the
+            round's later combines apply them too, and every combine of a
+            round must apply the same weights: a peer may still be reading
+            an earlier combine's when a later one writes its own.
         token_selected_experts: the ids of that dispatch (its routes; the
             backward dispatches the output gradient along them).
         workspace, metainfo, ep_rank, ep_size, enable_pdl, enable_rank_mask,
