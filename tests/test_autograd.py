@@ -1098,6 +1098,34 @@ def test_rebound_router_weights_are_the_rounds_weights_for_its_later_combines():
     torch.testing.assert_close(plain_combine(d), expected(1))
 
 
+def test_a_repeated_differentiable_combine_with_other_router_weights_is_refused():
+    """A repeated differentiable expert-major combine whose router weights are
+    not the ones an earlier combine of the round applied is refused on the
+    CPU (a workspace whose header the host reads): it would write them while
+    a peer may still be reading the earlier combine's, which then came out
+    wrong on 3-15% of the ranks' steps. A repeat with the same weights runs."""
+    ep, tokens, top_k, num_experts, hidden = 2, 4, 2, 4, 8
+    gen = torch.Generator().manual_seed(32)
+    ids = [reference.random_routing(tokens, top_k, num_experts, gen) for _ in range(ep)]
+    xs = [torch.randn(tokens, hidden, generator=gen, requires_grad=True) for _ in range(ep)]
+    ws = [(torch.rand(tokens, top_k, generator=gen) + 0.25).requires_grad_() for _ in range(ep)]
+    sim = make_em_sim(ep, tokens, hidden, top_k, num_experts)
+    got = sim.run(lambda r: moe_a2a_dispatch_expert_major_differentiable(
+        ids[r], [xs[r]], sim.workspace, sim.metainfo[r], tokens, r, ep, top_k, num_experts, router_weights=ws[r]))
+    halves = [d._replace(router_weights=torch.full_like(d.router_weights, 0.5)) for d in got]
+
+    def combine(dispatched):
+        return sim.run(lambda r: moe_a2a_combine_expert_major_differentiable(
+            got[r].output_payloads[0] * 1.0, dispatched[r], ids[r], sim.workspace, sim.metainfo[r], r, ep))
+
+    first = combine(halves)
+    with pytest.raises(ValueError, match="every combine of a round must apply the same router weights"):
+        combine(got)
+    again = combine(halves)
+    for r in range(ep):
+        assert torch.equal(again[r], first[r]), f"rank {r}"
+
+
 def _plain_and_differentiable(expert_major: bool, plain: bool, device, gen_seed: int = 25):
     """One eager round trip of every rank with inputs that require grad,
     through the plain functions or the differentiable ones: each rank's

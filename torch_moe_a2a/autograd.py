@@ -1101,6 +1101,17 @@ def combine_em_owned(expert_outputs: Tensor, pair_weights: Tensor, expert_counts
         # The combine reads each pair's weight from its expert's rank, in the region the build wrote.
         region = layout.region_view(workspace.select(0, ep_rank), weights_offset, tuple(pair_weights.shape),
                                     torch.float32)
+        if workspace.device.type == "cpu":
+            # A repeated combine (the epochs equal) whose weights are not the
+            # ones in the region would write them while a peer may still read
+            # the earlier combine's. Seen where the header is host memory.
+            epochs = _rank_words(workspace, ep_rank, layout.HDR_DISPATCH_EPOCH, 2, torch.int32)
+            if int(epochs[0]) == int(epochs[1]) and not torch.equal(region, pair_weights):
+                raise ValueError("moe_a2a_combine_expert_major_differentiable: every combine of a round must "
+                                 "apply the same router weights, and this repeated combine's differ from those "
+                                 "of the round's earlier combines: it would write them into the workspace while a "
+                                 "peer may still read the earlier combine's (a wrong result there). Give the "
+                                 "round's combines the same dispatched.router_weights")
         region.copy_(pair_weights)
         return _combine_em(expert_outputs.contiguous(), token_selected_experts.shape[0], workspace,
                            max_tokens_per_expert, dispatch_end, combine_payload_offset, route)
@@ -1437,7 +1448,9 @@ def moe_a2a_combine_expert_major_differentiable(
             before the combine runs, where the peers read them, so the
             round's later combines apply them too, and every combine of a
             round must apply the same weights: a peer may still be reading
-            an earlier combine's when a later one writes its own.
+            an earlier combine's when a later one writes its own (refused
+            on a CPU workspace; on CUDA the earlier combine's result on the
+            peers is then undefined).
         token_selected_experts: the ids of that dispatch (its routes; the
             backward dispatches the output gradient along them).
         workspace, metainfo, ep_rank, ep_size, enable_pdl, enable_rank_mask,
