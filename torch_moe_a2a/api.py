@@ -522,10 +522,10 @@ def moe_a2a_dispatch(
           ``eplb_local_stats`` is given, else None.
 
         The views are the workspace's memory (the caller owns neither): their
-        contents are this call's until this rank's last combine of the
-        round starts, when a peer's next dispatch may overwrite them. Copy what must outlive the
-        combine before calling it. No host sync on CUDA: the call is enqueued
-        on the current stream.
+        contents are this call's until this rank's last combine of the round
+        starts, when a peer's next dispatch may overwrite them. Copy what must
+        outlive the combine before calling it. No host sync on CUDA: the call
+        is enqueued on the current stream.
 
     Raises:
         ValueError: an argument out of range or of the wrong type (e.g.
