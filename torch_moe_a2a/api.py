@@ -482,9 +482,8 @@ def moe_a2a_dispatch(
         runtime_max_tokens_per_rank: the same on every rank, ``>=
             local_num_tokens`` and ``<= max_num_tokens``; so must the payloads'
             number and row sizes be, and whether ``eplb_local_stats`` is given.
-        ep_rank, ep_size, top_k, num_experts: as at initialize; ``top_k``
-            1..22; ``num_experts`` (which maps the ids to ranks) the same on
-            every rank.
+        ep_rank, ep_size: as at initialize. top_k: 1..22. num_experts: which
+            maps the ids to ranks, the same on every rank.
         enable_pdl: programmatic dependent launch (None: on for compute capability 9.0+).
         eplb_local_stats: int32 ``[eplb_stats_num_experts]`` to all-gather, or None.
         enable_rank_mask, active_rank_mask: FlashInfer's fault tolerance: with
@@ -695,8 +694,8 @@ def moe_a2a_combine(
             ``output_dtype`` without ``output_scales`` or with scales of
             another dtype or extent, rows the block does not divide), or
             sizes and offset that are not those of the preceding dispatch
-            (CPU: at once; CUDA: the kernel refuses the call, records it, and
-            the next call raises).
+            (on the CPU, at once; on CUDA the kernel refuses the call and
+            records it, and this rank's next call raises RuntimeError).
         RuntimeError: peers that did not arrive within the timeout (as for dispatch).
     """
     if not (isinstance(payload, torch.Tensor) and isinstance(workspace, torch.Tensor)):

@@ -763,8 +763,9 @@ def checkpoint_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     and where the backward needs the received rows but not the combine's
     output (an expert that saves its input, or a region that holds a dispatch
     but not its combine) it re-runs the dispatch alone: a dispatch without its
-    combine, which every later exchange refuses. ``torch.compile`` recomputes
-    that way inside a checkpointed region. Saving the exchanges keeps each
+    combine, which every later exchange refuses. ``torch.compile``'s
+    partitioner may recompute that way inside a checkpointed region
+    (depending on the graph). Saving the exchanges keeps each
     round whole; it costs the received rows' memory, and saves an all-to-all
     in the backward.
 

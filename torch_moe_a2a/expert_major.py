@@ -400,8 +400,9 @@ def moe_a2a_combine_expert_major(
         before it (the weights that combine multiplied by).
 
     Raises:
-        ValueError: arguments out of range or not those of the dispatch (CPU: at
-            once; CUDA: the kernel records it and the next call raises).
+        ValueError: arguments out of range or not those of the dispatch (on the
+            CPU, at once; on CUDA the kernel records it, and this rank's next
+            call raises RuntimeError).
         RuntimeError: peers that did not arrive within the timeout.
     """
     expect_tensors("moe_a2a_combine_expert_major", expert_outputs=expert_outputs, workspace=workspace)

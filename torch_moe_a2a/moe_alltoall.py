@@ -219,8 +219,9 @@ class MoeAlltoAll:
     """Stateful wrapper of the functional API, FlashInfer's ``MoeAlltoAll``.
 
     Remembers what dispatch returned for the matching combine and enforces
-    the order dispatch -> combine (repeated as often as needed, as in
-    FlashInfer) -> dispatch with a clear RuntimeError.
+    the order dispatch -> combine (repeatable before the next dispatch, on
+    every rank alike; FlashInfer's class allows one, its functional
+    ``moe_a2a_combine`` more) -> dispatch with a clear RuntimeError.
 
     Args:
         mapping: where this rank sits: :class:`~torch_moe_a2a.Mapping`,
@@ -647,7 +648,7 @@ class MoeAlltoAll:
     @property
     def eplb_gathered_stats(self) -> Optional[torch.Tensor]:
         """int32 ``[ep_size, eplb_stats_num_experts]`` view from the last dispatch (None when it
-        gathered none); valid until :meth:`combine`."""
+        gathered none); None from the round's first :meth:`combine` on (FlashInfer's)."""
         return self._state.eplb_gathered_stats
 
     @property
@@ -762,7 +763,7 @@ class MoeAlltoAll:
         Returns:
             The receive views, one per payload: ``[ep_size,
             runtime_max_tokens_per_rank, *]`` views of the workspace, valid until
-            :meth:`combine`; for an ``expert_major`` instance the
+            this rank's last :meth:`combine` of the round starts; for an ``expert_major`` instance the
             :class:`~torch_moe_a2a.ExpertMajorDispatch`. Where a payload
             requires grad under grad mode, new tensors instead, with
             gradients, as the functional dispatch returns them then.

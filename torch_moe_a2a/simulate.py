@@ -145,7 +145,9 @@ class SimulatedEP:
         ``SimulatedEP``: the library's ops launch the same kernels there (its
         planes have the same alignments).
         If a rank raises, the others still run to completion (their waits for
-        it end at the timeout) and then the first exception raised is re-raised.
+        it end within milliseconds where its failure was recorded, at the
+        timeout where it was refused on the host) and then the first exception
+        raised is re-raised.
         CPU: interrupted in the main thread (Ctrl-C), it records the
         interruption in every row of the workspace, which ends every rank's
         wait within milliseconds, waits for the ranks' ``fn`` to return and
