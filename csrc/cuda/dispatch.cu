@@ -34,6 +34,23 @@ namespace moe_a2a {
 namespace gpu {
 namespace {
 
+// Dispatch step 5's own header words (protocol.h), written by thread 0 of
+// CTA 0 once every active rank's flag arrived: the sizes the matching combine
+// checks, the epoch, and the expert-major epoch (`expert_major_epoch`: the
+// epoch where this kernel wrote the call's expert-major rows, else
+// stale_expert_major_epoch's).
+__device__ inline void write_dispatch_record(uint8_t* own, const DispatchParams& p, int64_t n, uint32_t epoch,
+                                             uint32_t expert_major_epoch, uint64_t own_init) {
+  *header_word<int32_t>(own, kHdrLastLocalTokens) = static_cast<int32_t>(n);
+  *header_word<int32_t>(own, kHdrLastRuntimeMax) = static_cast<int32_t>(p.runtime_max_tokens);
+  *header_word<int32_t>(own, kHdrLastTopK) = static_cast<int32_t>(p.top_k);
+  *header_word<int64_t>(own, kHdrLastDispatchEnd) = p.layout.dispatch_end;
+  *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
+  *header_word<uint32_t>(own, kHdrRegionStaged) = 0;
+  *header_word<uint32_t>(own, kHdrExpertMajorEpoch) = expert_major_epoch;
+  if (first_dispatch(own_init)) mark_in_use(own);
+}
+
 // Up to this many experts, each CTA of a large call maps expert -> rank
 // through a shared-memory table filled with expert_to_rank (protocol.h: the
 // one definition of the map) instead of a 64-bit division per id.
@@ -552,17 +569,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
   allow_dependent_launch();
   if (!arrived) return;
   if (threadIdx.x < kClaimCounters) *claim_word(own, threadIdx.x) = 0;
-  if (threadIdx.x == 0) {
-    *header_word<int32_t>(own, kHdrLastLocalTokens) = static_cast<int32_t>(n);
-    *header_word<int32_t>(own, kHdrLastRuntimeMax) = static_cast<int32_t>(p.runtime_max_tokens);
-    *header_word<int32_t>(own, kHdrLastTopK) = static_cast<int32_t>(p.top_k);
-    *header_word<int64_t>(own, kHdrLastDispatchEnd) = p.layout.dispatch_end;
-    *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
-    *header_word<uint32_t>(own, kHdrRegionStaged) = 0;
-    // Not (yet) an expert-major dispatch: its build writes epoch afterwards.
-    *header_word<uint32_t>(own, kHdrExpertMajorEpoch) = stale_expert_major_epoch(epoch);
-    if (first_dispatch(own_init)) mark_in_use(own);
-  }
+  // Not (yet) an expert-major dispatch: its build writes epoch afterwards.
+  if (threadIdx.x == 0) write_dispatch_record(own, p, n, epoch, stale_expert_major_epoch(epoch), own_init);
 }
 
 // ---- small calls ---------------------------------------------------------------
@@ -874,17 +882,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   const bool arrived = wait_for_flags(ws, p.sync, kHdrDispatchFlags, epoch, kErrorDispatchTimeout, a.sync_settings);
   allow_dependent_launch();
   if (!arrived) return;
-  if (threadIdx.x == 0) {
-    *header_word<int32_t>(own, kHdrLastLocalTokens) = static_cast<int32_t>(n);
-    *header_word<int32_t>(own, kHdrLastRuntimeMax) = static_cast<int32_t>(p.runtime_max_tokens);
-    *header_word<int32_t>(own, kHdrLastTopK) = static_cast<int32_t>(p.top_k);
-    *header_word<int64_t>(own, kHdrLastDispatchEnd) = p.layout.dispatch_end;
-    *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
-    *header_word<uint32_t>(own, kHdrRegionStaged) = 0;
-    // Not (yet) an expert-major dispatch: its build writes epoch afterwards.
-    *header_word<uint32_t>(own, kHdrExpertMajorEpoch) = stale_expert_major_epoch(epoch);
-    if (first_dispatch(own_init)) mark_in_use(own);
-  }
+  // Not (yet) an expert-major dispatch: its build writes epoch afterwards.
+  if (threadIdx.x == 0) write_dispatch_record(own, p, n, epoch, stale_expert_major_epoch(epoch), own_init);
 }
 
 // ---- expert-major small calls: each pair's row straight into its slot ---------------------
@@ -1243,16 +1242,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   allow_dependent_launch();
   if (!arrived) return;
   if (threadIdx.x == 0) {
-    *header_word<int32_t>(own, kHdrLastLocalTokens) = static_cast<int32_t>(n);
-    *header_word<int32_t>(own, kHdrLastRuntimeMax) = static_cast<int32_t>(T);
-    *header_word<int32_t>(own, kHdrLastTopK) = static_cast<int32_t>(K);
-    *header_word<int64_t>(own, kHdrLastDispatchEnd) = p.layout.dispatch_end;
-    *header_word<uint32_t>(own, kHdrDispatchEpoch) = epoch;
-    *header_word<uint32_t>(own, kHdrRegionStaged) = 0;
     *header_word<int64_t>(own, kHdrExpertMajorEnd) = l.combine_offset;
     *header_word<int32_t>(own, kHdrExpertMajorTokens) = static_cast<int32_t>(M);
-    *header_word<uint32_t>(own, kHdrExpertMajorEpoch) = epoch;
-    if (first_dispatch(own_init)) mark_in_use(own);
+    write_dispatch_record(own, p, n, epoch, epoch, own_init);
   }
 }
 
