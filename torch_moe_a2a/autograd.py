@@ -1106,8 +1106,9 @@ def combine_em_owned(expert_outputs: Tensor, pair_weights: Tensor, expert_counts
             # A repeated combine (the epochs equal) whose weights are not the
             # ones in the region would write them while a peer may still read
             # the earlier combine's. Seen where the header is host memory.
-            epochs = _rank_words(workspace, ep_rank, layout.HDR_DISPATCH_EPOCH, 2, torch.int32)
-            if int(epochs[0]) == int(epochs[1]) and not torch.equal(region, pair_weights):
+            dispatch_epoch, combine_epoch = (int(_rank_words(workspace, ep_rank, offset, 1, torch.int32))
+                                             for offset in (layout.HDR_DISPATCH_EPOCH, layout.HDR_COMBINE_EPOCH))
+            if dispatch_epoch == combine_epoch and not torch.equal(region, pair_weights):
                 raise ValueError("moe_a2a_combine_expert_major_differentiable: every combine of a round must "
                                  "apply the same router weights, and this repeated combine's differ from those "
                                  "of the round's earlier combines: it would write them into the workspace while a "
