@@ -707,7 +707,7 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
 
 SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
                               int64_t runtime_max_tokens_per_rank, int64_t offset, int64_t width,
-                              int64_t invalid_expert_id, int64_t id_bytes, bool enable_pdl) {
+                              int64_t invalid_expert_id, int64_t id_bytes, int64_t mailbox, bool enable_pdl) {
   SanitizeParams p{};
   p.ws = check_workspace(workspace, ep_rank, ep_size);
   check_max_num_tokens(max_num_tokens);
@@ -732,9 +732,13 @@ SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int6
                     " bytes per rank");
   p.runtime_max_tokens = T;
   p.offset = offset;
+  p.plane_end = end;
   p.width = width;
   p.invalid_expert_id = invalid_expert_id;
   p.ids_int64 = id_bytes == int64_t(sizeof(int64_t));
+  TORCH_CHECK_VALUE(!workspace.is_cpu() || mailbox == 0,
+                    "mailbox must be 0 for a CPU workspace (initialize returned 0), got ", mailbox);
+  p.mailbox = reinterpret_cast<int64_t*>(mailbox);
   p.enable_pdl = enable_pdl;
   return p;
 }
@@ -966,6 +970,17 @@ uint32_t timeout_ms(double timeout_s) {
   return ms >= kMax ? std::numeric_limits<uint32_t>::max() : static_cast<uint32_t>(ms);
 }
 
+std::string sanitize_mismatch_text(int32_t last_runtime_max) {
+  std::string text =
+      "expert_ids must be a receive view of this rank's last dispatch (its [ep_size, "
+      "runtime_max_tokens_per_rank, width] int32 or int64 plane), but ";
+  if (last_runtime_max == 0) return text + "no dispatch ran since moe_a2a_initialize";
+  return text + "the view is not one of that dispatch's planes (that dispatch's runtime_max_tokens_per_rank is " +
+         std::to_string(last_runtime_max) +
+         "; a view kept from an earlier dispatch may cover the current one's other planes, which the padding "
+         "ids would overwrite)";
+}
+
 std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missing, uint32_t detail) {
   std::ostringstream os;
   os << "rank " << ep_rank << ": ";
@@ -1004,6 +1019,9 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
         os << "interrupted (KeyboardInterrupt or another signal's exception) while it waited for peers "
            << rank_list(missing) << " in its " << (detail == kErrorDispatchTimeout ? "dispatch" : "combine");
       }
+      break;
+    case kErrorSanitizeMismatch:
+      os << "moe_a2a_sanitize_expert_ids wrote nothing: " << sanitize_mismatch_text(static_cast<int32_t>(detail));
       break;
     case kErrorCombineRowsMismatch:
       os << "peers " << rank_list(missing) << " called the same combine with other rows than this rank's (their "
@@ -1266,10 +1284,10 @@ void combine_into_cpu(const std::optional<at::Tensor>& payload, int64_t local_nu
 
 void sanitize_expert_ids_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
                              int64_t runtime_max_tokens_per_rank, int64_t offset, int64_t width,
-                             int64_t invalid_expert_id, int64_t id_bytes, bool enable_pdl) {
+                             int64_t invalid_expert_id, int64_t id_bytes, int64_t mailbox, bool enable_pdl) {
   const SanitizeParams p = check_sanitize(workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
-                                          offset, width, invalid_expert_id, id_bytes, enable_pdl);
-  raise_row_status(cpu::check_row_for_sanitize(p.ws, max_num_tokens), ep_rank);
+                                          offset, width, invalid_expert_id, id_bytes, mailbox, enable_pdl);
+  raise_row_status(cpu::check_row_for_sanitize(p, max_num_tokens), ep_rank);
   cpu::sanitize_expert_ids(p);
 }
 

@@ -99,7 +99,7 @@ std::vector<int64_t> expert_major_output_shape(int64_t local_num_tokens, at::Int
 // sanitize_expert_ids: the arguments of kSchemaSanitize, in order.
 SanitizeParams check_sanitize(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
                               int64_t runtime_max_tokens_per_rank, int64_t offset, int64_t width,
-                              int64_t invalid_expert_id, int64_t id_bytes, bool enable_pdl);
+                              int64_t invalid_expert_id, int64_t id_bytes, int64_t mailbox, bool enable_pdl);
 
 // expert_major_build: the arguments of kSchemaExpertMajorBuild, in order.
 // params.layout is the call's ExpertMajorLayout, known to fit the workspace
@@ -156,6 +156,10 @@ uint32_t timeout_ms(double timeout_s);
 // `missing` points to kRankMaskWords words (bit p: peer p did not arrive, or
 // disagreed); `detail` as kHdrErrorDetail.
 std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missing, uint32_t detail);
+
+// Why sanitize_expert_ids refuses a view (protocol.h, sanitize_plane_fits),
+// for both backends' errors; `last_runtime_max` 0: no dispatch since initialize.
+std::string sanitize_mismatch_text(int32_t last_runtime_max);
 
 // `mailbox` is 0 (CPU workspace: nothing to do) or the address initialize
 // returned: pinned host int64 words laid out like metainfo's mailbox words

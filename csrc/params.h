@@ -114,9 +114,11 @@ struct SanitizeParams {
   WorkspaceView ws;
   int64_t runtime_max_tokens;  // T
   int64_t offset;              // byte offset of the [ep_size, T, width] int32 plane in the own row
+  int64_t plane_end;           // byte offset of the plane's end
   int64_t width;               // ids per row (any expert-id payload, not only top_k wide)
   bool ids_int64;              // the plane holds int64 ids (else int32)
   int64_t invalid_expert_id;   // fits int32 for an int32 plane
+  int64_t* mailbox;            // as SyncParams::mailbox: where the CUDA kernel reports a view that does not fit
   bool enable_pdl;
 };
 

@@ -323,6 +323,11 @@ enum ErrorCode : uint32_t {
   // and recorded it in every row so that every rank's wait ends. The peers
   // see a failed rank (kErrorPeerFailed).
   kErrorInterrupted = 9,
+  // sanitize_expert_ids was given a view that is not among the last
+  // dispatch's planes (sanitize_plane_fits below; detail: the last dispatch's
+  // runtime_max_tokens_per_rank, 0 before any dispatch). The CPU refuses the
+  // call; the CUDA kernel writes nothing and records it.
+  kErrorSanitizeMismatch = 10,
 };
 // A healthy round's waits end within microseconds: only a longer wait reads
 // the peers' error words, in their rows (remote memory on other GPUs).
@@ -573,6 +578,17 @@ MOE_A2A_HD CallLayout call_layout(int64_t ep_size, int64_t runtime_max_tokens, i
   l.combine_offset = off;
   l.dispatch_end = off;
   return l;
+}
+
+// sanitize_expert_ids's view, [ep_size, T, width] ids from byte `offset` of
+// the own row to byte `plane_end`, must lie among the last dispatch's planes:
+// that dispatch's T, past its routes, before its dispatch_end. A view kept
+// from a round of other sizes would cover other planes of the current one
+// (a received payload, the routes), which its writes would overwrite.
+MOE_A2A_HD bool sanitize_plane_fits(uint32_t dispatch_epoch, int32_t last_runtime_max, int64_t last_dispatch_end,
+                                    int64_t T, int64_t offset, int64_t plane_end) {
+  return dispatch_epoch != 0 && last_runtime_max == T && offset >= call_layout(1, T, 0, 0, nullptr).dispatch_end &&
+         plane_end <= last_dispatch_end;
 }
 
 // The equal-payloads check's word of a call (dispatch step 2): where its

@@ -66,7 +66,7 @@ constexpr const char* kSchemaCheckExpertIds = "check_expert_ids(Tensor token_sel
 constexpr const char* kSchemaSanitize =
     "sanitize_expert_ids(Tensor(a!) workspace, int ep_rank, int ep_size, int max_num_tokens, "
     "int runtime_max_tokens_per_rank, "
-    "int offset, int width, int invalid_expert_id, int id_bytes, bool enable_pdl) -> ()";
+    "int offset, int width, int invalid_expert_id, int id_bytes, int mailbox, bool enable_pdl) -> ()";
 
 // Expert-major layout (protocol.h, ExpertMajorLayout). After a dispatch
 // whose payloads were the user payloads (row sizes payload_row_bytes), the
@@ -147,7 +147,7 @@ using CombineExpertMajorSignature = at::Tensor(MOE_A2A_COMBINE_EM_TYPES);
 using CombineExpertMajorIntoSignature = void(MOE_A2A_COMBINE_EM_TYPES, const at::Tensor&);
 #undef MOE_A2A_COMBINE_EM_TYPES
 using SanitizeSignature = void(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                               int64_t, bool);
+                               int64_t, int64_t, bool);
 
 // ---- CUDA virtual memory: the multi-process workspace (csrc/cuda/vmm.cpp) ----
 // Defined by vmm.cpp (TORCH_LIBRARY_FRAGMENT), so they exist only in builds

@@ -169,11 +169,11 @@ void combine_into_meta(const std::optional<at::Tensor>& payload, c10::SymInt loc
 
 void sanitize_expert_ids_meta(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
                               int64_t runtime_max_tokens_per_rank, int64_t offset, int64_t width,
-                              int64_t invalid_expert_id, int64_t id_bytes, bool enable_pdl) {
+                              int64_t invalid_expert_id, int64_t id_bytes, int64_t mailbox, bool enable_pdl) {
   if (!concrete(workspace)) return;
   const TracedChecks traced;
   check_sanitize(workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, offset, width,
-                 invalid_expert_id, id_bytes, enable_pdl);
+                 invalid_expert_id, id_bytes, mailbox, enable_pdl);
 }
 
 // A traced check has no values to read: the real kernels do it when the graph runs.

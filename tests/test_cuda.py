@@ -456,7 +456,7 @@ def _opcheck_args(op_name: str):
     call = layout.call_layout(1, case.T, OPCHECK_EPLB, [s.row_bytes for s in case.payload_specs()])
     if op_name == "sanitize_expert_ids":
         ids_offset = call.payload_offsets[1]  # payload 1 carries the expert ids
-        args = (workspace, 0, 1, case.max_tokens, case.T, ids_offset, case.top_k, -1, 4, True)
+        args = (workspace, 0, 1, case.max_tokens, case.T, ids_offset, case.top_k, -1, 4, mailbox, True)
         return ops.sanitize_expert_ids.default, args, metainfo
     payload = torch.randn(1, case.T, case.hidden, generator=make_generator("opcheck payload"))
     payload = payload.to(case.hidden_dtype).to(CUDA)

@@ -109,7 +109,8 @@ def test_opcheck_sanitize_expert_ids(device):
     env = Env(device)
     lay = env.dispatched()
     ids_offset = lay.payload_offsets[1]  # payload 1 carries the expert ids
-    _opcheck(ops.sanitize_expert_ids.default, (env.workspace, 0, 1, CASE.max_tokens, CASE.T, ids_offset, CASE.top_k, -1, 4, False))
+    _opcheck(ops.sanitize_expert_ids.default,
+             (env.workspace, 0, 1, CASE.max_tokens, CASE.T, ids_offset, CASE.top_k, -1, 4, 0, False))
 
 
 def test_opcheck_check_expert_ids(device):

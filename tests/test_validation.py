@@ -18,6 +18,7 @@ from conftest import (
     assert_bytes_equal,
     assert_ws_unchanged,
     ep_mapping,
+    header_i32,
     make_generator,
     make_inputs,
     make_sim,
@@ -558,12 +559,58 @@ def test_sanitize_rejects(device):
     offset = ids_view.storage_offset() * ids_view.element_size() - env.workspace.storage_offset()
     max_tokens = env.case.max_tokens
     raw = torch.ops.moe_a2a.sanitize_expert_ids.default
-    expect_error(env.workspace, lambda: raw(env.workspace, 0, 1, max_tokens, max_tokens + 1, offset, k, -1, 4, False),
+    expect_error(env.workspace, lambda: raw(env.workspace, 0, 1, max_tokens, max_tokens + 1, offset, k, -1, 4, 0, False),
                  ValueError, r"runtime_max_tokens_per_rank must be in \[1, max_num_tokens")
     if device == "cpu":  # a CUDA row's header is on the device: the host takes max_num_tokens on trust
-        expect_error(env.workspace, lambda: raw(env.workspace, 0, 1, 4 * max_tokens, T, offset, k, -1, 4, False),
+        expect_error(env.workspace, lambda: raw(env.workspace, 0, 1, 4 * max_tokens, T, offset, k, -1, 4, 0, False),
                      ValueError, r"(?i)metainfo does not match the workspace")
     a2a.moe_a2a_combine(out[0], 6, env.workspace, env.metainfo, env.case.T, 0, 1, env.case.top_k, off)
+
+
+def _ids_plane(workspace, offset, shape):
+    """An int32 view of rank 0's row at byte ``offset``, as a caller could build one."""
+    return torch.empty(0, dtype=torch.int32, device=workspace.device).set_(
+        workspace.untyped_storage(), workspace.storage_offset() + offset // 4, shape)
+
+
+@pytest.mark.parametrize("form", ["more_rows", "earlier_round", "before_dispatch"])
+def test_sanitize_refuses_a_view_of_no_plane_of_the_last_dispatch(form, device):
+    """A view whose rows are not the last dispatch's T (one kept from a round
+    of other sizes, or the plane seen with more rows) would have sanitize
+    write padding ids over the dispatch's other planes: refused on the CPU
+    with the workspace untouched; the CUDA kernel writes nothing and records
+    the error, which the rank's next call raises."""
+    env = make_env(device)
+    case = env.case
+    if form == "before_dispatch":
+        offset = layout.call_layout(1, case.T, 0, [s.row_bytes for s in case.payload_specs()]).payload_offsets[1]
+        view = _ids_plane(env.workspace, offset, (1, case.T, case.top_k))
+        expected_max = 0
+    else:
+        out, off, _ = a2a.moe_a2a_dispatch(**env.dispatch_args())
+        ids_view = out[1]
+        if form == "more_rows":
+            # The same plane seen with max_num_tokens rows: its end covers the next plane.
+            view = ids_view.as_strided((1, case.max_tokens, case.top_k), ids_view.stride())
+        else:
+            a2a.moe_a2a_combine(out[0].clone(), 6, env.workspace, env.metainfo, case.T, 0, 1, case.top_k, off)
+            out, off, _ = a2a.moe_a2a_dispatch(**{**env.dispatch_args(), "runtime_max_tokens_per_rank": 6})
+            view = ids_view  # the first round's view: T 8 over a layout for T 6
+        expected_max = case.T if form == "more_rows" else 6
+    text = (r"expert_ids must be a receive view of this rank's last dispatch .* "
+            + ("no dispatch ran since moe_a2a_initialize" if expected_max == 0
+               else rf"runtime_max_tokens_per_rank is {expected_max};"))
+    if device == "cpu":
+        expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(view, env.workspace, env.metainfo, 0, -1),
+                     ValueError, "moe_a2a_sanitize_expert_ids: " + text)
+        return
+    before = env.workspace[0, layout.HEADER_BYTES:].clone()
+    a2a.moe_a2a_sanitize_expert_ids(view, env.workspace, env.metainfo, 0, -1)
+    torch.cuda.synchronize()
+    assert torch.equal(env.workspace[0, layout.HEADER_BYTES:], before), "the kernel wrote into the row"
+    assert header_i32(env.workspace, 0, layout.HDR_ERROR_CODE) == layout.ERROR_SANITIZE_MISMATCH
+    with pytest.raises(RuntimeError, match="moe_a2a_sanitize_expert_ids wrote nothing: " + text):
+        a2a.moe_a2a_dispatch(**env.dispatch_args())
 
 
 @pytest.mark.parametrize("view_rank,call_rank", [(1, 0), (0, 1)])

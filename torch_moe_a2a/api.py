@@ -883,9 +883,16 @@ def moe_a2a_sanitize_expert_ids(
             :func:`moe_a2a_dispatch`) or not within this rank's row;
             ``invalid_expert_id`` not an int, or outside the ids' dtype (int32 or int64); an unknown
             backend, or ``"cake"`` off Blackwell. CPU also: a row initialized
-            with other sizes than the metainfo's.
-        RuntimeError: CPU only: this rank's row not initialized, or an
-            earlier call's error record on it.
+            with other sizes than the metainfo's; ``expert_ids`` not a plane
+            of this rank's last dispatch (another ``runtime_max_tokens_per_rank``
+            than that dispatch's, as a view kept from an earlier round has,
+            or outside its planes), or no dispatch since initialize.
+        RuntimeError: CPU: this rank's row not initialized. Both: an
+            earlier call's error record on it. CUDA: where ``expert_ids``
+            is not a plane of the last dispatch, as above, the kernel
+            writes nothing and records the error, which this rank's next
+            call raises (the workspace stays failed until
+            :func:`moe_a2a_initialize`).
         NotImplementedError: ``"cake"`` on Blackwell.
     """
     expect_tensors("moe_a2a_sanitize_expert_ids", expert_ids=expert_ids, workspace=workspace)
@@ -908,7 +915,7 @@ def moe_a2a_sanitize_expert_ids(
         if not info.min <= invalid_expert_id <= info.max:
             raise ValueError(f"moe_a2a_sanitize_expert_ids: invalid_expert_id must fit in the ids' dtype "
                              f"{expert_ids.dtype} ([{info.min}, {info.max}]), got {invalid_expert_id}")
-    _, ep_size, max_num_tokens, _, _, _, _ = meta
+    _, ep_size, max_num_tokens, _, _, mailbox, _ = meta
     if expert_ids.shape[0] != ep_size or not 1 <= expert_ids.shape[1] <= max_num_tokens:
         raise ValueError(
             f"expert_ids must be [ep_size ({ep_size}), runtime_max_tokens_per_rank (1..max_num_tokens = "
@@ -946,6 +953,7 @@ def moe_a2a_sanitize_expert_ids(
         expert_ids.shape[2],
         invalid_expert_id,
         expert_ids.element_size(),
+        mailbox,
         enable_pdl,
     )
 

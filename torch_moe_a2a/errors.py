@@ -20,7 +20,8 @@ def describe_error(ep_rank: int, code: int, missing_words: Sequence[int], detail
 
     missing_words: the ``MOE_A2A_RANK_MASK_WORDS`` words of the peer mask (unsigned); detail:
     the timeout in ms, for ``ERROR_RUNTIME_MAX_MISMATCH`` this rank's runtime_max_tokens_per_rank,
-    for ``ERROR_COMBINE_MISMATCH`` the bits of ``layout.COMBINE_MISMATCH_FIELDS`` that differ.
+    for ``ERROR_COMBINE_MISMATCH`` the bits of ``layout.COMBINE_MISMATCH_FIELDS`` that differ,
+    for ``ERROR_SANITIZE_MISMATCH`` the last dispatch's runtime_max_tokens_per_rank.
     """
     return _C.describe_error(ep_rank, code, [int(w) % _U64 for w in missing_words], detail)
 

@@ -70,6 +70,7 @@ ERROR_PAYLOAD_MISMATCH = 6
 ERROR_COMBINE_ROWS_MISMATCH = 7
 ERROR_PEER_FAILED = 8
 ERROR_INTERRUPTED = 9  # a wait ended by a signal's exception (Ctrl-C); no peers named: SimulatedEP.run's
+ERROR_SANITIZE_MISMATCH = 10  # sanitize given a view that is no plane of the last dispatch (CUDA; detail: its T)
 # What differs for ERROR_COMBINE_MISMATCH: bit i of its detail names
 # COMBINE_MISMATCH_FIELDS[i] (protocol.h: CombineMismatch).
 COMBINE_MISMATCH_FIELDS = ("local_num_tokens", "runtime_max_tokens_per_rank", "top_k", "combine_payload_offset",

@@ -576,8 +576,18 @@ RowStatus check_row_for_combine(const CombineParams& p, int64_t max_num_tokens) 
   return check_combine_row(p, max_num_tokens, /*rank_major=*/true);
 }
 
-RowStatus check_row_for_sanitize(const WorkspaceView& ws, int64_t max_num_tokens) {
-  return check_config(ws, max_num_tokens, /*eplb_n=*/-1);
+RowStatus check_row_for_sanitize(const SanitizeParams& p, int64_t max_num_tokens) {
+  RowStatus st = check_config(p.ws, max_num_tokens, /*eplb_n=*/-1);
+  if (st.kind != RowStatus::kOk) return st;
+  const uint8_t* row = p.ws.row(p.ws.ep_rank);
+  const uint32_t dispatch_epoch = load<uint32_t>(row, kHdrDispatchEpoch);
+  const int32_t last_max = load<int32_t>(row, kHdrLastRuntimeMax);
+  const int64_t last_end = load<int64_t>(row, kHdrLastDispatchEnd);
+  if (!sanitize_plane_fits(dispatch_epoch, last_max, last_end, p.runtime_max_tokens, p.offset, p.plane_end)) {
+    st.kind = RowStatus::kValueError;
+    st.message = "moe_a2a_sanitize_expert_ids: " + sanitize_mismatch_text(dispatch_epoch != 0 ? last_max : 0);
+  }
+  return st;
 }
 
 // ---- kernels ----------------------------------------------------------------------

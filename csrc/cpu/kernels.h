@@ -43,8 +43,9 @@ RowStatus check_row_for_dispatch(const WorkspaceView& ws, int64_t max_num_tokens
 RowStatus check_row_for_combine(const CombineParams& p, int64_t max_num_tokens);
 
 // Before sanitize_expert_ids: the row is initialized for this rank, ep_size
-// and max_num_tokens, and no error is recorded.
-RowStatus check_row_for_sanitize(const WorkspaceView& ws, int64_t max_num_tokens);
+// and max_num_tokens, no error is recorded, and the view lies among the last
+// dispatch's planes (protocol.h, sanitize_plane_fits).
+RowStatus check_row_for_sanitize(const SanitizeParams& p, int64_t max_num_tokens);
 
 // Zeroes the own row and writes its header config; epochs start at 0.
 void initialize(const InitParams& p);

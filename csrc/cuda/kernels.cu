@@ -8,7 +8,8 @@ namespace moe_a2a {
 namespace gpu {
 namespace {
 
-// sanitize_expert_ids neither waits nor publishes: a plain grid-stride kernel.
+// sanitize_expert_ids neither waits nor publishes: a plain grid-stride kernel,
+// after its check of the view.
 constexpr int kSanitizeThreads = 256;
 constexpr int kSanitizeCtasPerSm = 4;
 
@@ -49,15 +50,32 @@ __global__ void sanitize_kernel(const __grid_constant__ SanitizeParams p) {
   wait_for_previous_grid();
   const WorkspaceView& ws = p.ws;
   uint8_t* own = ws.row(ws.ep_rank);
-  // A failed rank does nothing until initialize (the CPU refuses the call).
-  if (*header_word<volatile uint32_t>(own, kHdrErrorCode) != kErrorNone) return;
   const int64_t T = p.runtime_max_tokens;
   __shared__ int64_t valid_rows[kMaxRanks];
+  __shared__ bool proceed;
+  if (threadIdx.x == 0) {
+    // Thread 0 decides for its CTA: CTA 0 may record an error while another
+    // CTA's threads read the error word. A failed rank does nothing until
+    // initialize (the CPU refuses the call). The view must be a plane of
+    // the last dispatch (protocol.h, sanitize_plane_fits), as the header
+    // words of that dispatch, an earlier kernel of this stream, tell.
+    proceed = false;
+    if (*header_word<volatile uint32_t>(own, kHdrErrorCode) == kErrorNone) {
+      const uint32_t epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
+      const int32_t last_max = *header_word<int32_t>(own, kHdrLastRuntimeMax);
+      proceed = sanitize_plane_fits(epoch, last_max, *header_word<int64_t>(own, kHdrLastDispatchEnd), T, p.offset,
+                                    p.plane_end);
+      if (!proceed && blockIdx.x == 0) {
+        record_error(own, p.mailbox, kErrorSanitizeMismatch, 0, epoch != 0 ? static_cast<uint32_t>(last_max) : 0u);
+      }
+    }
+  }
   if (threadIdx.x < ws.ep_size) {
     const int32_t count = *header_word<int32_t>(own, recv_count_offset(threadIdx.x));
     valid_rows[threadIdx.x] = received_rows(count, T);
   }
   __syncthreads();
+  if (!proceed) return;
   const int64_t per_source = T * p.width;
   const int64_t total = int64_t(ws.ep_size) * per_source;
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;

@@ -185,9 +185,10 @@ void combine_into_cuda(const std::optional<at::Tensor>& payload, int64_t local_n
 
 void sanitize_expert_ids_cuda(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
                               int64_t runtime_max_tokens_per_rank, int64_t offset, int64_t width,
-                              int64_t invalid_expert_id, int64_t id_bytes, bool enable_pdl) {
+                              int64_t invalid_expert_id, int64_t id_bytes, int64_t mailbox, bool enable_pdl) {
   const SanitizeParams p = check_sanitize(workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
-                                          offset, width, invalid_expert_id, id_bytes, enable_pdl);
+                                          offset, width, invalid_expert_id, id_bytes, mailbox, enable_pdl);
+  raise_if_mailbox_error(mailbox, ep_rank);
   const c10::cuda::CUDAGuard guard(workspace.device());
   C10_CUDA_CHECK(
       gpu::launch_sanitize(p, launch_config(workspace, ep_size, /*timeout_s=*/0), c10::cuda::getCurrentCUDAStream()));
