@@ -1009,6 +1009,18 @@ def test_check_errors_refuses_a_non_tensor_workspace(device):
     round_trip(sim, CASE, make_inputs(CASE, make_generator("check_errors, after")), make_generator(3))
 
 
+@pytest.mark.parametrize("row_bytes", [0, 4096, layout.HEADER_BYTES - 1])
+def test_check_errors_names_the_header_size_for_short_rows(row_bytes):
+    """Rows shorter than the header were refused with the expected form,
+    which the tensor had, without the size they lacked."""
+    with pytest.raises(ValueError, match=rf"check_errors: workspace rows must hold at least the "
+                                         rf"{layout.HEADER_BYTES}-byte header .*, got {row_bytes} bytes"):
+        a2a.check_errors(torch.zeros(2, row_bytes, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"check_errors: workspace must be a uint8 \[ep_size, size_per_rank\] "
+                                         r"tensor, got torch.int32 \(2, 4096\)"):
+        a2a.check_errors(torch.zeros(2, 4096, dtype=torch.int32))
+
+
 def test_differentiable_functions_refuse_non_tensors(device):
     """A None among the payloads of a differentiable dispatch, or as the
     payload of a differentiable combine, failed on its .dtype, .shape or

@@ -87,11 +87,14 @@ def row_error(workspace: torch.Tensor, ep_rank: int) -> Optional[str]:
 
 def _records(workspace: torch.Tensor, fn: str) -> list[Optional[str]]:
     """Every row's error record, described (None: no record, or a row not initialized)."""
-    if workspace.dim() != 2 or workspace.dtype != torch.uint8 or workspace.shape[1] < layout.HEADER_BYTES:
+    if workspace.dim() != 2 or workspace.dtype != torch.uint8:
         raise ValueError(
             f"{fn}: workspace must be a uint8 [ep_size, size_per_rank] tensor, got {workspace.dtype} "
             f"{tuple(workspace.shape)}"
         )
+    if workspace.shape[1] < layout.HEADER_BYTES:
+        raise ValueError(f"{fn}: workspace rows must hold at least the {layout.HEADER_BYTES}-byte header "
+                         f"(size_per_rank from moe_a2a_get_workspace_size_per_rank), got {workspace.shape[1]} bytes")
     # The error record lies among the fixed words, which end where the flags begin.
     headers = workspace[:, : layout.HDR_DISPATCH_FLAGS].to("cpu")
     magic = _header_field(headers, layout.HDR_MAGIC, torch.int64)
