@@ -903,7 +903,10 @@ ExpertMajorCombineParams check_combine_expert_major(
   if (payload.has_value() && payload->defined()) {
     c.payload =
         checked_combine_payload(*payload, payload_dtype, workspace, p.num_local, max_tokens_per_expert, row_shape,
-                                "num_local_experts, max_tokens_per_expert", nullptr, "expert_outputs");
+                                "num_local_experts, max_tokens_per_expert",
+                                "max_tokens_per_expert is the ExpertMajorDispatch's given: where these are the "
+                                "outputs of the last dispatch's experts, pass that dispatch's ExpertMajorDispatch",
+                                "expert_outputs");
   }
 
   // The regions the pulls read follow dispatch_end, and the combine region

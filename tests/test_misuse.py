@@ -1643,3 +1643,26 @@ def test_an_output_sharing_memory_with_the_payload_is_refused(layout_kind, devic
     assert combine(alias[n:].view(T, H)).data_ptr() == buffer[n:].data_ptr()  # the bytes after it: apart
     out = combine(torch.empty(T, H, device=device))
     assert tuple(out.shape) == (T, H)
+
+
+def test_expert_major_combine_of_an_earlier_dispatch_names_the_dispatch(device):
+    """An expert-major combine given an earlier round's ExpertMajorDispatch
+    (another max_tokens_per_expert) with this round's expert outputs was
+    refused blaming the outputs' shape alone; the message now says which
+    argument sets the shape. The round then closes with its own dispatch."""
+    size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(1, 8, 128, 128, 4, 2)
+    ws = torch.zeros(1, size, dtype=torch.uint8, device=device)
+    meta = a2a.moe_a2a_initialize(ws, 0, 1, 8)
+    gen = make_generator("expert-major combine, earlier dispatch")
+    x = torch.randn((4, 32), generator=gen).to(device)
+    ids = torch.randint(0, 4, (4, 2), generator=gen, dtype=torch.int32).to(device)
+    old = a2a.moe_a2a_dispatch_expert_major(ids, [x], ws, meta, 8, 0, 1, 2, 4, max_tokens_per_expert=2)
+    a2a.moe_a2a_combine_expert_major(old.output_payloads[0].clone(), old, ws, meta, 0, 1)
+    new = a2a.moe_a2a_dispatch_expert_major(ids, [x], ws, meta, 8, 0, 1, 2, 4)
+    assert new.max_tokens_per_expert != old.max_tokens_per_expert
+    refused(ws, lambda: a2a.moe_a2a_combine_expert_major(new.output_payloads[0].clone(), old, ws, meta, 0, 1),
+            ValueError, "expert_outputs must be [num_local_experts, max_tokens_per_expert, *row_shape]",
+            "(max_tokens_per_expert is the ExpertMajorDispatch's given: where these are the outputs of the last "
+            "dispatch's experts, pass that dispatch's ExpertMajorDispatch)")
+    out = a2a.moe_a2a_combine_expert_major(new.output_payloads[0].clone(), new, ws, meta, 0, 1)
+    assert torch.equal(out, x + x)  # identity experts, both pairs of each token kept, no weights
