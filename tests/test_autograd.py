@@ -1774,6 +1774,34 @@ def test_torch_func_transforms_are_refused_by_name(transform):
     assert torch.equal(x.grad, torch.full_like(x, 2.0))
 
 
+@pytest.mark.parametrize("fn", ["differentiable", "plain"])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_forward_mode_ad_is_refused_by_name(fn, requires_grad):
+    """A dual tensor (torch.autograd.forward_ad) lost its tangent without a
+    word, or, requiring grad too, raised torch's error about a missing jvp
+    after the dispatch ran, which left the round open. Refused before any
+    exchange runs; the workspace then round-trips as before."""
+    import torch.autograd.forward_ad as fwad
+
+    sim = make_sim(1, 4, 8, 2)
+    gen = torch.Generator().manual_seed(43)
+    ids = reference.random_routing(4, 2, 4, gen)
+    x = torch.randn(4, 8, generator=gen)
+    dispatch = moe_a2a_dispatch_differentiable if fn == "differentiable" else a2a.moe_a2a_dispatch
+    version = sim.workspace._version
+    with fwad.dual_level():
+        dual = fwad.make_dual(x.clone().requires_grad_(requires_grad), torch.ones_like(x))
+        with pytest.raises(NotImplementedError, match=r"forward-mode AD \(torch.autograd.forward_ad\) is not "
+                                                      r"supported: .* torch.autograd \(loss.backward\(\)"):
+            dispatch(ids, [dual], sim.workspace, sim.metainfo[0], 4, 0, 1, 2, 4)
+    assert sim.workspace._version == version
+    x.requires_grad_()
+    (recv,), offset, _ = moe_a2a_dispatch_differentiable(ids, [x], sim.workspace, sim.metainfo[0], 4, 0, 1, 2, 4)
+    moe_a2a_combine_differentiable(recv * 2, ids, sim.workspace, sim.metainfo[0], 4, 0, 1, 2, 4,
+                                   offset).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))
+
+
 def test_a_rank_record_survives_another_rank_purging_the_table():
     """Simulated ranks record their dispatches from threads of their own. A
     rank whose new workspace took a freed one's address brings that

@@ -83,6 +83,7 @@ from .fastpath import (
     expect_traced_ints,
     last_dispatch,
     note_dispatch,
+    refuse_forward_ad,
 )
 
 _ops = torch.ops.moe_a2a
@@ -409,6 +410,7 @@ def _call(op, *args):
             tensors.extend(args[i])
         else:
             tensors.append(args[i])
+    refuse_forward_ad("the differentiable exchanges", tensors)
     requires_grad = False
     for t in tensors:
         if isinstance(t, Tensor):

@@ -14,6 +14,7 @@ import weakref
 from typing import Any, Optional
 
 import torch
+from torch.autograd import forward_ad
 
 from . import _C, layout
 
@@ -211,6 +212,26 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
+def refuse_forward_ad(fn: str, tensors: Any) -> None:
+    """Refuses tensors that carry a forward-mode tangent, before any exchange runs.
+
+    Raises:
+        NotImplementedError: inside ``torch.autograd.forward_ad.dual_level()``,
+            one of ``tensors`` is a dual tensor: the exchanges have a backward
+            (reverse mode) only, and the tangent would otherwise be dropped
+            without a word, or torch would raise after the exchange ran,
+            leaving the round open.
+    """
+    if forward_ad._current_level < 0:  # no dual level open: one attribute read
+        return
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(
+                f"{fn}: forward-mode AD (torch.autograd.forward_ad) is not supported: the exchanges are "
+                "collectives with a reverse-mode backward only; pass the primal (forward_ad.unpack_dual(x).primal) "
+                "and compute gradients with torch.autograd (loss.backward() or torch.autograd.grad)")
+
+
 def wants_grad(fn: str, differentiable: str, *tensors: Any) -> bool:
     """Whether an eager call under grad mode got a tensor that requires grad:
     the plain functions then run as the differentiable ones (autograd.py).
@@ -221,7 +242,9 @@ def wants_grad(fn: str, differentiable: str, *tensors: Any) -> bool:
             the plain functions run the ops, which have no backward, so the
             gradient would be lost without a word; it names ``fn`` and
             ``differentiable``.
+        NotImplementedError: a tensor with a forward-mode tangent (:func:`refuse_forward_ad`).
     """
+    refuse_forward_ad(fn, tensors)
     if not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)):
         return False
     if tracing():
