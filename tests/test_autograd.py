@@ -1839,3 +1839,67 @@ def test_a_rank_record_survives_another_rank_purging_the_table():
         table.clear()
         table.update(saved)
         fastpath._LAST_DISPATCH_PURGE_AT[0] = purge_at
+
+
+@pytest.mark.parametrize("combine", ["plain", "differentiable"])
+@pytest.mark.parametrize("form", ["rank-major", "expert-major", "expert-major-ids-only"])
+def test_a_combine_after_the_backward_is_refused(form, combine):
+    """A backward exchanges in whole rounds of its own, which close the
+    forward's round. A combine after it went to the workspace as a repeated
+    combine of the backward's round: refused with messages about offsets or
+    weights that the caller had right, or, where the backward's layout was
+    the forward's (an expert-major forward of ids and weights alone), run on
+    the backward's weights (1.0: an unweighted sum, no error). Refused by
+    name on every rank; the next round runs as usual."""
+    ep, tokens, hidden, top_k, experts = 2, 4, 8, 2, 4
+    gen = torch.Generator().manual_seed(47)
+    ids = [reference.random_routing(tokens, top_k, experts, gen) for _ in range(ep)]
+    xs = [torch.randn(tokens, hidden, generator=gen) for _ in range(ep)]
+    ws = [torch.rand(tokens, top_k, generator=gen) for _ in range(ep)]
+    sim = make_sim(ep, tokens, hidden, top_k) if form == "rank-major" else make_em_sim(ep, tokens, hidden, top_k,
+                                                                                        experts)
+    fn = {("rank-major", "plain"): "moe_a2a_combine", ("rank-major", "differentiable"): "moe_a2a_combine_differentiable"}
+    name = fn.get((form, combine), "moe_a2a_combine_expert_major" + ("_differentiable" if combine != "plain" else ""))
+
+    def forward(r, x):
+        if form == "rank-major":
+            (recv,), offset, _ = moe_a2a_dispatch_differentiable(ids[r], [x], sim.workspace, sim.metainfo[r], tokens,
+                                                                 r, ep, top_k, experts)
+            y = recv * 2
+            out = moe_a2a_combine_differentiable(y, ids[r], sim.workspace, sim.metainfo[r], tokens, r, ep, top_k,
+                                                 experts, offset)
+            again = (lambda: a2a.moe_a2a_combine(y.detach(), tokens, sim.workspace, sim.metainfo[r], tokens, r, ep,
+                                                 top_k, offset)) if combine == "plain" else (
+                lambda: moe_a2a_combine_differentiable(y, ids[r], sim.workspace, sim.metainfo[r], tokens, r, ep,
+                                                       top_k, experts, offset))
+            return out, again
+        w = ws[r].clone().requires_grad_()
+        payloads = [] if form == "expert-major-ids-only" else [x]
+        d = moe_a2a_dispatch_expert_major_differentiable(ids[r], payloads, sim.workspace, sim.metainfo[r], tokens, r,
+                                                         ep, top_k, experts, router_weights=w)
+        y = torch.ones(*d.local_expert_ids.shape, hidden) if not payloads else d.output_payloads[0] * 2
+        out = moe_a2a_combine_expert_major_differentiable(y, d, ids[r], sim.workspace, sim.metainfo[r], r, ep)
+        plain = d._replace(router_weights=d.router_weights.detach())
+        again = (lambda: a2a.moe_a2a_combine_expert_major(y.detach(), plain, sim.workspace, sim.metainfo[r], r,
+                                                          ep)) if combine == "plain" else (
+            lambda: moe_a2a_combine_expert_major_differentiable(y, d, ids[r], sim.workspace, sim.metainfo[r], r, ep))
+        return out, again
+
+    def step(r):
+        x = xs[r].clone().requires_grad_()
+        out, again = forward(r, x)
+        out.sum().backward()
+        version = sim.workspace._version
+        with torch.no_grad() if combine == "plain" else contextlib.nullcontext():
+            with pytest.raises(ValueError, match=rf"^{name}: a backward ran since this rank's last dispatch .* "
+                                                 r"every combine of a round comes before its backward"):
+                again()
+        assert sim.workspace._version == version
+        # The next round, forward and backward, as before the refusal.
+        x2 = xs[r].clone().requires_grad_()
+        out2, _ = forward(r, x2)
+        out2.sum().backward()
+        return out.detach(), out2.detach()
+
+    for first, second in sim.run(step):
+        assert torch.equal(first, second)

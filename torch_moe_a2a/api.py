@@ -63,6 +63,7 @@ from .fastpath import (
     expect_tensors,
     expect_traced_ints,
     note_plain_dispatch,
+    refuse_combine_after_backward,
     run_dispatch,
     traced_receive_views,
     tracing,
@@ -733,6 +734,7 @@ def moe_a2a_combine(
                      _LOW_PRECISION_E4M3 if use_low_precision else _LOW_PRECISION_OFF)
     meta = metainfo_values(metainfo, id(metainfo))
     check_rank(meta, ep_rank, ep_size, workspace)
+    refuse_combine_after_backward("moe_a2a_combine", workspace, ep_rank)
     _, _, max_num_tokens, _, _, mailbox, _ = meta
     timeout_s = call_timeout(meta, timeout_s)
     mask = rank_mask_words(enable_rank_mask, active_rank_mask)

@@ -82,7 +82,9 @@ from .fastpath import (
     expect_tensors,
     expect_traced_ints,
     last_dispatch,
+    note_backward_round,
     note_dispatch,
+    refuse_combine_after_backward,
     refuse_forward_ad,
 )
 
@@ -467,16 +469,18 @@ def dispatch_round(rows: Tensor, token_selected_experts: Tensor, workspace: Tens
     fp32 zero per row (closing the round); returns the received plane
     ``[ep_size, runtime_max_tokens_per_rank, *row]``, padding rows zero."""
     if direct_call_ok(rows, token_selected_experts, workspace):
-        return _C.dispatch_round(rows, token_selected_experts, workspace, ep_rank, ep_size, max_num_tokens,
-                                 runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask, timeout_s,
-                                 mailbox, enable_pdl)
-    route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
-             timeout_s, mailbox, enable_pdl)
-    with _Unrecorded(), _TalliesKept(workspace, ep_rank):
-        _dispatch(token_selected_experts, [rows], workspace, route)
-        (plane,), _, offset = _owned_planes(workspace, [rows], route)
-        nothing = torch.zeros((ep_size, runtime_max_tokens_per_rank, 1), dtype=torch.float32, device=rows.device)
-        _combine(nothing, rows.shape[0], workspace, offset, route)
+        plane = _C.dispatch_round(rows, token_selected_experts, workspace, ep_rank, ep_size, max_num_tokens,
+                                  runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask, timeout_s,
+                                  mailbox, enable_pdl)
+    else:
+        route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
+                 active_rank_mask, timeout_s, mailbox, enable_pdl)
+        with _Unrecorded(), _TalliesKept(workspace, ep_rank):
+            _dispatch(token_selected_experts, [rows], workspace, route)
+            (plane,), _, offset = _owned_planes(workspace, [rows], route)
+            nothing = torch.zeros((ep_size, runtime_max_tokens_per_rank, 1), dtype=torch.float32, device=rows.device)
+            _combine(nothing, rows.shape[0], workspace, offset, route)
+    note_backward_round(workspace, ep_rank)
     return plane
 
 
@@ -489,18 +493,21 @@ def combine_round(payloads: list[Tensor], token_selected_experts: Tensor, worksp
     runtime_max_tokens_per_rank, *row]``; after the first, the round's
     repeated combines); returns their sums, ``[local_num_tokens, *row]`` each."""
     if direct_call_ok(token_selected_experts, workspace, *payloads):
-        return _C.combine_round(payloads, token_selected_experts, workspace, ep_rank, ep_size, max_num_tokens,
+        sums = _C.combine_round(payloads, token_selected_experts, workspace, ep_rank, ep_size, max_num_tokens,
                                 runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask, timeout_s,
                                 mailbox, enable_pdl)
-    if not payloads:  # without a combine the round would stay open
-        raise ValueError("combine_round needs at least one payload")
-    route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
-             timeout_s, mailbox, enable_pdl)
-    ids = token_selected_experts
-    offset = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, (_row_bytes(ids),)).combine_offset
-    with _Unrecorded(), _TalliesKept(workspace, ep_rank):
-        _dispatch(ids, [ids], workspace, route)
-        return [_combine(payload, ids.shape[0], workspace, offset, route) for payload in payloads]
+    else:
+        if not payloads:  # without a combine the round would stay open
+            raise ValueError("combine_round needs at least one payload")
+        route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
+                 active_rank_mask, timeout_s, mailbox, enable_pdl)
+        ids = token_selected_experts
+        offset = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, (_row_bytes(ids),)).combine_offset
+        with _Unrecorded(), _TalliesKept(workspace, ep_rank):
+            _dispatch(ids, [ids], workspace, route)
+            sums = [_combine(payload, ids.shape[0], workspace, offset, route) for payload in payloads]
+    note_backward_round(workspace, ep_rank)
+    return sums
 
 
 # A traced graph must keep every exchange, also one whose result is unused:
@@ -719,6 +726,7 @@ def _check_combine_ids(fn: str, workspace: Tensor, rank: int, ids: Tensor, num_e
     of them (an expert's input: wrong gradients, with no error)."""
     if not _recorded():
         return
+    refuse_combine_after_backward(fn, workspace, rank)
     last = last_dispatch(workspace, rank)
     if needs_backward and (last is None or last[3]):
         raise ValueError(f"{fn}: this rank's preceding dispatch on the workspace was not a differentiable one (a "
@@ -1140,6 +1148,7 @@ def dispatch_em_round(rows: Tensor, slot_values: Tensor, token_selected_experts:
         (plane,), _, _, pair_values = _owned_em(workspace, [rows], em, M, route)
         nothing = torch.zeros((_local_experts(route), M, 1), dtype=torch.float32, device=rows.device)
         _combine_em(nothing, rows.shape[0], workspace, M, dispatch_end, em.combine_offset, route)
+    note_backward_round(workspace, ep_rank)
     return [plane, pair_values]
 
 
@@ -1173,13 +1182,15 @@ def combine_em_round(plane: Tensor, pair_values: Tensor, token_selected_experts:
         width = math.prod(plane.shape[2:])
         rows = plane.reshape(local, M, width)
         if plane.dtype == torch.float32:  # one dtype: one combine
-            summed = _combine_em(torch.cat([rows, columns], dim=2), n, workspace, M, dispatch_end, em.combine_offset,
-                                 route)
-            return [summed[:, :width].reshape(n, *plane.shape[2:]).clone(), summed[:, width:].clone()]
-        # A combine per dtype (the round's repeated combines): the rows in
-        # their own, which rounds as the fp32 sum cast once, then the columns.
-        summed = _combine_em(rows.contiguous(), n, workspace, M, dispatch_end, em.combine_offset, route)
-        slots = _combine_em(columns, n, workspace, M, dispatch_end, em.combine_offset, route)
+            both = _combine_em(torch.cat([rows, columns], dim=2), n, workspace, M, dispatch_end, em.combine_offset,
+                               route)
+            summed, slots = both[:, :width].clone(), both[:, width:].clone()
+        else:
+            # A combine per dtype (the round's repeated combines): the rows in
+            # their own, which rounds as the fp32 sum cast once, then the columns.
+            summed = _combine_em(rows.contiguous(), n, workspace, M, dispatch_end, em.combine_offset, route)
+            slots = _combine_em(columns, n, workspace, M, dispatch_end, em.combine_offset, route)
+    note_backward_round(workspace, ep_rank)
     return [summed.reshape(n, *plane.shape[2:]), slots]
 
 

@@ -132,7 +132,10 @@ def direct_call_ok(*tensors: Optional[torch.Tensor]) -> bool:
 # The ids' version counter is kept too (fastpath._version): ids written in
 # place since (the same tensor object, other routes) are refused like other
 # ids where the combine needs a backward.
-_LAST_DISPATCH: dict[tuple[int, int], list] = {}  # [workspace weakref, ids, counts, num_experts, plain, version]
+# A backward's round since the dispatch (note_backward_round) marks the entry:
+# that round closed the dispatch's, which no combine may follow any more.
+_LAST_DISPATCH: dict[tuple[int, int], list] = {}  # [workspace weakref, ids, counts, num_experts, plain, version,
+#                                                    a backward's round since]
 _LAST_DISPATCH_PURGE_AT = [64]
 # Held while a dispatch updates the table. Simulated ranks dispatch from
 # threads of their own: one rank's purge could find a dead entry that
@@ -160,8 +163,9 @@ def note_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, num_exp
             entry[3] = num_experts
             entry[4] = plain
             entry[5] = version
+            entry[6] = False
             return
-        _LAST_DISPATCH[key] = [weakref.ref(workspace), ids, counts, num_experts, plain, version]
+        _LAST_DISPATCH[key] = [weakref.ref(workspace), ids, counts, num_experts, plain, version, False]
         if len(_LAST_DISPATCH) >= _LAST_DISPATCH_PURGE_AT[0]:
             for gone in [k for k, e in _LAST_DISPATCH.items() if e[0]() is None]:
                 del _LAST_DISPATCH[gone]
@@ -175,6 +179,36 @@ def note_plain_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, n
     pays one test per call."""
     if _LAST_DISPATCH:
         note_dispatch(workspace, rank, ids, num_experts, counts, plain=True)
+
+
+def note_backward_round(workspace: torch.Tensor, rank: int) -> None:
+    """Marks ``rank``'s last recorded dispatch on ``workspace`` as followed by
+    a backward's round (a backward exchanges in whole rounds of its own),
+    which closed that dispatch's round."""
+    entry = _LAST_DISPATCH.get((workspace.data_ptr(), rank))
+    if entry is not None:
+        entry[6] = True
+
+
+def refuse_combine_after_backward(fn: str, workspace: torch.Tensor, rank: int) -> None:
+    """Refuses a combine after a backward's round on ``rank``'s row, before
+    any new dispatch: to the workspace it is a repeated combine of that
+    round, laid out for the backward's rows, not the forward's (refused there
+    with a message about offsets or weights, or, where the two layouts agree,
+    run on the backward's routes and weights). A process whose dispatches
+    were never recorded (no differentiable one) pays one test.
+
+    Raises:
+        ValueError: a backward's round ran since ``rank``'s last dispatch.
+    """
+    if torch.compiler.is_compiling() or not _LAST_DISPATCH or torch._C._len_torch_dispatch_stack() > 0:
+        return  # traced (a fake workspace has no address) or never recorded
+    entry = _LAST_DISPATCH.get((workspace.data_ptr(), rank))
+    if entry is not None and entry[6]:
+        raise ValueError(
+            f"{fn}: a backward ran since this rank's last dispatch (a differentiable dispatch's or combine's "
+            "backward exchanges in whole rounds of its own on the workspace), which closed that dispatch's round: "
+            "every combine of a round comes before its backward (loss.backward()); dispatch again to combine again")
 
 
 def _version(t: torch.Tensor) -> Optional[int]:
