@@ -187,9 +187,17 @@ const uint8_t* checked_combine_payload(const at::Tensor& t, at::ScalarType paylo
   expected.insert(expected.end(), row_shape.begin(), row_shape.end());
   const bool per_row_alone = per_row_hint != nullptr && t.dim() == int64_t(expected.size()) && t.size(0) == rows &&
                              t.size(1) != per_row && t.sizes().slice(2) == row_shape;
+  // A 2-D tensor is most often the combine's output shape, [tokens, hidden]:
+  // its row_shape (the trailing dimensions past two) reads as [].
+  const bool output_shaped = t.dim() == 2 && t.sizes() != at::IntArrayRef(expected);
   TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected), name, " must be [", dims, ", *row_shape] with ", dims,
                     " = ", rows, ", ", per_row, " and row_shape = ", row_shape, ", got shape ", t.sizes(),
-                    per_row_alone ? " (" : "", per_row_alone ? per_row_hint : "", per_row_alone ? ")" : "");
+                    per_row_alone ? " (" : "", per_row_alone ? per_row_hint : "", per_row_alone ? ")" : "",
+                    output_shaped ? " (the combine takes its rows in the dispatch's receive layout, [" : "",
+                    output_shaped ? dims : "",
+                    output_shaped ? ", *row] as the dispatch's output_payloads, not as [local_num_tokens, *row], "
+                                    "the shape of its own output)"
+                                  : "");
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides(), " (pass ", name,
                     ".contiguous())");
   check_no_grad(t, name);
@@ -675,7 +683,8 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
   check_combine_fits(combine_payload_offset, combine_end(combine_payload_offset, ep_size, T, row_bytes),
                      p.ws.size_per_rank, "ep_size x runtime_max_tokens_per_rank", row_bytes, "dispatch planes",
                      "moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens, the dispatch's bytes per token "
-                     "over all its payloads, the combine's bytes per token)");
+                     "over all its payloads, the expert ids and router weights among them (top_k x 4 bytes each as "
+                     "int32 and fp32), the combine's bytes per token)");
 
   p.sync = check_sync(active_rank_mask, workspace, ep_rank, ep_size, timeout_s, mailbox, enable_pdl);
 
@@ -991,7 +1000,9 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
     case kErrorDispatchTimeout:
     case kErrorCombineTimeout:
       os << "peers " << rank_list(missing) << " did not arrive within " << seconds_text(detail) << " s ("
-         << (code == kErrorDispatchTimeout ? "dispatch" : "combine") << ")";
+         << (code == kErrorDispatchTimeout ? "dispatch" : "combine")
+         << "); the bound is MOE_A2A_TIMEOUT_S, or a timeout_s= of the call, of moe_a2a_initialize or of "
+            "MoeAlltoAll";
       break;
     case kErrorRuntimeMaxMismatch:
       os << "peers " << rank_list(missing) << " called dispatch with another runtime_max_tokens_per_rank than "

@@ -1009,3 +1009,37 @@ def test_simulated_ep_refuses_a_rank_that_is_not_one_of_its_ranks(method, bad, d
     expect_error(sim.workspace, calls[method], ValueError,
                  rf"^SimulatedEP\.{method}: rank must be an int in \[0, 2\), got {re.escape(repr(bad))}$")
     _sim_round_trips(sim, SIM_CASE, device, (method, repr(bad)))
+
+
+@pytest.mark.parametrize("form", ["rank-major", "expert-major"])
+def test_combine_of_an_output_shaped_payload_names_the_receive_layout(form, device):
+    """The combine's payload given as [local_num_tokens, hidden], the shape of
+    its output: the shape error read 'row_shape = []' (the trailing
+    dimensions of the given tensor) and now says which layout it takes."""
+    env = make_env(device)
+    case = env.case
+    x = env.payloads[0]
+    if form == "rank-major":
+        out, off, _ = a2a.moe_a2a_dispatch(**env.dispatch_args())
+        call = lambda: a2a.moe_a2a_combine(x.clone(), 6, env.workspace, env.metainfo, case.T, 0, 1,  # noqa: E731
+                                           case.top_k, off)
+        dims = "ep_size, runtime_max_tokens_per_rank"
+        close = lambda: a2a.moe_a2a_combine(out[0].clone(), 6, env.workspace, env.metainfo, case.T, 0, 1,  # noqa: E731
+                                            case.top_k, off)
+    else:
+        size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(1, case.max_tokens, case.dispatch_bytes,
+                                                                    case.combine_bytes, case.num_experts, case.top_k)
+        workspace = torch.zeros(1, size, dtype=torch.uint8, device=device)
+        env.metainfo = a2a.moe_a2a_initialize(workspace, 0, 1, case.max_tokens)
+        env.workspace = workspace
+        d = a2a.moe_a2a_dispatch_expert_major(env.ids, [x], workspace, env.metainfo, case.T, 0, 1, case.top_k,
+                                              case.num_experts)
+        call = lambda: a2a.moe_a2a_combine_expert_major(x.clone(), d, workspace, env.metainfo, 0, 1)  # noqa: E731
+        dims = "num_local_experts, max_tokens_per_expert"
+        close = lambda: a2a.moe_a2a_combine_expert_major(d.output_payloads[0].clone(), d, workspace,  # noqa: E731
+                                                         env.metainfo, 0, 1)
+    expect_error(env.workspace, call, ValueError,
+                 rf"row_shape = \[\], got shape \[6, {x.shape[1]}\] \(the combine takes its rows in the dispatch's "
+                 rf"receive layout, \[{dims}, \*row\] as the dispatch's output_payloads, not as \[local_num_tokens, "
+                 r"\*row\], the shape of its own output\)")
+    close()
