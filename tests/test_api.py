@@ -880,3 +880,18 @@ def test_output_payload_layouts_as_flashinfers_keyword():
     for layouts in (None, [layout.LINEAR, "LINEAR"]):
         recv = moe.dispatch(ids, [x, ids], tokens, output_payload_layouts=layouts)
         torch.testing.assert_close(moe.combine(recv[0] * 2, tokens), x * 2, rtol=0, atol=0)
+
+
+def test_simulated_ep_takes_a_row_size_or_bytes_per_token():
+    """A workspace_size_per_rank stands for the bytes per token (the README's
+    expert-major examples passed 0 for both beside it); without it both are
+    needed, and each is an int where given."""
+    size = a2a.moe_a2a_get_workspace_size_per_rank(2, 4, 64, 64)
+    assert a2a.SimulatedEP(2, 4, workspace_size_per_rank=size).workspace.shape == (2, size)
+    assert a2a.SimulatedEP(2, 4, dispatch_bytes_per_token=64, combine_bytes_per_token=64).workspace.shape == (2, size)
+    for kwargs in ({}, {"dispatch_bytes_per_token": 64}, {"combine_bytes_per_token": 64}):
+        with pytest.raises(ValueError, match=r"SimulatedEP: dispatch_bytes_per_token and combine_bytes_per_token "
+                                             r"size the workspace; give both, or workspace_size_per_rank"):
+            a2a.SimulatedEP(2, 4, **kwargs)
+    with pytest.raises(ValueError, match=r"dispatch_bytes_per_token must be an int"):
+        a2a.SimulatedEP(2, 4, dispatch_bytes_per_token=1.5, workspace_size_per_rank=size)

@@ -57,15 +57,30 @@ MAX_SIMULATED_RANKS_PER_GPU = 32
 class SimulatedEP:
     """``ep_size`` simulated ranks sharing one workspace on ``device``.
 
-    ``workspace``: ``[ep_size, size_per_rank]`` uint8, sized by
-    ``moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens,
-    dispatch_bytes_per_token, combine_bytes_per_token, eplb_stats_num_experts)``
-    (or ``workspace_size_per_rank`` when given, e.g. an expert-major size)
-    and owned by this object. ``metainfo[r]``: rank ``r``'s metainfo. Every
-    row is initialized before any rank runs. ``timeout_s`` bounds every wait
-    for a peer (None: MOE_A2A_TIMEOUT_S, else 30 s): it is the metainfo's
-    (``moe_a2a_initialize(timeout_s=)``), so it bounds the calls that pass
-    ``metainfo[r]`` to the functional API directly too.
+    ``workspace``: ``[ep_size, size_per_rank]`` uint8, owned by this object.
+    ``metainfo[r]``: rank ``r``'s metainfo. Every row is initialized before
+    any rank runs.
+
+    Args:
+        ep_size: the number of ranks.
+        max_num_tokens: the most tokens a rank dispatches in one call.
+        dispatch_bytes_per_token, combine_bytes_per_token: the bytes per
+            token of the dispatch's payloads (all of them: hidden states, ids,
+            router weights) and of the combine's, which size the workspace:
+            ``moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens,
+            dispatch_bytes_per_token, combine_bytes_per_token,
+            eplb_stats_num_experts)``. Required unless
+            ``workspace_size_per_rank`` is given (then unused).
+        eplb_stats_num_experts: as for :func:`moe_a2a_initialize`.
+        device: where the workspace lives (``"cpu"``: a thread per rank;
+            a CUDA device: a stream per rank).
+        timeout_s: the bound on every wait for a peer (None:
+            MOE_A2A_TIMEOUT_S, else 30 s). It is the metainfo's
+            (``moe_a2a_initialize(timeout_s=)``), so it bounds the calls that
+            pass ``metainfo[r]`` to the functional API directly too.
+        workspace_size_per_rank: the row size in bytes, in place of the
+            bytes per token (an expert-major size, say, from
+            ``moe_a2a_get_workspace_size_per_rank_expert_major``).
 
     Raises:
         ValueError: ``ep_size``, ``max_num_tokens``, the bytes per token,
@@ -84,19 +99,23 @@ class SimulatedEP:
         ep_size: int,
         max_num_tokens: int,
         *,
-        dispatch_bytes_per_token: int,
-        combine_bytes_per_token: int,
+        dispatch_bytes_per_token: Optional[int] = None,
+        combine_bytes_per_token: Optional[int] = None,
         eplb_stats_num_experts: int = 0,
         device: Any = "cpu",
         timeout_s: Optional[float] = None,
         workspace_size_per_rank: Optional[int] = None,
     ):
         fn = "SimulatedEP"
-        expect_ints(fn, ep_size=ep_size, max_num_tokens=max_num_tokens,
-                    dispatch_bytes_per_token=dispatch_bytes_per_token,
-                    combine_bytes_per_token=combine_bytes_per_token, eplb_stats_num_experts=eplb_stats_num_experts)
-        if workspace_size_per_rank is not None:
-            expect_ints(fn, workspace_size_per_rank=workspace_size_per_rank)
+        expect_ints(fn, ep_size=ep_size, max_num_tokens=max_num_tokens, eplb_stats_num_experts=eplb_stats_num_experts)
+        for name, value in (("dispatch_bytes_per_token", dispatch_bytes_per_token),
+                            ("combine_bytes_per_token", combine_bytes_per_token),
+                            ("workspace_size_per_rank", workspace_size_per_rank)):
+            if value is not None:
+                expect_ints(fn, **{name: value})
+        if workspace_size_per_rank is None and (dispatch_bytes_per_token is None or combine_bytes_per_token is None):
+            raise ValueError(f"{fn}: dispatch_bytes_per_token and combine_bytes_per_token size the workspace; give "
+                             "both, or workspace_size_per_rank")
         check_timeout(timeout_s, fn)  # moe_a2a_initialize's and MoeAlltoAll's check
         self.ep_size = ep_size
         self.max_num_tokens = max_num_tokens
