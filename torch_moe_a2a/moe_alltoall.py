@@ -612,7 +612,22 @@ class MoeAlltoAll:
         """FlashInfer's sizing: hidden states plus int32 expert ids and fp32 router
         weights per token (and ``extra_payload_bytes_per_token``) for dispatch,
         hidden states for combine; hidden states of ``dtype`` (ours; default
-        16-bit, FlashInfer's assumption)."""
+        16-bit, FlashInfer's assumption).
+
+        Args:
+            ep_size, top_k, max_num_tokens: as for the instance.
+            hidden_size: elements of a hidden state.
+            extra_payload_bytes_per_token: bytes of further dispatch payloads a token.
+            eplb_stats_num_experts: as for the instance (None: 0).
+            backend: ``"trtllm"`` (or ``"cake"`` on Blackwell, refused).
+            dtype: the hidden states' dtype (None: 16-bit).
+
+        Returns:
+            The bytes per rank (:func:`~torch_moe_a2a.moe_a2a_get_workspace_size_per_rank`).
+
+        Raises:
+            ValueError: as :func:`~torch_moe_a2a.moe_a2a_get_workspace_size_per_rank`.
+        """
         hidden_bytes = hidden_size * (2 if dtype is None else dtype.itemsize)
         dispatch_bytes = hidden_bytes + top_k * 4 + top_k * 4 + extra_payload_bytes_per_token
         return moe_a2a_get_workspace_size_per_rank(
@@ -665,7 +680,17 @@ class MoeAlltoAll:
         """Raise RuntimeError if any rank of the workspace recorded an error
         (:func:`check_errors`); after :meth:`reset` over a group of survivors,
         any of the survivors (the ranks masked off keep their rows as they
-        were)."""
+        were).
+
+        Returns:
+            None, where no rank's row holds an error record (it reads the
+            rows' headers: a device-to-host copy on CUDA).
+
+        Raises:
+            RuntimeError: the first record found, described as the ops
+                raise it; the workspace's memory released by
+                :meth:`checkpoint_prepare`.
+        """
         self._check_mapped("check")
         raise_first_record(self.workspace, "MoeAlltoAll.check", self._shared.checked_ranks)
 

@@ -820,3 +820,11 @@ class StopSignals:
     def exit_code(self) -> int:
         """The shell's code for a death by the signal (128 + its number): non-zero, and says which."""
         return 128 + self.signum if self.signum is not None else 0
+
+
+def per_device(defaults: dict) -> str:
+    """'A on CUDA, B on the CPU' for a help text, from ``{"cuda": A, "cpu": B}``."""
+    def text(v: Any) -> str:
+        return " ".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+    return f"{text(defaults['cuda'])} on CUDA, {text(defaults['cpu'])} on the CPU"

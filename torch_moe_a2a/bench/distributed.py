@@ -133,6 +133,7 @@ from .common import (
     new_record,
     num_sets_for,
     over_max_gib,
+    per_device,
     positive_float,
     preset_names,
     recv_mismatch,
@@ -145,7 +146,11 @@ from .common import (
 )
 
 DEFAULT_PRESET = "deepseek-v3"
-DEFAULT_TOKENS = (128, 4096)
+# Per device type: CPU processes move a 4096-token point's bytes through gloo
+# for minutes, so their defaults are a short run's.
+DEFAULT_TOKENS = {"cuda": (128, 4096), "cpu": (16, 128)}
+DEFAULT_ITERS_FOR = {"cuda": DEFAULT_ITERS, "cpu": 20}
+DEFAULT_WARMUP_FOR = {"cuda": DEFAULT_WARMUP, "cpu": 3}
 LAUNCH_HINT = "torchrun --nproc-per-node N -m torch_moe_a2a bench-dist [options]"
 
 # NVLink multicast stays off: on shared GPU hosts a program using it can take
@@ -887,11 +892,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``bench-dist`` (also used by ``python -m torch_moe_a2a``'s subcommand)."""
     add_preset_argument(p, default=DEFAULT_PRESET)
     p.add_argument("--tokens", type=int_in_range(1, layout.MAX_NUM_TOKENS, "tokens"), nargs="+",
-                   default=list(DEFAULT_TOKENS), help=f"tokens per rank (default {' '.join(map(str, DEFAULT_TOKENS))})")
-    p.add_argument("--iters", type=int_at_least(1, "iters"), default=DEFAULT_ITERS,
-                   help=f"timed iterations per measurement (default {DEFAULT_ITERS})")
-    p.add_argument("--warmup", type=int_at_least(0, "warmup"), default=DEFAULT_WARMUP,
-                   help=f"untimed iterations first (default {DEFAULT_WARMUP})")
+                   default=None, help=f"tokens per rank (default {per_device(DEFAULT_TOKENS)})")
+    p.add_argument("--iters", type=int_at_least(1, "iters"), default=None,
+                   help=f"timed iterations per measurement (default {per_device(DEFAULT_ITERS_FOR)})")
+    p.add_argument("--warmup", type=int_at_least(0, "warmup"), default=None,
+                   help=f"untimed iterations first (default {per_device(DEFAULT_WARMUP_FOR)})")
     p.add_argument("--fp8", action="store_true", help="hidden states as float8_e4m3fn plus fp32 scales")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes every number here")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -964,6 +969,13 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, proc: Process) -> int:
     device, world = proc.device, proc.world
+    # The defaults of the device the processes run on (add_arguments).
+    if args.tokens is None:
+        args.tokens = list(DEFAULT_TOKENS[device.type])
+    if args.iters is None:
+        args.iters = DEFAULT_ITERS_FOR[device.type]
+    if args.warmup is None:
+        args.warmup = DEFAULT_WARMUP_FOR[device.type]
     names = preset_names(args.preset, default=[DEFAULT_PRESET])
     points = [Point(PRESETS[n], world, t, args.fp8) for n in names for t in args.tokens]
     max_gib = DEFAULT_MAX_GIB[device.type] if args.max_gib is None else args.max_gib

@@ -130,6 +130,7 @@ from .common import (
     num_sets_for,
     op_bytes_for,
     over_max_gib,
+    per_device,
     positive_float,
     preset_names,
     recv_mismatch,
@@ -879,26 +880,18 @@ DESCRIPTION = ("Dispatch/combine bandwidth and latency with simulated EP on one 
                "a thread per rank on the CPU), next to a plain-PyTorch implementation of the same exchange.")
 
 
-def _per_device(defaults: dict) -> str:
-    """'A on CUDA, B on the CPU' for a help text."""
-    def text(v: Any) -> str:
-        return " ".join(map(str, v)) if isinstance(v, tuple) else str(v)
-
-    return f"{text(defaults['cuda'])} on CUDA, {text(defaults['cpu'])} on the CPU"
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``bench`` (also used by ``python -m torch_moe_a2a``'s subcommand)."""
     add_preset_argument(p, default="all")
     p.add_argument("--ep", type=int_in_range(1, layout.MAX_RANKS, "ep"), nargs="+", default=None,
-                   help=f"simulated ranks, 1..{layout.MAX_RANKS} each (default {_per_device(DEFAULT_EP)})")
+                   help=f"simulated ranks, 1..{layout.MAX_RANKS} each (default {per_device(DEFAULT_EP)})")
     p.add_argument("--tokens", type=int_in_range(1, layout.MAX_NUM_TOKENS, "tokens"), nargs="+", default=None,
-                   help=f"tokens per rank (default {_per_device(DEFAULT_TOKENS)})")
+                   help=f"tokens per rank (default {per_device(DEFAULT_TOKENS)})")
     p.add_argument("--iters", type=int_at_least(1, "iters"), default=None,
-                   help=f"timed iterations per measurement (default {_per_device(DEFAULT_ITERS_FOR)}; "
+                   help=f"timed iterations per measurement (default {per_device(DEFAULT_ITERS_FOR)}; "
                    f"--smoke {SMOKE_ITERS})")
     p.add_argument("--warmup", type=int_at_least(0, "warmup"), default=None,
-                   help=f"untimed iterations first (default {_per_device(DEFAULT_WARMUP_FOR)}; --smoke {SMOKE_WARMUP})")
+                   help=f"untimed iterations first (default {per_device(DEFAULT_WARMUP_FOR)}; --smoke {SMOKE_WARMUP})")
     p.add_argument("--fp8", action="store_true",
                    help=f"hidden states as float8_e4m3fn plus fp32 scales per {FP8_BLOCK} elements")
     p.add_argument("--json", metavar="PATH", help="write every number (and the copy bandwidth, device, torch) here")
@@ -928,8 +921,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="VARIANT",
                    help="instead: time the combine's variants (default all: "
                    f"{', '.join(low_precision.VARIANTS)}) on the first --preset (default "
-                   f"{low_precision.DEFAULT_PRESET}) at --ep (default {_per_device(low_precision.DEFAULT_EP)}) and "
-                   f"--tokens (default {_per_device(low_precision.DEFAULT_TOKENS)}): per replay of a graph of "
+                   f"{low_precision.DEFAULT_PRESET}) at --ep (default {per_device(low_precision.DEFAULT_EP)}) and "
+                   f"--tokens (default {per_device(low_precision.DEFAULT_TOKENS)}): per replay of a graph of "
                    "every rank's combine on CUDA (beside the "
                    "launch floor), eager wall time on the CPU; with the bytes they move as ratios to the copy "
                    "bandwidth, and the speed targets")
@@ -937,14 +930,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead: the expert-major round trip (dispatch(expert_major=True), combine_expert_major) "
                    "against the rank-major one and against the rank-major one plus the PyTorch permutation a "
                    "grouped-GEMM user writes, per replay of a graph on CUDA (beside the launch floor), eager wall "
-                   f"time on the CPU, at --ep (default {_per_device(bench_expert_major.DEFAULT_EP)}) and --tokens "
-                   f"(default {_per_device(bench_expert_major.DEFAULT_TOKENS)}), first --preset (default "
+                   f"time on the CPU, at --ep (default {per_device(bench_expert_major.DEFAULT_EP)}) and --tokens "
+                   f"(default {per_device(bench_expert_major.DEFAULT_TOKENS)}), first --preset (default "
                    "deepseek-v3); ours also as a ratio to the copy bandwidth")
     p.add_argument("--training", action="store_true",
                    help="instead: the exchange's forward and backward (the differentiable dispatch and combine) "
                    "against all_to_all_single of the (token, expert) pairs under autograd, at --ep (default "
-                   f"{_per_device(bench_training.DEFAULT_EP)}) and --tokens (default "
-                   f"{_per_device(bench_training.DEFAULT_TOKENS)}), first --preset (default deepseek-v3); ours "
+                   f"{per_device(bench_training.DEFAULT_EP)}) and --tokens (default "
+                   f"{per_device(bench_training.DEFAULT_TOKENS)}), first --preset (default deepseek-v3); ours "
                    "also as a ratio to the copy bandwidth")
     p.add_argument("--router-grad", action="store_true",
                    help="with --training: the router weights require grad too, as where the routing probabilities "
