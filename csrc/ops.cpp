@@ -185,11 +185,11 @@ const uint8_t* checked_combine_payload(const at::Tensor& t, at::ScalarType paylo
   check_on_workspace_device(t, workspace, name);
   std::vector<int64_t> expected{rows, per_row};
   expected.insert(expected.end(), row_shape.begin(), row_shape.end());
-  const bool per_row_alone = per_row_hint != nullptr && t.dim() == int64_t(expected.size()) && t.size(0) == rows &&
-                             t.size(1) != per_row && t.sizes().slice(2) == row_shape;
   // A 2-D tensor is most often the combine's output shape, [tokens, hidden]:
   // its row_shape (the trailing dimensions past two) reads as [].
   const bool output_shaped = t.dim() == 2 && t.sizes() != at::IntArrayRef(expected);
+  const bool per_row_alone = per_row_hint != nullptr && !output_shaped && t.dim() == int64_t(expected.size()) &&
+                             t.size(0) == rows && t.size(1) != per_row && t.sizes().slice(2) == row_shape;
   TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected), name, " must be [", dims, ", *row_shape] with ", dims,
                     " = ", rows, ", ", per_row, " and row_shape = ", row_shape, ", got shape ", t.sizes(),
                     per_row_alone ? " (" : "", per_row_alone ? per_row_hint : "", per_row_alone ? ")" : "",

@@ -581,14 +581,16 @@ MOE_A2A_HD CallLayout call_layout(int64_t ep_size, int64_t runtime_max_tokens, i
 }
 
 // sanitize_expert_ids's view, [ep_size, T, width] ids from byte `offset` of
-// the own row to byte `plane_end`, must lie among the last dispatch's planes:
-// that dispatch's T, past its routes, before its dispatch_end. A view kept
-// from a round of other sizes would cover other planes of the current one
-// (a received payload, the routes), which its writes would overwrite.
-MOE_A2A_HD bool sanitize_plane_fits(uint32_t dispatch_epoch, int32_t last_runtime_max, int64_t last_dispatch_end,
+// the own row to byte `plane_end`, must lie where the last dispatch put its
+// planes: that dispatch's T, past its routes, before its dispatch_end, and a
+// dispatch since initialize (first_dispatch of the own init word: the epochs
+// wrap). A view kept from a round of another T would cover other planes of
+// the current one (a received payload, the routes), which its writes would
+// overwrite. (Not checked: which plane of the dispatch the view is.)
+MOE_A2A_HD bool sanitize_plane_fits(uint64_t own_init_word, int32_t last_runtime_max, int64_t last_dispatch_end,
                                     int64_t T, int64_t offset, int64_t plane_end) {
-  return dispatch_epoch != 0 && last_runtime_max == T && offset >= call_layout(1, T, 0, 0, nullptr).dispatch_end &&
-         plane_end <= last_dispatch_end;
+  return !first_dispatch(own_init_word) && last_runtime_max == T &&
+         offset >= call_layout(1, T, 0, 0, nullptr).dispatch_end && plane_end <= last_dispatch_end;
 }
 
 // The equal-payloads check's word of a call (dispatch step 2): where its

@@ -1903,3 +1903,26 @@ def test_a_combine_after_the_backward_is_refused(form, combine):
 
     for first, second in sim.run(step):
         assert torch.equal(first, second)
+
+
+def test_an_eager_combine_after_a_compiled_dispatch_follows_the_backward():
+    """A training step's backward marks the rank's last recorded dispatch as
+    closed; a compiled dispatch records nothing, but moves the workspace's
+    version counter, so the eager combine of its round runs (it was refused
+    as if it followed the backward)."""
+    sim = make_sim(1, 4, 8, 2)
+    ws, meta = sim.workspace, sim.metainfo[0]
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]], dtype=torch.int32)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(53), requires_grad=True)
+    (recv,), offset, _ = moe_a2a_dispatch_differentiable(ids, [x], ws, meta, 4, 0, 1, 2, 4)
+    moe_a2a_combine_differentiable(recv * 2, ids, ws, meta, 4, 0, 1, 2, 4, offset).sum().backward()
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def dispatch(ids, x):
+        out, offset, _ = a2a.moe_a2a_dispatch(ids, [x], ws, meta, 4, 0, 1, 2, 4)
+        return out[0] * 2, offset
+
+    with torch.no_grad():
+        y, offset = dispatch(ids, x.detach())
+        out = a2a.moe_a2a_combine(y, 4, ws, meta, 4, 0, 1, 2, offset)
+    assert torch.equal(out, x.detach() * 2)  # one rank: each token is its only destination, once

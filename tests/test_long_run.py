@@ -22,6 +22,7 @@ import pytest
 import torch
 from conftest import Case, assert_bytes_equal, make_generator, make_inputs, make_sim
 
+import torch_moe_a2a as a2a
 from torch_moe_a2a import layout, reference
 
 ROUND_TRIPS = {
@@ -179,3 +180,31 @@ def test_long_run(device, start):
         for s in range(EP):
             assert _get_u32(sim.workspace, r, layout.HDR_DISPATCH_FLAGS + 4 * s) == target
             assert _get_u32(sim.workspace, r, layout.HDR_COMBINE_FLAGS + 4 * s) == target
+
+
+def test_sanitize_after_the_dispatch_that_wraps_the_epoch(device):
+    """The dispatch whose epoch wraps to 0 is a dispatch like any other:
+    sanitize took epoch 0 for 'no dispatch since initialize' and refused its
+    ids view (the CUDA kernel would have failed the rank)."""
+    case = CASES[1]
+    host_inputs = make_inputs(case, make_generator("sanitize at the wrap"))
+    inputs = host_inputs.to(device)
+    sim = make_sim(case, device, timeout_s=60.0)
+    variant = [(case, inputs, *_expected(case, host_inputs))]
+    _round_trips(sim, variant, 0, 1)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    _set_epochs(sim.workspace, EPOCH_WRAP - 1)
+    dispatched = sim.run(lambda r: sim.dispatch_rank(r, inputs.ids[r], inputs.payloads[r], case.T, case.top_k,
+                                                     case.num_experts))
+    for r, (recv, _, _) in enumerate(dispatched):
+        a2a.moe_a2a_sanitize_expert_ids(recv[1], sim.workspace, sim.metainfo[r], r, -1)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    a2a.check_errors(sim.workspace)
+    for r, (recv, _, _) in enumerate(dispatched):
+        assert _get_u32(sim.workspace, r, layout.HDR_DISPATCH_EPOCH) == 0
+        count = int(sim.recv_counts(r)[0])
+        assert bool((recv[1][0, count:] == -1).all()), f"rank {r}: padding rows sanitized"
+    sim.run(lambda r: sim.combine_rank(r, dispatched[r][0][0].clone(), case.tokens[r], case.T, case.top_k,
+                                       dispatched[r][1]))

@@ -885,15 +885,16 @@ def moe_a2a_sanitize_expert_ids(
             :func:`moe_a2a_dispatch`) or not within this rank's row;
             ``invalid_expert_id`` not an int, or outside the ids' dtype (int32 or int64); an unknown
             backend, or ``"cake"`` off Blackwell. CPU also: a row initialized
-            with other sizes than the metainfo's; ``expert_ids`` not a plane
-            of this rank's last dispatch (another ``runtime_max_tokens_per_rank``
-            than that dispatch's, as a view kept from an earlier round has,
-            or outside its planes), or no dispatch since initialize.
+            with other sizes than the metainfo's; ``expert_ids`` with another
+            ``runtime_max_tokens_per_rank`` than this rank's last dispatch
+            (as a view kept from an earlier round may have) or outside that
+            dispatch's planes, or no dispatch since initialize (which plane
+            of the dispatch it is, is not checked).
         RuntimeError: CPU: this rank's row not initialized. Both: an
             earlier call's error record on it. CUDA: where ``expert_ids``
-            is not a plane of the last dispatch, as above, the kernel
-            writes nothing and records the error, which this rank's next
-            call raises (the workspace stays failed until
+            does not fit the last dispatch, as above, the kernel writes
+            nothing and records the error, which this rank's next call
+            raises (the workspace stays failed until
             :func:`moe_a2a_initialize`).
         NotImplementedError: ``"cake"`` on Blackwell.
     """

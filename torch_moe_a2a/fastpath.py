@@ -132,10 +132,13 @@ def direct_call_ok(*tensors: Optional[torch.Tensor]) -> bool:
 # The ids' version counter is kept too (fastpath._version): ids written in
 # place since (the same tensor object, other routes) are refused like other
 # ids where the combine needs a backward.
-# A backward's round since the dispatch (note_backward_round) marks the entry:
-# that round closed the dispatch's, which no combine may follow any more.
+# A backward's round since the dispatch (note_backward_round) marks the entry
+# with the workspace's version counter then: that round closed the
+# dispatch's, which no combine may follow any more, as long as no recorded
+# dispatch (which clears the mark) nor any other write through the
+# dispatcher (a compiled dispatch's, which records nothing) moved the counter.
 _LAST_DISPATCH: dict[tuple[int, int], list] = {}  # [workspace weakref, ids, counts, num_experts, plain, version,
-#                                                    a backward's round since]
+#                                                    the workspace's version at a backward's round since, or None]
 _LAST_DISPATCH_PURGE_AT = [64]
 # Held while a dispatch updates the table. Simulated ranks dispatch from
 # threads of their own: one rank's purge could find a dead entry that
@@ -163,9 +166,9 @@ def note_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, num_exp
             entry[3] = num_experts
             entry[4] = plain
             entry[5] = version
-            entry[6] = False
+            entry[6] = None
             return
-        _LAST_DISPATCH[key] = [weakref.ref(workspace), ids, counts, num_experts, plain, version, False]
+        _LAST_DISPATCH[key] = [weakref.ref(workspace), ids, counts, num_experts, plain, version, None]
         if len(_LAST_DISPATCH) >= _LAST_DISPATCH_PURGE_AT[0]:
             for gone in [k for k, e in _LAST_DISPATCH.items() if e[0]() is None]:
                 del _LAST_DISPATCH[gone]
@@ -187,7 +190,7 @@ def note_backward_round(workspace: torch.Tensor, rank: int) -> None:
     which closed that dispatch's round."""
     entry = _LAST_DISPATCH.get((workspace.data_ptr(), rank))
     if entry is not None:
-        entry[6] = True
+        entry[6] = workspace._version
 
 
 def refuse_combine_after_backward(fn: str, workspace: torch.Tensor, rank: int) -> None:
@@ -195,16 +198,20 @@ def refuse_combine_after_backward(fn: str, workspace: torch.Tensor, rank: int) -
     any new dispatch: to the workspace it is a repeated combine of that
     round, laid out for the backward's rows, not the forward's (refused there
     with a message about offsets or weights, or, where the two layouts agree,
-    run on the backward's routes and weights). A process whose dispatches
-    were never recorded (no differentiable one) pays one test.
+    run on the backward's routes and weights). A dispatch that records
+    nothing (compiled, or a CUDA graph's replay) after the backward: a
+    compiled one moves the workspace's version counter, which ends the
+    refusal; a replayed one does not, and the eager combine after it is
+    refused. A process whose dispatches were never recorded (no
+    differentiable one) pays two tests.
 
     Raises:
         ValueError: a backward's round ran since ``rank``'s last dispatch.
     """
     if torch.compiler.is_compiling() or not _LAST_DISPATCH or torch._C._len_torch_dispatch_stack() > 0:
-        return  # traced (a fake workspace has no address) or never recorded
+        return  # traced (a fake workspace has no address; no guard on the table), or never recorded
     entry = _LAST_DISPATCH.get((workspace.data_ptr(), rank))
-    if entry is not None and entry[6]:
+    if entry is not None and entry[6] is not None and entry[6] == workspace._version:
         raise ValueError(
             f"{fn}: a backward ran since this rank's last dispatch (a differentiable dispatch's or combine's "
             "backward exchanges in whole rounds of its own on the workspace), which closed that dispatch's round: "

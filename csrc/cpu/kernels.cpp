@@ -580,12 +580,12 @@ RowStatus check_row_for_sanitize(const SanitizeParams& p, int64_t max_num_tokens
   RowStatus st = check_config(p.ws, max_num_tokens, /*eplb_n=*/-1);
   if (st.kind != RowStatus::kOk) return st;
   const uint8_t* row = p.ws.row(p.ws.ep_rank);
-  const uint32_t dispatch_epoch = load<uint32_t>(row, kHdrDispatchEpoch);
+  const uint64_t init_word = load<uint64_t>(row, kHdrMagic);
   const int32_t last_max = load<int32_t>(row, kHdrLastRuntimeMax);
   const int64_t last_end = load<int64_t>(row, kHdrLastDispatchEnd);
-  if (!sanitize_plane_fits(dispatch_epoch, last_max, last_end, p.runtime_max_tokens, p.offset, p.plane_end)) {
+  if (!sanitize_plane_fits(init_word, last_max, last_end, p.runtime_max_tokens, p.offset, p.plane_end)) {
     st.kind = RowStatus::kValueError;
-    st.message = "moe_a2a_sanitize_expert_ids: " + sanitize_mismatch_text(dispatch_epoch != 0 ? last_max : 0);
+    st.message = "moe_a2a_sanitize_expert_ids: " + sanitize_mismatch_text(first_dispatch(init_word) ? 0 : last_max);
   }
   return st;
 }

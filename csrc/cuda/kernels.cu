@@ -61,12 +61,13 @@ __global__ void sanitize_kernel(const __grid_constant__ SanitizeParams p) {
     // words of that dispatch, an earlier kernel of this stream, tell.
     proceed = false;
     if (*header_word<volatile uint32_t>(own, kHdrErrorCode) == kErrorNone) {
-      const uint32_t epoch = *header_word<uint32_t>(own, kHdrDispatchEpoch);
+      const uint64_t init_word = *header_word<uint64_t>(own, kHdrMagic);
       const int32_t last_max = *header_word<int32_t>(own, kHdrLastRuntimeMax);
-      proceed = sanitize_plane_fits(epoch, last_max, *header_word<int64_t>(own, kHdrLastDispatchEnd), T, p.offset,
+      proceed = sanitize_plane_fits(init_word, last_max, *header_word<int64_t>(own, kHdrLastDispatchEnd), T, p.offset,
                                     p.plane_end);
       if (!proceed && blockIdx.x == 0) {
-        record_error(own, p.mailbox, kErrorSanitizeMismatch, 0, epoch != 0 ? static_cast<uint32_t>(last_max) : 0u);
+        record_error(own, p.mailbox, kErrorSanitizeMismatch, 0,
+                     first_dispatch(init_word) ? 0u : static_cast<uint32_t>(last_max));
       }
     }
   }
