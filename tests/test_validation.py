@@ -974,7 +974,9 @@ SIM_INT_ARGS = ["ep_size", "max_num_tokens", "dispatch_bytes_per_token", "combin
 
 @pytest.mark.parametrize("name,bad", [
     pytest.param(name, bad, id=f"{name}-{bad!r}") for name in SIM_INT_ARGS for bad in (True, False, 2.0, "2", None)
-    if not (name == "workspace_size_per_rank" and bad is None)  # its default: SimulatedEP sizes the workspace
+    # None is the default of the sizes: not given (test_api: one of the two ways to size the workspace).
+    if not (name in ("workspace_size_per_rank", "dispatch_bytes_per_token", "combine_bytes_per_token")
+            and bad is None)
 ])
 def test_simulated_ep_refuses_sizes_that_are_not_ints(name, bad, device, monkeypatch):
     """A bool or a float used to fail deep in torch (TypeError from a view,
