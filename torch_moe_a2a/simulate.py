@@ -85,7 +85,8 @@ class SimulatedEP:
     Raises:
         ValueError: ``ep_size``, ``max_num_tokens``, the bytes per token,
             ``eplb_stats_num_experts`` or ``workspace_size_per_rank`` not an
-            int (a bool or a float), or out of the ops' ranges; ``timeout_s``
+            int (a bool or a float), or out of the ops' ranges; neither
+            ``workspace_size_per_rank`` nor both bytes per token; ``timeout_s``
             not None or a positive number of seconds up to
             ``layout.MAX_TIMEOUT_S`` (as ``moe_a2a_initialize`` and
             :class:`MoeAlltoAll` check it); more than
