@@ -734,16 +734,16 @@ def moe_a2a_combine(
                      _LOW_PRECISION_E4M3 if use_low_precision else _LOW_PRECISION_OFF)
     meta = metainfo_values(metainfo, id(metainfo))
     check_rank(meta, ep_rank, ep_size, workspace)
-    refuse_combine_after_backward("moe_a2a_combine", workspace, ep_rank)
+    # Traced (torch.compile, or a dispatch mode such as FakeTensorMode, whose
+    # tensors have no data pointer to compare): as described below.
+    compiling = tracing()
+    refuse_combine_after_backward("moe_a2a_combine", workspace, ep_rank, compiling)
     _, _, max_num_tokens, _, _, mailbox, _ = meta
     timeout_s = call_timeout(meta, timeout_s)
     mask = rank_mask_words(enable_rank_mask, active_rank_mask)
     if enable_pdl is None:
         enable_pdl = pdl_default(workspace)
     # `output`'s shape and dtype are checked by the op (check_combine).
-    # Traced (torch.compile, or a dispatch mode such as FakeTensorMode, whose
-    # tensors have no data pointer to compare): as described below.
-    compiling = tracing()
     staged = payload
     if payload_in_workspace and not compiling:
         _check_payload_in_workspace(payload, workspace, ep_rank, ep_size, runtime_max_tokens_per_rank,

@@ -86,6 +86,7 @@ from .fastpath import (
     note_dispatch,
     refuse_combine_after_backward,
     refuse_forward_ad,
+    tracing,
 )
 
 _ops = torch.ops.moe_a2a
@@ -726,7 +727,7 @@ def _check_combine_ids(fn: str, workspace: Tensor, rank: int, ids: Tensor, num_e
     of them (an expert's input: wrong gradients, with no error)."""
     if not _recorded():
         return
-    refuse_combine_after_backward(fn, workspace, rank)
+    refuse_combine_after_backward(fn, workspace, rank, tracing())
     last = last_dispatch(workspace, rank)
     if needs_backward and (last is None or last[3]):
         raise ValueError(f"{fn}: this rank's preceding dispatch on the workspace was not a differentiable one (a "

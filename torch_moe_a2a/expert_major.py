@@ -427,7 +427,7 @@ def moe_a2a_combine_expert_major(
     check_backend(backend, workspace)
     meta = metainfo_values(metainfo, id(metainfo))
     check_rank(meta, ep_rank, ep_size, workspace)
-    refuse_combine_after_backward("moe_a2a_combine_expert_major", workspace, ep_rank)
+    refuse_combine_after_backward("moe_a2a_combine_expert_major", workspace, ep_rank, tracing())
     _, _, max_num_tokens, _, _, mailbox, _ = meta
     mask = rank_mask_words(enable_rank_mask, active_rank_mask)
     if enable_pdl is None:

@@ -193,7 +193,7 @@ def note_backward_round(workspace: torch.Tensor, rank: int) -> None:
         entry[6] = workspace._version
 
 
-def refuse_combine_after_backward(fn: str, workspace: torch.Tensor, rank: int) -> None:
+def refuse_combine_after_backward(fn: str, workspace: torch.Tensor, rank: int, traced: bool) -> None:
     """Refuses a combine after a backward's round on ``rank``'s row, before
     any new dispatch: to the workspace it is a repeated combine of that
     round, laid out for the backward's rows, not the forward's (refused there
@@ -202,14 +202,16 @@ def refuse_combine_after_backward(fn: str, workspace: torch.Tensor, rank: int) -
     nothing (compiled, or a CUDA graph's replay) after the backward: a
     compiled one moves the workspace's version counter, which ends the
     refusal; a replayed one does not, and the eager combine after it is
-    refused. A process whose dispatches were never recorded (no
-    differentiable one) pays two tests.
+    refused. ``traced``: :func:`tracing`'s answer for this call, which the
+    caller has (traced, nothing is checked: a fake workspace has no address,
+    and the table gets no guard). A process whose dispatches were never
+    recorded (no differentiable one) pays one test more.
 
     Raises:
         ValueError: a backward's round ran since ``rank``'s last dispatch.
     """
-    if torch.compiler.is_compiling() or not _LAST_DISPATCH or torch._C._len_torch_dispatch_stack() > 0:
-        return  # traced (a fake workspace has no address; no guard on the table), or never recorded
+    if traced or not _LAST_DISPATCH:
+        return
     entry = _LAST_DISPATCH.get((workspace.data_ptr(), rank))
     if entry is not None and entry[6] is not None and entry[6] == workspace._version:
         raise ValueError(
