@@ -108,12 +108,10 @@ class SimulatedEP:
         workspace_size_per_rank: Optional[int] = None,
     ):
         fn = "SimulatedEP"
-        expect_ints(fn, ep_size=ep_size, max_num_tokens=max_num_tokens, eplb_stats_num_experts=eplb_stats_num_experts)
-        for name, value in (("dispatch_bytes_per_token", dispatch_bytes_per_token),
-                            ("combine_bytes_per_token", combine_bytes_per_token),
-                            ("workspace_size_per_rank", workspace_size_per_rank)):
-            if value is not None:
-                expect_ints(fn, **{name: value})
+        sizes = dict(dispatch_bytes_per_token=dispatch_bytes_per_token, combine_bytes_per_token=combine_bytes_per_token,
+                     workspace_size_per_rank=workspace_size_per_rank)
+        expect_ints(fn, ep_size=ep_size, max_num_tokens=max_num_tokens, eplb_stats_num_experts=eplb_stats_num_experts,
+                    **{name: value for name, value in sizes.items() if value is not None})
         if workspace_size_per_rank is None and (dispatch_bytes_per_token is None or combine_bytes_per_token is None):
             raise ValueError(f"{fn}: dispatch_bytes_per_token and combine_bytes_per_token size the workspace; give "
                              "both, or workspace_size_per_rank")
