@@ -6,6 +6,7 @@ seeded routing through the reference's routes."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -19,11 +20,12 @@ from torch_moe_a2a.reference import random_routing, reference_dispatch
 WORLD = 2
 PRESET = "mixtral"
 TOKENS = (1, 3)
+STOP_TOKENS = (1, 2, 3, 4, 5, 6)  # a sweep that a signal after its first point leaves unfinished
 RANK_TIMEOUT_S = 120.0
 SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "multi_gpu.sh")
 
 
-def _bench_rank(rank, world, init_file, out_dir):
+def _bench_rank(rank, world, init_file, out_dir, tokens=TOKENS):
     """What torchrun would start: bench-dist with RANK/WORLD_SIZE/LOCAL_RANK set."""
     import contextlib
     import io
@@ -35,7 +37,7 @@ def _bench_rank(rank, world, init_file, out_dir):
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         rc = main(["bench-dist", "--device", "cpu", "--init-method", f"file://{init_file}", "--preset", PRESET,
-                   "--tokens", *map(str, TOKENS), "--iters", "2", "--warmup", "1",
+                   "--tokens", *map(str, tokens), "--iters", "2", "--warmup", "1",
                    "--json", str(pathlib.Path(out_dir, "bench.json"))])
     pathlib.Path(out_dir, f"rank{rank}.out").write_text(f"{rc}\n{printed.getvalue()}")
 
@@ -105,6 +107,77 @@ def test_bench_dist_two_cpu_processes(tmp_path):
                               str(tmp_path / "bench.json")], capture_output=True, text=True, timeout=60)
     assert summary.returncode == 0, summary.stderr
     assert re.search(rf"^{PRESET}\s+{WORLD}\s+{TOKENS[0]}\s+dispatch\s", summary.stdout, re.M), summary.stdout
+
+
+@pytest.mark.slow
+def test_bench_dist_stopped_under_torchrun_keeps_the_points_done(tmp_path):
+    """torchrun given SIGINT (Ctrl-C) after the first point passes it on to
+    both workers: they end the sweep after the point in progress, and rank 0
+    prints the table and the line that says what stopped it and writes --json
+    with the points done."""
+    js = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+           "-m", "torch_moe_a2a", "bench-dist", "--device", "cpu", "--preset", PRESET,
+           "--tokens", *map(str, STOP_TOKENS), "--iters", "2", "--warmup", "1", "--json", str(js)]
+    with open(tmp_path / "out.txt", "w") as stdout:
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "MOE_A2A_TIMEOUT_S": "20"})
+        try:
+            progress = []
+            for line in proc.stderr:  # rank 0's progress: one line per finished point
+                progress.append(line)
+                if " done " in line:
+                    proc.send_signal(signal.SIGINT)
+                    break
+            proc.stderr.read()
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert progress and progress[-1].startswith(f"[1/{len(STOP_TOKENS)}] {PRESET} ep {WORLD} x 1 tok done"), progress
+    _assert_stopped(js, (tmp_path / "out.txt").read_text(), signal.SIGINT)
+
+
+def _assert_stopped(js, printed: str, signum: int) -> None:
+    """--json and rank 0's output of a sweep that a signal ended after its first point or later."""
+    data = json.loads(js.read_text())
+    assert data["interrupted"] is True and data["stopped_by"] == signal.Signals(signum).name, data
+    planned = len(STOP_TOKENS)
+    assert data["points_planned"] == planned and 1 <= len(data["points"]) < planned, len(data["points"])
+    assert all(p["status"] == "ok" for p in data["points"]), data["points"]
+    not_run = planned - len(data["points"])
+    assert f"stopped by {signal.Signals(signum).name}: {not_run} points not run" in printed, printed
+    assert printed.index("round-trip-ws") < printed.index("stopped by "), printed
+
+
+def _stopped_rank(rank, world, init_file, out_dir):
+    """_bench_rank, where rank 1 alone gets SIGTERM as its first point ends."""
+    from torch_moe_a2a.bench import distributed
+
+    run_point = distributed._run_point
+
+    def first_point_then_signal(point, ctx):
+        record = run_point(point, ctx)
+        if rank == 1 and point.tokens == STOP_TOKENS[0]:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return record
+
+    distributed._run_point = first_point_then_signal
+    _bench_rank(rank, world, init_file, out_dir, tokens=STOP_TOKENS)
+
+
+@pytest.mark.slow
+def test_bench_dist_one_rank_stopped_stops_every_rank_at_the_same_point(tmp_path):
+    """A signal that reaches one worker alone ends the sweep on every rank
+    after the same point (no rank left waiting in the next point's exchange);
+    bench-dist returns the signal's exit code (128 + its number) on every rank, and rank 0,
+    which got no signal, reports the points done and what stopped them."""
+    run_ranks(_stopped_rank, WORLD, (str(tmp_path / "init"), str(tmp_path)), report_dir=tmp_path,
+              timeout_s=RANK_TIMEOUT_S, env={"MOE_A2A_TIMEOUT_S": "20"})
+    outputs = [(tmp_path / f"rank{r}.out").read_text().split("\n", 1) for r in range(WORLD)]
+    assert [int(rc) for rc, _ in outputs] == [128 + signal.SIGTERM] * WORLD, outputs
+    _assert_stopped(tmp_path / "bench.json", outputs[0][1], signal.SIGTERM)
+    assert len(json.loads((tmp_path / "bench.json").read_text())["points"]) == 1
 
 
 def test_bench_dist_outside_torchrun_says_how_to_launch(monkeypatch, capsys):

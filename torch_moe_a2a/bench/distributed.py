@@ -78,6 +78,7 @@ import gc
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 from dataclasses import dataclass
@@ -117,6 +118,7 @@ from .common import (
     Point,
     Progress,
     QuietProgress,
+    StopSignals,
     add_preset_argument,
     check_output_path,
     combine_mismatch,
@@ -141,6 +143,7 @@ from .common import (
     release,
     routes_by_destination,
     set_bytes,
+    stopped_line,
     time_ops,
     write_json,
 )
@@ -238,6 +241,17 @@ def _meet(proc: Process) -> None:
     if proc.cuda:
         torch.cuda.synchronize(proc.device)
     dist.barrier()
+
+
+def _stop_agreed(stop: StopSignals) -> Optional[int]:
+    """The signal that stopped any rank (the largest number where several
+    did), the same answer on every rank; None while none has. A collective:
+    every rank asks after the same point, so all of them end the sweep there
+    (a rank that stopped alone would leave its peers waiting in the next
+    point's exchange until the timeout)."""
+    flag = torch.tensor([stop.signum or 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item()) or None
 
 
 def _gather_floats(values: list[float]) -> Tensor:
@@ -1003,19 +1017,33 @@ def _run(args: argparse.Namespace, proc: Process) -> int:
     timer = Timer(proc, clock, args.iters, args.warmup)
     ctx = _Context(proc, timer, int(max_gib * GIB), l2, a2a_unavailable, progress)
     records = []
-    try:
-        for point in points:
-            records.append(_run_point(point, ctx))
-            progress.step(point.label())
-            _meet(proc)
-            release(device)
-    finally:
-        progress.close()
+    # SIGINT or SIGTERM (torchrun passes the one it gets on to every worker)
+    # ends the sweep after the point in progress, on every rank at the same
+    # point; what was measured is reported as usual and the exit code says
+    # which signal stopped it. A second signal drops the point in progress at
+    # once (a way out of a step that hangs; torchrun's SIGKILL comes 30 s
+    # after its signal): rank 0 reports the points before it without another
+    # collective.
+    with StopSignals() as stop, stop.ends_sweep():
+        try:
+            for point in points:
+                records.append(_run_point(point, ctx))
+                progress.step(point.label())
+                _meet(proc)
+                release(device)
+                stop.signum = _stop_agreed(stop)
+                if stop.signum is not None:
+                    break
+        finally:
+            progress.close()
 
     if leader:
         print(_table(records, proc.targets_apply))
         print()
         print(targets.distributed_line(records, proc.targets_apply))
+        stopped = stopped_line(stop, len(points), len(records))
+        if stopped:
+            print(stopped)
         sys.stdout.flush()
         if args.json:
             write_json(args.json, {
@@ -1027,7 +1055,12 @@ def _run(args: argparse.Namespace, proc: Process) -> int:
                 "iters": args.iters, "warmup": args.warmup, "fp8": args.fp8, "max_gib": max_gib,
                 "l2_bytes": l2, "all_to_all_single_unavailable": a2a_unavailable, "notes": lines[1:],
                 "targets": targets.distributed_json(),
+                "interrupted": stop.signum is not None,
+                "stopped_by": signal.Signals(stop.signum).name if stop.signum is not None else None,
+                "points_planned": len(points),
                 "points": records,
             })
+    if stop.signum is not None:
+        return stop.exit_code
     failed = any(r["status"] in ("FAIL", "error") for r in records)
     return 1 if failed else 0
