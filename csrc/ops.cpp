@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <sstream>
@@ -1126,20 +1127,45 @@ thread_local bool t_simulated_rank_thread = false;
 // What a CPU timeout's missing peers' rows say about its cause, as a suffix
 // of the message ("" when they say nothing).
 std::string timeout_hint(const uint64_t* missing, const WorkspaceView& ws) {
-  std::vector<int> uninitialized;
+  const uint8_t* own = ws.row(ws.ep_rank);
+  const uint16_t own_count =
+      init_count(__atomic_load_n(reinterpret_cast<const uint64_t*>(own + kHdrMagic), __ATOMIC_RELAXED));
+  std::vector<int> uninitialized, other_init;
   bool all_here = true;
   for (int q = 0; q < ws.ep_size; ++q) {
     if (!((missing[q >> 6] >> (q & 63)) & 1u)) continue;
     const uint64_t word = __atomic_load_n(reinterpret_cast<const uint64_t*>(ws.row(q) + kHdrMagic), __ATOMIC_ACQUIRE);
-    if (!row_initialized(word)) uninitialized.push_back(q);
+    uint16_t stale = 0, seen = 0;
+    std::memcpy(&stale, own + init_stale_offset(q), sizeof(stale));
+    std::memcpy(&seen, own + init_seen_offset(q), sizeof(seen));
+    if (!row_initialized(word)) {
+      uninitialized.push_back(q);
+    } else if (stale == 0 ? init_count(word) != own_count
+                          : init_count(word) == (stale & kInitCountMax) ||
+                                (seen != stale && init_count(word) != (seen & kInitCountMax))) {
+      // The peer's row holds another initialization than the one this
+      // rank's calls go with: still the one this rank's initialize
+      // superseded (the stale tag), or, with no stale tag, another count;
+      // or one newer than its first dispatch since then saw (the seen tag).
+      other_init.push_back(q);
+    }
     all_here = all_here && row_initialized_here(ws.row(q));
   }
+  auto list = [](const std::vector<int>& ranks) {
+    std::ostringstream os;
+    for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
+    return os.str();
+  };
   std::ostringstream os;
   if (!uninitialized.empty()) {
-    os << "; peers [";
-    for (size_t i = 0; i < uninitialized.size(); ++i) os << (i ? ", " : "") << uninitialized[i];
-    os << "] have not initialized their rows (moe_a2a_initialize, which MoeAlltoAll and SimulatedEP call): a rank "
+    os << "; peers [" << list(uninitialized)
+       << "] have not initialized their rows (moe_a2a_initialize, which MoeAlltoAll and SimulatedEP call): a rank "
           "that never does, or that exited before it did, keeps its peers' first dispatch waiting";
+  } else if (!other_init.empty()) {
+    os << "; peers [" << list(other_init)
+       << "] hold another initialization of their rows than this rank's: moe_a2a_initialize is collective (every "
+          "rank calls it, each after its last combine), and a rank that initializes alone, or that does not when "
+          "its peers do, leaves its peers' calls and its own waiting";
   } else if (all_here && !t_simulated_rank_thread) {
     // A CPU call blocks its thread until the peers arrive (CUDA waits on the
     // device): a first program that calls rank after rank from one thread

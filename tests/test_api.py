@@ -507,6 +507,7 @@ def test_two_threads_on_one_rank_are_refused():
 
 
 THREAD_HINT = "need a thread each"
+OTHER_INIT_HINT = "hold another initialization of their rows than this rank's: moe_a2a_initialize is collective"
 
 
 def test_a_late_first_dispatch_fails_at_once_on_a_peer_that_failed(device):
@@ -530,8 +531,9 @@ def test_a_late_first_dispatch_fails_at_once_on_a_peer_that_failed(device):
             torch.cuda.synchronize()
 
     if device == "cpu":
-        with pytest.raises(RuntimeError, match=r"rank 0: peers \[1\] did not arrive within 1(\.0)? s"):
+        with pytest.raises(RuntimeError, match=r"rank 0: peers \[1\] did not arrive within 1(\.0)? s") as error:
             dispatch(0)
+        assert OTHER_INIT_HINT not in str(error.value)  # rank 1 is late, its row initialized with rank 0's
     else:
         dispatch(0)
     start = time.monotonic()
@@ -573,6 +575,7 @@ def test_a_timeout_between_rank_threads_says_nothing_of_threads(op):
     with pytest.raises(RuntimeError, match=r"rank 0: peers \[1\] did not arrive within 0.3 s \(" + op + r"\)") as error:
         sim.run(step)
     assert THREAD_HINT not in str(error.value)
+    assert OTHER_INIT_HINT not in str(error.value)
 
 
 def test_a_peer_row_never_initialized_is_named():
@@ -603,6 +606,51 @@ def test_a_peer_row_never_initialized_is_named():
         assert f"rank {rank}: peers [2] did not arrive within 0.3 s (dispatch)" in results[rank], results[rank]
         assert "peers [2] have not initialized their rows (moe_a2a_initialize" in results[rank], results[rank]
         assert THREAD_HINT not in results[rank]
+
+
+@pytest.mark.parametrize("caller", ["re-initialized", "other"])
+@pytest.mark.parametrize("collective_first", [False, True], ids=["first-initialize", "after-a-collective-one"])
+def test_a_rank_initialized_alone_is_named(caller, collective_first):
+    """Rank 1 initializes again alone after a round (its peer does not): a
+    dispatch of either rank then waits for a peer whose row holds another
+    initialization than its own, and the timeout says so, whether the
+    workspace's rows were initialized once before or also again together."""
+    ep_size, tokens, top_k, num_experts = 2, 4, 2, 4
+    workspace = torch.zeros(ep_size, a2a.moe_a2a_get_workspace_size_per_rank(ep_size, tokens, 64, 64),
+                            dtype=torch.uint8)
+    gen = make_generator(7)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    x = torch.randn(tokens, 8, generator=gen)
+
+    def initialize(ranks):
+        return [a2a.moe_a2a_initialize(workspace, r, ep_size, tokens, timeout_s=0.3) for r in ranks]
+
+    def round_of(metainfo):
+        def step(rank):
+            recv = a2a.moe_a2a_dispatch(ids, [x], workspace, metainfo[rank], tokens, rank, ep_size, top_k,
+                                        num_experts)
+            a2a.moe_a2a_combine(recv[0][0].clone(), tokens, workspace, metainfo[rank], tokens, rank, ep_size,
+                                top_k, recv[1])
+
+        threads = [threading.Thread(target=step, args=(r,)) for r in range(ep_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    metainfo = initialize(range(ep_size))
+    round_of(metainfo)
+    if collective_first:
+        metainfo = initialize(range(ep_size))
+        round_of(metainfo)
+    metainfo[1] = initialize([1])[0]
+    rank = 1 if caller == "re-initialized" else 0
+    with pytest.raises(RuntimeError) as error:
+        a2a.moe_a2a_dispatch(ids, [x], workspace, metainfo[rank], tokens, rank, ep_size, top_k, num_experts)
+    message = str(error.value)
+    assert f"rank {rank}: peers [{1 - rank}] did not arrive within 0.3 s (dispatch)" in message, message
+    assert f"peers [{1 - rank}] {OTHER_INIT_HINT}" in message, message
+    assert THREAD_HINT not in message, message
 
 
 # (ep_size, runtime_max, eplb_n, payload trailing shapes and dtypes, tokens)
