@@ -303,6 +303,64 @@ def test_mnnvl_config_and_torch_dist_backend(tmp_path):
     run_ranks(_mnnvl_config_worker, 2, (str(tmp_path / "init"),), report_dir=tmp_path, timeout_s=300)
 
 
+class _UnimplementedBarrierCommBackend(TorchDistributedCommBackend):
+    """vLLM's CustomCommunicator of some versions (mnnvl_compat.py): bcast and
+    barrier raise NotImplementedError."""
+
+    def bcast(self, data, root: int = 0):
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+
+class _AllgatherOnlyCommBackend:
+    """vLLM's CustomCommunicator of earlier versions: Get_rank, Get_size,
+    allgather and Split, no bcast or barrier."""
+
+    def __init__(self, group):
+        self._inner = TorchDistributedCommBackend(group)
+        self.Get_rank, self.Get_size, self.allgather = self._inner.Get_rank, self._inner.Get_size, self._inner.allgather
+
+    def Split(self, color: int, key: int):
+        return self
+
+
+def _barrierless_worker(rank, world, init_file, kind):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        backend = {"unimplemented": _UnimplementedBarrierCommBackend,
+                   "absent": _AllgatherOnlyCommBackend}[kind]
+        a2a.MoeAlltoAll.clear_workspace_cache()
+        moe = a2a.MoeAlltoAll(ep_mapping(rank, world), 8, 2, 4, hidden_size=64,
+                              mnnvl_config=MnnvlConfig(comm_backend=backend(dist.group.WORLD)), device="cpu")
+        ids = torch.tensor([[0, 3], [1, 2]], dtype=torch.int32)
+        hidden = torch.full((2, 64), float(rank + 1)).to(torch.bfloat16)
+        for step in range(3):
+            if step == 1:
+                moe.reset()
+            if step == 2:
+                moe.checkpoint_prepare()
+                moe.checkpoint_restore(backend(dist.group.WORLD))
+            (recv,) = moe.dispatch(ids, [hidden], 2)
+            out = moe.combine(recv * 2, 2)
+            # Every token reaches both ranks (experts 0-1 on rank 0, 2-3 on rank 1): twice its doubled value.
+            assert torch.equal(out, hidden * 4), (kind, step)
+        a2a.MoeAlltoAll.clear_workspace_cache()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["unimplemented", "absent"])
+def test_a_comm_backend_without_a_barrier(kind, tmp_path):
+    """A CommBackend whose barrier raises NotImplementedError, or that has
+    none (vLLM's, by version): its allgather stands in for it, through
+    construction, a round trip, reset() and checkpoint_prepare/restore."""
+    run_ranks(_barrierless_worker, 2, (str(tmp_path / "init"), kind), report_dir=tmp_path, timeout_s=300)
+
+
 # ---- in one process ---------------------------------------------------------------------
 
 

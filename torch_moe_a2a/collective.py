@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional, Protocol, Sequence
 import torch
 
 # The methods that make an object a FlashInfer CommBackend for the bootstrap.
-COMM_BACKEND_METHODS = ("Get_rank", "Get_size", "allgather", "barrier")
+COMM_BACKEND_METHODS = ("Get_rank", "Get_size", "allgather")
 
 
 class Collective(Protocol):
@@ -112,6 +112,8 @@ class CommBackendCollective:
         self.size = int(comm.Get_size())
         if not 0 <= self.rank < self.size:
             raise ValueError(f"the CommBackend reports rank {self.rank} of size {self.size}")
+        barrier = getattr(comm, "barrier", None)
+        self._barrier = barrier if callable(barrier) else None
 
     def allgather(self, data: bytes) -> list[bytes]:
         with _group_call(self, "allgather"):
@@ -122,8 +124,18 @@ class CommBackendCollective:
         return [bytes(g) for g in gathered]
 
     def barrier(self) -> None:
+        """The backend's barrier; an allgather of nothing where it has none,
+        or where it raises NotImplementedError (vLLM's CustomCommunicator
+        of some versions): that returns on a member once every member has
+        called it, which is what a barrier guarantees."""
         with _group_call(self, "barrier"):
-            self.comm.barrier()
+            if self._barrier is not None:
+                try:
+                    self._barrier()
+                    return
+                except NotImplementedError:
+                    self._barrier = None  # the same backend on every member: all of them fall back alike
+            self.comm.allgather(b"")
 
 
 def is_comm_backend(group: Any) -> bool:
