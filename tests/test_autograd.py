@@ -651,6 +651,73 @@ def test_a_checkpointed_dispatch_without_its_combine(layout, device):
         assert torch.equal(got, expected)
 
 
+CHECKPOINTINGS = ["none", "early-stop", "no-early-stop", "checkpoint_context", "reentrant"]
+
+
+@pytest.mark.parametrize("checkpointing", CHECKPOINTINGS)
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+@pytest.mark.parametrize("api", ["plain", "MoeAlltoAll"])
+def test_checkpointed_layers_of_the_plain_functions_and_moe_alltoall(api, layout, checkpointing):
+    """A layer of the plain functions, or of MoeAlltoAll, with payloads that
+    require grad, checkpointed whole: non-reentrant with torch's early stop
+    (the recomputation stops inside the combine, once the combine has saved
+    the last tensor the backward needs) and without it, with
+    context_fn=checkpoint_context (a dispatch mode, which the plain functions
+    take as eager), and reentrant. Three steps in a row, each output and
+    gradient bitwise those of the layer without checkpointing (the combine
+    is the layer's last op that saves a tensor)."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    tokens, top_k, num_experts, hidden = 5, 2, 4, 8
+    expert_major = layout == "expert-major"
+    gen = torch.Generator().manual_seed(29)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    if api == "MoeAlltoAll":
+        moe = a2a.MoeAlltoAll(a2a.Mapping(world_size=1, rank=0, moe_ep_size=1), tokens, top_k, num_experts,
+                              hidden_size=hidden, dtype=torch.float32, expert_major=expert_major)
+
+        def layer(x, w):
+            if expert_major:
+                dispatched = moe.dispatch(ids, [x], tokens, router_weights=w)
+                return moe.combine(dispatched.output_payloads[0] * 1.5, tokens)
+            (recv,) = moe.dispatch(ids, [x * w[:, :1]], tokens)
+            return moe.combine(recv * 1.5, tokens)
+    else:
+        sim = make_sim(1, tokens, hidden, top_k) if not expert_major else \
+            make_em_sim(1, tokens, hidden, top_k, num_experts)
+
+        def layer(x, w):
+            if expert_major:
+                dispatched = a2a.moe_a2a_dispatch(ids, [x], sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k,
+                                                  num_experts, expert_major=True, router_weights=w)
+                return a2a.moe_a2a_combine_expert_major(dispatched.output_payloads[0] * 1.5, dispatched,
+                                                        sim.workspace, sim.metainfo[0], 0, 1)
+            (recv,), offset, _ = a2a.moe_a2a_dispatch(ids, [x * w[:, :1]], sim.workspace, sim.metainfo[0], tokens,
+                                                      0, 1, top_k, num_experts)
+            return a2a.moe_a2a_combine(recv * 1.5, tokens, sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k,
+                                       offset)
+
+    def step(x0, w0, target, how):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with set_checkpoint_early_stop(how != "no-early-stop"):
+            if how == "none":
+                out = layer(x, w)
+            elif how == "reentrant":
+                out = checkpoint(layer, x, w, use_reentrant=True)
+            else:
+                context = {"context_fn": a2a.checkpoint_context} if how == "checkpoint_context" else {}
+                out = checkpoint(layer, x, w, use_reentrant=False, **context)
+            (out * target).sum().backward()
+        return out.detach(), x.grad, w.grad
+
+    for _ in range(3):
+        x0, w0 = torch.randn(tokens, hidden, generator=gen), torch.rand(tokens, top_k, generator=gen)
+        target = torch.randn(tokens, hidden, generator=gen)
+        want = step(x0, w0, target, "none")
+        for name, got, expected in zip(("output", "x.grad", "w.grad"), step(x0, w0, target, checkpointing), want):
+            assert_bytes_equal(got, expected, name)
+
+
 @pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
 def test_compiled_checkpointed_training_step(layout):
     """torch.compile(fullgraph=True) of a checkpointed exchange: the

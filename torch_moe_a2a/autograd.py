@@ -77,6 +77,7 @@ from . import _C, expert_major, layout
 from .arguments import COMBINE_DTYPES, dispatch_args
 from .expert_major import ExpertMajorDispatch
 from .fastpath import (
+    checkpoint_mode,
     direct_call_ok,
     expect_tensor_list,
     expect_tensors,
@@ -370,24 +371,9 @@ def _traced() -> bool:
             or torch._C._are_functorch_transforms_active())
 
 
-def _checkpoint_mode() -> bool:
-    """Whether the current dispatch mode is selective activation
-    checkpointing's (torch.utils.checkpoint with a ``context_fn``): it runs
-    the ops eagerly and saves their outputs, or hands the saved ones back in
-    the recomputation, so the eager bookkeeping (the last dispatch's ids,
-    which the combine checks) runs there too."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return False  # (and no dispatch-stack query, which Dynamo cannot trace)
-    from torch.utils import checkpoint
-
-    modes = tuple(m for m in (getattr(checkpoint, "_CachingTorchDispatchMode", None),
-                              getattr(checkpoint, "_CachedTorchDispatchMode", None)) if m is not None)
-    return bool(modes) and isinstance(_get_current_dispatch_mode(), modes)
-
-
 def _recorded() -> bool:
     """Whether this call keeps the eager bookkeeping: eager, or under selective checkpointing's mode."""
-    return not _traced() or _checkpoint_mode()
+    return not _traced() or checkpoint_mode()
 
 
 def _plain(t: Tensor) -> bool:

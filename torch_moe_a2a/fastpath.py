@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import torch
 from torch.autograd import forward_ad
+from torch.utils import checkpoint
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _C, layout
 
@@ -255,6 +257,21 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
+def checkpoint_mode() -> bool:
+    """Whether the current dispatch mode is selective activation
+    checkpointing's (torch.utils.checkpoint with a ``context_fn``): it runs
+    the ops eagerly and saves their outputs, or hands the saved ones back in
+    the recomputation, so the eager bookkeeping (the last dispatch's ids,
+    which the combine checks) runs there too, and the plain functions given
+    tensors that require grad run as the differentiable ones, as in eager
+    mode."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False  # (and no dispatch-stack query, which Dynamo cannot trace)
+    modes = tuple(m for m in (getattr(checkpoint, "_CachingTorchDispatchMode", None),
+                              getattr(checkpoint, "_CachedTorchDispatchMode", None)) if m is not None)
+    return bool(modes) and isinstance(_get_current_dispatch_mode(), modes)
+
+
 def refuse_forward_ad(fn: str, tensors: Any) -> None:
     """Refuses tensors that carry a forward-mode tangent, before any exchange runs.
 
@@ -290,7 +307,7 @@ def wants_grad(fn: str, differentiable: str, *tensors: Any) -> bool:
     refuse_forward_ad(fn, tensors)
     if not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)):
         return False
-    if tracing():
+    if tracing() and not checkpoint_mode():
         raise ValueError(f"{fn}: a tensor that requires grad, in a traced call (torch.compile, make_fx, ...), where "
                          f"the plain functions have no backward and the gradient would be lost: use {differentiable}, "
                          f"or call under torch.no_grad() (or pass .detach())")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Sequence, Union
 
 import torch
+import torch.utils.checkpoint
 
 from . import layout
 from .api import (
@@ -42,6 +43,10 @@ from .workspace import (
     release_workspace_memory,
     restore_workspace_memory,
 )
+
+# torch.utils.checkpoint's early stop of a non-reentrant recomputation
+# (a private class; nothing to catch where a torch lacks it).
+_STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
 
 
 @dataclass
@@ -977,36 +982,43 @@ class MoeAlltoAll:
                 raise NotImplementedError("MoeAlltoAll.combine after an expert-major dispatch: use_low_precision, "
                                           "low_precision_block_scales and quantized outputs exist for the rank-major "
                                           "combine only")
-            out = moe_a2a_combine_expert_major(
-                payload, dispatched, self.workspace, self.metainfo, self.ep_rank, self.ep_size, payload_in_workspace,
-                output_dtype, enable_pdl=enable_pdl, enable_rank_mask=self.enable_rank_mask,
-                active_rank_mask=active_rank_mask, backend=self._backend, timeout_s=self.timeout_s, output=output)
+        try:
+            if dispatched is not None:
+                out = moe_a2a_combine_expert_major(
+                    payload, dispatched, self.workspace, self.metainfo, self.ep_rank, self.ep_size,
+                    payload_in_workspace, output_dtype, enable_pdl=enable_pdl, enable_rank_mask=self.enable_rank_mask,
+                    active_rank_mask=active_rank_mask, backend=self._backend, timeout_s=self.timeout_s, output=output)
+            else:
+                out = moe_a2a_combine(
+                    payload,
+                    self._state.local_num_tokens,
+                    self.workspace,
+                    self.metainfo,
+                    runtime_max_tokens_per_rank,
+                    self.ep_rank,
+                    self.ep_size,
+                    self.top_k,
+                    self._state.combine_payload_offset,
+                    payload_in_workspace,
+                    output_dtype,
+                    output_scales,
+                    output_scalar_scale,
+                    sf_layout,
+                    output,
+                    use_low_precision=use_low_precision,
+                    enable_pdl=enable_pdl,
+                    enable_rank_mask=self.enable_rank_mask,
+                    active_rank_mask=active_rank_mask,
+                    backend=self._backend,
+                    timeout_s=self.timeout_s,
+                    low_precision_block_scales=low_precision_block_scales,
+                )
+        except _STOP_RECOMPUTATION:
+            # Non-reentrant checkpointing's early stop, raised by a saved
+            # tensor's hook once the recomputed combine has run: the round
+            # was combined, as in the forward.
             self._combined()
-            return out
-        out = moe_a2a_combine(
-            payload,
-            self._state.local_num_tokens,
-            self.workspace,
-            self.metainfo,
-            runtime_max_tokens_per_rank,
-            self.ep_rank,
-            self.ep_size,
-            self.top_k,
-            self._state.combine_payload_offset,
-            payload_in_workspace,
-            output_dtype,
-            output_scales,
-            output_scalar_scale,
-            sf_layout,
-            output,
-            use_low_precision=use_low_precision,
-            enable_pdl=enable_pdl,
-            enable_rank_mask=self.enable_rank_mask,
-            active_rank_mask=active_rank_mask,
-            backend=self._backend,
-            timeout_s=self.timeout_s,
-            low_precision_block_scales=low_precision_block_scales,
-        )
+            raise
         self._combined()
         return out
 
