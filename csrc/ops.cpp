@@ -1269,7 +1269,12 @@ void run_dispatch_cpu(const DispatchParams& p, int64_t max_num_tokens, int64_t e
                       int64_t mailbox) {
   const RowCall call(p.ws);
   raise_if_mailbox_error(mailbox, p.ws.ep_rank);
-  raise_row_status(cpu::check_row_for_dispatch(p.ws, max_num_tokens, eplb_stats_num_experts), p.ws.ep_rank);
+  // The header's EPLB length is checked where the call gathers stats, the
+  // one thing it sizes (p.eplb_n is 0 otherwise): a call without them, the
+  // differentiable ones' among them, runs on a workspace initialized with
+  // EPLB statistics as on one without, as on CUDA.
+  raise_row_status(cpu::check_row_for_dispatch(p.ws, max_num_tokens, p.eplb_n > 0 ? eplb_stats_num_experts : -1),
+                   p.ws.ep_rank);
   raise_if_wait_failed(cpu::dispatch(p), p.ws);
 }
 

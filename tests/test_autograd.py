@@ -39,21 +39,25 @@ from torch_moe_a2a.autograd import (
 
 
 def make_sim(ep_size: int, max_tokens: int, hidden: int, top_k: int, timeout_s: float = 20,
-             device="cpu") -> a2a.SimulatedEP:
+             device="cpu", eplb_stats_num_experts: int = 0) -> a2a.SimulatedEP:
     # Payloads: fp32 hidden, int32 ids, fp32 weights; the combine's rows fp32 hidden.
     return a2a.SimulatedEP(ep_size, max_tokens, dispatch_bytes_per_token=4 * hidden + 8 * top_k + 256,
-                           combine_bytes_per_token=4 * hidden + 256, timeout_s=timeout_s, device=device)
+                           combine_bytes_per_token=4 * hidden + 256, timeout_s=timeout_s, device=device,
+                           eplb_stats_num_experts=eplb_stats_num_experts)
 
 
 def make_em_sim(ep_size: int, max_tokens: int, hidden: int, top_k: int, num_experts: int,
-                max_tokens_per_expert=None, timeout_s: float = 20, device="cpu") -> a2a.SimulatedEP:
+                max_tokens_per_expert=None, timeout_s: float = 20, device="cpu",
+                eplb_stats_num_experts: int = 0) -> a2a.SimulatedEP:
     """A workspace for expert-major calls of an fp32 hidden payload: the
     combine's rows hold the dispatch backward's fp32 row, the hidden
     gradient beside a column per top-k slot (docs/DESIGN.md, 'Gradients')."""
     size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(ep_size, max_tokens, 4 * hidden, 4 * (hidden + top_k),
-                                                                num_experts, top_k, max_tokens_per_expert)
+                                                                num_experts, top_k, max_tokens_per_expert,
+                                                                eplb_stats_num_experts)
     return a2a.SimulatedEP(ep_size, max_tokens, dispatch_bytes_per_token=0, combine_bytes_per_token=0,
-                           workspace_size_per_rank=size, timeout_s=timeout_s, device=device)
+                           workspace_size_per_rank=size, timeout_s=timeout_s, device=device,
+                           eplb_stats_num_experts=eplb_stats_num_experts)
 
 
 def exchange(sim, rank, ids, x, w, num_experts, runtime_max, expert, mask=None):
@@ -1193,14 +1197,15 @@ def test_a_repeated_differentiable_combine_with_other_router_weights_is_refused(
         assert torch.equal(again[r], first[r]), f"rank {r}"
 
 
-def _plain_and_differentiable(expert_major: bool, plain: bool, device, gen_seed: int = 25):
+def _plain_and_differentiable(expert_major: bool, plain: bool, device, gen_seed: int = 25, eplb: int = 0):
     """One eager round trip of every rank with inputs that require grad,
-    through the plain functions or the differentiable ones: each rank's
-    output, input gradient (and router weights' gradient, expert-major)."""
+    through the plain functions or the differentiable ones (on a workspace
+    initialized with ``eplb`` EPLB experts): each rank's output, input
+    gradient (and router weights' gradient, expert-major)."""
     ep, tokens, top_k, num_experts, hidden = 2, 5, 2, 4, 8
     gen = torch.Generator().manual_seed(gen_seed)
-    sim = (make_em_sim(ep, tokens, hidden, top_k, num_experts, device=device) if expert_major
-           else make_sim(ep, tokens, hidden, top_k, device=device))
+    sim = (make_em_sim(ep, tokens, hidden, top_k, num_experts, device=device, eplb_stats_num_experts=eplb)
+           if expert_major else make_sim(ep, tokens, hidden, top_k, device=device, eplb_stats_num_experts=eplb))
     ids = [reference.random_routing(tokens, top_k, num_experts, gen).to(device) for _ in range(ep)]
     xs = [torch.randn(tokens, hidden, generator=gen).to(device).requires_grad_() for _ in range(ep)]
     ws = [torch.rand(tokens, top_k, generator=gen).to(device).requires_grad_() for _ in range(ep)]
@@ -1247,6 +1252,44 @@ def test_plain_functions_with_inputs_that_require_grad_are_differentiable(expert
         if expert_major:
             assert_bytes_equal(ws[r].grad, ref_ws[r].grad, f"rank {r} router weights' gradient")
         assert planes[r].untyped_storage().data_ptr() != sim.workspace.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["differentiable", "plain"])
+@pytest.mark.parametrize("expert_major", [False, True], ids=["rank_major", "expert_major"])
+def test_training_on_a_workspace_with_eplb_statistics(expert_major, plain, device):
+    """A workspace initialized with EPLB statistics trains as one without
+    (the exchanges with gradients gather no statistics): outputs and
+    gradients bitwise those of the same round on a workspace without them,
+    and a plain dispatch after it still gathers every rank's statistics."""
+    eplb = 6
+    sim, outs, xs, ws, _ = _plain_and_differentiable(expert_major, plain, device, eplb=eplb)
+    _, ref_outs, ref_xs, ref_ws, _ = _plain_and_differentiable(expert_major, plain, device)
+    for r in range(len(outs)):
+        assert_bytes_equal(outs[r].detach(), ref_outs[r].detach(), f"rank {r} output")
+        assert_bytes_equal(xs[r].grad, ref_xs[r].grad, f"rank {r} input gradient")
+        if expert_major:
+            assert_bytes_equal(ws[r].grad, ref_ws[r].grad, f"rank {r} router weights' gradient")
+    tokens, top_k, num_experts = 5, 2, 4
+    stats = [torch.arange(eplb, dtype=torch.int32, device=device) * 10 + r for r in range(sim.ep_size)]
+    ids = reference.random_routing(tokens, top_k, num_experts, torch.Generator().manual_seed(3)).to(device)
+    x = torch.zeros(tokens, 8, device=device)
+
+    def round_with_stats(r):
+        if expert_major:
+            dispatched = a2a.moe_a2a_dispatch_expert_major(ids, [x], sim.workspace, sim.metainfo[r], tokens, r,
+                                                           sim.ep_size, top_k, num_experts, eplb_local_stats=stats[r])
+            gathered = dispatched.eplb_gathered_stats.clone()
+            a2a.moe_a2a_combine_expert_major(dispatched.output_payloads[0], dispatched, sim.workspace,
+                                             sim.metainfo[r], r, sim.ep_size)
+            return gathered
+        (recv,), offset, gathered = a2a.moe_a2a_dispatch(ids, [x], sim.workspace, sim.metainfo[r], tokens, r,
+                                                         sim.ep_size, top_k, num_experts, eplb_local_stats=stats[r])
+        gathered = gathered.clone()
+        a2a.moe_a2a_combine(recv, tokens, sim.workspace, sim.metainfo[r], tokens, r, sim.ep_size, top_k, offset)
+        return gathered
+
+    for r, gathered in enumerate(sim.run(round_with_stats)):
+        assert torch.equal(gathered, torch.stack(stats)), f"rank {r}"
 
 
 def test_moe_alltoall_with_payloads_that_require_grad(device):

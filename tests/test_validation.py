@@ -694,7 +694,11 @@ OP_DISPATCH_BAD = [
     ("runtime_max_0", dict(runtime_max=0), r"(?i)runtime_max"),
     ("runtime_max_gt_max", dict(runtime_max=11), r"(?i)runtime_max|max_num_tokens"),
     ("max_num_tokens_not_initialized_value", dict(max_num_tokens=9), r"(?i)max_num_tokens|metainfo|initiali"),
-    ("eplb_n_without_stats", dict(eplb_n=4), r"(?i)eplb"),
+    # Statistics of a length the workspace was not initialized with (without
+    # statistics the call's eplb_n sizes nothing, and is not checked).
+    ("eplb_n_not_initialized_value", dict(eplb=torch.zeros(4, dtype=torch.int32), eplb_n=4),
+     r"metainfo does not match the workspace: .*eplb_stats_num_experts=4\), row 0 was initialized with .*"
+     r"eplb_stats_num_experts=0\)"),
     ("mask_wrong_words", dict(mask=[1, 1]), r"(?i)mask"),
     ("mask_own_bit_missing", dict(mask=[2]), r"(?i)mask|own|ep_rank"),
     ("timeout_nan", dict(timeout_s=float("nan")), r"(?i)timeout"),
@@ -706,7 +710,7 @@ OP_DISPATCH_BAD = [
 # matching dispatch) run on the CPU backend only; the Python API derives those
 # values from metainfo, so only direct op callers can get them wrong.
 HEADER_CHECKED = "checked against the row header: CPU backend only (the CUDA header is device memory)"
-HEADER_CHECKED_CASES = {"max_num_tokens_not_initialized_value", "eplb_n_without_stats"}
+HEADER_CHECKED_CASES = {"max_num_tokens_not_initialized_value", "eplb_n_not_initialized_value"}
 
 
 @pytest.mark.parametrize("changes,match,header_checked",
