@@ -730,7 +730,10 @@ def test_ep_group_split_of_a_larger_world():
 
 def test_moe_alltoall_sizes_from_the_hidden_dtype(device):
     """fp32 hidden states: dtype= sizes for them, and a size made for 16-bit
-    ones is refused at construction, not at the first combine."""
+    ones is refused at construction, not at the first combine. Without dtype,
+    as in FlashInfer, a given size is taken whatever hidden_size says (one
+    made for quantized hidden states, which hidden_size in 16 bits would
+    not fit)."""
     a2a.MoeAlltoAll.clear_workspace_cache()
     half = a2a.MoeAlltoAll.get_moe_workspace_size_per_rank(1, 2, 8, 64)
     full = a2a.MoeAlltoAll.get_moe_workspace_size_per_rank(1, 2, 8, 64, dtype=torch.float32)
@@ -738,6 +741,12 @@ def test_moe_alltoall_sizes_from_the_hidden_dtype(device):
     with pytest.raises(ValueError, match=r"workspace_size_per_rank \d+ is too small for hidden_size 64 of 4-byte"):
         a2a.MoeAlltoAll(a2a.Mapping(), 8, 2, 4, workspace_size_per_rank=half, hidden_size=64, dtype=torch.float32,
                         device=device)
+    # NVFP4 hidden states (half a byte an element, a scale byte per 16) with their scales, ids and weights.
+    quantized = a2a.moe_a2a_get_workspace_size_per_rank(1, 8, 64 // 2 + 64 // 16 + 2 * 8, 64 * 2)
+    assert quantized < half
+    taken = a2a.MoeAlltoAll(a2a.Mapping(), 8, 2, 4, workspace_size_per_rank=quantized, hidden_size=64, device=device)
+    assert taken.workspace_size_per_rank == quantized
+    a2a.MoeAlltoAll.clear_workspace_cache()
     moe = a2a.MoeAlltoAll(a2a.Mapping(), 8, 2, 4, hidden_size=64, dtype=torch.float32, device=device)
     assert moe.workspace_size_per_rank == full
     x = torch.randn((8, 64), generator=make_generator("fp32")).to(device)

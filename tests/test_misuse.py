@@ -1226,6 +1226,11 @@ def test_mapping_refuses_non_int_fields():
             a2a.MoeAlltoAll.get_workspace(4096, 0, 1, 8, mapping, device="cpu")
 
 
+# A given size is checked against the header's bound (hidden_size without dtype sizes nothing then, as in FlashInfer).
+SIZE_BOUND = (f"MoeAlltoAll: workspace_size_per_rank must be an int multiple of 128 and at least {layout.HEADER_BYTES} "
+              "(the workspace header)")
+
+
 @pytest.mark.parametrize("bad, text", [
     (dict(hidden_size=0), "MoeAlltoAll: hidden_size must be an int >= 1, got 0"),
     (dict(hidden_size=True), "MoeAlltoAll: hidden_size must be an int >= 1, got True"),
@@ -1237,12 +1242,9 @@ def test_mapping_refuses_non_int_fields():
                          "got NoneType"),
     (dict(num_experts=0), "MoeAlltoAll: num_experts must be an int >= "),
     (dict(top_k=0), "MoeAlltoAll: top_k must be an int in [1, 22], got 0"),
-    (dict(workspace_size_per_rank="1048576"), "MoeAlltoAll: workspace_size_per_rank must be an int multiple of 128, "
-                                              "got '1048576'"),
-    (dict(workspace_size_per_rank=1048576.0), "MoeAlltoAll: workspace_size_per_rank must be an int multiple of 128, "
-                                              "got 1048576.0"),
-    (dict(workspace_size_per_rank=1048577), "MoeAlltoAll: workspace_size_per_rank must be an int multiple of 128, "
-                                            "got 1048577"),
+    (dict(workspace_size_per_rank="1048576"), f"{SIZE_BOUND}, got '1048576'"),
+    (dict(workspace_size_per_rank=1048576.0), f"{SIZE_BOUND}, got 1048576.0"),
+    (dict(workspace_size_per_rank=1048577), f"{SIZE_BOUND}, got 1048577"),
 ], ids=["hidden_0", "hidden_bool", "hidden_str", "hidden_float", "dtype_str", "workspace_str", "mapping_none",
         "no_experts", "top_k_0", "size_str", "size_float", "size_unaligned"])
 def test_moe_alltoall_refuses_bad_arguments_before_it_allocates(bad, text, device):
@@ -1283,10 +1285,16 @@ def test_moe_alltoall_names_a_bad_workspace_size_per_rank(bad, call, device):
             a2a.MoeAlltoAll.get_workspace(bad, 0, 1, 8, ep_mapping(0, 1), device=device)
     assert str(info.value).startswith(f"MoeAlltoAll{'.get_workspace' if call == 'get_workspace' else ''}: {text}")
     assert a2a.MoeAlltoAll._WORKSPACE_CACHE == cached
-    # Beside hidden_size, a str is named too; a size too small for it is refused with the size it needs.
+    # Beside hidden_size and dtype, a str is named too; a size too small for them is refused with the size they
+    # need. Without dtype hidden_size is not read, as in FlashInfer: the header bound stands.
     with pytest.raises(ValueError, match="MoeAlltoAll: workspace_size_per_rank must be an int multiple of 128, got '8'"):
-        a2a.MoeAlltoAll(ep_mapping(0, 1), 8, 2, 4, workspace_size_per_rank="8", hidden_size=64, device=device)
+        a2a.MoeAlltoAll(ep_mapping(0, 1), 8, 2, 4, workspace_size_per_rank="8", hidden_size=64, dtype=torch.bfloat16,
+                        device=device)
     with pytest.raises(ValueError, match=r"workspace_size_per_rank 1024 is too small for hidden_size 64 .* needed"):
+        a2a.MoeAlltoAll(ep_mapping(0, 1), 8, 2, 4, workspace_size_per_rank=1024, hidden_size=64, dtype=torch.bfloat16,
+                        device=device)
+    with pytest.raises(ValueError, match=r"MoeAlltoAll: workspace_size_per_rank must be an int multiple of 128 and "
+                                         r"at least \d+ \(the workspace header\), got 1024"):
         a2a.MoeAlltoAll(ep_mapping(0, 1), 8, 2, 4, workspace_size_per_rank=1024, hidden_size=64, device=device)
 
 

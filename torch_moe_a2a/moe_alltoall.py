@@ -237,7 +237,7 @@ class MoeAlltoAll:
         num_experts: experts in all, ``>= ep_size``.
         workspace_size_per_rank: bytes per rank; default from ``hidden_size``
             (:meth:`get_moe_workspace_size_per_rank`).
-        hidden_size: sizes the workspace when ``workspace_size_per_rank`` is not given.
+        hidden_size: sizes the workspace when ``workspace_size_per_rank`` is not given (and see ``dtype``).
         mnnvl_config: FlashInfer's ``MnnvlConfig`` (any object with a
             ``comm_backend`` speaking FlashInfer's ``CommBackend`` interface):
             as in FlashInfer, ``comm_backend.Split(color, moe_ep_rank)`` gives
@@ -264,10 +264,13 @@ class MoeAlltoAll:
         timeout_s: the bound on every wait of a dispatch or combine for a peer (default:
             ``MOE_A2A_TIMEOUT_S``, else 30 s).
         dtype: the hidden states' dtype, for sizing from ``hidden_size``
-            (default 16-bit, as FlashInfer sizes). With ``hidden_size`` and
-            ``workspace_size_per_rank`` both given, a size too small for
-            ``hidden_size`` hidden states of ``dtype`` (plus int32 ids and
-            fp32 weights) is refused here rather than at the first call.
+            (default 16-bit, as FlashInfer sizes). With ``hidden_size``,
+            ``dtype`` and ``workspace_size_per_rank`` all given, a size too
+            small for ``hidden_size`` hidden states of ``dtype`` (plus int32
+            ids and fp32 weights) is refused here rather than at the first
+            call; without ``dtype``, as in FlashInfer, ``hidden_size`` is not
+            read when ``workspace_size_per_rank`` is given (a size made for
+            quantized hidden states is taken).
         expert_major: ours: :meth:`dispatch` receives grouped by local
             expert and returns an :class:`~torch_moe_a2a.ExpertMajorDispatch`,
             :meth:`combine` weights and sums from that layout
@@ -363,9 +366,10 @@ class MoeAlltoAll:
         _check_int("eplb_stats_num_experts", eplb_stats_num_experts, 0)
         if hidden_size is not None:
             _check_int("hidden_size", hidden_size, 1)
+        # With hidden_size and dtype both given, a size below what they need is refused below, naming them.
+        checks_hidden = hidden_size is not None and dtype is not None
         if workspace_size_per_rank is not None:
-            # With hidden_size, a size below what it needs is refused below, naming both.
-            _check_size_per_rank("MoeAlltoAll", workspace_size_per_rank, header=hidden_size is None)
+            _check_size_per_rank("MoeAlltoAll", workspace_size_per_rank, header=not checks_hidden)
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise ValueError(f"MoeAlltoAll: dtype must be a torch.dtype or None, got {dtype!r}")
         if workspace is not None and not isinstance(workspace, torch.Tensor):
@@ -414,14 +418,14 @@ class MoeAlltoAll:
             needed = self.get_moe_workspace_size_per_rank(
                 self.ep_size, top_k, max_num_tokens, hidden_size, 0, eplb_stats_num_experts, backend=backend,
                 dtype=dtype)
-        if hidden_size is not None:
-            if workspace_size_per_rank is None:
-                workspace_size_per_rank = needed
-            elif workspace_size_per_rank < needed:
-                itemsize = 2 if dtype is None else dtype.itemsize
-                raise ValueError(f"MoeAlltoAll: workspace_size_per_rank {workspace_size_per_rank} is too small for "
-                                 f"hidden_size {hidden_size} of {itemsize}-byte elements with top_k {top_k} and "
-                                 f"max_num_tokens {max_num_tokens}: {needed} bytes per rank needed")
+        if workspace_size_per_rank is None:
+            workspace_size_per_rank = needed
+        elif checks_hidden and workspace_size_per_rank < needed:
+            # Without dtype, as in FlashInfer, a given size is taken whatever
+            # hidden_size says: it may be sized for quantized hidden states.
+            raise ValueError(f"MoeAlltoAll: workspace_size_per_rank {workspace_size_per_rank} is too small for "
+                             f"hidden_size {hidden_size} of {dtype.itemsize}-byte elements with top_k {top_k} and "
+                             f"max_num_tokens {max_num_tokens}: {needed} bytes per rank needed")
         self.workspace_size_per_rank = workspace_size_per_rank
         self.max_num_tokens = max_num_tokens
         self.top_k = top_k
