@@ -210,6 +210,27 @@ const uint8_t* checked_combine_payload(const at::Tensor& t, at::ScalarType paylo
   return t.numel() == 0 ? no_bytes : static_cast<const uint8_t*>(data_address(t));
 }
 
+// A payload the combine stages into this rank's combine region
+// [region_begin, region_end) of its row: the region itself (FlashInfer's
+// in-workspace buffer passed as a tensor) stages each row onto itself, but a
+// payload overlapping it elsewhere would have rows overwritten by the staging
+// before they are read (a wrong sum, no error).
+void check_payload_apart_from_region(const at::Tensor& payload, const uint8_t* address, const WorkspaceView& ws,
+                                     int64_t region_begin, int64_t region_end, const char* name) {
+  if (payload.numel() == 0 || t_traced_checks) return;
+  const auto begin = reinterpret_cast<uintptr_t>(address);
+  const auto end = begin + payload.nbytes();
+  const auto row = reinterpret_cast<uintptr_t>(ws.row(ws.ep_rank));
+  const uintptr_t first = row + uintptr_t(region_begin), last = row + uintptr_t(region_end);
+  TORCH_CHECK_VALUE(begin == first || end <= first || begin >= last, name,
+                    " overlaps this rank's combine region, into which the combine stages it, at another place than "
+                    "its start (",
+                    int64_t(begin) - int64_t(first),
+                    " bytes from it): staging would overwrite rows before they are read. Pass the region itself "
+                    "(get_combine_payload_tensor_in_workspace, with payload_in_workspace=True), or a tensor outside "
+                    "it (.clone())");
+}
+
 // Bytes of one row of `t` (all dimensions but the first), or -1 when it
 // exceeds kMaxRowBytes (the product is stopped before it can overflow). A
 // trailing size of 0 makes a row of 0 bytes, whatever the other sizes.
@@ -686,6 +707,10 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
                      "moe_a2a_get_workspace_size_per_rank(ep_size, max_num_tokens, the dispatch's bytes per token "
                      "over all its payloads, the expert ids and router weights among them (top_k x 4 bytes each as "
                      "int32 and fp32), the combine's bytes per token)");
+  if (p.payload != nullptr) {
+    check_payload_apart_from_region(*payload, p.payload, p.ws, combine_payload_offset,
+                                    combine_end(combine_payload_offset, ep_size, T, row_bytes), "payload");
+  }
 
   p.sync = check_sync(active_rank_mask, workspace, ep_rank, ep_size, timeout_s, mailbox, enable_pdl);
 
@@ -941,6 +966,11 @@ ExpertMajorCombineParams check_combine_expert_major(
                      "moe_a2a_get_workspace_size_per_rank_expert_major(ep_size, max_num_tokens, the dispatch's bytes "
                      "per token over all its payloads, ids and router weights included, the combine's bytes per token, "
                      "num_experts, top_k, max_tokens_per_expert)");
+  if (c.payload != nullptr) {
+    check_payload_apart_from_region(*payload, c.payload, c.ws, combine_payload_offset,
+                                    combine_payload_offset + p.layout.local_experts * max_tokens_per_expert * row_bytes,
+                                    "expert_outputs");
+  }
 
   c.sync = check_sync(active_rank_mask, workspace, ep_rank, ep_size, timeout_s, mailbox, enable_pdl);
   c.local_num_tokens = local_num_tokens;
@@ -1228,14 +1258,6 @@ int64_t alloc_mailbox_cpu(const at::Tensor&) {
   return 0;  // CPU workspaces raise at once and need no host mailbox
 }
 
-void initialize_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
-                    int64_t eplb_stats_num_experts, int64_t mailbox) {
-  const InitParams p = check_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts);
-  TORCH_CHECK_VALUE(mailbox == 0, "mailbox must be 0 for a CPU workspace (alloc_mailbox returned 0), got ", mailbox);
-  cpu::initialize(p);
-  note_row_initialized_here(p.ws);
-}
-
 // The rows inside a CPU call of this process (their addresses).
 std::mutex g_rows_in_call_mutex;
 std::unordered_set<const uint8_t*> g_rows_in_call;
@@ -1263,6 +1285,17 @@ class RowCall {
  private:
   const uint8_t* row_;
 };
+
+void initialize_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
+                    int64_t eplb_stats_num_experts, int64_t mailbox) {
+  const InitParams p = check_initialize(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts);
+  TORCH_CHECK_VALUE(mailbox == 0, "mailbox must be 0 for a CPU workspace (alloc_mailbox returned 0), got ", mailbox);
+  // Not while a call of this process runs on the row: zeroing it under a
+  // waiting dispatch would leave that call and its peers waiting out the timeout.
+  const RowCall call(p.ws);
+  cpu::initialize(p);
+  note_row_initialized_here(p.ws);
+}
 
 // The CPU dispatch of checked params (dispatch and dispatch_expert_major).
 void run_dispatch_cpu(const DispatchParams& p, int64_t max_num_tokens, int64_t eplb_stats_num_experts,

@@ -506,6 +506,43 @@ def test_two_threads_on_one_rank_are_refused():
     assert torch.equal(got[kept][0][0][0, :3], xs[kept])  # every id is expert 0: rank 0 receives its own rows
 
 
+def test_initialize_of_a_row_inside_a_call_is_refused():
+    """moe_a2a_initialize of rank 0's row while another thread's dispatch on
+    that row waits for rank 1: refused, naming the cause, where it zeroed the
+    row under the waiting call (which, with its peers, then waited out the
+    timeout); the dispatch completes its round once rank 1 arrives."""
+    import time
+
+    ep_size, tokens, top_k, num_experts = 2, 4, 2, 4
+    sim = a2a.SimulatedEP(ep_size, tokens, dispatch_bytes_per_token=64, combine_bytes_per_token=64, timeout_s=5.0)
+    ids = torch.zeros(3, top_k, dtype=torch.int32)  # every id expert 0: rank 0 receives its own rows
+
+    def dispatch(rank, value):
+        return a2a.moe_a2a_dispatch(ids, [torch.full((3, 8), value)], sim.workspace, sim.metainfo[rank], tokens, rank,
+                                    ep_size, top_k, num_experts)
+
+    def first_round(rank):
+        (recv,), offset, _ = dispatch(rank, 1.0)
+        a2a.moe_a2a_combine(recv.clone(), 3, sim.workspace, sim.metainfo[rank], tokens, rank, ep_size, top_k, offset)
+        return recv  # rank 0's: its plane of its own rows, a workspace view
+
+    plane = sim.run(first_round)[0][0]  # rank 0's rows from itself
+    got = {}
+    zero = threading.Thread(target=lambda: got.setdefault(0, dispatch(0, 7.0)))
+    zero.start()
+    deadline = time.monotonic() + 4.0
+    while not torch.equal(plane[:3], torch.full((3, 8), 7.0)) and time.monotonic() < deadline:
+        time.sleep(0.01)  # rank 0's dispatch wrote its rows: it is inside, waiting for rank 1
+    with pytest.raises(RuntimeError, match="rank 0: another thread is inside a call on this rank's row"):
+        a2a.moe_a2a_initialize(sim.workspace, 0, ep_size, tokens)
+    one = threading.Thread(target=lambda: got.setdefault(1, dispatch(1, 3.0)))
+    one.start()
+    for t in (zero, one):
+        t.join()
+    assert set(got) == {0, 1}
+    assert torch.equal(got[0][0][0][0, :3], torch.full((3, 8), 7.0))
+
+
 THREAD_HINT = "need a thread each"
 OTHER_INIT_HINT = "hold another initialization of their rows than this rank's: moe_a2a_initialize is collective"
 

@@ -1567,6 +1567,56 @@ def test_expert_major_payload_in_workspace_after_a_staged_combine_is_refused(dev
         a2a.check_errors(sim.workspace)
 
 
+@pytest.mark.parametrize("shift", [0, 1, -1, 3], ids=lambda k: f"shift{k}")
+@pytest.mark.parametrize("layout_kind", ["rank-major", "expert-major"])
+def test_a_payload_overlapping_the_combine_region_elsewhere_is_refused(device, layout_kind, shift):
+    """A payload tensor that is a view of the rank's own combine region,
+    shifted by ``shift`` rows from its start: the combine stages the payload
+    into that region, so a shifted view had rows overwritten before they were
+    read (a wrong sum, no error). Refused before anything is written; the
+    region itself (shift 0) stages onto itself and combines as a copy of it
+    would."""
+    ep, T, H, k, E = 1, 4, 16, 2, 4
+    if layout_kind == "expert-major":
+        size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(ep, T, H * 2, H * 2, E, k)
+        sim = a2a.SimulatedEP(ep, T, workspace_size_per_rank=size, device=device, timeout_s=5)
+    else:
+        sim = a2a.SimulatedEP(ep, T, dispatch_bytes_per_token=H * 2, combine_bytes_per_token=(H + 8) * 2,
+                              device=device, timeout_s=5)
+    gen = make_generator(f"overlap {layout_kind} {shift}")
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32, generator=gen).to(device)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device)
+    if layout_kind == "expert-major":
+        got = a2a.moe_a2a_dispatch_expert_major(ids, [x], sim.workspace, sim.metainfo[0], T, 0, ep, k, E)
+        rows = got.output_payloads[0] * 2
+        offset, shape = got.combine_payload_offset, list(rows.shape[:2])
+
+        def combine(payload):
+            return a2a.moe_a2a_combine_expert_major(payload, got, sim.workspace, sim.metainfo[0], 0, ep)
+    else:
+        (recv,), offset, _ = a2a.moe_a2a_dispatch(ids, [x], sim.workspace, sim.metainfo[0], T, 0, ep, k, E)
+        rows = recv * 2
+        shape = list(rows.shape[:2])
+
+        def combine(payload):
+            return a2a.moe_a2a_combine(payload, T, sim.workspace, sim.metainfo[0], T, 0, ep, k, offset)
+    start = offset + shift * H * 2
+    view = a2a.moe_a2a_wrap_payload_tensor_in_workspace(sim.workspace[0], shape, start, start + rows.nbytes,
+                                                        torch.bfloat16)
+    view.copy_(rows)
+    if shift == 0:
+        # Read in place (before a combine of the round staged into the region); then a tensor's combine.
+        got_in_place = combine(view)
+        assert torch.equal(got_in_place, combine(rows.clone()))
+        return
+    want = combine(rows.clone())  # a combine may repeat: the reference is a tensor's combine
+    refused(sim.workspace, lambda: combine(view), ValueError,
+            "payload" if layout_kind == "rank-major" else "expert_outputs",
+            f"overlaps this rank's combine region, into which the combine stages it, at another place than its start "
+            f"({shift * H * 2} bytes from it)")
+    assert torch.equal(combine(rows.clone()), want)  # the round goes on
+
+
 @pytest.mark.parametrize("setup", ["ep1", "peer_masked"])
 def test_expert_major_in_place_after_a_payload_tensor_is_refused_whoever_pulls(setup, device):
     """An expert-major combine of a payload tensor copies nothing where no
