@@ -143,6 +143,9 @@ def test_ep_out_of_range_is_a_usage_error(capsys):
     (["bench", "--preset", "mixtral", "deepseek-v3"], "python -m torch_moe_a2a bench: error: unrecognized arguments"),
     (["--bogus"], "python -m torch_moe_a2a: error: unrecognized arguments: --bogus"),
     (["bench", "--json", "/no/such/folder/bench.json"], "--json /no/such/folder/bench.json: folder /no/such/folder"),
+    # A plot not named *.png: a matplotlib traceback after the sweep ('.txt'), or a '.png' added unsaid.
+    (["bench", "--plot", "bench.txt"], "--plot bench.txt: the plot is a PNG; give a path ending in .png"),
+    (["bench", "--plot", "bench"], "--plot bench: the plot is a PNG; give a path ending in .png"),
     # The modes that replace the sweep are one at a time and refuse the sweep's options.
     (["bench", "--expert-major", "--training"], "--expert-major and --training are modes of their own: pick one"),
     (["bench", "--training", "--combine-variants"], "--training and --combine-variants are modes of their own"),

@@ -46,7 +46,7 @@ def plot(data: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig = figure(data)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    fig.savefig(path, format="png", dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -789,7 +789,7 @@ def _estimate_line(points: list[Point], ctx: "_Context", host_wall: dict[str, fl
     total = sum(seconds)
     skips = f", {skipped} to be skipped (invalid or over --max-gib)" if skipped else ""
     return (f"sweep: {len(points)} points{skips}, estimated {_duration(total)} "
-            f"(rough: from the copy bandwidth and host cost above)"), total
+            f"(rough: from the copy bandwidth above and the host cost measured before the sweep)"), total
 
 
 def _duration(seconds: float) -> str:
@@ -1006,6 +1006,10 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return replay.run(args)
     check_output_path(parser, "--json", args.json)
     check_output_path(parser, "--plot", args.plot)
+    if args.plot is not None and not args.plot.lower().endswith(".png"):
+        # Checked before the run: matplotlib would pick the format from the
+        # name after it (a traceback for '.txt', a '.png' added to a bare name).
+        parser.error(f"--plot {args.plot}: the plot is a PNG; give a path ending in .png")
     if args.low_precision_error:
         print(low_precision.error_table(), flush=True)
         return 0
