@@ -1008,7 +1008,9 @@ double resolve_timeout(double timeout_s) {
 }
 
 uint32_t timeout_ms(double timeout_s) {
-  const double ms = std::round(timeout_s * 1000.0);
+  // At least 1 ms for a timeout of under half a millisecond, which a record
+  // of 0 ms would report as "within 0.0 s".
+  const double ms = timeout_s > 0 ? std::max(1.0, std::round(timeout_s * 1000.0)) : 0.0;
   constexpr double kMax = static_cast<double>(std::numeric_limits<uint32_t>::max());
   return ms >= kMax ? std::numeric_limits<uint32_t>::max() : static_cast<uint32_t>(ms);
 }

@@ -588,6 +588,15 @@ def test_a_late_first_dispatch_fails_at_once_on_a_peer_that_failed(device):
 
 
 
+def test_a_sub_millisecond_timeout_is_reported_as_one_millisecond():
+    """A timeout of 0.4 ms is recorded in whole milliseconds: as 1 ms (it
+    read 'within 0.0 s')."""
+    sim = a2a.SimulatedEP(2, 4, dispatch_bytes_per_token=64, combine_bytes_per_token=64, timeout_s=0.0004)
+    ids = torch.zeros(2, 2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"rank 0: peers \[1\] did not arrive within 0\.001 s \(dispatch\)"):
+        a2a.moe_a2a_dispatch(ids, [torch.ones(2, 8)], sim.workspace, sim.metainfo[0], 4, 0, 2, 2, 4)
+
+
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 def test_a_timeout_between_rank_threads_says_nothing_of_threads(op):
     """Inside SimulatedEP.run every rank has its thread: a peer that skips a
