@@ -1024,6 +1024,7 @@ def _run(args: argparse.Namespace, proc: Process) -> int:
     # once (a way out of a step that hangs; torchrun's SIGKILL comes 30 s
     # after its signal): rank 0 reports the points before it without another
     # collective.
+    agreed: Optional[int] = None
     with StopSignals() as stop, stop.ends_sweep():
         try:
             for point in points:
@@ -1031,11 +1032,16 @@ def _run(args: argparse.Namespace, proc: Process) -> int:
                 progress.step(point.label())
                 _meet(proc)
                 release(device)
-                stop.signum = _stop_agreed(stop)
-                if stop.signum is not None:
+                # Not into stop.signum: a signal that lands during the
+                # agreement stays pending for the next point's.
+                agreed = _stop_agreed(stop)
+                if agreed is not None:
                     break
         finally:
             progress.close()
+    # The agreed signal; else a second signal's, which ended a point (no
+    # agreement then); a signal after the last point's agreement stopped nothing.
+    stop.signum = agreed if agreed is not None else stop.signum if len(records) < len(points) else None
 
     if leader:
         print(_table(records, proc.targets_apply))
