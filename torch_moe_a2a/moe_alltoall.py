@@ -387,8 +387,8 @@ class MoeAlltoAll:
             comm = getattr(mnnvl_config, "comm_backend", None)
             if not is_comm_backend(comm) or not callable(getattr(comm, "Split", None)):
                 raise ValueError("MoeAlltoAll: mnnvl_config.comm_backend must speak FlashInfer's CommBackend "
-                                 f"interface (Get_rank, Get_size, allgather, bcast, barrier, Split), got "
-                                 f"{type(comm).__name__} (FlashInfer's MPI default is not used here)")
+                                 f"interface (Get_rank, Get_size, allgather and Split; barrier where it has one), "
+                                 f"got {type(comm).__name__} (FlashInfer's MPI default is not used here)")
             group = comm.Split(*ep_group_color(mapping))
 
         if workspace is not None:
@@ -410,11 +410,11 @@ class MoeAlltoAll:
             raise ValueError("hidden_size must be provided if workspace_size_per_rank is not provided")
         if max_tokens_per_expert is not None and not expert_major:
             raise ValueError("MoeAlltoAll: max_tokens_per_expert is an option of expert_major=True")
-        if hidden_size is not None and expert_major:
+        if (workspace_size_per_rank is None or checks_hidden) and expert_major:
             needed = self.get_moe_workspace_size_per_rank_expert_major(
                 self.ep_size, top_k, max_num_tokens, hidden_size, num_experts, max_tokens_per_expert,
                 eplb_stats_num_experts=eplb_stats_num_experts, backend=backend, dtype=dtype)
-        elif hidden_size is not None:
+        elif workspace_size_per_rank is None or checks_hidden:
             needed = self.get_moe_workspace_size_per_rank(
                 self.ep_size, top_k, max_num_tokens, hidden_size, 0, eplb_stats_num_experts, backend=backend,
                 dtype=dtype)
