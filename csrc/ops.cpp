@@ -1271,11 +1271,14 @@ std::unordered_set<const uint8_t*> g_rows_in_call;
 // call holds the row.
 class RowCall {
  public:
-  explicit RowCall(const WorkspaceView& ws) : row_(ws.row(ws.ep_rank)) {
+  // `remedy`: what the message advises (a call's, by default).
+  explicit RowCall(const WorkspaceView& ws, const char* remedy =
+                                                "a rank's calls run one at a time, in order (each dispatch, then its "
+                                                "combines): drive each rank from one thread")
+      : row_(ws.row(ws.ep_rank)) {
     std::lock_guard<std::mutex> lock(g_rows_in_call_mutex);
     TORCH_CHECK(g_rows_in_call.insert(row_).second, "rank ", ws.ep_rank,
-                ": another thread is inside a call on this rank's row of the workspace; a rank's calls run one at "
-                "a time, in order (each dispatch, then its combines): drive each rank from one thread");
+                ": another thread is inside a call on this rank's row of the workspace; ", remedy);
   }
   ~RowCall() {
     std::lock_guard<std::mutex> lock(g_rows_in_call_mutex);
@@ -1294,7 +1297,9 @@ void initialize_cpu(const at::Tensor& workspace, int64_t ep_rank, int64_t ep_siz
   TORCH_CHECK_VALUE(mailbox == 0, "mailbox must be 0 for a CPU workspace (alloc_mailbox returned 0), got ", mailbox);
   // Not while a call of this process runs on the row: zeroing it under a
   // waiting dispatch would leave that call and its peers waiting out the timeout.
-  const RowCall call(p.ws);
+  const RowCall call(p.ws,
+                     "initialize the row once that call has returned (it returns within its timeout, raising where "
+                     "its peers do not come)");
   cpu::initialize(p);
   note_row_initialized_here(p.ws);
 }

@@ -533,7 +533,9 @@ def test_initialize_of_a_row_inside_a_call_is_refused():
     deadline = time.monotonic() + 4.0
     while not torch.equal(plane[:3], torch.full((3, 8), 7.0)) and time.monotonic() < deadline:
         time.sleep(0.01)  # rank 0's dispatch wrote its rows: it is inside, waiting for rank 1
-    with pytest.raises(RuntimeError, match="rank 0: another thread is inside a call on this rank's row"):
+    assert torch.equal(plane[:3], torch.full((3, 8), 7.0)), "rank 0's dispatch was not seen inside its call"
+    with pytest.raises(RuntimeError, match="rank 0: another thread is inside a call on this rank's row of the "
+                                           "workspace; initialize the row once that call has returned"):
         a2a.moe_a2a_initialize(sim.workspace, 0, ep_size, tokens)
     one = threading.Thread(target=lambda: got.setdefault(1, dispatch(1, 3.0)))
     one.start()

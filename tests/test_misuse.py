@@ -1568,53 +1568,65 @@ def test_expert_major_payload_in_workspace_after_a_staged_combine_is_refused(dev
 
 
 @pytest.mark.parametrize("shift", [0, 1, -1, 3], ids=lambda k: f"shift{k}")
-@pytest.mark.parametrize("layout_kind", ["rank-major", "expert-major"])
-def test_a_payload_overlapping_the_combine_region_elsewhere_is_refused(device, layout_kind, shift):
+@pytest.mark.parametrize("kind", ["rank-major", "e4m3", "e4m3-block-scaled", "expert-major"])
+def test_a_payload_overlapping_the_combine_region_elsewhere_is_refused(device, kind, shift):
     """A payload tensor that is a view of the rank's own combine region,
-    shifted by ``shift`` rows from its start: the combine stages the payload
-    into that region, so a shifted view had rows overwritten before they were
-    read (a wrong sum, no error). Refused before anything is written; the
-    region itself (shift 0) stages onto itself and combines as a copy of it
-    would."""
-    ep, T, H, k, E = 1, 4, 16, 2, 4
-    if layout_kind == "expert-major":
+    shifted by ``shift`` rows from its start: the combine stages the rows its
+    peer pulls (ep 2) into that region, converted to e4m3 with low precision,
+    so a shifted view had rows overwritten before they were read (a wrong
+    sum, no error). Refused before anything is written; the region itself
+    (shift 0) stages onto itself and combines as a tensor's copy of it."""
+    ep, T, H, k, E = 2, 4, 64, 2, 4
+    if kind == "expert-major":
         size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(ep, T, H * 2, H * 2, E, k)
         sim = a2a.SimulatedEP(ep, T, workspace_size_per_rank=size, device=device, timeout_s=5)
     else:
         sim = a2a.SimulatedEP(ep, T, dispatch_bytes_per_token=H * 2, combine_bytes_per_token=(H + 8) * 2,
                               device=device, timeout_s=5)
-    gen = make_generator(f"overlap {layout_kind} {shift}")
-    ids = torch.randint(0, E, (T, k), dtype=torch.int32, generator=gen).to(device)
-    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device)
-    if layout_kind == "expert-major":
-        got = a2a.moe_a2a_dispatch_expert_major(ids, [x], sim.workspace, sim.metainfo[0], T, 0, ep, k, E)
-        rows = got.output_payloads[0] * 2
-        offset, shape = got.combine_payload_offset, list(rows.shape[:2])
+    gen = make_generator(f"overlap {kind} {shift}")
+    ids = [torch.randint(0, E, (T, k), dtype=torch.int32, generator=gen).to(device) for _ in range(ep)]
+    x = [torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device) for _ in range(ep)]
+    options = {"e4m3": dict(use_low_precision=True),
+               "e4m3-block-scaled": dict(use_low_precision=True, low_precision_block_scales=True)}.get(kind, {})
+    if kind == "expert-major":
+        got = sim.run(lambda r: a2a.moe_a2a_dispatch_expert_major(ids[r], [x[r]], sim.workspace, sim.metainfo[r], T,
+                                                                  r, ep, k, E))
+        rows = [g.output_payloads[0] * 2 for g in got]
+        offsets = [g.combine_payload_offset for g in got]
 
-        def combine(payload):
-            return a2a.moe_a2a_combine_expert_major(payload, got, sim.workspace, sim.metainfo[0], 0, ep)
+        def combine(r, payload):
+            return a2a.moe_a2a_combine_expert_major(payload, got[r], sim.workspace, sim.metainfo[r], r, ep)
     else:
-        (recv,), offset, _ = a2a.moe_a2a_dispatch(ids, [x], sim.workspace, sim.metainfo[0], T, 0, ep, k, E)
-        rows = recv * 2
-        shape = list(rows.shape[:2])
+        got = sim.run(lambda r: a2a.moe_a2a_dispatch(ids[r], [x[r]], sim.workspace, sim.metainfo[r], T, r, ep, k, E))
+        rows = [g[0][0] * 2 for g in got]
+        offsets = [g[1] for g in got]
 
-        def combine(payload):
-            return a2a.moe_a2a_combine(payload, T, sim.workspace, sim.metainfo[0], T, 0, ep, k, offset)
-    start = offset + shift * H * 2
-    view = a2a.moe_a2a_wrap_payload_tensor_in_workspace(sim.workspace[0], shape, start, start + rows.nbytes,
-                                                        torch.bfloat16)
-    view.copy_(rows)
+        def combine(r, payload):
+            return a2a.moe_a2a_combine(payload, T, sim.workspace, sim.metainfo[r], T, r, ep, k, offsets[r], **options)
+
+    def view_of(r):
+        start = offsets[r] + shift * H * 2
+        return a2a.moe_a2a_wrap_payload_tensor_in_workspace(sim.workspace[r], list(rows[r].shape[:2]), start,
+                                                            start + rows[r].nbytes, torch.bfloat16)
+
     if shift == 0:
-        # Read in place (before a combine of the round staged into the region); then a tensor's combine.
-        got_in_place = combine(view)
-        assert torch.equal(got_in_place, combine(rows.clone()))
+        # The region first (before a combine of the round stages into it), then tensors: the same sums.
+        views = [view_of(r).copy_(rows[r]) for r in range(ep)]
+        in_place = sim.run(lambda r: combine(r, views[r]))
+        copies = sim.run(lambda r: combine(r, rows[r].clone()))
+        for r in range(ep):
+            assert torch.equal(in_place[r], copies[r]), f"rank {r}"
         return
-    want = combine(rows.clone())  # a combine may repeat: the reference is a tensor's combine
-    refused(sim.workspace, lambda: combine(view), ValueError,
-            "payload" if layout_kind == "rank-major" else "expert_outputs",
+    want = sim.run(lambda r: combine(r, rows[r].clone()))  # a combine may repeat: the reference
+    view = view_of(0)
+    view.copy_(rows[0])
+    refused(sim.workspace, lambda: combine(0, view), ValueError,
+            "payload" if kind != "expert-major" else "expert_outputs",
             f"overlaps this rank's combine region, into which the combine stages it, at another place than its start "
             f"({shift * H * 2} bytes from it)")
-    assert torch.equal(combine(rows.clone()), want)  # the round goes on
+    again = sim.run(lambda r: combine(r, rows[r].clone()))  # the round goes on
+    for r in range(ep):
+        assert torch.equal(again[r], want[r]), f"rank {r}"
 
 
 @pytest.mark.parametrize("setup", ["ep1", "peer_masked"])

@@ -258,6 +258,12 @@ class SimulatedEP:
         rank may be inside a call, as :meth:`run` leaves them), initializes
         each row with its metainfo's error mailbox, so ``metainfo`` and the
         graphs captured with it stay valid, and waits for that too.
+
+        Raises:
+            RuntimeError: a thread of this process is inside a call on a
+                rank's row (CPU): that row, and the ones after it, are left
+                as they were (the ones before it are initialized); call again
+                once that call returned.
         """
         if self.streams is not None:
             torch.cuda.synchronize(self.device)
