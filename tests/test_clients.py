@@ -384,6 +384,10 @@ def test_instances_of_one_geometry_share_a_workspace(device):
     first.dispatch(ids, [hidden], 1)
     with pytest.raises(RuntimeError, match="another MoeAlltoAll sharing this workspace"):
         second.dispatch(ids, [hidden], 1)
+    # Nor may the other combine (it advised a dispatch first, which the open round refuses).
+    with pytest.raises(RuntimeError, match="MoeAlltoAll.combine called before dispatch on this instance, while another "
+                                           "MoeAlltoAll sharing this workspace is between its dispatch and combine"):
+        second.combine(torch.zeros((1, 1, 64), dtype=torch.bfloat16, device=device), 1)
     out = first.combine(first.get_combine_payload_tensor_in_workspace(1, 64, torch.bfloat16), 1,
                         payload_in_workspace=True)
     assert out.shape == (1, 64)

@@ -1050,6 +1050,13 @@ class MoeAlltoAll:
         """Raises unless this instance's last dispatch is the workspace's last one."""
         if self._state.phase == "idle":
             self._check_abandoned_round(f"MoeAlltoAll.{what}")
+            other = self._shared.active_instance()
+            if other is not None and other is not self:
+                # Its dispatch would be refused too, while that round is open.
+                raise RuntimeError(f"MoeAlltoAll.{what} called before dispatch on this instance, while another "
+                                   "MoeAlltoAll sharing this workspace is between its dispatch and combine: combine "
+                                   "through the instance that dispatched (instances of one geometry share one "
+                                   "workspace and take turns)")
             self._raise_out_of_order(f"MoeAlltoAll.{what}", f"MoeAlltoAll.{what} called before dispatch (a combine "
                                      "combines the rows of the last dispatch); call dispatch first")
         # Not traced, nor after a traced dispatch: _next_round.
