@@ -1237,6 +1237,17 @@ def _plain_and_differentiable(expert_major: bool, plain: bool, device, gen_seed:
     return sim, outs, xs, ws, planes
 
 
+def _assert_same_round(expert_major: bool, got: tuple, want: tuple) -> None:
+    """Two results of _plain_and_differentiable, ``(outs, xs, ws)`` each: every
+    rank's output, input gradient and (expert-major) router weights' gradient
+    bitwise equal."""
+    for r, (out, x, w, ref_out, ref_x, ref_w) in enumerate(zip(*got, *want)):
+        assert_bytes_equal(out.detach(), ref_out.detach(), f"rank {r} output")
+        assert_bytes_equal(x.grad, ref_x.grad, f"rank {r} input gradient")
+        if expert_major:
+            assert_bytes_equal(w.grad, ref_w.grad, f"rank {r} router weights' gradient")
+
+
 @pytest.mark.parametrize("expert_major", [False, True], ids=["rank_major", "expert_major"])
 def test_plain_functions_with_inputs_that_require_grad_are_differentiable(expert_major, device):
     """DESIGN.md section 3: dispatch and combine are differentiable. The plain
@@ -1245,12 +1256,8 @@ def test_plain_functions_with_inputs_that_require_grad_are_differentiable(expert
     outputs and gradients, bitwise, and received rows that are new tensors
     (not workspace views, which the backward's exchange overwrites)."""
     sim, outs, xs, ws, planes = _plain_and_differentiable(expert_major, True, device)
-    _, ref_outs, ref_xs, ref_ws, _ = _plain_and_differentiable(expert_major, False, device)
+    _assert_same_round(expert_major, (outs, xs, ws), _plain_and_differentiable(expert_major, False, device)[1:4])
     for r in range(len(outs)):
-        assert_bytes_equal(outs[r].detach(), ref_outs[r].detach(), f"rank {r} output")
-        assert_bytes_equal(xs[r].grad, ref_xs[r].grad, f"rank {r} input gradient")
-        if expert_major:
-            assert_bytes_equal(ws[r].grad, ref_ws[r].grad, f"rank {r} router weights' gradient")
         assert planes[r].untyped_storage().data_ptr() != sim.workspace.untyped_storage().data_ptr()
 
 
@@ -1263,12 +1270,7 @@ def test_training_on_a_workspace_with_eplb_statistics(expert_major, plain, devic
     and a plain dispatch after it still gathers every rank's statistics."""
     eplb = 6
     sim, outs, xs, ws, _ = _plain_and_differentiable(expert_major, plain, device, eplb=eplb)
-    _, ref_outs, ref_xs, ref_ws, _ = _plain_and_differentiable(expert_major, plain, device)
-    for r in range(len(outs)):
-        assert_bytes_equal(outs[r].detach(), ref_outs[r].detach(), f"rank {r} output")
-        assert_bytes_equal(xs[r].grad, ref_xs[r].grad, f"rank {r} input gradient")
-        if expert_major:
-            assert_bytes_equal(ws[r].grad, ref_ws[r].grad, f"rank {r} router weights' gradient")
+    _assert_same_round(expert_major, (outs, xs, ws), _plain_and_differentiable(expert_major, plain, device)[1:4])
     tokens, top_k, num_experts = 5, 2, 4
     stats = [torch.arange(eplb, dtype=torch.int32, device=device) * 10 + r for r in range(sim.ep_size)]
     ids = reference.random_routing(tokens, top_k, num_experts, torch.Generator().manual_seed(3)).to(device)
