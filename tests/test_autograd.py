@@ -1953,6 +1953,39 @@ def test_a_rank_record_survives_another_rank_purging_the_table():
         fastpath._LAST_DISPATCH_PURGE_AT[0] = purge_at
 
 
+def test_a_freed_workspaces_record_says_nothing_of_a_new_one_at_its_address():
+    """The table of last dispatches is keyed by address: a workspace at a
+    freed one's address (the CUDA caching allocator hands it out again at
+    once) met that one's record, a backward's mark among it, and its eager
+    combine was refused as one after a backward it never ran. A record whose
+    workspace is gone says nothing; a live one's, through the workspace or a
+    view of it, stands."""
+    ids = torch.zeros(1, 1, dtype=torch.int32)
+    ws = torch.zeros(2, 256, dtype=torch.uint8)
+    freed = torch.zeros(1)
+    dead = weakref.ref(freed)
+    del freed
+    table = fastpath._LAST_DISPATCH
+    saved = dict(table)
+    try:
+        table.clear()
+        # A freed workspace's record at ws's address, marked by a backward's round at ws's version.
+        table[(ws.data_ptr(), 0)] = [dead, ids, None, 8, False, 0, ws._version]
+        fastpath.refuse_combine_after_backward("moe_a2a_combine", ws, 0, False)
+        assert fastpath.last_dispatch(ws, 0) is None
+        fastpath.note_backward_round(ws, 0)  # marks nothing of ws either
+        # ws's own record: the mark stands, for ws and for a view of it.
+        fastpath.note_dispatch(ws, 0, ids, 8)
+        fastpath.note_backward_round(ws, 0)
+        for workspace in (ws, ws.view(2, 16, 16).view(2, 256)):
+            with pytest.raises(ValueError, match="a backward ran since this rank's last dispatch"):
+                fastpath.refuse_combine_after_backward("moe_a2a_combine", workspace, 0, False)
+            assert fastpath.last_dispatch(workspace, 0) is not None
+    finally:
+        table.clear()
+        table.update(saved)
+
+
 @pytest.mark.parametrize("combine", ["plain", "differentiable"])
 @pytest.mark.parametrize("form", ["rank-major", "expert-major", "expert-major-ids-only"])
 def test_a_combine_after_the_backward_is_refused(form, combine):

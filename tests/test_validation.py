@@ -548,12 +548,6 @@ def test_sanitize_rejects(device):
     assert T * k > env.case.max_tokens
     expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(longer, env.workspace, env.metainfo, 0, -1),
                  ValueError, r"(?i)runtime_max|max_num_tokens")
-    # Any width is an expert-id payload (FlashInfer sanitizes wide int32 payloads),
-    # but not past the end of the row.
-    past_end = torch.empty(0, dtype=torch.int32, device=ids_view.device).set_(
-        ids_view.untyped_storage(), ids_view.storage_offset(), (1, 1, env.workspace.shape[1]))
-    expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(
-        past_end, env.workspace, env.metainfo, 0, -1), ValueError, r"expert_ids must lie within rank 0's row")
     # The raw op, as a C++ caller drives it: its T is bounded by the
     # max_num_tokens it is given, which on the CPU must be the row's.
     offset = ids_view.storage_offset() * ids_view.element_size() - env.workspace.storage_offset()
@@ -565,6 +559,13 @@ def test_sanitize_rejects(device):
         expect_error(env.workspace, lambda: raw(env.workspace, 0, 1, 4 * max_tokens, T, offset, k, -1, 4, 0, False),
                      ValueError, r"(?i)metainfo does not match the workspace")
     a2a.moe_a2a_combine(out[0], 6, env.workspace, env.metainfo, env.case.T, 0, 1, env.case.top_k, off)
+    # Any width is an expert-id payload (FlashInfer sanitizes wide int32 payloads),
+    # but not past the end of the row. Last: set_ grows the workspace's
+    # storage to hold such a view, which moves the workspace's memory.
+    past_end = torch.empty(0, dtype=torch.int32, device=ids_view.device).set_(
+        ids_view.untyped_storage(), ids_view.storage_offset(), (1, 1, env.workspace.shape[1]))
+    expect_error(env.workspace, lambda: a2a.moe_a2a_sanitize_expert_ids(
+        past_end, env.workspace, env.metainfo, 0, -1), ValueError, r"expert_ids must lie within rank 0's row")
 
 
 def _ids_plane(workspace, offset, shape):

@@ -139,7 +139,7 @@ def direct_call_ok(*tensors: Optional[torch.Tensor]) -> bool:
 # dispatch's, which no combine may follow any more, as long as no recorded
 # dispatch (which clears the mark) nor any other write through the
 # dispatcher (a compiled dispatch's, which records nothing) moved the counter.
-_LAST_DISPATCH: dict[tuple[int, int], list] = {}  # [workspace weakref, ids, counts, num_experts, plain, version,
+_LAST_DISPATCH: dict[tuple[int, int], list] = {}  # [weakref of the workspace's base, ids, counts, num_experts, plain, version,
 #                                                    the workspace's version at a backward's round since, or None]
 _LAST_DISPATCH_PURGE_AT = [64]
 # Held while a dispatch updates the table. Simulated ranks dispatch from
@@ -160,9 +160,10 @@ def note_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, num_exp
     version = _version(ids)
     with _LAST_DISPATCH_LOCK:
         entry = _LAST_DISPATCH.get(key)
+        owner = _owner(workspace)
         if entry is not None:
-            if entry[0]() is not workspace:  # another view of it, or a new workspace at a freed one's address
-                entry[0] = weakref.ref(workspace)
+            if entry[0]() is not owner:  # another view of it, or a new workspace at a freed one's address
+                entry[0] = weakref.ref(owner)
             entry[1] = ids
             entry[2] = counts
             entry[3] = num_experts
@@ -170,7 +171,7 @@ def note_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, num_exp
             entry[5] = version
             entry[6] = None
             return
-        _LAST_DISPATCH[key] = [weakref.ref(workspace), ids, counts, num_experts, plain, version, None]
+        _LAST_DISPATCH[key] = [weakref.ref(owner), ids, counts, num_experts, plain, version, None]
         if len(_LAST_DISPATCH) >= _LAST_DISPATCH_PURGE_AT[0]:
             for gone in [k for k, e in _LAST_DISPATCH.items() if e[0]() is None]:
                 del _LAST_DISPATCH[gone]
@@ -186,11 +187,33 @@ def note_plain_dispatch(workspace: torch.Tensor, rank: int, ids: torch.Tensor, n
         note_dispatch(workspace, rank, ids, num_experts, counts, plain=True)
 
 
+def _entry(workspace: torch.Tensor, rank: int) -> Optional[list]:
+    """``rank``'s entry for ``workspace``: None where there is none, or where
+    it is another workspace's at the address this one now has (a freed one's,
+    which the CUDA caching allocator hands out again at once): that entry
+    says nothing of this workspace's rounds."""
+    entry = _LAST_DISPATCH.get((workspace.data_ptr(), rank))
+    if entry is None:
+        return None
+    recorded = entry[0]()
+    if recorded is None:
+        return None
+    # The same tensor (or a view of it) first: one identity test.
+    same = recorded is _owner(workspace) or recorded.untyped_storage().data_ptr() == workspace.untyped_storage().data_ptr()
+    return entry if same else None
+
+
+def _owner(workspace: torch.Tensor) -> torch.Tensor:
+    """The tensor whose life is the workspace memory's: a view's base (a
+    view passed for one call dies with it, its base does not)."""
+    return workspace if workspace._base is None else workspace._base
+
+
 def note_backward_round(workspace: torch.Tensor, rank: int) -> None:
     """Marks ``rank``'s last recorded dispatch on ``workspace`` as followed by
     a backward's round (a backward exchanges in whole rounds of its own),
     which closed that dispatch's round."""
-    entry = _LAST_DISPATCH.get((workspace.data_ptr(), rank))
+    entry = _entry(workspace, rank)
     if entry is not None:
         entry[6] = workspace._version
 
@@ -214,7 +237,7 @@ def refuse_combine_after_backward(fn: str, workspace: torch.Tensor, rank: int, t
     """
     if traced or not _LAST_DISPATCH:
         return
-    entry = _LAST_DISPATCH.get((workspace.data_ptr(), rank))
+    entry = _entry(workspace, rank)
     if entry is not None and entry[6] is not None and entry[6] == workspace._version:
         raise ValueError(
             f"{fn}: a backward ran since this rank's last dispatch (a differentiable dispatch's or combine's "
@@ -244,7 +267,7 @@ def last_dispatch(workspace: torch.Tensor,
     of ``rank``'s last eager dispatch on ``workspace``, and whether the ids
     were written in place since; None if none is recorded (none, or only
     plain ones since the process started)."""
-    entry = _LAST_DISPATCH.get((workspace.data_ptr(), rank))
+    entry = _entry(workspace, rank)
     if entry is None:
         return None
     return entry[1], entry[2], entry[3], entry[4], _written_since(entry[1], entry[5])
