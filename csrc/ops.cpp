@@ -1162,8 +1162,8 @@ std::string timeout_hint(const uint64_t* missing, const WorkspaceView& ws) {
   const uint8_t* own = ws.row(ws.ep_rank);
   const uint16_t own_count =
       init_count(__atomic_load_n(reinterpret_cast<const uint64_t*>(own + kHdrMagic), __ATOMIC_RELAXED));
-  std::vector<int> uninitialized, other_init;
-  bool all_here = true;
+  uint64_t uninitialized[kRankMaskWords] = {}, other_init[kRankMaskWords] = {};
+  bool any_uninitialized = false, any_other_init = false, all_here = true;
   for (int q = 0; q < ws.ep_size; ++q) {
     if (!((missing[q >> 6] >> (q & 63)) & 1u)) continue;
     const uint64_t word = __atomic_load_n(reinterpret_cast<const uint64_t*>(ws.row(q) + kHdrMagic), __ATOMIC_ACQUIRE);
@@ -1171,7 +1171,8 @@ std::string timeout_hint(const uint64_t* missing, const WorkspaceView& ws) {
     std::memcpy(&stale, own + init_stale_offset(q), sizeof(stale));
     std::memcpy(&seen, own + init_seen_offset(q), sizeof(seen));
     if (!row_initialized(word)) {
-      uninitialized.push_back(q);
+      uninitialized[q >> 6] |= uint64_t(1) << (q & 63);
+      any_uninitialized = true;
     } else if (stale == 0 ? init_count(word) != own_count
                           : init_count(word) == (stale & kInitCountMax) ||
                                 (seen != stale && init_count(word) != (seen & kInitCountMax))) {
@@ -1179,23 +1180,19 @@ std::string timeout_hint(const uint64_t* missing, const WorkspaceView& ws) {
       // rank's calls go with: still the one this rank's initialize
       // superseded (the stale tag), or, with no stale tag, another count;
       // or one newer than its first dispatch since then saw (the seen tag).
-      other_init.push_back(q);
+      other_init[q >> 6] |= uint64_t(1) << (q & 63);
+      any_other_init = true;
     }
     all_here = all_here && row_initialized_here(ws.row(q));
   }
-  auto list = [](const std::vector<int>& ranks) {
-    std::ostringstream os;
-    for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
-    return os.str();
-  };
   std::ostringstream os;
-  if (!uninitialized.empty()) {
-    os << "; peers [" << list(uninitialized)
-       << "] have not initialized their rows (moe_a2a_initialize, which MoeAlltoAll and SimulatedEP call): a rank "
+  if (any_uninitialized) {
+    os << "; peers " << rank_list(uninitialized)
+       << " have not initialized their rows (moe_a2a_initialize, which MoeAlltoAll and SimulatedEP call): a rank "
           "that never does, or that exited before it did, keeps its peers' first dispatch waiting";
-  } else if (!other_init.empty()) {
-    os << "; peers [" << list(other_init)
-       << "] hold another initialization of their rows than this rank's: moe_a2a_initialize is collective (every "
+  } else if (any_other_init) {
+    os << "; peers " << rank_list(other_init)
+       << " hold another initialization of their rows than this rank's: moe_a2a_initialize is collective (every "
           "rank calls it, each after its last combine), and a rank that initializes alone, or that does not when "
           "its peers do, leaves its peers' calls and its own waiting";
   } else if (all_here && !t_simulated_rank_thread) {
