@@ -290,9 +290,12 @@ def checkpoint_mode() -> bool:
     mode."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False  # (and no dispatch-stack query, which Dynamo cannot trace)
-    modes = tuple(m for m in (getattr(checkpoint, "_CachingTorchDispatchMode", None),
-                              getattr(checkpoint, "_CachedTorchDispatchMode", None)) if m is not None)
-    return bool(modes) and isinstance(_get_current_dispatch_mode(), modes)
+    return bool(_CHECKPOINT_MODES) and isinstance(_get_current_dispatch_mode(), _CHECKPOINT_MODES)
+
+
+# Selective checkpointing's dispatch modes (private classes of torch.utils.checkpoint; none where a torch lacks them).
+_CHECKPOINT_MODES = tuple(m for m in (getattr(checkpoint, "_CachingTorchDispatchMode", None),
+                                      getattr(checkpoint, "_CachedTorchDispatchMode", None)) if m is not None)
 
 
 def refuse_forward_ad(fn: str, tensors: Any) -> None:
