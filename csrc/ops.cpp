@@ -157,17 +157,22 @@ void check_on_workspace_device(const at::Tensor& t, const at::Tensor& workspace,
                     ", got ", t.device());
 }
 
+// Whether `nbytes` bytes at `address` meet the workspace's memory (any rank's row).
+bool in_workspace_memory(const void* address, size_t nbytes, const WorkspaceView& ws) {
+  const auto begin = reinterpret_cast<uintptr_t>(address);
+  const auto end = begin + nbytes;
+  const auto ws_begin = reinterpret_cast<uintptr_t>(ws.base);
+  const auto ws_end = ws_begin + uintptr_t(ws.ep_size - 1) * uintptr_t(ws.row_stride) + uintptr_t(ws.size_per_rank);
+  return nbytes > 0 && end > ws_begin && begin < ws_end;
+}
+
 // A dispatch's inputs and a combine's output must lie outside the workspace:
 // peers write into this rank's row while the call reads the inputs or writes
 // the output, so a view of the workspace (a receive view of an earlier
 // dispatch, say) would be overwritten halfway. `t` is contiguous.
 void check_outside_workspace(const at::Tensor& t, const WorkspaceView& ws, const std::string& arg) {
   if (t.numel() == 0 || t_traced_checks) return;
-  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const auto end = begin + t.nbytes();
-  const auto ws_begin = reinterpret_cast<uintptr_t>(ws.base);
-  const auto ws_end = ws_begin + uintptr_t(ws.ep_size - 1) * uintptr_t(ws.row_stride) + uintptr_t(ws.size_per_rank);
-  TORCH_CHECK_VALUE(end <= ws_begin || begin >= ws_end, arg,
+  TORCH_CHECK_VALUE(!in_workspace_memory(t.data_ptr(), t.nbytes(), ws), arg,
                     " lies in the workspace (a view of it, such as a receive view of an earlier dispatch), which "
                     "the peers write during the call: pass a copy (.clone())");
 }
@@ -229,6 +234,14 @@ void check_payload_apart_from_region(const at::Tensor& payload, const uint8_t* a
                     " bytes from it): staging would overwrite rows before they are read. Pass the region itself "
                     "(get_combine_payload_tensor_in_workspace, with payload_in_workspace=True), or a tensor outside "
                     "it (.clone())");
+}
+
+// CombineParams::payload_in_workspace_memory of a combine whose other
+// parameters are set: a payload tensor that is not the own combine region
+// but lies in the workspace. Not a check: traced calls need it too.
+bool payload_in_workspace_memory(const CombineParams& p, const std::optional<at::Tensor>& payload) {
+  return p.payload != nullptr && p.payload != p.ws.row(p.ws.ep_rank) + p.combine_offset &&
+         in_workspace_memory(p.payload, payload->nbytes(), p.ws);
 }
 
 // Bytes of one row of `t` (all dimensions but the first), or -1 when it
@@ -737,6 +750,7 @@ CombineParams check_combine(const std::optional<at::Tensor>& payload, int64_t lo
   p.top_k = top_k;
   p.route_offset = call_layout(ep_size, T, 0, 0, nullptr).route_offset;
   p.combine_offset = combine_payload_offset;
+  p.payload_in_workspace_memory = payload_in_workspace_memory(p, payload);
   return p;
 }
 

@@ -93,6 +93,14 @@ struct CombineParams {
   uint8_t* output_scales;  // quantized: [sf_extent(sf_layout, local_num_tokens, row_elems / block)]
   float global_scale;      // NVFP4's output_scalar_scale (> 0)
   uint32_t signature;      // combine_signature of the call's rows (protocol.h, the equal-rows check)
+  // The payload tensor lies in the workspace, not at the own combine region
+  // (a receive view passed back, or an expert's output written in place into
+  // one): a peer's next dispatch may write there as soon as it saw this
+  // rank's combine flags, while this rank's pull still reads, so the rank-
+  // major combine stages the own source's rows with the others' (protocol.h,
+  // combine step 1). The expert-major combine needs not: no peer writes the
+  // own expert-major planes before this rank's pull_done.
+  bool payload_in_workspace_memory;
 };
 
 // Combine step 1 (protocol.h): whether it stages (a payload tensor; e4m3
@@ -107,7 +115,7 @@ MOE_A2A_HD bool combine_stages(const CombineParams& p) {
          (p.payload != nullptr && p.payload != p.ws.row(p.ws.ep_rank) + p.combine_offset);
 }
 MOE_A2A_HD bool combine_own_rows_from_payload(const CombineParams& p) {
-  return p.low_precision == LowPrecision::kOff && combine_stages(p);
+  return p.low_precision == LowPrecision::kOff && combine_stages(p) && !p.payload_in_workspace_memory;
 }
 
 struct SanitizeParams {

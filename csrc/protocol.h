@@ -121,14 +121,19 @@
 //      payload already lives there); own region_staged := 1. Not source r's
 //      rows: only r's own pull reads them, and it reads them from the
 //      payload, which saves their copy and the wait for it (at ep 1 the
-//      whole stage; the expert-major combine stages its valid rows [e, i]
-//      only when an active peer exists, and its pull reads the own pairs'
-//      rows from the payload: params.h, em_combine_stages; either combine
-//      of a payload tensor sets region_staged when it copies nothing). A
-//      low-precision combine converts every source's rows
-//      to e4m3 (from the payload or in place), r's included but on CUDA
-//      for plain e4m3 rows of a 16-bit payload (launch_combine), whose r
-//      rows the pull reads unconverted and converts as step 1 would.
+//      whole stage), unless the payload tensor lies in the workspace (a
+//      receive view passed back): a peer's dispatch n+1 may write there as
+//      soon as it saw this combine's flags (buffer reuse chain, below), so
+//      such a payload's r rows are staged too and pulled from the region.
+//      The expert-major combine stages its valid rows [e, i] only when an
+//      active peer exists, and its pull reads the own pairs' rows from the
+//      payload (params.h, em_combine_stages; no peer writes them before its
+//      pull_done: the expert-major dispatch); either combine of a payload
+//      tensor sets region_staged when it copies nothing. A low-precision
+//      combine converts every source's rows to e4m3 (from the payload or in
+//      place), r's included but on CUDA for plain e4m3 rows of a 16-bit
+//      payload outside the workspace (launch_combine), whose r rows the pull
+//      reads unconverted and converts as step 1 would.
 //   2. release: add this call's shares to combine_flag[r] in every active
 //      peer p's header (each CTA its own, after its staged rows); the CPU
 //      combine first sets signatures[c & 1][r] := the call's
@@ -162,7 +167,10 @@
 //     combine of round n saw d's flag of that combine (step 3 of combine). d
 //     raised that flag after staging, which on d's stream follows d's MoE n,
 //     the reader of the planes, and d's earlier combines of the round, the
-//     readers of its receive counts.
+//     readers of its receive counts. d's pull reads no plane: a payload that
+//     is a receive view (or lies elsewhere in the workspace) has its own
+//     rows staged too (step 1), since a layout of round n+1 (another T,
+//     other payload rows) puts s's rows over d's own ones of round n.
 //   * rank r writes its combine region n+1 (staging, or the MoE writing in
 //     place) only after r's dispatch n+1 saw every peer p's dispatch-(n+1)
 //     flag, which p raised after its last combine of round n finished

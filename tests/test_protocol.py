@@ -493,6 +493,63 @@ def test_free_running_ranks_changing_layout(grow, device):
     _check_free_running(make_sim(rounds[1][0], device), rounds, device)
 
 
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+@pytest.mark.parametrize("moves", ["runtime_max", "wider_rows", "narrower_rows"])
+def test_free_running_combine_of_the_receive_view(layout, moves, device):
+    """An expert that returns its input, or writes its output into it, hands the
+    dispatch's receive view back as the combine payload. The combine reads the
+    own source's rows of its payload after its flags, when a peer that
+    finished its combine may already write its next dispatch into this rank's
+    row, laid out for another T or other payload rows: those rows are staged
+    with the others' when the payload lies in the workspace (protocol.h,
+    combine step 1). On CUDA the ranks run free in one graph each (no host
+    thread between their rounds), replayed side by side."""
+    ep, top_k, num_experts = 3, 1, 6
+    rounds = 400 if device == "cpu" else 64
+    # Round A: only rank 2 has a token, routed to its own expert 4. Round B:
+    # rank 1 sends two tokens to rank 2, whose rows of B's layout (another T,
+    # or rows twice or half as wide) cover the bytes of A's own row there.
+    hidden_a, hidden_b = {"runtime_max": (4, 4), "wider_rows": (4, 8), "narrower_rows": (8, 4)}[moves]
+    specs = [(1 if moves == "runtime_max" else 2, (0, 0, 1), hidden_a), (2, (0, 2, 0), hidden_b)]
+    gen = make_generator(f"{layout}-{moves}")
+    inputs = [[torch.randn(n, hidden, generator=gen).to(device) for n in tokens] for _, tokens, hidden in specs]
+    ids = [[torch.full((n, top_k), 4, dtype=torch.int32, device=device) for n in tokens] for _, tokens, _ in specs]
+    weights = [[torch.ones(n, top_k, device=device) for n in tokens] for _, tokens, _ in specs]
+    sim = a2a.SimulatedEP(ep, 2, dispatch_bytes_per_token=32 + 8 * top_k, combine_bytes_per_token=32, device=device,
+                          timeout_s=20)
+
+    def rank_loop(r):
+        outs = []
+        for i in range(rounds):
+            T, tokens, _ = specs[i % 2]
+            x = inputs[i % 2][r]
+            if layout == "expert_major":
+                dispatched = a2a.moe_a2a_dispatch(ids[i % 2][r], [x], sim.workspace, sim.metainfo[r], T, r, ep, top_k,
+                                                  num_experts, expert_major=True, router_weights=weights[i % 2][r])
+                outs.append(a2a.moe_a2a_combine_expert_major(dispatched.output_payloads[0], dispatched,
+                                                             sim.workspace, sim.metainfo[r], r, ep))
+            else:
+                (recv,), offset, _ = a2a.moe_a2a_dispatch(ids[i % 2][r], [x], sim.workspace, sim.metainfo[r], T, r,
+                                                          ep, top_k, num_experts)
+                outs.append(a2a.moe_a2a_combine(recv, tokens[r], sim.workspace, sim.metainfo[r], T, r, ep, top_k,
+                                                offset))
+        return outs
+
+    def wrong(results):
+        # One destination a token, weight 1: each output is the token itself.
+        return [sum(not torch.equal(out.cpu(), inputs[i % 2][r].cpu()) for i, out in enumerate(results[r]))
+                for r in range(ep)]
+
+    if device == "cpu":
+        assert wrong(sim.run(rank_loop)) == [0] * ep
+        return
+    graphs, results = sim.capture(rank_loop)
+    for replay in range(5):
+        graphs.replay()
+        torch.cuda.synchronize()
+        assert wrong(results) == [0] * ep, f"replay {replay}"
+
+
 def test_runtime_max_shrinking_between_rounds(device):
     """runtime_max_tokens_per_rank may change from one call to the next
     (DESIGN section 3: equal on all ranks for one call). When it shrinks,

@@ -769,9 +769,11 @@ WaitResult combine(const CombineParams& p) {
       }
     }
   } else if (stages) {
-    // Not the own source's rows: only this rank's pull reads them, from the payload.
+    // Not the own source's rows where this rank's pull, their only reader,
+    // reads them from the payload.
+    const bool own_from_payload = combine_own_rows_from_payload(p);
     for (int s = 0; s < ws.ep_size; ++s) {
-      if (s == ws.ep_rank || !rank_active(p.sync, s)) continue;
+      if ((s == ws.ep_rank && own_from_payload) || !rank_active(p.sync, s)) continue;
       const int64_t rows = received_rows(load<int32_t>(own, recv_count_offset(s)), T);
       copy_rows(region, p.payload, int64_t(s) * T * row_bytes, rows, row_bytes);
     }

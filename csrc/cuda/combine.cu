@@ -568,7 +568,8 @@ cudaError_t launch_combine(const CombineParams& p, const LaunchConfig& config, c
   // pull_rows' kOwnUnstaged holds for exactly these kernels: a kernel
   // without it would read the 16-bit rows as e4m3 codes.
   static_assert(kE4m3PullUnroll == 1, "pull_rows converts the own rows of one vector a lane");
-  if (p.low_precision == LowPrecision::kE4m3 && in_bytes == 2 && a.stage_vectors && elems == kE4m3PullElems) {
+  if (p.low_precision == LowPrecision::kE4m3 && in_bytes == 2 && a.stage_vectors && elems == kE4m3PullElems &&
+      !p.payload_in_workspace_memory) {
     a.own_from_payload = true;
   }
   const int64_t vectors = p.row_elems / elems;
