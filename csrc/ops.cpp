@@ -1064,7 +1064,9 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
     case kErrorPayloadMismatch:
       os << "peers " << rank_list(missing) << " called dispatch with other payloads than this rank's (their "
          << "number, row sizes or eplb_local_stats differ), another num_experts, another active_rank_mask or, "
-         << "expert-major, another max_tokens_per_expert (they must be the same on all ranks for one call; "
+         << "expert-major, another max_tokens_per_expert, or, where the ids travel as a payload (the expert-major "
+         << "dispatch, a differentiable function's backward), expert ids of another width (they must be the same "
+         << "on all ranks for one call; "
          << "with the differentiable functions, a rank that skipped a backward, whose exchanges are collectives, "
          << "meets its peers' backward exchange here)";
       break;

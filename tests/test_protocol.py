@@ -680,9 +680,11 @@ def test_calls_differing_between_ranks_are_reported(differs, device):
                     rf"this rank's {Ts[r]} \(it must be equal on all ranks for one call\)")
         return (rf"rank {r}: peers \[{peers}\] called dispatch with other payloads than this rank's \(their "
                 rf"number, row sizes or eplb_local_stats differ\), another num_experts, another active_rank_mask or, "
-                rf"expert-major, another max_tokens_per_expert \(they must be the same on all ranks for one call; "
-                rf"with the differentiable functions, a rank that skipped a backward, whose exchanges are "
-                rf"collectives, meets its peers' backward exchange here\)")
+                rf"expert-major, another max_tokens_per_expert, or, where the ids travel as a payload \(the "
+                rf"expert-major dispatch, a differentiable function's backward\), expert ids of another width "
+                rf"\(they must be the same on all ranks for one call; with the differentiable functions, a rank "
+                rf"that skipped a backward, whose exchanges are collectives, meets its peers' backward exchange "
+                rf"here\)")
 
     def round_of_calls(r):
         """The rank's dispatch and combine; the first error's text, or None."""
@@ -709,6 +711,40 @@ def test_calls_differing_between_ranks_are_reported(differs, device):
         sim.metainfo[r] = a2a.moe_a2a_initialize(sim.workspace, r, ep, case.max_tokens, eplb_n)
     a2a.check_errors(sim.workspace)
     round_trip(sim, case, make_inputs(case, gen), gen)
+
+
+def test_expert_ids_of_another_width_on_a_peer_are_reported(device):
+    """The expert-major dispatch sends the ids as a payload of their own, so
+    int32 ids on one rank and int64 on another are payloads of two row sizes:
+    every rank fails, and the error names the ids' width."""
+    ep, T, top_k, num_experts, hidden = 2, 3, 2, 4, 8
+    gen = make_generator("id-width")
+    ids = [torch.randint(0, num_experts, (T, top_k), generator=gen).to(dtype).to(device)
+           for dtype in (torch.int32, torch.int64)]
+    x = [torch.randn(T, hidden, generator=gen).to(device) for _ in range(ep)]
+    size = a2a.moe_a2a_get_workspace_size_per_rank_expert_major(ep, T, 4 * hidden * 4, 4 * hidden * 4, num_experts,
+                                                                 top_k)
+    sim = a2a.SimulatedEP(ep, T, workspace_size_per_rank=size, device=device, timeout_s=20)
+
+    def round_of_calls(r):
+        try:
+            d = a2a.moe_a2a_dispatch_expert_major(ids[r], [x[r]], sim.workspace, sim.metainfo[r], T, r, ep, top_k,
+                                                  num_experts)
+            out = torch.empty(T, hidden, device=device)
+            a2a.moe_a2a_combine_expert_major(d.output_payloads[0].clone(), d, sim.workspace, sim.metainfo[r], r, ep,
+                                             output=out)
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+    first = sim.run(round_of_calls)
+    _wait_for_device(device)
+    message = r"called dispatch with other payloads than this rank's .* expert ids of another width"
+    for r in range(ep):
+        if device == "cpu":
+            assert first[r] is not None and re.search(message, first[r]), f"rank {r}: {first[r]}"
+    with pytest.raises(RuntimeError, match=message):
+        a2a.check_errors(sim.workspace)
 
 
 def test_ranks_with_different_rank_masks_are_reported(device):
