@@ -95,12 +95,15 @@ class TorchDistBackend:
         self._collective.barrier()
 
     def Split(self, color: int, key: int) -> "TorchDistBackend":
-        """The members of equal ``color``, ordered by ``key`` (then by global
-        rank), as a new backend. Collective over the whole group: every
-        member calls it, and ``new_subgroups_by_enumeration`` creates every
-        color's group on every member."""
-        everyone = self.allgather((int(color), int(key), self._dist.get_rank()))
-        colors = sorted({c for c, _, _ in everyone})
-        groups = [[r for _, r in sorted((k, r) for c, k, r in everyone if c == col)] for col in colors]
+        """The members of equal ``color``, as a new backend whose ranks follow
+        their global ranks (a ``torch.distributed`` group orders its members
+        so, whatever order it is given), as FlashInfer's ``TorchDistBackend``
+        does; ``key`` is taken for ``CommBackend``'s signature and not used
+        (an MPI communicator orders by it). Collective over the whole group:
+        every member calls it, and ``new_subgroups_by_enumeration`` creates
+        every color's group on every member."""
+        everyone = self.allgather((int(color), self._dist.get_rank()))
+        colors = sorted({c for c, _ in everyone})
+        groups = [sorted(r for c, r in everyone if c == col) for col in colors]
         mine, _ = self._dist.new_subgroups_by_enumeration(groups)
         return TorchDistBackend(mine)
