@@ -503,6 +503,58 @@ def test_calls_after_a_failed_one_ask_for_reset(wrapper, tmp_path):
     run_ranks(_failed_combine_worker, 2, (str(tmp_path / "init"), wrapper), report_dir=tmp_path, timeout_s=120)
 
 
+def _reset_refused_on_one_member_worker(rank: int, world: int, init_file: str) -> None:
+    import threading
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        tokens, hidden, top_k, num_experts = 6, 32, 2, 2 * world
+        gen = make_generator(f"reset refused {rank}")
+        x = torch.randn((tokens, hidden), generator=gen).to(torch.bfloat16)
+        ids = torch.randint(0, num_experts, (tokens, top_k), generator=gen, dtype=torch.int32)
+        moe = a2a.MoeAlltoAll(ep_mapping(rank, world), tokens, top_k, num_experts, hidden_size=hidden,
+                              group=dist.group.WORLD, device="cpu", timeout_s=2)
+        caught = []
+        if rank == 0:
+            # Another thread of rank 0 inside a dispatch, which waits for rank 1 (which resets instead).
+            def dispatch():
+                try:
+                    moe.dispatch(ids, [x], tokens)
+                except RuntimeError as e:
+                    caught.append(str(e))
+
+            worker = threading.Thread(target=dispatch)
+            worker.start()
+            time.sleep(0.3)
+        refused = r"MoeAlltoAll.reset: the re-initialization failed on group ranks \[0\], so every member raises"
+        with pytest.raises(RuntimeError, match=refused):
+            moe.reset()
+        if rank == 0:
+            worker.join()
+            assert len(caught) == 1 and "peers [1] did not arrive" in caught[0], caught
+        # Both members raised: the group's collectives are still in step, and a second reset works.
+        moe.reset()
+        rows = moe.dispatch(ids, [x], tokens)[0]
+        out = moe.combine((rows.float() * 3).to(torch.bfloat16), tokens)
+        expected = (x.float() * 3 * _ranks_reached(ids, num_experts // world)[:, None]).to(torch.bfloat16)
+        assert torch.equal(out, expected)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_reset_refused_on_one_member_raises_on_every_member(tmp_path):
+    """MoeAlltoAll.reset() while another thread of one member is inside a call:
+    that member's re-initialization is refused, and every member raises (a
+    member that raised alone would leave its peers' next collective paired
+    with another of its own); a second reset() on every member, once the
+    call returned, re-initializes, and round trips work again."""
+    from conftest import run_ranks
+
+    run_ranks(_reset_refused_on_one_member_worker, 2, (str(tmp_path / "init"),), report_dir=tmp_path, timeout_s=120)
+
+
 def _two_groups_worker(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=30))

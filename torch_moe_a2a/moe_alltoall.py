@@ -40,6 +40,7 @@ from .mapping import ep_group_color
 from .metainfo import check_timeout, reinitialize_row
 from .workspace import (
     allocate_workspace,
+    gather_failures,
     release_workspace_memory,
     restore_workspace_memory,
 )
@@ -86,6 +87,11 @@ class _SharedWorkspace:
     # a group of survivors, theirs (a dead rank's row keeps whatever record
     # it had when it died).
     checked_ranks: Optional[tuple[int, ...]] = None
+    # Initializations of the own row that the group's other rows went through
+    # and this one did not (its part of a reset refused where others' were
+    # not): the next reset makes them up, since each rank's first dispatch
+    # after an initialize waits for peers initialized as many times as it.
+    initializations_behind: int = 0
 
     def active_instance(self) -> Optional["MoeAlltoAll"]:
         return None if self.active is None else self.active()
@@ -1195,6 +1201,7 @@ class MoeAlltoAll:
         restore_workspace_memory(self.workspace, coll)
         self._initialize_own_row()
         coll.barrier()
+        self._shared.initializations_behind = 0  # fresh memory: every row's count starts again
         self._shared.collective = coll
         self._shared.mapped = True
         self._row_initialized()
@@ -1227,7 +1234,10 @@ class MoeAlltoAll:
         Raises:
             RuntimeError: the workspace was released by :meth:`checkpoint_prepare`;
                 the group's first barrier failed (a member that exited), with
-                the group's error as the cause: nothing was re-initialized.
+                the group's error as the cause: nothing was re-initialized; a
+                member's re-initialization was refused (another thread of its
+                process inside a call): every member raises, naming it, and
+                every member calls reset() again once that call returned.
             ValueError: ``group`` neither kind of group, a group of more members
                 than ``ep_size``, or one of fewer without ``enable_rank_mask``.
         """
@@ -1251,9 +1261,10 @@ class MoeAlltoAll:
         checked = None
         if group is not None:
             checked = tuple(sorted(v[0] for v in allgather_ints([self.ep_rank], coll)))
-        self._initialize_own_row()
-        if coll is not None:
-            coll.barrier()
+        if coll is None:
+            self._initialize_own_row()
+        else:
+            self._initialize_own_rows_together(coll)
         self._row_initialized(checked if checked is not None and len(checked) < self.ep_size else None)
 
     def _initialize_own_row(self) -> None:
@@ -1261,6 +1272,37 @@ class MoeAlltoAll:
         metainfo, which CUDA graphs baked in, stays valid), finished on the device."""
         reinitialize_row(self.workspace, self.metainfo)
         _synchronize(self.workspace)
+
+    def _initialize_own_rows_together(self, coll: Collective) -> None:
+        """Every member of ``coll`` initializes its own row, then every member
+        learns whether all did (a status exchange, in place of a barrier). A
+        member refused locally (another thread of its process inside a call)
+        must not raise alone: its peers would go on, and their next collective
+        would pair with another of its. So every member raises then, and the
+        members refused make up the initialization in their next reset."""
+        shared = self._shared
+        behind, done, error = shared.initializations_behind, 0, None
+        try:
+            for _ in range(1 + behind):
+                self._initialize_own_row()
+                done += 1
+        except Exception as e:  # every member hears of it below
+            error = e
+        failures = gather_failures(error, coll)
+        # No exception left in a local: its traceback would hold this frame (gather_failures' users say why).
+        cause = [error]
+        error = None
+        failed = [r for r, f in enumerate(failures) if f is not None]
+        shared.initializations_behind = 0
+        if failed:
+            # Each row's count of initializations stays where its member left
+            # it: the rows that went furthest set what the others make up.
+            ahead = max(v[0] for v in allgather_ints([done - behind], coll))
+            shared.initializations_behind = ahead - (done - behind)
+            detail = "; ".join(f"rank {r}: {failures[r][1]}" for r in failed)
+            raise RuntimeError(f"MoeAlltoAll.reset: the re-initialization failed on group ranks {failed}, so every "
+                               f"member raises ({detail}); call reset() again on every member once that is "
+                               "resolved") from cause.pop()
 
 
 def _group_members(coll: Optional[Collective]) -> Optional[tuple[int, ...]]:

@@ -363,7 +363,7 @@ def choose_handle_type(
 _Failure = Optional[tuple[int, str]]
 
 
-def _gather_failures(error: Optional[BaseException], coll: Collective) -> list[_Failure]:
+def gather_failures(error: Optional[BaseException], coll: Collective) -> list[_Failure]:
     """Collective: every member's outcome of a step, None or (kind, message)."""
     if error is None:
         status = bytes([_OK])
@@ -391,7 +391,7 @@ def _collective_step(step: str, coll: Collective) -> Iterator[None]:
         yield
     except Exception as e:  # reported to every member below
         error = e
-    failures = _gather_failures(error, coll)
+    failures = gather_failures(error, coll)
     # The exception must not stay in a local here: it was thrown into this
     # frame, so its traceback holds the frame, which would hold it, a cycle
     # that keeps the caller's frame (and the process group in it) alive until
@@ -694,7 +694,7 @@ def _trade_fabric_handles(
             raise RuntimeError(f"a fabric handle has {_FABRIC_HANDLE_BYTES} bytes, the export gave {len(exported)}")
     except Exception as e:  # typically no IMEX channel: the peers learn it below
         error = e
-    failures = [None if f is None else f[1] for f in _gather_failures(error, coll)]
+    failures = [None if f is None else f[1] for f in gather_failures(error, coll)]
     # An exception left in a local ties this frame, and through it the
     # caller's (which will hold the workspace), into a reference cycle: the
     # workspace would outlive its last reference until the garbage collector runs.
@@ -709,7 +709,7 @@ def _trade_fabric_handles(
                 handles[peer] = ops.vmm_import(index, list(shareable), FABRIC)
     except Exception as e:
         error = e
-    failures = [None if f is None else f[1] for f in _gather_failures(error, coll)]
+    failures = [None if f is None else f[1] for f in gather_failures(error, coll)]
     error = None  # no cycle (above)
     return failures
 
