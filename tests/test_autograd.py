@@ -655,6 +655,63 @@ def test_a_checkpointed_dispatch_without_its_combine(layout, device):
         assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("region", ["combine", "combine-and-next-dispatch"])
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+def test_checkpoint_context_on_a_combine_without_its_dispatch(layout, region, device):
+    """Two layers; a region under context_fn=checkpoint_context holds layer
+    1's expert and combine but not its dispatch (and, in the second form,
+    layer 2's dispatch too). The recomputation hands the saved exchanges
+    back, after layer 2's dispatch and backward rounds: the combine's checks
+    against the rank's last dispatch are not made there (they would compare
+    with layer 2's ids). Outputs and gradients are bitwise those without
+    checkpointing."""
+    tokens, top_k, num_experts, hidden = 5, 2, 4, 8
+    sim = make_sim(1, tokens, hidden, top_k, device=device) if layout == "rank-major" else \
+        make_em_sim(1, tokens, hidden, top_k, num_experts, device=device)
+    gen = torch.Generator().manual_seed(23 + 2 * (layout == "expert-major") + (region == "combine"))
+    ids = [reference.random_routing(tokens, top_k, num_experts, gen).to(device) for _ in range(2)]
+    w = [torch.rand(tokens, top_k, generator=gen).to(device) for _ in range(2)]
+    x0 = torch.randn(tokens, hidden, generator=gen).to(device)
+    weight0 = torch.randn(hidden, hidden, generator=gen).to(device)
+
+    def dispatch(x, i):
+        if layout == "rank-major":
+            (rows,), offset, _ = moe_a2a_dispatch_differentiable(ids[i], [x], sim.workspace, sim.metainfo[0], tokens,
+                                                                 0, 1, top_k, num_experts)
+            return rows, offset
+        dispatched = moe_a2a_dispatch_expert_major_differentiable(ids[i], [x], sim.workspace, sim.metainfo[0], tokens,
+                                                                  0, 1, top_k, num_experts, router_weights=w[i])
+        return dispatched.output_payloads[0], dispatched
+
+    def experts_and_combine(rows, routed, weight, i):
+        y = torch.tanh(rows @ weight)
+        if layout == "rank-major":
+            return moe_a2a_combine_differentiable(y, ids[i], sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k,
+                                                  num_experts, routed)
+        return moe_a2a_combine_expert_major_differentiable(y, routed, ids[i], sim.workspace, sim.metainfo[0], 0, 1)
+
+    def run(checkpointing):
+        x, weight = x0.clone().requires_grad_(), weight0.clone().requires_grad_()
+        rows, routed = dispatch(x, 0)
+        later = {}
+
+        def block(rows, x):
+            h = x + experts_and_combine(rows, routed, weight, 0)
+            if region == "combine-and-next-dispatch":
+                later["rows"], later["routed"] = dispatch(h, 1)
+            return h
+
+        h = _checkpointed(block, a2a.checkpoint_context)(rows, x) if checkpointing else block(rows, x)
+        rows2, routed2 = (later["rows"], later["routed"]) if later else dispatch(h, 1)
+        out = h + experts_and_combine(rows2, routed2, weight, 1)
+        out.square().sum().backward()
+        return out.detach(), x.grad, weight.grad
+
+    want = run(False)
+    for got, expected in zip(run(True), want):
+        assert torch.equal(got, expected)
+
+
 CHECKPOINTINGS = ["none", "early-stop", "no-early-stop", "checkpoint_context", "reentrant"]
 
 

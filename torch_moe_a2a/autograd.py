@@ -78,6 +78,7 @@ from .arguments import COMBINE_DTYPES, dispatch_args
 from .expert_major import ExpertMajorDispatch
 from .fastpath import (
     checkpoint_mode,
+    checkpoint_recomputation,
     direct_call_ok,
     expect_tensor_list,
     expect_tensors,
@@ -372,8 +373,9 @@ def _traced() -> bool:
 
 
 def _recorded() -> bool:
-    """Whether this call keeps the eager bookkeeping: eager, or under selective checkpointing's mode."""
-    return not _traced() or checkpoint_mode()
+    """Whether this call keeps the eager bookkeeping: eager, or under selective
+    checkpointing's mode but for its recomputation (checkpoint_recomputation)."""
+    return not _traced() or (checkpoint_mode() and not checkpoint_recomputation())
 
 
 def _plain(t: Tensor) -> bool:

@@ -293,9 +293,23 @@ def checkpoint_mode() -> bool:
     return bool(_CHECKPOINT_MODES) and isinstance(_get_current_dispatch_mode(), _CHECKPOINT_MODES)
 
 
-# Selective checkpointing's dispatch modes (private classes of torch.utils.checkpoint; none where a torch lacks them).
-_CHECKPOINT_MODES = tuple(m for m in (getattr(checkpoint, "_CachingTorchDispatchMode", None),
-                                      getattr(checkpoint, "_CachedTorchDispatchMode", None)) if m is not None)
+def checkpoint_recomputation() -> bool:
+    """Whether the current dispatch mode is selective activation
+    checkpointing's recomputation, which hands back the outputs the forward
+    saved of the exchanges (checkpoint_policy saves them): no exchange runs
+    there, so there is nothing to record or check. Its checks would compare
+    with the rank's current last dispatch, a later layer's where the region
+    holds a combine without its dispatch."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    return _RECOMPUTATION_MODE is not None and isinstance(_get_current_dispatch_mode(), _RECOMPUTATION_MODE)
+
+
+# Selective checkpointing's dispatch modes (private classes of torch.utils.checkpoint; none where a torch lacks
+# them): the forward's, which saves outputs, and the recomputation's, which hands them back.
+_RECOMPUTATION_MODE = getattr(checkpoint, "_CachedTorchDispatchMode", None)
+_CHECKPOINT_MODES = tuple(m for m in (getattr(checkpoint, "_CachingTorchDispatchMode", None), _RECOMPUTATION_MODE)
+                          if m is not None)
 
 
 def refuse_forward_ad(fn: str, tensors: Any) -> None:
