@@ -813,6 +813,64 @@ def test_compiled_checkpointed_training_step(layout):
     torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+def test_compiled_checkpointed_combine_without_its_dispatch(layout):
+    """torch.compile of two layers, layer 1's expert and combine in a
+    checkpointed region without its dispatch, the backward reading the
+    combine's output: the partitioner recomputes the combine in the backward,
+    where it would run as a combine of layer 2's round (wrong gradients, and
+    compiled calls make no host checks). The combine op refuses to run
+    inside a backward that did not recompute its dispatch; with
+    context_fn=checkpoint_context the gradients are eager's."""
+    torch._dynamo.reset()
+    tokens, top_k, num_experts, hidden = 5, 2, 4, 8
+    sim = make_sim(1, tokens, hidden, top_k) if layout == "rank-major" else \
+        make_em_sim(1, tokens, hidden, top_k, num_experts)
+    gen = torch.Generator().manual_seed(24)
+    ids = [reference.random_routing(tokens, top_k, num_experts, gen) for _ in range(2)]
+    x0 = torch.randn(tokens, hidden, generator=gen)
+    weight0 = torch.randn(hidden, hidden, generator=gen) / 3
+
+    def layer(x, i, weight, context_fn):
+        ws, meta = sim.workspace, sim.metainfo[0]
+        if layout == "rank-major":
+            (rows,), offset, _ = moe_a2a_dispatch_differentiable(ids[i], [x], ws, meta, tokens, 0, 1, top_k,
+                                                                 num_experts)
+
+            def experts_and_combine(rows, weight):
+                return moe_a2a_combine_differentiable(torch.tanh(rows @ weight), ids[i], ws, meta, tokens, 0, 1,
+                                                      top_k, num_experts, offset)
+        else:
+            dispatched = moe_a2a_dispatch_expert_major_differentiable(ids[i], [x], ws, meta, tokens, 0, 1, top_k,
+                                                                      num_experts)
+            rows = dispatched.output_payloads[0]
+
+            def experts_and_combine(rows, weight):
+                return moe_a2a_combine_expert_major_differentiable(torch.tanh(rows @ weight), dispatched, ids[i], ws,
+                                                                   meta, 0, 1)
+        if context_fn is False:
+            return experts_and_combine(rows, weight)
+        return _checkpointed(experts_and_combine, context_fn)(rows, weight)
+
+    def model(x, weight, context_fn):
+        c1 = layer(x, 0, weight, context_fn)
+        return c1 * layer(x + c1, 1, weight, False)  # the product's backward reads c1
+
+    def run(fn, context_fn):
+        x, weight = x0.clone().requires_grad_(), weight0.clone().requires_grad_()
+        fn(x, weight, context_fn).sum().backward()
+        return x.grad, weight.grad
+
+    want = run(model, False)
+    with pytest.raises(RuntimeError, match="recomputed in the backward without its dispatch"):
+        run(torch.compile(model, backend="aot_eager", fullgraph=True), None)
+    sim.reset()
+    torch._dynamo.reset()
+    got = run(torch.compile(model, backend="aot_eager", fullgraph=True), a2a.checkpoint_context)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
 # ---- determinism and the collective backward -----------------------------------------------------------
 
 

@@ -416,12 +416,39 @@ def _call(op, *args):
 # ---- the ops -------------------------------------------------------------------------------------------
 
 
+# The graph task (torch._C._current_graph_task_id: -1 outside a backward) in
+# which each rank's last forward dispatch ran, by workspace address and rank.
+# A forward combine runs inside a backward only as a recomputation, which
+# must have recomputed its dispatch in that backward too: a compiled step's
+# partitioner may recompute a combine whose dispatch lies outside the
+# checkpointed region, and that combine would run as one of a later round
+# (wrong gradients: compiled calls make no host checks). The ops' own bodies
+# run at every call, compiled or not, so they note and check.
+_FORWARD_DISPATCH_TASK: dict[tuple[int, int], int] = {}
+
+
+def _note_forward_dispatch(workspace: Tensor, rank: int) -> None:
+    _FORWARD_DISPATCH_TASK[(workspace.data_ptr(), rank)] = torch._C._current_graph_task_id()
+
+
+def _refuse_recomputed_combine_alone(fn: str, workspace: Tensor, rank: int) -> None:
+    task = torch._C._current_graph_task_id()
+    if task != -1 and _FORWARD_DISPATCH_TASK.get((workspace.data_ptr(), rank)) != task:
+        raise RuntimeError(
+            f"{fn}: a combine recomputed in the backward without its dispatch (a checkpointed region that holds the "
+            "combine but not its dispatch, whose combine torch.compile's partitioner chose to recompute): it would "
+            "run as a combine of a later round and give wrong gradients. Checkpoint with "
+            "context_fn=torch_moe_a2a.checkpoint_context, which saves the exchanges' outputs, or put the dispatch "
+            "in the region too")
+
+
 @_custom_op("dispatch_owned")
 def dispatch_owned(token_selected_experts: Tensor, input_payloads: list[Tensor], workspace: Tensor, ep_rank: int,
                    ep_size: int, max_num_tokens: int, runtime_max_tokens_per_rank: int, top_k: int,
                    num_experts: int, active_rank_mask: list[int], timeout_s: float, mailbox: int,
                    enable_pdl: bool) -> list[Tensor]:
     """The dispatch op; returns ``[*planes, recv_counts]`` (new tensors, see :func:`_owned_planes`)."""
+    _note_forward_dispatch(workspace, ep_rank)
     if direct_call_ok(token_selected_experts, workspace, *input_payloads):
         return _C.dispatch_owned(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
                                  runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask, timeout_s,
@@ -440,6 +467,7 @@ def combine_owned(payload: Tensor, token_selected_experts: Tensor, workspace: Te
                   num_experts: int, active_rank_mask: list[int], timeout_s: float, mailbox: int,
                   enable_pdl: bool) -> Tensor:
     """The combine op closing the round ``dispatch_owned`` opened; ``[local_num_tokens, *row]`` of payload's dtype."""
+    _refuse_recomputed_combine_alone("moe_a2a_combine_differentiable", workspace, ep_rank)
     if direct_call_ok(payload, token_selected_experts, workspace):
         return _C.combine_owned(payload, token_selected_experts, workspace, combine_payload_offset, ep_rank, ep_size,
                                 max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
@@ -1077,6 +1105,7 @@ def dispatch_em_owned(token_selected_experts: Tensor, input_payloads: list[Tenso
     """The expert-major dispatch with fp32 ``router_weights``; returns
     ``[*planes, expert_counts, local_expert_ids, pair_weights]`` (new tensors,
     see :func:`_owned_em`)."""
+    _note_forward_dispatch(workspace, ep_rank)
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
     with _Unrecorded():
@@ -1095,6 +1124,7 @@ def combine_em_owned(expert_outputs: Tensor, pair_weights: Tensor, expert_counts
     """The weighted expert-major combine closing the round ``dispatch_em_owned``
     opened, with ``pair_weights`` fp32 ``[num_local_experts, max_tokens_per_expert]``
     as the pairs' weights; ``[local_num_tokens, *row]`` of the outputs' dtype."""
+    _refuse_recomputed_combine_alone("moe_a2a_combine_expert_major_differentiable", workspace, ep_rank)
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
     with _Unrecorded():
