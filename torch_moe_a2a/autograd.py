@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from typing import Any, Callable, Optional
 
 import torch
@@ -408,35 +409,49 @@ def _call(op, *args):
             if not _plain(t):
                 return op(*args)
             requires_grad = requires_grad or t.requires_grad
-    if requires_grad and torch.is_grad_enabled():
-        return _EagerFunction.apply(entry, args, *tensors)
-    return entry.impl(*args)
+    outer = getattr(_EAGER_CALL, "active", False)
+    _EAGER_CALL.active = True
+    try:
+        if requires_grad and torch.is_grad_enabled():
+            return _EagerFunction.apply(entry, args, *tensors)
+        return entry.impl(*args)
+    finally:
+        _EAGER_CALL.active = outer
 
 
 # ---- the ops -------------------------------------------------------------------------------------------
 
 
 # The graph task (torch._C._current_graph_task_id: -1 outside a backward) in
-# which each rank's last forward dispatch ran, by workspace address and rank.
-# A forward combine runs inside a backward only as a recomputation, which
-# must have recomputed its dispatch in that backward too: a compiled step's
-# partitioner may recompute a combine whose dispatch lies outside the
-# checkpointed region, and that combine would run as one of a later round
-# (wrong gradients: compiled calls make no host checks). The ops' own bodies
-# run at every call, compiled or not, so they note and check.
+# which each rank's last forward dispatch ran, by workspace address and rank;
+# a backward's round removes the entry (it closed that dispatch's round). A
+# forward combine runs inside a backward only as a recomputation, which must
+# have recomputed its dispatch in that backward, with no backward round in
+# between: a compiled step's partitioner may recompute a combine whose
+# dispatch lies outside the checkpointed region, and that combine would run
+# as one of a later round (wrong gradients: compiled calls make no host
+# checks). The ops' bodies run at every call, so they note and check; the
+# eager calls (through _call) are checked before, against the ids of the
+# rank's last dispatch, and a combine that passes there is right.
 _FORWARD_DISPATCH_TASK: dict[tuple[int, int], int] = {}
+_EAGER_CALL = threading.local()
 
 
 def _note_forward_dispatch(workspace: Tensor, rank: int) -> None:
     _FORWARD_DISPATCH_TASK[(workspace.data_ptr(), rank)] = torch._C._current_graph_task_id()
 
 
+def _note_backward_round(workspace: Tensor, rank: int) -> None:
+    _FORWARD_DISPATCH_TASK.pop((workspace.data_ptr(), rank), None)
+
+
 def _refuse_recomputed_combine_alone(fn: str, workspace: Tensor, rank: int) -> None:
     task = torch._C._current_graph_task_id()
-    if task != -1 and _FORWARD_DISPATCH_TASK.get((workspace.data_ptr(), rank)) != task:
+    if task != -1 and not getattr(_EAGER_CALL, "active", False) and \
+            _FORWARD_DISPATCH_TASK.get((workspace.data_ptr(), rank)) != task:
         raise RuntimeError(
             f"{fn}: a combine recomputed in the backward without its dispatch (a checkpointed region that holds the "
-            "combine but not its dispatch, whose combine torch.compile's partitioner chose to recompute): it would "
+            "combine but not its dispatch, whose combine a compiled step's partitioner chose to recompute): it would "
             "run as a combine of a later round and give wrong gradients. Checkpoint with "
             "context_fn=torch_moe_a2a.checkpoint_context, which saves the exchanges' outputs, or put the dispatch "
             "in the region too")
@@ -485,6 +500,7 @@ def dispatch_round(rows: Tensor, token_selected_experts: Tensor, workspace: Tens
     """A dispatch of ``rows`` ``[local_num_tokens, *row]`` then a combine of one
     fp32 zero per row (closing the round); returns the received plane
     ``[ep_size, runtime_max_tokens_per_rank, *row]``, padding rows zero."""
+    _note_backward_round(workspace, ep_rank)
     if direct_call_ok(rows, token_selected_experts, workspace):
         plane = _C.dispatch_round(rows, token_selected_experts, workspace, ep_rank, ep_size, max_num_tokens,
                                   runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask, timeout_s,
@@ -509,6 +525,7 @@ def combine_round(payloads: list[Tensor], token_selected_experts: Tensor, worksp
     combine of each of ``payloads`` (at least one, each ``[ep_size,
     runtime_max_tokens_per_rank, *row]``; after the first, the round's
     repeated combines); returns their sums, ``[local_num_tokens, *row]`` each."""
+    _note_backward_round(workspace, ep_rank)
     if direct_call_ok(token_selected_experts, workspace, *payloads):
         sums = _C.combine_round(payloads, token_selected_experts, workspace, ep_rank, ep_size, max_num_tokens,
                                 runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask, timeout_s,
@@ -1159,6 +1176,7 @@ def dispatch_em_round(rows: Tensor, slot_values: Tensor, token_selected_experts:
     ``[plane, pair_values]``: ``[num_local_experts, max_tokens_per_expert,
     *row]`` (each pair's token row) and fp32 ``[num_local_experts,
     max_tokens_per_expert]`` (each pair's slot value), padding rows zero."""
+    _note_backward_round(workspace, ep_rank)
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
     M = max_tokens_per_expert
@@ -1185,6 +1203,7 @@ def combine_em_round(plane: Tensor, pair_values: Tensor, token_selected_experts:
     pairs' rows (``[local_num_tokens, *row]``, summed in fp32, cast once to
     the plane's dtype) and its pairs' values by top-k slot (fp32
     ``[local_num_tokens, top_k]``, 0 for a slot without a kept pair)."""
+    _note_backward_round(workspace, ep_rank)
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
     ids, M = token_selected_experts, max_tokens_per_expert
