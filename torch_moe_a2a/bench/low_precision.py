@@ -142,12 +142,13 @@ def _quantizer(device: torch.device) -> tuple[Callable, str]:
 def _memory_bytes(ep: int, tokens: int, hidden: int, top_k: int) -> int:
     """Upper estimate of the memory one point needs (device memory; on the CPU
     all of it): every simulated rank's workspace, the payloads and routing,
-    and four bf16 outputs per rank (a variant's outputs, the previous
-    variant's until replaced, the bf16 combine's kept for the checks, the
-    unfused quantizer's output)."""
+    the experts' outputs (``ep * tokens`` rows per rank) and four bf16
+    outputs per rank (a variant's outputs, the previous variant's until
+    replaced, the bf16 combine's kept for the checks, the unfused quantizer's
+    output)."""
     dispatch_row, combine_row = hidden * 2 + top_k * 4, hidden * 2
     workspace = ep * layout.workspace_size_per_rank(ep, tokens, dispatch_row, combine_row, 0)
-    return workspace + ep * tokens * (dispatch_row + 4 * combine_row)
+    return workspace + ep * tokens * (dispatch_row + (ep + 4) * combine_row)
 
 
 def run_variants(device: torch.device, eps: list[int], tokens_list: list[int], iters: int, warmup: int,
@@ -253,11 +254,16 @@ def _run_point(device, clock, ep, tokens, hidden, experts, top_k, iters, warmup,
     hid = [torch.randn(tokens, hidden, generator=gen).bfloat16().to(device) for _ in range(ep)]
     state = {}
     cuda = device.type == "cuda"
+    # The experts' outputs, a tensor of their own per rank (as a GEMM's would
+    # be), here the received rows: a receive view given to the combine would
+    # have its own rows staged too (the peers' next dispatch may write there).
+    expert_out = [torch.empty((ep, tokens, hidden), dtype=torch.bfloat16, device=device) for _ in range(ep)]
 
     def dispatch(r):
         recv, offset, _ = moe_a2a_dispatch(ids[r], [hid[r]], sim.workspace, sim.metainfo[r], tokens, r, ep, top_k,
                                            experts)
-        state[r] = (recv[0], offset)
+        expert_out[r].copy_(recv[0])  # in the dispatch's untimed graph
+        state[r] = (expert_out[r], offset)
 
     g_dispatch, floor_us = None, None
     if cuda:
