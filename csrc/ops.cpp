@@ -238,10 +238,17 @@ void check_payload_apart_from_region(const at::Tensor& payload, const uint8_t* a
 
 // CombineParams::payload_in_workspace_memory of a combine whose other
 // parameters are set: a payload tensor that is not the own combine region
-// but lies in the workspace. Not a check: traced calls need it too.
+// but lies in the workspace, where an active peer's next dispatch may write.
+// Not a check: traced calls need it too.
 bool payload_in_workspace_memory(const CombineParams& p, const std::optional<at::Tensor>& payload) {
-  return p.payload != nullptr && p.payload != p.ws.row(p.ws.ep_rank) + p.combine_offset &&
-         in_workspace_memory(p.payload, payload->nbytes(), p.ws);
+  if (p.payload == nullptr || p.payload == p.ws.row(p.ws.ep_rank) + p.combine_offset ||
+      !in_workspace_memory(p.payload, payload->nbytes(), p.ws)) {
+    return false;
+  }
+  for (int r = 0; r < p.ws.ep_size; ++r) {
+    if (r != p.ws.ep_rank && rank_active(p.sync, r)) return true;
+  }
+  return false;
 }
 
 // Bytes of one row of `t` (all dimensions but the first), or -1 when it

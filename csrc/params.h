@@ -95,11 +95,11 @@ struct CombineParams {
   uint32_t signature;      // combine_signature of the call's rows (protocol.h, the equal-rows check)
   // The payload tensor lies in the workspace, not at the own combine region
   // (a receive view passed back, or an expert's output written in place into
-  // one): a peer's next dispatch may write there as soon as it saw this
-  // rank's combine flags, while this rank's pull still reads, so the rank-
-  // major combine stages the own source's rows with the others' (protocol.h,
-  // combine step 1). The expert-major combine needs not: no peer writes the
-  // own expert-major planes before this rank's pull_done.
+  // one), and an active peer exists: its next dispatch may write there as
+  // soon as it saw this rank's combine flags, while this rank's pull still
+  // reads, so the rank-major combine stages the own source's rows with the
+  // others' (protocol.h, combine step 1). The expert-major combine needs not:
+  // no peer writes the own expert-major planes before this rank's pull_done.
   bool payload_in_workspace_memory;
 };
 

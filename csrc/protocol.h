@@ -122,9 +122,10 @@
 //      rows: only r's own pull reads them, and it reads them from the
 //      payload, which saves their copy and the wait for it (at ep 1 the
 //      whole stage), unless the payload tensor lies in the workspace (a
-//      receive view passed back): a peer's dispatch n+1 may write there as
-//      soon as it saw this combine's flags (buffer reuse chain, below), so
-//      such a payload's r rows are staged too and pulled from the region.
+//      receive view passed back) and a peer is active: that peer's dispatch
+//      n+1 may write there as soon as it saw this combine's flags (buffer
+//      reuse chain, below), so such a payload's r rows are staged too and
+//      pulled from the region.
 //      The expert-major combine stages its valid rows [e, i] only when an
 //      active peer exists, and its pull reads the own pairs' rows from the
 //      payload (params.h, em_combine_stages; no peer writes them before its

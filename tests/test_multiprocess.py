@@ -514,7 +514,7 @@ def _reset_refused_on_one_member_worker(rank: int, world: int, init_file: str) -
         x = torch.randn((tokens, hidden), generator=gen).to(torch.bfloat16)
         ids = torch.randint(0, num_experts, (tokens, top_k), generator=gen, dtype=torch.int32)
         moe = a2a.MoeAlltoAll(ep_mapping(rank, world), tokens, top_k, num_experts, hidden_size=hidden,
-                              group=dist.group.WORLD, device="cpu", timeout_s=2)
+                              group=dist.group.WORLD, device="cpu", timeout_s=5)
         caught = []
         if rank == 0:
             # Another thread of rank 0 inside a dispatch, which waits for rank 1 (which resets instead).
@@ -526,7 +526,7 @@ def _reset_refused_on_one_member_worker(rank: int, world: int, init_file: str) -
 
             worker = threading.Thread(target=dispatch)
             worker.start()
-            time.sleep(0.3)
+            time.sleep(1.0)  # inside its wait, which lasts timeout_s
         refused = r"MoeAlltoAll.reset: the re-initialization failed on group ranks \[0\], so every member raises"
         with pytest.raises(RuntimeError, match=refused):
             moe.reset()

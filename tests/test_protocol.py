@@ -506,22 +506,28 @@ def test_free_running_combine_of_the_receive_view(layout, moves, device):
     thread between their rounds), replayed side by side."""
     ep, top_k, num_experts = 3, 1, 6
     rounds = 400 if device == "cpu" else 64
-    # Round A: only rank 2 has a token, routed to its own expert 4. Round B:
-    # rank 1 sends two tokens to rank 2, whose rows of B's layout (another T,
-    # or rows twice or half as wide) cover the bytes of A's own row there.
-    hidden_a, hidden_b = {"runtime_max": (4, 4), "wider_rows": (4, 8), "narrower_rows": (8, 4)}[moves]
-    specs = [(1 if moves == "runtime_max" else 2, (0, 0, 1), hidden_a), (2, (0, 2, 0), hidden_b)]
+    # Round A: one rank has a token, routed to its own expert. Round B: a peer
+    # sends two tokens to that rank, whose rows of B's layout (another T, or
+    # rows twice or half as wide) cover the bytes of A's own row there: A's
+    # row [2, 0] of 16 bytes under B's rows [1, 0..1] (T 1 -> 2, or 16 -> 32
+    # bytes at T 2); A's row [1, 0] of 32 bytes under B's rows [2, 0..1] of 16.
+    specs = {  # (T, tokens per rank, hidden, expert) of rounds A and B
+        "runtime_max": [(1, (0, 0, 1), 4, 4), (2, (0, 2, 0), 4, 4)],
+        "wider_rows": [(2, (0, 0, 1), 4, 4), (2, (0, 2, 0), 8, 4)],
+        "narrower_rows": [(2, (0, 1, 0), 8, 2), (2, (0, 0, 2), 4, 2)],
+    }[moves]
     gen = make_generator(f"{layout}-{moves}")
-    inputs = [[torch.randn(n, hidden, generator=gen).to(device) for n in tokens] for _, tokens, hidden in specs]
-    ids = [[torch.full((n, top_k), 4, dtype=torch.int32, device=device) for n in tokens] for _, tokens, _ in specs]
-    weights = [[torch.ones(n, top_k, device=device) for n in tokens] for _, tokens, _ in specs]
+    inputs = [[torch.randn(n, hidden, generator=gen).to(device) for n in tokens] for _, tokens, hidden, _ in specs]
+    ids = [[torch.full((n, top_k), expert, dtype=torch.int32, device=device) for n in tokens]
+           for _, tokens, _, expert in specs]
+    weights = [[torch.ones(n, top_k, device=device) for n in tokens] for _, tokens, _, _ in specs]
     sim = a2a.SimulatedEP(ep, 2, dispatch_bytes_per_token=32 + 8 * top_k, combine_bytes_per_token=32, device=device,
                           timeout_s=20)
 
     def rank_loop(r):
         outs = []
         for i in range(rounds):
-            T, tokens, _ = specs[i % 2]
+            T, tokens, _, _ = specs[i % 2]
             x = inputs[i % 2][r]
             if layout == "expert_major":
                 dispatched = a2a.moe_a2a_dispatch(ids[i % 2][r], [x], sim.workspace, sim.metainfo[r], T, r, ep, top_k,
