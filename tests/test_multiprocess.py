@@ -318,14 +318,21 @@ def _ranks_reached(ids: torch.Tensor, experts_per_rank: int) -> torch.Tensor:
     return (ids // experts_per_rank).sort(dim=1).values.diff(dim=1).ne(0).sum(dim=1) + 1
 
 
+def _small_round(name: str, rank: int, world: int) -> tuple:
+    """(tokens, hidden, top_k, num_experts, x, ids) of a small bf16 round with
+    int32 ids, seeded by ``name`` and the rank."""
+    tokens, hidden, top_k, num_experts = 6, 32, 2, 2 * world
+    gen = make_generator(f"{name} {rank}")
+    x = torch.randn((tokens, hidden), generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, num_experts, (tokens, top_k), generator=gen, dtype=torch.int32)
+    return tokens, hidden, top_k, num_experts, x, ids
+
+
 def _failed_combine_worker(rank: int, world: int, init_file: str, wrapper: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        tokens, hidden, top_k, num_experts = 6, 32, 2, 2 * world
-        gen = make_generator(f"failed combine {rank}")
-        x = torch.randn((tokens, hidden), generator=gen).to(torch.bfloat16)
-        ids = torch.randint(0, num_experts, (tokens, top_k), generator=gen, dtype=torch.int32)
+        tokens, hidden, top_k, num_experts, x, ids = _small_round("failed combine", rank, world)
         if wrapper == "MoeAlltoAll":
             moe = a2a.MoeAlltoAll(ep_mapping(rank, world), tokens, top_k, num_experts, hidden_size=hidden,
                                   group=dist.group.WORLD, device="cpu", timeout_s=10)
@@ -509,10 +516,7 @@ def _reset_refused_on_one_member_worker(rank: int, world: int, init_file: str) -
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        tokens, hidden, top_k, num_experts = 6, 32, 2, 2 * world
-        gen = make_generator(f"reset refused {rank}")
-        x = torch.randn((tokens, hidden), generator=gen).to(torch.bfloat16)
-        ids = torch.randint(0, num_experts, (tokens, top_k), generator=gen, dtype=torch.int32)
+        tokens, hidden, top_k, num_experts, x, ids = _small_round("reset refused", rank, world)
         moe = a2a.MoeAlltoAll(ep_mapping(rank, world), tokens, top_k, num_experts, hidden_size=hidden,
                               group=dist.group.WORLD, device="cpu", timeout_s=5)
         caught = []
