@@ -1229,7 +1229,10 @@ class MoeAlltoAll:
                 mask the others off (``active_rank_mask``), so the instance
                 must have been built with ``enable_rank_mask=True`` when the
                 group is smaller than ``ep_size``, and :meth:`check` reads the
-                survivors' rows only. Default: the instance's group.
+                survivors' rows only. A group of every member stands in for
+                an instance's group that failed (a collective of it that
+                timed out leaves a gloo group broken). Default: the
+                instance's group.
 
         Raises:
             RuntimeError: the workspace was released by :meth:`checkpoint_prepare`;
@@ -1256,7 +1259,9 @@ class MoeAlltoAll:
             except Exception as e:  # the group's own error (gloo: 'Connection closed by peer') names no way out
                 raise RuntimeError("MoeAlltoAll.reset: the group's barrier failed, so nothing was re-initialized: "
                                    "every member must call reset(); where a member exited, its survivors reset "
-                                   "over a group of their own, reset(group=...)") from e
+                                   "over a group of their own, reset(group=...); where the group itself failed "
+                                   "(one of its collectives timed out, which leaves a gloo group broken), every "
+                                   "member resets over a new group of all of them, reset(group=...)") from e
         # Which rows check() reads from now on: a group of survivors says whose.
         checked = None
         if group is not None:
