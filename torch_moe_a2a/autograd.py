@@ -66,8 +66,9 @@ backward: the reverse), the same on every rank.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
-import threading
 from typing import Any, Callable, Optional
 
 import torch
@@ -78,8 +79,7 @@ from . import _C, expert_major, layout
 from .arguments import COMBINE_DTYPES, dispatch_args
 from .expert_major import ExpertMajorDispatch
 from .fastpath import (
-    checkpoint_mode,
-    checkpoint_recomputation,
+    checkpoint_forward,
     direct_call_ok,
     expect_tensor_list,
     expect_tensors,
@@ -274,12 +274,25 @@ _IMPLS: dict[Any, Callable] = {}
 _EAGER: dict[Any, _Eager] = {}
 
 
-def _custom_op(name: str) -> Callable:
+def _custom_op(name: str, dispatcher_check: Optional[Callable[[Tensor, int], None]] = None) -> Callable:
     """``torch.library.custom_op`` of ``moe_a2a::name`` (mutating no argument),
-    keeping the Python function for the eager path."""
+    keeping the Python function for the eager path. ``dispatcher_check``
+    (given the call's ``workspace`` and ``ep_rank``) runs before the function
+    where the call comes through the dispatcher (traced, or from a compiled
+    graph), not on the eager path, which checks before it calls."""
 
     def wrap(fn: Callable):
-        op = torch.library.custom_op(f"moe_a2a::{name}", mutates_args=())(fn)
+        registered = fn
+        if dispatcher_check is not None:
+            names = list(inspect.signature(fn).parameters)
+            at_workspace, at_rank = names.index("workspace"), names.index("ep_rank")
+
+            @functools.wraps(fn)
+            def registered(*args):
+                dispatcher_check(args[at_workspace], args[at_rank])
+                return fn(*args)
+
+        op = torch.library.custom_op(f"moe_a2a::{name}", mutates_args=())(registered)
         _IMPLS[op] = fn
         return op
 
@@ -375,8 +388,8 @@ def _traced() -> bool:
 
 def _recorded() -> bool:
     """Whether this call keeps the eager bookkeeping: eager, or under selective
-    checkpointing's mode but for its recomputation (checkpoint_recomputation)."""
-    return not _traced() or (checkpoint_mode() and not checkpoint_recomputation())
+    checkpointing's forward mode (not its recomputation: checkpoint_forward)."""
+    return not _traced() or checkpoint_forward()
 
 
 def _plain(t: Tensor) -> bool:
@@ -409,14 +422,9 @@ def _call(op, *args):
             if not _plain(t):
                 return op(*args)
             requires_grad = requires_grad or t.requires_grad
-    outer = getattr(_EAGER_CALL, "active", False)
-    _EAGER_CALL.active = True
-    try:
-        if requires_grad and torch.is_grad_enabled():
-            return _EagerFunction.apply(entry, args, *tensors)
-        return entry.impl(*args)
-    finally:
-        _EAGER_CALL.active = outer
+    if requires_grad and torch.is_grad_enabled():
+        return _EagerFunction.apply(entry, args, *tensors)
+    return entry.impl(*args)
 
 
 # ---- the ops -------------------------------------------------------------------------------------------
@@ -430,11 +438,11 @@ def _call(op, *args):
 # between: a compiled step's partitioner may recompute a combine whose
 # dispatch lies outside the checkpointed region, and that combine would run
 # as one of a later round (wrong gradients: compiled calls make no host
-# checks). The ops' bodies run at every call, so they note and check; the
-# eager calls (through _call) are checked before, against the ids of the
-# rank's last dispatch, and a combine that passes there is right.
+# checks). The dispatch and round ops' bodies note at every call; the
+# combine ops check where called through the dispatcher (_custom_op's
+# dispatcher_check): eager calls (through _call) are checked before, against
+# the ids of the rank's last dispatch, and a combine that passes there is right.
 _FORWARD_DISPATCH_TASK: dict[tuple[int, int], int] = {}
-_EAGER_CALL = threading.local()
 
 
 def _note_forward_dispatch(workspace: Tensor, rank: int) -> None:
@@ -445,16 +453,22 @@ def _note_backward_round(workspace: Tensor, rank: int) -> None:
     _FORWARD_DISPATCH_TASK.pop((workspace.data_ptr(), rank), None)
 
 
-def _refuse_recomputed_combine_alone(fn: str, workspace: Tensor, rank: int) -> None:
-    task = torch._C._current_graph_task_id()
-    if task != -1 and not getattr(_EAGER_CALL, "active", False) and \
-            _FORWARD_DISPATCH_TASK.get((workspace.data_ptr(), rank)) != task:
-        raise RuntimeError(
-            f"{fn}: a combine recomputed in the backward without its dispatch (a checkpointed region that holds the "
-            "combine but not its dispatch, whose combine a compiled step's partitioner chose to recompute): it would "
-            "run as a combine of a later round and give wrong gradients. Checkpoint with "
-            "context_fn=torch_moe_a2a.checkpoint_context, which saves the exchanges' outputs, or put the dispatch "
-            "in the region too")
+def _refuse_recomputed_combine_alone(fn: str) -> Callable[[Tensor, int], None]:
+    """The dispatcher_check of a forward combine op (``fn``: the function it serves)."""
+
+    def check(workspace: Tensor, rank: int) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != -1 and _FORWARD_DISPATCH_TASK.get((workspace.data_ptr(), rank)) != task:
+            raise RuntimeError(_RECOMPUTED_COMBINE_ALONE.format(fn=fn))
+
+    return check
+
+
+_RECOMPUTED_COMBINE_ALONE = (
+    "{fn}: a combine recomputed in the backward without its dispatch (a checkpointed region that holds the combine "
+    "but not its dispatch, whose combine a compiled step's partitioner chose to recompute): it would run as a "
+    "combine of a later round and give wrong gradients. Checkpoint with context_fn=torch_moe_a2a.checkpoint_context, "
+    "which saves the exchanges' outputs, or put the dispatch in the region too")
 
 
 @_custom_op("dispatch_owned")
@@ -476,13 +490,12 @@ def dispatch_owned(token_selected_experts: Tensor, input_payloads: list[Tensor],
         return [*planes, counts.clone()]
 
 
-@_custom_op("combine_owned")
+@_custom_op("combine_owned", _refuse_recomputed_combine_alone("moe_a2a_combine_differentiable"))
 def combine_owned(payload: Tensor, token_selected_experts: Tensor, workspace: Tensor, combine_payload_offset: int,
                   ep_rank: int, ep_size: int, max_num_tokens: int, runtime_max_tokens_per_rank: int, top_k: int,
                   num_experts: int, active_rank_mask: list[int], timeout_s: float, mailbox: int,
                   enable_pdl: bool) -> Tensor:
     """The combine op closing the round ``dispatch_owned`` opened; ``[local_num_tokens, *row]`` of payload's dtype."""
-    _refuse_recomputed_combine_alone("moe_a2a_combine_differentiable", workspace, ep_rank)
     if direct_call_ok(payload, token_selected_experts, workspace):
         return _C.combine_owned(payload, token_selected_experts, workspace, combine_payload_offset, ep_rank, ep_size,
                                 max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
@@ -1132,7 +1145,7 @@ def dispatch_em_owned(token_selected_experts: Tensor, input_payloads: list[Tenso
     return [*planes, counts, ids, weights]
 
 
-@_custom_op("combine_em_owned")
+@_custom_op("combine_em_owned", _refuse_recomputed_combine_alone("moe_a2a_combine_expert_major_differentiable"))
 def combine_em_owned(expert_outputs: Tensor, pair_weights: Tensor, expert_counts: Tensor,
                      token_selected_experts: Tensor, workspace: Tensor, max_tokens_per_expert: int, dispatch_end: int,
                      combine_payload_offset: int, weights_offset: int, ep_rank: int, ep_size: int,
@@ -1141,7 +1154,6 @@ def combine_em_owned(expert_outputs: Tensor, pair_weights: Tensor, expert_counts
     """The weighted expert-major combine closing the round ``dispatch_em_owned``
     opened, with ``pair_weights`` fp32 ``[num_local_experts, max_tokens_per_expert]``
     as the pairs' weights; ``[local_num_tokens, *row]`` of the outputs' dtype."""
-    _refuse_recomputed_combine_alone("moe_a2a_combine_expert_major_differentiable", workspace, ep_rank)
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
     with _Unrecorded():

@@ -293,22 +293,22 @@ def checkpoint_mode() -> bool:
     return bool(_CHECKPOINT_MODES) and isinstance(_get_current_dispatch_mode(), _CHECKPOINT_MODES)
 
 
-def checkpoint_recomputation() -> bool:
+def checkpoint_forward() -> bool:
     """Whether the current dispatch mode is selective activation
-    checkpointing's recomputation, which hands back the outputs the forward
-    saved of the exchanges (checkpoint_policy saves them): no exchange runs
-    there, so there is nothing to record or check. Its checks would compare
-    with the rank's current last dispatch, a later layer's where the region
-    holds a combine without its dispatch."""
+    checkpointing's forward one, which runs the exchanges and saves their
+    outputs. Its recomputation hands them back (checkpoint_policy saves
+    them): no exchange runs there, so there is nothing to record or check,
+    and its checks would compare with the rank's current last dispatch, a
+    later layer's where the region holds a combine without its dispatch."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False
-    return _RECOMPUTATION_MODE is not None and isinstance(_get_current_dispatch_mode(), _RECOMPUTATION_MODE)
+    return _FORWARD_MODE is not None and isinstance(_get_current_dispatch_mode(), _FORWARD_MODE)
 
 
 # Selective checkpointing's dispatch modes (private classes of torch.utils.checkpoint; none where a torch lacks
 # them): the forward's, which saves outputs, and the recomputation's, which hands them back.
-_RECOMPUTATION_MODE = getattr(checkpoint, "_CachedTorchDispatchMode", None)
-_CHECKPOINT_MODES = tuple(m for m in (getattr(checkpoint, "_CachingTorchDispatchMode", None), _RECOMPUTATION_MODE)
+_FORWARD_MODE = getattr(checkpoint, "_CachingTorchDispatchMode", None)
+_CHECKPOINT_MODES = tuple(m for m in (_FORWARD_MODE, getattr(checkpoint, "_CachedTorchDispatchMode", None))
                           if m is not None)
 
 
