@@ -241,14 +241,8 @@ void check_payload_apart_from_region(const at::Tensor& payload, const uint8_t* a
 // but lies in the workspace, where an active peer's next dispatch may write.
 // Not a check: traced calls need it too.
 bool payload_in_workspace_memory(const CombineParams& p, const std::optional<at::Tensor>& payload) {
-  if (p.payload == nullptr || p.payload == p.ws.row(p.ws.ep_rank) + p.combine_offset ||
-      !in_workspace_memory(p.payload, payload->nbytes(), p.ws)) {
-    return false;
-  }
-  for (int r = 0; r < p.ws.ep_size; ++r) {
-    if (r != p.ws.ep_rank && rank_active(p.sync, r)) return true;
-  }
-  return false;
+  return p.payload != nullptr && p.payload != p.ws.row(p.ws.ep_rank) + p.combine_offset &&
+         in_workspace_memory(p.payload, payload->nbytes(), p.ws) && any_active_peer(p.sync, p.ws);
 }
 
 // Bytes of one row of `t` (all dimensions but the first), or -1 when it

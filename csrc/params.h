@@ -37,6 +37,14 @@ struct SyncParams {
 
 MOE_A2A_HD bool rank_active(const SyncParams& s, int r) { return (s.active_mask[r >> 6] >> (r & 63)) & 1u; }
 
+// Whether a rank other than the own one takes part in the call.
+MOE_A2A_HD bool any_active_peer(const SyncParams& s, const WorkspaceView& ws) {
+  for (int r = 0; r < ws.ep_size; ++r) {
+    if (r != ws.ep_rank && rank_active(s, r)) return true;
+  }
+  return false;
+}
+
 struct InitParams {
   WorkspaceView ws;
   int64_t max_num_tokens;
@@ -170,11 +178,7 @@ MOE_A2A_HD bool em_combine_own_from_payload(const CombineParams& p) {
   return p.payload != nullptr && p.payload != p.ws.row(p.ws.ep_rank) + p.combine_offset;
 }
 MOE_A2A_HD bool em_combine_stages(const CombineParams& p) {
-  if (!em_combine_own_from_payload(p)) return false;
-  for (int r = 0; r < p.ws.ep_size; ++r) {
-    if (r != p.ws.ep_rank && rank_active(p.sync, r)) return true;
-  }
-  return false;
+  return em_combine_own_from_payload(p) && any_active_peer(p.sync, p.ws);
 }
 
 // Outcome of a CPU call that waits for peers.
