@@ -40,6 +40,7 @@ from .mapping import ep_group_color
 from .metainfo import check_timeout, reinitialize_row
 from .workspace import (
     allocate_workspace,
+    failed_members,
     gather_failures,
     release_workspace_memory,
     restore_workspace_memory,
@@ -1297,14 +1298,13 @@ class MoeAlltoAll:
         # No exception left in a local: its traceback would hold this frame (gather_failures' users say why).
         cause = [error]
         error = None
-        failed = [r for r, f in enumerate(failures) if f is not None]
+        failed, detail = failed_members(failures)
         shared.initializations_behind = 0
         if failed:
             # Each row's count of initializations stays where its member left
             # it: the rows that went furthest set what the others make up.
             ahead = max(v[0] for v in allgather_ints([done - behind], coll))
             shared.initializations_behind = ahead - (done - behind)
-            detail = "; ".join(f"rank {r}: {failures[r][1]}" for r in failed)
             raise RuntimeError(f"MoeAlltoAll.reset: the re-initialization failed on group ranks {failed}, so every "
                                f"member raises ({detail}); call reset() again on every member once that is "
                                "resolved") from cause.pop()

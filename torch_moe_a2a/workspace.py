@@ -373,11 +373,16 @@ def gather_failures(error: Optional[BaseException], coll: Collective) -> list[_F
     return [None if raw[0] == _OK else (raw[0], raw[1:].decode(errors="replace")) for raw in coll.allgather(status)]
 
 
-def _raise_failures(step: str, failures: list[_Failure], cause: Optional[BaseException]) -> None:
+def failed_members(failures: list[_Failure]) -> tuple[list[int], str]:
+    """The group ranks whose step failed, and their messages ('rank r: ...; ...')."""
     failed = [r for r, f in enumerate(failures) if f is not None]
+    return failed, "; ".join(f"rank {r}: {failures[r][1]}" for r in failed)
+
+
+def _raise_failures(step: str, failures: list[_Failure], cause: Optional[BaseException]) -> None:
+    failed, detail = failed_members(failures)
     if not failed:
         return
-    detail = "; ".join(f"rank {r}: {failures[r][1]}" for r in failed)
     cls = ValueError if all(failures[r][0] == _BAD_VALUE for r in failed) else RuntimeError
     raise cls(f"allocate_workspace: {step} failed on group ranks {failed}: {detail}") from cause
 
