@@ -29,7 +29,7 @@ from conftest import (
 )
 
 import torch_moe_a2a as a2a
-from torch_moe_a2a import layout, reference
+from torch_moe_a2a import layout, moe_ep, reference
 from torch_moe_a2a.moe_ep import BootstrapConfig, MoEEpCommParams, NVLinkOneSidedConfig
 
 HIDDEN = 96
@@ -240,6 +240,49 @@ def _vllm_one_sided_sequence(rank, world, device):
     comm.destroy()
 
 
+def _moe_ep_factory_sequence(rank, world, device):
+    """FlashInfer's moe_ep as its CFT release's multi-rank test
+    (tests/moe_ep/test_moe_ep_communication_multirank.py) builds and drives
+    it: create_communication with an NVLinkOneSidedConfig of EPLB stats, a
+    rank mask, CFT off and a wait bound; the instance's own
+    active_rank_mask; two steps, then the instance's checkpoint_prepare and
+    checkpoint_restore, then a step with one rank masked off."""
+    num_experts = ONE_SIDED_EXPERTS
+    params = MoEEpCommParams(num_experts=num_experts, top_k=TOP_K, max_tokens_per_rank=MAX_TOKENS,
+                             hidden_size=HIDDEN, invalid_expert_id=INVALID_ID)
+    config = NVLinkOneSidedConfig(eplb_stats_num_experts=num_experts, enable_rank_mask=True, cft=False,
+                                  timeout_sec=60)
+    comm = moe_ep.create_communication(BootstrapConfig(world_size=world, rank=rank), params, config, device=device)
+    assert isinstance(comm, moe_ep.NVLinkOneSidedAlltoAll) and comm.config is config and not comm.cft_enabled
+    assert comm.alltoall.timeout_s == 60
+    for step, tokens in enumerate(STEPS):
+        if step == 2:
+            comm.checkpoint_prepare()
+            comm.checkpoint_prepare()  # a second call does nothing, as FlashInfer's
+            comm.checkpoint_restore(TorchDistributedCommBackend(dist.group.WORLD))
+        tokens = list(tokens[:world])
+        active = [r for r in range(world) if step < 3 or r != MASKED_RANK]
+        if rank not in active:
+            continue
+        mask = comm.active_rank_mask(active)
+        runtime_max = max(1, max(tokens))
+        ids, payloads = _inputs(f"factory-{world}-{step}", tokens, num_experts=num_experts)
+        x, topk_ids, topk_weights = (p.to(device) for p in payloads[rank])
+        stats = torch.arange(num_experts, dtype=torch.int32, device=device) * (rank + 1) + step
+        got = comm.dispatch(x, topk_ids, topk_weights, max_tokens_per_rank=runtime_max, eplb_local_stats=stats,
+                            active_rank_mask=mask)
+        for r in active:
+            expected = torch.arange(num_experts, dtype=torch.int32) * (r + 1) + step
+            assert torch.equal(got.eplb_gathered_stats[r].cpu(), expected), f"factory step {step}: stats of rank {r}"
+        recv = [t.view(world, runtime_max, -1).clone() for t in (got.hidden_states, got.topk_ids, got.topk_weights)]
+        counts = comm.alltoall.recv_counts.clone()
+        experts = _expert_outputs(recv[0], recv[1], recv[2], counts, rank, world, num_experts)
+        output = comm.combine(experts.view(-1, HIDDEN), active_rank_mask=mask)
+        _check_step(f"factory step {step}", rank, world, ids, payloads, runtime_max, recv, counts, output,
+                    id_index=1, active=active, num_experts=num_experts)
+    comm.destroy()
+
+
 def _clients_worker(rank, world, init_file, device):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -249,6 +292,7 @@ def _clients_worker(rank, world, init_file, device):
         _sglang_sequence(rank, world, device)
         _moe_ep_sequence(rank, world, device)
         _vllm_one_sided_sequence(rank, world, device)
+        _moe_ep_factory_sequence(rank, world, device)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -1033,6 +1077,94 @@ def test_one_sided_config_kernel(device):
         _one_sided("cpu", kernel="cake")
     with pytest.raises(ValueError, match="unknown MoE all-to-all backend 'nccl'"):
         _one_sided("cpu", kernel="nccl")
+    a2a.MoeAlltoAll.clear_workspace_cache()
+
+
+def test_moe_ep_registry_as_flashinfer():
+    """FlashInfer's moe_ep entry points (core/comm/communication.py): the
+    backend registry, create_communication by name or by config (options
+    forwarded), and the errors for what names no backend."""
+    assert issubclass(a2a.NVLinkOneSidedAlltoAll, moe_ep.MoEEpCommunication)
+    assert a2a.NVLinkOneSidedAlltoAll.backend_name == "nvlink_one_sided"
+    assert moe_ep.available_communication_backends() == ["nvlink_one_sided"]
+    assert moe_ep.is_communication_backend("nvlink_one_sided") and moe_ep.is_communication_backend(
+        NVLinkOneSidedConfig())
+    assert not moe_ep.is_communication_backend("deepep") and not moe_ep.is_communication_backend(3)
+    assert moe_ep.communication_backend_name(NVLinkOneSidedConfig()) == "nvlink_one_sided"
+    bootstrap = BootstrapConfig(world_size=1, rank=0)
+    params = MoEEpCommParams(num_experts=4, top_k=2, max_tokens_per_rank=8, hidden_size=64)
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    by_name = moe_ep.create_communication(bootstrap, params, "nvlink_one_sided", device="cpu")
+    assert isinstance(by_name, a2a.NVLinkOneSidedAlltoAll) and by_name.config == NVLinkOneSidedConfig()
+    x = torch.randn((3, 64), generator=make_generator("registry")).to(torch.bfloat16)
+    got = by_name.dispatch(x, torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32))
+    assert torch.equal(by_name.combine(got.hidden_states), x)
+    by_name.destroy()
+    with pytest.raises(KeyError, match=r"unknown communication backend 'deepep'; available: \['nvlink_one_sided'\]"):
+        moe_ep.create_communication(bootstrap, params, "deepep")
+    with pytest.raises(TypeError, match="backend must be a string or have a .backend_name str attr"):
+        moe_ep.create_communication(bootstrap, params, 3)
+
+    @moe_ep.register_communication("test_backend")
+    class Custom(moe_ep.MoEEpCommunication):
+        @classmethod
+        def is_platform_supported(cls):
+            return False
+
+        def dispatch(self, hidden_states, topk_ids, topk_weights=None, **kwargs):
+            raise AssertionError
+
+        def combine(self, expert_output, *, output=None, **kwargs):
+            raise AssertionError
+
+    try:
+        assert Custom.backend_name == "test_backend" and moe_ep.is_communication_backend("test_backend")
+        assert moe_ep.available_communication_backends() == ["nvlink_one_sided"]  # not on this platform
+        with pytest.raises(RuntimeError, match="Custom is not supported on this platform"):
+            moe_ep.create_communication(bootstrap, params, "test_backend")
+    finally:
+        moe_ep._COMMUNICATION_REGISTRY.pop("test_backend")
+    a2a.MoeAlltoAll.clear_workspace_cache()
+
+
+def test_one_sided_cft_release_surface(caplog):
+    """The fields and methods of FlashInfer's CFT release of the one-sided
+    backend: cft and its token limits accepted (never enabled here; cft=True
+    logs why), timeout_sec the wait bound, active_rank_mask of the
+    instance's EP size, and the checks FlashInfer makes of each."""
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    config = NVLinkOneSidedConfig()
+    assert (config.cft, config.cft_max_tokens_for_dispatch, config.cft_max_tokens_for_combine,
+            config.timeout_sec) == (None, 128, 128, None)
+    comm = _one_sided("cpu", timeout_sec=7, cft_max_tokens_for_dispatch=0)
+    assert not comm.cft_enabled and comm.alltoall.timeout_s == 7
+    assert _one_sided("cpu").alltoall.timeout_s is None  # MOE_A2A_TIMEOUT_S, else 30 s
+    assert torch.equal(comm.active_rank_mask([0]), a2a.moe_a2a_active_rank_mask([0], 1))
+    assert torch.equal(comm.active_rank_mask(torch.tensor([0.0])), a2a.moe_a2a_active_rank_mask([0], 1))  # int()
+    with pytest.raises(ValueError, match=r"rank 1 out of range \[0, 1\)"):
+        comm.active_rank_mask([1])
+    with caplog.at_level("WARNING", logger="torch_moe_a2a.moe_ep"):
+        assert not _one_sided("cpu", cft=None).cft_enabled and not _one_sided("cpu", cft=False).cft_enabled
+        assert "CFT" not in caplog.text
+        assert not _one_sided("cpu", cft=True).cft_enabled
+    assert "CFT counted writes disabled" in caplog.text
+    for bad, error, match in [
+        (dict(timeout_sec=0), ValueError, r"timeout_sec must be in 1..86400, got 0"),
+        (dict(timeout_sec=86401), ValueError, r"timeout_sec must be in 1..86400"),
+        (dict(timeout_sec=2.5), TypeError, r"timeout_sec must be an integer number of seconds, got 2.5"),
+        (dict(timeout_sec=True), TypeError, r"timeout_sec must be an integer number of seconds"),
+        (dict(cft_max_tokens_for_combine=-1), ValueError, r"CFT token-count limits must be non-negative"),
+        (dict(cft_max_tokens_for_dispatch=1.0), ValueError, r"cft_max_tokens_for_dispatch must be an int"),
+        (dict(eplb_stats_num_experts=5), ValueError, r"eplb_stats_num_experts must be in \[0, num_experts=4\]"),
+    ]:
+        with pytest.raises(error, match=match):
+            _one_sided("cpu", **bad)
+    # A single rank has no group: nothing to release (FlashInfer's MNNVL memory always has one).
+    with pytest.raises(RuntimeError, match="checkpoint"):
+        comm.checkpoint_prepare()
+    comm.destroy()
+    with pytest.raises(RuntimeError, match="has been destroyed"):
+        comm.checkpoint_prepare()
     a2a.MoeAlltoAll.clear_workspace_cache()
 
 

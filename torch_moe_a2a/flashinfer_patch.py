@@ -6,7 +6,9 @@ that module and in every module already imported that holds FlashInfer's
 originals as attributes (``flashinfer.comm``, and a client such as SGLang's
 FlashInfer token dispatcher that imported them by name). Modules imported
 later read the replaced attributes, and FlashInfer's ``flashinfer.moe_ep``
-looks ``MoeAlltoAll`` up when it builds one, so vLLM's path picks it up too.
+looks ``MoeAlltoAll`` up when it builds one, so vLLM's path picks it up too
+(until FlashInfer's CFT release, whose ``moe_ep`` runs kernels of its own:
+there ``torch_moe_a2a.moe_ep`` stands for it).
 The convention is liger-kernel's ``apply_liger_kernel_to_*``: call it once,
 early, before the model is built.
 """

@@ -17,16 +17,23 @@ each token's rows from its ranks on its source rank.
 
 from __future__ import annotations
 
+import abc
+import logging
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import torch
 
-from .api import moe_a2a_get_workspace_size_per_rank
+from .api import moe_a2a_active_rank_mask, moe_a2a_get_workspace_size_per_rank
 from .arguments import ID_DTYPES
 from .fastpath import expect_ints, expect_tensors
 from .mapping import Mapping
 from .moe_alltoall import MoeAlltoAll
+
+logger = logging.getLogger(__name__)
+
+# FlashInfer's bound on NVLinkOneSidedConfig.timeout_sec: a day.
+MAX_TIMEOUT_SEC = 24 * 60 * 60
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -165,9 +172,23 @@ class NVLinkOneSidedConfig:
     ``use_low_precision_combine`` sends the combine's rows as e4m3;
     ``comm_backend`` (a FlashInfer ``CommBackend`` or a ``torch.distributed``
     group) maps the workspace, by default the bootstrap's process group.
-    ``kernel`` (the field newer FlashInfer added, second as there) is the
+    ``kernel`` (a field of FlashInfer's config from its ``kernel`` choice
+    until its CFT release, second as there) is the
     :class:`~torch_moe_a2a.MoeAlltoAll` ``backend``: ``"trtllm"``;
     ``"cake"`` is refused as ``backend="cake"`` is.
+
+    The fields of FlashInfer's CFT release: ``cft`` (None, True or False)
+    and ``cft_max_tokens_for_dispatch`` / ``_combine`` (ints >= 0) choose
+    its counted NVLink writes, which need compute capability 10.0 and a
+    fabric this library does not program: they are checked and accepted,
+    and every step takes the one-sided path (``cft=True`` logs a warning
+    that says so, as FlashInfer does where a rank cannot have them;
+    :attr:`NVLinkOneSidedAlltoAll.cft_enabled` is False). ``timeout_sec``
+    (an int in ``[1, 86400]``) bounds every wait for a peer, as
+    :class:`~torch_moe_a2a.MoeAlltoAll`'s ``timeout_s``: an expired wait
+    records the error and returns (FlashInfer's traps the kernel). None,
+    ours: ``MOE_A2A_TIMEOUT_S``, else 30 s (FlashInfer's default is 300 s;
+    its configs' value is taken).
     """
 
     backend_name: str = "nvlink_one_sided"
@@ -177,9 +198,154 @@ class NVLinkOneSidedConfig:
     enable_rank_mask: bool = False
     use_low_precision_combine: bool = False
     comm_backend: Any = None
+    cft: Optional[bool] = None
+    cft_max_tokens_for_dispatch: int = 128
+    cft_max_tokens_for_combine: int = 128
+    timeout_sec: Optional[int] = None
 
 
-class NVLinkOneSidedAlltoAll:
+class MoEEpCommunication(abc.ABC):
+    """FlashInfer's ``MoEEpCommunication``: the dispatch and combine a MoE layer
+    programs against, each backend's contract the module docstring's. One
+    instance serves one EP group and one dispatch/combine pair at a time;
+    every rank of the group makes the same calls. Backends register with
+    :func:`register_communication` and are built by
+    :func:`create_communication`.
+
+    Args:
+        bootstrap: ``world_size`` ranks, this one ``rank``.
+        params: :class:`MoEEpCommParams` (or FlashInfer's).
+
+    Raises:
+        RuntimeError: the backend cannot run here (:meth:`is_platform_supported`).
+        ValueError: ``num_experts`` not divisible by the EP size.
+    """
+
+    backend_name: ClassVar[str]
+
+    def __init__(self, bootstrap: Any, params: Any) -> None:
+        if not self.is_platform_supported():
+            raise RuntimeError(f"{type(self).__name__} is not supported on this platform.")
+        self.bootstrap = bootstrap
+        self.params = params
+        self.ep_rank = int(bootstrap.rank)
+        self.ep_size = int(bootstrap.world_size)
+        if params.num_experts % self.ep_size != 0:
+            raise ValueError(f"{type(self).__name__} requires num_experts ({params.num_experts}) divisible by the "
+                             f"EP size ({self.ep_size})")
+        self.num_local_experts = params.num_experts // self.ep_size
+
+    @classmethod
+    @abc.abstractmethod
+    def is_platform_supported(cls) -> bool:
+        """Whether the backend can run on this machine (no collective)."""
+
+    def is_workload_feasible(self, max_tokens_per_rank: int) -> bool:
+        """Whether a step whose busiest rank dispatches ``max_tokens_per_rank`` tokens fits the buffers."""
+        return max_tokens_per_rank <= self.params.max_tokens_per_rank
+
+    @abc.abstractmethod
+    def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: Optional[torch.Tensor] = None, **kwargs: Any) -> MoEEpDispatchResult:
+        """Send each token to the ranks that own its experts (keywords:
+        ``hidden_states_scale``, ``max_tokens_per_rank``, ``eplb_local_stats``)."""
+
+    @abc.abstractmethod
+    def combine(self, expert_output: torch.Tensor, *, output: Optional[torch.Tensor] = None,
+                **kwargs: Any) -> torch.Tensor:
+        """Sum each token's expert outputs over the ranks it was sent to."""
+
+    def get_combine_input_buffer(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """A buffer the experts may write their outputs into for :meth:`combine`, or None (no such buffer)."""
+        return None
+
+    def destroy(self) -> None:  # noqa: B027 - FlashInfer's default does nothing
+        """Release the backend's resources (collective, idempotent)."""
+
+
+# Backend name -> class: FlashInfer's registry of communication backends.
+_COMMUNICATION_REGISTRY: dict[str, type[MoEEpCommunication]] = {}
+
+
+def register_communication(name: str) -> Callable[[type[MoEEpCommunication]], type[MoEEpCommunication]]:
+    """Class decorator that registers a :class:`MoEEpCommunication` backend as ``name``.
+
+    Args:
+        name: the name :func:`create_communication` builds it by (also its ``backend_name``).
+
+    Returns:
+        The decorator, which returns the class.
+    """
+
+    def decorator(cls: type[MoEEpCommunication]) -> type[MoEEpCommunication]:
+        cls.backend_name = name
+        _COMMUNICATION_REGISTRY[name] = cls
+        return cls
+
+    return decorator
+
+
+def communication_backend_name(backend: Any) -> str:
+    """The registered name a backend string or config object names.
+
+    Args:
+        backend: a name, or an object with a ``backend_name`` str.
+
+    Returns:
+        The name.
+
+    Raises:
+        TypeError: neither.
+    """
+    name = getattr(backend, "backend_name", backend)
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a string or have a .backend_name str attr; got {backend!r}")
+    return name
+
+
+def is_communication_backend(backend: Any) -> bool:
+    """Whether ``backend`` (a name or a config object) names a registered backend."""
+    try:
+        return communication_backend_name(backend) in _COMMUNICATION_REGISTRY
+    except TypeError:
+        return False
+
+
+def available_communication_backends() -> list[str]:
+    """The registered backends that can run on this machine, sorted."""
+    return sorted(name for name, cls in _COMMUNICATION_REGISTRY.items() if cls.is_platform_supported())
+
+
+def create_communication(bootstrap: Any, params: Any, backend: Any, **options: Any) -> MoEEpCommunication:
+    """Build the registered communication backend that ``backend`` names.
+
+    Args:
+        bootstrap: :class:`BootstrapConfig` (or FlashInfer's).
+        params: :class:`MoEEpCommParams` (or FlashInfer's).
+        backend: a backend name (``"nvlink_one_sided"``), or a config object
+            with a ``backend_name`` (:class:`NVLinkOneSidedConfig`, or
+            FlashInfer's), which the backend gets as ``config``.
+        options: further keywords of the backend (``device=`` of
+            :class:`NVLinkOneSidedAlltoAll`).
+
+    Returns:
+        The backend instance.
+
+    Raises:
+        KeyError: no backend of that name is registered.
+        TypeError: ``backend`` neither a str nor an object with a ``backend_name`` str.
+    """
+    name = communication_backend_name(backend)
+    cls = _COMMUNICATION_REGISTRY.get(name)
+    if cls is None:
+        raise KeyError(f"unknown communication backend {name!r}; available: {sorted(_COMMUNICATION_REGISTRY)}")
+    if not isinstance(backend, str):
+        options["config"] = backend
+    return cls(bootstrap, params, **options)
+
+
+@register_communication("nvlink_one_sided")
+class NVLinkOneSidedAlltoAll(MoEEpCommunication):
     """FlashInfer's ``flashinfer.moe_ep.NVLinkOneSidedAlltoAll`` on this package's
     :class:`~torch_moe_a2a.MoeAlltoAll`: one dispatch carries each token's
     activations, their optional scale factors, its int32 expert ids and its
@@ -199,11 +365,15 @@ class NVLinkOneSidedAlltoAll:
     Raises:
         ValueError: ``num_experts`` not divisible by the EP size (FlashInfer's
             ``num_local_experts`` contract), a negative
-            ``extra_payload_bytes_per_token``, a communicator of another rank
-            or size, or what :class:`~torch_moe_a2a.MoeAlltoAll` refuses.
+            ``extra_payload_bytes_per_token``, ``eplb_stats_num_experts``
+            outside ``[0, num_experts]``, ``timeout_sec`` outside ``[1,
+            86400]``, ``cft`` not None or a bool, a negative CFT token limit,
+            a communicator of another rank or size, or what
+            :class:`~torch_moe_a2a.MoeAlltoAll` refuses.
+        TypeError: ``timeout_sec`` not an int (FlashInfer's type).
     """
 
-    backend_name: ClassVar[str] = "nvlink_one_sided"
+    # ``backend_name``: "nvlink_one_sided", set by register_communication.
     # The kernels of the MoeAlltoAll underneath (its ``backend``).
     alltoall_backend: ClassVar[str] = "trtllm"
     # A dispatch/combine pair may be captured in a CUDA graph after an eager warm-up of the same shapes.
@@ -218,23 +388,13 @@ class NVLinkOneSidedAlltoAll:
         device: Union[torch.device, str, None] = None,
     ) -> None:
         self.config = NVLinkOneSidedConfig() if config is None else config
-        self.bootstrap = bootstrap
-        self.params = params
-        self.ep_rank = int(bootstrap.rank)
-        self.ep_size = int(bootstrap.world_size)
-        if params.num_experts % self.ep_size != 0:
-            raise ValueError(f"NVLinkOneSidedAlltoAll requires num_experts ({params.num_experts}) divisible by the "
-                             f"EP size ({self.ep_size})")
-        self.num_local_experts = params.num_experts // self.ep_size
-        expect_ints("NVLinkOneSidedConfig", extra_payload_bytes_per_token=self.config.extra_payload_bytes_per_token,
-                    eplb_stats_num_experts=self.config.eplb_stats_num_experts)
-        if self.config.extra_payload_bytes_per_token < 0:
-            raise ValueError("extra_payload_bytes_per_token must be non-negative")
-        # FlashInfer's config before its `kernel` field has none: the default kernels.
-        self.alltoall_backend = getattr(self.config, "kernel", NVLinkOneSidedAlltoAll.alltoall_backend)
+        super().__init__(bootstrap, params)
+        timeout_s = self._check_config(self.config, params)
         comm = self.config.comm_backend
         if comm is None:
             comm = getattr(bootstrap, "process_group", None)  # None: MoeAlltoAll takes the default group
+        # FlashInfer's configs before its `kernel` field and after its CFT release have none: the default kernels.
+        self.alltoall_backend = getattr(self.config, "kernel", NVLinkOneSidedAlltoAll.alltoall_backend)
         # The activations, int32 ids and fp32 weights travel; the experts' rows come back at 16 bits or more.
         dispatch_bytes = params.dispatch_bytes_per_token + 8 * params.top_k + self.config.extra_payload_bytes_per_token
         combine_bytes = params.hidden_size * max(params.token_dtype.itemsize, 2)
@@ -253,9 +413,40 @@ class NVLinkOneSidedAlltoAll:
             backend=self.alltoall_backend,
             group=comm,
             device=device,
+            timeout_s=timeout_s,
         )
         self._tokens_per_rank: Optional[int] = None
         self._combine_buffer: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def _check_config(config: Any, params: Any) -> Optional[int]:
+        """Refuse what FlashInfer's constructor refuses of ``config``
+        (FlashInfer's own configs of any release read by attribute, their
+        defaults where a release lacks a field); the wait bound in seconds,
+        None for the library's default."""
+        expect_ints("NVLinkOneSidedConfig", extra_payload_bytes_per_token=config.extra_payload_bytes_per_token,
+                    eplb_stats_num_experts=config.eplb_stats_num_experts)
+        if config.extra_payload_bytes_per_token < 0:
+            raise ValueError("extra_payload_bytes_per_token must be non-negative")
+        if not 0 <= config.eplb_stats_num_experts <= params.num_experts:
+            raise ValueError(f"eplb_stats_num_experts must be in [0, num_experts={params.num_experts}], got "
+                             f"{config.eplb_stats_num_experts}")
+        timeout_sec = getattr(config, "timeout_sec", None)
+        if timeout_sec is not None:
+            if isinstance(timeout_sec, bool) or not isinstance(timeout_sec, int):
+                raise TypeError(f"timeout_sec must be an integer number of seconds, got {timeout_sec!r}")
+            if not 0 < timeout_sec <= MAX_TIMEOUT_SEC:
+                raise ValueError(f"timeout_sec must be in 1..{MAX_TIMEOUT_SEC}, got {timeout_sec}")
+        limits = {name: getattr(config, name, 0) for name in ("cft_max_tokens_for_dispatch",
+                                                               "cft_max_tokens_for_combine")}
+        expect_ints("NVLinkOneSidedConfig", **limits)
+        if any(limit < 0 for limit in limits.values()):
+            raise ValueError(f"CFT token-count limits must be non-negative, got {limits}")
+        if getattr(config, "cft", None):  # read by truth, as FlashInfer reads it
+            logger.warning("NVLink one-sided CFT counted writes disabled: torch-moe-a2a does not implement them "
+                           "(they need compute capability 10.0 and FlashInfer's fabric endpoints); every step takes "
+                           "the one-sided path")
+        return timeout_sec
 
     @classmethod
     def is_platform_supported(cls) -> bool:
@@ -263,9 +454,49 @@ class NVLinkOneSidedAlltoAll:
         between processes of one host, or in CPU shared memory."""
         return True
 
-    def is_workload_feasible(self, max_tokens_per_rank: int) -> bool:
-        """Whether a step whose busiest rank dispatches ``max_tokens_per_rank`` tokens fits the workspace."""
-        return max_tokens_per_rank <= self.params.max_tokens_per_rank
+    @property
+    def cft_enabled(self) -> bool:
+        """False: FlashInfer's CFT counted writes are not implemented here
+        (:class:`NVLinkOneSidedConfig`); every step takes the one-sided path."""
+        return False
+
+    def active_rank_mask(self, active_ranks: Sequence[int]) -> torch.Tensor:
+        """The ``active_rank_mask`` of :meth:`dispatch` and :meth:`combine`
+        (with ``enable_rank_mask``) for the ranks ``active_ranks``.
+
+        Args:
+            active_ranks: the ranks that take part, each read by ``int()`` as
+                FlashInfer reads them (ints, 0-d tensors, ...), in ``[0, ep_size)``.
+
+        Returns:
+            CPU uint64 mask (:func:`~torch_moe_a2a.moe_a2a_active_rank_mask`).
+
+        Raises:
+            ValueError: a rank out of range.
+        """
+        return moe_a2a_active_rank_mask([int(rank) for rank in active_ranks], self.ep_size)
+
+    def checkpoint_prepare(self) -> None:
+        """Release the workspace's memory, keeping its addresses (collective;
+        a second call does nothing): :meth:`MoeAlltoAll.checkpoint_prepare`.
+
+        Raises:
+            RuntimeError: between :meth:`dispatch` and :meth:`combine`; after
+                :meth:`destroy`; a workspace not mapped over a group (one rank
+                without one).
+        """
+        self.alltoall.checkpoint_prepare()
+
+    def checkpoint_restore(self, comm_backend: Any) -> None:
+        """Map fresh memory at the old addresses after :meth:`checkpoint_prepare`
+        and re-initialize (collective over ``comm_backend``, the EP group's
+        ranks in their order; does nothing on a mapped workspace):
+        :meth:`MoeAlltoAll.checkpoint_restore`.
+
+        Raises:
+            RuntimeError: ``comm_backend`` of another rank or size; after :meth:`destroy`.
+        """
+        self.alltoall.checkpoint_restore(comm_backend)
 
     @property
     def alltoall(self) -> MoeAlltoAll:
@@ -454,5 +685,6 @@ class NVLinkOneSidedAlltoAll:
         self._combine_buffer = None
 
 
-__all__ = ["BootstrapConfig", "MoEEpCommParams", "MoEEpDispatchResult", "NVLinkOneSidedAlltoAll",
-           "NVLinkOneSidedConfig"]
+__all__ = ["BootstrapConfig", "MoEEpCommParams", "MoEEpCommunication", "MoEEpDispatchResult", "NVLinkOneSidedAlltoAll",
+           "NVLinkOneSidedConfig", "available_communication_backends", "communication_backend_name",
+           "create_communication", "is_communication_backend", "register_communication"]
