@@ -712,6 +712,73 @@ def test_checkpoint_context_on_a_combine_without_its_dispatch(layout, region, de
         assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("checkpointing", ["non-reentrant", "reentrant", "selective, recomputing everything"])
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+def test_eager_checkpoint_of_a_combine_without_its_dispatch_names_the_fix(layout, checkpointing):
+    """An eager checkpointed region that holds a combine but not its
+    dispatch, without checkpoint_context: the recomputation's combine, after
+    the later layer's backward rounds, is refused, and the error says it is a
+    checkpointed region's recomputation and names checkpoint_context (it
+    spoke of combines after a backward, or of a compiled step's partitioner,
+    with nothing compiled)."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    tokens, top_k, num_experts, hidden = 5, 2, 4, 8
+    sim = make_sim(1, tokens, hidden, top_k) if layout == "rank-major" else \
+        make_em_sim(1, tokens, hidden, top_k, num_experts)
+    gen = torch.Generator().manual_seed(31)
+    ids = [reference.random_routing(tokens, top_k, num_experts, gen) for _ in range(2)]
+    w = [torch.rand(tokens, top_k, generator=gen) for _ in range(2)]
+    x = torch.randn(tokens, hidden, generator=gen).requires_grad_()
+    weight = torch.randn(hidden, hidden, generator=gen).requires_grad_()
+
+    def dispatch(x, i):
+        if layout == "rank-major":
+            (rows,), offset, _ = moe_a2a_dispatch_differentiable(ids[i], [x], sim.workspace, sim.metainfo[0], tokens,
+                                                                 0, 1, top_k, num_experts)
+            return rows, offset
+        got = moe_a2a_dispatch_expert_major_differentiable(ids[i], [x], sim.workspace, sim.metainfo[0], tokens, 0, 1,
+                                                           top_k, num_experts, router_weights=w[i])
+        return got.output_payloads[0], got
+
+    def experts_and_combine(rows, routed, i):
+        y = torch.tanh(rows @ weight)
+        if layout == "rank-major":
+            return moe_a2a_combine_differentiable(y, ids[i], sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k,
+                                                  num_experts, routed)
+        return moe_a2a_combine_expert_major_differentiable(y, routed, ids[i], sim.workspace, sim.metainfo[0], 0, 1)
+
+    rows, routed = dispatch(x, 0)
+    if checkpointing == "selective, recomputing everything":
+        def context_fn():
+            return create_selective_checkpoint_contexts(lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
+
+        h = x + checkpoint(experts_and_combine, rows, routed, 0, use_reentrant=False, context_fn=context_fn)
+        error, match = RuntimeError, "recomputed in the backward without its dispatch .* a selective checkpointing policy"
+    else:
+        h = x + checkpoint(experts_and_combine, rows, routed, 0, use_reentrant=checkpointing == "reentrant")
+        error, match = ValueError, "here, inside a backward, a checkpointed region's recomputation of a combine"
+    rows2, routed2 = dispatch(h, 1)
+    out = h + experts_and_combine(rows2, routed2, 1)
+    with pytest.raises(error, match=match + ".*context_fn=torch_moe_a2a.checkpoint_context"):
+        out.square().sum().backward()
+
+
+def test_a_plain_expert_major_dispatch_refusal_names_its_differentiable_form():
+    """A combine that needs a gradient after a plain expert-major dispatch
+    names the expert-major differentiable dispatch (it named the rank-major one)."""
+    tokens, top_k, num_experts, hidden = 4, 2, 4, 8
+    sim = make_em_sim(1, tokens, hidden, top_k, num_experts)
+    ids = reference.random_routing(tokens, top_k, num_experts, torch.Generator().manual_seed(5))
+    got = a2a.moe_a2a_dispatch_expert_major(ids, [torch.randn(tokens, hidden)], sim.workspace, sim.metainfo[0],
+                                            tokens, 0, 1, top_k, num_experts,
+                                            router_weights=torch.rand(tokens, top_k))
+    y = got.output_payloads[0].clone().requires_grad_()
+    with pytest.raises(ValueError, match=r"\(or call moe_a2a_dispatch_expert_major_differentiable\)"):
+        a2a.moe_a2a_combine_expert_major(y, got, sim.workspace, sim.metainfo[0], 0, 1)
+    a2a.moe_a2a_combine_expert_major(y.detach(), got, sim.workspace, sim.metainfo[0], 0, 1)
+
+
 CHECKPOINTINGS = ["none", "early-stop", "no-early-stop", "checkpoint_context", "reentrant"]
 
 

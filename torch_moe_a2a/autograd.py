@@ -466,9 +466,10 @@ def _refuse_recomputed_combine_alone(fn: str) -> Callable[[Tensor, int], None]:
 
 _RECOMPUTED_COMBINE_ALONE = (
     "{fn}: a combine recomputed in the backward without its dispatch (a checkpointed region that holds the combine "
-    "but not its dispatch, whose combine a compiled step's partitioner chose to recompute): it would run as a "
-    "combine of a later round and give wrong gradients. Checkpoint with context_fn=torch_moe_a2a.checkpoint_context, "
-    "which saves the exchanges' outputs, or put the dispatch in the region too")
+    "but not its dispatch, whose combine the recomputation runs again: a selective checkpointing policy that "
+    "recomputes it, or a compiled step's partitioner): it would run as a combine of a later round and give wrong "
+    "gradients. Checkpoint with context_fn=torch_moe_a2a.checkpoint_context, which saves the exchanges' outputs, or "
+    "put the dispatch in the region too")
 
 
 @_custom_op("dispatch_owned")
@@ -1619,7 +1620,8 @@ def _round_ids(fn: str, workspace: Tensor, rank: int, expert_major: bool) -> tup
                          f"{kind} dispatch of payloads that required grad: its received rows are workspace views "
                          "that the combine's backward would overwrite before the expert's backward reads them "
                          "(wrong gradients). Dispatch payloads that require grad (or call "
-                         "moe_a2a_dispatch_differentiable), or combine under torch.no_grad()")
+                         f"{'moe_a2a_dispatch_expert_major_differentiable' if expert_major else 'moe_a2a_dispatch_differentiable'}"
+                         "), or combine under torch.no_grad()")
     if last[4]:
         raise ValueError(_IDS_CHANGED.format(fn=fn))
     return last[0], last[2]

@@ -239,10 +239,16 @@ def refuse_combine_after_backward(fn: str, workspace: torch.Tensor, rank: int, t
         return
     entry = _entry(workspace, rank)
     if entry is not None and entry[6] is not None and entry[6] == workspace._version:
+        # Inside a backward (autograd's graph task), a combine can only be a
+        # checkpointed region's recomputation, of a region without the dispatch.
+        hint = ("here, inside a backward, a checkpointed region's recomputation of a combine without its dispatch: "
+                "checkpoint with context_fn=torch_moe_a2a.checkpoint_context (which saves the exchanges' outputs), or "
+                "put the dispatch in the region too" if torch._C._current_graph_task_id() != -1 else
+                "dispatch again to combine again")
         raise ValueError(
             f"{fn}: a backward ran since this rank's last dispatch (a differentiable dispatch's or combine's "
             "backward exchanges in whole rounds of its own on the workspace), which closed that dispatch's round: "
-            "every combine of a round comes before its backward (loss.backward()); dispatch again to combine again")
+            f"every combine of a round comes before its backward (loss.backward()); {hint}")
 
 
 def _version(t: torch.Tensor) -> Optional[int]:
