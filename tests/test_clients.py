@@ -58,9 +58,12 @@ def _inputs(seed: str, tokens: list[int], extra_width: int = 0, num_experts: int
 
 
 def _expert_outputs(recv_hidden, recv_ids, recv_weights, counts, rank, world, num_experts=NUM_EXPERTS):
-    """The rank's toy experts (reference.toy_moe), as the MoE would compute them."""
-    return reference.toy_moe(recv_hidden, recv_ids, recv_weights, counts, ep_rank=rank, ep_size=world,
-                             num_experts=num_experts)
+    """The rank's toy experts (reference.toy_moe), as the MoE would compute them:
+    on the CPU, as _check_step's reference does, then on the rows' device (a
+    GPU sums each row's top-k scales in another order, and a last bit of
+    difference can survive the bf16 rounding and the combine's sum)."""
+    return reference.toy_moe(recv_hidden.cpu(), recv_ids.cpu(), recv_weights.cpu(), counts.cpu(), ep_rank=rank,
+                             ep_size=world, num_experts=num_experts).to(recv_hidden.device)
 
 
 def _check_step(what, rank, world, ids, payloads, runtime_max, recv, counts, out, *, id_index, active=None,
