@@ -146,12 +146,15 @@ def test_compiled_moe_alltoall_steps_do_not_recompile(device):
     assert counters["stats"]["unique_graphs"] <= 2, counters["stats"]
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
 @pytest.mark.parametrize("path", ["functional", "moe_alltoall"])
-def test_compiled_in_workspace_payload_copies_no_workspace(path, device):
+def test_compiled_in_workspace_payload_copies_no_workspace(path, dynamic, device):
     """Traced, the combine buffer (from moe_a2a_wrap_payload_tensor_in_workspace
     or MoeAlltoAll.get_combine_payload_tensor_in_workspace) is a tensor of its
     own that combine stages: the MoE's write is no write into a workspace view,
-    so the compiled code copies no workspace."""
+    so the compiled code copies no workspace. With dynamic=True too, where the
+    workspace's stride is a symbol (the buffer's row and offset were a divmod
+    of it, which torch.compile refused)."""
     torch._dynamo.reset()
     case = Case(1, (13,), 4, 9, hidden=96, runtime_max=16, max_num_tokens=16)
     inputs = make_inputs(case, make_generator(2)).to(device)
@@ -167,7 +170,7 @@ def test_compiled_in_workspace_payload_copies_no_workspace(path, device):
         step, workspace = moe_alltoall_step, moe.workspace
         args = (moe, inputs.ids[0], inputs.payloads[0], case.T)
     eager = step(*args).cpu()
-    out, codes = run_and_get_code(torch.compile(step, fullgraph=True), *args)
+    out, codes = run_and_get_code(torch.compile(step, fullgraph=True, dynamic=dynamic), *args)
     assert_bytes_equal(out, eager, "compiled vs eager")
     _assert_no_workspace_copy(codes, workspace)
 

@@ -376,7 +376,8 @@ def moe_a2a_wrap_payload_tensor_in_workspace(
     length = slice_end - slice_start
     if slice_start < 0 or length < 0:
         raise ValueError(f"invalid slice [{slice_start}, {slice_end})")
-    rank, start = divmod(slice_start, ws.stride(0))
+    # Not divmod: torch.compile with dynamic=True traces the stride as a SymInt, which divmod refuses.
+    rank, start = slice_start // ws.stride(0), slice_start % ws.stride(0)
     if rank >= ws.shape[0] or start + length > ws.shape[1]:
         raise ValueError(
             f"slice [{slice_start}, {slice_end}) does not lie within one row of a "
