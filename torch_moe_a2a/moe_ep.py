@@ -178,12 +178,12 @@ class NVLinkOneSidedConfig:
     ``"cake"`` is refused as ``backend="cake"`` is.
 
     The fields of FlashInfer's CFT release: ``cft`` (None, True or False)
-    and ``cft_max_tokens_for_dispatch`` / ``_combine`` (ints >= 0) choose
-    its counted NVLink writes, which need compute capability 10.0 and a
-    fabric this library does not program: they are checked and accepted,
-    and every step takes the one-sided path (``cft=True`` logs a warning
-    that says so, as FlashInfer does where a rank cannot have them;
-    :attr:`NVLinkOneSidedAlltoAll.cft_enabled` is False). ``timeout_sec``
+    and ``cft_max_tokens_for_dispatch`` / ``_combine`` (ints >= 0, checked
+    as FlashInfer checks them) choose its counted NVLink writes, which need
+    compute capability 10.0 and a fabric this library does not program:
+    they are accepted, and every step takes the one-sided path (a true
+    ``cft`` logs a warning that says so, as FlashInfer does where a rank
+    cannot have them; :attr:`NVLinkOneSidedAlltoAll.cft_enabled` is False). ``timeout_sec``
     (an int in ``[1, 86400]``) bounds every wait for a peer, as
     :class:`~torch_moe_a2a.MoeAlltoAll`'s ``timeout_s``: an expired wait
     records the error and returns (FlashInfer's traps the kernel). None,
@@ -367,7 +367,7 @@ class NVLinkOneSidedAlltoAll(MoEEpCommunication):
             ``num_local_experts`` contract), a negative
             ``extra_payload_bytes_per_token``, ``eplb_stats_num_experts``
             outside ``[0, num_experts]``, ``timeout_sec`` outside ``[1,
-            86400]``, ``cft`` not None or a bool, a negative CFT token limit,
+            86400]``, a negative CFT token limit,
             a communicator of another rank or size, or what
             :class:`~torch_moe_a2a.MoeAlltoAll` refuses.
         TypeError: ``timeout_sec`` not an int (FlashInfer's type).
