@@ -889,9 +889,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per rank (default {per_device(DEFAULT_TOKENS)})")
     p.add_argument("--iters", type=int_at_least(1, "iters"), default=None,
                    help=f"timed iterations per measurement (default {per_device(DEFAULT_ITERS_FOR)}; "
-                   f"--smoke {SMOKE_ITERS})")
+                   f"--smoke {SMOKE_ITERS}; --expert-major {per_device(bench_expert_major.DEFAULT_ITERS)}; "
+                   f"--training {per_device(bench_training.DEFAULT_ITERS)} steps)")
     p.add_argument("--warmup", type=int_at_least(0, "warmup"), default=None,
-                   help=f"untimed iterations first (default {per_device(DEFAULT_WARMUP_FOR)}; --smoke {SMOKE_WARMUP})")
+                   help=f"untimed iterations first (default {per_device(DEFAULT_WARMUP_FOR)}; --smoke {SMOKE_WARMUP}; "
+                   f"--expert-major {per_device(bench_expert_major.DEFAULT_WARMUP)}; "
+                   f"--training {per_device(bench_training.DEFAULT_WARMUP)} steps)")
     p.add_argument("--fp8", action="store_true",
                    help=f"hidden states as float8_e4m3fn plus fp32 scales per {FP8_BLOCK} elements")
     p.add_argument("--json", metavar="PATH", help="write every number (and the copy bandwidth, device, torch) here")
