@@ -152,7 +152,10 @@ if [ "$do_bench" -eq 1 ]; then
     rm -f "$json"
     echo "bench-dist: $n processes ($mode), preset $preset, tokens $tokens, $iters iterations ..."
     # shellcheck disable=SC2086 # $tokens is a list of numbers
-    timeout "$BENCH_LIMIT_S" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$n" \
+    # --foreground: the bench stays in the terminal's process group, so that
+    # Ctrl-C reaches torchrun, which passes it on to the workers (they end the
+    # sweep after the point in progress); torchrun ends its workers on timeout.
+    timeout --foreground --kill-after=30 "$BENCH_LIMIT_S" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$n" \
       -m torch_moe_a2a bench-dist --device "$device" --preset "$preset" --tokens $tokens \
       --iters "$iters" --warmup "$warmup" --json "$json" >"$LOG/bench-dist-ep$n.txt" 2>"$LOG/bench-dist-ep$n.err"
     rc=$?
