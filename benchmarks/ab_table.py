@@ -57,4 +57,9 @@ def main(log: str) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):
+        print(__doc__)
+        sys.exit(0)
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
     sys.exit(main(sys.argv[1]))

@@ -91,7 +91,9 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 2 and sys.argv[1] == "--metrics":
+    if sys.argv[1:] in (["-h"], ["--help"]):
+        print(__doc__)
+    elif len(sys.argv) == 2 and sys.argv[1] == "--metrics":
         print(",".join(METRICS))
     elif len(sys.argv) == 2:
         main(sys.argv[1])

@@ -25,6 +25,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=10, help="timed runs of each import (default 10, after one untimed)")
     args = p.parse_args()
+    if args.runs < 1:
+        p.error(f"--runs must be at least 1, got {args.runs}")
     for statement in STATEMENTS.values():
         _seconds(statement)  # the file cache warm for both
     times: dict[str, list[float]] = {name: [] for name in STATEMENTS}
