@@ -199,3 +199,20 @@ def test_sizes_beyond_the_memory_fail_in_one_line(error, monkeypatch, capsys):
     monkeypatch.setitem(cli.COMMANDS, "demo", dataclasses.replace(cli.COMMANDS["demo"], run=lambda p, a: 1 / 0))
     with pytest.raises(ZeroDivisionError):
         _main(capsys, "demo", "--device", "cpu")
+
+
+def test_a_reader_that_went_away_ends_the_command_quietly():
+    """`python -m torch_moe_a2a ... | head`: output into a pipe whose reader
+    is gone ends the command with exit code 1 and no traceback (it printed
+    BrokenPipeError's)."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # before the command writes anything
+    try:
+        proc = subprocess.run([sys.executable, "-m", "torch_moe_a2a", "demo", "--device", "cpu", "--ep", "2",
+                               "--tokens", "4"], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120,
+                              cwd=pathlib.Path(__file__).parents[1])
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc
