@@ -216,3 +216,19 @@ def test_a_reader_that_went_away_ends_the_command_quietly():
     finally:
         os.close(write_end)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc
+
+
+@pytest.mark.parametrize("command", [("demo",), ("bench-dist", "--device", "cpu"), ("demo", "--init-method", "bogus")])
+def test_a_rendezvous_that_cannot_start_is_one_line(command):
+    """RANK and WORLD_SIZE set but no MASTER_ADDR (a launch without
+    torchrun), or an init method torch does not know: one line that says
+    what to do, exit code 1, where torch's traceback was printed."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env.update(RANK="0", WORLD_SIZE="2")
+    proc = subprocess.run([sys.executable, "-m", "torch_moe_a2a", *command], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=pathlib.Path(__file__).parents[1])
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc
+    assert proc.stderr.count("\n") == 1 and "the process group did not start" in proc.stderr, proc.stderr
+    assert "run under torchrun" in proc.stderr

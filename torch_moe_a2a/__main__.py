@@ -29,7 +29,7 @@ import torch
 from . import __version__, layout
 from .bench import distributed as bench_distributed
 from .bench import single as bench_single
-from .bench.common import NO_CUDA, int_at_least, int_in_range
+from .bench.common import NO_CUDA, int_at_least, int_in_range, start_process_group
 
 PROG = "python -m torch_moe_a2a"
 DISTRIBUTION = "torch-moe-a2a"
@@ -211,7 +211,8 @@ def demo_distributed(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     problem = _demo_problem(args, world)
 
     # gloo carries the bootstrap and the report: both are CPU tensors.
-    dist.init_process_group("gloo", init_method=args.init_method, rank=rank, world_size=world)
+    if not start_process_group(f"{PROG} demo", "gloo", args.init_method, rank, world):
+        return 1
     try:
         mapping = Mapping(world_size=world, rank=rank, tp_size=world, moe_ep_size=world)
         moe = MoeAlltoAll(mapping, n, top_k, num_experts, hidden_size=args.hidden, group=dist.group.WORLD, device=device)

@@ -586,6 +586,23 @@ def preset_names(chosen: Optional[list[str]], default: list[str]) -> list[str]:
 NO_CUDA = "CUDA was asked for but torch sees no CUDA device"
 
 
+def start_process_group(prog: str, backend: str, init_method: str, rank: int, world: int, **options: Any) -> bool:
+    """``torch.distributed.init_process_group``, or one line on stderr and
+    False where the rendezvous cannot start (no ``MASTER_ADDR`` with
+    ``env://``, an init method torch does not know): a command's user gets
+    what to do, not torch's traceback."""
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, **options)
+    except (ValueError, RuntimeError) as e:
+        print(f"{prog}: the process group did not start ({first_line(e)}); run under torchrun, which sets "
+              "MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE, or pass --init-method (e.g. file:///tmp/rdv)",
+              file=sys.stderr)
+        return False
+    return True
+
+
 def int_in_range(low: int, high: Optional[int], what: str) -> Callable[[str], int]:
     """An argparse ``type`` that takes an int in ``low..high`` (no upper bound
     if ``high`` is None); its error names ``what`` and the range, and argparse

@@ -143,6 +143,7 @@ from .common import (
     release,
     routes_by_destination,
     set_bytes,
+    start_process_group,
     stopped_line,
     time_ops,
     write_json,
@@ -973,8 +974,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if proc.cuda:
         torch.cuda.set_device(proc.device)
     os.environ.setdefault(NVLS_ENV, NVLS_OFF)
-    dist.init_process_group(proc.backend, init_method=args.init_method, rank=rank, world_size=world,
-                            timeout=PG_TIMEOUT)
+    if not start_process_group("bench-dist", proc.backend, args.init_method, rank, world, timeout=PG_TIMEOUT):
+        return 1
     try:
         return _run(args, proc)
     finally:
