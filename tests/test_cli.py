@@ -164,6 +164,14 @@ def test_ep_out_of_range_is_a_usage_error(capsys):
     # Ignored before: --smoke ran its own points.
     (["bench", "--smoke", "--ep", "2"], "--smoke runs its own points: it takes no --ep, --tokens or --preset"),
     (["bench", "--smoke", "--preset", "mixtral"], "--smoke runs its own points"),
+    # Ignored before: the modes of one preset measured the first, a "-" or "" path wrote a file "-" or nothing.
+    (["bench", "--training", "--preset", "mixtral", "--preset", "qwen3-235b"],
+     "--training measures one preset, got --preset mixtral qwen3-235b"),
+    (["bench", "--expert-major", "--preset", "all"], "--expert-major measures one preset, got --preset all"),
+    (["bench", "--graph", "all-ranks", "--preset", "mixtral", "--preset", "gpt-oss-120b"],
+     "--graph all-ranks measures one preset"),
+    (["bench", "--json", "-"], "--json '-': give a file path"),
+    (["bench", "--plot", ""], "--plot '': give a file path"),
 ])
 def test_bad_arguments_are_usage_errors(args, message, capsys):
     _assert_clean_usage_error(_main(capsys, *args), message)

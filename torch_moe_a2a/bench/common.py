@@ -645,6 +645,8 @@ def check_output_path(parser: argparse.ArgumentParser, option: str, path: Option
     OSError after the sweep."""
     if path is None:
         return
+    if path in ("", "-"):  # "-" is no stdout here: the table goes there
+        parser.error(f"{option} {path!r}: give a file path")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         parser.error(f"{option} {path}: folder {folder} does not exist")

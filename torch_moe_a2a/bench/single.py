@@ -1000,6 +1000,9 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("--smoke runs its own points: it takes no --ep, --tokens or --preset")  # they were ignored
     if args.peer and args.graph != "all-ranks":
         parser.error("--peer needs --graph all-ranks")
+    one_preset = modes[0] if modes else "--graph all-ranks" if args.graph == "all-ranks" else None
+    if one_preset is not None and len(preset_names(args.preset, default=[])) > 1:
+        parser.error(f"{one_preset} measures one preset, got --preset {' '.join(args.preset)}")
     if args.graph == "all-ranks":
         if device.type != "cuda":
             parser.error("--graph all-ranks needs CUDA")
