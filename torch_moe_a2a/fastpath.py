@@ -294,9 +294,7 @@ def checkpoint_mode() -> bool:
     which the combine checks) runs there too, and the plain functions given
     tensors that require grad run as the differentiable ones, as in eager
     mode."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return False  # (and no dispatch-stack query, which Dynamo cannot trace)
-    return bool(_CHECKPOINT_MODES) and isinstance(_get_current_dispatch_mode(), _CHECKPOINT_MODES)
+    return _in_dispatch_mode(_CHECKPOINT_MODES)
 
 
 def checkpoint_forward() -> bool:
@@ -306,16 +304,21 @@ def checkpoint_forward() -> bool:
     them): no exchange runs there, so there is nothing to record or check,
     and its checks would compare with the rank's current last dispatch, a
     later layer's where the region holds a combine without its dispatch."""
+    return _in_dispatch_mode(_FORWARD_MODES)
+
+
+def _in_dispatch_mode(modes: tuple) -> bool:
+    """Whether the current dispatch mode is one of ``modes`` (empty: none)."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return False
-    return _FORWARD_MODE is not None and isinstance(_get_current_dispatch_mode(), _FORWARD_MODE)
+        return False  # (and no dispatch-stack query, which Dynamo cannot trace)
+    return bool(modes) and isinstance(_get_current_dispatch_mode(), modes)
 
 
 # Selective checkpointing's dispatch modes (private classes of torch.utils.checkpoint; none where a torch lacks
 # them): the forward's, which saves outputs, and the recomputation's, which hands them back.
-_FORWARD_MODE = getattr(checkpoint, "_CachingTorchDispatchMode", None)
-_CHECKPOINT_MODES = tuple(m for m in (_FORWARD_MODE, getattr(checkpoint, "_CachedTorchDispatchMode", None))
-                          if m is not None)
+_FORWARD_MODES = tuple(m for m in (getattr(checkpoint, "_CachingTorchDispatchMode", None),) if m is not None)
+_CHECKPOINT_MODES = _FORWARD_MODES + tuple(m for m in (getattr(checkpoint, "_CachedTorchDispatchMode", None),)
+                                           if m is not None)
 
 
 def refuse_forward_ad(fn: str, tensors: Any) -> None:
