@@ -655,6 +655,34 @@ def test_a_checkpointed_dispatch_without_its_combine(layout, device):
         assert torch.equal(got, expected)
 
 
+def _two_layer_exchanges(layout, tokens, hidden, top_k, num_experts, gen, device="cpu"):
+    """One rank's differentiable exchanges for two layers of one workspace, in
+    ``layout``: ``dispatch(x, i)`` -> (rows, what combine needs) and
+    ``combine(y, routed, i)``, layer ``i``'s ids (and, expert-major, router
+    weights) drawn from ``gen``."""
+    sim = make_sim(1, tokens, hidden, top_k, device=device) if layout == "rank-major" else \
+        make_em_sim(1, tokens, hidden, top_k, num_experts, device=device)
+    ids = [reference.random_routing(tokens, top_k, num_experts, gen).to(device) for _ in range(2)]
+    w = [torch.rand(tokens, top_k, generator=gen).to(device) for _ in range(2)]
+
+    def dispatch(x, i):
+        if layout == "rank-major":
+            (rows,), offset, _ = moe_a2a_dispatch_differentiable(ids[i], [x], sim.workspace, sim.metainfo[0], tokens,
+                                                                 0, 1, top_k, num_experts)
+            return rows, offset
+        dispatched = moe_a2a_dispatch_expert_major_differentiable(ids[i], [x], sim.workspace, sim.metainfo[0], tokens,
+                                                                  0, 1, top_k, num_experts, router_weights=w[i])
+        return dispatched.output_payloads[0], dispatched
+
+    def combine(y, routed, i):
+        if layout == "rank-major":
+            return moe_a2a_combine_differentiable(y, ids[i], sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k,
+                                                  num_experts, routed)
+        return moe_a2a_combine_expert_major_differentiable(y, routed, ids[i], sim.workspace, sim.metainfo[0], 0, 1)
+
+    return dispatch, combine
+
+
 @pytest.mark.parametrize("region", ["combine", "combine-and-next-dispatch"])
 @pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
 def test_checkpoint_context_on_a_combine_without_its_dispatch(layout, region, device):
@@ -666,29 +694,13 @@ def test_checkpoint_context_on_a_combine_without_its_dispatch(layout, region, de
     with layer 2's ids). Outputs and gradients are bitwise those without
     checkpointing."""
     tokens, top_k, num_experts, hidden = 5, 2, 4, 8
-    sim = make_sim(1, tokens, hidden, top_k, device=device) if layout == "rank-major" else \
-        make_em_sim(1, tokens, hidden, top_k, num_experts, device=device)
     gen = torch.Generator().manual_seed(23 + 2 * (layout == "expert-major") + (region == "combine"))
-    ids = [reference.random_routing(tokens, top_k, num_experts, gen).to(device) for _ in range(2)]
-    w = [torch.rand(tokens, top_k, generator=gen).to(device) for _ in range(2)]
+    dispatch, combine = _two_layer_exchanges(layout, tokens, hidden, top_k, num_experts, gen, device)
     x0 = torch.randn(tokens, hidden, generator=gen).to(device)
     weight0 = torch.randn(hidden, hidden, generator=gen).to(device)
 
-    def dispatch(x, i):
-        if layout == "rank-major":
-            (rows,), offset, _ = moe_a2a_dispatch_differentiable(ids[i], [x], sim.workspace, sim.metainfo[0], tokens,
-                                                                 0, 1, top_k, num_experts)
-            return rows, offset
-        dispatched = moe_a2a_dispatch_expert_major_differentiable(ids[i], [x], sim.workspace, sim.metainfo[0], tokens,
-                                                                  0, 1, top_k, num_experts, router_weights=w[i])
-        return dispatched.output_payloads[0], dispatched
-
     def experts_and_combine(rows, routed, weight, i):
-        y = torch.tanh(rows @ weight)
-        if layout == "rank-major":
-            return moe_a2a_combine_differentiable(y, ids[i], sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k,
-                                                  num_experts, routed)
-        return moe_a2a_combine_expert_major_differentiable(y, routed, ids[i], sim.workspace, sim.metainfo[0], 0, 1)
+        return combine(torch.tanh(rows @ weight), routed, i)
 
     def run(checkpointing):
         x, weight = x0.clone().requires_grad_(), weight0.clone().requires_grad_()
@@ -724,29 +736,13 @@ def test_eager_checkpoint_of_a_combine_without_its_dispatch_names_the_fix(layout
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
     tokens, top_k, num_experts, hidden = 5, 2, 4, 8
-    sim = make_sim(1, tokens, hidden, top_k) if layout == "rank-major" else \
-        make_em_sim(1, tokens, hidden, top_k, num_experts)
     gen = torch.Generator().manual_seed(31)
-    ids = [reference.random_routing(tokens, top_k, num_experts, gen) for _ in range(2)]
-    w = [torch.rand(tokens, top_k, generator=gen) for _ in range(2)]
+    dispatch, combine = _two_layer_exchanges(layout, tokens, hidden, top_k, num_experts, gen)
     x = torch.randn(tokens, hidden, generator=gen).requires_grad_()
     weight = torch.randn(hidden, hidden, generator=gen).requires_grad_()
 
-    def dispatch(x, i):
-        if layout == "rank-major":
-            (rows,), offset, _ = moe_a2a_dispatch_differentiable(ids[i], [x], sim.workspace, sim.metainfo[0], tokens,
-                                                                 0, 1, top_k, num_experts)
-            return rows, offset
-        got = moe_a2a_dispatch_expert_major_differentiable(ids[i], [x], sim.workspace, sim.metainfo[0], tokens, 0, 1,
-                                                           top_k, num_experts, router_weights=w[i])
-        return got.output_payloads[0], got
-
     def experts_and_combine(rows, routed, i):
-        y = torch.tanh(rows @ weight)
-        if layout == "rank-major":
-            return moe_a2a_combine_differentiable(y, ids[i], sim.workspace, sim.metainfo[0], tokens, 0, 1, top_k,
-                                                  num_experts, routed)
-        return moe_a2a_combine_expert_major_differentiable(y, routed, ids[i], sim.workspace, sim.metainfo[0], 0, 1)
+        return combine(torch.tanh(rows @ weight), routed, i)
 
     rows, routed = dispatch(x, 0)
     if checkpointing == "selective, recomputing everything":
