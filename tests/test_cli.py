@@ -4,6 +4,7 @@ never in a traceback."""
 
 import dataclasses
 import importlib.metadata
+import os
 import pathlib
 import subprocess
 import sys
@@ -213,8 +214,6 @@ def test_a_reader_that_went_away_ends_the_command_quietly():
     """`python -m torch_moe_a2a ... | head`: output into a pipe whose reader
     is gone ends the command with exit code 1 and no traceback (it printed
     BrokenPipeError's)."""
-    import os
-
     read_end, write_end = os.pipe()
     os.close(read_end)  # before the command writes anything
     try:
@@ -231,8 +230,6 @@ def test_a_rendezvous_that_cannot_start_is_one_line(command):
     """RANK and WORLD_SIZE set but no MASTER_ADDR (a launch without
     torchrun), or an init method torch does not know: one line that says
     what to do, exit code 1, where torch's traceback was printed."""
-    import os
-
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env.update(RANK="0", WORLD_SIZE="2")
     proc = subprocess.run([sys.executable, "-m", "torch_moe_a2a", *command], capture_output=True, text=True,
