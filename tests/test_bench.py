@@ -259,6 +259,19 @@ def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path, c
     assert not (tmp_path / "bench.png").exists()
 
 
+@pytest.mark.skipif(not plot.available(), reason="matplotlib is not installed (the [plot] extra)")
+def test_plot_with_a_broken_matplotlib_stops_before_the_run(monkeypatch, tmp_path, capsys):
+    # matplotlib found, its pyplot failing to import: refused before the sweep, not found after it.
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    with pytest.raises(SystemExit) as e:
+        single.main(["--device", "cpu", "--plot", str(tmp_path / "bench.png")])
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert "installed but does not import (ModuleNotFoundError" in err and "pip install matplotlib" in err, err
+    assert "Traceback" not in err and "torch-moe-a2a bench:" not in out
+    assert not (tmp_path / "bench.png").exists()
+
+
 def _plot_record(preset: str, fp8: bool, ep: int, tokens: int, scale: float) -> dict:
     ops = {op: {"bytes": 1e6 * tokens, "copy_ratio": 0.5 * scale, "eager_us": 100.0 * tokens, "graph_us": None,
                 "baseline_eager_us": 300.0 * tokens, "baseline_graph_us": None} for op in common.OPS}

@@ -18,8 +18,26 @@ MISSING = f"--plot needs matplotlib, which is not installed: {INSTALL_HINT}"
 
 
 def available() -> bool:
-    """Whether matplotlib can be imported (checked before a run, not after it)."""
+    """Whether matplotlib is installed (the tests' skip condition)."""
     return importlib.util.find_spec("matplotlib") is not None
+
+
+def unavailable() -> Optional[str]:
+    """Why no plot can be drawn, or None where matplotlib's Agg backend
+    imports: checked before a run, so that a missing or broken matplotlib is
+    not found only after the sweep."""
+    if not available():
+        return MISSING
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display (as figure())
+        import matplotlib.pyplot  # noqa: F401
+    except Exception as e:  # a broken install raises anything from ImportError to AttributeError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return (f"--plot needs matplotlib, which is installed but does not import "
+                f"({type(e).__name__}{': ' + first if first else ''}); reinstall it: {INSTALL_HINT}")
+    return None
 
 
 # The line style of each ep, in ascending ep order (styles repeat past the last).

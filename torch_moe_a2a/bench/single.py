@@ -974,8 +974,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    if args.plot and not plot.available():
-        parser.error(plot.MISSING)  # before the run, not after it
+    if args.plot and (why := plot.unavailable()) is not None:
+        parser.error(why)  # before the run, not after it
     modes = [name for name, on in (("--expert-major", args.expert_major), ("--training", args.training),
                                    ("--combine-variants", args.combine_variants is not None),
                                    ("--low-precision-error", args.low_precision_error)) if on]
