@@ -95,12 +95,8 @@ preset=${preset:-$default_preset} tokens=${tokens:-$default_tokens}
 status() { if [ "$1" -eq 0 ]; then echo PASS; elif [ "$1" -eq 255 ]; then echo "not run"; else echo "FAIL($1)"; fi; }
 rc_build=255 rc_tests=255 tests_line=""
 
-if [ "$do_build" -eq 1 ]; then
-  "$PY" -m pip install -q --no-build-isolation --no-deps -e . >"$LOG/build.txt" 2>&1
-  rc_build=$?
-  [ "$rc_build" -eq 0 ] || { tail -n 30 "$LOG/build.txt"; echo "build failed (log: $LOG/build.txt)" >&2; exit 1; }
-fi
-
+# The GPUs are counted before the build (minutes), so that a machine without
+# enough of them is told at once.
 gpus=0
 if [ "$mode" != cpu ]; then
   gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
@@ -121,6 +117,12 @@ if [ "$mode" = gpus ]; then
   for n in $ep_list; do
     [ "$n" -le "$gpus" ] || { echo "scripts/multi_gpu.sh: --ep $n > $gpus GPUs (one process per GPU)" >&2; exit 1; }
   done
+fi
+
+if [ "$do_build" -eq 1 ]; then
+  "$PY" -m pip install -q --no-build-isolation --no-deps -e . >"$LOG/build.txt" 2>&1
+  rc_build=$?
+  [ "$rc_build" -eq 0 ] || { tail -n 30 "$LOG/build.txt"; echo "build failed (log: $LOG/build.txt)" >&2; exit 1; }
 fi
 
 "$PY" - "$mode" <<'EOF' | tee "$LOG/env.txt"

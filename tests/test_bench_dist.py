@@ -199,6 +199,15 @@ def test_launcher_help_and_bad_arguments():
         assert proc.returncode == 2 and "usage:" in proc.stderr, (bad, proc.returncode, proc.stderr)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the GPUs the script asks for")
+def test_launcher_counts_the_gpus_before_it_builds(tmp_path):
+    # One process per GPU on a machine with fewer than two: told at once, nothing built.
+    proc = subprocess.run(["bash", SCRIPT, "--python", sys.executable], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "OUT": str(tmp_path)})
+    assert proc.returncode == 1 and "GPU(s) visible; one process per GPU needs 2 or more" in proc.stderr, proc
+    assert not (tmp_path / "build.txt").exists(), sorted(p.name for p in tmp_path.iterdir())
+
+
 class _RecordingClock:
     """A stand-in for common.Clock that records what the timer asks of it."""
 
