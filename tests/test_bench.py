@@ -249,6 +249,22 @@ def test_smoke_prints_the_table_then_the_summary(tmp_path):
     assert not any(line.startswith("deepseek-v3") for line in lines[summary:]), proc.stdout
 
 
+@pytest.mark.parametrize("module", ["bench", "bench-dist"])
+def test_repeated_points_are_measured_once(module):
+    # --ep 2 1 2 and --tokens 4 4 1: each point once, in the order first given.
+    import argparse
+
+    from torch_moe_a2a.bench import distributed
+
+    parser = argparse.ArgumentParser()
+    (single if module == "bench" else distributed).add_arguments(parser)
+    argv = ["--tokens", "4", "4", "1"] + (["--ep", "2", "1", "2"] if module == "bench" else [])
+    args = parser.parse_args(argv)
+    assert args.tokens == [4, 1]
+    if module == "bench":
+        assert args.ep == [2, 1]
+
+
 def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(plot, "available", lambda: False)
     with pytest.raises(SystemExit) as e:

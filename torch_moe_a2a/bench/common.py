@@ -621,6 +621,15 @@ def int_in_range(low: int, high: Optional[int], what: str) -> Callable[[str], in
     return parse
 
 
+class DistinctValues(argparse.Action):
+    """An argparse action for a list option (``nargs="+"``) that keeps each
+    value once, in the order first given: ``--tokens 16 16`` measures the
+    point once, not twice."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, list(dict.fromkeys(values)))
+
+
 def int_at_least(low: int, what: str) -> Callable[[str], int]:
     return int_in_range(low, None, what)
 

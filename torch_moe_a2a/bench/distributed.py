@@ -113,6 +113,7 @@ from .common import (
     PRESETS,
     SEED,
     Clock,
+    DistinctValues,
     InputSet,
     OpGraphs,
     Point,
@@ -906,7 +907,7 @@ DESCRIPTION = ("Dispatch/combine with one rank per process (cuda:LOCAL_RANK, or 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``bench-dist`` (also used by ``python -m torch_moe_a2a``'s subcommand)."""
     add_preset_argument(p, default=DEFAULT_PRESET)
-    p.add_argument("--tokens", type=int_in_range(1, layout.MAX_NUM_TOKENS, "tokens"), nargs="+",
+    p.add_argument("--tokens", type=int_in_range(1, layout.MAX_NUM_TOKENS, "tokens"), nargs="+", action=DistinctValues,
                    default=None, help=f"tokens per rank (default {per_device(DEFAULT_TOKENS)})")
     p.add_argument("--iters", type=int_at_least(1, "iters"), default=None,
                    help=f"timed iterations per measurement (default {per_device(DEFAULT_ITERS_FOR)})")

@@ -103,6 +103,7 @@ from .common import (
     PRESETS,
     SEED,
     Clock,
+    DistinctValues,
     InputSet,
     OpGraphs,
     Point,
@@ -883,9 +884,10 @@ DESCRIPTION = ("Dispatch/combine bandwidth and latency with simulated EP on one 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``bench`` (also used by ``python -m torch_moe_a2a``'s subcommand)."""
     add_preset_argument(p, default="all")
-    p.add_argument("--ep", type=int_in_range(1, layout.MAX_RANKS, "ep"), nargs="+", default=None,
+    p.add_argument("--ep", type=int_in_range(1, layout.MAX_RANKS, "ep"), nargs="+", action=DistinctValues, default=None,
                    help=f"simulated ranks, 1..{layout.MAX_RANKS} each (default {per_device(DEFAULT_EP)})")
-    p.add_argument("--tokens", type=int_in_range(1, layout.MAX_NUM_TOKENS, "tokens"), nargs="+", default=None,
+    p.add_argument("--tokens", type=int_in_range(1, layout.MAX_NUM_TOKENS, "tokens"), nargs="+", action=DistinctValues,
+                   default=None,
                    help=f"tokens per rank (default {per_device(DEFAULT_TOKENS)})")
     p.add_argument("--iters", type=int_at_least(1, "iters"), default=None,
                    help=f"timed iterations per measurement (default {per_device(DEFAULT_ITERS_FOR)}; "
