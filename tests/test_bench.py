@@ -56,12 +56,33 @@ def test_bench_runs_and_reports_every_op(device, tmp_path, capsys):
             assert b["dispatch"] == 2 * tokens * dispatch_row
             assert b["combine-ws"] == 2 * tokens * combine_row
             assert b["combine"] == 4 * tokens * combine_row
+    assert all(p["timing_spread"] >= 0 for p in points)
     table = capsys.readouterr().out
     assert "round-trip-ws" in table and "summary: 4 points ok, 0 FAIL/error" in table
+    assert "timing spread: interquartile range up to" in table
     # The estimate comes before the first row of the table.
     assert table.index("sweep: 4 points, estimated") < table.index("round-trip-ws")
     assert data["estimated_sweep_s"] > 0 and data["sweep_s"] > 0
     assert all(p["wall_s"] > 0 for p in points)
+
+
+def test_timing_spread_and_its_busy_hint():
+    assert single.timing_spread([10.0], 10.0) == 0.0
+    assert single.timing_spread([10.0, 10.0, 10.0, 10.0], 10.0) == 0.0
+    # Quartiles 10 and 15 (inclusive method) around a median of 12.5.
+    assert single.timing_spread([10.0, 10.0, 15.0, 15.0, 10.0, 15.0], 12.5) == pytest.approx(0.4)
+    records = []
+    for spread, ep in ((0.05, 1), (0.4, 2)):
+        r = common.new_record(common.Point(common.PRESETS["mixtral"], ep, 3, False))
+        r["timing_spread"] = spread
+        r["ops"] = {op: {"copy_ratio": 0.5, "GBps": 1.0, "speedup_eager": 1.0, "speedup_graph": None}
+                    for op in common.OPS}
+        records.append(r)
+    text = single._summary(records, 10.0, {}, {}, False, "cpu")
+    assert "timing spread: interquartile range up to 40% of the median (mixtral ep 2 x 3 tok)" in text
+    assert "the machine was busy or the iterations too few" in text
+    calm = single._summary(records[:1], 10.0, {}, {}, False, "cpu")
+    assert "up to 5% of the median" in calm and "busy" not in calm
 
 
 def test_default_cpu_sweep_is_sized_for_a_small_machine():

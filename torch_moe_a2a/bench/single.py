@@ -224,6 +224,10 @@ def _memory_bytes(point: Point, n_sets: int, cuda: bool) -> int:
 # ---------------------------------------------------------------------------
 
 
+# A timing spread above this (interquartile range over the median of one
+# measurement) says the timings are not to be trusted as they stand.
+BUSY_SPREAD = 0.25
+
 def _measure(
     clock: Clock,
     n_sets: int,
@@ -234,6 +238,7 @@ def _measure(
     after: Optional[Callable[[int], Any]] = None,
     head_start: bool = False,
     stop: Optional[Callable[[], None]] = None,
+    spreads: Optional[list[float]] = None,
 ) -> float:
     """Median microseconds of ``timed(i)`` over ``iters`` iterations after ``warmup``.
 
@@ -243,6 +248,8 @@ def _measure(
     host queues them (module constants). ``stop`` is called before every
     iteration (it raises to end the run): an iteration runs whole, so no
     dispatch is left without its combine while the run still goes on.
+    ``spreads`` (when given) gets the iterations' interquartile range over
+    their median (timing_spread).
     """
     marks = []
     warmup_start = time.perf_counter()
@@ -261,7 +268,20 @@ def _measure(
             marks.append((start, clock.mark()))
         if after is not None:
             after(i)
-    return statistics.median(clock.elapsed_us(marks))
+    times = clock.elapsed_us(marks)
+    median = statistics.median(times)
+    if spreads is not None:
+        spreads.append(timing_spread(times, median))
+    return median
+
+
+def timing_spread(times: list[float], median: float) -> float:
+    """The interquartile range of ``times`` over their median (0 for fewer
+    than two times): how far a busy machine moved the iterations."""
+    if len(times) < 2 or median <= 0:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return (q3 - q1) / median
 
 
 def _op_bytes(point: Point, sets: list[InputSet]) -> dict[str, float]:
@@ -583,8 +603,10 @@ def _run_point(point: Point, ctx: _Context) -> dict:
     for i in range(1, n_sets if base_ok else 0):
         base.plans[i] = base.dispatch(i)[0]
 
+    spreads: list[float] = []
+
     def measure(timed, before=None, after=None, head_start=False) -> float:
-        return _measure(clock, n_sets, ctx.warmup, ctx.iters, timed, before, after, head_start, ctx.stop)
+        return _measure(clock, n_sets, ctx.warmup, ctx.iters, timed, before, after, head_start, ctx.stop, spreads)
 
     graph_us, step_us, base_eager_us, base_graph_us = {}, {}, {}, {}
     ctx.progress.phase(label, "eager")
@@ -652,6 +674,7 @@ def _run_point(point: Point, ctx: _Context) -> dict:
         record["notes"].append(first_line(e))
         return record
 
+    record["timing_spread"] = max(spreads)  # the widest of the point's measurements
     for op in OPS:
         best = graph_us.get(op, eager_us[op])
         gbps = op_bytes[op] / (best * 1e-6) / 1e9
@@ -860,6 +883,13 @@ def _summary(records: list[dict], copy_gbps: Optional[float], host: dict[str, fl
             f"ep {best_rec['ep']} x {best_rec['tokens_per_rank']} tok); speedup over plain PyTorch (geomean) "
             f"eager {fmt(se, '.2f', 'x')}, graph {fmt(sg, '.2f', 'x')}"
         )
+    spread = [(r, r["timing_spread"]) for r in measured if r.get("timing_spread") is not None]
+    if spread:
+        r, worst = max(spread, key=lambda rs: rs[1])
+        lines.append(f"  timing spread: interquartile range up to {100 * worst:.0f}% of the median ({r['preset']} ep "
+                     f"{r['ep']} x {r['tokens_per_rank']} tok)"
+                     + (f"; above {100 * BUSY_SPREAD:.0f}%: the machine was busy or the iterations too few, rerun "
+                        "on an idle machine or raise --iters" if worst > BUSY_SPREAD else ""))
     if host:
         lines.append("  host cost per eager call (CPU time; wall time in brackets): "
                      + ", ".join(f"{k} {v:.1f} us ({host_wall[k]:.1f})" for k, v in host.items()))
