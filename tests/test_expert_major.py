@@ -8,6 +8,7 @@ equal to the dense layer within fp32 rounding."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Optional
@@ -615,6 +616,33 @@ def test_combine_output_is_checked(device):
     output = torch.full((4, case.hidden), float("nan"), dtype=torch.bfloat16, device=device)
     out = a2a.moe_a2a_combine_expert_major(y, got, sim.workspace, sim.metainfo[0], 0, 1, output=output)
     assert out is output and not bool(torch.isnan(out).any())
+
+
+@pytest.mark.parametrize("shape", ["fewer rows", "rows flattened", "experts flattened"])
+def test_in_place_combine_checks_the_region_views_shape(shape, device):
+    """payload_in_workspace=True with a view of the combine region at the
+    right address but of another leading shape: refused before anything
+    runs (the kernels would read the region with the view's stride: wrong
+    sums, or an output of another shape), as the staged combine refuses it."""
+    case, sim, ids, payloads, weights = _simple(device)
+    got = a2a.moe_a2a_dispatch_expert_major(ids, payloads, sim.workspace, sim.metainfo[0], case.T, 0, 1, case.top_k,
+                                            case.num_experts, router_weights=weights)
+    L, M = got.local_expert_ids.shape
+    H = case.hidden
+    dims = {"fewer rows": (L, M - 1, H), "rows flattened": (L, M * H), "experts flattened": (L * M, H)}[shape]
+    view = a2a.moe_a2a_wrap_payload_tensor_in_workspace(
+        sim.workspace[0], [math.prod(dims)], got.combine_payload_offset,
+        got.combine_payload_offset + 2 * math.prod(dims), torch.bfloat16).view(dims)
+    snap = ws_snapshot(sim.workspace)
+    with pytest.raises(ValueError, match=f"max_tokens_per_expert = {L}, {M} \\(the dispatch's\\), got shape"):
+        a2a.moe_a2a_combine_expert_major(view, got, sim.workspace, sim.metainfo[0], 0, 1, payload_in_workspace=True)
+    assert_ws_unchanged(sim.workspace, snap)
+    # The right view still combines, once the round is closed.
+    good = a2a.moe_a2a_wrap_payload_tensor_in_workspace(
+        sim.workspace[0], [L * M * H], got.combine_payload_offset, got.combine_payload_offset + 2 * L * M * H,
+        torch.bfloat16).view(L, M, H)
+    out = a2a.moe_a2a_combine_expert_major(good, got, sim.workspace, sim.metainfo[0], 0, 1, payload_in_workspace=True)
+    assert out.shape == (case.T, H)
 
 
 def test_combine_needs_expert_major_dispatch(device):

@@ -438,7 +438,7 @@ def moe_a2a_combine_expert_major(
                          f"{tuple(expert_outputs.shape)}")
     staged = expert_outputs
     if payload_in_workspace and not torch.compiler.is_compiling():
-        _check_in_workspace(expert_outputs, workspace, ep_rank, dispatched.combine_payload_offset)
+        _check_in_workspace(expert_outputs, dispatched, workspace, ep_rank)
         staged = None
     # Traced, the payload is always handed to the op, which stages it (a
     # traced write into a workspace view makes Inductor copy the workspace;
@@ -458,12 +458,21 @@ def moe_a2a_combine_expert_major(
     return output
 
 
-def _check_in_workspace(payload: torch.Tensor, workspace: torch.Tensor, ep_rank: int, offset: int) -> None:
-    expected = workspace.data_ptr() + ep_rank * workspace.stride(0) + offset
+def _check_in_workspace(payload: torch.Tensor, dispatched: ExpertMajorDispatch, workspace: torch.Tensor,
+                        ep_rank: int) -> None:
+    """The region view of an in-place combine: where, and its leading shape,
+    which the op cannot check (it gets the rows' shape, not the view; the
+    kernels would read the region with the view's stride)."""
+    expected = workspace.data_ptr() + ep_rank * workspace.stride(0) + dispatched.combine_payload_offset
     if data_address(payload) != expected or not payload.is_contiguous():
         raise ValueError("payload_in_workspace=True requires expert_outputs to be the contiguous view of this "
                          "rank's workspace row at the expert-major combine_payload_offset "
                          "(MoeAlltoAll.get_combine_payload_tensor_in_workspace)")
+    lead = (dispatched.local_expert_ids.shape[0], dispatched.max_tokens_per_expert)
+    if tuple(payload.shape[:2]) != lead:
+        raise ValueError(f"expert_outputs must be [num_local_experts, max_tokens_per_expert, *row_shape] with "
+                         f"num_local_experts, max_tokens_per_expert = {lead[0]}, {lead[1]} (the dispatch's), got "
+                         f"shape {tuple(payload.shape)}")
 
 
 def moe_a2a_get_dropped_pair_count(workspace: torch.Tensor, metainfo: torch.Tensor, ep_rank: int) -> torch.Tensor:
