@@ -950,6 +950,8 @@ def test_one_sided_round_trip_and_misuse(device):
     gen = make_generator("one-sided")
     x = torch.randn((5, 64), generator=gen).to(torch.bfloat16).to(device)
     ids = torch.randint(0, 4, (5, 2), generator=gen).to(device)  # int64: sent as int32
+    with pytest.raises(RuntimeError, match="combine called before dispatch; call dispatch first"):
+        comm.combine(torch.zeros(8, 64, dtype=torch.bfloat16, device=device))
     got = comm.dispatch(x, ids, None, max_tokens_per_rank=6, eplb_local_stats=torch.arange(4, dtype=torch.int32,
                                                                                           device=device))
     assert got.topk_weights is None and got.hidden_states_scale is None and got.tokens_per_rank == 6
@@ -966,7 +968,9 @@ def test_one_sided_round_trip_and_misuse(device):
         comm.combine(got.hidden_states[:5])
     out = comm.combine((got.hidden_states.float() * 3).to(torch.bfloat16))
     assert torch.equal(out, (x.float() * 3).to(torch.bfloat16))
-    with pytest.raises(RuntimeError, match="combine called before dispatch"):
+    # A second combine of the dispatch: refused by what happened, not as one before any dispatch.
+    with pytest.raises(RuntimeError, match="combine called twice after one dispatch: each combine of this class "
+                                           "closes its dispatch's round; dispatch again"):
         comm.combine(got.hidden_states)
     with pytest.raises(RuntimeError, match="get_combine_input_buffer called before dispatch"):
         comm.get_combine_input_buffer(torch.bfloat16)

@@ -417,6 +417,7 @@ class NVLinkOneSidedAlltoAll(MoEEpCommunication):
         )
         self._tokens_per_rank: Optional[int] = None
         self._combine_buffer: Optional[torch.Tensor] = None
+        self._combined = False  # the last dispatch's round was closed by a combine (for combine's error)
 
     @staticmethod
     def _check_config(config: Any, params: Any) -> Optional[int]:
@@ -590,6 +591,7 @@ class NVLinkOneSidedAlltoAll(MoEEpCommunication):
                                  expert_id_payload_index=ids_index, eplb_local_stats=eplb_local_stats,
                                  active_rank_mask=active_rank_mask)
         self._tokens_per_rank = tokens_per_rank
+        self._combined = False
         rows = [view.flatten(0, 1) for view in recv]
         return MoEEpDispatchResult(
             hidden_states=rows[0],
@@ -649,8 +651,9 @@ class NVLinkOneSidedAlltoAll(MoEEpCommunication):
             ``[local_num_tokens, hidden]``: ``output``, or a new tensor.
 
         Raises:
-            RuntimeError: before :meth:`dispatch` (where a call failed: its
-                error record, which asks for ``alltoall.reset()``).
+            RuntimeError: before :meth:`dispatch`, or a second time after one
+                (where a call failed: its error record, which asks for
+                ``alltoall.reset()``).
             ValueError: ``expert_output`` not a tensor, neither 2-D nor 3-D, or 2-D with
                 another row count than ``ep_size * tokens_per_rank``; what
                 :meth:`MoeAlltoAll.combine` refuses.
@@ -658,8 +661,11 @@ class NVLinkOneSidedAlltoAll(MoEEpCommunication):
         alltoall = self.alltoall
         tokens_per_rank = self._tokens_per_rank
         if tokens_per_rank is None:
-            alltoall._raise_out_of_order("NVLinkOneSidedAlltoAll.combine", "combine called before dispatch; call "
-                                         "dispatch first: each combine closes the round of one dispatch")
+            alltoall._raise_out_of_order(
+                "NVLinkOneSidedAlltoAll.combine",
+                "combine called twice after one dispatch: each combine of this class closes its dispatch's round; "
+                "dispatch again (MoeAlltoAll.combine allows several combines of one dispatch)" if self._combined else
+                "combine called before dispatch; call dispatch first: each combine closes the round of one dispatch")
         expect_tensors("NVLinkOneSidedAlltoAll.combine", expert_output=expert_output)  # else an AttributeError
         if expert_output.dim() not in (2, 3):
             raise ValueError(f"expert_output must be 2D or 3D, got shape {tuple(expert_output.shape)}")
@@ -674,6 +680,7 @@ class NVLinkOneSidedAlltoAll(MoEEpCommunication):
                                     active_rank_mask=active_rank_mask)
         self._tokens_per_rank = None
         self._combine_buffer = None
+        self._combined = True
         return combined
 
     def destroy(self) -> None:
