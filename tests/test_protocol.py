@@ -139,6 +139,38 @@ def test_rank_mask_dead_rank(dead, dies_after, device):
         assert int(a2a.moe_a2a_get_recv_counts(sim.workspace, sim.metainfo[r], r)[dead]) == 0, f"rank {r}"
 
 
+@pytest.mark.parametrize("dead", [0, 2])
+def test_a_rank_masked_off_between_dispatch_and_combine(dead, device):
+    """The mask is a call's: where a peer dies after the dispatch, the others
+    combine with it masked off, without waiting for it, and its rows drop
+    out of their sums: the reference of a round that masks it off from the
+    dispatch on (its rows of the other destinations keep their slots)."""
+    from torch_moe_a2a import reference
+
+    gen = make_generator(("masked between", dead))
+    sim = make_sim(CASE, device, timeout_s=None)
+    inputs = make_inputs(CASE, gen)
+    rt = round_trip(sim, CASE, inputs, gen)  # the expert outputs of these inputs' routes, checked
+    live = [r for r in range(CASE.ep_size) if r != dead]
+    dev = inputs.to(device)
+    T, ep = CASE.T, CASE.ep_size
+    offsets = [int(res[1]) for res in sim.run(lambda r: a2a.moe_a2a_dispatch(
+        dev.ids[r], dev.payloads[r], sim.workspace, sim.metainfo[r], T, r, ep, CASE.top_k, CASE.num_experts))]
+    mask = a2a.moe_a2a_active_rank_mask(live, ep)
+    start = time.monotonic()
+    got = sim.run(lambda r: a2a.moe_a2a_combine(
+        rt.payloads[r], rt.tokens[r], sim.workspace, sim.metainfo[r], T, r, ep, CASE.top_k, offsets[r],
+        enable_rank_mask=True, active_rank_mask=mask) if r in live else None)
+    assert time.monotonic() - start < 10, "a masked-off rank must not be waited for"
+    ref = reference.reference_dispatch(inputs.ids, inputs.payloads, ep_size=ep, num_experts=CASE.num_experts,
+                                       runtime_max_tokens_per_rank=T, active_ranks=live)
+    want = reference.reference_combine(rt.ref_expert_out, ref, rt.tokens)
+    for r in live:
+        assert_bytes_equal(got[r].cpu(), want[r], f"rank {r}")
+    # Not the full round's sums: the dead rank's rows were in those.
+    assert any(not torch.equal(want[r], rt.ref_outputs[r]) for r in live if rt.tokens[r] > 0)
+
+
 def test_active_rank_mask_own_rank_must_be_set(device):
     case = Case(2, (3, 3), 1, 2)
     sim = make_sim(case, device)
