@@ -559,6 +559,81 @@ def test_a_reset_refused_on_one_member_raises_on_every_member(tmp_path):
     run_ranks(_reset_refused_on_one_member_worker, 2, (str(tmp_path / "init"),), report_dir=tmp_path, timeout_s=120)
 
 
+def _round_is_right(moe, rank: int, world: int, what: str) -> None:
+    """One round trip of ``_small_round``'s inputs through ``moe``, checked."""
+    tokens, hidden, top_k, num_experts, x, ids = _small_round(what, rank, world)
+    rows = moe.dispatch(ids, [x], tokens)[0]
+    out = moe.combine((rows.float() * 3).to(torch.bfloat16), tokens)
+    expected = (x.float() * 3 * _ranks_reached(ids, num_experts // world)[:, None]).to(torch.bfloat16)
+    assert torch.equal(out, expected), what
+
+
+def _reset_group_adopted_worker(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        first = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=2))
+        tokens, hidden, top_k, num_experts, _, _ = _small_round("adopted", rank, world)
+        moe = a2a.MoeAlltoAll(ep_mapping(rank, world), tokens, top_k, num_experts, hidden_size=hidden, group=first,
+                              device="cpu", timeout_s=10)
+        _round_is_right(moe, rank, world, "first group")
+        # The instance's group fails: rank 1 comes to a reset after the group's timeout, whose barrier then
+        # times out on rank 0, which leaves the gloo group broken.
+        if rank == 1:
+            time.sleep(4)
+        with pytest.raises(RuntimeError, match="the group's barrier failed"):
+            moe.reset()
+        # Every member resets over a new group of all of them.
+        second = dist.new_group(list(range(world)))
+        moe.reset(group=second)
+        _round_is_right(moe, rank, world, "after reset(group=)")
+        # Later collective steps without a group go over the group of that reset, not the failed one.
+        moe.reset()
+        _round_is_right(moe, rank, world, "after reset()")
+        moe.checkpoint_prepare()
+        moe.checkpoint_restore(second)
+        _round_is_right(moe, rank, world, "after checkpointing")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_reset_over_a_new_group_makes_it_the_workspaces(tmp_path):
+    """reset(group=) over a new group of every member, once the instance's
+    group failed (a timed-out barrier broke it): later plain resets and
+    checkpoint_prepare synchronize over that group. They went on using the
+    broken one, so the workspace could be neither reset again nor released."""
+    from conftest import run_ranks
+
+    run_ranks(_reset_group_adopted_worker, 2, (str(tmp_path / "init"),), report_dir=tmp_path, timeout_s=120)
+
+
+def _restarted_member_worker(rank: int, world: int, init_file: str) -> None:
+    for attempt in range(2):
+        dist.init_process_group("gloo", init_method=f"file://{init_file}-{attempt}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=30))
+        if attempt == 1 and rank == 1:
+            a2a.MoeAlltoAll.clear_workspace_cache()  # a restarted process: nothing cached
+        tokens, hidden, top_k, num_experts, _, _ = _small_round("restart", rank, world)
+        moe = a2a.MoeAlltoAll(ep_mapping(rank, world), tokens, top_k, num_experts, hidden_size=hidden,
+                              group=dist.group.WORLD, device="cpu", timeout_s=10)
+        _round_is_right(moe, rank, world, f"group {attempt}")
+        dist.barrier()
+        del moe
+        dist.destroy_process_group()
+
+
+def test_a_member_restarted_with_a_new_group_shares_a_new_workspace(tmp_path):
+    """An elastic restart: every member destroys its process group and joins
+    a new one of the same ranks, one of them a fresh process. The survivor's
+    MoeAlltoAll of the same geometry allocates anew with the newcomer; the
+    workspace cache, keyed by the group's ranks, handed it the workspace of
+    the destroyed group, while the newcomer waited alone in its allocation."""
+    from conftest import run_ranks
+
+    run_ranks(_restarted_member_worker, 2, (str(tmp_path / "init"),), report_dir=tmp_path, timeout_s=120)
+
+
 def _two_groups_worker(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=30))

@@ -101,6 +101,17 @@ class TorchGroupCollective:
         with _group_call(self, "barrier"):
             self._dist.barrier(group=self.group)
 
+    def destroyed(self) -> bool:
+        """Whether ``destroy_process_group`` ended the group (a group of the
+        same ranks made after it is another group: torch no longer knows this one)."""
+        if not self._dist.is_initialized():
+            return True
+        try:
+            self._dist.get_rank(self.group)
+        except ValueError:  # "... is not registered": destroyed, the default group re-made since
+            return True
+        return False
+
 
 class CommBackendCollective:
     """:class:`Collective` over a FlashInfer ``CommBackend`` (its ``allgather``

@@ -573,6 +573,11 @@ class MoeAlltoAll:
         # are one step, else each thread that missed the cache allocated its own.
         with _WORKSPACE_CACHE_LOCK:
             entry = cls._WORKSPACE_CACHE.get(key)
+            if entry is not None and _group_destroyed(entry["shared"].collective):
+                # The group the workspace was mapped over is gone (destroy_process_group, then a new group of the
+                # same ranks: an elastic restart, whose new members allocate anew): this rank allocates with them.
+                del cls._WORKSPACE_CACHE[key]
+                entry = None
             if entry is not None:
                 return entry
             if coll is None and ep_size > 1:
@@ -1232,8 +1237,10 @@ class MoeAlltoAll:
                 group is smaller than ``ep_size``, and :meth:`check` reads the
                 survivors' rows only. A group of every member stands in for
                 an instance's group that failed (a collective of it that
-                timed out leaves a gloo group broken). Default: the
-                instance's group.
+                timed out leaves a gloo group broken). Once the reset
+                succeeded, the group is the workspace's: later resets (without
+                ``group``) and checkpointing of every instance sharing it
+                synchronize over it. Default: the instance's group.
 
         Raises:
             RuntimeError: the workspace was released by :meth:`checkpoint_prepare`;
@@ -1271,6 +1278,11 @@ class MoeAlltoAll:
             self._initialize_own_row()
         else:
             self._initialize_own_rows_together(coll)
+        if group is not None:
+            # The group that reset together stands in for the one that failed
+            # from now on: later resets and checkpointing of every instance
+            # sharing the workspace synchronize over it.
+            self._shared.collective = coll
         self._row_initialized(checked if checked is not None and len(checked) < self.ep_size else None)
 
     def _initialize_own_row(self) -> None:
@@ -1308,6 +1320,12 @@ class MoeAlltoAll:
             raise RuntimeError(f"MoeAlltoAll.reset: the re-initialization failed on group ranks {failed}, so every "
                                f"member raises ({detail}); call reset() again on every member once that is "
                                "resolved") from cause.pop()
+
+
+def _group_destroyed(coll: Optional[Collective]) -> bool:
+    """Whether a cached workspace's ``torch.distributed`` group was destroyed
+    (False for no group and for a CommBackend, which does not tell)."""
+    return isinstance(coll, TorchGroupCollective) and coll.destroyed()
 
 
 def _group_members(coll: Optional[Collective]) -> Optional[tuple[int, ...]]:
