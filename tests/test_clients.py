@@ -941,6 +941,30 @@ def _one_sided(device, num_experts=4, **config):
                                       NVLinkOneSidedConfig(**config), device=device)
 
 
+def test_one_sided_reset_after_an_abandoned_round(device):
+    """An instance destroyed between its dispatch and combine (an exception
+    unwinding the layer): the next instance of the geometry shares the
+    workspace, whose error says to call reset(); the instance has one, and a
+    round trip works after it."""
+    a2a.MoeAlltoAll.clear_workspace_cache()
+    gen = make_generator("one-sided reset")
+    x = torch.randn((5, 64), generator=gen).to(torch.bfloat16).to(device)
+    ids = torch.randint(0, 4, (5, 2), generator=gen, dtype=torch.int32).to(device)
+    first = _one_sided(device)
+    first.dispatch(x, ids)
+    first.destroy()
+    del first
+    second = _one_sided(device)
+    with pytest.raises(RuntimeError, match="call reset\\(\\) on every rank"):
+        second.dispatch(x, ids)
+    second.reset()
+    got = second.dispatch(x, ids, max_tokens_per_rank=5)
+    out = second.combine((got.hidden_states.float() * 2).to(torch.bfloat16))
+    assert torch.equal(out, (x.float() * 2).to(torch.bfloat16))
+    second.destroy()
+    a2a.MoeAlltoAll.clear_workspace_cache()
+
+
 def test_one_sided_round_trip_and_misuse(device):
     """One rank: every token's only destination is this rank, so the combine
     returns the expert rows; then FlashInfer's refusals, in its words."""

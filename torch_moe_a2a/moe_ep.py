@@ -499,6 +499,25 @@ class NVLinkOneSidedAlltoAll(MoEEpCommunication):
         """
         self.alltoall.checkpoint_restore(comm_backend)
 
+    def reset(self, *, group: Any = None) -> None:
+        """Re-initialize the workspace after a failure, collectively (ours:
+        FlashInfer's class has none): :meth:`MoeAlltoAll.reset`, which the
+        errors of a failed or abandoned round ask for; it ends this
+        instance's open round.
+
+        Args:
+            group: as for :meth:`MoeAlltoAll.reset` (the survivors, where a
+                member exited).
+
+        Raises:
+            RuntimeError, ValueError: what :meth:`MoeAlltoAll.reset` raises;
+                after :meth:`destroy`.
+        """
+        self.alltoall.reset(group=group)
+        self._tokens_per_rank = None
+        self._combine_buffer = None
+        self._combined = False
+
     @property
     def alltoall(self) -> MoeAlltoAll:
         """The :class:`~torch_moe_a2a.MoeAlltoAll` underneath (checkpointing, metainfo).
