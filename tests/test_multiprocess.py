@@ -608,6 +608,51 @@ def test_a_reset_over_a_new_group_makes_it_the_workspaces(tmp_path):
     run_ranks(_reset_group_adopted_worker, 2, (str(tmp_path / "init"),), report_dir=tmp_path, timeout_s=120)
 
 
+def _mask_after_survivors_reset_worker(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        tokens, hidden, top_k, num_experts, x, ids = _small_round("survivor mask", rank, world)
+        moe = a2a.MoeAlltoAll(ep_mapping(rank, world), tokens, top_k, num_experts, hidden_size=hidden,
+                              group=dist.group.WORLD, device="cpu", timeout_s=10, enable_rank_mask=True)
+        everyone = a2a.moe_a2a_active_rank_mask(list(range(world)), world)
+        rows = moe.dispatch(ids, [x], tokens, active_rank_mask=everyone)[0]
+        moe.combine(rows, tokens, active_rank_mask=everyone)
+        alone = dist.new_group([0])  # collective over the default group: every rank makes it
+        if rank == 0:
+            # Rank 0 goes on as the only survivor (rank 1 stands for a process that exited).
+            moe.reset(group=alone)
+            start = time.monotonic()
+            with pytest.raises(ValueError, match=r"MoeAlltoAll.dispatch: active_rank_mask holds ranks \[1\], which "
+                                                 r"were not in the last reset\(group=...\) of this workspace "
+                                                 r"\(its members: \[0\]\)"):
+                moe.dispatch(ids, [x], tokens, active_rank_mask=everyone)
+            assert time.monotonic() - start < 5, "refused before the exchange, not after its timeout"
+            # A plain reset goes over the survivors' group, and still knows whose rows count.
+            moe.reset()
+            with pytest.raises(ValueError, match="which were not in the last reset"):
+                moe.dispatch(ids, [x], tokens, active_rank_mask=everyone)
+            own = a2a.moe_a2a_active_rank_mask([0], world)
+            rows = moe.dispatch(ids, [x], tokens, active_rank_mask=own)[0]
+            out = moe.combine((rows.float() * 3).to(torch.bfloat16), tokens, active_rank_mask=own)
+            reached = (ids < num_experts // world).any(dim=1).to(torch.float32)  # rank 0's experts only
+            assert torch.equal(out, (x.float() * 3 * reached[:, None]).to(torch.bfloat16))
+            moe.check()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_mask_holding_a_rank_outside_the_survivors_reset_is_refused(tmp_path):
+    """After reset(group=survivors), a call whose active_rank_mask still holds
+    a rank outside that group is refused at once, naming it; it waited for
+    that rank until the timeout, then spoke of initializations. A later plain
+    reset goes over the survivors' group and keeps reading their rows only."""
+    from conftest import run_ranks
+
+    run_ranks(_mask_after_survivors_reset_worker, 2, (str(tmp_path / "init"),), report_dir=tmp_path, timeout_s=120)
+
+
 def _restarted_member_worker(rank: int, world: int, init_file: str) -> None:
     for attempt in range(2):
         dist.init_process_group("gloo", init_method=f"file://{init_file}-{attempt}", rank=rank, world_size=world,

@@ -763,6 +763,23 @@ class MoeAlltoAll:
         self._check_mapped("dispatch")
         return self._state.phase == "dispatched"
 
+    def _refuse_ranks_outside_the_reset(self, fn: str, active_rank_mask: Optional[torch.Tensor]) -> None:
+        """After a reset over a group of survivors, a call whose mask holds a
+        rank outside that group would wait for it until the timeout (its row
+        was not initialized with theirs), with an error about initializations:
+        refused before it runs. Eager calls only (a trace reads the mask once)."""
+        survivors = self._shared.checked_ranks
+        if survivors is None or active_rank_mask is None or torch.compiler.is_compiling():
+            return
+        words = [w & ((1 << 64) - 1) for w in active_rank_mask.view(torch.int64).tolist()]
+        outside = [r for r in range(self.ep_size) if (words[r // 64] >> (r % 64)) & 1 and r not in survivors]
+        if outside:
+            raise ValueError(f"{fn}: active_rank_mask holds ranks {outside}, which were not in the last "
+                             f"reset(group=...) of this workspace (its members: {list(survivors)}): their rows "
+                             "are not initialized with the members', so the call would wait for them until the "
+                             "timeout. Mask them off, or bring every rank back with a reset over a group of all "
+                             "of them")
+
     def _row_initialized(self, checked_ranks: Optional[tuple[int, ...]] = None) -> None:
         """After the own row's re-initialization: every instance's round on it
         is over, and check() reads the rows of ``checked_ranks`` (None: every row)."""
@@ -853,6 +870,7 @@ class MoeAlltoAll:
             raise ValueError("eplb_local_stats given but the instance was constructed with eplb_stats_num_experts=0")
         if active_rank_mask is not None and not self.enable_rank_mask:
             raise ValueError("active_rank_mask requires the instance to be constructed with enable_rank_mask=True")
+        self._refuse_ranks_outside_the_reset("MoeAlltoAll.dispatch", active_rank_mask)
         if self.expert_major:
             if invalid_token_expert_id is not None:
                 raise ValueError("invalid_token_expert_id sanitizes rank-major receive views; an expert_major "
@@ -983,6 +1001,7 @@ class MoeAlltoAll:
                              f"{self._state.runtime_max_tokens_per_rank}, got {runtime_max_tokens_per_rank}")
         if active_rank_mask is not None and not self.enable_rank_mask:
             raise ValueError("active_rank_mask requires the instance to be constructed with enable_rank_mask=True")
+        self._refuse_ranks_outside_the_reset("MoeAlltoAll.combine", active_rank_mask)
         dispatched = self._state.expert_major
         if dispatched is not None:
             # The flags first, as the functional combine checks them: 'no' is
@@ -1270,9 +1289,10 @@ class MoeAlltoAll:
                                    "over a group of their own, reset(group=...); where the group itself failed "
                                    "(one of its collectives timed out, which leaves a gloo group broken), every "
                                    "member resets over a new group of all of them, reset(group=...)") from e
-        # Which rows check() reads from now on: a group of survivors says whose.
+        # Which rows check() reads from now on: a group of survivors says whose
+        # (given here, or the workspace's since such a reset).
         checked = None
-        if group is not None:
+        if coll is not None and coll.size < self.ep_size:
             checked = tuple(sorted(v[0] for v in allgather_ints([self.ep_rank], coll)))
         if coll is None:
             self._initialize_own_row()
