@@ -132,12 +132,12 @@ std::optional<ReceiveViews> dispatch(const at::Tensor& token_selected_experts,
                                      int64_t runtime_max_tokens, int64_t top_k, int64_t num_experts,
                                      const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
                                      const std::vector<int64_t>& active_rank_mask, double timeout_s, int64_t mailbox,
-                                     bool enable_pdl, bool views) {
+                                     bool enable_pdl, int64_t round_tag, bool views) {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("moe_a2a::dispatch", "").typed<DispatchSignature>();
   op.call(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens,
           top_k, num_experts, eplb_local_stats, eplb_stats_num_experts, active_rank_mask, timeout_s, mailbox,
-          enable_pdl);
+          enable_pdl, round_tag);
   if (!views) return std::nullopt;
   const int64_t call_eplb_n = eplb_local_stats.has_value() ? eplb_stats_num_experts : 0;
   return receive_views(workspace, ep_rank, ep_size, runtime_max_tokens, call_eplb_n, input_payloads);
@@ -200,10 +200,12 @@ int64_t row_start(const at::Tensor& workspace, int64_t rank) {
   return workspace.storage_offset() + rank * workspace.stride(0);
 }
 
+// The dispatch of `payloads` by `ids`; `round_tag`: a backward round's (the
+// dispatch op's round_tag), 0 for the forward's.
 void route_dispatch(const at::Tensor& ids, const std::vector<at::Tensor>& payloads, const at::Tensor& workspace,
-                    const Route& r) {
+                    const Route& r, int64_t round_tag) {
   dispatch(ids, payloads, workspace, r.ep_rank, r.ep_size, r.max_num_tokens, r.runtime_max_tokens, r.top_k,
-           r.num_experts, std::nullopt, 0, r.active_rank_mask, r.timeout_s, r.mailbox, r.enable_pdl, false);
+           r.num_experts, std::nullopt, 0, r.active_rank_mask, r.timeout_s, r.mailbox, r.enable_pdl, round_tag, false);
 }
 
 // The combine of `payload` ([ep_size, runtime_max, *row]) in its own dtype.
@@ -315,7 +317,7 @@ std::vector<at::Tensor> dispatch_owned(const at::Tensor& token_selected_experts,
       ep_rank,   ep_size, max_num_tokens, runtime_max_tokens, top_k, num_experts, std::move(active_rank_mask),
       timeout_s, mailbox, enable_pdl};
   const Unrecorded unrecorded;
-  route_dispatch(token_selected_experts, input_payloads, workspace, route);
+  route_dispatch(token_selected_experts, input_payloads, workspace, route, 0);
   OwnedPlanes owned = owned_planes(workspace, input_payloads, route);
   owned.planes.push_back(owned.counts.clone());
   return std::move(owned.planes);
@@ -333,19 +335,20 @@ at::Tensor combine_owned(const at::Tensor& payload, const at::Tensor& token_sele
   return route_combine(payload, token_selected_experts.size(0), workspace, combine_payload_offset, route);
 }
 
-// dispatch_round: a dispatch of `rows`, then a combine of one fp32 zero per
-// received row (closing the round); the received plane, padding rows zero.
+// dispatch_round: a dispatch of `rows` carrying `round_tag`, then a combine
+// of one fp32 zero per received row (closing the round); the received
+// plane, padding rows zero.
 at::Tensor dispatch_round(const at::Tensor& rows, const at::Tensor& token_selected_experts, const at::Tensor& workspace,
                           int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens,
                           int64_t top_k, int64_t num_experts, std::vector<int64_t> active_rank_mask, double timeout_s,
-                          int64_t mailbox, bool enable_pdl) {
+                          int64_t mailbox, bool enable_pdl, int64_t round_tag) {
   const Route route{
       ep_rank,   ep_size, max_num_tokens, runtime_max_tokens, top_k, num_experts, std::move(active_rank_mask),
       timeout_s, mailbox, enable_pdl};
   const Unrecorded unrecorded;
   return with_tallies_kept(workspace, ep_rank, [&] {
     const std::vector<at::Tensor> payloads{rows};
-    route_dispatch(token_selected_experts, payloads, workspace, route);
+    route_dispatch(token_selected_experts, payloads, workspace, route, round_tag);
     OwnedPlanes owned = owned_planes(workspace, payloads, route);
     const at::Tensor nothing =
         at::zeros({ep_size, runtime_max_tokens, 1}, at::TensorOptions().dtype(at::kFloat).device(rows.device()));
@@ -354,14 +357,14 @@ at::Tensor dispatch_round(const at::Tensor& rows, const at::Tensor& token_select
   });
 }
 
-// combine_round: a dispatch of the expert ids alone (their routes), then a
-// combine of each of `payloads` (one or more: the round's repeated combines),
-// their sums in order.
+// combine_round: a dispatch of the expert ids alone (their routes) carrying
+// `round_tag`, then a combine of each of `payloads` (one or more: the
+// round's repeated combines), their sums in order.
 std::vector<at::Tensor> combine_round(const std::vector<at::Tensor>& payloads, const at::Tensor& token_selected_experts,
                                       const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size,
                                       int64_t max_num_tokens, int64_t runtime_max_tokens, int64_t top_k,
                                       int64_t num_experts, std::vector<int64_t> active_rank_mask, double timeout_s,
-                                      int64_t mailbox, bool enable_pdl) {
+                                      int64_t mailbox, bool enable_pdl, int64_t round_tag) {
   // Without a combine the round would stay open.
   TORCH_CHECK_VALUE(!payloads.empty(), "combine_round needs at least one payload");
   const Route route{
@@ -372,7 +375,7 @@ std::vector<at::Tensor> combine_round(const std::vector<at::Tensor>& payloads, c
   const int64_t offset = call_layout(ep_size, runtime_max_tokens, 0, 1, &ids_row).combine_offset;
   const Unrecorded unrecorded;
   return with_tallies_kept(workspace, ep_rank, [&] {
-    route_dispatch(ids, {ids}, workspace, route);
+    route_dispatch(ids, {ids}, workspace, route, round_tag);
     std::vector<at::Tensor> sums;
     sums.reserve(payloads.size());
     for (const at::Tensor& payload : payloads) {

@@ -450,7 +450,7 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
                               int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
                               const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
                               at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
-                              int max_payloads) {
+                              int64_t round_tag, int max_payloads) {
   DispatchParams p{};
   p.ws = check_workspace(workspace, ep_rank, ep_size);
   check_max_num_tokens(max_num_tokens);
@@ -532,6 +532,11 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
   for (int w = 0; w < kRankMaskWords; ++w) {
     p.payload_signature = fnv1a_mix(p.payload_signature, static_cast<int64_t>(p.sync.active_mask[w]));
   }
+  // A backward round's tag joins it too: the peers pair the rounds of two
+  // backwards by their rows' sizes, which the rounds of other exchanges can
+  // share. 0 (no tag) mixes nothing in: every other call passes it.
+  if (round_tag != 0) p.payload_signature = fnv1a_mix(p.payload_signature, round_tag);
+  p.backward_round = round_tag != 0;
 
   p.local_num_tokens = n;
   p.runtime_max_tokens = runtime_max_tokens_per_rank;
@@ -875,11 +880,11 @@ ExpertMajorDispatchParams check_dispatch_expert_major(
     int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k,
     int64_t num_experts, const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
     at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl, int64_t max_tokens_per_expert,
-    at::IntArrayRef payload_row_bytes, bool has_weights) {
+    at::IntArrayRef payload_row_bytes, bool has_weights, int64_t round_tag) {
   ExpertMajorDispatchParams p{};
   p.dispatch = check_dispatch(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
                               runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_stats_num_experts,
-                              active_rank_mask, timeout_s, mailbox, enable_pdl, kMaxCallPayloads);
+                              active_rank_mask, timeout_s, mailbox, enable_pdl, round_tag, kMaxCallPayloads);
   p.build = check_expert_major_build(workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k,
                                      num_experts, max_tokens_per_expert,
                                      eplb_local_stats.has_value() ? eplb_stats_num_experts : 0, payload_row_bytes,
@@ -1063,13 +1068,26 @@ std::string describe_error(int64_t ep_rank, uint32_t code, const uint64_t* missi
          << kRecomputedDispatchHint;
       break;
     case kErrorPayloadMismatch:
+      if ((detail & kPayloadMismatchBackwardRound) != 0) {
+        os << "peers " << rank_list(missing) << " called another exchange than this rank's backward exchange: "
+           << "this rank ran the backward of a differentiable dispatch or combine, whose exchanges carry the "
+           << "identity of the forward exchange they belong to, and the peers ran the backward of another exchange "
+           << "(every rank must run the same backward sequence, the backward of the same exchanges in the same "
+           << "order: a loss that leaves an exchange's output unused on some ranks only, or backward calls on "
+           << "several outputs in another order on some ranks, such as loss_a.backward() then loss_b.backward() "
+           << "on one rank and the reverse on another, breaks it), a forward exchange (a rank that skipped a "
+           << "backward), or this one with other payloads, another num_experts, another active_rank_mask or "
+           << "expert ids of another width";
+        break;
+      }
       os << "peers " << rank_list(missing) << " called dispatch with other payloads than this rank's (their "
          << "number, row sizes or eplb_local_stats differ), another num_experts, another active_rank_mask or, "
          << "expert-major, another max_tokens_per_expert, or, where the ids travel as a payload (the expert-major "
          << "dispatch, a differentiable function's backward), expert ids of another width (they must be the same "
          << "on all ranks for one call; "
          << "with the differentiable functions, a rank that skipped a backward, whose exchanges are collectives, "
-         << "meets its peers' backward exchange here)";
+         << "meets its peers' backward exchange here, and so do ranks that ran the backward of other exchanges, "
+         << "or in another order: a backward's exchange carries the identity of its forward exchange)";
       break;
     case kErrorPeerFailed:
       os << "peers " << rank_list(missing) << " failed earlier (their own calls recorded an error, so they will not "
@@ -1336,10 +1354,10 @@ void dispatch_cpu(const at::Tensor& token_selected_experts, at::TensorList input
                   int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
                   int64_t top_k, int64_t num_experts, const std::optional<at::Tensor>& eplb_local_stats,
                   int64_t eplb_stats_num_experts, at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox,
-                  bool enable_pdl) {
+                  bool enable_pdl, int64_t round_tag) {
   run_dispatch_cpu(check_dispatch(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
                                   runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats,
-                                  eplb_stats_num_experts, active_rank_mask, timeout_s, mailbox, enable_pdl),
+                                  eplb_stats_num_experts, active_rank_mask, timeout_s, mailbox, enable_pdl, round_tag),
                    max_num_tokens, eplb_stats_num_experts, mailbox);
 }
 
@@ -1413,11 +1431,12 @@ void dispatch_expert_major_cpu(const at::Tensor& token_selected_experts, at::Ten
                                int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
                                const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
                                at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
-                               int64_t max_tokens_per_expert, at::IntArrayRef payload_row_bytes, bool has_weights) {
+                               int64_t max_tokens_per_expert, at::IntArrayRef payload_row_bytes, bool has_weights,
+                               int64_t round_tag) {
   const ExpertMajorDispatchParams p = check_dispatch_expert_major(
       token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
       top_k, num_experts, eplb_local_stats, eplb_stats_num_experts, active_rank_mask, timeout_s, mailbox, enable_pdl,
-      max_tokens_per_expert, payload_row_bytes, has_weights);
+      max_tokens_per_expert, payload_row_bytes, has_weights, round_tag);
   run_dispatch_cpu(p.dispatch, max_num_tokens, eplb_stats_num_experts, mailbox);
   run_expert_major_build_cpu(p.build, max_num_tokens);
 }

@@ -66,15 +66,16 @@ InitParams check_initialize(const at::Tensor& workspace, int64_t ep_rank, int64_
 // params.layout is the call's CallLayout (eplb region only when
 // eplb_local_stats is given) and is known to fit in size_per_rank.
 // timeout_s is resolved (resolve_timeout); `mailbox` (0 or the address
-// initialize returned) becomes params.sync.mailbox. `max_payloads`:
-// kMaxPayloads, or kMaxCallPayloads for an expert-major call (whose ids and
-// weights are payloads too).
+// initialize returned) becomes params.sync.mailbox; a nonzero `round_tag`
+// joins params.payload_signature. `max_payloads`: kMaxPayloads, or
+// kMaxCallPayloads for an expert-major call (whose ids and weights are
+// payloads too).
 DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::TensorList input_payloads,
                               const at::Tensor& workspace, int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens,
                               int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
                               const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
                               at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
-                              int max_payloads = kMaxPayloads);
+                              int64_t round_tag, int max_payloads = kMaxPayloads);
 
 // combine / combine_into: the arguments of the combine schemas, in order;
 // `output` is nullptr for combine (the caller allocates the output after the
@@ -127,7 +128,7 @@ ExpertMajorDispatchParams check_dispatch_expert_major(
     int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank, int64_t top_k,
     int64_t num_experts, const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
     at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl, int64_t max_tokens_per_expert,
-    at::IntArrayRef payload_row_bytes, bool has_weights);
+    at::IntArrayRef payload_row_bytes, bool has_weights, int64_t round_tag);
 
 // combine_expert_major / combine_expert_major_into: the arguments of
 // kSchemaCombineExpertMajor, in order, and the destination tensor of the

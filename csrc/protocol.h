@@ -97,7 +97,8 @@
 //   fails and none waits for another). Then, likewise, the equal-payloads
 //   check: own payloads[p] == own payloads[s] (payload_signature: the
 //   payloads' row sizes and where the layout puts them, EPLB region
-//   included, and num_experts; an expert-major dispatch mixes in
+//   included, and num_experts; the host mixes in the active rank mask and a
+//   backward round's tag; an expert-major dispatch mixes in
 //   max_tokens_per_expert, whose planes' offsets follow from it), else
 //   kErrorPayloadMismatch. The CPU dispatch checks after
 //   step 4 and raises at once; the CUDA combine n checks before its step 1,
@@ -310,7 +311,8 @@ enum ErrorCode : uint32_t {
   // combine refuses such a call before it starts; the CUDA kernel records it.
   kErrorCombineMismatch = 5,
   // A peer's dispatch, with this rank's T, had other payloads (the
-  // equal-payloads check below; detail unused).
+  // equal-payloads check below; detail: kPayloadMismatchBackwardRound where
+  // the CPU dispatch that found it carried a round tag, else 0).
   kErrorPayloadMismatch = 6,
   // A peer's combine, the same combine of the round as this rank's, had other
   // rows (the equal-rows check below; detail unused).
@@ -608,8 +610,13 @@ MOE_A2A_HD bool sanitize_plane_fits(uint64_t own_init_word, int32_t last_runtime
 // (num_experts: another count maps the ids to other ranks, and the rows
 // reach ranks that do not own their experts). Ranks whose calls share T but
 // not this word sent other payloads (their number, row sizes, or EPLB stats)
-// or passed another num_experts (the host mixes the call's active rank mask
-// in too: ops.cpp, check_dispatch).
+// or passed another num_experts. The host mixes in the call's active rank
+// mask too, and a dispatch's nonzero round tag (ops.cpp, check_dispatch):
+// the dispatches of a differentiable function's backward rounds carry the
+// identity of the forward exchange they belong to, so that the rounds of
+// two ranks' backwards pair only where they are the backward of the same
+// exchange, not wherever their rows' sizes agree. Every other call passes
+// 0, which mixes nothing in.
 MOE_A2A_HD uint32_t fnv1a_mix(uint32_t hash, int64_t value) {
   for (int b = 0; b < 8; ++b) hash = (hash ^ uint32_t((uint64_t(value) >> (8 * b)) & 0xff)) * 16777619u;
   return hash;
@@ -643,6 +650,13 @@ MOE_A2A_HD bool previous_call_overlap(int64_t dispatch_end, int64_t last_dispatc
                                       int64_t last_runtime_max_tokens) {
   return dispatch_end > last_dispatch_end || runtime_max_tokens < last_runtime_max_tokens;
 }
+
+// kErrorPayloadMismatch's detail where the CPU dispatch that found the
+// mismatch carried a round tag (a differentiable function's backward round):
+// its message names the cause that the tag catches, ranks whose backwards
+// ran the rounds of different exchanges. The CUDA combine, which makes the
+// check there, does not know the dispatch's tag and records 0.
+constexpr uint32_t kPayloadMismatchBackwardRound = 1;
 
 // What of a combine's call differs from its dispatch's (the own header's
 // kHdrLast* words, written by that dispatch): kErrorCombineMismatch's detail.

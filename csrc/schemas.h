@@ -34,11 +34,16 @@ constexpr const char* kSchemaInitialize =
     "initialize(Tensor(a!) workspace, int ep_rank, int ep_size, int max_num_tokens, "
     "int eplb_stats_num_experts, int mailbox) -> ()";
 
+// round_tag: 0, or the identity of the forward exchange whose backward this
+// dispatch runs (torch_moe_a2a/autograd.py): mixed into the payload
+// signature that the peers compare (protocol.h), so that ranks whose
+// backwards run the rounds of different exchanges at the same place fail
+// instead of pairing them; 0 leaves the signature as it is without one.
 constexpr const char* kSchemaDispatch =
     "dispatch(Tensor token_selected_experts, Tensor[] input_payloads, Tensor(a!) workspace, "
     "int ep_rank, int ep_size, int max_num_tokens, int runtime_max_tokens_per_rank, int top_k, "
     "int num_experts, Tensor? eplb_local_stats, int eplb_stats_num_experts, int[] active_rank_mask, "
-    "float timeout_s, int mailbox, bool enable_pdl) -> ()";
+    "float timeout_s, int mailbox, bool enable_pdl, int round_tag=0) -> ()";
 
 // low_precision: 0 off, 1 e4m3 rows (FlashInfer's use_low_precision), 2 e4m3
 // rows with a power-of-two scale per 128 elements (protocol.h, LowPrecision).
@@ -80,15 +85,16 @@ constexpr const char* kSchemaExpertMajorBuild =
 
 // An expert-major dispatch in one op: dispatch's arguments (input_payloads:
 // the user payloads, the ids, then with has_weights the fp32 weights) and
-// the build's (max_tokens_per_expert, the user payloads' row sizes). The
-// result equals dispatch followed by expert_major_build; a small CUDA call
-// writes each pair's row into its expert-major row in one grid.
+// the build's (max_tokens_per_expert, the user payloads' row sizes), then
+// dispatch's round_tag. The result equals dispatch followed by
+// expert_major_build; a small CUDA call writes each pair's row into its
+// expert-major row in one grid.
 constexpr const char* kSchemaDispatchExpertMajor =
     "dispatch_expert_major(Tensor token_selected_experts, Tensor[] input_payloads, Tensor(a!) workspace, "
     "int ep_rank, int ep_size, int max_num_tokens, int runtime_max_tokens_per_rank, int top_k, "
     "int num_experts, Tensor? eplb_local_stats, int eplb_stats_num_experts, int[] active_rank_mask, "
     "float timeout_s, int mailbox, bool enable_pdl, int max_tokens_per_expert, int[] payload_row_bytes, "
-    "bool has_weights) -> ()";
+    "bool has_weights, int round_tag=0) -> ()";
 
 // The expert-major combine: payload [num_local_experts, max_tokens_per_expert,
 // *row_shape] (or None: already at combine_payload_offset, the build's
@@ -126,7 +132,7 @@ constexpr const char* kSchemaExpertMajorWorkspaceSize =
 using InitializeSignature = void(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t);
 using DispatchSignature = void(const at::Tensor&, at::TensorList, const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
                                int64_t, int64_t, const std::optional<at::Tensor>&, int64_t, at::IntArrayRef, double,
-                               int64_t, bool);
+                               int64_t, bool, int64_t);
 #define MOE_A2A_COMBINE_TYPES                                                                                        \
   const std::optional<at::Tensor>&, c10::SymInt, const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t,     \
       int64_t, c10::SymIntArrayRef, at::ScalarType, at::ScalarType, at::IntArrayRef, double, int64_t, bool, int64_t, \
@@ -136,7 +142,8 @@ using CombineIntoSignature = void(MOE_A2A_COMBINE_TYPES, const at::Tensor&);
 #undef MOE_A2A_COMBINE_TYPES
 using DispatchExpertMajorSignature = void(const at::Tensor&, at::TensorList, const at::Tensor&, int64_t, int64_t,
                                           int64_t, int64_t, int64_t, int64_t, const std::optional<at::Tensor>&, int64_t,
-                                          at::IntArrayRef, double, int64_t, bool, int64_t, at::IntArrayRef, bool);
+                                          at::IntArrayRef, double, int64_t, bool, int64_t, at::IntArrayRef, bool,
+                                          int64_t);
 using ExpertMajorBuildSignature = void(const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                                        int64_t, at::IntArrayRef, int64_t, bool, int64_t, bool);
 #define MOE_A2A_COMBINE_EM_TYPES                                                                                 \

@@ -104,12 +104,12 @@ void dispatch_meta(const at::Tensor& token_selected_experts, at::TensorList inpu
                    int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
                    int64_t top_k, int64_t num_experts, const std::optional<at::Tensor>& eplb_local_stats,
                    int64_t eplb_stats_num_experts, at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox,
-                   bool enable_pdl) {
+                   bool enable_pdl, int64_t round_tag) {
   if (!dispatch_tensors_meta("dispatch", token_selected_experts, input_payloads, workspace, eplb_local_stats)) return;
   const TracedChecks traced;
   check_dispatch(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
                  runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_stats_num_experts,
-                 active_rank_mask, timeout_s, mailbox, enable_pdl);
+                 active_rank_mask, timeout_s, mailbox, enable_pdl, round_tag);
 }
 
 // The checks of combine and combine_into (`output`: nullptr for combine).
@@ -196,7 +196,8 @@ void dispatch_expert_major_meta(const at::Tensor& token_selected_experts, at::Te
                                 int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
                                 const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
                                 at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
-                                int64_t max_tokens_per_expert, at::IntArrayRef payload_row_bytes, bool has_weights) {
+                                int64_t max_tokens_per_expert, at::IntArrayRef payload_row_bytes, bool has_weights,
+                                int64_t round_tag) {
   if (!dispatch_tensors_meta("dispatch_expert_major", token_selected_experts, input_payloads, workspace,
                              eplb_local_stats)) {
     return;
@@ -205,7 +206,7 @@ void dispatch_expert_major_meta(const at::Tensor& token_selected_experts, at::Te
   check_dispatch_expert_major(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
                               runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_stats_num_experts,
                               active_rank_mask, timeout_s, mailbox, enable_pdl, max_tokens_per_expert,
-                              payload_row_bytes, has_weights);
+                              payload_row_bytes, has_weights, round_tag);
 }
 
 // The checks of combine_expert_major and combine_expert_major_into (`output`: nullptr for the former).

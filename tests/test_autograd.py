@@ -374,10 +374,14 @@ def _one_rank_route(sim, ids, hidden_rows):
                                     ids.shape[1], 4, None, False, None, None)
 
 
+@pytest.mark.parametrize("round_tag", [0, 7])
 @pytest.mark.parametrize("op", ["dispatch_round", "combine_round", "dispatch_em_round", "combine_em_round"])
-def test_opcheck_round_ops(op):
+def test_opcheck_round_ops(op, round_tag):
     """opcheck's autograd, FakeTensor and AOTAutograd checks on a rank of
-    its own (each call a whole round). Not test_schema: the ops write into the
+    its own (each call a whole round), with a round tag (which a one-rank
+    round meets in its own signature) and with none (0, the default, which
+    the dispatcher leaves out of the call's arguments, and the backward's
+    gradients follow). Not test_schema: the ops write into the
     workspace where the dispatcher does not look (torch_moe_a2a/autograd.py
     says why that is sound). dispatch_owned, combine_owned and their
     expert-major twins are half rounds, which opcheck's repeated calls of one
@@ -393,7 +397,7 @@ def test_opcheck_round_ops(op):
         else:  # two planes of two dtypes: the round's repeated combines
             rows = [torch.randn((1, tokens, hidden), generator=gen, requires_grad=True),
                     torch.randn((1, tokens, 2), generator=gen).half().requires_grad_()]
-        args = (rows, ids, sim.workspace, *route)
+        args = (rows, ids, sim.workspace, *route, round_tag)
     else:
         M = 3  # fewer rows than pairs for an expert: some dropped
         sim = make_em_sim(1, tokens, hidden, top_k, num_experts, M)
@@ -401,7 +405,7 @@ def test_opcheck_round_ops(op):
         rows, values = ((tokens, hidden), (tokens, top_k)) if op == "dispatch_em_round" else \
             ((num_experts, M, hidden), (num_experts, M))
         args = (torch.randn(rows, generator=gen, requires_grad=True),
-                torch.randn(values, generator=gen, requires_grad=True), ids, sim.workspace, M, *route)
+                torch.randn(values, generator=gen, requires_grad=True), ids, sim.workspace, M, *route, round_tag)
     torch.library.opcheck(getattr(torch.ops.moe_a2a, op).default, args,
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 

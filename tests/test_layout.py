@@ -168,8 +168,9 @@ def test_flag_shares_are_mirrored():
 
 
 def test_every_error_code_is_mirrored():
-    """protocol.h's ErrorCode values and CombineMismatch bits have twins in layout.py
-    (check_errors and describe_error read records with them)."""
+    """protocol.h's ErrorCode values, CombineMismatch bits and payload
+    mismatch detail have twins in layout.py (check_errors and describe_error
+    read records with them)."""
     text = (pathlib.Path(__file__).parents[1] / "csrc" / "protocol.h").read_text()
     codes = dict(re.findall(r"\b(kError\w+)\s*=\s*(\d+)", text))
     assert len(codes) >= 6, "protocol.h parse found too few error codes"
@@ -178,6 +179,8 @@ def test_every_error_code_is_mirrored():
     assert not wrong, "; ".join(wrong)
     bits = re.findall(r"\bkMismatch\w+\s*=\s*(\d+)", text)
     assert [int(b) for b in bits] == [1 << i for i in range(len(layout.COMBINE_MISMATCH_FIELDS))]
+    backward_round = re.search(r"kPayloadMismatchBackwardRound = (\d+);", text)
+    assert backward_round is not None and layout.PAYLOAD_MISMATCH_BACKWARD_ROUND == int(backward_round.group(1))
 
 
 def test_claim_counters_have_words_of_their_own():

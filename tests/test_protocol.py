@@ -722,7 +722,8 @@ def test_calls_differing_between_ranks_are_reported(differs, device):
                 rf"expert-major dispatch, a differentiable function's backward\), expert ids of another width "
                 rf"\(they must be the same on all ranks for one call; with the differentiable functions, a rank "
                 rf"that skipped a backward, whose exchanges are collectives, meets its peers' backward exchange "
-                rf"here\)")
+                rf"here, and so do ranks that ran the backward of other exchanges, or in another order: a "
+                rf"backward's exchange carries the identity of its forward exchange\)")
 
     def round_of_calls(r):
         """The rank's dispatch and combine; the first error's text, or None."""

@@ -113,14 +113,16 @@ GRAD_DTYPES = COMBINE_DTYPES
 # call on the CPU, and a training step makes six.
 
 
-def _dispatch(ids: Tensor, payloads: list[Tensor], workspace: Tensor, route: tuple) -> None:
+def _dispatch(ids: Tensor, payloads: list[Tensor], workspace: Tensor, route: tuple, round_tag: int) -> None:
+    """The dispatch of ``payloads`` by ``ids``; ``round_tag``: a backward
+    round's (the round ops' argument), 0 for a forward's."""
     ep_rank, ep_size, max_num_tokens, runtime_max, top_k, num_experts, mask, timeout_s, mailbox, pdl = route
     if direct_call_ok(ids, workspace, *payloads):
         _C.dispatch(ids, payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max, top_k, num_experts,
-                    None, 0, mask, timeout_s, mailbox, pdl, False)
+                    None, 0, mask, timeout_s, mailbox, pdl, round_tag, False)
         return
     _ops.dispatch.default(ids, payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max, top_k,
-                          num_experts, None, 0, mask, timeout_s, mailbox, pdl)
+                          num_experts, None, 0, mask, timeout_s, mailbox, pdl, round_tag)
 
 
 def _combine(payload: Tensor, local_num_tokens: int, workspace: Tensor, offset: int, route: tuple) -> Tensor:
@@ -306,11 +308,25 @@ def _register_autograd(op, backward: Callable, setup_context: Callable, what: st
     ``materialize_grads`` (the registered autograd always hands it zeros).
     ``what``: the backward's exchanges, for the note on an error they raise."""
     backward = _noted_backward(backward, what)
-    op.register_autograd(backward, setup_context=setup_context)
+    op.register_autograd(_given_arguments_only(backward), setup_context=setup_context)
     types = [str(a.type) for a in op._opoverload._schema.arguments]
     tensors = tuple(i for i, t in enumerate(types) if t in ("Tensor", "List[Tensor]"))
     lists = tuple(i for i, t in enumerate(types) if t == "List[Tensor]")
     _EAGER[op] = _Eager(_IMPLS[op], setup_context, backward, tensors, lists, materialize_grads)
+
+
+def _given_arguments_only(backward: Callable) -> Callable:
+    """``backward`` as the registered autograd calls it: the dispatcher
+    leaves trailing arguments that equal their default (a round op's
+    ``round_tag`` of 0) out of the op's arguments, and torch wants a
+    gradient for each argument given, no more (``ctx.needs_input_grad`` has
+    one entry each)."""
+
+    def given(ctx, *grads):
+        result = backward(ctx, *grads)
+        return result[:len(ctx.needs_input_grad)] if isinstance(result, tuple) else result
+
+    return given
 
 
 def _noted_backward(backward: Callable, what: str) -> Callable:
@@ -486,7 +502,7 @@ def dispatch_owned(token_selected_experts: Tensor, input_payloads: list[Tensor],
     route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
              timeout_s, mailbox, enable_pdl)
     with _Unrecorded():
-        _dispatch(token_selected_experts, input_payloads, workspace, route)
+        _dispatch(token_selected_experts, input_payloads, workspace, route, 0)
         planes, counts, _ = _owned_planes(workspace, input_payloads, route)
         return [*planes, counts.clone()]
 
@@ -510,20 +526,23 @@ def combine_owned(payload: Tensor, token_selected_experts: Tensor, workspace: Te
 @_custom_op("dispatch_round")
 def dispatch_round(rows: Tensor, token_selected_experts: Tensor, workspace: Tensor, ep_rank: int, ep_size: int,
                    max_num_tokens: int, runtime_max_tokens_per_rank: int, top_k: int, num_experts: int,
-                   active_rank_mask: list[int], timeout_s: float, mailbox: int, enable_pdl: bool) -> Tensor:
-    """A dispatch of ``rows`` ``[local_num_tokens, *row]`` then a combine of one
-    fp32 zero per row (closing the round); returns the received plane
-    ``[ep_size, runtime_max_tokens_per_rank, *row]``, padding rows zero."""
+                   active_rank_mask: list[int], timeout_s: float, mailbox: int, enable_pdl: bool,
+                   round_tag: int = 0) -> Tensor:
+    """A dispatch of ``rows`` ``[local_num_tokens, *row]`` carrying
+    ``round_tag`` (the identity of the exchange whose backward it is; 0, the
+    default, for none) then a combine of one fp32 zero per row (closing the
+    round); returns the received plane ``[ep_size,
+    runtime_max_tokens_per_rank, *row]``, padding rows zero."""
     _note_backward_round(workspace, ep_rank)
     if direct_call_ok(rows, token_selected_experts, workspace):
         plane = _C.dispatch_round(rows, token_selected_experts, workspace, ep_rank, ep_size, max_num_tokens,
                                   runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask, timeout_s,
-                                  mailbox, enable_pdl)
+                                  mailbox, enable_pdl, round_tag)
     else:
         route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
                  active_rank_mask, timeout_s, mailbox, enable_pdl)
         with _Unrecorded(), _TalliesKept(workspace, ep_rank):
-            _dispatch(token_selected_experts, [rows], workspace, route)
+            _dispatch(token_selected_experts, [rows], workspace, route, round_tag)
             (plane,), _, offset = _owned_planes(workspace, [rows], route)
             nothing = torch.zeros((ep_size, runtime_max_tokens_per_rank, 1), dtype=torch.float32, device=rows.device)
             _combine(nothing, rows.shape[0], workspace, offset, route)
@@ -534,16 +553,18 @@ def dispatch_round(rows: Tensor, token_selected_experts: Tensor, workspace: Tens
 @_custom_op("combine_round")
 def combine_round(payloads: list[Tensor], token_selected_experts: Tensor, workspace: Tensor, ep_rank: int,
                   ep_size: int, max_num_tokens: int, runtime_max_tokens_per_rank: int, top_k: int, num_experts: int,
-                  active_rank_mask: list[int], timeout_s: float, mailbox: int, enable_pdl: bool) -> list[Tensor]:
-    """A dispatch of the expert ids alone (the routes of these ids) then a
-    combine of each of ``payloads`` (at least one, each ``[ep_size,
+                  active_rank_mask: list[int], timeout_s: float, mailbox: int, enable_pdl: bool,
+                  round_tag: int = 0) -> list[Tensor]:
+    """A dispatch of the expert ids alone (the routes of these ids) carrying
+    ``round_tag`` (as :func:`dispatch_round`'s) then a combine of each of
+    ``payloads`` (at least one, each ``[ep_size,
     runtime_max_tokens_per_rank, *row]``; after the first, the round's
     repeated combines); returns their sums, ``[local_num_tokens, *row]`` each."""
     _note_backward_round(workspace, ep_rank)
     if direct_call_ok(token_selected_experts, workspace, *payloads):
         sums = _C.combine_round(payloads, token_selected_experts, workspace, ep_rank, ep_size, max_num_tokens,
                                 runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask, timeout_s,
-                                mailbox, enable_pdl)
+                                mailbox, enable_pdl, round_tag)
     else:
         if not payloads:  # without a combine the round would stay open
             raise ValueError("combine_round needs at least one payload")
@@ -552,7 +573,7 @@ def combine_round(payloads: list[Tensor], token_selected_experts: Tensor, worksp
         ids = token_selected_experts
         offset = layout.call_layout(ep_size, runtime_max_tokens_per_rank, 0, (_row_bytes(ids),)).combine_offset
         with _Unrecorded(), _TalliesKept(workspace, ep_rank):
-            _dispatch(ids, [ids], workspace, route)
+            _dispatch(ids, [ids], workspace, route, round_tag)
             sums = [_combine(payload, ids.shape[0], workspace, offset, route) for payload in payloads]
     note_backward_round(workspace, ep_rank)
     return sums
@@ -652,7 +673,7 @@ def _backward_dispatch_owned(ctx, grads):
                 g = grads[i]
                 parts.append(ids.new_zeros(shape, dtype=dtype) if g is None else g.reshape(shape))
             packed.append(parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=2))
-        sums = _call(combine_round, packed, ids, ctx.workspace, *route)
+        sums = _call(combine_round, packed, ids, ctx.workspace, *route, 0)
         for members, summed in zip(groups.values(), sums):
             start = 0
             for i in members:
@@ -669,24 +690,24 @@ def _setup_combine_owned(ctx, inputs, output):
 
 def _backward_combine_owned(ctx, grad):
     (ids,) = ctx.saved_tensors
-    return _call(dispatch_round, grad.contiguous(), ids, ctx.workspace, *ctx.route), None, None, None, *_ROUTE_GRADS
+    return _call(dispatch_round, grad.contiguous(), ids, ctx.workspace, *ctx.route, 0), None, None, None, *_ROUTE_GRADS
 
 
 def _setup_round(ctx, inputs, output):
-    _, ids, workspace, *route = inputs
+    _, ids, workspace, *route, _ = inputs  # the round's own tag: its exchange's, not this node's
     _keep_route(ctx, ids, workspace, tuple(route))
 
 
 def _backward_dispatch_round(ctx, grad):
     (ids,) = ctx.saved_tensors
-    (summed,) = _call(combine_round, [grad.contiguous()], ids, ctx.workspace, *ctx.route)
-    return summed, None, None, *_ROUTE_GRADS
+    (summed,) = _call(combine_round, [grad.contiguous()], ids, ctx.workspace, *ctx.route, 0)
+    return summed, None, None, *_ROUTE_GRADS, None
 
 
 def _backward_combine_round(ctx, grads):
     (ids,) = ctx.saved_tensors
-    planes = [_call(dispatch_round, g.contiguous(), ids, ctx.workspace, *ctx.route) for g in grads]
-    return planes, None, None, *_list_route_grads(ctx.route)
+    planes = [_call(dispatch_round, g.contiguous(), ids, ctx.workspace, *ctx.route, 0) for g in grads]
+    return planes, None, None, *_list_route_grads(ctx.route), None
 
 
 # The dispatches' backwards take None for a plane without a gradient (and
@@ -1072,15 +1093,16 @@ def _combine_differentiable(fn: str, payload: Tensor, token_selected_experts: Te
 
 
 def _dispatch_em(ids: Tensor, payloads: list[Tensor], weights: Tensor, workspace: Tensor, max_tokens_per_expert: int,
-                 route: tuple) -> tuple[int, layout.ExpertMajorLayout]:
+                 route: tuple, round_tag: int) -> tuple[int, layout.ExpertMajorLayout]:
     """The expert-major dispatch (``dispatch_expert_major``) of
     ``[*payloads, ids, weights]`` (``weights`` fp32 ``[local_num_tokens,
-    top_k]``); returns the rank-major dispatch's end and the layout."""
+    top_k]``), carrying ``round_tag`` (as :func:`_dispatch`); returns the
+    rank-major dispatch's end and the layout."""
     ep_rank, ep_size, max_num_tokens, runtime_max, top_k, num_experts, mask, timeout_s, mailbox, pdl = route
     user_rows = [_row_bytes(p) for p in payloads]
     _ops.dispatch_expert_major.default(ids, [*payloads, ids, weights], workspace, ep_rank, ep_size, max_num_tokens,
                                        runtime_max, top_k, num_experts, None, 0, mask, timeout_s, mailbox, pdl,
-                                       max_tokens_per_expert, user_rows, True)
+                                       max_tokens_per_expert, user_rows, True, round_tag)
     dispatch_end = layout.call_layout(ep_size, runtime_max, 0, [*user_rows, _row_bytes(ids),
                                                                  _row_bytes(weights)]).combine_offset
     em = layout.expert_major_layout(dispatch_end, ep_size, runtime_max, top_k,
@@ -1141,7 +1163,7 @@ def dispatch_em_owned(token_selected_experts: Tensor, input_payloads: list[Tenso
              timeout_s, mailbox, enable_pdl)
     with _Unrecorded():
         _, em = _dispatch_em(token_selected_experts, input_payloads, router_weights, workspace,
-                             max_tokens_per_expert, route)
+                             max_tokens_per_expert, route, 0)
         planes, counts, ids, weights = _owned_em(workspace, input_payloads, em, max_tokens_per_expert, route)
     return [*planes, counts, ids, weights]
 
@@ -1182,9 +1204,10 @@ def combine_em_owned(expert_outputs: Tensor, pair_weights: Tensor, expert_counts
 def dispatch_em_round(rows: Tensor, slot_values: Tensor, token_selected_experts: Tensor, workspace: Tensor,
                       max_tokens_per_expert: int, ep_rank: int, ep_size: int, max_num_tokens: int,
                       runtime_max_tokens_per_rank: int, top_k: int, num_experts: int, active_rank_mask: list[int],
-                      timeout_s: float, mailbox: int, enable_pdl: bool) -> list[Tensor]:
+                      timeout_s: float, mailbox: int, enable_pdl: bool, round_tag: int = 0) -> list[Tensor]:
     """An expert-major dispatch of ``rows`` ``[local_num_tokens, *row]`` with
     ``slot_values`` (fp32 ``[local_num_tokens, top_k]``) as router weights,
+    carrying ``round_tag`` (as :func:`dispatch_round`'s),
     then a combine of one fp32 zero per pair (closing the round); returns
     ``[plane, pair_values]``: ``[num_local_experts, max_tokens_per_expert,
     *row]`` (each pair's token row) and fp32 ``[num_local_experts,
@@ -1194,7 +1217,7 @@ def dispatch_em_round(rows: Tensor, slot_values: Tensor, token_selected_experts:
              timeout_s, mailbox, enable_pdl)
     M = max_tokens_per_expert
     with _Unrecorded(), _TalliesKept(workspace, ep_rank):
-        dispatch_end, em = _dispatch_em(token_selected_experts, [rows], slot_values, workspace, M, route)
+        dispatch_end, em = _dispatch_em(token_selected_experts, [rows], slot_values, workspace, M, route, round_tag)
         (plane,), _, _, pair_values = _owned_em(workspace, [rows], em, M, route)
         nothing = torch.zeros((_local_experts(route), M, 1), dtype=torch.float32, device=rows.device)
         _combine_em(nothing, rows.shape[0], workspace, M, dispatch_end, em.combine_offset, route)
@@ -1206,9 +1229,10 @@ def dispatch_em_round(rows: Tensor, slot_values: Tensor, token_selected_experts:
 def combine_em_round(plane: Tensor, pair_values: Tensor, token_selected_experts: Tensor, workspace: Tensor,
                      max_tokens_per_expert: int, ep_rank: int, ep_size: int, max_num_tokens: int,
                      runtime_max_tokens_per_rank: int, top_k: int, num_experts: int, active_rank_mask: list[int],
-                     timeout_s: float, mailbox: int, enable_pdl: bool) -> list[Tensor]:
+                     timeout_s: float, mailbox: int, enable_pdl: bool, round_tag: int = 0) -> list[Tensor]:
     """An expert-major dispatch of the expert ids alone (the routes of these
-    ids, the slot indices as router weights), then unweighted combines of
+    ids, the slot indices as router weights) carrying ``round_tag`` (as
+    :func:`dispatch_round`'s), then unweighted combines of
     ``plane`` ``[num_local_experts, max_tokens_per_expert, *row]`` in its
     dtype and of ``pair_values`` (fp32 ``[num_local_experts,
     max_tokens_per_expert]``) in a column per top-k slot (one combine of an
@@ -1222,7 +1246,7 @@ def combine_em_round(plane: Tensor, pair_values: Tensor, token_selected_experts:
     ids, M = token_selected_experts, max_tokens_per_expert
     local, n = _local_experts(route), ids.shape[0]
     with _Unrecorded(), _TalliesKept(workspace, ep_rank):
-        dispatch_end, em = _dispatch_em(ids, [], _slot_indices(ids), workspace, M, route)
+        dispatch_end, em = _dispatch_em(ids, [], _slot_indices(ids), workspace, M, route, round_tag)
         row = workspace.select(0, ep_rank)
         counts = layout.region_view(row, em.counts_offset, (local,), torch.int32)
         weights = layout.region_view(row, em.weights_offset, (local, M), torch.float32)
@@ -1310,7 +1334,8 @@ def _backward_dispatch_em_owned(ctx, grads):
              else grads[i].reshape(local, M, -1).to(dtype) for i in floating]
     plane = torch.cat(parts, dim=2) if parts else ids.new_zeros((local, M, 0), dtype=dtype)
     pair_grad = ids.new_zeros((local, M), dtype=torch.float32) if grads[-1] is None else grads[-1]
-    summed, slot_grads = _call(combine_em_round, plane, pair_grad.float().contiguous(), ids, ctx.workspace, *ctx.route)
+    summed, slot_grads = _call(combine_em_round, plane, pair_grad.float().contiguous(), ids, ctx.workspace, *ctx.route,
+                               0)
     result: list[Optional[Tensor]] = [None] * len(ctx.payloads)
     start = 0
     for i, part in zip(floating, parts):
@@ -1331,7 +1356,7 @@ def _backward_combine_em_owned(ctx, grad):
     its token's gradient for its weight; zeros in padding rows."""
     ids, outputs, pair_weights, counts = ctx.saved_tensors
     plane, _ = _call(dispatch_em_round, grad.contiguous(), torch.zeros(ids.shape, dtype=torch.float32, device=grad.device),
-                     ids, ctx.workspace, *ctx.route)
+                     ids, ctx.workspace, *ctx.route, 0)
     valid = _valid_pairs(counts, ctx.route[0])
     rows = valid.view(*valid.shape, *([1] * (plane.dim() - 2)))
     weight = pair_weights.view(rows.shape)
@@ -1342,7 +1367,7 @@ def _backward_combine_em_owned(ctx, grad):
 
 
 def _setup_em_round(ctx, inputs, output):
-    _, _, ids, workspace, M, *route = inputs
+    _, _, ids, workspace, M, *route, _ = inputs  # the round's own tag: its exchange's, not this node's
     _setup_em(ctx, ids, workspace, M, tuple(route))
 
 
@@ -1350,16 +1375,16 @@ def _backward_dispatch_em_round(ctx, grads):
     (ids,) = ctx.saved_tensors
     plane_grad, values_grad = grads
     rows, slots = _call(combine_em_round, plane_grad.contiguous(), values_grad.float().contiguous(), ids, ctx.workspace,
-                        *ctx.route)
-    return rows, slots, None, None, None, *_list_route_grads(ctx.route[1:])
+                        *ctx.route, 0)
+    return rows, slots, None, None, None, *_list_route_grads(ctx.route[1:]), None
 
 
 def _backward_combine_em_round(ctx, grads):
     (ids,) = ctx.saved_tensors
     rows_grad, slots_grad = grads
     plane, values = _call(dispatch_em_round, rows_grad.contiguous(), slots_grad.float().contiguous(), ids, ctx.workspace,
-                          *ctx.route)
-    return plane, values, None, None, None, *_list_route_grads(ctx.route[1:])
+                          *ctx.route, 0)
+    return plane, values, None, None, None, *_list_route_grads(ctx.route[1:]), None
 
 
 _register_autograd(dispatch_em_owned, _backward_dispatch_em_owned, _setup_dispatch_em_owned,

@@ -21,7 +21,9 @@ def describe_error(ep_rank: int, code: int, missing_words: Sequence[int], detail
     missing_words: the ``MOE_A2A_RANK_MASK_WORDS`` words of the peer mask (unsigned); detail:
     the timeout in ms, for ``ERROR_RUNTIME_MAX_MISMATCH`` this rank's runtime_max_tokens_per_rank,
     for ``ERROR_COMBINE_MISMATCH`` the bits of ``layout.COMBINE_MISMATCH_FIELDS`` that differ,
-    for ``ERROR_SANITIZE_MISMATCH`` the last dispatch's runtime_max_tokens_per_rank.
+    for ``ERROR_PAYLOAD_MISMATCH`` ``layout.PAYLOAD_MISMATCH_BACKWARD_ROUND`` where the call was a
+    backward's round (else 0), for ``ERROR_SANITIZE_MISMATCH`` the last dispatch's
+    runtime_max_tokens_per_rank.
     """
     return _C.describe_error(ep_rank, code, [int(w) % _U64 for w in missing_words], detail)
 

@@ -385,9 +385,9 @@ def run_dispatch(fn: str, args: tuple, build_views: bool, traced: bool) -> Optio
     # eplb_local_stats, eplb_n, mask, timeout_s, mailbox, enable_pdl); indexed, not unpacked: a
     # dispatch's host cost is counted in tenths of a microsecond.
     if not traced and direct_call_ok(args[0], args[2], args[9], *args[1]):
-        # One C++ call runs the op and builds every view (protocol.h's call_layout).
+        # One C++ call runs the op and builds every view (protocol.h's call_layout); round tag 0: no backward's.
         try:
-            return _C.dispatch(*args, build_views)
+            return _C.dispatch(*args, 0, build_views)
         except TypeError as e:
             (ids, payloads, workspace, ep_rank, ep_size, _, runtime_max, top_k, num_experts, eplb_local_stats, _, _,
              timeout_s, _, enable_pdl) = args

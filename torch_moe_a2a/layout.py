@@ -71,6 +71,9 @@ ERROR_COMBINE_ROWS_MISMATCH = 7
 ERROR_PEER_FAILED = 8
 ERROR_INTERRUPTED = 9  # a wait ended by a signal's exception (Ctrl-C); no peers named: SimulatedEP.run's
 ERROR_SANITIZE_MISMATCH = 10  # sanitize given a view that is no plane of the last dispatch (CUDA; detail: its T)
+# ERROR_PAYLOAD_MISMATCH's detail where the CPU dispatch that found it carried
+# a round tag (a differentiable function's backward round; protocol.h).
+PAYLOAD_MISMATCH_BACKWARD_ROUND = 1
 # What differs for ERROR_COMBINE_MISMATCH: bit i of its detail names
 # COMBINE_MISMATCH_FIELDS[i] (protocol.h: CombineMismatch).
 COMBINE_MISMATCH_FIELDS = ("local_num_tokens", "runtime_max_tokens_per_rank", "top_k", "combine_payload_offset",
@@ -87,7 +90,8 @@ HDR_DISPATCH_EPOCH = 24
 HDR_COMBINE_EPOCH = 28
 HDR_ERROR_CODE = 32
 # A timed-out wait's timeout (ms), this rank's T for ERROR_RUNTIME_MAX_MISMATCH, the
-# COMBINE_MISMATCH_FIELDS bits for ERROR_COMBINE_MISMATCH.
+# COMBINE_MISMATCH_FIELDS bits for ERROR_COMBINE_MISMATCH, PAYLOAD_MISMATCH_BACKWARD_ROUND
+# or 0 for ERROR_PAYLOAD_MISMATCH.
 HDR_ERROR_DETAIL = 36
 HDR_ERROR_MISSING = 40
 HDR_INVALID_EXPERT_COUNT = 48

@@ -244,7 +244,10 @@ WaitResult check_peer_calls(const WorkspaceView& ws, const SyncParams& sync, con
     }
   }
   if (any_t) return record_error(ws, kErrorRuntimeMaxMismatch, other_t, static_cast<uint32_t>(p.runtime_max_tokens));
-  if (any_payloads) return record_error(ws, kErrorPayloadMismatch, other_payloads, 0);
+  if (any_payloads) {
+    return record_error(ws, kErrorPayloadMismatch, other_payloads,
+                        p.backward_round ? kPayloadMismatchBackwardRound : 0);
+  }
   return WaitResult{};
 }
 

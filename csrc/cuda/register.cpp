@@ -131,11 +131,12 @@ void dispatch_cuda(const at::Tensor& token_selected_experts, at::TensorList inpu
                    int64_t ep_rank, int64_t ep_size, int64_t max_num_tokens, int64_t runtime_max_tokens_per_rank,
                    int64_t top_k, int64_t num_experts, const std::optional<at::Tensor>& eplb_local_stats,
                    int64_t eplb_stats_num_experts, at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox,
-                   bool enable_pdl) {
+                   bool enable_pdl, int64_t round_tag) {
   // Arguments first, then the mailbox: the order of the CPU operators.
-  const DispatchParams p = check_dispatch(
-      token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
-      top_k, num_experts, eplb_local_stats, eplb_stats_num_experts, active_rank_mask, timeout_s, mailbox, enable_pdl);
+  const DispatchParams p =
+      check_dispatch(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
+                     runtime_max_tokens_per_rank, top_k, num_experts, eplb_local_stats, eplb_stats_num_experts,
+                     active_rank_mask, timeout_s, mailbox, enable_pdl, round_tag);
   raise_if_mailbox_error(mailbox, ep_rank);
   const c10::cuda::CUDAGuard guard(workspace.device());
   C10_CUDA_CHECK(
@@ -212,11 +213,12 @@ void dispatch_expert_major_cuda(const at::Tensor& token_selected_experts, at::Te
                                 int64_t runtime_max_tokens_per_rank, int64_t top_k, int64_t num_experts,
                                 const std::optional<at::Tensor>& eplb_local_stats, int64_t eplb_stats_num_experts,
                                 at::IntArrayRef active_rank_mask, double timeout_s, int64_t mailbox, bool enable_pdl,
-                                int64_t max_tokens_per_expert, at::IntArrayRef payload_row_bytes, bool has_weights) {
+                                int64_t max_tokens_per_expert, at::IntArrayRef payload_row_bytes, bool has_weights,
+                                int64_t round_tag) {
   const ExpertMajorDispatchParams p = check_dispatch_expert_major(
       token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
       top_k, num_experts, eplb_local_stats, eplb_stats_num_experts, active_rank_mask, timeout_s, mailbox, enable_pdl,
-      max_tokens_per_expert, payload_row_bytes, has_weights);
+      max_tokens_per_expert, payload_row_bytes, has_weights, round_tag);
   raise_if_mailbox_error(mailbox, ep_rank);
   const c10::cuda::CUDAGuard guard(workspace.device());
   C10_CUDA_CHECK(gpu::launch_dispatch_expert_major(p.dispatch, p.build,
