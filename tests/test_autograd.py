@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_moe_a2a as a2a
 from torch_moe_a2a import autograd as a2a_autograd
-from torch_moe_a2a import fastpath, reference
+from torch_moe_a2a import errors, fastpath, reference
 from torch_moe_a2a.autograd import (
     moe_a2a_combine_differentiable,
     moe_a2a_combine_expert_major_differentiable,
@@ -1129,6 +1129,297 @@ def test_ranks_whose_payloads_require_grad_differently_are_told_so():
 
     with pytest.raises(RuntimeError, match="called the same combine with other rows.*require grad alike"):
         sim.run(step)
+
+
+# ---- the backward's rounds know their forward exchange ----------------------------------------------
+
+
+@pytest.fixture
+def round_tags(monkeypatch):
+    """Backward rounds carry their round tags in this test
+    (fastpath.round_tag_of_last_exchange) also where tests before it compiled
+    a differentiable exchange, after which a process tags none."""
+    monkeypatch.setitem(fastpath._COMPILED_EXCHANGE, "seen", False)
+
+
+def _parallel_layers(layout, sim, rank, ids, ws, num_experts):
+    """Rank ``rank``'s two MoE layers on ``sim``'s workspace, fed by one input:
+    ``layer(x, i)`` is layer ``i``'s differentiable exchange of ``x``, routed
+    by ``ids[i]`` (expert-major: with router weights ``ws[i]``), around a
+    stand-in expert of its own (the rows times 1.5, layer 1's times 2). The
+    two layers' backward rounds have rows of the same sizes."""
+    tokens, top_k = ids[0].shape
+
+    def layer(x, i):
+        scale = 1.5 + i / 2
+        if layout == "rank-major":
+            (rows,), offset, _ = moe_a2a_dispatch_differentiable(ids[i], [x], sim.workspace, sim.metainfo[rank], tokens,
+                                                                 rank, sim.ep_size, top_k, num_experts)
+            return moe_a2a_combine_differentiable(rows * scale, ids[i], sim.workspace, sim.metainfo[rank], tokens, rank,
+                                                  sim.ep_size, top_k, num_experts, offset)
+        dispatched = moe_a2a_dispatch_expert_major_differentiable(ids[i], [x], sim.workspace, sim.metainfo[rank],
+                                                                  tokens, rank, sim.ep_size, top_k, num_experts,
+                                                                  router_weights=ws[i])
+        return moe_a2a_combine_expert_major_differentiable(dispatched.output_payloads[0] * scale, dispatched, ids[i],
+                                                           sim.workspace, sim.metainfo[rank], rank, sim.ep_size)
+
+    return layer
+
+
+def _backward_mismatch_message(device, rank):
+    """The error rank ``rank`` of two gets where the ranks' backwards run the
+    rounds of other exchanges: on the CPU the dispatch of a backward round
+    says so; CUDA's combine records the payload mismatch without knowing the
+    round, whose message names that cause among the others."""
+    if device == "cpu":
+        return (rf"^rank {rank}: peers \[{1 - rank}\] called another exchange than this rank's backward exchange: "
+                r".* the peers ran the backward of another exchange \(every rank must run the same backward sequence")
+    return (rf"^rank {rank}: peers \[{1 - rank}\] called dispatch with other payloads than this rank's .* ranks that ran "
+            r"the backward of other exchanges, or in another order")
+
+
+@pytest.mark.parametrize("mismatch", ["each rank leaves another layer's output unused",
+                                      "the ranks call backward on their outputs in other orders"])
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+def test_ranks_that_run_the_backward_of_other_exchanges_fail(layout, mismatch, device, round_tags):
+    """Two layers' exchanges on one workspace, fed by one input, whose
+    backward rounds have rows of the same sizes. Rank 0's loss leaves layer
+    0's output unused and rank 1's layer 1's, or rank 0 calls backward on
+    layer 0's loss, then layer 1's, and rank 1 the reverse: at the first
+    backward round rank 0 runs one layer's where rank 1 runs the other's. A
+    backward round carries the identity of its forward exchange, which its
+    dispatch sends beside its rows' sizes, so every rank fails there (before
+    its timeout) with an error that names the cause; the rounds were paired
+    by their sizes alone, and the gradients were wrong, with no error."""
+    ep_size, tokens, top_k, num_experts, hidden = 2, 4, 2, 4, 8
+    gen = torch.Generator().manual_seed(63 + 2 * (layout == "expert-major") + (mismatch[0] == "e"))
+    sim = make_sim(ep_size, tokens, hidden, top_k, timeout_s=5, device=device) if layout == "rank-major" else \
+        make_em_sim(ep_size, tokens, hidden, top_k, num_experts, timeout_s=5, device=device)
+    ids = [[reference.random_routing(tokens, top_k, num_experts, gen).to(device) for _ in range(2)]
+           for _ in range(ep_size)]
+    ws = [[torch.rand(tokens, top_k, generator=gen).to(device) for _ in range(2)] for _ in range(ep_size)]
+    xs = [torch.randn(tokens, hidden, generator=gen).to(device) for _ in range(ep_size)]
+
+    def step(rank, ep_sim=sim):
+        layer = _parallel_layers(layout, ep_sim, rank, ids[rank], ws[rank], num_experts)
+        x = xs[rank].clone().requires_grad_()
+        losses = [layer(x, i).square().sum() for i in range(2)]
+        if ep_sim is not sim:  # the one-rank warm-up: both losses, as a correct program
+            order = (0, 1)
+        elif mismatch.startswith("each rank"):
+            order = (1 - rank,)
+        else:
+            order = (0, 1) if rank == 0 else (1, 0)
+        try:
+            for i in order:
+                losses[i].backward()
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+    if device == "cuda":
+        # The step's kernels launched once on one rank (SimulatedEP.run: a
+        # kernel's first launch waits for every stream's work).
+        one = make_sim(1, tokens, hidden, top_k, device=device) if layout == "rank-major" else \
+            make_em_sim(1, tokens, hidden, top_k, num_experts, device=device)
+        assert one.run(lambda rank: step(rank, one)) == [None]
+    first = sim.run(step)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for rank in range(ep_size):
+        message = _backward_mismatch_message(device, rank)
+        if device == "cpu":  # the CPU raises at once, in the backward
+            assert first[rank] is not None and re.search(message, first[rank]), f"rank {rank}: {first[rank]}"
+        record = errors.row_error(sim.workspace, rank)
+        assert record is not None and re.search(message, record), f"rank {rank}: {record}"
+    sim.reset()
+
+
+def test_a_step_compiled_on_one_rank_and_eager_on_another_trains(round_tags):
+    """Dynamo may run a frame compiled on one rank and eagerly on another
+    (past its recompile limit on one rank only): the compiled backward's
+    rounds carry no round tag, and once the process has compiled a
+    differentiable exchange no eager backward's do either, so the two ranks'
+    rounds pair by their rows' sizes, with the gradients of two eager ranks."""
+    torch._dynamo.reset()
+    ep_size, tokens, top_k, num_experts, hidden = 2, 4, 2, 4, 8
+    gen = torch.Generator().manual_seed(71)
+    # The compile runs inside rank 0's step while rank 1 waits in its dispatch.
+    sim = make_sim(ep_size, tokens, hidden, top_k, timeout_s=300)
+    ids = [reference.random_routing(tokens, top_k, num_experts, gen) for _ in range(ep_size)]
+    xs = [torch.randn(tokens, hidden, generator=gen) for _ in range(ep_size)]
+    ws = [torch.rand(tokens, top_k, generator=gen) for _ in range(ep_size)]
+    targets = [torch.randn(tokens, hidden, generator=gen) for _ in range(ep_size)]
+    compiled = torch.compile(compiled_train_step, fullgraph=True)
+
+    def step(rank, steps):
+        x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+        out = steps[rank](x, w, ids[rank], sim.workspace, sim.metainfo[rank], tokens, rank, ep_size, top_k,
+                          num_experts)
+        (out * targets[rank]).sum().backward()
+        return x.grad, w.grad
+
+    want = sim.run(functools.partial(step, steps=[compiled_train_step] * ep_size))
+    got = sim.run(functools.partial(step, steps=[compiled, compiled_train_step]))
+    for grads, expected in zip(got, want):
+        for g, e in zip(grads, expected):
+            torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+def test_repeated_combines_backward_on_every_rank_alike(layout, device, round_tags):
+    """A round of two differentiable combines (the rows times 1.5 and times
+    2), both outputs in the loss: each combine's backward round carries its
+    own combine's tag, every rank runs them in the same order, and the
+    inputs' gradients are those of one combine of the rows times 3.5."""
+    ep_size, tokens, top_k, num_experts, hidden = 2, 4, 2, 4, 8
+    gen = torch.Generator().manual_seed(79)
+    sim = make_sim(ep_size, tokens, hidden, top_k, device=device) if layout == "rank-major" else \
+        make_em_sim(ep_size, tokens, hidden, top_k, num_experts, device=device)
+    ids = [reference.random_routing(tokens, top_k, num_experts, gen).to(device) for _ in range(ep_size)]
+    ws = [torch.rand(tokens, top_k, generator=gen).to(device) for _ in range(ep_size)]
+    xs = [torch.randn(tokens, hidden, generator=gen).to(device) for _ in range(ep_size)]
+
+    def step(rank, scales):
+        x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+        kwargs = dict(workspace=sim.workspace, metainfo=sim.metainfo[rank], ep_rank=rank, ep_size=ep_size)
+        if layout == "rank-major":
+            (rows,), offset, _ = moe_a2a_dispatch_differentiable(ids[rank], [x * w[:, :1]],
+                                                                 runtime_max_tokens_per_rank=tokens, top_k=top_k,
+                                                                 num_experts=num_experts, **kwargs)
+            outs = [moe_a2a_combine_differentiable(rows * scale, ids[rank], runtime_max_tokens_per_rank=tokens,
+                                                   top_k=top_k, num_experts=num_experts, combine_payload_offset=offset,
+                                                   **kwargs) for scale in scales]
+        else:
+            d = moe_a2a_dispatch_expert_major_differentiable(ids[rank], [x], runtime_max_tokens_per_rank=tokens,
+                                                             top_k=top_k, num_experts=num_experts, router_weights=w,
+                                                             **kwargs)
+            outs = [moe_a2a_combine_expert_major_differentiable(d.output_payloads[0] * scale, d, ids[rank], **kwargs)
+                    for scale in scales]
+        sum(out.square().sum() / scale for out, scale in zip(outs, scales)).backward()
+        return x.grad, w.grad
+
+    want = sim.run(functools.partial(step, scales=(3.5,)))
+    for grads, expected in zip(sim.run(functools.partial(step, scales=(1.5, 2.0))), want):
+        for g, e in zip(grads, expected):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_a_rank_masked_off_for_a_step_trains_again_after_its_reinitialization(round_tags):
+    """A rank masked off for a step makes no exchange, so its count of
+    exchanges stops while its peers' goes on; it rejoins through a
+    collective re-initialization (SimulatedEP.reset), which starts every
+    rank's count again: the next step's backward rounds carry the same tags
+    on every rank, and its gradients are those of the step before."""
+    ep_size, tokens, top_k, num_experts, hidden = 3, 4, 2, 6, 8
+    gen = torch.Generator().manual_seed(73)
+    sim = make_sim(ep_size, tokens, hidden, top_k)
+    ids = [reference.random_routing(tokens, top_k, num_experts, gen) for _ in range(ep_size)]
+    xs = [torch.randn(tokens, hidden, generator=gen) for _ in range(ep_size)]
+    ws = [torch.rand(tokens, top_k, generator=gen) for _ in range(ep_size)]
+
+    def step(rank, mask=None):
+        if mask is not None and rank == ep_size - 1:  # masked off: no call
+            return None
+        x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+        out = exchange(sim, rank, ids[rank], x, w, num_experts, tokens,
+                       lambda recv_x, recv_ids, recv_w, counts: recv_x * recv_w[..., :1], mask)
+        out.square().sum().backward()
+        return x.grad, w.grad
+
+    want = sim.run(step)
+    sim.run(functools.partial(step, mask=a2a.moe_a2a_active_rank_mask(range(ep_size - 1), ep_size)))
+    sim.reset()
+    for grads, expected in zip(sim.run(step), want):
+        assert torch.equal(grads[0], expected[0]) and torch.equal(grads[1], expected[1])
+
+
+def _dense_gradients_agree(dense_layers, rank_layers, x_grad, x_grads):
+    """The ranks' gradients against the dense layers': each rank's input
+    gradient its rows of ``x_grad``, the router's summed over the ranks (a
+    data-parallel all-reduce), each expert's from its owner."""
+    torch.testing.assert_close(torch.cat(x_grads), x_grad, rtol=1e-5, atol=1e-5)
+    for dense_layer, layers in zip(dense_layers, zip(*rank_layers)):
+        if dense_layer.router.weight.grad is None:  # a layer no loss used
+            assert all(layer.router.weight.grad is None for layer in layers)
+            continue
+        torch.testing.assert_close(sum(layer.router.weight.grad for layer in layers), dense_layer.router.weight.grad,
+                                   rtol=1e-5, atol=1e-5)
+        for layer in layers:
+            for e, expert in zip(layer.owned, layer.experts):
+                for p, q in zip(expert.parameters(), dense_layer.experts[e].parameters()):
+                    torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+
+
+# Every rank's backward sequence over two layers fed by one input, with the
+# checkpointing of each layer (CHECKPOINTINGS); not a second backward of a
+# region under selective checkpointing, which torch refuses.
+SAME_BACKWARD_SEQUENCES = [
+    (sequence, checkpointing)
+    for sequence in ("layer 0's output unused on every rank", "backward calls in the forward's order",
+                     "one loss's backward twice (retain_graph)")
+    for checkpointing in CHECKPOINTINGS
+    if not (sequence.startswith("one loss") and checkpointing == "checkpoint_context")
+]
+
+
+@pytest.mark.parametrize("sequence,checkpointing", SAME_BACKWARD_SEQUENCES)
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+def test_ranks_that_run_the_same_backward_sequence_get_the_dense_gradients(layout, sequence, checkpointing, device,
+                                                                           round_tags):
+    """Two MoE layers of one workspace fed by one input, each with a loss of
+    its own, every rank running the same backward sequence, which is not the
+    reverse of the forward: layer 1's loss alone (layer 0's output unused),
+    layer 0's loss then layer 1's, or layer 0's loss twice with retain_graph;
+    each layer whole under activation checkpointing of every kind (whose
+    recomputation re-runs the layer's exchanges inside the backward, or hands
+    their saved outputs back). The round tags of the ranks' backward rounds
+    agree, and the gradients are the dense layers' on all tokens."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    ep_size, tokens, top_k, num_experts, hidden = 2, (5, 3), 2, 4, 8
+    dense = dense_model(hidden, num_experts, top_k, seed=67).to(device)
+    gen = torch.Generator().manual_seed(67)
+    xs = [torch.randn(n, hidden, generator=gen).to(device) for n in tokens]
+    targets = [[torch.randn(n, hidden, generator=gen).to(device) for n in tokens] for _ in range(2)]
+    if layout == "rank-major":
+        sim, parallel = make_sim(ep_size, max(tokens), hidden, top_k, device=device), ExpertParallel
+    else:
+        sim = make_em_sim(ep_size, max(tokens), hidden, top_k, num_experts, device=device)
+        parallel = ExpertMajorParallel
+    models = rank_copies(dense, sim, parallel=parallel)
+
+    def run_sequence(losses):
+        if sequence.startswith("layer 0's output unused"):
+            losses[1].backward()
+        elif sequence.startswith("backward calls"):
+            losses[0].backward()
+            losses[1].backward()
+        else:
+            losses[0].backward(retain_graph=True)
+            losses[0].backward()
+
+    x = torch.cat(xs).requires_grad_()
+    run_sequence([((layer(x) - torch.cat(t)) ** 2).sum() for layer, t in zip(dense.layers, targets)])
+
+    def rank_step(rank):
+        x = xs[rank].clone().requires_grad_()
+        with set_checkpoint_early_stop(checkpointing != "no-early-stop"):
+            outs = []
+            for layer in models[rank].layers:
+                if checkpointing == "none":
+                    outs.append(layer(x, max(tokens)))
+                elif checkpointing == "reentrant":
+                    outs.append(checkpoint(layer, x, max(tokens), use_reentrant=True))
+                else:
+                    context = {"context_fn": a2a.checkpoint_context} if checkpointing == "checkpoint_context" else {}
+                    outs.append(checkpoint(layer, x, max(tokens), use_reentrant=False, **context))
+            run_sequence([((out - t[rank]) ** 2).sum() for out, t in zip(outs, targets)])
+        return x.grad
+
+    x_grads = sim.run(rank_step)
+    _dense_gradients_agree(dense.layers, [m.layers for m in models], x.grad, x_grads)
 
 
 # ---- one rank per process ------------------------------------------------------------------------------

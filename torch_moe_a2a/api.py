@@ -62,6 +62,7 @@ from .fastpath import (
     expect_tensor_list,
     expect_tensors,
     expect_traced_ints,
+    forget_round_tags,
     note_plain_dispatch,
     refuse_combine_after_backward,
     run_dispatch,
@@ -288,6 +289,7 @@ def moe_a2a_initialize(
     check_backend(backend, workspace)
     mailbox = _ops.alloc_mailbox.default(workspace)
     _ops.initialize.default(workspace, ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, mailbox)
+    forget_round_tags(workspace, ep_rank)
     values = [0] * layout.META_COUNT
     values[layout.META_MAGIC] = layout.MAGIC
     values[layout.META_VERSION] = layout.VERSION

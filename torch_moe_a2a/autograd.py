@@ -29,7 +29,11 @@ their section below):
 other's backward (a ``combine_round`` of several planes: a ``dispatch_round``
 of each plane's gradient), which gives second-order gradients too. A backward is a whole round of its own, so it is correct
 whatever runs between two backward calls; it costs one more exchange per
-backward than a bare combine or dispatch would.
+backward than a bare combine or dispatch would. Its dispatch carries the
+number of the exchange whose backward it is (a round tag: the count of the
+ops' exchanges on the rank, fastpath.note_exchange), which the peers compare
+with its rows' sizes: ranks whose backwards run the rounds of different
+exchanges at the same place fail there instead of pairing them.
 
 Eager calls do not go through the dispatcher: a custom op's Python call
 (its argument defaults filled from the schema, pytrees, the generated
@@ -86,9 +90,12 @@ from .fastpath import (
     expect_traced_ints,
     last_dispatch,
     note_backward_round,
+    note_compiled_exchange,
     note_dispatch,
+    note_exchange,
     refuse_combine_after_backward,
     refuse_forward_ad,
+    round_tag_of_last_exchange,
     tracing,
 )
 
@@ -115,7 +122,8 @@ GRAD_DTYPES = COMBINE_DTYPES
 
 def _dispatch(ids: Tensor, payloads: list[Tensor], workspace: Tensor, route: tuple, round_tag: int) -> None:
     """The dispatch of ``payloads`` by ``ids``; ``round_tag``: a backward
-    round's (the round ops' argument), 0 for a forward's."""
+    round's (:func:`~torch_moe_a2a.fastpath.round_tag_of_last_exchange`), 0
+    for a forward's."""
     ep_rank, ep_size, max_num_tokens, runtime_max, top_k, num_experts, mask, timeout_s, mailbox, pdl = route
     if direct_call_ok(ids, workspace, *payloads):
         _C.dispatch(ids, payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max, top_k, num_experts,
@@ -496,15 +504,18 @@ def dispatch_owned(token_selected_experts: Tensor, input_payloads: list[Tensor],
     """The dispatch op; returns ``[*planes, recv_counts]`` (new tensors, see :func:`_owned_planes`)."""
     _note_forward_dispatch(workspace, ep_rank)
     if direct_call_ok(token_selected_experts, workspace, *input_payloads):
-        return _C.dispatch_owned(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens,
-                                 runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask, timeout_s,
-                                 mailbox, enable_pdl)
-    route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
-             timeout_s, mailbox, enable_pdl)
-    with _Unrecorded():
-        _dispatch(token_selected_experts, input_payloads, workspace, route, 0)
-        planes, counts, _ = _owned_planes(workspace, input_payloads, route)
-        return [*planes, counts.clone()]
+        received = _C.dispatch_owned(token_selected_experts, input_payloads, workspace, ep_rank, ep_size,
+                                     max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
+                                     active_rank_mask, timeout_s, mailbox, enable_pdl)
+    else:
+        route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
+                 active_rank_mask, timeout_s, mailbox, enable_pdl)
+        with _Unrecorded():
+            _dispatch(token_selected_experts, input_payloads, workspace, route, 0)
+            planes, counts, _ = _owned_planes(workspace, input_payloads, route)
+            received = [*planes, counts.clone()]
+    note_exchange(workspace, ep_rank)
+    return received
 
 
 @_custom_op("combine_owned", _refuse_recomputed_combine_alone("moe_a2a_combine_differentiable"))
@@ -514,13 +525,16 @@ def combine_owned(payload: Tensor, token_selected_experts: Tensor, workspace: Te
                   enable_pdl: bool) -> Tensor:
     """The combine op closing the round ``dispatch_owned`` opened; ``[local_num_tokens, *row]`` of payload's dtype."""
     if direct_call_ok(payload, token_selected_experts, workspace):
-        return _C.combine_owned(payload, token_selected_experts, workspace, combine_payload_offset, ep_rank, ep_size,
-                                max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
-                                timeout_s, mailbox, enable_pdl)
-    route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
-             timeout_s, mailbox, enable_pdl)
-    with _Unrecorded():
-        return _combine(payload, token_selected_experts.shape[0], workspace, combine_payload_offset, route)
+        out = _C.combine_owned(payload, token_selected_experts, workspace, combine_payload_offset, ep_rank, ep_size,
+                               max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts, active_rank_mask,
+                               timeout_s, mailbox, enable_pdl)
+    else:
+        route = (ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank, top_k, num_experts,
+                 active_rank_mask, timeout_s, mailbox, enable_pdl)
+        with _Unrecorded():
+            out = _combine(payload, token_selected_experts.shape[0], workspace, combine_payload_offset, route)
+    note_exchange(workspace, ep_rank)
+    return out
 
 
 @_custom_op("dispatch_round")
@@ -529,10 +543,10 @@ def dispatch_round(rows: Tensor, token_selected_experts: Tensor, workspace: Tens
                    active_rank_mask: list[int], timeout_s: float, mailbox: int, enable_pdl: bool,
                    round_tag: int = 0) -> Tensor:
     """A dispatch of ``rows`` ``[local_num_tokens, *row]`` carrying
-    ``round_tag`` (the identity of the exchange whose backward it is; 0, the
-    default, for none) then a combine of one fp32 zero per row (closing the
-    round); returns the received plane ``[ep_size,
-    runtime_max_tokens_per_rank, *row]``, padding rows zero."""
+    ``round_tag`` (its forward exchange's: fastpath.round_tag_of_last_exchange;
+    0, the default, for none: a compiled backward's) then a combine of one fp32
+    zero per row (closing the round); returns the received plane
+    ``[ep_size, runtime_max_tokens_per_rank, *row]``, padding rows zero."""
     _note_backward_round(workspace, ep_rank)
     if direct_call_ok(rows, token_selected_experts, workspace):
         plane = _C.dispatch_round(rows, token_selected_experts, workspace, ep_rank, ep_size, max_num_tokens,
@@ -547,6 +561,7 @@ def dispatch_round(rows: Tensor, token_selected_experts: Tensor, workspace: Tens
             nothing = torch.zeros((ep_size, runtime_max_tokens_per_rank, 1), dtype=torch.float32, device=rows.device)
             _combine(nothing, rows.shape[0], workspace, offset, route)
     note_backward_round(workspace, ep_rank)
+    note_exchange(workspace, ep_rank)
     return plane
 
 
@@ -576,6 +591,7 @@ def combine_round(payloads: list[Tensor], token_selected_experts: Tensor, worksp
             _dispatch(ids, [ids], workspace, route, round_tag)
             sums = [_combine(payload, ids.shape[0], workspace, offset, route) for payload in payloads]
     note_backward_round(workspace, ep_rank)
+    note_exchange(workspace, ep_rank)
     return sums
 
 
@@ -585,15 +601,19 @@ for _op in (dispatch_owned, combine_owned, dispatch_round, combine_round):
     torch.fx.node.has_side_effect(_op._opoverload)
 
 
+# The forward ops' fake kernels run where torch.compile traces an exchange:
+# from then on the process tags no backward round (fastpath._COMPILED_EXCHANGE).
 @dispatch_owned.register_fake
 def _(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
       top_k, num_experts, active_rank_mask, timeout_s, mailbox, enable_pdl):
+    note_compiled_exchange()
     planes = [p.new_empty((ep_size, runtime_max_tokens_per_rank, *p.shape[1:])) for p in input_payloads]
     return [*planes, workspace.new_empty((ep_size,), dtype=torch.int32)]
 
 
 @combine_owned.register_fake
 def _(payload, token_selected_experts, workspace, combine_payload_offset, *route):
+    note_compiled_exchange()
     return payload.new_empty((token_selected_experts.shape[0], *payload.shape[2:]))
 
 
@@ -611,7 +631,10 @@ def _(payloads, token_selected_experts, workspace, *route):
 # Saved: the expert ids (save_for_backward, so an in-place change of them is
 # caught) and the plain ints. The workspace is kept as an attribute, not saved:
 # the backward needs its memory, never its old contents, so no version check
-# applies (the plain functions' exchanges move its version counter).
+# applies (the plain functions' exchanges move its version counter). Each node
+# also keeps the round tag of its exchange (fastpath.round_tag_of_last_exchange:
+# the op's body has just counted it), which its backward's rounds carry: the
+# round ops' last argument.
 
 _ROUTE_GRADS = (None,) * 10  # the route arguments' gradients
 
@@ -627,6 +650,14 @@ def _keep_route(ctx, ids: Tensor, workspace: Tensor, route: tuple) -> None:
     ctx.save_for_backward(ids)
     ctx.workspace = workspace
     ctx.route = route
+    ctx.round_tag = round_tag_of_last_exchange(workspace, route[0])
+
+
+def _backward_tag(ctx) -> int:
+    """The round tag that ``ctx``'s backward rounds carry: its node's, or 0
+    where the backward is traced (compiled autograd), whose graph would hold
+    the number as a constant."""
+    return 0 if torch.compiler.is_compiling() else ctx.round_tag
 
 
 def _setup_dispatch_owned(ctx, inputs, output):
@@ -673,7 +704,7 @@ def _backward_dispatch_owned(ctx, grads):
                 g = grads[i]
                 parts.append(ids.new_zeros(shape, dtype=dtype) if g is None else g.reshape(shape))
             packed.append(parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=2))
-        sums = _call(combine_round, packed, ids, ctx.workspace, *route, 0)
+        sums = _call(combine_round, packed, ids, ctx.workspace, *route, _backward_tag(ctx))
         for members, summed in zip(groups.values(), sums):
             start = 0
             for i in members:
@@ -690,23 +721,27 @@ def _setup_combine_owned(ctx, inputs, output):
 
 def _backward_combine_owned(ctx, grad):
     (ids,) = ctx.saved_tensors
-    return _call(dispatch_round, grad.contiguous(), ids, ctx.workspace, *ctx.route, 0), None, None, None, *_ROUTE_GRADS
+    plane = _call(dispatch_round, grad.contiguous(), ids, ctx.workspace, *ctx.route, _backward_tag(ctx))
+    return plane, None, None, None, *_ROUTE_GRADS
 
 
 def _setup_round(ctx, inputs, output):
-    _, ids, workspace, *route, _ = inputs  # the round's own tag: its exchange's, not this node's
+    # Last, the round's own tag (every caller here gives it; the dispatcher
+    # fills in its default): the exchange it belongs to, not this node's.
+    _, ids, workspace, *route, _ = inputs
     _keep_route(ctx, ids, workspace, tuple(route))
 
 
 def _backward_dispatch_round(ctx, grad):
     (ids,) = ctx.saved_tensors
-    (summed,) = _call(combine_round, [grad.contiguous()], ids, ctx.workspace, *ctx.route, 0)
+    (summed,) = _call(combine_round, [grad.contiguous()], ids, ctx.workspace, *ctx.route, _backward_tag(ctx))
     return summed, None, None, *_ROUTE_GRADS, None
 
 
 def _backward_combine_round(ctx, grads):
     (ids,) = ctx.saved_tensors
-    planes = [_call(dispatch_round, g.contiguous(), ids, ctx.workspace, *ctx.route, 0) for g in grads]
+    tag = _backward_tag(ctx)
+    planes = [_call(dispatch_round, g.contiguous(), ids, ctx.workspace, *ctx.route, tag) for g in grads]
     return planes, None, None, *_list_route_grads(ctx.route), None
 
 
@@ -1165,6 +1200,7 @@ def dispatch_em_owned(token_selected_experts: Tensor, input_payloads: list[Tenso
         _, em = _dispatch_em(token_selected_experts, input_payloads, router_weights, workspace,
                              max_tokens_per_expert, route, 0)
         planes, counts, ids, weights = _owned_em(workspace, input_payloads, em, max_tokens_per_expert, route)
+    note_exchange(workspace, ep_rank)
     return [*planes, counts, ids, weights]
 
 
@@ -1196,8 +1232,10 @@ def combine_em_owned(expert_outputs: Tensor, pair_weights: Tensor, expert_counts
                                  "peer may still read the earlier combine's (a wrong result there). Give the "
                                  "round's combines the same dispatched.router_weights")
         region.copy_(pair_weights)
-        return _combine_em(expert_outputs.contiguous(), token_selected_experts.shape[0], workspace,
-                           max_tokens_per_expert, dispatch_end, combine_payload_offset, route)
+        out = _combine_em(expert_outputs.contiguous(), token_selected_experts.shape[0], workspace,
+                          max_tokens_per_expert, dispatch_end, combine_payload_offset, route)
+    note_exchange(workspace, ep_rank)
+    return out
 
 
 @_custom_op("dispatch_em_round")
@@ -1222,6 +1260,7 @@ def dispatch_em_round(rows: Tensor, slot_values: Tensor, token_selected_experts:
         nothing = torch.zeros((_local_experts(route), M, 1), dtype=torch.float32, device=rows.device)
         _combine_em(nothing, rows.shape[0], workspace, M, dispatch_end, em.combine_offset, route)
     note_backward_round(workspace, ep_rank)
+    note_exchange(workspace, ep_rank)
     return [plane, pair_values]
 
 
@@ -1266,6 +1305,7 @@ def combine_em_round(plane: Tensor, pair_values: Tensor, token_selected_experts:
             summed = _combine_em(rows.contiguous(), n, workspace, M, dispatch_end, em.combine_offset, route)
             slots = _combine_em(columns, n, workspace, M, dispatch_end, em.combine_offset, route)
     note_backward_round(workspace, ep_rank)
+    note_exchange(workspace, ep_rank)
     return [summed.reshape(n, *plane.shape[2:]), slots]
 
 
@@ -1275,6 +1315,7 @@ for _op in (dispatch_em_owned, combine_em_owned, dispatch_em_round, combine_em_r
 
 @dispatch_em_owned.register_fake
 def _(token_selected_experts, input_payloads, router_weights, workspace, max_tokens_per_expert, *route):
+    note_compiled_exchange()
     local, M = _local_experts(route), max_tokens_per_expert
     planes = [p.new_empty((local, M, *p.shape[1:])) for p in input_payloads]
     return [*planes, workspace.new_empty((local,), dtype=torch.int32), workspace.new_empty((local, M), dtype=torch.int32),
@@ -1283,6 +1324,7 @@ def _(token_selected_experts, input_payloads, router_weights, workspace, max_tok
 
 @combine_em_owned.register_fake
 def _(expert_outputs, pair_weights, expert_counts, token_selected_experts, *rest):
+    note_compiled_exchange()
     return expert_outputs.new_empty((token_selected_experts.shape[0], *expert_outputs.shape[2:]))
 
 
@@ -1306,6 +1348,7 @@ def _setup_em(ctx, ids: Tensor, workspace: Tensor, max_tokens_per_expert: int, r
     ctx.save_for_backward(ids, *saved)
     ctx.workspace = workspace
     ctx.route = (max_tokens_per_expert, *route)
+    ctx.round_tag = round_tag_of_last_exchange(workspace, route[0])
 
 
 def _setup_dispatch_em_owned(ctx, inputs, output):
@@ -1335,7 +1378,7 @@ def _backward_dispatch_em_owned(ctx, grads):
     plane = torch.cat(parts, dim=2) if parts else ids.new_zeros((local, M, 0), dtype=dtype)
     pair_grad = ids.new_zeros((local, M), dtype=torch.float32) if grads[-1] is None else grads[-1]
     summed, slot_grads = _call(combine_em_round, plane, pair_grad.float().contiguous(), ids, ctx.workspace, *ctx.route,
-                               0)
+                               _backward_tag(ctx))
     result: list[Optional[Tensor]] = [None] * len(ctx.payloads)
     start = 0
     for i, part in zip(floating, parts):
@@ -1356,7 +1399,7 @@ def _backward_combine_em_owned(ctx, grad):
     its token's gradient for its weight; zeros in padding rows."""
     ids, outputs, pair_weights, counts = ctx.saved_tensors
     plane, _ = _call(dispatch_em_round, grad.contiguous(), torch.zeros(ids.shape, dtype=torch.float32, device=grad.device),
-                     ids, ctx.workspace, *ctx.route, 0)
+                     ids, ctx.workspace, *ctx.route, _backward_tag(ctx))
     valid = _valid_pairs(counts, ctx.route[0])
     rows = valid.view(*valid.shape, *([1] * (plane.dim() - 2)))
     weight = pair_weights.view(rows.shape)
@@ -1367,7 +1410,7 @@ def _backward_combine_em_owned(ctx, grad):
 
 
 def _setup_em_round(ctx, inputs, output):
-    _, _, ids, workspace, M, *route, _ = inputs  # the round's own tag: its exchange's, not this node's
+    _, _, ids, workspace, M, *route, _ = inputs  # last, the round's own tag (as in _setup_round)
     _setup_em(ctx, ids, workspace, M, tuple(route))
 
 
@@ -1375,7 +1418,7 @@ def _backward_dispatch_em_round(ctx, grads):
     (ids,) = ctx.saved_tensors
     plane_grad, values_grad = grads
     rows, slots = _call(combine_em_round, plane_grad.contiguous(), values_grad.float().contiguous(), ids, ctx.workspace,
-                        *ctx.route, 0)
+                        *ctx.route, _backward_tag(ctx))
     return rows, slots, None, None, None, *_list_route_grads(ctx.route[1:]), None
 
 
@@ -1383,7 +1426,7 @@ def _backward_combine_em_round(ctx, grads):
     (ids,) = ctx.saved_tensors
     rows_grad, slots_grad = grads
     plane, values = _call(dispatch_em_round, rows_grad.contiguous(), slots_grad.float().contiguous(), ids, ctx.workspace,
-                          *ctx.route, 0)
+                          *ctx.route, _backward_tag(ctx))
     return plane, values, None, None, None, *_list_route_grads(ctx.route[1:]), None
 
 

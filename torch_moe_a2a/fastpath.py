@@ -251,6 +251,81 @@ def refuse_combine_after_backward(fn: str, workspace: torch.Tensor, rank: int, t
             f"every combine of a round comes before its backward (loss.backward()); {hint}")
 
 
+# Per (workspace address, rank): how many exchanges the differentiable ops
+# (forward and backward rounds alike, eager or compiled) have made on the
+# rank's row since it was initialized, counted by each op's body once its
+# exchange ran (note_exchange). Every rank makes the same exchanges in the
+# same order (they are collectives), so the n-th is the same exchange on
+# every rank, and its number identifies it: the autograd node of an
+# exchange keeps it (round_tag_of_last_exchange), and its backward rounds
+# carry it as their round tag, which the dispatch mixes into the signature
+# its peers compare. Ranks whose backwards run the rounds of different
+# exchanges at the same place then fail there, where their rows' sizes
+# alone paired them (wrong gradients, no error). Exchanges are counted
+# whether or not they get a backward: which ones do follows from
+# requires_grad, which may differ between ranks where no backward depends
+# on it (a gradient that is None on one rank only, under create_graph).
+# Initialization starts the count again (forget_round_tags): it is
+# collective, so a rank that missed calls (masked off) or a workspace new at
+# a freed one's address starts where its peers do.
+_EXCHANGE_COUNTS: dict[tuple[int, int], int] = {}
+# Whether this process has compiled a differentiable exchange
+# (torch.compile). Compiled backwards carry no tag (a number read while
+# tracing would be a constant of the graph, and ranks compile at other
+# steps), and from then on neither do eager ones: a frame that Dynamo runs
+# compiled on one rank may run eagerly on another (past its recompile limit),
+# and a tagged backward round would meet an untagged one there. Ranks
+# compile their first differentiable exchange at the same point of their
+# programs.
+_COMPILED_EXCHANGE = {"seen": False}
+
+
+def note_exchange(workspace: torch.Tensor, rank: int) -> None:
+    """Counts an exchange of a differentiable op on ``rank``'s row of
+    ``workspace``, made (its body's last step: a call refused before it
+    exchanged anything, which the rank may make again, counts nothing).
+    A host counter: no device access."""
+    key = (workspace.data_ptr(), rank)
+    _EXCHANGE_COUNTS[key] = _EXCHANGE_COUNTS.get(key, 0) + 1
+
+
+def round_tag_of_last_exchange(workspace: torch.Tensor, rank: int) -> int:
+    """The round tag of the autograd node of the exchange that a
+    differentiable op's body has just made on ``rank``'s row of
+    ``workspace`` (the node's ``setup_context``): the exchange's number, 1,
+    2, ... (:data:`_EXCHANGE_COUNTS`), which the node's backward rounds
+    carry. 0, no tag (its rounds pair by their rows' sizes alone), where the
+    node is traced (torch.compile; a fake or functional workspace: make_fx,
+    AOTAutograd) and once the process has compiled a differentiable exchange
+    (note_compiled_exchange)."""
+    if _COMPILED_EXCHANGE["seen"] or torch.compiler.is_compiling() or not _real(workspace):
+        return 0
+    return _EXCHANGE_COUNTS.get((workspace.data_ptr(), rank), 0)
+
+
+def note_compiled_exchange() -> None:
+    """Called by the fake kernels of the differentiable forward ops: where
+    torch.compile traces one (not under a FakeTensorMode of one's own, which
+    one rank may enter alone), no backward round of this process carries a
+    round tag from then on (:data:`_COMPILED_EXCHANGE`)."""
+    if torch.compiler.is_compiling():
+        _COMPILED_EXCHANGE["seen"] = True
+
+
+def forget_round_tags(workspace: torch.Tensor, rank: int) -> None:
+    """Starts ``rank``'s count of exchanges on ``workspace`` again (round
+    tags from 1): its row is initialized (every rank's is, before their next
+    exchange)."""
+    if _real(workspace):
+        _EXCHANGE_COUNTS.pop((workspace.data_ptr(), rank), None)
+
+
+def _real(workspace: torch.Tensor) -> bool:
+    """Whether ``workspace`` is memory of this process (not a fake or
+    functional tensor of a trace, which has no address)."""
+    return type(workspace) is torch.Tensor or type(workspace) is torch.nn.Parameter
+
+
 def _version(t: torch.Tensor) -> Optional[int]:
     """``t``'s version counter, which every in-place write to its storage
     through any view moves; None for an inference tensor, which has none."""

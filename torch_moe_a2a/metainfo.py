@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from . import layout
 from .compile_marks import constant_result
+from .fastpath import forget_round_tags
 
 # (ep_rank, ep_size, max_num_tokens, eplb_stats_num_experts, size_per_rank, mailbox,
 #  timeout_s: initialize's, or ENV_TIMEOUT where it gave none)
@@ -196,3 +197,4 @@ def reinitialize_row(workspace: torch.Tensor, metainfo: torch.Tensor) -> None:
     the CUDA graphs that baked it in, stay valid. Enqueued on the current stream."""
     ep_rank, ep_size, max_num_tokens, eplb_n, _, mailbox, _ = metainfo_values(metainfo, id(metainfo))
     torch.ops.moe_a2a.initialize.default(workspace, ep_rank, ep_size, max_num_tokens, eplb_n, mailbox)
+    forget_round_tags(workspace, ep_rank)
