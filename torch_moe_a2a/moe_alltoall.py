@@ -769,8 +769,10 @@ class MoeAlltoAll:
         was not initialized with theirs), with an error about initializations:
         refused before it runs. Eager calls only (a trace reads the mask once)."""
         survivors = self._shared.checked_ranks
-        if survivors is None or active_rank_mask is None or torch.compiler.is_compiling():
-            return
+        if survivors is None or torch.compiler.is_compiling() or not (
+                isinstance(active_rank_mask, torch.Tensor) and active_rank_mask.dtype == torch.uint64
+                and tuple(active_rank_mask.shape) == (layout.MOE_A2A_RANK_MASK_WORDS,)):
+            return  # no mask, or one the call's own checks refuse
         words = [w & ((1 << 64) - 1) for w in active_rank_mask.view(torch.int64).tolist()]
         outside = [r for r in range(self.ep_size) if (words[r // 64] >> (r % 64)) & 1 and r not in survivors]
         if outside:

@@ -228,6 +228,7 @@ def _memory_bytes(point: Point, n_sets: int, cuda: bool) -> int:
 # measurement) says the timings are not to be trusted as they stand.
 BUSY_SPREAD = 0.25
 
+
 def _measure(
     clock: Clock,
     n_sets: int,
