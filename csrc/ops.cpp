@@ -532,11 +532,14 @@ DispatchParams check_dispatch(const at::Tensor& token_selected_experts, at::Tens
   for (int w = 0; w < kRankMaskWords; ++w) {
     p.payload_signature = fnv1a_mix(p.payload_signature, static_cast<int64_t>(p.sync.active_mask[w]));
   }
-  // A backward round's tag joins it too: the peers pair the rounds of two
-  // backwards by their rows' sizes, which the rounds of other exchanges can
-  // share. 0 (no tag) mixes nothing in: every other call passes it.
-  if (round_tag != 0) p.payload_signature = fnv1a_mix(p.payload_signature, round_tag);
-  p.backward_round = round_tag != 0;
+  // A backward round's tag travels beside it (protocol.h, round_tags): the
+  // peers pair the rounds of two backwards by their rows' sizes, which the
+  // rounds of other exchanges can share.
+  TORCH_CHECK_VALUE(round_tag >= -1,
+                    "round_tag must be 0 (no backward round), -1 (a backward round of an unknown "
+                    "exchange) or an exchange's number >= 1, got ",
+                    round_tag);
+  p.round_tag = round_tag_word(round_tag);
 
   p.local_num_tokens = n;
   p.runtime_max_tokens = runtime_max_tokens_per_rank;
@@ -1611,6 +1614,7 @@ std::vector<int64_t> constants_op() {
       kClaimStride,
       kHdrDispatchClaim0,
       kHdrDispatchClaims,
+      kHdrPeerRoundTags,
       kHeaderBytes,
       kLowPrecisionBlock,
       kLowPrecisionGroupBlocks,

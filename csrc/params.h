@@ -67,10 +67,8 @@ struct DispatchParams {
   const int32_t* eplb_local_stats;  // [eplb_n] or nullptr
   int64_t eplb_n;                   // 0 when eplb_local_stats is nullptr
   CallLayout layout;                // offsets inside every row for this call
-  uint32_t payload_signature;       // payload_signature(layout, payload_row_bytes), the mask and round tag mixed in
-  // The call carries a round tag (a differentiable function's backward):
-  // its kErrorPayloadMismatch says so (kPayloadMismatchBackwardRound).
-  bool backward_round;
+  uint32_t payload_signature;       // payload_signature(layout, payload_row_bytes), the mask mixed in
+  uint32_t round_tag;               // round_tag_word of the op's round_tag: 0, or a backward round's exchange
 };
 
 // Expert id i (token i / top_k, column i % top_k) of a dispatch, whichever

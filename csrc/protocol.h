@@ -97,9 +97,12 @@
 //   fails and none waits for another). Then, likewise, the equal-payloads
 //   check: own payloads[p] == own payloads[s] (payload_signature: the
 //   payloads' row sizes and where the layout puts them, EPLB region
-//   included, and num_experts; the host mixes in the active rank mask and a
-//   backward round's tag; an expert-major dispatch mixes in
-//   max_tokens_per_expert, whose planes' offsets follow from it), else
+//   included, and num_experts; the host mixes in the active rank mask; an
+//   expert-major dispatch mixes in max_tokens_per_expert, whose planes'
+//   offsets follow from it), and own round_tags[p] against own
+//   round_tags[s] (round_tags_differ: a backward round against a call that
+//   is none, or the backward rounds of two exchanges, whose rows' sizes
+//   may agree), else
 //   kErrorPayloadMismatch. The CPU dispatch checks after
 //   step 4 and raises at once; the CUDA combine n checks before its step 1,
 //   with its first loads, so that the dispatch, whose end the combine waits
@@ -310,9 +313,9 @@ enum ErrorCode : uint32_t {
   // (combine_mismatch below; detail: its CombineMismatch bits). The CPU
   // combine refuses such a call before it starts; the CUDA kernel records it.
   kErrorCombineMismatch = 5,
-  // A peer's dispatch, with this rank's T, had other payloads (the
-  // equal-payloads check below; detail: kPayloadMismatchBackwardRound where
-  // the CPU dispatch that found it carried a round tag, else 0).
+  // A peer's dispatch, with this rank's T, had other payloads or the round
+  // tag of another exchange (the equal-payloads check below; detail:
+  // kPayloadMismatchBackwardRound where the round tags differ, else 0).
   kErrorPayloadMismatch = 6,
   // A peer's combine, the same combine of the round as this rank's, had other
   // rows (the equal-rows check below; detail unused).
@@ -441,7 +444,12 @@ constexpr int kClaimCounters = 16;
 constexpr int64_t kClaimStride = 128;
 constexpr int64_t kHdrDispatchClaims =
     kHdrDispatchRouted + 4 * kMaxDispatchCtas;  // uint32, counter c at (c - 1) * kClaimStride
-constexpr int64_t kHeaderBytes = kHdrDispatchClaims + kClaimStride * (kClaimCounters - 1);  // 532480
+// uint32 [kMaxRanks], [s] written by rank s: the round tag of its latest
+// dispatch (round_tag_word: a differentiable function's backward round, the
+// number of the exchange it belongs to; 0 for any other call), compared with
+// the own one (round_tags_differ)
+constexpr int64_t kHdrPeerRoundTags = kHdrDispatchClaims + kClaimStride * (kClaimCounters - 1);
+constexpr int64_t kHeaderBytes = kHdrPeerRoundTags + 4 * kMaxRanks;  // 532736
 static_assert(kHdrDispatchCounts % 8 == 0 && kHeaderBytes % kAlign == 0, "header words aligned, regions too");
 
 // Header offset of claim counter c (uint32), 0 <= c < kClaimCounters.
@@ -460,6 +468,35 @@ MOE_A2A_HD constexpr int64_t peer_runtime_max_offset(int64_t s) {
 // Header offset of payloads[s] (uint32): the payload_signature of rank s's latest dispatch.
 MOE_A2A_HD constexpr int64_t peer_payloads_offset(int64_t s) {
   return kHdrPeerPayloads + int64_t(sizeof(uint32_t)) * s;
+}
+
+// Header offset of round_tags[s] (uint32): the round tag of rank s's latest dispatch.
+MOE_A2A_HD constexpr int64_t peer_round_tag_offset(int64_t s) {
+  return kHdrPeerRoundTags + int64_t(sizeof(uint32_t)) * s;
+}
+
+// Round tags of a dispatch (the op's round_tag): 0 for a call that is no
+// backward round; -1 for a backward round of an exchange not known (a traced
+// backward's); else the number of the exchange whose backward round it is.
+// Its header word (round_tag_word): 0, kRoundTagAny, or the number folded
+// to 32 bits, which is neither.
+constexpr uint32_t kRoundTagAny = 0xffffffffu;
+MOE_A2A_HD constexpr uint32_t fold_round_tag(uint64_t t) { return uint32_t(t ^ (t >> 32)); }
+MOE_A2A_HD constexpr uint32_t round_tag_word(int64_t round_tag) {
+  return round_tag == 0    ? 0u
+         : round_tag == -1 ? kRoundTagAny
+         : fold_round_tag(uint64_t(round_tag)) == 0u || fold_round_tag(uint64_t(round_tag)) == kRoundTagAny
+             ? 1u
+             : fold_round_tag(uint64_t(round_tag));
+}
+
+// Whether two dispatches' round tags say they are not the same exchange's
+// round: a backward round against a call that is none (a rank that skipped a
+// backward), or the backward rounds of two exchanges. A round of an
+// unknown exchange (kRoundTagAny) pairs with any backward round by its
+// rows' sizes.
+MOE_A2A_HD constexpr bool round_tags_differ(uint32_t a, uint32_t b) {
+  return (a == 0u) != (b == 0u) || (a != kRoundTagAny && b != kRoundTagAny && a != b);
 }
 
 // Header offset of signatures[c & 1][s] (uint32): the combine_signature of rank s's combine c.
@@ -611,12 +648,9 @@ MOE_A2A_HD bool sanitize_plane_fits(uint64_t own_init_word, int32_t last_runtime
 // reach ranks that do not own their experts). Ranks whose calls share T but
 // not this word sent other payloads (their number, row sizes, or EPLB stats)
 // or passed another num_experts. The host mixes in the call's active rank
-// mask too, and a dispatch's nonzero round tag (ops.cpp, check_dispatch):
-// the dispatches of a differentiable function's backward rounds carry the
-// identity of the forward exchange they belong to, so that the rounds of
-// two ranks' backwards pair only where they are the backward of the same
-// exchange, not wherever their rows' sizes agree. Every other call passes
-// 0, which mixes nothing in.
+// mask too (ops.cpp, check_dispatch). A backward round's identity travels
+// beside it, in round_tags, not in it: a round of an unknown exchange (a
+// compiled backward's) must still pair with one of a known exchange.
 MOE_A2A_HD uint32_t fnv1a_mix(uint32_t hash, int64_t value) {
   for (int b = 0; b < 8; ++b) hash = (hash ^ uint32_t((uint64_t(value) >> (8 * b)) & 0xff)) * 16777619u;
   return hash;
@@ -651,11 +685,10 @@ MOE_A2A_HD bool previous_call_overlap(int64_t dispatch_end, int64_t last_dispatc
   return dispatch_end > last_dispatch_end || runtime_max_tokens < last_runtime_max_tokens;
 }
 
-// kErrorPayloadMismatch's detail where the CPU dispatch that found the
-// mismatch carried a round tag (a differentiable function's backward round):
-// its message names the cause that the tag catches, ranks whose backwards
-// ran the rounds of different exchanges. The CUDA combine, which makes the
-// check there, does not know the dispatch's tag and records 0.
+// kErrorPayloadMismatch's detail where the round tags differ
+// (round_tags_differ): its message names that cause, ranks whose backwards
+// ran the rounds of different exchanges, or a backward round against a
+// forward call.
 constexpr uint32_t kPayloadMismatchBackwardRound = 1;
 
 // What of a combine's call differs from its dispatch's (the own header's

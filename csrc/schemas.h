@@ -34,11 +34,12 @@ constexpr const char* kSchemaInitialize =
     "initialize(Tensor(a!) workspace, int ep_rank, int ep_size, int max_num_tokens, "
     "int eplb_stats_num_experts, int mailbox) -> ()";
 
-// round_tag: 0, or the identity of the forward exchange whose backward this
-// dispatch runs (torch_moe_a2a/autograd.py): mixed into the payload
-// signature that the peers compare (protocol.h), so that ranks whose
-// backwards run the rounds of different exchanges at the same place fail
-// instead of pairing them; 0 leaves the signature as it is without one.
+// round_tag: 0 for a call that is no backward round; else the identity of
+// the forward exchange whose backward this dispatch runs
+// (torch_moe_a2a/autograd.py), -1 where it is not known: written beside the
+// payload signature for the peers to compare (protocol.h, round_tags_differ),
+// so that ranks whose backwards run the rounds of different exchanges at the
+// same place fail instead of pairing them.
 constexpr const char* kSchemaDispatch =
     "dispatch(Tensor token_selected_experts, Tensor[] input_payloads, Tensor(a!) workspace, "
     "int ep_rank, int ep_size, int max_num_tokens, int runtime_max_tokens_per_rank, int top_k, "

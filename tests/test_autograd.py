@@ -1134,14 +1134,6 @@ def test_ranks_whose_payloads_require_grad_differently_are_told_so():
 # ---- the backward's rounds know their forward exchange ----------------------------------------------
 
 
-@pytest.fixture
-def round_tags(monkeypatch):
-    """Backward rounds carry their round tags in this test
-    (fastpath.round_tag_of_last_exchange) also where tests before it compiled
-    a differentiable exchange, after which a process tags none."""
-    monkeypatch.setitem(fastpath._COMPILED_EXCHANGE, "seen", False)
-
-
 def _parallel_layers(layout, sim, rank, ids, ws, num_experts):
     """Rank ``rank``'s two MoE layers on ``sim``'s workspace, fed by one input:
     ``layer(x, i)`` is layer ``i``'s differentiable exchange of ``x``, routed
@@ -1181,7 +1173,7 @@ def _backward_mismatch_message(device, rank):
 @pytest.mark.parametrize("mismatch", ["each rank leaves another layer's output unused",
                                       "the ranks call backward on their outputs in other orders"])
 @pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
-def test_ranks_that_run_the_backward_of_other_exchanges_fail(layout, mismatch, device, round_tags):
+def test_ranks_that_run_the_backward_of_other_exchanges_fail(layout, mismatch, device):
     """Two layers' exchanges on one workspace, fed by one input, whose
     backward rounds have rows of the same sizes. Rank 0's loss leaves layer
     0's output unused and rank 1's layer 1's, or rank 0 calls backward on
@@ -1235,12 +1227,12 @@ def test_ranks_that_run_the_backward_of_other_exchanges_fail(layout, mismatch, d
     sim.reset()
 
 
-def test_a_step_compiled_on_one_rank_and_eager_on_another_trains(round_tags):
+def test_a_step_compiled_on_one_rank_and_eager_on_another_trains():
     """Dynamo may run a frame compiled on one rank and eagerly on another
     (past its recompile limit on one rank only): the compiled backward's
-    rounds carry no round tag, and once the process has compiled a
-    differentiable exchange no eager backward's do either, so the two ranks'
-    rounds pair by their rows' sizes, with the gradients of two eager ranks."""
+    rounds carry no round tag and the eager one's do, and a round without a
+    tag pairs with a tagged one by its rows' sizes (the peers compare tags
+    only where both carry one), with the gradients of two eager ranks."""
     torch._dynamo.reset()
     ep_size, tokens, top_k, num_experts, hidden = 2, 4, 2, 4, 8
     gen = torch.Generator().manual_seed(71)
@@ -1268,7 +1260,7 @@ def test_a_step_compiled_on_one_rank_and_eager_on_another_trains(round_tags):
 
 
 @pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
-def test_repeated_combines_backward_on_every_rank_alike(layout, device, round_tags):
+def test_repeated_combines_backward_on_every_rank_alike(layout, device):
     """A round of two differentiable combines (the rows times 1.5 and times
     2), both outputs in the loss: each combine's backward round carries its
     own combine's tag, every rank runs them in the same order, and the
@@ -1306,7 +1298,7 @@ def test_repeated_combines_backward_on_every_rank_alike(layout, device, round_ta
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
-def test_a_rank_masked_off_for_a_step_trains_again_after_its_reinitialization(round_tags):
+def test_a_rank_masked_off_for_a_step_trains_again_after_its_reinitialization():
     """A rank masked off for a step makes no exchange, so its count of
     exchanges stops while its peers' goes on; it rejoins through a
     collective re-initialization (SimulatedEP.reset), which starts every
@@ -1366,8 +1358,7 @@ SAME_BACKWARD_SEQUENCES = [
 
 @pytest.mark.parametrize("sequence,checkpointing", SAME_BACKWARD_SEQUENCES)
 @pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
-def test_ranks_that_run_the_same_backward_sequence_get_the_dense_gradients(layout, sequence, checkpointing, device,
-                                                                           round_tags):
+def test_ranks_that_run_the_same_backward_sequence_get_the_dense_gradients(layout, sequence, checkpointing, device):
     """Two MoE layers of one workspace fed by one input, each with a loss of
     its own, every rank running the same backward sequence, which is not the
     reverse of the forward: layer 1's loss alone (layer 0's output unused),

@@ -868,7 +868,7 @@ def test_a_call_whose_pairs_a_32_bit_count_cannot_hold_is_refused():
     token fewer a rank passes to the next check (the workspace's size)."""
     ep_size, top_k, num_experts = 64, 22, 64
     T = layout.MAX_EXPERT_MAJOR_ROWS // (ep_size * top_k) + 1
-    workspace = torch.zeros(ep_size, 532480, dtype=torch.uint8)
+    workspace = torch.zeros(ep_size, layout.HEADER_BYTES, dtype=torch.uint8)
 
     def build(runtime_max):
         torch.ops.moe_a2a.expert_major_build(workspace, 0, ep_size, T, runtime_max, top_k, num_experts, 1, 0, [16],

@@ -786,6 +786,70 @@ def test_expert_ids_of_another_width_on_a_peer_are_reported(device):
         a2a.check_errors(sim.workspace)
 
 
+@pytest.mark.parametrize("tags, pair", [
+    ((0, 0), True),     # no backward rounds
+    ((5, 5), True),     # the backward rounds of one exchange
+    ((-1, 5), True),    # one of an exchange not known (a compiled backward's) and one of a known exchange
+    ((-1, -1), True),
+    ((5, 7), False),    # the backward rounds of two exchanges
+    ((5, 0), False),    # a backward round against a call that is none (a rank that skipped a backward)
+    ((-1, 0), False),
+])
+def test_round_tags_pair_the_rounds_of_one_exchange(tags, pair, device):
+    """The dispatch op's round_tag (a differentiable function's backward
+    round: its exchange's number, -1 where that is not known, 0 for any other
+    call) travels beside the payload signature: dispatches of rows of the
+    same sizes pair unless their round tags say they are not one exchange's
+    round, where every rank fails naming that cause; a negative tag other
+    than -1 is refused before anything runs."""
+    from torch_moe_a2a.metainfo import metainfo_values
+
+    ep, T, top_k, num_experts, hidden = 2, 3, 2, 4, 8
+    gen = make_generator(("round tags", tags))
+    ids = [torch.randint(0, num_experts, (T, top_k), generator=gen, dtype=torch.int32).to(device) for _ in range(ep)]
+    x = [torch.randn(T, hidden, generator=gen).to(torch.bfloat16).to(device) for _ in range(ep)]
+    sim = a2a.SimulatedEP(ep, T, dispatch_bytes_per_token=2 * hidden, combine_bytes_per_token=2 * hidden, device=device,
+                          timeout_s=20)
+    offset = layout.call_layout(ep, T, 0, [2 * hidden]).combine_offset
+    outputs = [torch.empty(T, hidden, dtype=torch.bfloat16, device=device) for _ in range(ep)]
+
+    def round_of_calls(r):
+        _, _, max_num_tokens, _, _, mailbox, timeout_s = metainfo_values(sim.metainfo[r], id(sim.metainfo[r]))
+        try:
+            torch.ops.moe_a2a.dispatch.default(ids[r], [x[r]], sim.workspace, r, ep, max_num_tokens, T, top_k,
+                                               num_experts, None, 0, [], timeout_s, mailbox, False, tags[r])
+            payload = torch.ones(ep, T, hidden, dtype=torch.bfloat16, device=device)
+            a2a.moe_a2a_combine(payload, T, sim.workspace, sim.metainfo[r], T, r, ep, top_k, offset,
+                                output=outputs[r])
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+    got = sim.run(round_of_calls)
+    _wait_for_device(device)
+    if pair:
+        assert got == [None, None]
+        a2a.check_errors(sim.workspace)
+        return
+    message = r"called another exchange than this rank's backward exchange"
+    for r in range(ep):
+        if device == "cpu":
+            assert got[r] is not None and re.search(message, got[r]), f"rank {r}: {got[r]}"
+    with pytest.raises(RuntimeError, match=message):
+        a2a.check_errors(sim.workspace)
+
+
+def test_a_round_tag_below_minus_one_is_refused():
+    from torch_moe_a2a.metainfo import metainfo_values
+
+    sim = a2a.SimulatedEP(1, 2, dispatch_bytes_per_token=32, combine_bytes_per_token=32)
+    _, _, max_num_tokens, _, _, mailbox, timeout_s = metainfo_values(sim.metainfo[0], id(sim.metainfo[0]))
+    ids = torch.zeros(2, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"round_tag must be 0 \(no backward round\), -1 .* got -2"):
+        torch.ops.moe_a2a.dispatch.default(ids, [torch.zeros(2, 8)], sim.workspace, 0, 1, max_num_tokens, 2, 1, 1,
+                                           None, 0, [], timeout_s, mailbox, False, -2)
+
+
 def test_ranks_with_different_rank_masks_are_reported(device):
     """Every active rank passes the same active_rank_mask for a call; rank 0
     masks rank 2 off while ranks 1 and 2 keep it. The mask joins the

@@ -83,6 +83,7 @@ from . import _C, expert_major, layout
 from .arguments import COMBINE_DTYPES, dispatch_args
 from .expert_major import ExpertMajorDispatch
 from .fastpath import (
+    ROUND_TAG_ANY,
     checkpoint_forward,
     direct_call_ok,
     expect_tensor_list,
@@ -90,7 +91,6 @@ from .fastpath import (
     expect_traced_ints,
     last_dispatch,
     note_backward_round,
-    note_compiled_exchange,
     note_dispatch,
     note_exchange,
     refuse_combine_after_backward,
@@ -326,7 +326,7 @@ def _register_autograd(op, backward: Callable, setup_context: Callable, what: st
 def _given_arguments_only(backward: Callable) -> Callable:
     """``backward`` as the registered autograd calls it: the dispatcher
     leaves trailing arguments that equal their default (a round op's
-    ``round_tag`` of 0) out of the op's arguments, and torch wants a
+    ``round_tag`` of ROUND_TAG_ANY) out of the op's arguments, and torch wants a
     gradient for each argument given, no more (``ctx.needs_input_grad`` has
     one entry each)."""
 
@@ -541,10 +541,11 @@ def combine_owned(payload: Tensor, token_selected_experts: Tensor, workspace: Te
 def dispatch_round(rows: Tensor, token_selected_experts: Tensor, workspace: Tensor, ep_rank: int, ep_size: int,
                    max_num_tokens: int, runtime_max_tokens_per_rank: int, top_k: int, num_experts: int,
                    active_rank_mask: list[int], timeout_s: float, mailbox: int, enable_pdl: bool,
-                   round_tag: int = 0) -> Tensor:
+                   round_tag: int = ROUND_TAG_ANY) -> Tensor:
     """A dispatch of ``rows`` ``[local_num_tokens, *row]`` carrying
     ``round_tag`` (its forward exchange's: fastpath.round_tag_of_last_exchange;
-    0, the default, for none: a compiled backward's) then a combine of one fp32
+    ROUND_TAG_ANY, the default, for an exchange not known: a compiled
+    backward's) then a combine of one fp32
     zero per row (closing the round); returns the received plane
     ``[ep_size, runtime_max_tokens_per_rank, *row]``, padding rows zero."""
     _note_backward_round(workspace, ep_rank)
@@ -569,7 +570,7 @@ def dispatch_round(rows: Tensor, token_selected_experts: Tensor, workspace: Tens
 def combine_round(payloads: list[Tensor], token_selected_experts: Tensor, workspace: Tensor, ep_rank: int,
                   ep_size: int, max_num_tokens: int, runtime_max_tokens_per_rank: int, top_k: int, num_experts: int,
                   active_rank_mask: list[int], timeout_s: float, mailbox: int, enable_pdl: bool,
-                  round_tag: int = 0) -> list[Tensor]:
+                  round_tag: int = ROUND_TAG_ANY) -> list[Tensor]:
     """A dispatch of the expert ids alone (the routes of these ids) carrying
     ``round_tag`` (as :func:`dispatch_round`'s) then a combine of each of
     ``payloads`` (at least one, each ``[ep_size,
@@ -601,19 +602,15 @@ for _op in (dispatch_owned, combine_owned, dispatch_round, combine_round):
     torch.fx.node.has_side_effect(_op._opoverload)
 
 
-# The forward ops' fake kernels run where torch.compile traces an exchange:
-# from then on the process tags no backward round (fastpath._COMPILED_EXCHANGE).
 @dispatch_owned.register_fake
 def _(token_selected_experts, input_payloads, workspace, ep_rank, ep_size, max_num_tokens, runtime_max_tokens_per_rank,
       top_k, num_experts, active_rank_mask, timeout_s, mailbox, enable_pdl):
-    note_compiled_exchange()
     planes = [p.new_empty((ep_size, runtime_max_tokens_per_rank, *p.shape[1:])) for p in input_payloads]
     return [*planes, workspace.new_empty((ep_size,), dtype=torch.int32)]
 
 
 @combine_owned.register_fake
 def _(payload, token_selected_experts, workspace, combine_payload_offset, *route):
-    note_compiled_exchange()
     return payload.new_empty((token_selected_experts.shape[0], *payload.shape[2:]))
 
 
@@ -654,10 +651,10 @@ def _keep_route(ctx, ids: Tensor, workspace: Tensor, route: tuple) -> None:
 
 
 def _backward_tag(ctx) -> int:
-    """The round tag that ``ctx``'s backward rounds carry: its node's, or 0
-    where the backward is traced (compiled autograd), whose graph would hold
-    the number as a constant."""
-    return 0 if torch.compiler.is_compiling() else ctx.round_tag
+    """The round tag that ``ctx``'s backward rounds carry: its node's, or
+    ROUND_TAG_ANY where the backward is traced (compiled autograd), whose
+    graph would hold the number as a constant."""
+    return ROUND_TAG_ANY if torch.compiler.is_compiling() else ctx.round_tag
 
 
 def _setup_dispatch_owned(ctx, inputs, output):
@@ -1242,7 +1239,7 @@ def combine_em_owned(expert_outputs: Tensor, pair_weights: Tensor, expert_counts
 def dispatch_em_round(rows: Tensor, slot_values: Tensor, token_selected_experts: Tensor, workspace: Tensor,
                       max_tokens_per_expert: int, ep_rank: int, ep_size: int, max_num_tokens: int,
                       runtime_max_tokens_per_rank: int, top_k: int, num_experts: int, active_rank_mask: list[int],
-                      timeout_s: float, mailbox: int, enable_pdl: bool, round_tag: int = 0) -> list[Tensor]:
+                      timeout_s: float, mailbox: int, enable_pdl: bool, round_tag: int = ROUND_TAG_ANY) -> list[Tensor]:
     """An expert-major dispatch of ``rows`` ``[local_num_tokens, *row]`` with
     ``slot_values`` (fp32 ``[local_num_tokens, top_k]``) as router weights,
     carrying ``round_tag`` (as :func:`dispatch_round`'s),
@@ -1268,7 +1265,7 @@ def dispatch_em_round(rows: Tensor, slot_values: Tensor, token_selected_experts:
 def combine_em_round(plane: Tensor, pair_values: Tensor, token_selected_experts: Tensor, workspace: Tensor,
                      max_tokens_per_expert: int, ep_rank: int, ep_size: int, max_num_tokens: int,
                      runtime_max_tokens_per_rank: int, top_k: int, num_experts: int, active_rank_mask: list[int],
-                     timeout_s: float, mailbox: int, enable_pdl: bool, round_tag: int = 0) -> list[Tensor]:
+                     timeout_s: float, mailbox: int, enable_pdl: bool, round_tag: int = ROUND_TAG_ANY) -> list[Tensor]:
     """An expert-major dispatch of the expert ids alone (the routes of these
     ids, the slot indices as router weights) carrying ``round_tag`` (as
     :func:`dispatch_round`'s), then unweighted combines of
@@ -1315,7 +1312,6 @@ for _op in (dispatch_em_owned, combine_em_owned, dispatch_em_round, combine_em_r
 
 @dispatch_em_owned.register_fake
 def _(token_selected_experts, input_payloads, router_weights, workspace, max_tokens_per_expert, *route):
-    note_compiled_exchange()
     local, M = _local_experts(route), max_tokens_per_expert
     planes = [p.new_empty((local, M, *p.shape[1:])) for p in input_payloads]
     return [*planes, workspace.new_empty((local,), dtype=torch.int32), workspace.new_empty((local, M), dtype=torch.int32),
@@ -1324,7 +1320,6 @@ def _(token_selected_experts, input_payloads, router_weights, workspace, max_tok
 
 @combine_em_owned.register_fake
 def _(expert_outputs, pair_weights, expert_counts, token_selected_experts, *rest):
-    note_compiled_exchange()
     return expert_outputs.new_empty((token_selected_experts.shape[0], *expert_outputs.shape[2:]))
 
 

@@ -258,8 +258,8 @@ def refuse_combine_after_backward(fn: str, workspace: torch.Tensor, rank: int, t
 # same order (they are collectives), so the n-th is the same exchange on
 # every rank, and its number identifies it: the autograd node of an
 # exchange keeps it (round_tag_of_last_exchange), and its backward rounds
-# carry it as their round tag, which the dispatch mixes into the signature
-# its peers compare. Ranks whose backwards run the rounds of different
+# carry it as their round tag, which the dispatch writes beside its
+# signature for its peers to compare. Ranks whose backwards run the rounds of different
 # exchanges at the same place then fail there, where their rows' sizes
 # alone paired them (wrong gradients, no error). Exchanges are counted
 # whether or not they get a backward: which ones do follows from
@@ -269,15 +269,10 @@ def refuse_combine_after_backward(fn: str, workspace: torch.Tensor, rank: int, t
 # collective, so a rank that missed calls (masked off) or a workspace new at
 # a freed one's address starts where its peers do.
 _EXCHANGE_COUNTS: dict[tuple[int, int], int] = {}
-# Whether this process has compiled a differentiable exchange
-# (torch.compile). Compiled backwards carry no tag (a number read while
-# tracing would be a constant of the graph, and ranks compile at other
-# steps), and from then on neither do eager ones: a frame that Dynamo runs
-# compiled on one rank may run eagerly on another (past its recompile limit),
-# and a tagged backward round would meet an untagged one there. Ranks
-# compile their first differentiable exchange at the same point of their
-# programs.
-_COMPILED_EXCHANGE = {"seen": False}
+# The round tag of a backward round whose exchange is not known (a traced
+# one's): it pairs with the backward round of any exchange (protocol.h,
+# kRoundTagAny), never with a call that is no backward round (tag 0).
+ROUND_TAG_ANY = -1
 
 
 def note_exchange(workspace: torch.Tensor, rank: int) -> None:
@@ -294,22 +289,16 @@ def round_tag_of_last_exchange(workspace: torch.Tensor, rank: int) -> int:
     differentiable op's body has just made on ``rank``'s row of
     ``workspace`` (the node's ``setup_context``): the exchange's number, 1,
     2, ... (:data:`_EXCHANGE_COUNTS`), which the node's backward rounds
-    carry. 0, no tag (its rounds pair by their rows' sizes alone), where the
-    node is traced (torch.compile; a fake or functional workspace: make_fx,
-    AOTAutograd) and once the process has compiled a differentiable exchange
-    (note_compiled_exchange)."""
-    if _COMPILED_EXCHANGE["seen"] or torch.compiler.is_compiling() or not _real(workspace):
-        return 0
+    carry. :data:`ROUND_TAG_ANY` where the node is traced (torch.compile; a
+    fake or functional workspace: make_fx, AOTAutograd): a number read while
+    tracing would be a constant of the graph. Such a round pairs with the
+    backward round of any exchange (protocol.h, round_tags_differ), so a
+    compiled backward's round pairs with an eager one of the same exchange
+    (a frame that Dynamo compiled on one rank and runs eagerly on another,
+    past its recompile limit) by its rows' sizes."""
+    if torch.compiler.is_compiling() or not _real(workspace):
+        return ROUND_TAG_ANY
     return _EXCHANGE_COUNTS.get((workspace.data_ptr(), rank), 0)
-
-
-def note_compiled_exchange() -> None:
-    """Called by the fake kernels of the differentiable forward ops: where
-    torch.compile traces one (not under a FakeTensorMode of one's own, which
-    one rank may enter alone), no backward round of this process carries a
-    round tag from then on (:data:`_COMPILED_EXCHANGE`)."""
-    if torch.compiler.is_compiling():
-        _COMPILED_EXCHANGE["seen"] = True
 
 
 def forget_round_tags(workspace: torch.Tensor, rank: int) -> None:

@@ -71,8 +71,8 @@ ERROR_COMBINE_ROWS_MISMATCH = 7
 ERROR_PEER_FAILED = 8
 ERROR_INTERRUPTED = 9  # a wait ended by a signal's exception (Ctrl-C); no peers named: SimulatedEP.run's
 ERROR_SANITIZE_MISMATCH = 10  # sanitize given a view that is no plane of the last dispatch (CUDA; detail: its T)
-# ERROR_PAYLOAD_MISMATCH's detail where the CPU dispatch that found it carried
-# a round tag (a differentiable function's backward round; protocol.h).
+# ERROR_PAYLOAD_MISMATCH's detail where the peers' round tags differ (the
+# backward rounds of different exchanges; protocol.h, round_tags_differ).
 PAYLOAD_MISMATCH_BACKWARD_ROUND = 1
 # What differs for ERROR_COMBINE_MISMATCH: bit i of its detail names
 # COMBINE_MISMATCH_FIELDS[i] (protocol.h: CombineMismatch).
@@ -127,7 +127,9 @@ HDR_DISPATCH_ROUTED = HDR_DISPATCH_COUNTS + 8 * MAX_DISPATCH_CTAS * MAX_RANKS
 CLAIM_COUNTERS = 16
 CLAIM_STRIDE = 128
 HDR_DISPATCH_CLAIMS = HDR_DISPATCH_ROUTED + 4 * MAX_DISPATCH_CTAS
-HEADER_BYTES = HDR_DISPATCH_CLAIMS + CLAIM_STRIDE * (CLAIM_COUNTERS - 1)
+# uint32 [MAX_RANKS]: [s] = the round tag of rank s's latest dispatch (protocol.h, round_tags_differ)
+HDR_PEER_ROUND_TAGS = HDR_DISPATCH_CLAIMS + CLAIM_STRIDE * (CLAIM_COUNTERS - 1)
+HEADER_BYTES = HDR_PEER_ROUND_TAGS + 4 * MAX_RANKS
 MAX_LOCAL_EXPERTS = 1024  # experts per rank of an expert-major call
 # The longest bound on a wait, in seconds (about 31 years): the metainfo holds
 # a call's in microseconds in an int64, the kernels in nanoseconds.
@@ -176,6 +178,7 @@ CONSTANTS = {
     "CLAIM_STRIDE": CLAIM_STRIDE,
     "HDR_DISPATCH_CLAIM0": HDR_DISPATCH_CLAIM0,
     "HDR_DISPATCH_CLAIMS": HDR_DISPATCH_CLAIMS,
+    "HDR_PEER_ROUND_TAGS": HDR_PEER_ROUND_TAGS,
     "HEADER_BYTES": HEADER_BYTES,
     "LOW_PRECISION_BLOCK": LOW_PRECISION_BLOCK,
     "LOW_PRECISION_GROUP_BLOCKS": LOW_PRECISION_GROUP_BLOCKS,

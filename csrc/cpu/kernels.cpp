@@ -231,22 +231,23 @@ WaitResult wait_for_own_flags(const WorkspaceView& ws, const SyncParams& sync, i
 WaitResult check_peer_calls(const WorkspaceView& ws, const SyncParams& sync, const DispatchParams& p) {
   const uint8_t* own = ws.row(ws.ep_rank);
   uint64_t other_t[kRankMaskWords] = {}, other_payloads[kRankMaskWords] = {};
-  bool any_t = false, any_payloads = false;
+  bool any_t = false, any_payloads = false, any_round = false;
   for (int q = 0; q < ws.ep_size; ++q) {
     if (!rank_active(sync, q)) continue;
     if (load<int32_t>(own, peer_runtime_max_offset(q)) != p.runtime_max_tokens) {
       other_t[q / 64] |= uint64_t(1) << (q % 64);
       any_t = true;
     }
-    if (load<uint32_t>(own, peer_payloads_offset(q)) != p.payload_signature) {
+    const bool other_round = round_tags_differ(load<uint32_t>(own, peer_round_tag_offset(q)), p.round_tag);
+    if (load<uint32_t>(own, peer_payloads_offset(q)) != p.payload_signature || other_round) {
       other_payloads[q / 64] |= uint64_t(1) << (q % 64);
       any_payloads = true;
+      any_round = any_round || other_round;
     }
   }
   if (any_t) return record_error(ws, kErrorRuntimeMaxMismatch, other_t, static_cast<uint32_t>(p.runtime_max_tokens));
   if (any_payloads) {
-    return record_error(ws, kErrorPayloadMismatch, other_payloads,
-                        p.backward_round ? kPayloadMismatchBackwardRound : 0);
+    return record_error(ws, kErrorPayloadMismatch, other_payloads, any_round ? kPayloadMismatchBackwardRound : 0);
   }
   return WaitResult{};
 }
@@ -714,6 +715,7 @@ WaitResult dispatch(const DispatchParams& p) {
     store<int32_t>(dest, recv_count_offset(ws.ep_rank), static_cast<int32_t>(recv_count[d]));
     store<int32_t>(dest, peer_runtime_max_offset(ws.ep_rank), static_cast<int32_t>(p.runtime_max_tokens));
     store<uint32_t>(dest, peer_payloads_offset(ws.ep_rank), p.payload_signature);
+    store<uint32_t>(dest, peer_round_tag_offset(ws.ep_rank), p.round_tag);
   }
 
   // What the matching combine must agree with, and the invalid-id tally.

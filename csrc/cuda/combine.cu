@@ -414,14 +414,18 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) combine_kernel(const 
   const int32_t own_t = checks_peer ? *header_word<int32_t>(own, peer_runtime_max_offset(ws.ep_rank)) : 0;
   const uint32_t peer_payloads = checks_peer ? *header_word<uint32_t>(own, peer_payloads_offset(threadIdx.x)) : 0;
   const uint32_t own_payloads = checks_peer ? *header_word<uint32_t>(own, peer_payloads_offset(ws.ep_rank)) : 0;
+  const bool other_round =
+      checks_peer && round_tags_differ(*header_word<uint32_t>(own, peer_round_tag_offset(threadIdx.x)),
+                                       *header_word<uint32_t>(own, peer_round_tag_offset(ws.ep_rank)));
+  const bool other_payloads = peer_payloads != own_payloads || other_round;
   if (loads_count) recv_count[threadIdx.x] = count;
   bool other_call_seen = false;
   if (!may_proceed(own, p.sync.mailbox, error_code, combine_sequence_ok(dispatch_epoch, combine_epoch, own_init),
-                   mismatch, peer_t != own_t || peer_payloads != own_payloads, &other_call_seen)) {
+                   mismatch, peer_t != own_t || other_payloads, &other_call_seen)) {
     return;
   }
   if (other_call_seen) {
-    record_peer_call_mismatch(p, peer_t != own_t, peer_payloads != own_payloads, own_t);
+    record_peer_call_mismatch(p, peer_t != own_t, other_payloads, other_round, own_t);
     return;
   }
 

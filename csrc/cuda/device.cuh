@@ -483,19 +483,20 @@ __device__ inline void release_pull_done(uint8_t* own, bool system) {
 // compares peer q). Every thread of the CTA calls it; the rank-major and the
 // expert-major combine kernels share it.
 static __device__ __noinline__ void record_peer_call_mismatch(const CombineParams& p, bool other_t, bool other_payloads,
-                                                              int32_t own_t) {
+                                                              bool other_round, int32_t own_t) {
   __shared__ unsigned long long peers_t, peers_payloads;
   uint8_t* own = p.ws.row(p.ws.ep_rank);
   if (threadIdx.x == 0) peers_t = peers_payloads = 0;
   __syncthreads();
   if (other_t) atomicOr(&peers_t, 1ull << threadIdx.x);
   if (other_payloads) atomicOr(&peers_payloads, 1ull << threadIdx.x);
-  __syncthreads();
+  const bool any_round = __syncthreads_or(other_round);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     if (peers_t != 0) {
       record_error(own, p.sync.mailbox, kErrorRuntimeMaxMismatch, peers_t, static_cast<uint32_t>(own_t));
     } else {
-      record_error(own, p.sync.mailbox, kErrorPayloadMismatch, peers_payloads, 0);
+      record_error(own, p.sync.mailbox, kErrorPayloadMismatch, peers_payloads,
+                   any_round ? kPayloadMismatchBackwardRound : 0u);
     }
   }
 }

@@ -487,6 +487,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) dispatch_kernel(const
       *header_word<int32_t>(ws.row(d), peer_runtime_max_offset(ws.ep_rank)) =
           static_cast<int32_t>(p.runtime_max_tokens);
       *header_word<uint32_t>(ws.row(d), peer_payloads_offset(ws.ep_rank)) = p.payload_signature;
+      *header_word<uint32_t>(ws.row(d), peer_round_tag_offset(ws.ep_rank)) = p.round_tag;
     } else {
       *header_word<int32_t>(own, recv_count_offset(d)) = 0;
     }
@@ -852,6 +853,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
           *header_word<int32_t>(ws.row(d), peer_runtime_max_offset(ws.ep_rank)) =
               static_cast<int32_t>(p.runtime_max_tokens);
           *header_word<uint32_t>(ws.row(d), peer_payloads_offset(ws.ep_rank)) = p.payload_signature;
+          *header_word<uint32_t>(ws.row(d), peer_round_tag_offset(ws.ep_rank)) = p.round_tag;
         } else {
           *header_word<int32_t>(own, recv_count_offset(d)) = 0;
         }
@@ -1041,6 +1043,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
         *header_word<int32_t>(ws.row(d), recv_count_offset(ws.ep_rank)) = static_cast<int32_t>(dest_tokens[d]);
         *header_word<int32_t>(ws.row(d), peer_runtime_max_offset(ws.ep_rank)) = static_cast<int32_t>(T);
         *header_word<uint32_t>(ws.row(d), peer_payloads_offset(ws.ep_rank)) = p.payload_signature;
+        *header_word<uint32_t>(ws.row(d), peer_round_tag_offset(ws.ep_rank)) = p.round_tag;
       } else {
         *header_word<int32_t>(own, recv_count_offset(d)) = 0;
       }
