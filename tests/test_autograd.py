@@ -1158,16 +1158,12 @@ def _parallel_layers(layout, sim, rank, ids, ws, num_experts):
     return layer
 
 
-def _backward_mismatch_message(device, rank):
+def _backward_mismatch_message(rank):
     """The error rank ``rank`` of two gets where the ranks' backwards run the
-    rounds of other exchanges: on the CPU the dispatch of a backward round
-    says so; CUDA's combine records the payload mismatch without knowing the
-    round, whose message names that cause among the others."""
-    if device == "cpu":
-        return (rf"^rank {rank}: peers \[{1 - rank}\] called another exchange than this rank's backward exchange: "
-                r".* the peers ran the backward of another exchange \(every rank must run the same backward sequence")
-    return (rf"^rank {rank}: peers \[{1 - rank}\] called dispatch with other payloads than this rank's .* ranks that ran "
-            r"the backward of other exchanges, or in another order")
+    rounds of other exchanges: the CPU dispatch of a backward round and the
+    CUDA combine after it both name that cause."""
+    return (rf"^rank {rank}: peers \[{1 - rank}\] called another exchange than this rank's backward exchange: "
+            r".* the peers ran the backward of another exchange \(every rank must run the same backward sequence")
 
 
 @pytest.mark.parametrize("mismatch", ["each rank leaves another layer's output unused",
@@ -1219,7 +1215,7 @@ def test_ranks_that_run_the_backward_of_other_exchanges_fail(layout, mismatch, d
     if device == "cuda":
         torch.cuda.synchronize()
     for rank in range(ep_size):
-        message = _backward_mismatch_message(device, rank)
+        message = _backward_mismatch_message(rank)
         if device == "cpu":  # the CPU raises at once, in the backward
             assert first[rank] is not None and re.search(message, first[rank]), f"rank {rank}: {first[rank]}"
         record = errors.row_error(sim.workspace, rank)
@@ -1230,9 +1226,9 @@ def test_ranks_that_run_the_backward_of_other_exchanges_fail(layout, mismatch, d
 def test_a_step_compiled_on_one_rank_and_eager_on_another_trains():
     """Dynamo may run a frame compiled on one rank and eagerly on another
     (past its recompile limit on one rank only): the compiled backward's
-    rounds carry no round tag and the eager one's do, and a round without a
-    tag pairs with a tagged one by its rows' sizes (the peers compare tags
-    only where both carry one), with the gradients of two eager ranks."""
+    rounds carry the tag of an exchange not known (-1) and the eager one's
+    its number, and the two pair by their rows' sizes (-1 pairs with any
+    backward round), with the gradients of two eager ranks."""
     torch._dynamo.reset()
     ep_size, tokens, top_k, num_experts, hidden = 2, 4, 2, 4, 8
     gen = torch.Generator().manual_seed(71)
