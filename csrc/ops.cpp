@@ -1614,7 +1614,6 @@ std::vector<int64_t> constants_op() {
       kClaimStride,
       kHdrDispatchClaim0,
       kHdrDispatchClaims,
-      kHdrPeerRoundTags,
       kHeaderBytes,
       kLowPrecisionBlock,
       kLowPrecisionGroupBlocks,

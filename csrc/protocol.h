@@ -409,11 +409,16 @@ constexpr int64_t kHdrCombineFlags = kHdrDispatchFlags + 4 * kMaxRanks;  // uint
 constexpr int64_t kHdrRecvCounts = kHdrCombineFlags + 4 * kMaxRanks;     // int32 [kMaxRanks]
 // int32 [kMaxRanks], [s] written by rank s: the T of its latest dispatch
 constexpr int64_t kHdrPeerRuntimeMax = kHdrRecvCounts + 4 * kMaxRanks;
-// uint32 [kMaxRanks], [s] written by rank s: the payload_signature of its latest dispatch
+// uint32 [kMaxRanks][2], [s] written by rank s: the payload_signature of its
+// latest dispatch, and beside it (in the same cache sector, so that the
+// combine's check loads no other line) that dispatch's round tag
+// (round_tag_word: a differentiable function's backward round, the number of
+// the exchange it belongs to; 0 for any other call), compared with the own
+// one (round_tags_differ)
 constexpr int64_t kHdrPeerPayloads = kHdrPeerRuntimeMax + 4 * kMaxRanks;
 // uint32 [2][kMaxRanks], [c & 1][s] written by rank s (CPU): the
 // combine_signature of its combine c (combine step 2)
-constexpr int64_t kHdrCombineSignatures = kHdrPeerPayloads + 4 * kMaxRanks;
+constexpr int64_t kHdrCombineSignatures = kHdrPeerPayloads + 2 * 4 * kMaxRanks;
 // uint16 [kMaxRanks], own, kept by initialize (dispatch step 0a): [q] = the
 // init tag of peer q's row that a first dispatch saw before this row's latest
 // initialize (stale: not to be trusted), and the one that the first dispatch
@@ -444,12 +449,7 @@ constexpr int kClaimCounters = 16;
 constexpr int64_t kClaimStride = 128;
 constexpr int64_t kHdrDispatchClaims =
     kHdrDispatchRouted + 4 * kMaxDispatchCtas;  // uint32, counter c at (c - 1) * kClaimStride
-// uint32 [kMaxRanks], [s] written by rank s: the round tag of its latest
-// dispatch (round_tag_word: a differentiable function's backward round, the
-// number of the exchange it belongs to; 0 for any other call), compared with
-// the own one (round_tags_differ)
-constexpr int64_t kHdrPeerRoundTags = kHdrDispatchClaims + kClaimStride * (kClaimCounters - 1);
-constexpr int64_t kHeaderBytes = kHdrPeerRoundTags + 4 * kMaxRanks;  // 532736
+constexpr int64_t kHeaderBytes = kHdrDispatchClaims + kClaimStride * (kClaimCounters - 1);  // 532736
 static_assert(kHdrDispatchCounts % 8 == 0 && kHeaderBytes % kAlign == 0, "header words aligned, regions too");
 
 // Header offset of claim counter c (uint32), 0 <= c < kClaimCounters.
@@ -467,12 +467,12 @@ MOE_A2A_HD constexpr int64_t peer_runtime_max_offset(int64_t s) {
 
 // Header offset of payloads[s] (uint32): the payload_signature of rank s's latest dispatch.
 MOE_A2A_HD constexpr int64_t peer_payloads_offset(int64_t s) {
-  return kHdrPeerPayloads + int64_t(sizeof(uint32_t)) * s;
+  return kHdrPeerPayloads + 2 * int64_t(sizeof(uint32_t)) * s;
 }
 
-// Header offset of round_tags[s] (uint32): the round tag of rank s's latest dispatch.
+// Header offset of round_tags[s] (uint32, beside payloads[s]): the round tag of rank s's latest dispatch.
 MOE_A2A_HD constexpr int64_t peer_round_tag_offset(int64_t s) {
-  return kHdrPeerRoundTags + int64_t(sizeof(uint32_t)) * s;
+  return peer_payloads_offset(s) + int64_t(sizeof(uint32_t));
 }
 
 // Round tags of a dispatch (the op's round_tag): 0 for a call that is no

@@ -113,9 +113,10 @@ HDR_DISPATCH_FLAGS = 128
 HDR_COMBINE_FLAGS = HDR_DISPATCH_FLAGS + 4 * MAX_RANKS
 HDR_RECV_COUNTS = HDR_COMBINE_FLAGS + 4 * MAX_RANKS
 HDR_PEER_RUNTIME_MAX = HDR_RECV_COUNTS + 4 * MAX_RANKS  # int32 [MAX_RANKS]: [s] = T of rank s's latest dispatch
-HDR_PEER_PAYLOADS = HDR_PEER_RUNTIME_MAX + 4 * MAX_RANKS  # uint32 [MAX_RANKS]: [s] = payload signature of its latest dispatch
+# uint32 [MAX_RANKS][2]: [s] = payload signature of rank s's latest dispatch, then its round tag (protocol.h)
+HDR_PEER_PAYLOADS = HDR_PEER_RUNTIME_MAX + 4 * MAX_RANKS
 # uint32 [2][MAX_RANKS]: [c & 1][s] = the combine signature of rank s's combine c (protocol.h, the equal-rows check)
-HDR_COMBINE_SIGNATURES = HDR_PEER_PAYLOADS + 4 * MAX_RANKS
+HDR_COMBINE_SIGNATURES = HDR_PEER_PAYLOADS + 2 * 4 * MAX_RANKS
 HDR_INIT_STALE = HDR_COMBINE_SIGNATURES + 2 * 4 * MAX_RANKS  # uint16 [MAX_RANKS]: protocol.h, dispatch step 0a
 HDR_INIT_SEEN = HDR_INIT_STALE + 2 * MAX_RANKS  # uint16 [MAX_RANKS]
 MAX_DISPATCH_CTAS = 1024
@@ -127,9 +128,7 @@ HDR_DISPATCH_ROUTED = HDR_DISPATCH_COUNTS + 8 * MAX_DISPATCH_CTAS * MAX_RANKS
 CLAIM_COUNTERS = 16
 CLAIM_STRIDE = 128
 HDR_DISPATCH_CLAIMS = HDR_DISPATCH_ROUTED + 4 * MAX_DISPATCH_CTAS
-# uint32 [MAX_RANKS]: [s] = the round tag of rank s's latest dispatch (protocol.h, round_tags_differ)
-HDR_PEER_ROUND_TAGS = HDR_DISPATCH_CLAIMS + CLAIM_STRIDE * (CLAIM_COUNTERS - 1)
-HEADER_BYTES = HDR_PEER_ROUND_TAGS + 4 * MAX_RANKS
+HEADER_BYTES = HDR_DISPATCH_CLAIMS + CLAIM_STRIDE * (CLAIM_COUNTERS - 1)
 MAX_LOCAL_EXPERTS = 1024  # experts per rank of an expert-major call
 # The longest bound on a wait, in seconds (about 31 years): the metainfo holds
 # a call's in microseconds in an int64, the kernels in nanoseconds.
@@ -178,7 +177,6 @@ CONSTANTS = {
     "CLAIM_STRIDE": CLAIM_STRIDE,
     "HDR_DISPATCH_CLAIM0": HDR_DISPATCH_CLAIM0,
     "HDR_DISPATCH_CLAIMS": HDR_DISPATCH_CLAIMS,
-    "HDR_PEER_ROUND_TAGS": HDR_PEER_ROUND_TAGS,
     "HEADER_BYTES": HEADER_BYTES,
     "LOW_PRECISION_BLOCK": LOW_PRECISION_BLOCK,
     "LOW_PRECISION_GROUP_BLOCKS": LOW_PRECISION_GROUP_BLOCKS,
