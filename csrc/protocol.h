@@ -483,11 +483,10 @@ MOE_A2A_HD constexpr int64_t peer_round_tag_offset(int64_t s) {
 constexpr uint32_t kRoundTagAny = 0xffffffffu;
 MOE_A2A_HD constexpr uint32_t fold_round_tag(uint64_t t) { return uint32_t(t ^ (t >> 32)); }
 MOE_A2A_HD constexpr uint32_t round_tag_word(int64_t round_tag) {
-  return round_tag == 0    ? 0u
-         : round_tag == -1 ? kRoundTagAny
-         : fold_round_tag(uint64_t(round_tag)) == 0u || fold_round_tag(uint64_t(round_tag)) == kRoundTagAny
-             ? 1u
-             : fold_round_tag(uint64_t(round_tag));
+  if (round_tag == 0) return 0u;
+  if (round_tag == -1) return kRoundTagAny;
+  const uint32_t folded = fold_round_tag(uint64_t(round_tag));
+  return folded == 0u || folded == kRoundTagAny ? 1u : folded;
 }
 
 // Whether two dispatches' round tags say they are not the same exchange's

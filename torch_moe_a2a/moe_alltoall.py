@@ -773,7 +773,7 @@ class MoeAlltoAll:
                 isinstance(active_rank_mask, torch.Tensor) and active_rank_mask.dtype == torch.uint64
                 and tuple(active_rank_mask.shape) == (layout.MOE_A2A_RANK_MASK_WORDS,)):
             return  # no mask, or one the call's own checks refuse
-        words = [w & ((1 << 64) - 1) for w in active_rank_mask.view(torch.int64).tolist()]
+        words = active_rank_mask.tolist()  # uint64: unsigned Python ints
         outside = [r for r in range(self.ep_size) if (words[r // 64] >> (r % 64)) & 1 and r not in survivors]
         if outside:
             raise ValueError(f"{fn}: active_rank_mask holds ranks {outside}, which were not in the last "
