@@ -1532,6 +1532,60 @@ def test_a_combine_with_other_ids_than_its_dispatch_is_refused(layout):
     torch.testing.assert_close(x.grad, want.expand(tokens, hidden))
 
 
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+def test_inference_tensors_that_the_backward_would_save_are_refused_before_the_exchange(layout):
+    """Expert ids (or, expert-major, router weights) made under
+    torch.inference_mode() cannot be saved for the backward, which autograd
+    finds only once the op has run: the exchange made, the round left open,
+    every rank's next step refused. They are refused before anything runs,
+    with the workspace untouched; the same step with ordinary tensors then
+    trains."""
+    tokens, top_k, num_experts, hidden = 4, 2, 4, 8
+    gen = torch.Generator().manual_seed(23)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    with torch.inference_mode():
+        ids_inference = ids.clone()
+    x = torch.randn(tokens, hidden, generator=gen, requires_grad=True)
+    w = torch.rand(tokens, top_k, generator=gen)
+    if layout == "rank-major":
+        sim = make_sim(1, tokens, hidden, top_k)
+
+        def dispatch(ids_given):
+            return moe_a2a_dispatch_differentiable(ids_given, [x], sim.workspace, sim.metainfo[0], tokens, 0, 1,
+                                                   top_k, num_experts)
+
+        def combine(recv, offset, ids_given):
+            return moe_a2a_combine_differentiable(recv[0] * 2, ids_given, sim.workspace, sim.metainfo[0], tokens, 0,
+                                                  1, top_k, num_experts, offset)
+    else:
+        sim = make_em_sim(1, tokens, hidden, top_k, num_experts)
+
+        def dispatch(ids_given):
+            return moe_a2a_dispatch_expert_major_differentiable(ids_given, [x], sim.workspace, sim.metainfo[0],
+                                                                tokens, 0, 1, top_k, num_experts, router_weights=w)
+
+        def combine(got, ids_given):
+            return moe_a2a_combine_expert_major_differentiable(got.output_payloads[0] * 2, got, ids_given,
+                                                               sim.workspace, sim.metainfo[0], 0, 1)
+    before = sim.workspace.clone()
+    with pytest.raises(ValueError, match=r"token_selected_experts is an inference tensor .*\.clone\(\)"):
+        dispatch(ids_inference)
+    assert torch.equal(sim.workspace, before)
+    got = dispatch(ids)
+    args = (got[0], got[1]) if layout == "rank-major" else (got,)
+    with pytest.raises(ValueError, match="token_selected_experts is an inference tensor"):
+        combine(*args, ids_inference)  # equal ids, but not savable
+    if layout == "expert-major":
+        with torch.inference_mode():
+            weights = got.router_weights.clone()  # fp32: the tensor the node would save
+        with pytest.raises(ValueError, match="router_weights is an inference tensor"):
+            combine(got._replace(router_weights=weights), ids)
+    out = combine(*args, ids)  # the refusals changed nothing: the round's combine closes it
+    out.sum().backward()
+    want = 2 * (w.sum(dim=1, keepdim=True) if layout == "expert-major" else torch.ones(tokens, 1))
+    torch.testing.assert_close(x.grad, want.expand(tokens, hidden))
+
+
 def test_a_combine_is_checked_against_the_last_dispatch_plain_or_differentiable():
     """The ids are checked against the rank's last dispatch, whatever tensor
     held them: ids made for the dispatch call (gone by the combine) are

@@ -776,6 +776,23 @@ def _needs_backward(tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
 
 
+def _refuse_inference_tensors(fn: str, **saved: Optional[Tensor]) -> None:
+    """Refuses tensors that the call's autograd node would save for its
+    backward but cannot: inference tensors (made under
+    ``torch.inference_mode()``). Autograd refuses them only once the op has
+    run, its exchange made: the rank's round would stay open, and its next
+    call fail on every rank. Checked before anything runs instead. Not where
+    the call is traced: a traced frame's inputs are checked by its eager
+    run's autograd, and the check would cost the graph a guard per tensor."""
+    if torch.compiler.is_compiling():
+        return
+    for name, t in saved.items():
+        if isinstance(t, Tensor) and t.is_inference():
+            raise ValueError(f"{fn}: {name} is an inference tensor (made under torch.inference_mode()), which "
+                             f"autograd cannot save for this call's backward; make it outside inference_mode, or "
+                             f"pass a clone made outside it ({name}.clone())")
+
+
 def _round_end(ep_size: int, T: int, dispatch_rows, combine_row: int) -> int:
     """Bytes per rank of a rank-major round: a dispatch of rows of
     ``dispatch_rows`` bytes, then a combine of rows of ``combine_row``."""
@@ -996,6 +1013,7 @@ def _dispatch_differentiable(fn: str, token_selected_experts: Tensor, input_payl
                         enable_rank_mask, active_rank_mask, timeout_s)
     floating = [p for p in input_payloads if _differentiated(p)]
     if _needs_backward(floating):
+        _refuse_inference_tensors(fn, token_selected_experts=token_selected_experts)
         # The backward (combine_round): the ids' plane, then a combine per
         # dtype of the gradients of the payloads that require grad, each into
         # the same rows after the plane: the widest dtype's row must fit.
@@ -1084,6 +1102,7 @@ def _combine_differentiable(fn: str, payload: Tensor, token_selected_experts: Te
     needs_backward = _needs_backward([payload])
     _check_combine_ids(fn, workspace, ep_rank, token_selected_experts, num_experts, needs_backward=needs_backward)
     if needs_backward:
+        _refuse_inference_tensors(fn, token_selected_experts=token_selected_experts)
         # The backward (dispatch_round): the gradient's plane, then a combine of one fp32 per row.
         row = payload.element_size() * math.prod(payload.shape[2:])
         _check_backward_fits(fn, workspace, _round_end(ep_size, runtime_max_tokens_per_rank, (row,), 4),
@@ -1522,6 +1541,7 @@ def _dispatch_expert_major_differentiable(fn: str, token_selected_experts: Tenso
                                          token_selected_experts.element_size(), True)
     floating = [p for p in payloads if _differentiated(p)]
     if _needs_backward([*floating, router_weights]):
+        _refuse_inference_tensors(fn, token_selected_experts=token_selected_experts)
         # The backward (combine_em_round): the ids and the slots as weights,
         # then the gradients of the planes that require grad and a column per
         # slot: one fp32 row of both, or where the planes share another dtype,
@@ -1631,7 +1651,11 @@ def _combine_expert_major_differentiable(fn: str, expert_outputs: Tensor, dispat
     needs_backward = _needs_backward([expert_outputs, weights])
     _check_combine_ids(fn, workspace, ep_rank, token_selected_experts, d.num_experts, d.expert_counts,
                        needs_backward)
+    pair_weights = weights.to(torch.float32).contiguous()
     if needs_backward:
+        # What the node saves: the outputs require grad, so they are none.
+        _refuse_inference_tensors(fn, token_selected_experts=token_selected_experts,
+                                  router_weights=pair_weights, expert_counts=d.expert_counts)
         # The backward (dispatch_em_round): the gradient's rows beside the ids
         # and the slot values, then a combine of one fp32 per pair.
         row = expert_outputs.element_size() * math.prod(expert_outputs.shape[2:])
@@ -1645,7 +1669,7 @@ def _combine_expert_major_differentiable(fn: str, expert_outputs: Tensor, dispat
     em = layout.expert_major_layout(d.dispatch_end, ep_size, d.runtime_max_tokens_per_rank, d.top_k,
                                     layout.max_local_experts(d.num_experts, ep_size), d.max_tokens_per_expert,
                                     user_rows)
-    return _call(combine_em_owned, expert_outputs, weights.to(torch.float32).contiguous(), d.expert_counts,
+    return _call(combine_em_owned, expert_outputs, pair_weights, d.expert_counts,
                  token_selected_experts, workspace, d.max_tokens_per_expert, d.dispatch_end,
                  d.combine_payload_offset, em.weights_offset, *route)
 
