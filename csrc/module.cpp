@@ -462,6 +462,22 @@ PYBIND11_MODULE(_C, m) {
   m.def("combine_owned", &moe_a2a::combine_owned, py::call_guard<py::gil_scoped_release>());
   m.def("dispatch_round", &moe_a2a::dispatch_round, py::call_guard<py::gil_scoped_release>());
   m.def("combine_round", &moe_a2a::combine_round, py::call_guard<py::gil_scoped_release>());
+  // The count of the dispatches and combines that rank `ep_rank` has made on
+  // `workspace` (ops.h, exchange_count), which the differentiable ops'
+  // autograd nodes keep as their round tags; and its restart at the row's
+  // initialization. For workspaces of this process (a real data pointer).
+  m.def(
+      "exchange_count",
+      [](const at::Tensor& workspace, int64_t ep_rank) {
+        return moe_a2a::exchange_count(workspace.data_ptr(), ep_rank);
+      },
+      py::arg("workspace"), py::arg("ep_rank"));
+  m.def(
+      "forget_exchange_count",
+      [](const at::Tensor& workspace, int64_t ep_rank) {
+        moe_a2a::forget_exchange_count(workspace.data_ptr(), ep_rank);
+      },
+      py::arg("workspace"), py::arg("ep_rank"));
   // Ctrl-C ends the CPU waits of the main thread (csrc/cpu/kernels.h).
   moe_a2a::g_main_thread = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
   moe_a2a::cpu::set_interrupt_hooks({&moe_a2a::interrupt_pending, &moe_a2a::raise_interrupted});

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <tuple>
@@ -1250,6 +1251,30 @@ std::string timeout_hint(const uint64_t* missing, const WorkspaceView& ws) {
 
 void mark_simulated_rank_thread() { t_simulated_rank_thread = true; }
 
+namespace {
+
+// The exchange counts (ops.h), by (workspace data pointer, rank).
+std::mutex g_exchange_counts_mutex;
+std::map<std::pair<const void*, int64_t>, int64_t> g_exchange_counts;
+
+}  // namespace
+
+void count_exchange(const WorkspaceView& ws) {
+  const std::lock_guard<std::mutex> lock(g_exchange_counts_mutex);
+  ++g_exchange_counts[{ws.base, ws.ep_rank}];
+}
+
+int64_t exchange_count(const void* workspace_data, int64_t ep_rank) {
+  const std::lock_guard<std::mutex> lock(g_exchange_counts_mutex);
+  const auto it = g_exchange_counts.find({workspace_data, ep_rank});
+  return it == g_exchange_counts.end() ? 0 : it->second;
+}
+
+void forget_exchange_count(const void* workspace_data, int64_t ep_rank) {
+  const std::lock_guard<std::mutex> lock(g_exchange_counts_mutex);
+  g_exchange_counts.erase({workspace_data, ep_rank});
+}
+
 void raise_if_wait_failed(const WaitResult& result, const WorkspaceView& ws) {
   if (result.code == kErrorNone) return;
   const std::string record = describe_error(ws.ep_rank, result.code, result.missing, result.detail);
@@ -1351,6 +1376,7 @@ void run_dispatch_cpu(const DispatchParams& p, int64_t max_num_tokens, int64_t e
   raise_row_status(cpu::check_row_for_dispatch(p.ws, max_num_tokens, p.eplb_n > 0 ? eplb_stats_num_experts : -1),
                    p.ws.ep_rank);
   raise_if_wait_failed(cpu::dispatch(p), p.ws);
+  count_exchange(p.ws);
 }
 
 void dispatch_cpu(const at::Tensor& token_selected_experts, at::TensorList input_payloads, const at::Tensor& workspace,
@@ -1369,6 +1395,7 @@ void run_combine_cpu(const CombineParams& p, int64_t max_num_tokens, int64_t mai
   raise_if_mailbox_error(mailbox, p.ws.ep_rank);
   raise_row_status(cpu::check_row_for_combine(p, max_num_tokens), p.ws.ep_rank);
   raise_if_wait_failed(cpu::combine(p), p.ws);
+  count_exchange(p.ws);
 }
 
 at::Tensor combine_cpu(const std::optional<at::Tensor>& payload, int64_t local_num_tokens, const at::Tensor& workspace,
@@ -1451,6 +1478,7 @@ void run_combine_expert_major_cpu(const ExpertMajorCombineParams& p, int64_t max
   raise_if_mailbox_error(mailbox, ep_rank);
   raise_row_status(cpu::check_row_for_combine_expert_major(p, max_num_tokens), ep_rank);
   raise_if_wait_failed(cpu::combine_expert_major(p), p.c.ws);
+  count_exchange(p.c.ws);
 }
 
 at::Tensor combine_expert_major_cpu(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,

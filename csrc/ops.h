@@ -178,6 +178,30 @@ void raise_if_mailbox_error(int64_t mailbox, int64_t ep_rank);
 // thread, how ranks in one process must be driven (a thread each).
 void raise_if_wait_failed(const WaitResult& result, const WorkspaceView& ws);
 
+// ---- exchange counts --------------------------------------------------------
+// How many dispatches and combines each rank has made on each workspace of
+// this process, by (workspace data pointer, rank): the numbers that a
+// differentiable exchange's backward rounds carry as their round tag
+// (torch_moe_a2a/fastpath.py, round_tag_of_last_exchange). Every rank makes
+// the same exchanges in the same order (they are collectives), so the n-th
+// is the same exchange on every rank; counting them here, where every call
+// passes, counts plain and differentiable, eager and compiled calls alike.
+// Thread-safe (simulated ranks are threads of one process); host state only.
+//
+// The CPU and CUDA operators count a dispatch or combine (an expert-major
+// one, the _into forms alike; the expert-major dispatch's build is part of
+// its dispatch) once its checks passed and its work ran (CPU) or was
+// launched (CUDA); CUDA graph replays count nothing. A call refused
+// before it exchanged anything counts nothing, and so does a CPU call whose
+// wait failed (the row stays failed until it is initialized again, where
+// moe_a2a_initialize starts the count again: forget_exchange_count).
+void count_exchange(const WorkspaceView& ws);
+// The count of rank `ep_rank` on the workspace whose data starts at
+// `workspace_data` (0 where it made none since it was forgotten).
+int64_t exchange_count(const void* workspace_data, int64_t ep_rank);
+// Starts that count again.
+void forget_exchange_count(const void* workspace_data, int64_t ep_rank);
+
 // Marks the calling thread as one of SimulatedEP.run's rank threads (which
 // already give each rank a thread), for raise_if_wait_failed's message.
 void mark_simulated_rank_thread();

@@ -3,7 +3,9 @@
 // (the same one the CPU kernels use), raises an error a previous kernel
 // recorded in the host mailbox, and launches on the current stream of the
 // workspace's device. No host-device sync, no allocation besides combine's
-// output (and initialize's mailbox slot).
+// output (and initialize's mailbox slot). Each dispatch and combine counts
+// itself once launched (count_exchange, ops.h); a CUDA graph that captured
+// it replays it without the host, uncounted.
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -141,12 +143,14 @@ void dispatch_cuda(const at::Tensor& token_selected_experts, at::TensorList inpu
   const c10::cuda::CUDAGuard guard(workspace.device());
   C10_CUDA_CHECK(
       gpu::launch_dispatch(p, launch_config(workspace, ep_size, p.sync.timeout_s), c10::cuda::getCurrentCUDAStream()));
+  count_exchange(p.ws);
 }
 
 // Called with the workspace's device current and params.output set.
 void enqueue_combine(const CombineParams& p, const at::Tensor& workspace) {
   C10_CUDA_CHECK(gpu::launch_combine(p, launch_config(workspace, p.ws.ep_size, p.sync.timeout_s),
                                      c10::cuda::getCurrentCUDAStream()));
+  count_exchange(p.ws);
 }
 
 at::Tensor combine_cuda(const std::optional<at::Tensor>& payload, int64_t local_num_tokens, const at::Tensor& workspace,
@@ -224,12 +228,14 @@ void dispatch_expert_major_cuda(const at::Tensor& token_selected_experts, at::Te
   C10_CUDA_CHECK(gpu::launch_dispatch_expert_major(p.dispatch, p.build,
                                                    launch_config(workspace, ep_size, p.dispatch.sync.timeout_s),
                                                    c10::cuda::getCurrentCUDAStream()));
+  count_exchange(p.dispatch.ws);
 }
 
 // Called with the workspace's device current and params.c.output set.
 void enqueue_combine_expert_major(const ExpertMajorCombineParams& p, const at::Tensor& workspace) {
   C10_CUDA_CHECK(gpu::launch_combine_expert_major(p, launch_config(workspace, p.c.ws.ep_size, p.c.sync.timeout_s),
                                                   c10::cuda::getCurrentCUDAStream()));
+  count_exchange(p.c.ws);
 }
 
 at::Tensor combine_expert_major_cuda(const std::optional<at::Tensor>& payload, int64_t local_num_tokens,
