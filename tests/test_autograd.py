@@ -1255,6 +1255,113 @@ def test_a_step_compiled_on_one_rank_and_eager_on_another_trains():
     torch._dynamo.reset()
 
 
+def _round(layout, sim, rank, ids, x, w, num_experts, runtime_max, differentiable):
+    """Rank ``rank``'s dispatch of ``x`` (expert-major: with router weights
+    ``w``) and combine of its received rows times 2, through the
+    differentiable functions or the plain ones: the same exchange on the
+    wire. Returns the combine's output."""
+    tokens, top_k = ids.shape
+    args = (sim.workspace, sim.metainfo[rank])
+    if layout == "rank-major":
+        if differentiable:
+            (rows,), offset, _ = moe_a2a_dispatch_differentiable(ids, [x], *args, runtime_max, rank, sim.ep_size,
+                                                                 top_k, num_experts)
+            return moe_a2a_combine_differentiable(rows * 2, ids, *args, runtime_max, rank, sim.ep_size, top_k,
+                                                  num_experts, offset)
+        (rows,), offset, _ = a2a.moe_a2a_dispatch(ids, [x], *args, runtime_max, rank, sim.ep_size, top_k,
+                                                  num_experts)
+        return a2a.moe_a2a_combine(rows * 2, tokens, *args, runtime_max, rank, sim.ep_size, top_k, offset)
+    if differentiable:
+        d = moe_a2a_dispatch_expert_major_differentiable(ids, [x], *args, runtime_max, rank, sim.ep_size, top_k,
+                                                         num_experts, router_weights=w)
+        return moe_a2a_combine_expert_major_differentiable(d.output_payloads[0] * 2, d, ids, *args, rank, sim.ep_size)
+    d = a2a.moe_a2a_dispatch_expert_major(ids, [x], *args, runtime_max, rank, sim.ep_size, top_k, num_experts,
+                                          router_weights=w)
+    return a2a.moe_a2a_combine_expert_major(d.output_payloads[0] * 2, d, *args, rank, sim.ep_size)
+
+
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+def test_an_evaluation_round_plain_on_one_rank_and_differentiable_on_another_then_training(layout):
+    """Under torch.no_grad() rank 0 evaluates through the differentiable
+    functions and rank 1 through the plain ones, the same exchange on the
+    wire; then both run the same training step. The ops count every
+    dispatch and combine, whichever function made it, so the ranks' counts
+    agree, the training step's backward rounds carry the same round tags on
+    both ranks, and its gradients are the dense model's. Where only the
+    differentiable functions counted, the counts differed from then on and
+    every later backward round failed on every rank ("called another
+    exchange than this rank's backward exchange") until the ranks were
+    initialized again."""
+    ep_size, tokens, top_k, num_experts, hidden = 2, (5, 3), 2, 4, 8
+    dense = dense_model(hidden, num_experts, top_k, seed=85)
+    gen = torch.Generator().manual_seed(85 + (layout == "expert-major"))
+    ids = [reference.random_routing(n, top_k, num_experts, gen) for n in tokens]
+    ws = [torch.rand(n, top_k, generator=gen) for n in tokens]
+    xs = [torch.randn(n, hidden, generator=gen) for n in tokens]
+    targets = [torch.randn(n, hidden, generator=gen) for n in tokens]
+    if layout == "rank-major":
+        sim, parallel = make_sim(ep_size, max(tokens), hidden, top_k, timeout_s=10), ExpertParallel
+    else:
+        sim = make_em_sim(ep_size, max(tokens), hidden, top_k, num_experts, timeout_s=10)
+        parallel = ExpertMajorParallel
+    models = rank_copies(dense, sim, parallel=parallel)
+    x = torch.cat(xs).requires_grad_()
+    ((dense(x) - torch.cat(targets)) ** 2).sum().backward()
+
+    def rank_step(rank):
+        with torch.no_grad():
+            _round(layout, sim, rank, ids[rank], xs[rank], ws[rank], num_experts, max(tokens),
+                   differentiable=rank == 0)
+        x = xs[rank].clone().requires_grad_()
+        ((models[rank](x, max(tokens)) - targets[rank]) ** 2).sum().backward()
+        return x.grad
+
+    x_grads = sim.run(rank_step)
+    _dense_gradients_agree(dense.layers, [m.layers for m in models], x.grad, x_grads)
+
+
+@pytest.mark.parametrize("python_bodies", [False, True], ids=["c_bodies", "python_bodies"])
+@pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
+def test_every_dispatch_and_combine_counts_once_plain_or_differentiable(layout, python_bodies, monkeypatch):
+    """The count behind the round tags (fastpath.round_tag_of_last_exchange,
+    _C.exchange_count) moves by one per dispatch and per combine: by 2 for
+    a round of the plain functions and for one of the differentiable ones
+    under torch.no_grad(), by 6 for a training round (its dispatch and
+    combine, the combine's backward round: a dispatch and a combine, the
+    dispatch's: a dispatch and a combine of the fp32 gradients), whether the
+    rank-major training ops run their C++ bodies or their Python ones; a
+    differentiable node keeps the count its exchange reached. The rank's
+    initialization starts the count again."""
+    if python_bodies:
+        monkeypatch.setattr(a2a_autograd, "direct_call_ok", lambda *tensors: False)
+    tokens, top_k, num_experts, hidden = 5, 2, 4, 8
+    gen = torch.Generator().manual_seed(87)
+    sim = make_sim(1, tokens, hidden, top_k) if layout == "rank-major" else \
+        make_em_sim(1, tokens, hidden, top_k, num_experts)
+    ids = reference.random_routing(tokens, top_k, num_experts, gen)
+    w = torch.rand(tokens, top_k, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+
+    def count():
+        assert fastpath.round_tag_of_last_exchange(sim.workspace, 0) == a2a._C.exchange_count(sim.workspace, 0)
+        return a2a._C.exchange_count(sim.workspace, 0)
+
+    assert count() == 0
+    with torch.no_grad():
+        plain = _round(layout, sim, 0, ids, x, w, num_experts, tokens, differentiable=False)
+        assert count() == 2
+        differentiable = _round(layout, sim, 0, ids, x, w, num_experts, tokens, differentiable=True)
+        assert count() == 4
+    assert torch.equal(plain, differentiable)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = _round(layout, sim, 0, ids, xg, wg, num_experts, tokens, differentiable=True)
+    assert count() == 6 and out.grad_fn is not None
+    out.square().sum().backward()
+    assert count() == 10 and xg.grad is not None
+    sim.reset()
+    assert count() == 0
+
+
 @pytest.mark.parametrize("layout", ["rank-major", "expert-major"])
 def test_repeated_combines_backward_on_every_rank_alike(layout, device):
     """A round of two differentiable combines (the rows times 1.5 and times

@@ -31,8 +31,9 @@ of each plane's gradient), which gives second-order gradients too. A backward is
 whatever runs between two backward calls; it costs one more exchange per
 backward than a bare combine or dispatch would. Its dispatch carries the
 number of the exchange whose backward it is (a round tag: the count of the
-ops' exchanges on the rank, fastpath.note_exchange), which the peers compare
-with its rows' sizes: ranks whose backwards run the rounds of different
+dispatches and combines the rank has made, which the C++ ops keep;
+fastpath.round_tag_of_last_exchange), which the peers compare with its rows'
+sizes: ranks whose backwards run the rounds of different
 exchanges at the same place fail there instead of pairing them.
 
 Eager calls do not go through the dispatcher: a custom op's Python call
@@ -92,7 +93,6 @@ from .fastpath import (
     last_dispatch,
     note_backward_round,
     note_dispatch,
-    note_exchange,
     refuse_combine_after_backward,
     refuse_forward_ad,
     round_tag_of_last_exchange,
@@ -514,7 +514,6 @@ def dispatch_owned(token_selected_experts: Tensor, input_payloads: list[Tensor],
             _dispatch(token_selected_experts, input_payloads, workspace, route, 0)
             planes, counts, _ = _owned_planes(workspace, input_payloads, route)
             received = [*planes, counts.clone()]
-    note_exchange(workspace, ep_rank)
     return received
 
 
@@ -533,7 +532,6 @@ def combine_owned(payload: Tensor, token_selected_experts: Tensor, workspace: Te
                  active_rank_mask, timeout_s, mailbox, enable_pdl)
         with _Unrecorded():
             out = _combine(payload, token_selected_experts.shape[0], workspace, combine_payload_offset, route)
-    note_exchange(workspace, ep_rank)
     return out
 
 
@@ -562,7 +560,6 @@ def dispatch_round(rows: Tensor, token_selected_experts: Tensor, workspace: Tens
             nothing = torch.zeros((ep_size, runtime_max_tokens_per_rank, 1), dtype=torch.float32, device=rows.device)
             _combine(nothing, rows.shape[0], workspace, offset, route)
     note_backward_round(workspace, ep_rank)
-    note_exchange(workspace, ep_rank)
     return plane
 
 
@@ -592,7 +589,6 @@ def combine_round(payloads: list[Tensor], token_selected_experts: Tensor, worksp
             _dispatch(ids, [ids], workspace, route, round_tag)
             sums = [_combine(payload, ids.shape[0], workspace, offset, route) for payload in payloads]
     note_backward_round(workspace, ep_rank)
-    note_exchange(workspace, ep_rank)
     return sums
 
 
@@ -630,8 +626,8 @@ def _(payloads, token_selected_experts, workspace, *route):
 # the backward needs its memory, never its old contents, so no version check
 # applies (the plain functions' exchanges move its version counter). Each node
 # also keeps the round tag of its exchange (fastpath.round_tag_of_last_exchange:
-# the op's body has just counted it), which its backward's rounds carry: the
-# round ops' last argument.
+# the workspace ops that the op's body called have just counted it), which its
+# backward's rounds carry: the round ops' last argument.
 
 _ROUTE_GRADS = (None,) * 10  # the route arguments' gradients
 
@@ -1216,7 +1212,6 @@ def dispatch_em_owned(token_selected_experts: Tensor, input_payloads: list[Tenso
         _, em = _dispatch_em(token_selected_experts, input_payloads, router_weights, workspace,
                              max_tokens_per_expert, route, 0)
         planes, counts, ids, weights = _owned_em(workspace, input_payloads, em, max_tokens_per_expert, route)
-    note_exchange(workspace, ep_rank)
     return [*planes, counts, ids, weights]
 
 
@@ -1250,7 +1245,6 @@ def combine_em_owned(expert_outputs: Tensor, pair_weights: Tensor, expert_counts
         region.copy_(pair_weights)
         out = _combine_em(expert_outputs.contiguous(), token_selected_experts.shape[0], workspace,
                           max_tokens_per_expert, dispatch_end, combine_payload_offset, route)
-    note_exchange(workspace, ep_rank)
     return out
 
 
@@ -1276,7 +1270,6 @@ def dispatch_em_round(rows: Tensor, slot_values: Tensor, token_selected_experts:
         nothing = torch.zeros((_local_experts(route), M, 1), dtype=torch.float32, device=rows.device)
         _combine_em(nothing, rows.shape[0], workspace, M, dispatch_end, em.combine_offset, route)
     note_backward_round(workspace, ep_rank)
-    note_exchange(workspace, ep_rank)
     return [plane, pair_values]
 
 
@@ -1321,7 +1314,6 @@ def combine_em_round(plane: Tensor, pair_values: Tensor, token_selected_experts:
             summed = _combine_em(rows.contiguous(), n, workspace, M, dispatch_end, em.combine_offset, route)
             slots = _combine_em(columns, n, workspace, M, dispatch_end, em.combine_offset, route)
     note_backward_round(workspace, ep_rank)
-    note_exchange(workspace, ep_rank)
     return [summed.reshape(n, *plane.shape[2:]), slots]
 
 

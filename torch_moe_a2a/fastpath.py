@@ -251,54 +251,54 @@ def refuse_combine_after_backward(fn: str, workspace: torch.Tensor, rank: int, t
             f"every combine of a round comes before its backward (loss.backward()); {hint}")
 
 
-# Per (workspace address, rank): how many exchanges the differentiable ops
-# (forward and backward rounds alike, eager or compiled) have made on the
-# rank's row since it was initialized, counted by each op's body once its
-# exchange ran (note_exchange). Every rank makes the same exchanges in the
-# same order (they are collectives), so the n-th is the same exchange on
-# every rank, and its number identifies it: the autograd node of an
+# Round tags. Per (workspace address, rank), the C++ ops count every
+# dispatch and combine the rank makes on its row since it was initialized
+# (csrc/ops.h, count_exchange: plain or differentiable, eager or compiled,
+# forward and backward rounds alike, each counted by the operator's host
+# code once it ran or was launched; a backward round counts as its dispatch
+# and its combines). Every rank makes the same exchanges in the same order
+# (they are collectives), so the n-th is the same exchange on every rank,
+# and its number identifies it: the autograd node of a differentiable
 # exchange keeps it (round_tag_of_last_exchange), and its backward rounds
 # carry it as their round tag, which the dispatch writes beside its
-# signature for its peers to compare. Ranks whose backwards run the rounds of different
-# exchanges at the same place then fail there, where their rows' sizes
-# alone paired them (wrong gradients, no error). Exchanges are counted
-# whether or not they get a backward: which ones do follows from
+# signature for its peers to compare. Ranks whose backwards run the rounds
+# of different exchanges at the same place then fail there, where their
+# rows' sizes alone paired them (wrong gradients, no error). Exchanges are
+# counted whether or not they get a backward: which ones do follows from
 # requires_grad, which may differ between ranks where no backward depends
-# on it (a gradient that is None on one rank only, under create_graph).
+# on it (a gradient that is None on one rank only, under create_graph), and
+# whichever function made them: one rank may make an exchange with the plain
+# functions where another makes it with the differentiable ones (under
+# torch.no_grad(), the same exchange), and a frame may run compiled on one
+# rank and eagerly on another (Dynamo's recompile limit), where a plain
+# call runs as the C++ op without this module. A CUDA graph's replays count
+# nothing (the host does not run them; every rank replays the same graphs).
 # Initialization starts the count again (forget_round_tags): it is
 # collective, so a rank that missed calls (masked off) or a workspace new at
 # a freed one's address starts where its peers do.
-_EXCHANGE_COUNTS: dict[tuple[int, int], int] = {}
+
 # The round tag of a backward round whose exchange is not known (a traced
 # one's): it pairs with the backward round of any exchange (protocol.h,
 # kRoundTagAny), never with a call that is no backward round (tag 0).
 ROUND_TAG_ANY = -1
 
 
-def note_exchange(workspace: torch.Tensor, rank: int) -> None:
-    """Counts an exchange of a differentiable op on ``rank``'s row of
-    ``workspace``, made (its body's last step: a call refused before it
-    exchanged anything, which the rank may make again, counts nothing).
-    A host counter: no device access."""
-    key = (workspace.data_ptr(), rank)
-    _EXCHANGE_COUNTS[key] = _EXCHANGE_COUNTS.get(key, 0) + 1
-
-
 def round_tag_of_last_exchange(workspace: torch.Tensor, rank: int) -> int:
     """The round tag of the autograd node of the exchange that a
     differentiable op's body has just made on ``rank``'s row of
-    ``workspace`` (the node's ``setup_context``): the exchange's number, 1,
-    2, ... (:data:`_EXCHANGE_COUNTS`), which the node's backward rounds
-    carry. :data:`ROUND_TAG_ANY` where the node is traced (torch.compile; a
-    fake or functional workspace: make_fx, AOTAutograd): a number read while
-    tracing would be a constant of the graph. Such a round pairs with the
-    backward round of any exchange (protocol.h, round_tags_differ), so a
-    compiled backward's round pairs with an eager one of the same exchange
-    (a frame that Dynamo compiled on one rank and runs eagerly on another,
-    past its recompile limit) by its rows' sizes."""
+    ``workspace`` (the node's ``setup_context``): the number of the rank's
+    last dispatch or combine there, 1, 2, ... (``_C.exchange_count``), which
+    the node's backward rounds carry. :data:`ROUND_TAG_ANY` where the node is
+    traced (torch.compile; a fake or functional workspace: make_fx,
+    AOTAutograd): a number read while tracing would be a constant of the
+    graph. Such a round pairs with the backward round of any exchange
+    (protocol.h, round_tags_differ), so a compiled backward's round pairs
+    with an eager one of the same exchange (a frame that Dynamo compiled on
+    one rank and runs eagerly on another, past its recompile limit) by its
+    rows' sizes. A host counter: no device access."""
     if torch.compiler.is_compiling() or not _real(workspace):
         return ROUND_TAG_ANY
-    return _EXCHANGE_COUNTS.get((workspace.data_ptr(), rank), 0)
+    return _C.exchange_count(workspace, rank)
 
 
 def forget_round_tags(workspace: torch.Tensor, rank: int) -> None:
@@ -306,7 +306,7 @@ def forget_round_tags(workspace: torch.Tensor, rank: int) -> None:
     tags from 1): its row is initialized (every rank's is, before their next
     exchange)."""
     if _real(workspace):
-        _EXCHANGE_COUNTS.pop((workspace.data_ptr(), rank), None)
+        _C.forget_exchange_count(workspace, rank)
 
 
 def _real(workspace: torch.Tensor) -> bool:
