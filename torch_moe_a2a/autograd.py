@@ -777,9 +777,9 @@ def _refuse_inference_tensors(fn: str, **saved: Optional[Tensor]) -> None:
     backward but cannot: inference tensors (made under
     ``torch.inference_mode()``). Autograd refuses them only once the op has
     run, its exchange made: the rank's round would stay open, and its next
-    call fail on every rank. Checked before anything runs instead. Not where
-    the call is traced: a traced frame's inputs are checked by its eager
-    run's autograd, and the check would cost the graph a guard per tensor."""
+    call fail on every rank. Checked before anything runs instead; an eager
+    check, as the other host checks of these calls (not while
+    ``torch.compile`` traces)."""
     if torch.compiler.is_compiling():
         return
     for name, t in saved.items():
@@ -1645,7 +1645,7 @@ def _combine_expert_major_differentiable(fn: str, expert_outputs: Tensor, dispat
                        needs_backward)
     pair_weights = weights.to(torch.float32).contiguous()
     if needs_backward:
-        # What the node saves: the outputs require grad, so they are none.
+        # What the node saves beside the outputs (which require grad, so no inference tensors).
         _refuse_inference_tensors(fn, token_selected_experts=token_selected_experts,
                                   router_weights=pair_weights, expert_counts=d.expert_counts)
         # The backward (dispatch_em_round): the gradient's rows beside the ids
