@@ -776,12 +776,20 @@ def test_expert_ids_of_another_width_on_a_peer_are_reported(device):
             return str(e)
         return None
 
-    first = sim.run(round_of_calls)
+    _assert_every_rank_failed(sim, sim.run(round_of_calls),
+                              r"called dispatch with other payloads than this rank's .* expert ids of another width",
+                              device)
+
+
+def _assert_every_rank_failed(sim, errors, message, device):
+    """Each rank's round of calls failed with ``message``: on the CPU its
+    call raised it (``errors[r]``, the text of what it raised, None where
+    nothing); on CUDA the device recorded it. The workspace holds the
+    record either way (check_errors)."""
     _wait_for_device(device)
-    message = r"called dispatch with other payloads than this rank's .* expert ids of another width"
-    for r in range(ep):
+    for r, error in enumerate(errors):
         if device == "cpu":
-            assert first[r] is not None and re.search(message, first[r]), f"rank {r}: {first[r]}"
+            assert error is not None and re.search(message, error), f"rank {r}: {error}"
     with pytest.raises(RuntimeError, match=message):
         a2a.check_errors(sim.workspace)
 
@@ -826,17 +834,12 @@ def test_round_tags_pair_the_rounds_of_one_exchange(tags, pair, device):
         return None
 
     got = sim.run(round_of_calls)
-    _wait_for_device(device)
     if pair:
+        _wait_for_device(device)
         assert got == [None, None]
         a2a.check_errors(sim.workspace)
         return
-    message = r"called another exchange than this rank's backward exchange"
-    for r in range(ep):
-        if device == "cpu":
-            assert got[r] is not None and re.search(message, got[r]), f"rank {r}: {got[r]}"
-    with pytest.raises(RuntimeError, match=message):
-        a2a.check_errors(sim.workspace)
+    _assert_every_rank_failed(sim, got, r"called another exchange than this rank's backward exchange", device)
 
 
 def test_a_round_tag_below_minus_one_is_refused():
